@@ -1,0 +1,396 @@
+// Package bindings is the Python-facing API of gpumempool, wrapped by gopy
+// into the extension module gpumempool._core. Its functions take and return
+// only plain values (integer handles, sizes, JSON strings) because gopy maps
+// those reliably; the typed Python API is built on top in gpumempool/.
+//
+// Every function recovers Go panics into errors: a panic must never abort
+// the Python process. Error messages start with the name of the Python
+// exception the package raises for them ("ValueError: ..."), see errorKind.
+package bindings
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	// The C ABI lives in the same .so: importing it links its //export
+	// functions into the extension.
+	_ "github.com/gpumempool/gpumempool/bindings/cabi"
+	"github.com/gpumempool/gpumempool/bindings/registry"
+	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/callback"
+	"github.com/gpumempool/gpumempool/gocore/nvmldev"
+)
+
+// Version returns the engine version.
+func Version() string { return "0.1.0" }
+
+// NumSlots returns how many pools can expose C entry points at once.
+func NumSlots() int64 { return registry.NumSlots }
+
+// simOptions mirrors gocore.SimConfig for JSON.
+type simOptions struct {
+	Devices        int     `json:"devices"`
+	Capacity       uint64  `json:"capacity"`
+	Alignment      uint64  `json:"alignment"`
+	LatencyNS      int64   `json:"latency_ns"`
+	FailOnNthAlloc int     `json:"fail_on_nth_alloc"`
+	FailRate       float64 `json:"fail_rate"`
+	Seed           int64   `json:"seed"`
+	FreeFailRate   float64 `json:"free_fail_rate"`
+	ManualEvents   bool    `json:"manual_events"`
+}
+
+// poolOptions is the JSON accepted by NewPool.
+type poolOptions struct {
+	Backend          string      `json:"backend"`
+	Name             string      `json:"name"`
+	Limit            uint64      `json:"limit"`
+	MaxSplitSize     uint64      `json:"max_split_size"`
+	ReleaseThreshold uint64      `json:"release_threshold"`
+	Sim              *simOptions `json:"sim"`
+	AllocFn          uint64      `json:"alloc_fn"`
+	FreeFn           uint64      `json:"free_fn"`
+	Devices          int         `json:"devices"`
+	Alignment        uint64      `json:"alignment"`
+}
+
+// Backends lists the backend names NewPool accepts.
+func Backends() string { return strings.Join(backendNames, ",") }
+
+var backendNames = []string{"sim", "callback"}
+
+var (
+	defaultSimOnce sync.Once
+	defaultSim     *gocore.SimBackend
+	defaultSimErr  error
+)
+
+// sharedSim is the process-wide simulated device that pools created with
+// backend "sim" and no sim options share, as pools share a real GPU.
+func sharedSim() (*gocore.SimBackend, error) {
+	defaultSimOnce.Do(func() { defaultSim, defaultSimErr = gocore.NewSimBackend(gocore.SimConfig{}) })
+	return defaultSim, defaultSimErr
+}
+
+// NewPool creates a pool from a JSON object of options and returns its
+// handle.
+func NewPool(optionsJSON string) (id int64, err error) {
+	defer guard(&err)
+	dec := json.NewDecoder(strings.NewReader(optionsJSON))
+	dec.DisallowUnknownFields()
+	var o poolOptions
+	if err := dec.Decode(&o); err != nil {
+		return 0, fmt.Errorf("pool options: %v: %w", err, gocore.ErrInvalidArgument)
+	}
+	var be gocore.Backend
+	var sim *gocore.SimBackend
+	switch o.Backend {
+	case "sim", "":
+		if o.Sim == nil {
+			sim, err = sharedSim()
+		} else {
+			s := o.Sim
+			sim, err = gocore.NewSimBackend(gocore.SimConfig{
+				Devices: s.Devices, Capacity: s.Capacity, Alignment: s.Alignment,
+				Latency: time.Duration(s.LatencyNS), FailOnNthAlloc: s.FailOnNthAlloc, FailRate: s.FailRate,
+				Seed: s.Seed, FreeFailRate: s.FreeFailRate, ManualEvents: s.ManualEvents,
+			})
+			if err != nil {
+				err = fmt.Errorf("%v: %w", err, gocore.ErrInvalidArgument)
+			}
+		}
+		be = sim
+	case "callback":
+		be, err = callback.New(callback.Config{Alloc: uintptr(o.AllocFn), Free: uintptr(o.FreeFn),
+			Name: o.Name, Devices: o.Devices, Alignment: o.Alignment})
+	default:
+		return 0, fmt.Errorf("unknown backend %q (valid: %s): %w", o.Backend, Backends(), gocore.ErrInvalidArgument)
+	}
+	if err != nil {
+		return 0, err
+	}
+	p, err := gocore.NewPool(gocore.Config{Name: o.Name, Backend: be, Limit: o.Limit,
+		MaxSplitSize: o.MaxSplitSize, ReleaseThreshold: o.ReleaseThreshold})
+	if err != nil {
+		return 0, err
+	}
+	return registry.Add(p, sim, be).ID, nil
+}
+
+func entry(id int64) (*registry.Entry, error) { return registry.Get(id) }
+
+// PoolAlloc allocates size bytes on device for stream; it returns the address.
+func PoolAlloc(id, size, device int64, stream uint64) (addr uint64, err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return 0, err
+	}
+	if size <= 0 {
+		return 0, fmt.Errorf("alloc of %d bytes: size must be positive: %w", size, gocore.ErrInvalidSize)
+	}
+	if device < 0 || device > 1<<20 {
+		return 0, fmt.Errorf("alloc on device %d: %w", device, gocore.ErrInvalidDevice)
+	}
+	return e.Pool.Alloc(uint64(size), int(device), gocore.Stream(stream))
+}
+
+// PoolFree frees the block at addr.
+func PoolFree(id int64, addr uint64) (err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return err
+	}
+	return e.Pool.Free(addr)
+}
+
+// PoolRecordStream marks the block at addr as used on stream.
+func PoolRecordStream(id int64, addr, stream uint64) (err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return err
+	}
+	return e.Pool.RecordStream(addr, gocore.Stream(stream))
+}
+
+// PoolProcessEvents frees blocks whose events completed; it returns how many
+// frees still wait.
+func PoolProcessEvents(id int64) (waiting int64, err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return 0, err
+	}
+	n, err := e.Pool.ProcessEvents()
+	return int64(n), err
+}
+
+// PoolStats returns the stats of device (all devices when < 0) as JSON with
+// torch's key names.
+func PoolStats(id, device int64) (js string, err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return "", err
+	}
+	s, err := e.Pool.Stats(int(device))
+	if err != nil {
+		return "", err
+	}
+	return marshal(s.ToMap())
+}
+
+// PoolEmptyCache releases every wholly free segment; it returns the bytes
+// released.
+func PoolEmptyCache(id int64) (released uint64, err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return 0, err
+	}
+	return e.Pool.EmptyCache()
+}
+
+// PoolTrim keeps at most keep unused bytes cached on device (all when < 0).
+func PoolTrim(id, device int64, keep uint64) (released uint64, err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return 0, err
+	}
+	return e.Pool.Trim(int(device), keep)
+}
+
+// PoolSetLimit sets the per-device byte limit (0: none).
+func PoolSetLimit(id int64, limit uint64) (err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return err
+	}
+	return e.Pool.SetLimit(limit)
+}
+
+// PoolSetReleaseThreshold sets the release threshold (0: unlimited).
+func PoolSetReleaseThreshold(id int64, bytes uint64) (err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return err
+	}
+	return e.Pool.SetReleaseThreshold(bytes)
+}
+
+// PoolConfig returns the pool's name, backend and options as JSON.
+func PoolConfig(id int64) (js string, err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return "", err
+	}
+	c := e.Pool.Config()
+	return marshal(map[string]any{"name": c.Name, "backend": c.Backend.Name(), "limit": c.Limit,
+		"max_split_size": c.MaxSplitSize, "release_threshold": c.ReleaseThreshold,
+		"devices": c.Backend.Devices(), "alignment": c.Backend.Alignment(), "slot": e.Slot()})
+}
+
+// PoolCheck verifies the pool's invariants (see gocore.Pool.CheckInvariants).
+func PoolCheck(id int64) (err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return err
+	}
+	return e.Pool.CheckInvariants()
+}
+
+// PoolClose closes the pool and forgets its handle; it returns the close
+// report as JSON (live blocks, bytes freed).
+func PoolClose(id int64) (js string, err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return "", err
+	}
+	registry.Remove(id)
+	rep, err := e.Pool.Close()
+	if rep.LiveBlocks == nil {
+		rep.LiveBlocks = []gocore.LiveBlock{}
+	}
+	out, merr := marshal(map[string]any{"live_blocks": rep.LiveBlocks, "live_bytes": rep.LiveBytes,
+		"segments_freed": rep.SegmentsFreed, "bytes_freed": rep.BytesFreed})
+	return out, errors.Join(err, merr)
+}
+
+// PoolSymbols gives the pool a C slot and returns the names of its torch
+// pluggable-allocator functions as "alloc_name,free_name".
+func PoolSymbols(id int64) (names string, err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return "", err
+	}
+	slot, err := registry.AssignSlot(e)
+	if err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("gmp_alloc_%d,gmp_free_%d", slot, slot), nil
+}
+
+// PoolTakeError returns and clears the last error a C call on this pool
+// recorded ("" when none). Handle 0 reads errors of calls no pool owned.
+func PoolTakeError(id int64) (msg string, err error) {
+	defer guard(&err)
+	if id == 0 {
+		return registry.TakeOrphanError(), nil
+	}
+	e, err := entry(id)
+	if err != nil {
+		return "", err
+	}
+	return e.TakeError(), nil
+}
+
+// DebugPanicNext makes the pool's next C-ABI call panic inside Go (fault
+// injection for tests: the call must return NULL and record the panic).
+func DebugPanicNext(id int64) (err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return err
+	}
+	e.PanicNext.Store(true)
+	return nil
+}
+
+// ListPools returns the open pools' handles and names as JSON.
+func ListPools() (js string, err error) {
+	defer guard(&err)
+	var out []map[string]any
+	for _, e := range registry.All() {
+		out = append(out, map[string]any{"id": e.ID, "name": e.Pool.Name(), "backend": e.Pool.Backend().Name()})
+	}
+	if out == nil {
+		out = []map[string]any{}
+	}
+	return marshal(out)
+}
+
+func simOf(id int64) (*gocore.SimBackend, error) {
+	e, err := entry(id)
+	if err != nil {
+		return nil, err
+	}
+	if e.Sim == nil {
+		return nil, fmt.Errorf("pool %q uses the %s backend, not sim: %w", e.Pool.Name(), e.Pool.Backend().Name(), gocore.ErrInvalidArgument)
+	}
+	return e.Sim, nil
+}
+
+// SimCompleteStream completes the work queued so far on stream (all streams
+// when all is true) of the pool's simulated device.
+func SimCompleteStream(id int64, stream uint64, all bool) (err error) {
+	defer guard(&err)
+	s, err := simOf(id)
+	if err != nil {
+		return err
+	}
+	if all {
+		s.CompleteAll()
+	} else {
+		s.CompleteStream(gocore.Stream(stream))
+	}
+	return nil
+}
+
+// SimSetManualEvents switches the simulated device between events that
+// complete at once (false) and on SimCompleteStream only (true).
+func SimSetManualEvents(id int64, manual bool) (err error) {
+	defer guard(&err)
+	s, err := simOf(id)
+	if err != nil {
+		return err
+	}
+	s.SetManualEvents(manual)
+	return nil
+}
+
+// SimStats returns the simulated device's counters as JSON.
+func SimStats(id int64) (js string, err error) {
+	defer guard(&err)
+	s, err := simOf(id)
+	if err != nil {
+		return "", err
+	}
+	st := s.Stats()
+	return marshal(map[string]any{"allocs": st.Allocs, "frees": st.Frees, "failed_allocs": st.FailedAllocs,
+		"failed_frees": st.FailedFrees, "live_segments": st.LiveSegments, "live_bytes": st.LiveBytes,
+		"events_created": st.EventsCreated, "live_events": st.LiveEvents})
+}
+
+// Devices lists the machine's NVIDIA devices as JSON
+// {"devices": [...], "reason": ""}; without a driver the list is empty and
+// reason says why.
+func Devices() (js string, err error) {
+	defer guard(&err)
+	infos, lerr := nvmldev.ListSystem()
+	reason := ""
+	if lerr != nil {
+		reason = lerr.Error()
+	}
+	if infos == nil {
+		infos = []nvmldev.Info{}
+	}
+	return marshal(map[string]any{"devices": infos, "reason": reason})
+}
+
+func marshal(v any) (string, error) {
+	b, err := json.Marshal(v)
+	return string(b), err
+}

@@ -1,0 +1,91 @@
+package bindings
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestPoolLifecycleThroughHandles(t *testing.T) {
+	id, err := NewPool(`{"backend":"sim","name":"t","sim":{"devices":2,"capacity":67108864}}`)
+	require.NoError(t, err)
+	a, err := PoolAlloc(id, 1000, 1, 5)
+	require.NoError(t, err)
+	js, err := PoolStats(id, 1)
+	require.NoError(t, err)
+	var m map[string]int64
+	require.NoError(t, json.Unmarshal([]byte(js), &m))
+	assert.EqualValues(t, 1024, m["allocated_bytes.all.current"])
+	assert.EqualValues(t, 1000, m["requested_bytes.all.current"])
+	names, err := PoolSymbols(id)
+	require.NoError(t, err)
+	again, err := PoolSymbols(id)
+	require.NoError(t, err)
+	assert.Equal(t, names, again)
+	assert.Regexp(t, `^gmp_alloc_\d+,gmp_free_\d+$`, names)
+	require.NoError(t, PoolFree(id, a))
+	err = PoolFree(id, a)
+	require.Error(t, err)
+	assert.True(t, strings.HasPrefix(err.Error(), "DoubleFreeError: "), err.Error())
+	rep, err := PoolClose(id)
+	require.NoError(t, err)
+	assert.Contains(t, rep, `"live_bytes":0`)
+	_, err = PoolAlloc(id, 1, 0, 0)
+	assert.True(t, strings.HasPrefix(err.Error(), "PoolClosedError: "), err.Error())
+}
+
+func TestErrorKinds(t *testing.T) {
+	cases := map[string]string{
+		`{"backend":"cuda9"}`:                     "ValueError: unknown backend",
+		`{"backend":"sim","bogus":1}`:             "ValueError: pool options",
+		`{"backend":"sim","sim":{"fail_rate":2}}`: "ValueError: ",
+		`{"backend":"callback"}`:                  "ValueError: callback backend",
+		`{"backend":"sim","max_split_size":5}`:    "ValueError: new pool",
+		`not json`:                                "ValueError: pool options",
+	}
+	for in, want := range cases {
+		_, err := NewPool(in)
+		require.Error(t, err, in)
+		assert.True(t, strings.HasPrefix(err.Error(), want), "%s -> %s", in, err)
+	}
+	id, err := NewPool(`{"sim":{"capacity":4194304},"limit":2097152}`)
+	require.NoError(t, err)
+	_, err = PoolAlloc(id, 3<<20, 0, 0)
+	assert.True(t, strings.HasPrefix(err.Error(), "OutOfMemoryError: "), err.Error())
+	_, err = PoolAlloc(id, 0, 0, 0)
+	assert.True(t, strings.HasPrefix(err.Error(), "ValueError: "), err.Error())
+	_, err = PoolAlloc(id, 1, 3, 0)
+	assert.True(t, strings.HasPrefix(err.Error(), "ValueError: "), err.Error())
+	err = PoolFree(id, 42)
+	assert.True(t, strings.HasPrefix(err.Error(), "InvalidPointerError: "), err.Error())
+	_, err = PoolClose(id)
+	require.NoError(t, err)
+}
+
+func TestGuardRecoversPanics(t *testing.T) {
+	f := func() (err error) {
+		defer guard(&err)
+		var m map[string]int
+		m["x"] = 1 // nil map write panics
+		return nil
+	}
+	err := f()
+	require.Error(t, err)
+	assert.True(t, strings.HasPrefix(err.Error(), "RuntimeError: gpumempool internal error (Go panic recovered)"), err.Error())
+}
+
+func TestDevicesWithoutDriverIsNotAnError(t *testing.T) {
+	js, err := Devices()
+	require.NoError(t, err)
+	var out struct {
+		Devices []map[string]any `json:"devices"`
+		Reason  string           `json:"reason"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(js), &out))
+	if len(out.Devices) == 0 {
+		assert.Contains(t, out.Reason, "NVML")
+	}
+}

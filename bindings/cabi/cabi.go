@@ -1,0 +1,139 @@
+// Package cabi exports gpumempool's C ABI from the same shared library as the
+// Python extension (one Go runtime per process). Torch's
+// CUDAPluggableAllocator dlopens that library and looks the functions up by
+// name:
+//
+//	void* gmp_alloc_<i>(size_t size, int device, cudaStream_t stream);
+//	void  gmp_free_<i>(void* ptr, size_t size, int device, cudaStream_t stream);
+//
+// Slot i (0 <= i < registry.NumSlots) routes to whichever pool holds it, so
+// several pools can be plugged in at once, each through its own pair. Plain C
+// callers may also use gmp_pool_alloc / gmp_pool_free with a pool handle, and
+// gmp_last_error to read why a call returned NULL or -1.
+//
+// Every entry point recovers Go panics: a panic becomes a NULL return (or -1)
+// and an error message kept for Python, never a crash of the host process.
+package cabi
+
+/*
+#include <stddef.h>
+#include <stdint.h>
+*/
+import "C"
+
+import (
+	"fmt"
+	"unsafe"
+
+	"github.com/gpumempool/gpumempool/bindings/registry"
+	"github.com/gpumempool/gpumempool/gocore"
+)
+
+//go:generate go run gen_slots.go
+
+// ptrOf turns a device address into a C pointer without a uintptr ->
+// unsafe.Pointer conversion (the address is not Go memory).
+func ptrOf(addr uint64) unsafe.Pointer {
+	return *(*unsafe.Pointer)(unsafe.Pointer(&addr))
+}
+
+func entryAlloc(e *registry.Entry, where string, size C.size_t, device C.int, stream unsafe.Pointer) (ret unsafe.Pointer) {
+	defer func() {
+		if r := recover(); r != nil {
+			e.SetError(fmt.Sprintf("%s: Go panic recovered: %v", where, r))
+			ret = nil
+		}
+	}()
+	if e.PanicNext.Swap(false) {
+		panic("injected by PanicNext")
+	}
+	addr, err := e.Pool.Alloc(uint64(size), int(device), gocore.Stream(uintptr(stream)))
+	if err != nil {
+		e.SetError(where + ": " + err.Error())
+		return nil
+	}
+	return ptrOf(addr)
+}
+
+func entryFree(e *registry.Entry, where string, ptr unsafe.Pointer) (rc C.int) {
+	defer func() {
+		if r := recover(); r != nil {
+			e.SetError(fmt.Sprintf("%s: Go panic recovered: %v", where, r))
+			rc = -1
+		}
+	}()
+	if e.PanicNext.Swap(false) {
+		panic("injected by PanicNext")
+	}
+	if err := e.Pool.Free(uint64(uintptr(ptr))); err != nil {
+		e.SetError(where + ": " + err.Error())
+		return -1
+	}
+	return 0
+}
+
+func slotAlloc(slot int, size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+	e := registry.BySlot(slot)
+	if e == nil {
+		registry.SetOrphanError(fmt.Sprintf("gmp_alloc_%d: no pool holds this slot (closed?)", slot))
+		return nil
+	}
+	return entryAlloc(e, "gmp_alloc", size, device, stream)
+}
+
+func slotFree(slot int, ptr unsafe.Pointer) {
+	e := registry.BySlot(slot)
+	if e == nil {
+		registry.SetOrphanError(fmt.Sprintf("gmp_free_%d(%p): no pool holds this slot (closed?)", slot, ptr))
+		return
+	}
+	entryFree(e, "gmp_free", ptr)
+}
+
+// gmp_pool_alloc allocates from the pool with handle pool; NULL on error.
+//
+//export gmp_pool_alloc
+func gmp_pool_alloc(pool C.int64_t, size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+	e, err := registry.Get(int64(pool))
+	if err != nil {
+		registry.SetOrphanError("gmp_pool_alloc: " + err.Error())
+		return nil
+	}
+	return entryAlloc(e, "gmp_pool_alloc", size, device, stream)
+}
+
+// gmp_pool_free frees ptr in the pool with handle pool; 0 on success, -1 on
+// error (see gmp_last_error).
+//
+//export gmp_pool_free
+func gmp_pool_free(pool C.int64_t, ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) C.int {
+	e, err := registry.Get(int64(pool))
+	if err != nil {
+		registry.SetOrphanError("gmp_pool_free: " + err.Error())
+		return -1
+	}
+	return entryFree(e, "gmp_pool_free", ptr)
+}
+
+// gmp_last_error copies the last error of pool (or, for pool 0, of calls no
+// pool owned) into buf as a NUL-terminated string, clears it, and returns its
+// full length (0 when there was none). Like snprintf, it writes at most n
+// bytes.
+//
+//export gmp_last_error
+func gmp_last_error(pool C.int64_t, buf *C.char, n C.size_t) C.size_t {
+	var msg string
+	if pool == 0 {
+		msg = registry.TakeOrphanError()
+	} else if e, err := registry.Get(int64(pool)); err == nil {
+		msg = e.TakeError()
+	} else {
+		msg = err.Error()
+	}
+	if buf != nil && n > 0 {
+		dst := unsafe.Slice((*byte)(unsafe.Pointer(buf)), int(n))
+		k := copy(dst[:len(dst)-1], msg)
+		dst[k] = 0
+	}
+	return C.size_t(len(msg))
+}

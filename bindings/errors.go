@@ -1,0 +1,51 @@
+package bindings
+
+import (
+	"errors"
+	"fmt"
+	"runtime/debug"
+
+	"github.com/gpumempool/gpumempool/bindings/registry"
+	"github.com/gpumempool/gpumempool/gocore"
+)
+
+// errorKind names the Python exception for err. gopy raises every Go error
+// as RuntimeError with the error's text; the Python layer reads this prefix
+// to raise the right subclass.
+func errorKind(err error) string {
+	switch {
+	case errors.Is(err, gocore.ErrOutOfMemory):
+		return "OutOfMemoryError"
+	case errors.Is(err, gocore.ErrDoubleFree):
+		return "DoubleFreeError"
+	case errors.Is(err, gocore.ErrUnknownPointer):
+		return "InvalidPointerError"
+	case errors.Is(err, gocore.ErrClosed), errors.Is(err, registry.ErrNoSuchPool):
+		return "PoolClosedError"
+	case errors.Is(err, gocore.ErrInvalidSize), errors.Is(err, gocore.ErrInvalidDevice),
+		errors.Is(err, gocore.ErrInvalidArgument):
+		return "ValueError"
+	default:
+		return "RuntimeError"
+	}
+}
+
+// kindError carries the Python exception name in front of the message.
+type kindError struct{ err error }
+
+func (k kindError) Error() string { return errorKind(k.err) + ": " + k.err.Error() }
+func (k kindError) Unwrap() error { return k.err }
+
+// guard turns a panic into an error and prefixes every error with its kind.
+// Deferred by every exported function.
+func guard(err *error) {
+	if r := recover(); r != nil {
+		*err = fmt.Errorf("gpumempool internal error (Go panic recovered): %v\n%s", r, debug.Stack())
+	}
+	if *err != nil {
+		var k kindError
+		if !errors.As(*err, &k) {
+			*err = kindError{*err}
+		}
+	}
+}

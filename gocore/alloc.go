@@ -1,0 +1,164 @@
+package gocore
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Alloc returns the address of a block of at least size bytes on device dev,
+// for work ordered on stream. It reuses a cached block of that stream when one
+// fits (best fit by size, then address), else obtains a new segment from the
+// backend; if that fails for lack of memory it releases the pool's cached
+// segments and retries once before returning an *OutOfMemoryError.
+func (p *Pool) Alloc(size uint64, dev int, stream Stream) (uint64, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return 0, fmt.Errorf("alloc %d bytes from pool %q: %w", size, p.name, ErrClosed)
+	}
+	if size == 0 || size > MaxRequest {
+		return 0, fmt.Errorf("alloc %d bytes from pool %q: size must be in [1, %d]: %w",
+			size, p.name, uint64(MaxRequest), ErrInvalidSize)
+	}
+	d, err := p.device(dev)
+	if err != nil {
+		return 0, fmt.Errorf("alloc %d bytes: %w", size, err)
+	}
+	if len(d.pending) > 0 {
+		p.processEventsLocked(d)
+	}
+	rounded := roundSize(size)
+	kind := kindOf(rounded)
+	f := d.freeList(stream)
+	var b *block
+	if kind == kindSmall {
+		b = f.small.bestFit(rounded)
+	} else {
+		b = f.bestFitLarge(rounded, p.cfg.MaxSplitSize)
+	}
+	if b != nil {
+		d.removeFree(f, b)
+		d.stats.NumCacheHits++
+	} else {
+		if b, err = p.newSegmentBlock(d, size, rounded, kind, stream); err != nil {
+			return 0, err
+		}
+	}
+	if p.shouldSplit(b, rounded) {
+		rest := p.newBlock()
+		*rest = block{seg: b.seg, addr: b.addr + rounded, size: b.size - rounded,
+			prev: b, next: b.next, heapIdx: -1, streamUses: rest.streamUses[:0]}
+		if b.next != nil {
+			b.next.prev = rest
+		}
+		b.next = rest
+		b.size = rounded
+		d.insertFree(f, rest)
+	}
+	b.allocated = true
+	b.requested = size
+	p.allocated[b.addr] = b
+	st := &d.stats
+	st.Allocation.add(kind, 1)
+	st.AllocatedBytes.add(kind, int64(b.size))
+	st.Active.add(kind, 1)
+	st.ActiveBytes.add(kind, int64(b.size))
+	st.RequestedBytes.add(kind, int64(size))
+	if p.isOversize(b.size) {
+		st.OversizeAllocations.add(1)
+	}
+	return b.addr, nil
+}
+
+func (p *Pool) isOversize(size uint64) bool {
+	return p.cfg.MaxSplitSize != 0 && size >= p.cfg.MaxSplitSize
+}
+
+// shouldSplit keeps the remainder as a free block when it is worth keeping:
+// any remainder in the small pool; in the large pool a remainder of more
+// than SmallSize, and never for requests of MaxSplitSize or more (torch's rule).
+func (p *Pool) shouldSplit(b *block, rounded uint64) bool {
+	rest := b.size - rounded
+	if b.seg.kind == kindSmall {
+		return rest >= MinBlockSize
+	}
+	return rest > SmallSize && (p.cfg.MaxSplitSize == 0 || rounded < p.cfg.MaxSplitSize)
+}
+
+// newSegmentBlock obtains a segment for a request that no cached block can
+// serve, with the release-and-retry OOM path, and returns it as one block.
+func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKind, stream Stream) (*block, error) {
+	segSize := segmentSize(rounded)
+	addr, err := p.backendAlloc(d, segSize, stream)
+	if err != nil && errors.Is(err, ErrBackendOutOfMemory) {
+		d.stats.NumAllocRetries++
+		// Events may have completed since; then everything cached can go.
+		p.processEventsLocked(d)
+		p.releaseCachedLocked(d, 0)
+		addr, err = p.backendAlloc(d, segSize, stream)
+	}
+	if err != nil {
+		if !errors.Is(err, ErrBackendOutOfMemory) {
+			return nil, fmt.Errorf("pool %q: alloc %d-byte segment on device %d from %s backend: %w",
+				p.name, segSize, d.id, p.backend.Name(), err)
+		}
+		d.stats.NumOOMs++
+		oom := &OutOfMemoryError{
+			Pool: p.name, Backend: p.backend.Name(), Device: d.id, Requested: size, Segment: segSize,
+			Allocated: uint64(d.stats.AllocatedBytes[0].Current),
+			Reserved:  uint64(d.stats.ReservedBytes[0].Current),
+			Limit:     p.cfg.Limit,
+		}
+		if !errors.Is(err, errLimit) {
+			oom.Cause = err
+		}
+		if total, free, cerr := p.backend.Capacity(d.id); cerr == nil {
+			oom.DeviceTotal, oom.DeviceFree = total, free
+		}
+		return nil, oom
+	}
+	seg := &segment{device: d.id, addr: addr, size: segSize, stream: stream, kind: kind}
+	b := &block{seg: seg, addr: addr, size: segSize, heapIdx: -1}
+	seg.first = b
+	d.segments[addr] = seg
+	d.stats.NumDeviceAlloc++
+	d.stats.Segment.add(kind, 1)
+	d.stats.ReservedBytes.add(kind, int64(segSize))
+	if p.isOversize(segSize) {
+		d.stats.OversizeSegments.add(1)
+	}
+	return b, nil
+}
+
+// errLimit marks an allocation refused by the pool's own limit; it wraps
+// ErrBackendOutOfMemory so that it takes the same release-and-retry path.
+var errLimit = fmt.Errorf("pool limit reached: %w", ErrBackendOutOfMemory)
+
+func (p *Pool) backendAlloc(d *deviceState, size uint64, stream Stream) (uint64, error) {
+	if p.cfg.Limit != 0 && uint64(d.stats.ReservedBytes[0].Current)+size > p.cfg.Limit {
+		return 0, errLimit
+	}
+	return p.backend.Alloc(d.id, size, stream)
+}
+
+// newBlock reuses a block struct dropped by a merge, sparing the garbage
+// collector on the split/merge cycle of the hot path.
+func (p *Pool) newBlock() *block {
+	if n := len(p.spare); n > 0 {
+		b := p.spare[n-1]
+		p.spare[n-1] = nil
+		p.spare = p.spare[:n-1]
+		return b
+	}
+	return &block{heapIdx: -1}
+}
+
+// dropBlock keeps a block struct that a merge made unreachable for reuse.
+func (p *Pool) dropBlock(b *block) {
+	if len(p.spare) < maxSpareBlocks {
+		*b = block{heapIdx: -1, streamUses: b.streamUses[:0]}
+		p.spare = append(p.spare, b)
+	}
+}
+
+const maxSpareBlocks = 1024

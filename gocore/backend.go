@@ -1,0 +1,57 @@
+// Package gocore is gpumempool's device-agnostic caching allocator engine.
+//
+// A Pool hands out blocks carved from segments that it obtains from a
+// Backend (a simulated device, CUDA, NCCL, user callbacks, ...). The policy
+// follows PyTorch's CUDACachingAllocator so users get what they know:
+// 512-byte rounding, separate small and large free lists, best fit by
+// (stream, size, address), splitting and merging, stream-ordered reuse with
+// events for blocks used on other streams, and an OOM path that releases
+// cached segments and retries before failing with a typed error.
+package gocore
+
+import "errors"
+
+// Stream is an opaque stream handle as the caller's runtime knows it (for
+// CUDA, the cudaStream_t value; 0 is the default stream). The engine never
+// dereferences it: it only keys free lists by it and hands it to the backend.
+type Stream uint64
+
+// Event is an opaque backend event handle (for CUDA, a CUevent).
+type Event uint64
+
+// Backend is where a pool gets its segments from and how it learns that work
+// queued on a stream has finished. Implementations must be safe for
+// concurrent use: many pools may share one backend.
+type Backend interface {
+	// Name identifies the backend in errors and stats ("sim", "callback", ...).
+	Name() string
+	// Devices reports how many devices the backend serves; valid device
+	// ordinals are 0..Devices()-1.
+	Devices() int
+	// Alignment is the guaranteed alignment of every address Alloc returns.
+	Alignment() uint64
+	// Capacity reports total and free bytes on a device, or an error that
+	// wraps ErrUnsupported when the backend cannot tell.
+	Capacity(device int) (total, free uint64, err error)
+	// Alloc obtains a segment of exactly size bytes on device, ordered on
+	// stream. A failure because memory ran out wraps ErrBackendOutOfMemory
+	// so that the engine can release its cache and retry.
+	Alloc(device int, size uint64, stream Stream) (addr uint64, err error)
+	// Free returns a segment obtained from Alloc.
+	Free(device int, addr, size uint64, stream Stream) error
+	// NewEvent creates an event on device.
+	NewEvent(device int) (Event, error)
+	// RecordEvent captures the work queued so far on stream into ev.
+	RecordEvent(ev Event, stream Stream) error
+	// QueryEvent reports whether the work captured by ev has completed.
+	QueryEvent(ev Event) (done bool, err error)
+	// DestroyEvent releases ev.
+	DestroyEvent(ev Event) error
+}
+
+// ErrUnsupported is wrapped by backend methods that a backend cannot serve.
+var ErrUnsupported = errors.New("not supported by this backend")
+
+// ErrBackendOutOfMemory is wrapped by Backend.Alloc when the device (or the
+// user's allocator) has no memory left for the request.
+var ErrBackendOutOfMemory = errors.New("backend out of memory")

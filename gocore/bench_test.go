@@ -1,0 +1,86 @@
+package gocore
+
+import (
+	"fmt"
+	"testing"
+)
+
+// fragmentedPool returns a pool holding n free blocks of mixed small sizes,
+// kept apart by live blocks so they cannot merge: the state a long training
+// run leaves behind.
+func fragmentedPool(b *testing.B, n int) *Pool {
+	p, _ := newTestPool(b, SimConfig{Capacity: 1 << 40}, Config{})
+	addrs := make([]uint64, 0, 2*n)
+	for i := range 2 * n {
+		addrs = append(addrs, mustAlloc(b, p, uint64(512*(1+i%128)), 0, 0))
+	}
+	for i := 0; i < len(addrs); i += 2 {
+		if err := p.Free(addrs[i]); err != nil {
+			b.Fatal(err)
+		}
+	}
+	return p
+}
+
+// BenchmarkCacheHit measures one alloc+free pair served from the cache with
+// 10 to 100000 other free blocks in the pool.
+func BenchmarkCacheHit(b *testing.B) {
+	for _, n := range []int{10, 1000, 100000} {
+		b.Run(fmt.Sprintf("free=%d", n), func(b *testing.B) {
+			p := fragmentedPool(b, n)
+			b.ReportAllocs()
+			b.ResetTimer()
+			for range b.N {
+				a, err := p.Alloc(4096, 0, 0)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := p.Free(a); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkCacheHitParallel runs the same pair from GOMAXPROCS goroutines,
+// on one shared pool (contended lock) and on a pool per goroutine.
+func BenchmarkCacheHitParallel(b *testing.B) {
+	b.Run("shared", func(b *testing.B) {
+		p := fragmentedPool(b, 1000)
+		b.ResetTimer()
+		b.RunParallel(func(pb *testing.PB) {
+			for pb.Next() {
+				a, err := p.Alloc(4096, 0, 0)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := p.Free(a); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	})
+	b.Run("per-goroutine", func(b *testing.B) {
+		be, err := NewSimBackend(SimConfig{Capacity: 1 << 40})
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.ResetTimer()
+		b.RunParallel(func(pb *testing.PB) {
+			p, err := NewPool(Config{Backend: be})
+			if err != nil {
+				b.Fatal(err)
+			}
+			for pb.Next() {
+				a, err := p.Alloc(4096, 0, 0)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := p.Free(a); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	})
+}

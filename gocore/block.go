@@ -1,0 +1,86 @@
+package gocore
+
+// Size policy, the same as PyTorch's CUDACachingAllocator so that memory use
+// is what torch users expect.
+const (
+	// MinBlockSize is the rounding granularity of every request.
+	MinBlockSize = 512
+	// SmallSize is the largest request served from the small pool.
+	SmallSize = 1 << 20
+	// SmallBuffer is the segment size the small pool obtains from a backend.
+	SmallBuffer = 2 << 20
+	// LargeBuffer is the segment size for large requests under MinLargeAlloc.
+	LargeBuffer = 20 << 20
+	// MinLargeAlloc: large requests at least this big get a segment of their
+	// own size rounded up to RoundLarge.
+	MinLargeAlloc = 10 << 20
+	// RoundLarge is the rounding of segments for requests >= MinLargeAlloc.
+	RoundLarge = 2 << 20
+	// MaxRequest bounds a single request (1 PiB); anything larger is a bug
+	// in the caller, not a real allocation.
+	MaxRequest = 1 << 50
+)
+
+// poolKind tells which free lists a block belongs to; it indexes StatArray.
+type poolKind int
+
+const (
+	kindSmall poolKind = 1
+	kindLarge poolKind = 2
+)
+
+// block is a contiguous range inside a segment: either handed to a caller
+// (allocated), waiting for events on other streams (pending), or free and
+// indexed in its stream's free lists.
+type block struct {
+	seg        *segment
+	addr, size uint64
+	requested  uint64 // the caller's size, before rounding
+	allocated  bool
+	pending    int    // outstanding events before the block may be reused
+	prev, next *block // address-ordered neighbours in the same segment
+	heapIdx    int    // index in a small bin while free, else -1
+	inFree     bool
+	streamUses []Stream // streams other than seg.stream that used the block
+}
+
+// isSplit reports whether the block shares its segment with other blocks.
+func (b *block) isSplit() bool { return b.prev != nil || b.next != nil }
+
+// segment is one allocation obtained from the backend. Blocks carved from it
+// may only be reused on the stream that created it (stream-ordered reuse).
+type segment struct {
+	device     int
+	addr, size uint64
+	stream     Stream
+	kind       poolKind
+	first      *block // lowest-address block
+}
+
+// roundSize rounds a request up to MinBlockSize.
+func roundSize(size uint64) uint64 {
+	if size < MinBlockSize {
+		return MinBlockSize
+	}
+	return (size + MinBlockSize - 1) / MinBlockSize * MinBlockSize
+}
+
+// segmentSize is how much to obtain from the backend for a rounded request.
+func segmentSize(rounded uint64) uint64 {
+	switch {
+	case rounded <= SmallSize:
+		return SmallBuffer
+	case rounded < MinLargeAlloc:
+		return LargeBuffer
+	default:
+		return (rounded + RoundLarge - 1) / RoundLarge * RoundLarge
+	}
+}
+
+// kindOf is the pool that serves a rounded request.
+func kindOf(rounded uint64) poolKind {
+	if rounded <= SmallSize {
+		return kindSmall
+	}
+	return kindLarge
+}

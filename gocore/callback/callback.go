@@ -1,0 +1,197 @@
+// Package callback is a gocore.Backend whose segments come from user
+// functions with PyTorch's pluggable-allocator signatures:
+//
+//	void* alloc(size_t size, int device, void* stream);
+//	void  free(void* ptr, size_t size, int device, void* stream);
+//
+// (seed 001's {alloc, deleter}: ncclMemAlloc, cuMemCreate with a host NUMA
+// location, or anything else a user writes in C, or in Python through a
+// ctypes callback). cgo is used only for the two trampolines that call the
+// function pointers.
+//
+// The functions may be called from any OS thread, with the pool's lock held.
+// A Python callback (ctypes) takes the GIL on entry; see the package README
+// for the deadlock this can cause under torch's allocator lock.
+package callback
+
+/*
+#include <stddef.h>
+#include <stdint.h>
+
+typedef void* (*gmp_alloc_fn)(size_t, int, void*);
+typedef void (*gmp_free_fn)(void*, size_t, int, void*);
+
+static uintptr_t gmp_call_alloc(uintptr_t fn, size_t size, int device, uintptr_t stream) {
+	return (uintptr_t)((gmp_alloc_fn)fn)(size, device, (void*)stream);
+}
+
+static void gmp_call_free(uintptr_t fn, uintptr_t ptr, size_t size, int device, uintptr_t stream) {
+	((gmp_free_fn)fn)((void*)ptr, size, device, (void*)stream);
+}
+*/
+import "C"
+
+import (
+	"fmt"
+	"sync"
+
+	"github.com/gpumempool/gpumempool/gocore"
+)
+
+// Config names the user's functions.
+type Config struct {
+	// Alloc and Free are C function pointers (addresses) with the
+	// signatures above. Both are required.
+	Alloc, Free uintptr
+	// Name identifies the allocator in errors; default "callback".
+	Name string
+	// Devices is how many device ordinals the functions accept (default 1).
+	Devices int
+	// Alignment is checked on every address Alloc returns (default 1: no
+	// check). Must be a power of two.
+	Alignment uint64
+}
+
+// Backend calls user functions for segments. Their allocations are assumed
+// usable on any stream once returned (as ncclMemAlloc's and cuMemCreate's
+// are), so events complete at once: cross-stream reuse of a freed block is
+// ordered by the caller, not by events. Backends with real events (cuda)
+// come in their own packages.
+type Backend struct {
+	cfg Config
+
+	mu        sync.Mutex
+	live      map[uint64]uint64 // segment address -> size
+	nextEvent gocore.Event
+	events    map[gocore.Event]struct{}
+}
+
+var _ gocore.Backend = (*Backend)(nil)
+
+// New validates cfg and returns a Backend.
+func New(cfg Config) (*Backend, error) {
+	if cfg.Alloc == 0 || cfg.Free == 0 {
+		return nil, fmt.Errorf("callback backend: both alloc and free functions are required: %w", gocore.ErrInvalidArgument)
+	}
+	if cfg.Name == "" {
+		cfg.Name = "callback"
+	}
+	if cfg.Devices == 0 {
+		cfg.Devices = 1
+	}
+	if cfg.Devices < 0 {
+		return nil, fmt.Errorf("callback backend %q: %d devices: %w", cfg.Name, cfg.Devices, gocore.ErrInvalidArgument)
+	}
+	if cfg.Alignment == 0 {
+		cfg.Alignment = 1
+	}
+	if cfg.Alignment&(cfg.Alignment-1) != 0 {
+		return nil, fmt.Errorf("callback backend %q: alignment %d is not a power of two: %w", cfg.Name, cfg.Alignment, gocore.ErrInvalidArgument)
+	}
+	return &Backend{cfg: cfg, live: make(map[uint64]uint64), events: make(map[gocore.Event]struct{})}, nil
+}
+
+// Name returns the configured name.
+func (b *Backend) Name() string { return b.cfg.Name }
+
+// Devices returns the configured device count.
+func (b *Backend) Devices() int { return b.cfg.Devices }
+
+// Alignment returns the alignment every returned address is checked for.
+func (b *Backend) Alignment() uint64 { return b.cfg.Alignment }
+
+// Capacity is unknown for user functions.
+func (b *Backend) Capacity(device int) (uint64, uint64, error) {
+	return 0, 0, fmt.Errorf("callback backend %q capacity: %w", b.cfg.Name, gocore.ErrUnsupported)
+}
+
+// Alloc calls the user's alloc function. NULL means out of memory, so the
+// engine releases its cache and retries before failing.
+func (b *Backend) Alloc(device int, size uint64, stream gocore.Stream) (uint64, error) {
+	if device < 0 || device >= b.cfg.Devices {
+		return 0, fmt.Errorf("callback backend %q: device %d out of range [0, %d): %w", b.cfg.Name, device, b.cfg.Devices, gocore.ErrInvalidDevice)
+	}
+	addr := uint64(C.gmp_call_alloc(C.uintptr_t(b.cfg.Alloc), C.size_t(size), C.int(device), C.uintptr_t(stream)))
+	if addr == 0 {
+		return 0, fmt.Errorf("callback backend %q: alloc(%d, device %d) returned NULL: %w", b.cfg.Name, size, device, gocore.ErrBackendOutOfMemory)
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if addr%b.cfg.Alignment != 0 {
+		// Not ours to keep: hand it back so that nothing leaks.
+		C.gmp_call_free(C.uintptr_t(b.cfg.Free), C.uintptr_t(addr), C.size_t(size), C.int(device), C.uintptr_t(stream))
+		return 0, fmt.Errorf("callback backend %q: alloc(%d) returned %#x, not aligned to %d bytes", b.cfg.Name, size, addr, b.cfg.Alignment)
+	}
+	if _, dup := b.live[addr]; dup {
+		// The function handed out memory that is still in use: never free
+		// it twice, report the broken allocator.
+		return 0, fmt.Errorf("callback backend %q: alloc(%d) returned %#x, which is still allocated", b.cfg.Name, size, addr)
+	}
+	b.live[addr] = size
+	return addr, nil
+}
+
+// Free calls the user's free function with the size and stream of the
+// segment's allocation.
+func (b *Backend) Free(device int, addr, size uint64, stream gocore.Stream) error {
+	b.mu.Lock()
+	got, ok := b.live[addr]
+	if ok && got == size {
+		delete(b.live, addr)
+	}
+	b.mu.Unlock()
+	if !ok || got != size {
+		return fmt.Errorf("callback backend %q: free(%#x, %d): not a live segment of that size: %w", b.cfg.Name, addr, size, gocore.ErrInvalidArgument)
+	}
+	C.gmp_call_free(C.uintptr_t(b.cfg.Free), C.uintptr_t(addr), C.size_t(size), C.int(device), C.uintptr_t(stream))
+	return nil
+}
+
+// LiveSegments reports how many segments the user's functions hold for us.
+func (b *Backend) LiveSegments() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return len(b.live)
+}
+
+// NewEvent returns an event that is complete as soon as it is recorded.
+func (b *Backend) NewEvent(device int) (gocore.Event, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.nextEvent++
+	b.events[b.nextEvent] = struct{}{}
+	return b.nextEvent, nil
+}
+
+// RecordEvent checks that ev exists.
+func (b *Backend) RecordEvent(ev gocore.Event, stream gocore.Stream) error {
+	return b.checkEvent("record", ev)
+}
+
+// QueryEvent reports every live event as complete.
+func (b *Backend) QueryEvent(ev gocore.Event) (bool, error) {
+	if err := b.checkEvent("query", ev); err != nil {
+		return false, err
+	}
+	return true, nil
+}
+
+// DestroyEvent forgets ev.
+func (b *Backend) DestroyEvent(ev gocore.Event) error {
+	if err := b.checkEvent("destroy", ev); err != nil {
+		return err
+	}
+	b.mu.Lock()
+	delete(b.events, ev)
+	b.mu.Unlock()
+	return nil
+}
+
+func (b *Backend) checkEvent(op string, ev gocore.Event) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if _, ok := b.events[ev]; !ok {
+		return fmt.Errorf("callback backend %q: %s unknown event %d: %w", b.cfg.Name, op, ev, gocore.ErrInvalidArgument)
+	}
+	return nil
+}

@@ -1,0 +1,92 @@
+package callback
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/callback/internal/testalloc"
+)
+
+func TestPoolOverCFunctions(t *testing.T) {
+	testalloc.Reset(-1)
+	be, err := New(Config{Alloc: testalloc.Alloc(), Free: testalloc.Free(), Name: "malloc", Devices: 2, Alignment: 512})
+	require.NoError(t, err)
+	p, err := gocore.NewPool(gocore.Config{Backend: be, Name: "cb"})
+	require.NoError(t, err)
+	a, err := p.Alloc(1000, 1, 0xabc)
+	require.NoError(t, err)
+	stream, dev := testalloc.Last()
+	assert.EqualValues(t, 0xabc, stream)
+	assert.Equal(t, 1, dev)
+	b, err := p.Alloc(1000, 1, 0xabc)
+	require.NoError(t, err)
+	assert.Equal(t, a+1024, b)
+	allocs, _, live := testalloc.Counters()
+	assert.EqualValues(t, 1, allocs, "second block comes from the cached segment")
+	assert.EqualValues(t, gocore.SmallBuffer, live)
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(b))
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	allocs, frees, live := testalloc.Counters()
+	assert.EqualValues(t, 1, allocs)
+	assert.EqualValues(t, 1, frees)
+	assert.Zero(t, live)
+	assert.Zero(t, be.LiveSegments())
+	_, err = p.Alloc(1, 2, 0)
+	assert.ErrorIs(t, err, gocore.ErrInvalidDevice)
+}
+
+func TestNullIsOutOfMemoryAfterRetry(t *testing.T) {
+	testalloc.Reset(1)
+	be, err := New(Config{Alloc: testalloc.Alloc(), Free: testalloc.Free()})
+	require.NoError(t, err)
+	p, err := gocore.NewPool(gocore.Config{Backend: be})
+	require.NoError(t, err)
+	a, err := p.Alloc(30<<20, 0, 0)
+	require.NoError(t, err)
+	_, err = p.Alloc(1, 0, 0)
+	require.ErrorIs(t, err, gocore.ErrOutOfMemory)
+	assert.Contains(t, err.Error(), "returned NULL")
+	s, err := p.Stats(0)
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, s.NumOOMs)
+	assert.EqualValues(t, 1, s.NumAllocRetries)
+	rep, err := p.Close()
+	require.NoError(t, err)
+	require.Len(t, rep.LiveBlocks, 1)
+	assert.Equal(t, a, rep.LiveBlocks[0].Addr)
+	_, frees, live := testalloc.Counters()
+	assert.EqualValues(t, 1, frees)
+	assert.Zero(t, live)
+}
+
+func TestBrokenAllocatorIsReported(t *testing.T) {
+	be, err := New(Config{Alloc: testalloc.AllocSame(), Free: testalloc.FreeNothing()})
+	require.NoError(t, err)
+	p, err := gocore.NewPool(gocore.Config{Backend: be})
+	require.NoError(t, err)
+	_, err = p.Alloc(12<<20, 0, 0)
+	require.NoError(t, err)
+	_, err = p.Alloc(12<<20, 0, 0)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "still allocated")
+	require.NoError(t, p.CheckInvariants())
+}
+
+func TestConfigErrors(t *testing.T) {
+	_, err := New(Config{})
+	assert.ErrorIs(t, err, gocore.ErrInvalidArgument)
+	_, err = New(Config{Alloc: 1, Free: 1, Alignment: 3})
+	assert.ErrorIs(t, err, gocore.ErrInvalidArgument)
+	_, err = New(Config{Alloc: 1, Free: 1, Devices: -1})
+	assert.ErrorIs(t, err, gocore.ErrInvalidArgument)
+	be, err := New(Config{Alloc: 1, Free: 1})
+	require.NoError(t, err)
+	_, err = be.QueryEvent(99)
+	assert.ErrorIs(t, err, gocore.ErrInvalidArgument)
+	assert.ErrorIs(t, be.Free(0, 4096, 1, 0), gocore.ErrInvalidArgument)
+}

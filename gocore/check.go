@@ -1,0 +1,157 @@
+package gocore
+
+import (
+	"errors"
+	"fmt"
+)
+
+// ErrInvariant is wrapped by every violation CheckInvariants reports.
+var ErrInvariant = errors.New("allocator invariant violated")
+
+// CheckInvariants verifies the pool's internal consistency and returns every
+// violation found (nil when consistent): each segment is tiled exactly by its
+// blocks, no two free blocks are adjacent, free blocks are indexed under
+// their own stream and nothing else is, live blocks are exactly the
+// allocated ones, and the current values of the stats equal a recount. It
+// takes the pool's lock and is O(blocks): for tests and debugging.
+func (p *Pool) CheckInvariants() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil
+	}
+	var errs []error
+	bad := func(format string, args ...any) {
+		errs = append(errs, fmt.Errorf("pool %q: "+format+": %w", append([]any{p.name}, append(args, ErrInvariant)...)...))
+	}
+	allocatedSeen := 0
+	for _, d := range p.devices {
+		if d == nil {
+			continue
+		}
+		var want Stats
+		indexed := 0
+		for _, s := range d.segments {
+			want.Segment.add(s.kind, 1)
+			want.ReservedBytes.add(s.kind, int64(s.size))
+			if s.first == nil || s.first.prev != nil || s.first.addr != s.addr {
+				bad("segment %#x: first block does not start it", s.addr)
+				continue
+			}
+			end := s.addr
+			for b := s.first; b != nil; b = b.next {
+				if b.seg != s {
+					bad("block %#x: wrong segment", b.addr)
+				}
+				if b.addr != end {
+					bad("segment %#x: gap or overlap at %#x (block starts %#x)", s.addr, end, b.addr)
+				}
+				if b.size == 0 || b.size%MinBlockSize != 0 {
+					bad("block %#x: size %d not a positive multiple of %d", b.addr, b.size, MinBlockSize)
+				}
+				end = b.addr + b.size
+				if b.next != nil && b.next.prev != b {
+					bad("block %#x: broken neighbour links", b.addr)
+				}
+				active := b.allocated || b.pending > 0
+				if b.allocated {
+					allocatedSeen++
+					if p.allocated[b.addr] != b {
+						bad("allocated block %#x missing from the live map", b.addr)
+					}
+					want.Allocation.add(s.kind, 1)
+					want.AllocatedBytes.add(s.kind, int64(b.size))
+					want.RequestedBytes.add(s.kind, int64(b.requested))
+				}
+				if active {
+					want.Active.add(s.kind, 1)
+					want.ActiveBytes.add(s.kind, int64(b.size))
+					if b.inFree {
+						bad("active block %#x is in a free list", b.addr)
+					}
+					continue
+				}
+				if !b.inFree {
+					bad("free block %#x is not in a free list", b.addr)
+					continue
+				}
+				indexed++
+				if !d.isIndexed(b) {
+					bad("free block %#x is not indexed under stream %#x", b.addr, uint64(s.stream))
+				}
+				if b.next != nil && b.next.inFree {
+					bad("free blocks %#x and %#x were not merged", b.addr, b.next.addr)
+				}
+				_, whole := d.wholeFree[s]
+				if b.isSplit() {
+					want.InactiveSplit.add(s.kind, 1)
+					want.InactiveSplitBytes.add(s.kind, int64(b.size))
+					if whole {
+						bad("split segment %#x is listed as wholly free", s.addr)
+					}
+				} else if !whole {
+					bad("wholly free segment %#x is not listed", s.addr)
+				}
+			}
+			if end != s.addr+s.size {
+				bad("segment %#x: blocks end at %#x, segment at %#x", s.addr, end, s.addr+s.size)
+			}
+		}
+		if n := d.indexedCount(); n != indexed {
+			bad("device %d: %d blocks indexed as free, %d free blocks in segments", d.id, n, indexed)
+		}
+		for s := range d.wholeFree {
+			if d.segments[s.addr] != s {
+				bad("device %d: wholly free segment %#x is not a live segment", d.id, s.addr)
+			}
+		}
+		got := &d.stats
+		pairs := []struct {
+			name      string
+			got, want *StatArray
+		}{
+			{"allocation", &got.Allocation, &want.Allocation}, {"segment", &got.Segment, &want.Segment},
+			{"active", &got.Active, &want.Active}, {"inactive_split", &got.InactiveSplit, &want.InactiveSplit},
+			{"allocated_bytes", &got.AllocatedBytes, &want.AllocatedBytes},
+			{"reserved_bytes", &got.ReservedBytes, &want.ReservedBytes},
+			{"active_bytes", &got.ActiveBytes, &want.ActiveBytes},
+			{"inactive_split_bytes", &got.InactiveSplitBytes, &want.InactiveSplitBytes},
+			{"requested_bytes", &got.RequestedBytes, &want.RequestedBytes},
+		}
+		for _, pr := range pairs {
+			for k := range pr.got {
+				if pr.got[k].Current != pr.want[k].Current {
+					bad("device %d: stat %s[%d].current = %d, recount %d", d.id, pr.name, k, pr.got[k].Current, pr.want[k].Current)
+				}
+			}
+		}
+	}
+	if allocatedSeen != len(p.allocated) {
+		bad("%d blocks in the live map, %d allocated blocks in segments", len(p.allocated), allocatedSeen)
+	}
+	return errors.Join(errs...)
+}
+
+func (d *deviceState) isIndexed(b *block) bool {
+	f := d.streams[b.seg.stream]
+	if f == nil {
+		return false
+	}
+	if b.seg.kind == kindSmall {
+		h := f.small.bins[smallClass(b.size)]
+		return b.heapIdx >= 0 && b.heapIdx < len(h) && h[b.heapIdx] == b
+	}
+	got, ok := f.large.Get(b)
+	return ok && got == b
+}
+
+func (d *deviceState) indexedCount() int {
+	n := 0
+	for _, f := range d.streams {
+		for _, h := range f.small.bins {
+			n += len(h)
+		}
+		n += f.large.Len()
+	}
+	return n
+}

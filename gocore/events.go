@@ -1,0 +1,86 @@
+package gocore
+
+import "fmt"
+
+// pendingFree is one event a freed block waits for.
+type pendingFree struct {
+	event Event
+	block *block
+}
+
+// deferFreeLocked records an event on every stream the block was used on and
+// parks the block until they all complete. Events are pooled per device, as
+// creating them costs a driver call.
+func (p *Pool) deferFreeLocked(d *deviceState, b *block) error {
+	for i, s := range b.streamUses {
+		ev, err := p.eventLocked(d)
+		if err == nil {
+			err = p.backend.RecordEvent(ev, s)
+			if err != nil {
+				d.events = append(d.events, ev)
+			}
+		}
+		if err != nil {
+			// Without an event we cannot know when the other streams are
+			// done with the block; keep it out of the free lists for good
+			// rather than risk handing it out early. The earlier events
+			// still resolve normally and only release it if all succeed.
+			b.pending += len(b.streamUses) - i + 1 // never reaches 0
+			b.streamUses = b.streamUses[:0]
+			return fmt.Errorf("free %#x in pool %q: record event on stream %#x: %w", b.addr, p.name, uint64(s), err)
+		}
+		d.pending = append(d.pending, pendingFree{event: ev, block: b})
+		b.pending++
+	}
+	b.streamUses = b.streamUses[:0]
+	return nil
+}
+
+func (p *Pool) eventLocked(d *deviceState) (Event, error) {
+	if n := len(d.events); n > 0 {
+		ev := d.events[n-1]
+		d.events = d.events[:n-1]
+		return ev, nil
+	}
+	return p.backend.NewEvent(d.id)
+}
+
+// processEventsLocked frees the parked blocks whose events have completed.
+// An event whose query fails is treated as not completed.
+func (p *Pool) processEventsLocked(d *deviceState) {
+	kept := d.pending[:0]
+	for _, pf := range d.pending {
+		done, err := p.backend.QueryEvent(pf.event)
+		if err != nil || !done {
+			kept = append(kept, pf)
+			continue
+		}
+		d.events = append(d.events, pf.event)
+		pf.block.pending--
+		if pf.block.pending == 0 {
+			p.freeBlockLocked(d, pf.block)
+		}
+	}
+	for i := len(kept); i < len(d.pending); i++ {
+		d.pending[i] = pendingFree{}
+	}
+	d.pending = kept
+}
+
+// ProcessEvents frees every parked block whose events have completed, on all
+// devices, and returns how many frees are still waiting.
+func (p *Pool) ProcessEvents() (int, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return 0, fmt.Errorf("process events of pool %q: %w", p.name, ErrClosed)
+	}
+	waiting := 0
+	for _, d := range p.devices {
+		if d != nil {
+			p.processEventsLocked(d)
+			waiting += len(d.pending)
+		}
+	}
+	return waiting, nil
+}

@@ -1,0 +1,172 @@
+package gocore
+
+import (
+	"fmt"
+	"sort"
+)
+
+// Free returns the block at addr to the pool. If the block was used on
+// streams other than its own (RecordStream), it becomes reusable only once
+// events recorded now on those streams complete; until then it counts as
+// active but not allocated.
+func (p *Pool) Free(addr uint64) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return fmt.Errorf("free %#x in pool %q: %w", addr, p.name, ErrClosed)
+	}
+	b := p.allocated[addr]
+	if b == nil {
+		return p.notAllocatedLocked("free", addr)
+	}
+	delete(p.allocated, addr)
+	d := p.devices[b.seg.device]
+	kind := b.seg.kind
+	st := &d.stats
+	st.Allocation.add(kind, -1)
+	st.AllocatedBytes.add(kind, -int64(b.size))
+	st.RequestedBytes.add(kind, -int64(b.requested))
+	if p.isOversize(b.size) {
+		st.OversizeAllocations.add(-1)
+	}
+	b.allocated = false
+	b.requested = 0
+	if len(b.streamUses) > 0 {
+		if err := p.deferFreeLocked(d, b); err != nil {
+			return err
+		}
+		return nil
+	}
+	p.freeBlockLocked(d, b)
+	return nil
+}
+
+// notAllocatedLocked builds the error for an address that is not a live
+// block: a double free (or interior pointer) when it lies inside one of the
+// pool's segments, an unknown pointer otherwise.
+func (p *Pool) notAllocatedLocked(op string, addr uint64) error {
+	for _, d := range p.devices {
+		if d == nil {
+			continue
+		}
+		if s := d.segmentContaining(addr); s != nil {
+			return fmt.Errorf("%s %#x in pool %q (segment %#x+%d on device %d): %w",
+				op, addr, p.name, s.addr, s.size, d.id, ErrDoubleFree)
+		}
+	}
+	return fmt.Errorf("%s %#x in pool %q: %w", op, addr, p.name, ErrUnknownPointer)
+}
+
+func (d *deviceState) segmentContaining(addr uint64) *segment {
+	for _, s := range d.segments {
+		if addr >= s.addr && addr < s.addr+s.size {
+			return s
+		}
+	}
+	return nil
+}
+
+// RecordStream marks the block at addr as used on stream, so that after it
+// is freed it is not reused on its own stream before the work queued on
+// stream up to the free has completed (torch's Tensor.record_stream).
+func (p *Pool) RecordStream(addr uint64, stream Stream) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return fmt.Errorf("record stream for %#x in pool %q: %w", addr, p.name, ErrClosed)
+	}
+	b := p.allocated[addr]
+	if b == nil {
+		return p.notAllocatedLocked("record stream for", addr)
+	}
+	if stream == b.seg.stream {
+		return nil
+	}
+	for _, s := range b.streamUses {
+		if s == stream {
+			return nil
+		}
+	}
+	b.streamUses = append(b.streamUses, stream)
+	p.devices[b.seg.device].stats.NumRecordStream++
+	return nil
+}
+
+// freeBlockLocked makes an inactive block free: it merges it with free
+// neighbours, indexes it, and applies the release threshold.
+func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
+	kind := b.seg.kind
+	d.stats.Active.add(kind, -1)
+	d.stats.ActiveBytes.add(kind, -int64(b.size))
+	b.streamUses = b.streamUses[:0]
+	f := d.freeList(b.seg.stream)
+	if n := b.next; n != nil && n.inFree {
+		d.removeFree(f, n)
+		b.size += n.size
+		b.next = n.next
+		if b.next != nil {
+			b.next.prev = b
+		}
+		p.dropBlock(n)
+	}
+	if pr := b.prev; pr != nil && pr.inFree {
+		d.removeFree(f, pr)
+		pr.size += b.size
+		pr.next = b.next
+		if pr.next != nil {
+			pr.next.prev = pr
+		}
+		p.dropBlock(b)
+		b = pr
+	}
+	d.insertFree(f, b)
+	if t := p.cfg.ReleaseThreshold; t != 0 && !b.isSplit() {
+		if unused := d.unusedBytes(); unused > t {
+			_, _ = p.trimLocked(d, t) // a failed release leaves the segment cached
+		}
+	}
+}
+
+// insertFree indexes a free block and keeps the split and whole-segment
+// accounting that depends on it.
+func (d *deviceState) insertFree(f *streamFree, b *block) {
+	f.insert(b)
+	if b.isSplit() {
+		d.stats.InactiveSplit.add(b.seg.kind, 1)
+		d.stats.InactiveSplitBytes.add(b.seg.kind, int64(b.size))
+	} else {
+		d.wholeFree[b.seg] = struct{}{}
+	}
+}
+
+func (d *deviceState) removeFree(f *streamFree, b *block) {
+	f.remove(b)
+	if b.isSplit() {
+		d.stats.InactiveSplit.add(b.seg.kind, -1)
+		d.stats.InactiveSplitBytes.add(b.seg.kind, -int64(b.size))
+	} else {
+		delete(d.wholeFree, b.seg)
+	}
+}
+
+// unusedBytes is reserved memory that holds no active block.
+func (d *deviceState) unusedBytes() uint64 {
+	return uint64(d.stats.ReservedBytes[0].Current - d.stats.ActiveBytes[0].Current)
+}
+
+// wholeFreeSegments lists the segments that could be released now, largest
+// first (fewest backend calls to reach a target), then by address so the
+// order is deterministic.
+func (d *deviceState) wholeFreeSegments() []*segment {
+	segs := make([]*segment, 0, len(d.wholeFree))
+	for s := range d.wholeFree {
+		segs = append(segs, s)
+	}
+	sort.Slice(segs, func(i, j int) bool {
+		if segs[i].size != segs[j].size {
+			return segs[i].size > segs[j].size
+		}
+		return segs[i].addr < segs[j].addr
+	})
+	return segs
+}

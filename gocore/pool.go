@@ -1,0 +1,257 @@
+package gocore
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+)
+
+// Config configures a Pool. The zero value of every option means "as torch
+// does": no limit, blocks of any size may be split, everything freed is
+// cached until EmptyCache.
+type Config struct {
+	// Name identifies the pool in errors and stats; default "pool".
+	Name string
+	// Backend provides segments and events. Required. Many pools may share
+	// one backend; each pool keeps its own segments.
+	Backend Backend
+	// Limit caps the bytes the pool reserves on each device (0: no limit).
+	Limit uint64
+	// MaxSplitSize: blocks of at least this size are never split, and
+	// requests below it never take them (torch's max_split_size_mb). 0
+	// means unlimited. Must be > SmallSize when set.
+	MaxSplitSize uint64
+	// ReleaseThreshold is how many unused reserved bytes a device may keep
+	// cached: when a free leaves more, whole free segments go back to the
+	// backend until it is under the threshold (like the release threshold of
+	// a CUDA memory pool). 0 means unlimited.
+	ReleaseThreshold uint64
+}
+
+// Pool is a caching allocator over one Backend. It is safe for concurrent
+// use by many goroutines and OS threads.
+type Pool struct {
+	mu        sync.Mutex
+	cfg       Config
+	name      string
+	backend   Backend
+	closed    bool
+	devices   []*deviceState    // indexed by ordinal, created lazily
+	allocated map[uint64]*block // live blocks by address
+	spare     []*block          // block structs kept for reuse
+}
+
+// deviceState is everything the pool keeps for one device.
+type deviceState struct {
+	id         int
+	streams    map[Stream]*streamFree
+	lastStream Stream
+	lastFree   *streamFree
+	segments   map[uint64]*segment   // by base address
+	wholeFree  map[*segment]struct{} // segments that are one free block
+	pending    []pendingFree         // frees waiting for events
+	events     []Event               // idle events kept for reuse
+	stats      Stats
+}
+
+// NewPool validates cfg and returns an empty pool.
+func NewPool(cfg Config) (*Pool, error) {
+	if cfg.Backend == nil {
+		return nil, fmt.Errorf("new pool: no backend: %w", ErrInvalidArgument)
+	}
+	if cfg.MaxSplitSize != 0 && cfg.MaxSplitSize <= SmallSize {
+		return nil, fmt.Errorf("new pool: max split size %d must exceed %d bytes: %w",
+			cfg.MaxSplitSize, SmallSize, ErrInvalidArgument)
+	}
+	if cfg.Name == "" {
+		cfg.Name = "pool"
+	}
+	n := cfg.Backend.Devices()
+	if n <= 0 {
+		return nil, fmt.Errorf("new pool %q: backend %s reports %d devices: %w",
+			cfg.Name, cfg.Backend.Name(), n, ErrInvalidArgument)
+	}
+	return &Pool{
+		cfg:       cfg,
+		name:      cfg.Name,
+		backend:   cfg.Backend,
+		devices:   make([]*deviceState, n),
+		allocated: make(map[uint64]*block),
+	}, nil
+}
+
+// Name returns the pool's name.
+func (p *Pool) Name() string { return p.name }
+
+// Backend returns the backend the pool draws from.
+func (p *Pool) Backend() Backend { return p.backend }
+
+// Config returns the pool's configuration as it is now.
+func (p *Pool) Config() Config {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.cfg
+}
+
+// SetLimit changes the per-device byte limit (0: none). Memory already
+// reserved above a lowered limit stays until freed and released.
+func (p *Pool) SetLimit(limit uint64) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return fmt.Errorf("set limit on pool %q: %w", p.name, ErrClosed)
+	}
+	p.cfg.Limit = limit
+	return nil
+}
+
+// SetReleaseThreshold changes the release threshold (0: unlimited) and
+// applies it at once.
+func (p *Pool) SetReleaseThreshold(bytes uint64) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return fmt.Errorf("set release threshold on pool %q: %w", p.name, ErrClosed)
+	}
+	p.cfg.ReleaseThreshold = bytes
+	if bytes == 0 {
+		return nil
+	}
+	var errs []error
+	for _, d := range p.devices {
+		if d != nil {
+			_, err := p.trimLocked(d, bytes)
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Closed reports whether Close has been called.
+func (p *Pool) Closed() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.closed
+}
+
+// device returns the state for ordinal dev, creating it on first use.
+func (p *Pool) device(dev int) (*deviceState, error) {
+	if dev < 0 || dev >= len(p.devices) {
+		return nil, fmt.Errorf("pool %q: device %d out of range [0, %d) of backend %s: %w",
+			p.name, dev, len(p.devices), p.backend.Name(), ErrInvalidDevice)
+	}
+	d := p.devices[dev]
+	if d == nil {
+		d = &deviceState{
+			id:        dev,
+			streams:   make(map[Stream]*streamFree),
+			segments:  make(map[uint64]*segment),
+			wholeFree: make(map[*segment]struct{}),
+		}
+		d.stats.MaxSplitSize = maxSplitStat(p.cfg.MaxSplitSize)
+		p.devices[dev] = d
+	}
+	return d, nil
+}
+
+func maxSplitStat(v uint64) int64 {
+	if v == 0 {
+		return -1
+	}
+	return int64(v)
+}
+
+// freeList returns the free lists of stream s on d.
+func (d *deviceState) freeList(s Stream) *streamFree {
+	if d.lastFree != nil && d.lastStream == s {
+		return d.lastFree
+	}
+	f := d.streams[s]
+	if f == nil {
+		f = newStreamFree()
+		d.streams[s] = f
+	}
+	d.lastStream, d.lastFree = s, f
+	return f
+}
+
+// LiveBlock describes a block still allocated, as Close reports it.
+type LiveBlock struct {
+	Device    int    `json:"device"`
+	Addr      uint64 `json:"addr"`
+	Size      uint64 `json:"size"`
+	Requested uint64 `json:"requested"`
+	Stream    Stream `json:"stream"`
+}
+
+// CloseReport is what Close found and did.
+type CloseReport struct {
+	LiveBlocks    []LiveBlock // blocks callers never freed
+	LiveBytes     uint64      // their rounded sizes, summed
+	SegmentsFreed int
+	BytesFreed    uint64
+}
+
+// Close returns every segment to the backend, including segments that still
+// hold live blocks (their addresses become invalid), destroys the pool's
+// events, and reports the blocks callers never freed. Every later call on
+// the pool fails with ErrClosed; closing twice is an error too.
+func (p *Pool) Close() (CloseReport, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var rep CloseReport
+	if p.closed {
+		return rep, fmt.Errorf("close pool %q: %w", p.name, ErrClosed)
+	}
+	p.closed = true
+	for _, b := range p.allocated {
+		rep.LiveBlocks = append(rep.LiveBlocks, LiveBlock{
+			Device: b.seg.device, Addr: b.addr, Size: b.size, Requested: b.requested, Stream: b.seg.stream})
+		rep.LiveBytes += b.size
+	}
+	sortLiveBlocks(rep.LiveBlocks)
+	var errs []error
+	for _, d := range p.devices {
+		if d == nil {
+			continue
+		}
+		for _, pf := range d.pending {
+			d.events = append(d.events, pf.event)
+		}
+		d.pending = nil
+		for _, ev := range d.events {
+			if err := p.backend.DestroyEvent(ev); err != nil {
+				errs = append(errs, fmt.Errorf("close pool %q: destroy event: %w", p.name, err))
+			}
+		}
+		d.events = nil
+		for _, s := range d.segments {
+			if err := p.backend.Free(d.id, s.addr, s.size, s.stream); err != nil {
+				errs = append(errs, fmt.Errorf("close pool %q: free segment %#x (%d bytes) on device %d: %w",
+					p.name, s.addr, s.size, d.id, err))
+				continue
+			}
+			rep.SegmentsFreed++
+			rep.BytesFreed += s.size
+			d.stats.NumDeviceFree++
+			d.stats.Segment.add(s.kind, -1)
+			d.stats.ReservedBytes.add(s.kind, -int64(s.size))
+		}
+		d.segments = nil
+		d.streams = nil
+		d.wholeFree = nil
+		d.lastFree = nil
+	}
+	p.allocated = nil
+	return rep, errors.Join(errs...)
+}
+
+func sortLiveBlocks(bs []LiveBlock) {
+	sort.Slice(bs, func(i, j int) bool {
+		if bs[i].Device != bs[j].Device {
+			return bs[i].Device < bs[j].Device
+		}
+		return bs[i].Addr < bs[j].Addr
+	})
+}

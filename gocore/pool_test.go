@@ -1,0 +1,483 @@
+package gocore
+
+import (
+	"math/rand/v2"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sync/errgroup"
+)
+
+const MiB = 1 << 20
+
+func newTestPool(t testing.TB, sim SimConfig, cfg Config) (*Pool, *SimBackend) {
+	t.Helper()
+	be, err := NewSimBackend(sim)
+	require.NoError(t, err)
+	cfg.Backend = be
+	p, err := NewPool(cfg)
+	require.NoError(t, err)
+	return p, be
+}
+
+func mustAlloc(t testing.TB, p *Pool, size uint64, dev int, s Stream) uint64 {
+	t.Helper()
+	addr, err := p.Alloc(size, dev, s)
+	require.NoError(t, err)
+	return addr
+}
+
+func stats(t testing.TB, p *Pool) Stats {
+	t.Helper()
+	s, err := p.Stats(-1)
+	require.NoError(t, err)
+	require.NoError(t, p.CheckInvariants())
+	return s
+}
+
+func TestRoundingAndSegmentSizes(t *testing.T) {
+	cases := []struct {
+		size, block, segment uint64
+		small                bool
+	}{
+		{1, 512, 2 * MiB, true},
+		{512, 512, 2 * MiB, true},
+		{513, 1024, 2 * MiB, true},
+		{MiB, MiB, 2 * MiB, true},
+		{MiB + 1, MiB + 512, 20 * MiB, false},
+		{10*MiB - 512, 10*MiB - 512, 20 * MiB, false},
+		{10 * MiB, 10 * MiB, 10 * MiB, false},
+		{11*MiB + 3, 12 * MiB, 12 * MiB, false}, // remainder < 1 MiB: not split
+	}
+	for _, c := range cases {
+		p, _ := newTestPool(t, SimConfig{}, Config{})
+		mustAlloc(t, p, c.size, 0, 0)
+		s := stats(t, p)
+		k := 2
+		if c.small {
+			k = 1
+		}
+		assert.EqualValues(t, c.block, s.AllocatedBytes[k].Current, "block for %d", c.size)
+		assert.EqualValues(t, c.segment, s.ReservedBytes[k].Current, "segment for %d", c.size)
+		assert.EqualValues(t, c.size, s.RequestedBytes[0].Current)
+	}
+}
+
+func TestCacheHitReusesAddress(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{}, Config{})
+	a := mustAlloc(t, p, 4096, 0, 0)
+	require.NoError(t, p.Free(a))
+	b := mustAlloc(t, p, 4000, 0, 0)
+	assert.Equal(t, a, b)
+	s := stats(t, p)
+	assert.EqualValues(t, 1, s.NumDeviceAlloc)
+	assert.EqualValues(t, 1, s.NumCacheHits)
+	assert.EqualValues(t, 1, be.Stats().Allocs)
+	assert.EqualValues(t, 2, s.Allocation[0].Allocated)
+	assert.EqualValues(t, 1, s.Allocation[0].Freed)
+}
+
+func TestBestFitBySizeThenAddress(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{})
+	// Carve one small segment into free holes of 8K, 4K, 4K, 16K separated by
+	// live blocks, so that they cannot merge.
+	sizes := []uint64{8192, 512, 4096, 512, 4096, 512, 16384, 512}
+	addrs := make([]uint64, len(sizes))
+	for i, sz := range sizes {
+		addrs[i] = mustAlloc(t, p, sz, 0, 0)
+	}
+	for _, i := range []int{0, 2, 4, 6} {
+		require.NoError(t, p.Free(addrs[i]))
+	}
+	// 3000 bytes fits the 4K holes best; the lower-addressed one wins.
+	assert.Equal(t, addrs[2], mustAlloc(t, p, 3000, 0, 0))
+	assert.Equal(t, addrs[4], mustAlloc(t, p, 4096, 0, 0))
+	// 5000 -> the 8K hole, split: remainder stays free.
+	assert.Equal(t, addrs[0], mustAlloc(t, p, 5000, 0, 0))
+	s := stats(t, p)
+	assert.EqualValues(t, 1, s.Segment[0].Current)
+}
+
+func TestSplitAndMergeBackToWholeSegment(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{}, Config{})
+	a := mustAlloc(t, p, 1000, 0, 0)
+	b := mustAlloc(t, p, 1000, 0, 0)
+	c := mustAlloc(t, p, 1000, 0, 0)
+	assert.Equal(t, a+1024, b)
+	assert.Equal(t, b+1024, c)
+	s := stats(t, p)
+	assert.EqualValues(t, 1, s.InactiveSplit[0].Current) // the tail of the segment
+	require.NoError(t, p.Free(b))
+	s = stats(t, p)
+	assert.EqualValues(t, 2, s.InactiveSplit[0].Current)
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(c))
+	s = stats(t, p)
+	assert.EqualValues(t, 0, s.InactiveSplit[0].Current)
+	assert.EqualValues(t, 0, s.InactiveSplitBytes[0].Current)
+	assert.EqualValues(t, 2*MiB, s.ReservedBytes[0].Current)
+	released, err := p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 2*MiB, released)
+	assert.Zero(t, be.Stats().LiveSegments)
+	s = stats(t, p)
+	assert.Zero(t, s.ReservedBytes[0].Current)
+	assert.EqualValues(t, 1, s.NumDeviceFree)
+}
+
+func TestLargeSplitThresholdAndMaxSplitSize(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{})
+	a := mustAlloc(t, p, 2*MiB, 0, 0) // 20 MiB segment, 18 MiB remainder split off
+	s := stats(t, p)
+	assert.EqualValues(t, 1, s.InactiveSplit[2].Current)
+	require.NoError(t, p.Free(a))
+	// A remainder of exactly 1 MiB is not worth keeping in the large pool.
+	b := mustAlloc(t, p, 19*MiB, 0, 0)
+	s = stats(t, p)
+	assert.EqualValues(t, 20*MiB, s.AllocatedBytes[2].Current)
+	require.NoError(t, p.Free(b))
+
+	q, _ := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 24 * MiB})
+	big := mustAlloc(t, q, 40*MiB, 0, 0)
+	require.NoError(t, q.Free(big))
+	// A small-ish large request must not take the oversize block...
+	other := mustAlloc(t, q, 2*MiB, 0, 0)
+	assert.NotEqual(t, big, other)
+	// ...an oversize request wasting < 20 MiB may, and it is not split.
+	again := mustAlloc(t, q, 30*MiB, 0, 0)
+	assert.Equal(t, big, again)
+	s = stats(t, q)
+	assert.EqualValues(t, 1, s.OversizeAllocations.Current)
+	assert.EqualValues(t, 1, s.OversizeSegments.Current)
+	assert.EqualValues(t, 24*MiB, s.MaxSplitSize)
+	assert.EqualValues(t, 40*MiB+2*MiB, s.AllocatedBytes[2].Current)
+
+	_, err := NewPool(Config{Backend: q.Backend(), MaxSplitSize: MiB})
+	assert.ErrorIs(t, err, ErrInvalidArgument)
+}
+
+func TestStreamOrderedReuse(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{})
+	a := mustAlloc(t, p, 4096, 0, 1)
+	require.NoError(t, p.Free(a))
+	b := mustAlloc(t, p, 4096, 0, 2)
+	assert.NotEqual(t, a, b, "a block freed on stream 1 must not serve stream 2")
+	c := mustAlloc(t, p, 4096, 0, 1)
+	assert.Equal(t, a, c)
+	s := stats(t, p)
+	assert.EqualValues(t, 2, s.Segment[0].Current)
+}
+
+func TestRecordStreamWaitsForEvents(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	a := mustAlloc(t, p, 4096, 0, 1)
+	require.NoError(t, p.RecordStream(a, 2))
+	require.NoError(t, p.RecordStream(a, 3))
+	require.NoError(t, p.RecordStream(a, 2)) // duplicate: no second event
+	require.NoError(t, p.RecordStream(a, 1)) // own stream: ignored
+	require.NoError(t, p.Free(a))
+	s := stats(t, p)
+	assert.Zero(t, s.AllocatedBytes[0].Current)
+	assert.EqualValues(t, 4096, s.ActiveBytes[0].Current, "pending block stays active")
+	assert.EqualValues(t, 2, s.NumRecordStream)
+	assert.EqualValues(t, 2, be.Stats().EventsCreated)
+
+	b := mustAlloc(t, p, 4096, 0, 1)
+	assert.NotEqual(t, a, b, "reused before streams 2 and 3 finished")
+	be.CompleteStream(2)
+	waiting, err := p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Equal(t, 1, waiting)
+	be.CompleteStream(3)
+	c := mustAlloc(t, p, 4096, 0, 1)
+	assert.Equal(t, a, c)
+	s = stats(t, p)
+	assert.EqualValues(t, 8192, s.ActiveBytes[0].Current)
+
+	// Events are pooled: the next deferred free reuses them.
+	require.NoError(t, p.RecordStream(c, 2))
+	require.NoError(t, p.Free(c))
+	assert.EqualValues(t, 2, be.Stats().EventsCreated)
+	be.CompleteAll()
+	_, err = p.ProcessEvents()
+	require.NoError(t, err)
+	require.NoError(t, p.Free(b))
+	_, err = p.Close()
+	require.NoError(t, err)
+	assert.Zero(t, be.Stats().LiveEvents)
+}
+
+func TestOOMReleasesCacheAndRetries(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Capacity: 64 * MiB}, Config{Name: "a"})
+	x := mustAlloc(t, p, 15*MiB, 0, 0)
+	y := mustAlloc(t, p, 15*MiB, 0, 0)
+	require.NoError(t, p.Free(x))
+	require.NoError(t, p.Free(y))
+	// 40 MiB needs a new segment; only 32 MiB are free on the device until
+	// the cached 32 MiB go back.
+	z := mustAlloc(t, p, 40*MiB, 0, 0)
+	s := stats(t, p)
+	assert.EqualValues(t, 1, s.NumAllocRetries)
+	assert.EqualValues(t, 0, s.NumOOMs)
+	assert.EqualValues(t, 40*MiB, s.ReservedBytes[0].Current)
+
+	q, err := NewPool(Config{Name: "b", Backend: be})
+	require.NoError(t, err)
+	_, err = q.Alloc(30*MiB, 0, 0)
+	require.Error(t, err)
+	assert.ErrorIs(t, err, ErrOutOfMemory)
+	assert.ErrorIs(t, err, ErrBackendOutOfMemory)
+	var oom *OutOfMemoryError
+	require.ErrorAs(t, err, &oom)
+	assert.Equal(t, "b", oom.Pool)
+	assert.Equal(t, "sim", oom.Backend)
+	assert.EqualValues(t, 30*MiB, oom.Requested)
+	assert.EqualValues(t, 30*MiB, oom.Segment)
+	assert.EqualValues(t, 64*MiB, oom.DeviceTotal)
+	assert.EqualValues(t, 24*MiB, oom.DeviceFree)
+	assert.Contains(t, err.Error(), `pool "b"`)
+	assert.Contains(t, err.Error(), "30.00 MiB")
+	sq := stats(t, q)
+	assert.EqualValues(t, 1, sq.NumOOMs)
+	assert.EqualValues(t, 1, sq.NumAllocRetries)
+	require.NoError(t, p.Free(z))
+}
+
+func TestLimit(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{Limit: 4 * MiB})
+	mustAlloc(t, p, MiB, 0, 0)
+	mustAlloc(t, p, MiB, 0, 0)
+	mustAlloc(t, p, MiB, 0, 0)
+	mustAlloc(t, p, MiB, 0, 0)
+	_, err := p.Alloc(MiB, 0, 0)
+	var oom *OutOfMemoryError
+	require.ErrorAs(t, err, &oom)
+	assert.EqualValues(t, 4*MiB, oom.Limit)
+	assert.EqualValues(t, 4*MiB, oom.Reserved)
+	assert.EqualValues(t, 4*MiB, oom.Allocated)
+	assert.Nil(t, oom.Cause)
+	assert.Contains(t, err.Error(), "limit 4.00 MiB")
+	require.NoError(t, p.SetLimit(0))
+	mustAlloc(t, p, MiB, 0, 0)
+}
+
+func TestTrimAndReleaseThreshold(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{}, Config{})
+	var addrs []uint64
+	for range 4 {
+		addrs = append(addrs, mustAlloc(t, p, 12*MiB, 0, 0))
+	}
+	for _, a := range addrs {
+		require.NoError(t, p.Free(a))
+	}
+	released, err := p.Trim(0, 24*MiB)
+	require.NoError(t, err)
+	assert.EqualValues(t, 24*MiB, released)
+	assert.Equal(t, 2, be.Stats().LiveSegments)
+	mustAlloc(t, p, 12*MiB, 0, 0) // the pool still works and still caches
+	assert.EqualValues(t, 2, be.Stats().LiveSegments)
+
+	q, qbe := newTestPool(t, SimConfig{}, Config{ReleaseThreshold: 30 * MiB})
+	addrs = addrs[:0]
+	for range 4 {
+		addrs = append(addrs, mustAlloc(t, q, 12*MiB, 0, 0))
+	}
+	for _, a := range addrs {
+		require.NoError(t, q.Free(a))
+	}
+	s := stats(t, q)
+	assert.LessOrEqual(t, s.ReservedBytes[0].Current, int64(30*MiB))
+	assert.Equal(t, 2, qbe.Stats().LiveSegments)
+	require.NoError(t, q.SetReleaseThreshold(MiB))
+	assert.Equal(t, 0, qbe.Stats().LiveSegments)
+	_, err = q.Trim(5, 0)
+	assert.ErrorIs(t, err, ErrInvalidDevice)
+}
+
+func TestCloseReportsLiveBlocksAndReturnsEverything(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Devices: 2}, Config{})
+	a := mustAlloc(t, p, 100, 0, 0)
+	mustAlloc(t, p, 30*MiB, 1, 7)
+	c := mustAlloc(t, p, 5000, 0, 0)
+	require.NoError(t, p.Free(c))
+	rep, err := p.Close()
+	require.NoError(t, err)
+	require.Len(t, rep.LiveBlocks, 2)
+	assert.Equal(t, LiveBlock{Device: 0, Addr: a, Size: 512, Requested: 100}, rep.LiveBlocks[0])
+	assert.EqualValues(t, 30*MiB+512, rep.LiveBytes)
+	assert.Equal(t, 2, rep.SegmentsFreed)
+	assert.Zero(t, be.Stats().LiveSegments)
+	assert.Zero(t, be.Stats().LiveBytes)
+
+	_, err = p.Alloc(1, 0, 0)
+	assert.ErrorIs(t, err, ErrClosed)
+	assert.ErrorIs(t, p.Free(a), ErrClosed)
+	assert.ErrorIs(t, p.RecordStream(a, 1), ErrClosed)
+	_, err = p.EmptyCache()
+	assert.ErrorIs(t, err, ErrClosed)
+	_, err = p.Close()
+	assert.ErrorIs(t, err, ErrClosed)
+	assert.True(t, p.Closed())
+}
+
+func TestBadInput(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{Name: "bad"})
+	_, err := p.Alloc(0, 0, 0)
+	assert.ErrorIs(t, err, ErrInvalidSize)
+	_, err = p.Alloc(MaxRequest+1, 0, 0)
+	assert.ErrorIs(t, err, ErrInvalidSize)
+	_, err = p.Alloc(1<<63, 0, 0)
+	assert.ErrorIs(t, err, ErrInvalidSize)
+	_, err = p.Alloc(1, 1, 0)
+	assert.ErrorIs(t, err, ErrInvalidDevice)
+	_, err = p.Alloc(1, -1, 0)
+	assert.ErrorIs(t, err, ErrInvalidDevice)
+	a := mustAlloc(t, p, 4096, 0, 0)
+	assert.ErrorIs(t, p.Free(a+512), ErrDoubleFree, "interior pointer")
+	assert.ErrorIs(t, p.Free(12345), ErrUnknownPointer)
+	require.NoError(t, p.Free(a))
+	err = p.Free(a)
+	assert.ErrorIs(t, err, ErrDoubleFree)
+	assert.Contains(t, err.Error(), `pool "bad"`)
+	assert.ErrorIs(t, p.RecordStream(a, 3), ErrDoubleFree)
+	_, err = p.Stats(3)
+	assert.ErrorIs(t, err, ErrInvalidDevice)
+	_, err = NewPool(Config{})
+	assert.ErrorIs(t, err, ErrInvalidArgument)
+	stats(t, p)
+}
+
+func TestFailedBackendAllocIsNotOOM(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{})
+	// Free failures leave the segment cached and the pool consistent.
+	q, qbe := newTestPool(t, SimConfig{FreeFailRate: 1}, Config{})
+	a := mustAlloc(t, q, 4096, 0, 0)
+	require.NoError(t, q.Free(a))
+	_, err := q.EmptyCache()
+	require.Error(t, err)
+	assert.Equal(t, 1, qbe.Stats().LiveSegments)
+	s := stats(t, q)
+	assert.EqualValues(t, 2*MiB, s.ReservedBytes[0].Current)
+	assert.Equal(t, a, mustAlloc(t, q, 4096, 0, 0))
+	_ = p
+}
+
+func TestFailOnNthAllocRetriesOnce(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{FailOnNthAlloc: 2}, Config{})
+	mustAlloc(t, p, 4096, 0, 0)
+	mustAlloc(t, p, 30*MiB, 0, 0) // 2nd backend call fails, the retry works
+	s := stats(t, p)
+	assert.EqualValues(t, 1, s.NumAllocRetries)
+	assert.EqualValues(t, 0, s.NumOOMs)
+}
+
+func TestStatsMapHasTorchKeys(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{})
+	mustAlloc(t, p, 3000, 0, 0)
+	m := stats(t, p)
+	km := m.ToMap()
+	for _, k := range []string{"allocated_bytes.all.current", "reserved_bytes.small_pool.peak",
+		"active.large_pool.freed", "inactive_split_bytes.all.allocated", "requested_bytes.all.current",
+		"allocation.all.current", "segment.all.current", "num_alloc_retries", "num_ooms"} {
+		assert.Contains(t, km, k)
+	}
+	assert.EqualValues(t, 3072, km["allocated_bytes.all.current"])
+	assert.EqualValues(t, 3000, km["requested_bytes.small_pool.current"])
+	assert.EqualValues(t, 2*MiB, km["reserved_bytes.all.peak"])
+	assert.EqualValues(t, -1, km["max_split_size"])
+}
+
+// TestRandomWorkloadKeepsInvariants drives random allocs, frees, stream uses
+// and event completions across devices and streams, checking every invariant
+// after each step and that nothing leaks at the end.
+func TestRandomWorkloadKeepsInvariants(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	p, be := newTestPool(t, SimConfig{Devices: 2, ManualEvents: true, Capacity: 512 * MiB},
+		Config{MaxSplitSize: 40 * MiB, ReleaseThreshold: 200 * MiB})
+	sizes := []uint64{1, 512, 700, 4096, 100000, MiB, MiB + 1, 3 * MiB, 12 * MiB, 50 * MiB}
+	var live []uint64
+	for step := range 3000 {
+		switch op := rng.IntN(10); {
+		case op < 5:
+			sz := sizes[rng.IntN(len(sizes))] + uint64(rng.IntN(3000))
+			a, err := p.Alloc(sz, rng.IntN(2), Stream(rng.IntN(3)))
+			if err != nil {
+				require.ErrorIs(t, err, ErrOutOfMemory, "step %d", step)
+				continue
+			}
+			live = append(live, a)
+		case op < 8 && len(live) > 0:
+			i := rng.IntN(len(live))
+			if rng.IntN(4) == 0 {
+				require.NoError(t, p.RecordStream(live[i], Stream(rng.IntN(4))))
+			}
+			require.NoError(t, p.Free(live[i]))
+			live[i] = live[len(live)-1]
+			live = live[:len(live)-1]
+		case op == 8:
+			be.CompleteStream(Stream(rng.IntN(4)))
+		default:
+			if rng.IntN(20) == 0 {
+				_, err := p.EmptyCache()
+				require.NoError(t, err)
+			}
+		}
+		require.NoError(t, p.CheckInvariants(), "step %d", step)
+	}
+	for _, a := range live {
+		require.NoError(t, p.Free(a))
+	}
+	be.CompleteAll()
+	_, err := p.EmptyCache()
+	require.NoError(t, err)
+	s := stats(t, p)
+	assert.Zero(t, s.ActiveBytes[0].Current)
+	assert.Zero(t, s.ReservedBytes[0].Current)
+	assert.Zero(t, be.Stats().LiveSegments)
+	rep, err := p.Close()
+	require.NoError(t, err)
+	assert.Empty(t, rep.LiveBlocks)
+	assert.Zero(t, be.Stats().LiveEvents)
+}
+
+func TestConcurrentPoolsShareBackend(t *testing.T) {
+	be, err := NewSimBackend(SimConfig{Capacity: 8 << 30})
+	require.NoError(t, err)
+	shared, err := NewPool(Config{Name: "shared", Backend: be})
+	require.NoError(t, err)
+	var g errgroup.Group
+	for w := range 16 {
+		g.Go(func() error {
+			own, err := NewPool(Config{Name: "own", Backend: be})
+			if err != nil {
+				return err
+			}
+			rng := rand.New(rand.NewPCG(uint64(w), 9))
+			for range 2000 {
+				for _, p := range []*Pool{shared, own} {
+					a, err := p.Alloc(uint64(1+rng.IntN(3*MiB)), 0, Stream(w%3))
+					if err != nil {
+						return err
+					}
+					if err := p.Free(a); err != nil {
+						return err
+					}
+				}
+			}
+			if _, err := own.Close(); err != nil {
+				return err
+			}
+			return own.CheckInvariants()
+		})
+	}
+	require.NoError(t, g.Wait())
+	s := stats(t, shared)
+	assert.Zero(t, s.AllocatedBytes[0].Current)
+	assert.EqualValues(t, 16*2000, s.Allocation[0].Allocated)
+	assert.EqualValues(t, 16*2000, s.Allocation[0].Freed)
+	rep, err := shared.Close()
+	require.NoError(t, err)
+	assert.Empty(t, rep.LiveBlocks)
+	assert.Zero(t, be.Stats().LiveSegments)
+}

@@ -1,0 +1,613 @@
+package gocore
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/bits"
+	"math/rand/v2"
+	"slices"
+	"sort"
+	"sync"
+	"time"
+)
+
+// Defaults applied by NewSimBackend to zero-valued SimConfig fields.
+const (
+	// DefaultSimCapacity is the per-device capacity used when
+	// SimConfig.Capacity is 0 (80 GiB, an H100's worth).
+	DefaultSimCapacity uint64 = 80 << 30
+	// DefaultSimAlignment is the address alignment used when
+	// SimConfig.Alignment is 0.
+	DefaultSimAlignment uint64 = 512
+	// DefaultSimBase is the start of the simulated address space used when
+	// SimConfig.Base is 0.
+	DefaultSimBase uint64 = 0x7f0000000000
+)
+
+// simDeviceStride is the minimum distance between the address ranges of two
+// consecutive simulated devices (1 TiB).
+const simDeviceStride uint64 = 1 << 40
+
+// simSpinThreshold is the latency below which the simulator busy-waits
+// instead of sleeping, because time.Sleep is too coarse for short delays.
+const simSpinThreshold = 50 * time.Microsecond
+
+// SimConfig configures a SimBackend. The zero value is a usable single-device
+// backend with 80 GiB of memory, 512-byte alignment, no latency, no injected
+// failures and events that complete immediately.
+type SimConfig struct {
+	// Devices is the number of simulated devices (1 when 0; negative is an
+	// error).
+	Devices int
+	// Capacity is the number of bytes each device can hand out
+	// (DefaultSimCapacity when 0).
+	Capacity uint64
+	// Alignment is the alignment of every returned address and the unit to
+	// which sizes are rounded in the address space (DefaultSimAlignment when
+	// 0). It must be a power of two.
+	Alignment uint64
+	// Base is the first address of device 0's range (DefaultSimBase when 0).
+	// It must be a multiple of Alignment. Device d's range starts at
+	// Base + d*stride, where the stride is at least 1 TiB and at least twice
+	// the rounded capacity, so device ranges never overlap.
+	Base uint64
+	// Latency is added to every Alloc and Free call (time.Sleep above 50µs,
+	// a busy-wait below). It is never spent while holding the backend's lock.
+	Latency time.Duration
+	// FailOnNthAlloc makes the Nth call to Alloc (1-based, counting every
+	// call) fail with an error wrapping ErrBackendOutOfMemory; 0 disables it.
+	FailOnNthAlloc int
+	// FailRate is the probability in [0, 1] with which an otherwise valid
+	// Alloc fails with an error wrapping ErrBackendOutOfMemory.
+	FailRate float64
+	// Seed seeds the random source behind FailRate and FreeFailRate, so that
+	// equal seeds give equal failure sequences for equal call sequences.
+	Seed int64
+	// FreeFailRate is the probability in [0, 1] with which an otherwise valid
+	// Free fails with a plain error (not ErrBackendOutOfMemory); the segment
+	// then stays live.
+	FreeFailRate float64
+	// ManualEvents makes recorded events complete only when the test calls
+	// CompleteStream or CompleteAll. When false, every event is complete as
+	// soon as it is recorded.
+	ManualEvents bool
+}
+
+// SimStats is a snapshot of a SimBackend's counters.
+type SimStats struct {
+	// Allocs counts Alloc calls that succeeded.
+	Allocs uint64
+	// Frees counts Free calls that succeeded.
+	Frees uint64
+	// FailedAllocs counts Alloc calls that returned an error, injected or not.
+	FailedAllocs uint64
+	// FailedFrees counts Free calls that returned an error, injected or not.
+	FailedFrees uint64
+	// LiveSegments is the number of allocated, not yet freed segments over
+	// all devices.
+	LiveSegments int
+	// LiveBytes is the sum of the requested sizes of the live segments over
+	// all devices.
+	LiveBytes uint64
+	// EventsCreated counts successful NewEvent calls.
+	EventsCreated uint64
+	// EventsDestroyed counts successful DestroyEvent calls.
+	EventsDestroyed uint64
+	// LiveEvents is the number of events created and not yet destroyed.
+	LiveEvents int
+}
+
+// SimSegment describes one live segment of a SimBackend.
+type SimSegment struct {
+	// Device is the device the segment lives on.
+	Device int
+	// Addr is the segment's start address as returned by Alloc.
+	Addr uint64
+	// Size is the size requested from Alloc (not rounded).
+	Size uint64
+}
+
+// simRange is a half-open free address range [start, end).
+type simRange struct {
+	start, end uint64
+}
+
+// simDevice is the per-device state of a SimBackend.
+type simDevice struct {
+	used uint64            // sum of requested sizes of live segments
+	free []simRange        // sorted, coalesced free address ranges
+	live map[uint64]uint64 // segment start -> requested size
+}
+
+// simStreamKey identifies a stream on a device.
+type simStreamKey struct {
+	device int
+	stream Stream
+}
+
+// simStream holds a stream's submitted and completed work counters.
+type simStream struct {
+	submitted, completed uint64
+}
+
+// simEvent is the state behind an Event handle.
+type simEvent struct {
+	device   int
+	recorded bool
+	stream   Stream
+	seq      uint64
+}
+
+// SimBackend is a simulated device Backend for tests and demos. It hands out
+// aligned, non-overlapping addresses from a per-device address range,
+// enforces a per-device capacity, can inject allocation and free failures,
+// and lets tests control when stream work (and so events) completes. It is
+// safe for concurrent use.
+type SimBackend struct {
+	cfg    SimConfig // normalized
+	stride uint64
+
+	mu        sync.Mutex
+	rng       *rand.Rand
+	allocSeen uint64 // number of Alloc calls so far
+	devices   []simDevice
+	streams   map[simStreamKey]*simStream
+	events    map[Event]*simEvent
+	nextEvent Event
+	manual    bool
+	stats     SimStats // counters only; live fields are computed
+}
+
+var _ Backend = (*SimBackend)(nil)
+
+// simValidRate reports whether r is a probability.
+func simValidRate(r float64) bool {
+	return !math.IsNaN(r) && r >= 0 && r <= 1
+}
+
+// simAlignUp rounds v up to a multiple of the power of two a, reporting false
+// on overflow.
+func simAlignUp(v, a uint64) (uint64, bool) {
+	r, carry := bits.Add64(v, a-1, 0)
+	if carry != 0 {
+		return 0, false
+	}
+	return r &^ (a - 1), true
+}
+
+// NewSimBackend validates cfg, applies its defaults and returns a backend
+// with every device empty.
+func NewSimBackend(cfg SimConfig) (*SimBackend, error) {
+	if cfg.Devices < 0 {
+		return nil, fmt.Errorf("sim: invalid config: Devices %d is negative", cfg.Devices)
+	}
+	if cfg.Devices == 0 {
+		cfg.Devices = 1
+	}
+	if cfg.Capacity == 0 {
+		cfg.Capacity = DefaultSimCapacity
+	}
+	if cfg.Alignment == 0 {
+		cfg.Alignment = DefaultSimAlignment
+	}
+	if cfg.Alignment&(cfg.Alignment-1) != 0 {
+		return nil, fmt.Errorf("sim: invalid config: Alignment %d is not a power of two", cfg.Alignment)
+	}
+	if cfg.Base == 0 {
+		// The default base is 1 TiB-aligned; round it up for larger
+		// alignments.
+		base, ok := simAlignUp(DefaultSimBase, cfg.Alignment)
+		if !ok {
+			return nil, fmt.Errorf("sim: invalid config: Alignment %d too large for the address space", cfg.Alignment)
+		}
+		cfg.Base = base
+	}
+	if cfg.Base%cfg.Alignment != 0 {
+		return nil, fmt.Errorf("sim: invalid config: Base %#x is not a multiple of Alignment %d", cfg.Base, cfg.Alignment)
+	}
+	if cfg.Latency < 0 {
+		return nil, fmt.Errorf("sim: invalid config: Latency %v is negative", cfg.Latency)
+	}
+	if cfg.FailOnNthAlloc < 0 {
+		return nil, fmt.Errorf("sim: invalid config: FailOnNthAlloc %d is negative", cfg.FailOnNthAlloc)
+	}
+	if !simValidRate(cfg.FailRate) {
+		return nil, fmt.Errorf("sim: invalid config: FailRate %v is not in [0, 1]", cfg.FailRate)
+	}
+	if !simValidRate(cfg.FreeFailRate) {
+		return nil, fmt.Errorf("sim: invalid config: FreeFailRate %v is not in [0, 1]", cfg.FreeFailRate)
+	}
+
+	// Each device gets a range of stride bytes: at least 1 TiB and at least
+	// twice the rounded capacity (slack against fragmentation), rounded to a
+	// multiple of 1 TiB and of the alignment.
+	capRounded, ok := simAlignUp(cfg.Capacity, cfg.Alignment)
+	hi, twice := bits.Mul64(capRounded, 2)
+	if !ok || hi != 0 {
+		return nil, fmt.Errorf("sim: invalid config: Capacity %d too large for the address space", cfg.Capacity)
+	}
+	stride, ok := simAlignUp(max(twice, simDeviceStride), max(simDeviceStride, cfg.Alignment))
+	if !ok {
+		return nil, fmt.Errorf("sim: invalid config: Capacity %d too large for the address space", cfg.Capacity)
+	}
+	hi, span := bits.Mul64(stride, uint64(cfg.Devices))
+	_, carry := bits.Add64(cfg.Base, span, 0)
+	if hi != 0 || carry != 0 {
+		return nil, fmt.Errorf("sim: invalid config: %d devices of %d bytes from Base %#x overflow the address space",
+			cfg.Devices, stride, cfg.Base)
+	}
+
+	b := &SimBackend{
+		cfg:       cfg,
+		stride:    stride,
+		rng:       rand.New(rand.NewPCG(uint64(cfg.Seed), uint64(cfg.Seed)^0x9e3779b97f4a7c15)),
+		devices:   make([]simDevice, cfg.Devices),
+		streams:   make(map[simStreamKey]*simStream),
+		events:    make(map[Event]*simEvent),
+		nextEvent: 1,
+		manual:    cfg.ManualEvents,
+	}
+	for d := range b.devices {
+		start := cfg.Base + uint64(d)*stride
+		b.devices[d] = simDevice{
+			free: []simRange{{start: start, end: start + stride}},
+			live: make(map[uint64]uint64),
+		}
+	}
+	return b, nil
+}
+
+// Config returns the backend's configuration with defaults applied.
+func (b *SimBackend) Config() SimConfig { return b.cfg }
+
+// Name returns "sim".
+func (b *SimBackend) Name() string { return "sim" }
+
+// Devices returns the configured number of devices.
+func (b *SimBackend) Devices() int { return b.cfg.Devices }
+
+// Alignment returns the configured alignment of returned addresses.
+func (b *SimBackend) Alignment() uint64 { return b.cfg.Alignment }
+
+// checkDevice returns an error if device is not a valid ordinal.
+func (b *SimBackend) checkDevice(op string, device int) error {
+	if device < 0 || device >= b.cfg.Devices {
+		return fmt.Errorf("sim: %s: invalid device %d (backend has %d devices)", op, device, b.cfg.Devices)
+	}
+	return nil
+}
+
+// Capacity returns the device's capacity and the bytes not in live segments.
+func (b *SimBackend) Capacity(device int) (total, free uint64, err error) {
+	if err := b.checkDevice("capacity", device); err != nil {
+		return 0, 0, err
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.cfg.Capacity, b.cfg.Capacity - b.devices[device].used, nil
+}
+
+// UsedBytes returns the sum of the requested sizes of device's live
+// segments, or 0 for an invalid device.
+func (b *SimBackend) UsedBytes(device int) uint64 {
+	if device < 0 || device >= b.cfg.Devices {
+		return 0
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.devices[device].used
+}
+
+// delay spends the configured latency without holding the lock.
+func (b *SimBackend) delay() {
+	d := b.cfg.Latency
+	if d <= 0 {
+		return
+	}
+	if d > simSpinThreshold {
+		time.Sleep(d)
+		return
+	}
+	start := time.Now()
+	for time.Since(start) < d {
+	}
+}
+
+// Alloc returns the start of a new segment of size bytes on device. The
+// address is aligned to Alignment and the segment, rounded up to Alignment,
+// overlaps no other live segment. Errors caused by exhausted capacity or by
+// injected failures (FailOnNthAlloc, FailRate) wrap ErrBackendOutOfMemory.
+// The stream is ignored: the simulator's allocations are synchronous.
+func (b *SimBackend) Alloc(device int, size uint64, stream Stream) (addr uint64, err error) {
+	b.delay()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.allocSeen++
+	addr, err = b.allocLocked(device, size)
+	if err != nil {
+		b.stats.FailedAllocs++
+		return 0, err
+	}
+	b.stats.Allocs++
+	return addr, nil
+}
+
+// allocLocked does Alloc's work; b.mu must be held.
+func (b *SimBackend) allocLocked(device int, size uint64) (uint64, error) {
+	if err := b.checkDevice("alloc", device); err != nil {
+		return 0, err
+	}
+	if size == 0 {
+		return 0, fmt.Errorf("sim: alloc on device %d: size is 0", device)
+	}
+	if n := b.cfg.FailOnNthAlloc; n > 0 && b.allocSeen == uint64(n) {
+		return 0, fmt.Errorf("sim: alloc of %d bytes on device %d: injected failure on alloc call %d: %w",
+			size, device, n, ErrBackendOutOfMemory)
+	}
+	if b.cfg.FailRate > 0 && b.rng.Float64() < b.cfg.FailRate {
+		return 0, fmt.Errorf("sim: alloc of %d bytes on device %d: injected failure (FailRate %v): %w",
+			size, device, b.cfg.FailRate, ErrBackendOutOfMemory)
+	}
+	dev := &b.devices[device]
+	if size > b.cfg.Capacity-dev.used {
+		return 0, fmt.Errorf("sim: alloc of %d bytes on device %d: %d of %d bytes in use: %w",
+			size, device, dev.used, b.cfg.Capacity, ErrBackendOutOfMemory)
+	}
+	// size <= Capacity, whose rounding was checked not to overflow.
+	rounded, _ := simAlignUp(size, b.cfg.Alignment)
+	for i := range dev.free {
+		r := &dev.free[i]
+		if r.end-r.start < rounded {
+			continue
+		}
+		addr := r.start
+		r.start += rounded
+		if r.start == r.end {
+			dev.free = slices.Delete(dev.free, i, i+1)
+		}
+		dev.live[addr] = size
+		dev.used += size
+		return addr, nil
+	}
+	return 0, fmt.Errorf("sim: alloc of %d bytes on device %d: no contiguous free address range (%d of %d bytes in use): %w",
+		size, device, dev.used, b.cfg.Capacity, ErrBackendOutOfMemory)
+}
+
+// Free releases the segment at addr on device, which must be the start of a
+// live segment allocated with exactly size bytes; otherwise Free returns an
+// error and changes nothing. With FreeFailRate, a valid Free may fail with a
+// plain error, leaving the segment live.
+func (b *SimBackend) Free(device int, addr, size uint64, stream Stream) error {
+	b.delay()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if err := b.freeLocked(device, addr, size); err != nil {
+		b.stats.FailedFrees++
+		return err
+	}
+	b.stats.Frees++
+	return nil
+}
+
+// errSimInjectedFreeFailure is wrapped by injected Free failures.
+var errSimInjectedFreeFailure = errors.New("injected free failure")
+
+// freeLocked does Free's work; b.mu must be held.
+func (b *SimBackend) freeLocked(device int, addr, size uint64) error {
+	if err := b.checkDevice("free", device); err != nil {
+		return err
+	}
+	dev := &b.devices[device]
+	liveSize, ok := dev.live[addr]
+	if !ok {
+		return fmt.Errorf("sim: free of %#x on device %d: not the start of a live segment", addr, device)
+	}
+	if liveSize != size {
+		return fmt.Errorf("sim: free of %#x on device %d: size %d does not match allocated size %d",
+			addr, device, size, liveSize)
+	}
+	if b.cfg.FreeFailRate > 0 && b.rng.Float64() < b.cfg.FreeFailRate {
+		return fmt.Errorf("sim: free of %#x (%d bytes) on device %d: %w (FreeFailRate %v)",
+			addr, size, device, errSimInjectedFreeFailure, b.cfg.FreeFailRate)
+	}
+	rounded, _ := simAlignUp(size, b.cfg.Alignment)
+	delete(dev.live, addr)
+	dev.used -= size
+	dev.release(addr, addr+rounded)
+	return nil
+}
+
+// release returns [start, end) to the device's free list, coalescing it with
+// adjacent free ranges.
+func (dev *simDevice) release(start, end uint64) {
+	// i is the first free range that starts at or after end.
+	i := sort.Search(len(dev.free), func(i int) bool { return dev.free[i].start >= end })
+	mergePrev := i > 0 && dev.free[i-1].end == start
+	mergeNext := i < len(dev.free) && dev.free[i].start == end
+	switch {
+	case mergePrev && mergeNext:
+		dev.free[i-1].end = dev.free[i].end
+		dev.free = slices.Delete(dev.free, i, i+1)
+	case mergePrev:
+		dev.free[i-1].end = end
+	case mergeNext:
+		dev.free[i].start = start
+	default:
+		dev.free = slices.Insert(dev.free, i, simRange{start: start, end: end})
+	}
+}
+
+// NewEvent creates an unrecorded event on device. Querying an unrecorded
+// event reports it done, as CUDA does.
+func (b *SimBackend) NewEvent(device int) (Event, error) {
+	if err := b.checkDevice("new event", device); err != nil {
+		return 0, err
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	ev := b.nextEvent
+	b.nextEvent++
+	b.events[ev] = &simEvent{device: device}
+	b.stats.EventsCreated++
+	return ev, nil
+}
+
+// lookupEventLocked returns ev's state or an error naming op; b.mu must be
+// held.
+func (b *SimBackend) lookupEventLocked(op string, ev Event) (*simEvent, error) {
+	e, ok := b.events[ev]
+	if ok {
+		return e, nil
+	}
+	if ev != 0 && ev < b.nextEvent {
+		return nil, fmt.Errorf("sim: %s: event %d was destroyed", op, ev)
+	}
+	return nil, fmt.Errorf("sim: %s: unknown event %d", op, ev)
+}
+
+// streamLocked returns the state of stream on device, creating it; b.mu
+// must be held.
+func (b *SimBackend) streamLocked(device int, stream Stream) *simStream {
+	k := simStreamKey{device: device, stream: stream}
+	s, ok := b.streams[k]
+	if !ok {
+		s = &simStream{}
+		b.streams[k] = s
+	}
+	return s
+}
+
+// RecordEvent captures the work submitted so far to stream (on ev's device)
+// into ev: it counts one more submission on the stream and remembers it. In
+// manual mode the event stays pending until CompleteStream or CompleteAll;
+// otherwise it completes at once. Recording again replaces the capture.
+func (b *SimBackend) RecordEvent(ev Event, stream Stream) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	e, err := b.lookupEventLocked("record event", ev)
+	if err != nil {
+		return err
+	}
+	s := b.streamLocked(e.device, stream)
+	s.submitted++
+	if !b.manual {
+		s.completed = s.submitted
+	}
+	e.recorded = true
+	e.stream = stream
+	e.seq = s.submitted
+	return nil
+}
+
+// QueryEvent reports whether the work captured by ev has completed.
+func (b *SimBackend) QueryEvent(ev Event) (done bool, err error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	e, err := b.lookupEventLocked("query event", ev)
+	if err != nil {
+		return false, err
+	}
+	if !e.recorded {
+		return true, nil
+	}
+	return b.streamLocked(e.device, e.stream).completed >= e.seq, nil
+}
+
+// DestroyEvent releases ev; destroying an unknown or already destroyed
+// event is an error.
+func (b *SimBackend) DestroyEvent(ev Event) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if _, err := b.lookupEventLocked("destroy event", ev); err != nil {
+		return err
+	}
+	delete(b.events, ev)
+	b.stats.EventsDestroyed++
+	return nil
+}
+
+// CompleteStream marks all work submitted so far to stream s, on every
+// device, as completed, so events recorded on it report done.
+func (b *SimBackend) CompleteStream(s Stream) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for k, st := range b.streams {
+		if k.stream == s {
+			st.completed = st.submitted
+		}
+	}
+}
+
+// CompleteAll marks all work submitted so far to every stream as completed.
+func (b *SimBackend) CompleteAll() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.completeAllLocked()
+}
+
+// completeAllLocked does CompleteAll's work; b.mu must be held.
+func (b *SimBackend) completeAllLocked() {
+	for _, st := range b.streams {
+		st.completed = st.submitted
+	}
+}
+
+// SetManualEvents switches between manual event completion (true) and
+// immediate completion (false). Switching to false completes all pending
+// work.
+func (b *SimBackend) SetManualEvents(manual bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.manual = manual
+	if !manual {
+		b.completeAllLocked()
+	}
+}
+
+// ManualEvents reports whether events currently complete only on
+// CompleteStream or CompleteAll.
+func (b *SimBackend) ManualEvents() bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.manual
+}
+
+// Stats returns a snapshot of the backend's counters.
+func (b *SimBackend) Stats() SimStats {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	st := b.stats
+	for d := range b.devices {
+		st.LiveSegments += len(b.devices[d].live)
+		st.LiveBytes += b.devices[d].used
+	}
+	st.LiveEvents = len(b.events)
+	return st
+}
+
+// LiveSegmentsList returns every live segment sorted by device, then
+// address; it is empty when nothing leaks.
+func (b *SimBackend) LiveSegmentsList() []SimSegment {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var segs []SimSegment
+	for d := range b.devices {
+		for addr, size := range b.devices[d].live {
+			segs = append(segs, SimSegment{Device: d, Addr: addr, Size: size})
+		}
+	}
+	slices.SortFunc(segs, func(x, y SimSegment) int {
+		if x.Device != y.Device {
+			return x.Device - y.Device
+		}
+		switch {
+		case x.Addr < y.Addr:
+			return -1
+		case x.Addr > y.Addr:
+			return 1
+		}
+		return 0
+	})
+	return segs
+}

@@ -1,0 +1,120 @@
+package gocore
+
+// Stat is one counter in torch's memory_stats() shape.
+type Stat struct {
+	Current, Peak, Allocated, Freed int64
+}
+
+func (s *Stat) add(n int64) {
+	s.Current += n
+	if n >= 0 {
+		s.Allocated += n
+		if s.Current > s.Peak {
+			s.Peak = s.Current
+		}
+	} else {
+		s.Freed -= n
+	}
+}
+
+// StatArray holds a Stat for all blocks, the small pool and the large pool,
+// in that order (torch's StatType: AGGREGATE, SMALL_POOL, LARGE_POOL).
+type StatArray [3]Stat
+
+func (a *StatArray) add(k poolKind, n int64) {
+	a[0].add(n)
+	a[k].add(n)
+}
+
+// Stats are a pool's statistics on one device (or summed over devices), with
+// the meanings of torch.cuda.memory_stats().
+type Stats struct {
+	Allocation          StatArray // blocks handed to callers
+	Segment             StatArray // segments obtained from the backend
+	Active              StatArray // allocated blocks plus freed ones awaiting events
+	InactiveSplit       StatArray // free blocks inside partly used segments
+	AllocatedBytes      StatArray
+	ReservedBytes       StatArray
+	ActiveBytes         StatArray
+	InactiveSplitBytes  StatArray
+	RequestedBytes      StatArray // callers' sizes before rounding
+	OversizeAllocations Stat      // allocations of blocks >= MaxSplitSize
+	OversizeSegments    Stat      // segments >= MaxSplitSize
+
+	NumAllocRetries int64 // allocations that released the cache and retried
+	NumOOMs         int64 // allocations that failed with OutOfMemoryError
+	NumDeviceAlloc  int64 // Backend.Alloc calls that succeeded
+	NumDeviceFree   int64 // Backend.Free calls that succeeded
+	NumCacheHits    int64 // allocations served without a Backend.Alloc
+	NumRecordStream int64 // RecordStream calls that added a stream use
+	MaxSplitSize    int64 // the pool's option, -1 when unlimited
+}
+
+// Merge adds o into s. Peaks are summed, which bounds the peak of the sum:
+// per-device peaks need not have happened at the same moment.
+func (s *Stats) Merge(o *Stats) {
+	arrays := [...]*StatArray{&s.Allocation, &s.Segment, &s.Active, &s.InactiveSplit,
+		&s.AllocatedBytes, &s.ReservedBytes, &s.ActiveBytes, &s.InactiveSplitBytes, &s.RequestedBytes}
+	others := [...]*StatArray{&o.Allocation, &o.Segment, &o.Active, &o.InactiveSplit,
+		&o.AllocatedBytes, &o.ReservedBytes, &o.ActiveBytes, &o.InactiveSplitBytes, &o.RequestedBytes}
+	for i, a := range arrays {
+		for k := range a {
+			mergeStat(&a[k], &others[i][k])
+		}
+	}
+	mergeStat(&s.OversizeAllocations, &o.OversizeAllocations)
+	mergeStat(&s.OversizeSegments, &o.OversizeSegments)
+	s.NumAllocRetries += o.NumAllocRetries
+	s.NumOOMs += o.NumOOMs
+	s.NumDeviceAlloc += o.NumDeviceAlloc
+	s.NumDeviceFree += o.NumDeviceFree
+	s.NumCacheHits += o.NumCacheHits
+	s.NumRecordStream += o.NumRecordStream
+	s.MaxSplitSize = o.MaxSplitSize
+}
+
+func mergeStat(a, b *Stat) {
+	a.Current += b.Current
+	a.Peak += b.Peak
+	a.Allocated += b.Allocated
+	a.Freed += b.Freed
+}
+
+// ToMap flattens the stats with torch's key names, e.g.
+// "allocated_bytes.all.current" or "num_alloc_retries".
+func (s *Stats) ToMap() map[string]int64 {
+	m := make(map[string]int64, 128)
+	named := []struct {
+		name string
+		arr  *StatArray
+	}{
+		{"allocation", &s.Allocation}, {"segment", &s.Segment}, {"active", &s.Active},
+		{"inactive_split", &s.InactiveSplit}, {"allocated_bytes", &s.AllocatedBytes},
+		{"reserved_bytes", &s.ReservedBytes}, {"active_bytes", &s.ActiveBytes},
+		{"inactive_split_bytes", &s.InactiveSplitBytes}, {"requested_bytes", &s.RequestedBytes},
+	}
+	for _, n := range named {
+		for k, pool := range [...]string{"all", "small_pool", "large_pool"} {
+			putStat(m, n.name+"."+pool, &n.arr[k])
+		}
+	}
+	putStat(m, "oversize_allocations", &s.OversizeAllocations)
+	putStat(m, "oversize_segments", &s.OversizeSegments)
+	m["num_alloc_retries"] = s.NumAllocRetries
+	m["num_ooms"] = s.NumOOMs
+	m["num_device_alloc"] = s.NumDeviceAlloc
+	m["num_device_free"] = s.NumDeviceFree
+	m["num_cache_hits"] = s.NumCacheHits
+	m["num_record_stream"] = s.NumRecordStream
+	m["max_split_size"] = s.MaxSplitSize
+	// torch reports these; the engine never synchronizes all streams.
+	m["num_sync_all_streams"] = 0
+	return m
+}
+
+func putStat(m map[string]int64, prefix string, s *Stat) {
+	m[prefix+".current"] = s.Current
+	m[prefix+".peak"] = s.Peak
+	m[prefix+".allocated"] = s.Allocated
+	m[prefix+".freed"] = s.Freed
+}

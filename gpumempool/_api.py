@@ -1,0 +1,71 @@
+"""The public API, re-exported by gpumempool/__init__.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from . import _native
+from ._callbacks import ALLOC_FN, FREE_FN
+from ._errors import (
+    BackendError,
+    DoubleFreeError,
+    GpuMemPoolError,
+    InvalidArgumentError,
+    InvalidPointerError,
+    LeakWarning,
+    OutOfMemoryError,
+    PoolClosedError,
+)
+from ._pool import CloseReport, LiveBlock, MemPool
+
+__all__ = [
+    "ALLOC_FN",
+    "FREE_FN",
+    "BackendError",
+    "CloseReport",
+    "DoubleFreeError",
+    "GpuMemPoolError",
+    "InvalidArgumentError",
+    "InvalidPointerError",
+    "LeakWarning",
+    "LiveBlock",
+    "MemPool",
+    "OutOfMemoryError",
+    "PoolClosedError",
+    "__version__",
+    "backends",
+    "device_info",
+    "devices",
+    "library_path",
+    "pools",
+]
+
+__version__: str = _native.bindings.Version()
+
+
+def library_path() -> str:
+    """Path of the shared library holding the engine and its C ABI."""
+    return _native.library_path()
+
+
+def backends() -> list[str]:
+    """Names of the backends this build provides."""
+    return _native.bindings.Backends().split(",")
+
+
+def device_info() -> dict[str, Any]:
+    """NVIDIA devices seen by NVML: ``{"devices": [...], "reason": str}``.
+    Without a driver the list is empty and ``reason`` says why."""
+    return json.loads(_native.bindings.Devices())
+
+
+def devices() -> list[dict[str, Any]]:
+    """NVIDIA devices (name, uuid, total/free/used bytes, NUMA node, compute
+    capability); an empty list on a machine without a driver."""
+    return device_info()["devices"]
+
+
+def pools() -> list[dict[str, Any]]:
+    """The open pools of this process: handle, name and backend."""
+    return json.loads(_native.bindings.ListPools())

@@ -1,0 +1,350 @@
+"""MemPool: a caching allocator pool over one backend."""
+
+from __future__ import annotations
+
+import json
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, TypeVar
+
+from . import _native
+from ._callbacks import AllocatorFunction, CallbackErrors, function_address
+from ._errors import BackendError, InvalidArgumentError, LeakWarning, PoolClosedError, translate
+
+__all__ = ["CloseReport", "LiveBlock", "MemPool", "as_stream"]
+
+_b = _native.bindings
+T = TypeVar("T")
+
+#: Options of the simulated device (``backend="sim"``).
+SIM_OPTIONS = (
+    "capacity",
+    "alignment",
+    "devices",
+    "latency_ns",
+    "fail_on_nth_alloc",
+    "fail_rate",
+    "seed",
+    "free_fail_rate",
+    "manual_events",
+)
+#: Options of the ``callback`` backend (besides ``alloc`` and ``free``).
+CALLBACK_OPTIONS = ("devices", "alignment")
+
+_U64 = 1 << 64
+
+
+@dataclass(frozen=True)
+class LiveBlock:
+    """A block still allocated when its pool was closed."""
+
+    device: int
+    addr: int
+    size: int
+    requested: int
+    stream: int
+
+
+@dataclass(frozen=True)
+class CloseReport:
+    """What :meth:`MemPool.close` found and released."""
+
+    live_blocks: list[LiveBlock] = field(default_factory=list)
+    live_bytes: int = 0
+    segments_freed: int = 0
+    bytes_freed: int = 0
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not lo <= value < hi:
+        raise InvalidArgumentError(f"{name} must be in [{lo}, {hi}), got {value}")
+    return value
+
+
+def as_stream(stream: Any) -> int:
+    """A stream handle as an int: an int, None (the default stream), or an
+    object with ``cuda_stream`` (torch.cuda.Stream) or ``ptr`` (cupy)."""
+    if stream is None:
+        return 0
+    for attr in ("cuda_stream", "ptr"):
+        if not isinstance(stream, int) and hasattr(stream, attr):
+            stream = getattr(stream, attr)
+            break
+    return _check_int("stream", stream, 0, _U64)
+
+
+def _device_index(device: Any) -> int:
+    """0, 1, ... or "cuda:1" / torch.device("cuda", 1)."""
+    if isinstance(device, str):
+        head, _, idx = device.partition(":")
+        if head not in ("cuda", "sim", "") or (idx and not idx.isdigit()):
+            raise InvalidArgumentError(f"device must be an int or 'cuda:N', got {device!r}")
+        return int(idx) if idx else 0
+    if hasattr(device, "index") and hasattr(device, "type"):
+        return device.index or 0
+    return _check_int("device", device, 0, 1 << 20)
+
+
+class MemPool:
+    """A pool of device memory that caches blocks the way torch's allocator
+    does, with segments from the backend you choose.
+
+    ``backend="sim"`` (the default) is a simulated device: without options
+    it is one process-wide device of 80 GiB shared by every such pool; any of
+    the :data:`SIM_OPTIONS` give the pool a private one. Pass ``alloc`` and
+    ``free`` (C function addresses, ctypes functions or Python callables with
+    torch's pluggable-allocator signatures) for the ``callback`` backend.
+
+    Common options: ``name``; ``limit`` (bytes the pool may reserve per
+    device); ``max_split_size`` (torch's max_split_size_mb, in bytes);
+    ``release_threshold`` (unused bytes kept cached per device; 0 keeps all).
+
+    Thread-safe. Use it as a context manager to close it on exit.
+    """
+
+    def __init__(
+        self,
+        backend: str = "sim",
+        *,
+        alloc: Optional[AllocatorFunction] = None,
+        free: Optional[AllocatorFunction] = None,
+        name: Optional[str] = None,
+        limit: Optional[int] = None,
+        max_split_size: Optional[int] = None,
+        release_threshold: Optional[int] = None,
+        **options: Any,
+    ) -> None:
+        self._id = 0
+        self._lock = threading.Lock()
+        self._report: Optional[CloseReport] = None
+        self._callback_errors = CallbackErrors()
+        self._keep: list[Any] = []
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+        if alloc is not None or free is not None:
+            if backend not in ("sim", "callback"):
+                raise InvalidArgumentError(f"alloc/free callbacks cannot be combined with backend={backend!r}")
+            if alloc is None or free is None:
+                raise InvalidArgumentError("pass both alloc and free (an allocator needs its deleter)")
+            backend = "callback"
+        valid = {"sim": SIM_OPTIONS, "callback": CALLBACK_OPTIONS}
+        if backend not in valid:
+            raise InvalidArgumentError(
+                f"unknown backend {backend!r}; valid backends: {', '.join(sorted(valid))} "
+                "(the GPU backends cuda, async, vmm, nccl and host are not built yet)"
+            )
+        unknown = sorted(set(options) - set(valid[backend]))
+        if unknown:
+            raise InvalidArgumentError(
+                f"unknown option(s) {', '.join(unknown)} for backend {backend!r}; "
+                f"valid: name, limit, max_split_size, release_threshold, {', '.join(valid[backend])}"
+            )
+        cfg: dict[str, Any] = {"backend": backend}
+        if name is not None:
+            if not isinstance(name, str):
+                raise TypeError(f"name must be a str, got {type(name).__name__}")
+            cfg["name"] = name
+        for key, value in (("limit", limit), ("max_split_size", max_split_size), ("release_threshold", release_threshold)):
+            if value is not None:
+                cfg[key] = _check_int(key, value, 0, _U64)
+        if backend == "sim":
+            if options:
+                sim: dict[str, Any] = {}
+                for key, value in options.items():
+                    if key in ("fail_rate", "free_fail_rate"):
+                        if isinstance(value, bool) or not isinstance(value, (int, float)):
+                            raise TypeError(f"{key} must be a number, got {type(value).__name__}")
+                        sim[key] = float(value)
+                    elif key == "manual_events":
+                        sim[key] = bool(value)
+                    else:
+                        sim[key] = _check_int(key, value, 0 if key != "seed" else -(1 << 63), 1 << 63)
+                cfg["sim"] = sim
+        else:
+            for key in CALLBACK_OPTIONS:
+                if key in options:
+                    cfg[key] = _check_int(key, options[key], 0, 1 << 31)
+            assert alloc is not None and free is not None
+            cfg["alloc_fn"], keep_a = function_address(alloc, "alloc", self._callback_errors)
+            cfg["free_fn"], keep_f = function_address(free, "free", self._callback_errors)
+            self._keep += [keep_a, keep_f]
+        self._id = self._native(_b.NewPool, json.dumps(cfg))
+        self.backend: str = backend
+
+    # -- plumbing -------------------------------------------------------
+
+    def _native(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            result = fn(*args)
+        except RuntimeError as exc:
+            err = translate(exc)
+            cb = self._callback_errors.take()
+            if cb:
+                raise BackendError(f"{err} (raised by the Python {self.backend} function)") from cb[0]
+            raise err from None
+        cb = self._callback_errors.take()
+        if cb:
+            raise BackendError(f"a Python allocator callback raised {cb[0]!r}") from cb[0]
+        return result
+
+    def _handle(self) -> int:
+        if self._report is not None or not self._id:
+            raise PoolClosedError(f"pool {self._name_or_id()} is closed")
+        return self._id
+
+    def _name_or_id(self) -> str:
+        return repr(getattr(self, "_cached_name", None) or f"#{self._id}")
+
+    # -- allocation -----------------------------------------------------
+
+    def alloc(self, size: int, device: Any = 0, stream: Any = 0) -> int:
+        """Allocate ``size`` bytes on ``device`` for work on ``stream``;
+        return the address. Raises :class:`OutOfMemoryError` when the pool
+        cannot serve it even after releasing its cache."""
+        size = _check_int("size", size, 1, 1 << 63)
+        return self._native(_b.PoolAlloc, self._handle(), size, _device_index(device), as_stream(stream))
+
+    def free(self, ptr: int) -> None:
+        """Return the block at ``ptr`` to the pool."""
+        ptr = _check_int("ptr", ptr, 0, _U64)
+        self._native(_b.PoolFree, self._handle(), ptr)
+
+    def record_stream(self, ptr: int, stream: Any) -> None:
+        """Mark the block at ``ptr`` as used on ``stream``: after it is freed
+        it is reused only once that stream's work up to the free is done."""
+        ptr = _check_int("ptr", ptr, 0, _U64)
+        self._native(_b.PoolRecordStream, self._handle(), ptr, as_stream(stream))
+
+    def process_events(self) -> int:
+        """Free blocks whose cross-stream events completed; return how many
+        frees still wait."""
+        return self._native(_b.PoolProcessEvents, self._handle())
+
+    # -- cache ------------------------------------------------------------
+
+    def empty_cache(self) -> int:
+        """Release every wholly free segment to the backend; return bytes released."""
+        return self._native(_b.PoolEmptyCache, self._handle())
+
+    def trim(self, keep_bytes: int = 0, device: Optional[Any] = None) -> int:
+        """Release whole free segments until at most ``keep_bytes`` unused
+        bytes stay cached on ``device`` (every device when None)."""
+        keep = _check_int("keep_bytes", keep_bytes, 0, _U64)
+        dev = -1 if device is None else _device_index(device)
+        return self._native(_b.PoolTrim, self._handle(), dev, keep)
+
+    def set_limit(self, limit: Optional[int]) -> None:
+        """Cap the bytes the pool reserves per device (None or 0: no cap)."""
+        self._native(_b.PoolSetLimit, self._handle(), _check_int("limit", limit or 0, 0, _U64))
+
+    def set_release_threshold(self, nbytes: Optional[int]) -> None:
+        """Keep at most ``nbytes`` unused bytes cached per device (None or 0: all)."""
+        self._native(_b.PoolSetReleaseThreshold, self._handle(), _check_int("nbytes", nbytes or 0, 0, _U64))
+
+    # -- introspection ------------------------------------------------------
+
+    def stats(self, device: Optional[Any] = None) -> dict[str, int]:
+        """Statistics with torch.cuda.memory_stats() key names, for one
+        device or summed over all (peaks are then summed per-device peaks)."""
+        dev = -1 if device is None else _device_index(device)
+        return json.loads(self._native(_b.PoolStats, self._handle(), dev))
+
+    def config(self) -> dict[str, Any]:
+        """The pool's name, backend and options."""
+        return json.loads(self._native(_b.PoolConfig, self._handle()))
+
+    @property
+    def name(self) -> str:
+        """The pool's name."""
+        if not hasattr(self, "_cached_name"):
+            self._cached_name = self.config()["name"]
+        return self._cached_name
+
+    @property
+    def handle(self) -> int:
+        """The pool's handle in the native library (for gmp_pool_alloc)."""
+        return self._handle()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the pool has been closed."""
+        return self._report is not None
+
+    def check(self) -> None:
+        """Verify the engine's invariants; raises BackendError on violation."""
+        self._native(_b.PoolCheck, self._handle())
+
+    def last_error(self) -> Optional[str]:
+        """The last error recorded by a C-ABI call on this pool (they return
+        NULL instead of raising), cleared by reading; None when none."""
+        return self._native(_b.PoolTakeError, self._handle()) or None
+
+    # -- C ABI --------------------------------------------------------------
+
+    def pluggable_symbols(self) -> tuple[str, str, str]:
+        """``(library path, alloc symbol, free symbol)`` for
+        ``torch.cuda.memory.CUDAPluggableAllocator``: exported C functions
+        with torch's signatures that allocate from this very pool, in the
+        library this Python process already loaded."""
+        names = self._native(_b.PoolSymbols, self._handle())
+        alloc_sym, free_sym = names.split(",")
+        return _native.library_path(), alloc_sym, free_sym
+
+    # -- simulated device controls ----------------------------------------
+
+    def sim_complete(self, stream: Any = None) -> None:
+        """Complete the queued work of ``stream`` (all streams when None) on
+        the pool's simulated device."""
+        self._native(_b.SimCompleteStream, self._handle(), 0 if stream is None else as_stream(stream), stream is None)
+
+    def sim_manual_events(self, manual: bool = True) -> None:
+        """Make the simulated device's events complete only on sim_complete()."""
+        self._native(_b.SimSetManualEvents, self._handle(), bool(manual))
+
+    def sim_stats(self) -> dict[str, int]:
+        """Counters of the pool's simulated device (calls, live segments)."""
+        return json.loads(self._native(_b.SimStats, self._handle()))
+
+    # -- lifetime -------------------------------------------------------------
+
+    def close(self) -> CloseReport:
+        """Return every segment to the backend and forget the pool. Blocks
+        still allocated become invalid; they are listed in the report and a
+        :class:`LeakWarning` is issued. Closing again returns the same report."""
+        with self._lock:
+            if self._report is not None:
+                return self._report
+            if not self._id:
+                raise PoolClosedError("pool was never opened")
+            self._cached_name = getattr(self, "_cached_name", None) or self.config()["name"]
+            try:
+                raw = json.loads(self._native(_b.PoolClose, self._id))
+            except PoolClosedError:
+                raw = {"live_blocks": []}  # closed through another object or thread
+            self._report = CloseReport(
+                live_blocks=[LiveBlock(**b) for b in raw.get("live_blocks", [])],
+                live_bytes=raw.get("live_bytes", 0),
+                segments_freed=raw.get("segments_freed", 0),
+                bytes_freed=raw.get("bytes_freed", 0),
+            )
+        if self._report.live_blocks:
+            warnings.warn(
+                f"pool {self._cached_name!r} closed with {len(self._report.live_blocks)} live block(s), "
+                f"{self._report.live_bytes} bytes",
+                LeakWarning,
+                stacklevel=2,
+            )
+        return self._report
+
+    def __enter__(self) -> "MemPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"handle={self._id}"
+        return f"<gpumempool.MemPool backend={getattr(self, 'backend', '?')} {state}>"

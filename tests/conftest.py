@@ -1,0 +1,67 @@
+"""Shared fixtures: the C helper library (a user allocator and a C caller of
+gpumempool's exported ABI), built with the system C compiler."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+CSRC = Path(__file__).parent / "csrc"
+
+
+def _has_gpu() -> bool:
+    try:
+        import gpumempool as gmp
+
+        return bool(gmp.devices())
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (NVML found none)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def clib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.fail("no C compiler (cc/gcc) to build tests/csrc/testalloc.c")
+    out = tmp_path_factory.mktemp("clib") / "libtestalloc.so"
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(CSRC / "testalloc.c"), "-ldl"], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.test_alloc.restype = ctypes.c_void_p
+    lib.test_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.test_free.restype = None
+    lib.test_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.test_reset.argtypes = [ctypes.c_long]
+    for name in ("test_allocs", "test_frees", "test_live_bytes"):
+        getattr(lib, name).restype = ctypes.c_long
+    lib.test_last_stream.restype = ctypes.c_void_p
+    lib.caller_open.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p]
+    lib.caller_alloc.restype = ctypes.c_void_p
+    lib.caller_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.caller_free.restype = None
+    lib.caller_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.caller_bench.restype = ctypes.c_double
+    lib.caller_bench.argtypes = [ctypes.c_size_t, ctypes.c_long]
+    return lib
+
+
+@pytest.fixture()
+def pool():
+    import gpumempool as gmp
+
+    p = gmp.MemPool("sim", name="test", capacity=1 << 30)
+    yield p
+    p.close()

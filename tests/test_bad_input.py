@@ -1,0 +1,129 @@
+"""Every bad argument gets a clear exception of the right type, never a crash."""
+
+from __future__ import annotations
+
+import pytest
+
+import gpumempool as gmp
+
+
+@pytest.mark.parametrize(
+    "size, exc",
+    [(0, ValueError), (-1, ValueError), (1 << 63, ValueError), (1 << 51, ValueError),
+     (1.5, TypeError), ("10", TypeError), (None, TypeError), (True, TypeError)],
+)
+def test_bad_sizes(pool: gmp.MemPool, size: object, exc: type) -> None:
+    with pytest.raises(exc):
+        pool.alloc(size)  # type: ignore[arg-type]
+
+
+def test_too_large_for_the_device_is_oom(pool: gmp.MemPool) -> None:
+    with pytest.raises(gmp.OutOfMemoryError):
+        pool.alloc(1 << 40)
+    pool.check()
+
+
+@pytest.mark.parametrize("device", [1, 99, -1, "cuda:x", "cpu", 1 << 40])
+def test_bad_devices(pool: gmp.MemPool, device: object) -> None:
+    with pytest.raises(ValueError):
+        pool.alloc(10, device=device)
+
+
+def test_bad_streams(pool: gmp.MemPool) -> None:
+    with pytest.raises(ValueError):
+        pool.alloc(10, stream=-1)
+    with pytest.raises(ValueError):
+        pool.alloc(10, stream=1 << 64)
+    with pytest.raises(TypeError):
+        pool.alloc(10, stream="s")
+
+
+def test_bad_pointers(pool: gmp.MemPool) -> None:
+    a = pool.alloc(4096)
+    with pytest.raises(gmp.DoubleFreeError):
+        pool.free(a + 512)  # interior pointer
+    with pytest.raises(gmp.InvalidPointerError) as ei:
+        pool.free(12345)
+    assert not isinstance(ei.value, gmp.DoubleFreeError)
+    assert isinstance(ei.value, ValueError)
+    pool.free(a)
+    with pytest.raises(gmp.DoubleFreeError, match="double free"):
+        pool.free(a)
+    with pytest.raises(ValueError):
+        pool.free(-5)
+    with pytest.raises(TypeError):
+        pool.free("0x10")  # type: ignore[arg-type]
+    with pytest.raises(gmp.InvalidPointerError):
+        pool.record_stream(a, 1)
+    pool.check()
+
+
+def test_pointer_of_another_pool(pool: gmp.MemPool) -> None:
+    with gmp.MemPool("sim") as other:
+        a = other.alloc(100)
+        with pytest.raises(gmp.InvalidPointerError):
+            pool.free(a)
+        other.free(a)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"backend": "cuda9"}, ValueError, "valid backends: callback, sim"),
+        ({"bogus": 1}, ValueError, "unknown option"),
+        ({"capacity": -1}, ValueError, "capacity"),
+        ({"fail_rate": 2.0}, ValueError, ""),
+        ({"fail_rate": "x"}, TypeError, "fail_rate"),
+        ({"limit": -1}, ValueError, "limit"),
+        ({"max_split_size": 5}, ValueError, "max split size"),
+        ({"alignment": 3}, ValueError, ""),
+        ({"backend": 7}, TypeError, "backend"),
+        ({"name": 7}, TypeError, "name"),
+        ({"alloc": 1}, ValueError, "both alloc and free"),
+        ({"alloc": 1, "free": 1, "backend": "sim", "capacity": 1}, ValueError, "unknown option"),
+        ({"alloc": "f", "free": "g"}, TypeError, "callable"),
+        ({"alloc": 0, "free": 1}, ValueError, "not a valid C function pointer"),
+    ],
+)
+def test_bad_pool_options(kwargs: dict, exc: type, match: str) -> None:
+    with pytest.raises(exc, match=match):
+        gmp.MemPool(**kwargs)
+
+
+def test_errors_subclass_builtins() -> None:
+    assert issubclass(gmp.OutOfMemoryError, MemoryError)
+    assert issubclass(gmp.InvalidArgumentError, ValueError)
+    assert issubclass(gmp.DoubleFreeError, gmp.InvalidPointerError)
+    assert issubclass(gmp.InvalidPointerError, ValueError)
+    assert issubclass(gmp.PoolClosedError, RuntimeError)
+    assert issubclass(gmp.BackendError, RuntimeError)
+    for e in (gmp.OutOfMemoryError, gmp.InvalidArgumentError, gmp.PoolClosedError, gmp.BackendError):
+        assert issubclass(e, gmp.GpuMemPoolError)
+
+
+def test_sim_controls_on_a_non_sim_pool(clib) -> None:
+    with gmp.MemPool(alloc=clib.test_alloc, free=clib.test_free) as pool:
+        with pytest.raises(ValueError, match="not sim"):
+            pool.sim_complete()
+
+
+def test_injected_failures_are_oom_and_leave_pool_usable() -> None:
+    with gmp.MemPool("sim", fail_on_nth_alloc=1) as pool:
+        a = pool.alloc(100)  # first call fails, the retry succeeds
+        assert pool.stats()["num_alloc_retries"] == 1
+        pool.free(a)
+    with gmp.MemPool("sim", fail_rate=1.0) as pool:
+        with pytest.raises(gmp.OutOfMemoryError, match="injected|out of memory"):
+            pool.alloc(100)
+        pool.check()
+
+
+def test_pool_closed_from_another_thread() -> None:
+    import threading
+
+    pool = gmp.MemPool("sim")
+    t = threading.Thread(target=pool.close)
+    t.start()
+    t.join()
+    with pytest.raises(gmp.PoolClosedError):
+        pool.alloc(1)

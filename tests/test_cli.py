@@ -1,0 +1,51 @@
+"""python -m gpumempool: info and demo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import gpumempool as gmp
+from gpumempool.__main__ import main
+from gpumempool.demo import run_demo
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpumempool", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_info_without_a_driver_exits_zero() -> None:
+    r = run_cli("info")
+    assert r.returncode == 0, r.stderr
+    assert "gpumempool 0.1.0" in r.stdout
+    out = json.loads(run_cli("info", "--json").stdout)
+    assert out["library"] == gmp.library_path()
+    if not out["devices"]:
+        assert "NVML" in out["reason"] and "devices:  none" in r.stdout
+
+
+def test_demo_prints_a_summary() -> None:
+    r = run_cli("demo", "--steps", "20", "--layers", "6")
+    assert r.returncode == 0, r.stderr
+    for row in ("peak allocated", "peak reserved", "fragmentation", "cache-hit rate", "backend calls"):
+        assert row in r.stdout
+
+
+def test_demo_numbers_are_consistent() -> None:
+    res = run_demo(steps=30, layers=8, progress=False)
+    assert res.allocations == 8 + 30 * 8 * 4
+    assert res.peak_reserved >= res.peak_allocated > 0
+    assert 1.0 <= res.fragmentation < 2.0
+    assert 0.9 < res.cache_hit_rate < 1.0
+    assert res.backend_calls < res.backend_calls_without_cache / 20
+
+
+def test_demo_json_and_bad_arguments(capsys) -> None:
+    assert main(["demo", "--steps", "3", "--layers", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["steps"] == 3
+    r = run_cli("demo", "--steps", "0")
+    assert r.returncode == 2 and "must be positive" in r.stderr
+    r = run_cli("bogus")
+    assert r.returncode == 2

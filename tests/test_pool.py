@@ -1,0 +1,184 @@
+"""The Python API over the sim backend: allocation, caching, streams, stats,
+limits, OOM, trim, close."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import gpumempool as gmp
+
+MiB = 1 << 20
+
+
+def test_alloc_free_reuses_cached_block(pool: gmp.MemPool) -> None:
+    a = pool.alloc(1000, device=0, stream=0)
+    assert isinstance(a, int) and a % 512 == 0
+    pool.free(a)
+    b = pool.alloc(1000)
+    assert b == a
+    s = pool.stats()
+    assert s["num_cache_hits"] == 1
+    assert s["num_device_alloc"] == 1
+    assert s["allocated_bytes.all.current"] == 1024
+    assert s["requested_bytes.all.current"] == 1000
+    assert s["reserved_bytes.small_pool.current"] == 2 * MiB
+    pool.check()
+
+
+def test_stats_have_torch_keys(pool: gmp.MemPool) -> None:
+    pool.alloc(3 * MiB)
+    s = pool.stats()
+    for stat in ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+                 "active_bytes", "inactive_split_bytes", "requested_bytes"):
+        for p in ("all", "small_pool", "large_pool"):
+            for f in ("current", "peak", "allocated", "freed"):
+                assert f"{stat}.{p}.{f}" in s
+    assert s["num_alloc_retries"] == 0 and s["num_ooms"] == 0
+    assert s["reserved_bytes.large_pool.current"] == 20 * MiB
+    assert s["inactive_split.large_pool.current"] == 1
+    assert pool.stats(0) == s
+
+
+def test_streams_are_separate_and_record_stream_defers_reuse() -> None:
+    with gmp.MemPool("sim", manual_events=True) as pool:
+        a = pool.alloc(4096, stream=1)
+        pool.free(a)
+        assert pool.alloc(4096, stream=2) != a
+        b = pool.alloc(4096, stream=1)
+        assert b == a
+        pool.record_stream(b, 2)
+        pool.free(b)
+        assert pool.stats()["active_bytes.all.current"] == 2 * 4096
+        c = pool.alloc(4096, stream=1)
+        assert c != b
+        pool.sim_complete(2)
+        assert pool.process_events() == 0
+        assert pool.alloc(4096, stream=1) == b
+        pool.check()
+
+
+def test_stream_objects_are_accepted(pool: gmp.MemPool) -> None:
+    class TorchLikeStream:
+        cuda_stream = 0x77
+
+    a = pool.alloc(100, stream=TorchLikeStream())
+    pool.free(a)
+    assert pool.alloc(100, stream=0x77) == a
+    assert pool.alloc(100, device="cuda:0", stream=None) != a
+
+
+def test_limit_and_oom_error_names_the_numbers() -> None:
+    with gmp.MemPool("sim", name="capped", limit=4 * MiB, capacity=64 * MiB) as pool:
+        keep = [pool.alloc(MiB) for _ in range(4)]
+        with pytest.raises(gmp.OutOfMemoryError) as ei:
+            pool.alloc(MiB)
+        assert isinstance(ei.value, MemoryError)
+        msg = str(ei.value)
+        assert 'pool "capped"' in msg and "device 0" in msg and "limit 4.00 MiB" in msg
+        assert "4.00 MiB allocated" in msg and "4.00 MiB reserved" in msg
+        assert pool.stats()["num_ooms"] == 1
+        pool.set_limit(None)
+        keep.append(pool.alloc(MiB))
+        for k in keep:
+            pool.free(k)
+
+
+def test_oom_releases_cache_then_retries() -> None:
+    with gmp.MemPool("sim", capacity=64 * MiB) as pool:
+        a, b = pool.alloc(15 * MiB), pool.alloc(15 * MiB)
+        pool.free(a)
+        pool.free(b)
+        c = pool.alloc(40 * MiB)
+        s = pool.stats()
+        assert s["num_alloc_retries"] == 1 and s["num_ooms"] == 0
+        assert pool.sim_stats()["live_segments"] == 1
+        pool.free(c)
+
+
+def test_trim_and_release_threshold() -> None:
+    with gmp.MemPool("sim") as pool:
+        ptrs = [pool.alloc(12 * MiB) for _ in range(4)]
+        for p in ptrs:
+            pool.free(p)
+        assert pool.trim(24 * MiB) == 24 * MiB
+        assert pool.stats()["reserved_bytes.all.current"] == 24 * MiB
+        assert pool.empty_cache() == 24 * MiB
+        assert pool.sim_stats()["live_segments"] == 0
+    with gmp.MemPool("sim", release_threshold=30 * MiB) as pool:
+        ptrs = [pool.alloc(12 * MiB) for _ in range(4)]
+        for p in ptrs:
+            pool.free(p)
+        assert pool.stats()["reserved_bytes.all.current"] <= 30 * MiB
+
+
+def test_max_split_size_option() -> None:
+    with gmp.MemPool("sim", max_split_size=24 * MiB) as pool:
+        big = pool.alloc(40 * MiB)
+        pool.free(big)
+        assert pool.alloc(2 * MiB) != big
+        s = pool.stats()
+        assert s["max_split_size"] == 24 * MiB
+        assert s["oversize_segments.current"] == 1
+
+
+def test_close_reports_live_blocks_and_returns_segments() -> None:
+    pool = gmp.MemPool("sim", name="leaky", devices=2)
+    a = pool.alloc(100, device=1, stream=3)
+    with pytest.warns(gmp.LeakWarning, match="1 live block"):
+        rep = pool.close()
+    assert rep.live_blocks == [gmp.LiveBlock(device=1, addr=a, size=512, requested=100, stream=3)]
+    assert rep.segments_freed == 1 and rep.bytes_freed == 2 * MiB
+    assert pool.closed
+    assert pool.close() is rep  # idempotent
+    for call in (lambda: pool.alloc(1), lambda: pool.free(a), lambda: pool.stats(), lambda: pool.empty_cache()):
+        with pytest.raises(gmp.PoolClosedError):
+            call()
+
+
+def test_pools_share_the_default_sim_device() -> None:
+    p1, p2 = gmp.MemPool(), gmp.MemPool()
+    try:
+        a, b = p1.alloc(4096), p2.alloc(4096)
+        assert a != b  # one address space
+        names = [p["id"] for p in gmp.pools()]
+        assert p1.handle in names and p2.handle in names
+    finally:
+        p1.close()
+        p2.close()
+
+
+def test_threads_hammer_one_pool() -> None:
+    with gmp.MemPool("sim", capacity=8 << 30) as pool:
+        errors: list[BaseException] = []
+
+        def work(seed: int) -> None:
+            try:
+                for i in range(500):
+                    a = pool.alloc(512 * (1 + (i * seed) % 300), stream=seed % 3)
+                    pool.free(a)
+            except BaseException as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(s,)) for s in range(1, 9)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads)
+        assert not errors
+        s = pool.stats()
+        assert s["allocation.all.allocated"] == 8 * 500
+        assert s["allocated_bytes.all.current"] == 0
+        pool.check()
+
+
+def test_module_functions() -> None:
+    assert gmp.__version__ == "0.1.0"
+    assert "sim" in gmp.backends() and "callback" in gmp.backends()
+    info = gmp.device_info()
+    assert isinstance(info["devices"], list)
+    if not info["devices"]:
+        assert "NVML" in info["reason"]
+    assert gmp.library_path().endswith(".so")

@@ -78,19 +78,20 @@ def _as_int_pointer(value: Any) -> int:
     return value
 
 
-def function_address(fn: AllocatorFunction, kind: str, errors: CallbackErrors) -> tuple[int, Any]:
-    """Return (C address, object to keep alive) for an alloc or free function."""
+def function_address(fn: AllocatorFunction, kind: str, errors: CallbackErrors) -> tuple[int, Any, bool]:
+    """Return (C address, object to keep alive, whether it runs Python code
+    whose exceptions land in ``errors``) for an alloc or free function."""
     if isinstance(fn, bool):
         raise TypeError(f"{kind} must be a function or a C function address, not bool")
     if isinstance(fn, int):
         if not 0 < fn < 1 << 64:
             raise ValueError(f"{kind} address {fn:#x} is not a valid C function pointer")
-        return fn, None
+        return fn, None, False
     if isinstance(fn, ctypes._CFuncPtr):  # type: ignore[attr-defined]
         addr = ctypes.cast(fn, ctypes.c_void_p).value
         if not addr:
             raise ValueError(f"{kind} is a NULL ctypes function pointer")
-        return addr, fn
+        return addr, fn, False
     if not callable(fn):
         raise TypeError(f"{kind} must be callable or a C function address, got {type(fn).__name__}")
     if kind == "alloc":
@@ -114,4 +115,4 @@ def function_address(fn: AllocatorFunction, kind: str, errors: CallbackErrors) -
                 errors.add(exc)
 
         cfn = FREE_FN(free_trampoline)
-    return ctypes.cast(cfn, ctypes.c_void_p).value or 0, cfn
+    return ctypes.cast(cfn, ctypes.c_void_p).value or 0, cfn, True

@@ -33,6 +33,8 @@ SIM_OPTIONS = (
 CALLBACK_OPTIONS = ("devices", "alignment")
 
 _U64 = 1 << 64
+_I64 = 1 << 63
+_MAX_DEVICE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ def _device_index(device: Any) -> int:
         return int(idx) if idx else 0
     if hasattr(device, "index") and hasattr(device, "type"):
         return device.index or 0
-    return _check_int("device", device, 0, 1 << 20)
+    return _check_int("device", device, 0, _MAX_DEVICE)
 
 
 class MemPool:
@@ -122,6 +124,8 @@ class MemPool:
         self._report: Optional[CloseReport] = None
         self._callback_errors = CallbackErrors()
         self._keep: list[Any] = []
+        self._py_callbacks = False  # errors of Python callbacks need checking
+        self._pending_cause: Optional[BaseException] = None
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
         if alloc is not None or free is not None:
@@ -168,9 +172,10 @@ class MemPool:
                 if key in options:
                     cfg[key] = _check_int(key, options[key], 0, 1 << 31)
             assert alloc is not None and free is not None
-            cfg["alloc_fn"], keep_a = function_address(alloc, "alloc", self._callback_errors)
-            cfg["free_fn"], keep_f = function_address(free, "free", self._callback_errors)
+            cfg["alloc_fn"], keep_a, py_a = function_address(alloc, "alloc", self._callback_errors)
+            cfg["free_fn"], keep_f, py_f = function_address(free, "free", self._callback_errors)
             self._keep += [keep_a, keep_f]
+            self._py_callbacks = py_a or py_f
         self._id = self._native(_b.NewPool, json.dumps(cfg))
         self.backend: str = backend
 
@@ -180,15 +185,30 @@ class MemPool:
         try:
             result = fn(*args)
         except RuntimeError as exc:
-            err = translate(exc)
-            cb = self._callback_errors.take()
-            if cb:
-                raise BackendError(f"{err} (raised by the Python {self.backend} function)") from cb[0]
-            raise err from None
-        cb = self._callback_errors.take()
-        if cb:
-            raise BackendError(f"a Python allocator callback raised {cb[0]!r}") from cb[0]
+            raise self._error(exc) from self._error_cause()
+        if self._py_callbacks:
+            self._raise_callback_errors()
         return result
+
+    def _error(self, exc: RuntimeError) -> BaseException:
+        """Our exception for a native error, naming a Python callback that
+        caused it (the callback's exception becomes the cause)."""
+        err = translate(exc)
+        if self._py_callbacks and self._pending_cause is None:
+            errs = self._callback_errors.take()
+            if errs:
+                self._pending_cause = errs[0]
+                return BackendError(f"{err} (raised by the Python {self.backend} function)")
+        return err
+
+    def _error_cause(self) -> Optional[BaseException]:
+        cause, self._pending_cause = self._pending_cause, None
+        return cause
+
+    def _raise_callback_errors(self) -> None:
+        errs = self._callback_errors.take()
+        if errs:
+            raise BackendError(f"a Python allocator callback raised {errs[0]!r}") from errs[0]
 
     def _handle(self) -> int:
         if self._report is not None or not self._id:
@@ -204,13 +224,20 @@ class MemPool:
         """Allocate ``size`` bytes on ``device`` for work on ``stream``;
         return the address. Raises :class:`OutOfMemoryError` when the pool
         cannot serve it even after releasing its cache."""
-        size = _check_int("size", size, 1, 1 << 63)
-        return self._native(_b.PoolAlloc, self._handle(), size, _device_index(device), as_stream(stream))
+        # Fast path first: this is called once per tensor by integrations.
+        if type(size) is not int or not 0 < size < _I64:
+            size = _check_int("size", size, 1, _I64)
+        if type(device) is not int or not 0 <= device < _MAX_DEVICE:
+            device = _device_index(device)
+        if type(stream) is not int or not 0 <= stream < _U64:
+            stream = as_stream(stream)
+        return self._native(_b.PoolAlloc, self._id if self._report is None else self._handle(), size, device, stream)
 
     def free(self, ptr: int) -> None:
         """Return the block at ``ptr`` to the pool."""
-        ptr = _check_int("ptr", ptr, 0, _U64)
-        self._native(_b.PoolFree, self._handle(), ptr)
+        if type(ptr) is not int or not 0 <= ptr < _U64:
+            ptr = _check_int("ptr", ptr, 0, _U64)
+        self._native(_b.PoolFree, self._id if self._report is None else self._handle(), ptr)
 
     def record_stream(self, ptr: int, stream: Any) -> None:
         """Mark the block at ``ptr`` as used on ``stream``: after it is freed

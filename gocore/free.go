@@ -12,12 +12,9 @@ import (
 func (p *Pool) Free(addr uint64) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.closed {
-		return fmt.Errorf("free %#x in pool %q: %w", addr, p.name, ErrClosed)
-	}
-	b := p.allocated[addr]
-	if b == nil {
-		return p.notAllocatedLocked("free", addr)
+	b, err := p.liveBlockLocked("free", addr)
+	if err != nil {
+		return err
 	}
 	delete(p.allocated, addr)
 	d := p.devices[b.seg.device]
@@ -32,13 +29,22 @@ func (p *Pool) Free(addr uint64) error {
 	b.allocated = false
 	b.requested = 0
 	if len(b.streamUses) > 0 {
-		if err := p.deferFreeLocked(d, b); err != nil {
-			return err
-		}
-		return nil
+		return p.deferFreeLocked(d, b)
 	}
 	p.freeBlockLocked(d, b)
 	return nil
+}
+
+// liveBlockLocked returns the allocated block at addr, or the error that
+// explains why there is none (closed pool, double free, foreign pointer).
+func (p *Pool) liveBlockLocked(op string, addr uint64) (*block, error) {
+	if p.closed {
+		return nil, fmt.Errorf("%s %#x in pool %q: %w", op, addr, p.name, ErrClosed)
+	}
+	if b := p.allocated[addr]; b != nil {
+		return b, nil
+	}
+	return nil, p.notAllocatedLocked(op, addr)
 }
 
 // notAllocatedLocked builds the error for an address that is not a live
@@ -72,12 +78,9 @@ func (d *deviceState) segmentContaining(addr uint64) *segment {
 func (p *Pool) RecordStream(addr uint64, stream Stream) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.closed {
-		return fmt.Errorf("record stream for %#x in pool %q: %w", addr, p.name, ErrClosed)
-	}
-	b := p.allocated[addr]
-	if b == nil {
-		return p.notAllocatedLocked("record stream for", addr)
+	b, err := p.liveBlockLocked("record stream for", addr)
+	if err != nil {
+		return err
 	}
 	if stream == b.seg.stream {
 		return nil

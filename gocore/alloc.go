@@ -53,6 +53,9 @@ func (p *Pool) Alloc(size uint64, dev int, stream Stream) (uint64, error) {
 		}
 		b.next = rest
 		b.size = rounded
+		if rest.next == nil {
+			b.seg.last = rest
+		}
 		d.insertFree(f, rest)
 	}
 	b.allocated = true
@@ -79,7 +82,9 @@ func (p *Pool) isOversize(size uint64) bool {
 // than SmallSize, and never for requests of MaxSplitSize or more (torch's rule).
 func (p *Pool) shouldSplit(b *block, rounded uint64) bool {
 	rest := b.size - rounded
-	if b.seg.kind == kindSmall {
+	if b.seg.kind == kindSmall || b.seg.expandable {
+		// Expandable segments grow by whole granules: what is left over
+		// must stay usable, as in torch's expandable segments.
 		return rest >= MinBlockSize
 	}
 	return rest > SmallSize && (p.cfg.MaxSplitSize == 0 || rounded < p.cfg.MaxSplitSize)
@@ -89,6 +94,14 @@ func (p *Pool) shouldSplit(b *block, rounded uint64) bool {
 // serve, with the release-and-retry OOM path, and returns it as one block.
 func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKind, stream Stream) (*block, error) {
 	segSize := segmentSize(rounded)
+	expandable := p.expander != nil && kind == kindLarge
+	if expandable {
+		if b, err := p.growLocked(d, rounded, stream); b != nil || err != nil {
+			return b, err
+		}
+		// A new growing segment starts with what this request needs.
+		segSize = roundUp(rounded, p.expander.Granularity())
+	}
 	addr, err := p.backendAlloc(d, segSize, stream)
 	if err != nil && errors.Is(err, ErrBackendOutOfMemory) {
 		d.stats.NumAllocRetries++
@@ -117,9 +130,12 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 		}
 		return nil, oom
 	}
-	seg := &segment{device: d.id, addr: addr, size: segSize, stream: stream, kind: kind}
+	seg := &segment{device: d.id, addr: addr, size: segSize, stream: stream, kind: kind, expandable: expandable}
 	b := &block{seg: seg, addr: addr, size: segSize, heapIdx: -1}
-	seg.first = b
+	seg.first, seg.last = b, b
+	if expandable {
+		d.growing[stream] = seg // the newest one has the most room to grow
+	}
 	d.segments[addr] = seg
 	d.stats.NumDeviceAlloc++
 	d.stats.Segment.add(kind, 1)
@@ -162,3 +178,49 @@ func (p *Pool) dropBlock(b *block) {
 }
 
 const maxSpareBlocks = 1024
+
+func roundUp(n, unit uint64) uint64 { return (n + unit - 1) / unit * unit }
+
+// growLocked serves a large request by growing the stream's growing segment
+// in place: its free tail plus the new granules become the block. It returns
+// (nil, nil) when that is not possible (no growing segment yet, the limit,
+// or the backend out of memory), so that the caller falls back to a new
+// segment with the usual release-and-retry path.
+func (p *Pool) growLocked(d *deviceState, rounded uint64, stream Stream) (*block, error) {
+	seg := d.growing[stream]
+	if seg == nil {
+		return nil, nil
+	}
+	last := seg.last
+	need := rounded
+	if last.inFree {
+		if last.size >= rounded {
+			return nil, nil // refused by the max-split rules: not a size problem
+		}
+		need -= last.size
+	}
+	extra := roundUp(need, p.expander.Granularity())
+	if p.cfg.Limit != 0 && uint64(d.stats.ReservedBytes[0].Current)+extra > p.cfg.Limit {
+		return nil, nil
+	}
+	if err := p.expander.Expand(d.id, seg.addr, seg.size, extra, stream); err != nil {
+		if errors.Is(err, ErrBackendOutOfMemory) {
+			return nil, nil
+		}
+		return nil, fmt.Errorf("pool %q: grow segment %#x on device %d by %d bytes: %w", p.name, seg.addr, d.id, extra, err)
+	}
+	seg.size += extra
+	d.stats.NumDeviceAlloc++
+	d.stats.NumExpansions++
+	d.stats.ReservedBytes.add(kindLarge, int64(extra))
+	if last.inFree {
+		d.removeFree(d.freeList(stream), last)
+		last.size += extra
+		return last, nil
+	}
+	b := p.newBlock()
+	*b = block{seg: seg, addr: seg.addr + seg.size - extra, size: extra, prev: last, heapIdx: -1, streamUses: b.streamUses[:0]}
+	last.next = b
+	seg.last = b
+	return b, nil
+}

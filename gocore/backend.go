@@ -49,6 +49,23 @@ type Backend interface {
 	DestroyEvent(ev Event) error
 }
 
+// Expander is implemented by backends that can grow a segment in place by
+// mapping more memory right after it (CUDA virtual memory management). With
+// an expandable backend the engine keeps one growing segment per device and
+// stream for large blocks instead of allocating a new segment on every miss,
+// like torch's expandable_segments: fewer, larger segments, so a large block
+// can be served from memory freed in smaller pieces.
+type Expander interface {
+	// Expandable reports whether growing is enabled (a backend option).
+	Expandable() bool
+	// Granularity is the unit segments are created and grown in.
+	Granularity() uint64
+	// Expand turns the segment [addr, addr+size) into
+	// [addr, addr+size+extra). Running out of memory or of reserved address
+	// space wraps ErrBackendOutOfMemory, and the segment stays as it was.
+	Expand(device int, addr, size, extra uint64, stream Stream) error
+}
+
 // ErrUnsupported is wrapped by backend methods that a backend cannot serve.
 var ErrUnsupported = errors.New("not supported by this backend")
 

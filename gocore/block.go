@@ -55,6 +55,8 @@ type segment struct {
 	stream     Stream
 	kind       poolKind
 	first      *block // lowest-address block
+	last       *block // highest-address block
+	expandable bool   // may grow in place (Expander backends, large pool)
 }
 
 // roundSize rounds a request up to MinBlockSize.

@@ -14,6 +14,9 @@ func (p *Pool) releaseSegmentLocked(d *deviceState, s *segment) error {
 	}
 	d.removeFree(d.freeList(s.stream), s.first)
 	delete(d.segments, s.addr)
+	if d.growing[s.stream] == s {
+		delete(d.growing, s.stream)
+	}
 	d.stats.NumDeviceFree++
 	d.stats.Segment.add(s.kind, -1)
 	d.stats.ReservedBytes.add(s.kind, -int64(s.size))

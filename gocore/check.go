@@ -93,6 +93,12 @@ func (p *Pool) CheckInvariants() error {
 					bad("wholly free segment %#x is not listed", s.addr)
 				}
 			}
+			if s.last == nil || s.last.next != nil || s.last.addr+s.last.size != s.addr+s.size {
+				bad("segment %#x: last block does not end it", s.addr)
+			}
+			if s.expandable && s.kind != kindLarge {
+				bad("segment %#x: expandable but not in the large pool", s.addr)
+			}
 			if end != s.addr+s.size {
 				bad("segment %#x: blocks end at %#x, segment at %#x", s.addr, end, s.addr+s.size)
 			}

@@ -109,6 +109,8 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 		b.next = n.next
 		if b.next != nil {
 			b.next.prev = b
+		} else {
+			b.seg.last = b
 		}
 		p.dropBlock(n)
 	}
@@ -118,6 +120,8 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 		pr.next = b.next
 		if pr.next != nil {
 			pr.next.prev = pr
+		} else {
+			pr.seg.last = pr
 		}
 		p.dropBlock(b)
 		b = pr

@@ -40,6 +40,7 @@ type Pool struct {
 	devices   []*deviceState    // indexed by ordinal, created lazily
 	allocated map[uint64]*block // live blocks by address
 	spare     []*block          // block structs kept for reuse
+	expander  Expander          // non-nil when the backend grows segments in place
 }
 
 // deviceState is everything the pool keeps for one device.
@@ -52,6 +53,7 @@ type deviceState struct {
 	wholeFree  map[*segment]struct{} // segments that are one free block
 	pending    []pendingFree         // frees waiting for events
 	events     []Event               // idle events kept for reuse
+	growing    map[Stream]*segment   // the large segment each stream grows
 	stats      Stats
 }
 
@@ -72,7 +74,16 @@ func NewPool(cfg Config) (*Pool, error) {
 		return nil, fmt.Errorf("new pool %q: backend %s reports %d devices: %w",
 			cfg.Name, cfg.Backend.Name(), n, ErrInvalidArgument)
 	}
+	var ex Expander
+	if e, ok := cfg.Backend.(Expander); ok && e.Expandable() {
+		if g := e.Granularity(); g == 0 || g%MinBlockSize != 0 {
+			return nil, fmt.Errorf("new pool %q: backend %s granularity %d is not a positive multiple of %d: %w",
+				cfg.Name, cfg.Backend.Name(), g, MinBlockSize, ErrInvalidArgument)
+		}
+		ex = e
+	}
 	return &Pool{
+		expander:  ex,
 		cfg:       cfg,
 		name:      cfg.Name,
 		backend:   cfg.Backend,
@@ -148,6 +159,7 @@ func (p *Pool) device(dev int) (*deviceState, error) {
 			streams:   make(map[Stream]*streamFree),
 			segments:  make(map[uint64]*segment),
 			wholeFree: make(map[*segment]struct{}),
+			growing:   make(map[Stream]*segment),
 		}
 		d.stats.MaxSplitSize = maxSplitStat(p.cfg.MaxSplitSize)
 		p.devices[dev] = d

@@ -392,8 +392,16 @@ func TestStatsMapHasTorchKeys(t *testing.T) {
 // and event completions across devices and streams, checking every invariant
 // after each step and that nothing leaks at the end.
 func TestRandomWorkloadKeepsInvariants(t *testing.T) {
+	for _, expandable := range []bool{false, true} {
+		t.Run(map[bool]string{false: "segments", true: "expandable"}[expandable], func(t *testing.T) {
+			randomWorkload(t, expandable)
+		})
+	}
+}
+
+func randomWorkload(t *testing.T, expandable bool) {
 	rng := rand.New(rand.NewPCG(1, 2))
-	p, be := newTestPool(t, SimConfig{Devices: 2, ManualEvents: true, Capacity: 512 * MiB},
+	p, be := newTestPool(t, SimConfig{Devices: 2, ManualEvents: true, Capacity: 512 * MiB, Expandable: expandable},
 		Config{MaxSplitSize: 40 * MiB, ReleaseThreshold: 200 * MiB})
 	sizes := []uint64{1, 512, 700, 4096, 100000, MiB, MiB + 1, 3 * MiB, 12 * MiB, 50 * MiB}
 	var live []uint64
@@ -435,6 +443,9 @@ func TestRandomWorkloadKeepsInvariants(t *testing.T) {
 	assert.Zero(t, s.ActiveBytes[0].Current)
 	assert.Zero(t, s.ReservedBytes[0].Current)
 	assert.Zero(t, be.Stats().LiveSegments)
+	if expandable {
+		assert.Positive(t, s.NumExpansions, "the workload must exercise growing")
+	}
 	rep, err := p.Close()
 	require.NoError(t, err)
 	assert.Empty(t, rep.LiveBlocks)
@@ -480,4 +491,61 @@ func TestConcurrentPoolsShareBackend(t *testing.T) {
 	require.NoError(t, err)
 	assert.Empty(t, rep.LiveBlocks)
 	assert.Zero(t, be.Stats().LiveSegments)
+}
+
+func TestExpandableSegmentGrowsInPlace(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 64 * MiB}, Config{})
+	a := mustAlloc(t, p, 3*MiB, 0, 0)
+	s := stats(t, p)
+	assert.EqualValues(t, 4*MiB, s.ReservedBytes[0].Current, "first segment: the request rounded to the granularity")
+	assert.EqualValues(t, MiB, s.InactiveSplitBytes[0].Current, "the tail is kept")
+	b := mustAlloc(t, p, 3*MiB, 0, 0)
+	assert.Equal(t, a+3*MiB, b, "grown in place, right after the first block")
+	s = stats(t, p)
+	assert.EqualValues(t, 1, s.Segment[0].Current)
+	assert.EqualValues(t, 6*MiB, s.ReservedBytes[0].Current)
+	assert.EqualValues(t, 1, s.NumExpansions)
+	assert.EqualValues(t, 1, be.Stats().Expansions)
+	assert.EqualValues(t, 1, be.Stats().Allocs)
+
+	// Memory freed in two pieces serves one larger block without the backend.
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(b))
+	c := mustAlloc(t, p, 6*MiB, 0, 0)
+	assert.Equal(t, a, c)
+	s = stats(t, p)
+	assert.EqualValues(t, 1, s.NumCacheHits)
+	assert.EqualValues(t, 2, s.NumDeviceAlloc)
+
+	// Other streams grow segments of their own.
+	d := mustAlloc(t, p, 2*MiB, 0, 9)
+	assert.NotEqual(t, c+6*MiB, d)
+
+	// Out of device memory: growing fails, a new segment fails, typed OOM.
+	_, err := p.Alloc(60*MiB, 0, 0)
+	require.ErrorIs(t, err, ErrOutOfMemory)
+	require.NoError(t, p.Free(c))
+	require.NoError(t, p.Free(d))
+	released, err := p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 8*MiB, released)
+	assert.Zero(t, be.Stats().LiveSegments)
+	// A released growing segment is forgotten; the next request starts anew.
+	e := mustAlloc(t, p, 5*MiB, 0, 0)
+	assert.EqualValues(t, 6*MiB, stats(t, p).ReservedBytes[0].Current)
+	require.NoError(t, p.Free(e))
+}
+
+func TestExpandableRespectsLimitAndSmallPool(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Expandable: true}, Config{Limit: 8 * MiB})
+	mustAlloc(t, p, 4*MiB, 0, 0)
+	mustAlloc(t, p, 4*MiB, 0, 0)
+	_, err := p.Alloc(2*MiB, 0, 0)
+	var oom *OutOfMemoryError
+	require.ErrorAs(t, err, &oom)
+	assert.EqualValues(t, 8*MiB, oom.Limit)
+	// Small requests keep their fixed 2 MiB segments (size classes stay bounded).
+	q, _ := newTestPool(t, SimConfig{Expandable: true}, Config{})
+	mustAlloc(t, q, 1000, 0, 0)
+	assert.EqualValues(t, 2*MiB, stats(t, q).ReservedBytes[1].Current)
 }

@@ -72,7 +72,19 @@ type SimConfig struct {
 	// CompleteStream or CompleteAll. When false, every event is complete as
 	// soon as it is recorded.
 	ManualEvents bool
+	// Expandable makes the backend an Expander: every segment reserves
+	// address space (a sixteenth of the device's range) so that the engine
+	// can grow it in place by Granularity-sized steps, like CUDA VMM.
+	Expandable bool
+	// Granularity is the growth unit of expandable segments
+	// (DefaultSimGranularity, or Alignment if larger, when 0; a multiple of
+	// Alignment).
+	Granularity uint64
 }
+
+// DefaultSimGranularity is the growth unit of expandable sim segments, the
+// usual CUDA VMM granularity.
+const DefaultSimGranularity uint64 = 2 << 20
 
 // SimStats is a snapshot of a SimBackend's counters.
 type SimStats struct {
@@ -96,6 +108,8 @@ type SimStats struct {
 	EventsDestroyed uint64
 	// LiveEvents is the number of events created and not yet destroyed.
 	LiveEvents int
+	// Expansions counts successful Expand calls.
+	Expansions uint64
 }
 
 // SimSegment describes one live segment of a SimBackend.
@@ -118,6 +132,9 @@ type simDevice struct {
 	used uint64            // sum of requested sizes of live segments
 	free []simRange        // sorted, coalesced free address ranges
 	live map[uint64]uint64 // segment start -> requested size
+	// reserved maps a segment start to the address space it holds when the
+	// backend is expandable (at least the rounded size).
+	reserved map[uint64]uint64
 }
 
 // simStreamKey identifies a stream on a device.
@@ -206,6 +223,12 @@ func NewSimBackend(cfg SimConfig) (*SimBackend, error) {
 	if cfg.Base%cfg.Alignment != 0 {
 		return nil, fmt.Errorf("sim: invalid config: Base %#x is not a multiple of Alignment %d", cfg.Base, cfg.Alignment)
 	}
+	if cfg.Granularity == 0 {
+		cfg.Granularity = max(DefaultSimGranularity, cfg.Alignment)
+	}
+	if cfg.Granularity%cfg.Alignment != 0 {
+		return nil, fmt.Errorf("sim: invalid config: Granularity %d is not a multiple of Alignment %d", cfg.Granularity, cfg.Alignment)
+	}
 	if cfg.Latency < 0 {
 		return nil, fmt.Errorf("sim: invalid config: Latency %v is negative", cfg.Latency)
 	}
@@ -251,8 +274,9 @@ func NewSimBackend(cfg SimConfig) (*SimBackend, error) {
 	for d := range b.devices {
 		start := cfg.Base + uint64(d)*stride
 		b.devices[d] = simDevice{
-			free: []simRange{{start: start, end: start + stride}},
-			live: make(map[uint64]uint64),
+			free:     []simRange{{start: start, end: start + stride}},
+			live:     make(map[uint64]uint64),
+			reserved: make(map[uint64]uint64),
 		}
 	}
 	return b, nil
@@ -356,15 +380,22 @@ func (b *SimBackend) allocLocked(device int, size uint64) (uint64, error) {
 	}
 	// size <= Capacity, whose rounding was checked not to overflow.
 	rounded, _ := simAlignUp(size, b.cfg.Alignment)
+	span := rounded
+	if b.cfg.Expandable {
+		span = max(rounded, b.stride/16)
+	}
 	for i := range dev.free {
 		r := &dev.free[i]
-		if r.end-r.start < rounded {
+		if r.end-r.start < span {
 			continue
 		}
 		addr := r.start
-		r.start += rounded
+		r.start += span
 		if r.start == r.end {
 			dev.free = slices.Delete(dev.free, i, i+1)
+		}
+		if b.cfg.Expandable {
+			dev.reserved[addr] = span
 		}
 		dev.live[addr] = size
 		dev.used += size
@@ -411,10 +442,58 @@ func (b *SimBackend) freeLocked(device int, addr, size uint64) error {
 		return fmt.Errorf("sim: free of %#x (%d bytes) on device %d: %w (FreeFailRate %v)",
 			addr, size, device, errSimInjectedFreeFailure, b.cfg.FreeFailRate)
 	}
-	rounded, _ := simAlignUp(size, b.cfg.Alignment)
+	span, _ := simAlignUp(size, b.cfg.Alignment)
+	if r, ok := dev.reserved[addr]; ok {
+		span = r
+		delete(dev.reserved, addr)
+	}
 	delete(dev.live, addr)
 	dev.used -= size
-	dev.release(addr, addr+rounded)
+	dev.release(addr, addr+span)
+	return nil
+}
+
+// Expandable reports whether the backend grows segments in place
+// (SimConfig.Expandable).
+func (b *SimBackend) Expandable() bool { return b.cfg.Expandable }
+
+// Granularity is the unit segments grow by.
+func (b *SimBackend) Granularity() uint64 { return b.cfg.Granularity }
+
+// Expand grows the live segment [addr, addr+size) by extra bytes within the
+// address space it reserved. Running out of capacity or of reserved space
+// wraps ErrBackendOutOfMemory; the segment is then unchanged.
+func (b *SimBackend) Expand(device int, addr, size, extra uint64, stream Stream) error {
+	b.delay()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if err := b.checkDevice("expand", device); err != nil {
+		return err
+	}
+	dev := &b.devices[device]
+	if !b.cfg.Expandable {
+		return fmt.Errorf("sim: expand %#x on device %d: backend is not expandable: %w", addr, device, ErrUnsupported)
+	}
+	if got, ok := dev.live[addr]; !ok || got != size {
+		return fmt.Errorf("sim: expand %#x on device %d: not a live segment of %d bytes", addr, device, size)
+	}
+	if extra == 0 || extra%b.cfg.Granularity != 0 {
+		return fmt.Errorf("sim: expand %#x on device %d by %d bytes: not a positive multiple of the granularity %d",
+			addr, device, extra, b.cfg.Granularity)
+	}
+	if extra > b.cfg.Capacity-dev.used {
+		b.stats.FailedAllocs++
+		return fmt.Errorf("sim: expand %#x on device %d by %d bytes: %d of %d bytes in use: %w",
+			addr, device, extra, dev.used, b.cfg.Capacity, ErrBackendOutOfMemory)
+	}
+	if grown, _ := simAlignUp(size+extra, b.cfg.Alignment); grown > dev.reserved[addr] {
+		b.stats.FailedAllocs++
+		return fmt.Errorf("sim: expand %#x on device %d to %d bytes: beyond its %d reserved bytes: %w",
+			addr, device, size+extra, dev.reserved[addr], ErrBackendOutOfMemory)
+	}
+	dev.live[addr] = size + extra
+	dev.used += extra
+	b.stats.Expansions++
 	return nil
 }
 

@@ -47,6 +47,7 @@ type Stats struct {
 	NumDeviceFree   int64 // Backend.Free calls that succeeded
 	NumCacheHits    int64 // allocations served without a Backend.Alloc
 	NumRecordStream int64 // RecordStream calls that added a stream use
+	NumExpansions   int64 // segments grown in place (Expander backends)
 	MaxSplitSize    int64 // the pool's option, -1 when unlimited
 }
 
@@ -70,6 +71,7 @@ func (s *Stats) Merge(o *Stats) {
 	s.NumDeviceFree += o.NumDeviceFree
 	s.NumCacheHits += o.NumCacheHits
 	s.NumRecordStream += o.NumRecordStream
+	s.NumExpansions += o.NumExpansions
 	s.MaxSplitSize = o.MaxSplitSize
 }
 
@@ -106,6 +108,7 @@ func (s *Stats) ToMap() map[string]int64 {
 	m["num_device_free"] = s.NumDeviceFree
 	m["num_cache_hits"] = s.NumCacheHits
 	m["num_record_stream"] = s.NumRecordStream
+	m["num_expansions"] = s.NumExpansions
 	m["max_split_size"] = s.MaxSplitSize
 	// torch reports these; the engine never synchronizes all streams.
 	m["num_sync_all_streams"] = 0

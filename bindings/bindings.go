@@ -42,6 +42,8 @@ type simOptions struct {
 	Seed           int64   `json:"seed"`
 	FreeFailRate   float64 `json:"free_fail_rate"`
 	ManualEvents   bool    `json:"manual_events"`
+	Expandable     bool    `json:"expandable"`
+	Granularity    uint64  `json:"granularity"`
 }
 
 // poolOptions is the JSON accepted by NewPool.
@@ -76,18 +78,20 @@ func sharedSim() (*gocore.SimBackend, error) {
 	return defaultSim, defaultSimErr
 }
 
-// NewPool creates a pool from a JSON object of options and returns its
-// handle.
-func NewPool(optionsJSON string) (id int64, err error) {
-	defer guard(&err)
+// decodeOptions parses NewPool's JSON strictly: unknown keys are errors.
+func decodeOptions(optionsJSON string) (poolOptions, error) {
 	dec := json.NewDecoder(strings.NewReader(optionsJSON))
 	dec.DisallowUnknownFields()
 	var o poolOptions
 	if err := dec.Decode(&o); err != nil {
-		return 0, fmt.Errorf("pool options: %v: %w", err, gocore.ErrInvalidArgument)
+		return o, fmt.Errorf("pool options: %v: %w", err, gocore.ErrInvalidArgument)
 	}
-	var be gocore.Backend
-	var sim *gocore.SimBackend
+	return o, nil
+}
+
+// buildBackend makes the backend the options name. sim is returned too when
+// the backend is a simulator (for the test controls).
+func buildBackend(o poolOptions) (be gocore.Backend, sim *gocore.SimBackend, err error) {
 	switch o.Backend {
 	case "sim", "":
 		if o.Sim == nil {
@@ -98,18 +102,31 @@ func NewPool(optionsJSON string) (id int64, err error) {
 				Devices: s.Devices, Capacity: s.Capacity, Alignment: s.Alignment,
 				Latency: time.Duration(s.LatencyNS), FailOnNthAlloc: s.FailOnNthAlloc, FailRate: s.FailRate,
 				Seed: s.Seed, FreeFailRate: s.FreeFailRate, ManualEvents: s.ManualEvents,
+				Expandable: s.Expandable, Granularity: s.Granularity,
 			})
 			if err != nil {
 				err = fmt.Errorf("%v: %w", err, gocore.ErrInvalidArgument)
 			}
 		}
-		be = sim
+		return sim, sim, err
 	case "callback":
 		be, err = callback.New(callback.Config{Alloc: uintptr(o.AllocFn), Free: uintptr(o.FreeFn),
 			Name: o.Name, Devices: o.Devices, Alignment: o.Alignment})
+		return be, nil, err
 	default:
-		return 0, fmt.Errorf("unknown backend %q (valid: %s): %w", o.Backend, Backends(), gocore.ErrInvalidArgument)
+		return nil, nil, fmt.Errorf("unknown backend %q (valid: %s): %w", o.Backend, Backends(), gocore.ErrInvalidArgument)
 	}
+}
+
+// NewPool creates a pool from a JSON object of options and returns its
+// handle.
+func NewPool(optionsJSON string) (id int64, err error) {
+	defer guard(&err)
+	o, err := decodeOptions(optionsJSON)
+	if err != nil {
+		return 0, err
+	}
+	be, sim, err := buildBackend(o)
 	if err != nil {
 		return 0, err
 	}
@@ -371,7 +388,7 @@ func SimStats(id int64) (js string, err error) {
 	st := s.Stats()
 	return marshal(map[string]any{"allocs": st.Allocs, "frees": st.Frees, "failed_allocs": st.FailedAllocs,
 		"failed_frees": st.FailedFrees, "live_segments": st.LiveSegments, "live_bytes": st.LiveBytes,
-		"events_created": st.EventsCreated, "live_events": st.LiveEvents})
+		"events_created": st.EventsCreated, "live_events": st.LiveEvents, "expansions": st.Expansions})
 }
 
 // Devices lists the machine's NVIDIA devices as JSON

@@ -28,6 +28,8 @@ SIM_OPTIONS = (
     "seed",
     "free_fail_rate",
     "manual_events",
+    "expandable",
+    "granularity",
 )
 #: Options of the ``callback`` backend (besides ``alloc`` and ``free``).
 CALLBACK_OPTIONS = ("devices", "alignment")
@@ -162,7 +164,7 @@ class MemPool:
                         if isinstance(value, bool) or not isinstance(value, (int, float)):
                             raise TypeError(f"{key} must be a number, got {type(value).__name__}")
                         sim[key] = float(value)
-                    elif key == "manual_events":
+                    elif key in ("manual_events", "expandable"):
                         sim[key] = bool(value)
                     else:
                         sim[key] = _check_int(key, value, 0 if key != "seed" else -(1 << 63), 1 << 63)

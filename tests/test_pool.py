@@ -182,3 +182,17 @@ def test_module_functions() -> None:
     if not info["devices"]:
         assert "NVML" in info["reason"]
     assert gmp.library_path().endswith(".so")
+
+
+def test_expandable_sim_segments_grow_in_place() -> None:
+    with gmp.MemPool("sim", expandable=True, capacity=256 * MiB) as pool:
+        a = pool.alloc(3 * MiB)
+        b = pool.alloc(3 * MiB)
+        assert b == a + 3 * MiB
+        s = pool.stats()
+        assert s["segment.all.current"] == 1 and s["num_expansions"] == 1
+        assert s["reserved_bytes.all.current"] == 6 * MiB
+        assert pool.sim_stats()["expansions"] == 1
+        pool.free(a)
+        pool.free(b)
+        assert pool.alloc(6 * MiB) == a  # served from the two freed pieces

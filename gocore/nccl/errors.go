@@ -1,0 +1,63 @@
+package nccl
+
+import (
+	"errors"
+	"fmt"
+)
+
+var (
+	// ErrNoNCCL is wrapped when no libnccl can be found or the file found
+	// is not NCCL.
+	ErrNoNCCL = errors.New("libnccl not found")
+	// ErrTooOld is wrapped when the NCCL found has no ncclMemAlloc
+	// (NCCL < 2.19).
+	ErrTooOld = errors.New("NCCL too old")
+)
+
+// Result is an ncclResult_t.
+type Result int
+
+// The ncclResult_t values of nccl.h.
+const (
+	Success            Result = 0
+	UnhandledCudaError Result = 1
+	SystemError        Result = 2
+	InternalError      Result = 3
+	InvalidArgument    Result = 4
+	InvalidUsage       Result = 5
+	RemoteError        Result = 6
+	InProgress         Result = 7
+)
+
+var resultNames = [...]string{
+	"ncclSuccess", "ncclUnhandledCudaError", "ncclSystemError", "ncclInternalError",
+	"ncclInvalidArgument", "ncclInvalidUsage", "ncclRemoteError", "ncclInProgress",
+}
+
+// String is the enumerator's name in nccl.h, e.g. "ncclSystemError".
+func (r Result) String() string {
+	if r >= 0 && int(r) < len(resultNames) {
+		return resultNames[r]
+	}
+	return fmt.Sprintf("ncclResult_t(%d)", int(r))
+}
+
+// Error is a failed NCCL call. Backend errors wrap it: use errors.As to get
+// the code.
+type Error struct {
+	Func string // the NCCL function, e.g. "ncclMemAlloc"
+	Code Result
+	Text string // ncclGetErrorString(Code)
+}
+
+// Error reads like "ncclMemAlloc: unhandled cuda error (...) [ncclUnhandledCudaError = 1]".
+func (e *Error) Error() string {
+	return fmt.Sprintf("%s: %s [%s = %d]", e.Func, e.Text, e.Code, int(e.Code))
+}
+
+// outOfMemory reports whether a failed ncclMemAlloc may be for lack of
+// memory. NCCL has no out-of-memory code: a failed cuMemCreate or cudaMalloc
+// comes back as ncclUnhandledCudaError, a failed host allocation as
+// ncclSystemError. Treating both as OOM lets the engine release its cache
+// and retry; at worst a different CUDA failure is retried once.
+func (r Result) outOfMemory() bool { return r == UnhandledCudaError || r == SystemError }

@@ -1,0 +1,305 @@
+package nccl
+
+/*
+#cgo LDFLAGS: -ldl
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int (*gmp_nccl_version_fn)(int*);
+typedef int (*gmp_nccl_alloc_fn)(void**, size_t);
+typedef int (*gmp_nccl_free_fn)(void*);
+typedef const char* (*gmp_nccl_errstr_fn)(int);
+typedef int (*gmp_cu_push_fn)(void*);
+typedef int (*gmp_cu_pop_fn)(void**);
+
+static void gmp_copy(char* dst, size_t len, const char* src) {
+	strncpy(dst, src, len - 1);
+	dst[len - 1] = 0;
+}
+
+// dlerror's text is per thread, so it is read in the same C call as the
+// failing dlopen: a goroutine may change OS threads between cgo calls.
+static uintptr_t gmp_dlopen(const char* name, int noload, char* err, size_t errlen) {
+	dlerror();
+	void* h = dlopen(name, RTLD_NOW | RTLD_LOCAL | (noload ? RTLD_NOLOAD : 0));
+	if (h == NULL) {
+		const char* e = dlerror();
+		gmp_copy(err, errlen, e ? e : "not loaded");
+	}
+	return (uintptr_t)h;
+}
+
+static uintptr_t gmp_dlsym(uintptr_t h, const char* sym) { return (uintptr_t)dlsym((void*)h, sym); }
+
+static void gmp_dlclose(uintptr_t h) { dlclose((void*)h); }
+
+// The file an address belongs to: how a library found by soname gets a path.
+static int gmp_dladdr_path(uintptr_t addr, char* buf, size_t len) {
+	Dl_info info;
+	if (dladdr((void*)addr, &info) == 0 || info.dli_fname == NULL) return 0;
+	gmp_copy(buf, len, info.dli_fname);
+	return 1;
+}
+
+static int gmp_nccl_version(uintptr_t fn, int* v) { return ((gmp_nccl_version_fn)fn)(v); }
+
+static const char* gmp_nccl_errstr(uintptr_t fn, int r) { return ((gmp_nccl_errstr_fn)fn)(r); }
+
+typedef struct {
+	int nccl; // ncclResult_t of the NCCL call (0 when it was not made)
+	int push; // CUresult of cuCtxPushCurrent (0 when not called)
+	int pop;  // CUresult of cuCtxPopCurrent (0 when not called)
+	uintptr_t ptr;
+} gmp_nccl_result;
+
+// Push ctx, ncclMemAlloc, pop, in one C call so that all three run on one OS
+// thread (CUDA contexts are per thread). push == 0: call NCCL on whatever is
+// current.
+static void gmp_nccl_mem_alloc(uintptr_t alloc, uintptr_t free_fn, uintptr_t push, uintptr_t pop,
+		uintptr_t ctx, size_t size, gmp_nccl_result* r) {
+	r->nccl = r->push = r->pop = 0;
+	r->ptr = 0;
+	if (push && (r->push = ((gmp_cu_push_fn)push)((void*)ctx)) != 0) return;
+	void* p = NULL;
+	r->nccl = ((gmp_nccl_alloc_fn)alloc)(&p, size);
+	if (r->nccl == 0) r->ptr = (uintptr_t)p;
+	if (!push) return;
+	void* old = NULL;
+	r->pop = ((gmp_cu_pop_fn)pop)(&old);
+	if (r->pop != 0 && r->ptr != 0) {
+		// The call is reported as failed, so nobody would ever free the
+		// memory: hand it back while our context is (still) current.
+		((gmp_nccl_free_fn)free_fn)((void*)r->ptr);
+		r->ptr = 0;
+	}
+}
+
+// Push ctx, ncclMemFree, pop (see gmp_nccl_mem_alloc).
+static void gmp_nccl_mem_free(uintptr_t free_fn, uintptr_t push, uintptr_t pop, uintptr_t ctx,
+		uintptr_t ptr, gmp_nccl_result* r) {
+	r->nccl = r->push = r->pop = 0;
+	r->ptr = 0;
+	if (push && (r->push = ((gmp_cu_push_fn)push)((void*)ctx)) != 0) return;
+	r->nccl = ((gmp_nccl_free_fn)free_fn)((void*)ptr);
+	if (!push) return;
+	void* old = NULL;
+	r->pop = ((gmp_cu_pop_fn)pop)(&old);
+}
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"unsafe"
+)
+
+// EnvLibrary names the environment variable Load reads when given no path.
+const EnvLibrary = "GMP_LIBNCCL"
+
+// sonames are what an NCCL loaded by someone else (torch) is known as; the
+// first is also the name dlopen searches the loader path for.
+var sonames = []string{"libnccl.so.2", "libnccl.so"}
+
+// Lib is a loaded libnccl with the functions the backend calls. It is never
+// unloaded: memory it handed out may outlive any one backend.
+type Lib struct {
+	path                string
+	code                int
+	major, minor, patch int
+	memAlloc, memFree   uintptr
+	errorString         uintptr
+}
+
+var libs struct {
+	sync.Mutex
+	byPath map[string]*Lib // by resolved path
+}
+
+// Load opens libnccl and checks that it has ncclMemAlloc (NCCL >= 2.19).
+//
+// With a path, that file is opened. With "", the first of these wins:
+//  1. a libnccl.so.2 or libnccl.so already loaded in the process (torch's),
+//     found with RTLD_NOLOAD so that the backend shares its copy of NCCL;
+//  2. the file named by $GMP_LIBNCCL (an error if it cannot be opened:
+//     the user asked for that file);
+//  3. libnccl.so.2 on the dynamic loader's search path.
+//
+// A library that cannot be found or is not NCCL gives an error wrapping
+// ErrNoNCCL; an NCCL without ncclMemAlloc one wrapping ErrTooOld. Libraries
+// are cached by resolved path: loading the same file twice returns the same
+// *Lib. Load is safe for concurrent use.
+func Load(path string) (*Lib, error) {
+	libs.Lock()
+	defer libs.Unlock()
+	h, name, err := open(path)
+	if err != nil {
+		return nil, err
+	}
+	lib, err := fromHandle(h, name)
+	if err != nil {
+		// Drop our reference; a copy someone else loaded stays loaded.
+		C.gmp_dlclose(h)
+		return nil, err
+	}
+	return lib, nil
+}
+
+const hint = "point " + EnvLibrary + ` (or the "path" option) at libnccl.so.2 (NCCL >= 2.19)`
+
+// open finds the library as Load documents and returns its handle and the
+// name it was opened by.
+func open(path string) (C.uintptr_t, string, error) {
+	if path != "" {
+		h, err := dlopen(path, false)
+		if err != nil {
+			return 0, "", fmt.Errorf("nccl: load %s: %w: %s; %s", path, ErrNoNCCL, err, hint)
+		}
+		return h, path, nil
+	}
+	for _, name := range sonames {
+		if h, err := dlopen(name, true); err == nil {
+			return h, name, nil
+		}
+	}
+	if env := os.Getenv(EnvLibrary); env != "" {
+		h, err := dlopen(env, false)
+		if err != nil {
+			return 0, "", fmt.Errorf("nccl: load %s=%s: %w: %s; %s", EnvLibrary, env, ErrNoNCCL, err, hint)
+		}
+		return h, env, nil
+	}
+	h, err := dlopen(sonames[0], false)
+	if err != nil {
+		return 0, "", fmt.Errorf("nccl: %w: none loaded in this process, %s is unset, and %s; %s",
+			ErrNoNCCL, EnvLibrary, err, hint)
+	}
+	return h, sonames[0], nil
+}
+
+func dlopen(name string, noload bool) (C.uintptr_t, error) {
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	var buf [1024]C.char
+	nl := C.int(0)
+	if noload {
+		nl = 1
+	}
+	h := C.gmp_dlopen(cname, nl, &buf[0], C.size_t(len(buf)))
+	if h == 0 {
+		return 0, errors.New(C.GoString(&buf[0]))
+	}
+	return h, nil
+}
+
+func dlsym(h C.uintptr_t, sym string) uintptr {
+	csym := C.CString(sym)
+	defer C.free(unsafe.Pointer(csym))
+	return uintptr(C.gmp_dlsym(h, csym))
+}
+
+// fromHandle checks an opened library and returns its (cached) Lib. Called
+// with libs locked.
+func fromHandle(h C.uintptr_t, name string) (*Lib, error) {
+	getVersion := dlsym(h, "ncclGetVersion")
+	if getVersion == 0 {
+		return nil, fmt.Errorf("nccl: %s has no ncclGetVersion, so it is not libnccl: %w; %s", name, ErrNoNCCL, hint)
+	}
+	path := resolve(getVersion, name)
+	if lib := libs.byPath[path]; lib != nil {
+		// dlopen counted another reference to the same copy; the cached
+		// Lib holds one already.
+		C.gmp_dlclose(h)
+		return lib, nil
+	}
+	var code C.int
+	if r := C.gmp_nccl_version(C.uintptr_t(getVersion), &code); r != 0 {
+		return nil, fmt.Errorf("nccl: %s: ncclGetVersion failed with ncclResult_t %d", path, int(r))
+	}
+	lib := &Lib{path: path, code: int(code)}
+	lib.major, lib.minor, lib.patch = DecodeVersion(lib.code)
+	if lib.major < 2 || (lib.major == 2 && lib.minor < 19) {
+		return nil, fmt.Errorf("nccl: %s is NCCL %d.%d.%d (version code %d); ncclMemAlloc needs NCCL >= 2.19: %w",
+			path, lib.major, lib.minor, lib.patch, lib.code, ErrTooOld)
+	}
+	lib.memAlloc, lib.memFree = dlsym(h, "ncclMemAlloc"), dlsym(h, "ncclMemFree")
+	if lib.memAlloc == 0 || lib.memFree == 0 {
+		return nil, fmt.Errorf("nccl: %s (NCCL %d.%d.%d) does not export ncclMemAlloc/ncclMemFree; ncclMemAlloc needs NCCL >= 2.19: %w",
+			path, lib.major, lib.minor, lib.patch, ErrTooOld)
+	}
+	if lib.errorString = dlsym(h, "ncclGetErrorString"); lib.errorString == 0 {
+		return nil, fmt.Errorf("nccl: %s has no ncclGetErrorString, so it is not libnccl: %w", path, ErrNoNCCL)
+	}
+	if libs.byPath == nil {
+		libs.byPath = make(map[string]*Lib)
+	}
+	libs.byPath[path] = lib
+	return lib, nil
+}
+
+// resolve names the file that defines sym (a library found by soname only
+// has its soname), symlinks resolved so that every name of one file shares
+// a cache entry.
+func resolve(sym uintptr, name string) string {
+	var buf [4096]C.char
+	path := name
+	if C.gmp_dladdr_path(C.uintptr_t(sym), &buf[0], C.size_t(len(buf))) != 0 {
+		path = C.GoString(&buf[0])
+	}
+	if real, err := filepath.EvalSymlinks(path); err == nil {
+		path = real
+	}
+	return path
+}
+
+// Path is the file the library was loaded from.
+func (l *Lib) Path() string { return l.path }
+
+// Version is the NCCL version the library reports.
+func (l *Lib) Version() (major, minor, patch int) { return l.major, l.minor, l.patch }
+
+// String describes the library for logs, e.g. "NCCL 2.23.4 (/usr/lib/libnccl.so.2)".
+func (l *Lib) String() string {
+	return fmt.Sprintf("NCCL %d.%d.%d (%s)", l.major, l.minor, l.patch, l.path)
+}
+
+// ErrorString is NCCL's text for a result code.
+func (l *Lib) ErrorString(r Result) string {
+	s := C.gmp_nccl_errstr(C.uintptr_t(l.errorString), C.int(r))
+	if s == nil {
+		return "unknown NCCL result"
+	}
+	return C.GoString(s)
+}
+
+// callResult is what one push/NCCL/pop round trip reports.
+type callResult struct {
+	nccl      Result
+	push, pop int // CUresults; 0 on success or when not called
+	ptr       uint64
+}
+
+// devCtx is what makes a device current around an NCCL call; the zero value
+// leaves the thread's current context alone.
+type devCtx struct{ ctx, push, pop uintptr }
+
+func (l *Lib) memAllocOn(c devCtx, size uint64) callResult {
+	var r C.gmp_nccl_result
+	C.gmp_nccl_mem_alloc(C.uintptr_t(l.memAlloc), C.uintptr_t(l.memFree), C.uintptr_t(c.push),
+		C.uintptr_t(c.pop), C.uintptr_t(c.ctx), C.size_t(size), &r)
+	return callResult{nccl: Result(r.nccl), push: int(r.push), pop: int(r.pop), ptr: uint64(r.ptr)}
+}
+
+func (l *Lib) memFreeOn(c devCtx, addr uint64) callResult {
+	var r C.gmp_nccl_result
+	C.gmp_nccl_mem_free(C.uintptr_t(l.memFree), C.uintptr_t(c.push), C.uintptr_t(c.pop),
+		C.uintptr_t(c.ctx), C.uintptr_t(addr), &r)
+	return callResult{nccl: Result(r.nccl), push: int(r.push), pop: int(r.pop)}
+}

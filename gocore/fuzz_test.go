@@ -1,0 +1,151 @@
+package gocore
+
+import (
+	"errors"
+	"testing"
+)
+
+// FuzzPoolOps drives random sequences of alloc, free, record_stream, event
+// completion, empty_cache, trim, limit changes and close across two pools
+// sharing one simulated backend (two devices, four streams, manual events,
+// optionally expandable and failure-injecting), and checks every invariant
+// after every step. When both pools are closed the backend must hold
+// nothing.
+func FuzzPoolOps(f *testing.F) {
+	f.Add([]byte{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15})
+	f.Add([]byte("alloc free alloc record complete free empty trim limit close"))
+	f.Add([]byte{1, 0, 0, 0, 0, 0, 0, 0, 200, 3, 1, 40, 255, 7, 0, 0, 9, 9, 9, 9})
+	f.Fuzz(func(t *testing.T, data []byte) {
+		fuzzPoolOps(t, data)
+	})
+}
+
+// fuzzSizes covers both pools, the split thresholds and oversize blocks.
+var fuzzSizes = [...]uint64{1, 511, 512, 513, 4096, 65536, MiB - 1, MiB, MiB + 1, 3 * MiB, 9 * MiB, 10 * MiB, 25 * MiB, 60 * MiB}
+
+const maxFuzzSteps = 1500
+
+type fuzzReader struct {
+	data []byte
+	pos  int
+}
+
+func (r *fuzzReader) next() int {
+	if r.pos >= len(r.data) {
+		return -1
+	}
+	b := int(r.data[r.pos])
+	r.pos++
+	return b
+}
+
+func fuzzPoolOps(t *testing.T, data []byte) {
+	if len(data) == 0 {
+		return
+	}
+	r := &fuzzReader{data: data}
+	flags := r.next()
+	be, err := NewSimBackend(SimConfig{
+		Devices: 2, Capacity: 256 * MiB, ManualEvents: true,
+		Expandable: flags&1 != 0, FailRate: float64(flags>>1&3) / 10, Seed: int64(flags),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pools [2]*Pool
+	for i := range pools {
+		cfg := Config{Backend: be}
+		if flags&8 != 0 {
+			cfg.MaxSplitSize = 24 * MiB
+		}
+		if flags&16 != 0 {
+			cfg.ReleaseThreshold = 32 * MiB
+		}
+		if pools[i], err = NewPool(cfg); err != nil {
+			t.Fatal(err)
+		}
+	}
+	type liveBlock struct {
+		pool int
+		addr uint64
+	}
+	var live []liveBlock
+	// Invariant checks are O(blocks) after every step: cap the steps so that
+	// a long input costs time linear in the cap, not quadratic in its length.
+	for step := 0; step < maxFuzzSteps; step++ {
+		op := r.next()
+		if op < 0 {
+			break
+		}
+		arg := max(r.next(), 0)
+		pi := op >> 7 & 1
+		p := pools[pi]
+		switch op % 10 {
+		case 0, 1, 2, 3:
+			size := fuzzSizes[arg%len(fuzzSizes)] + uint64(arg>>4)*512
+			addr, err := p.Alloc(size, arg>>2&1, Stream(arg&3))
+			switch {
+			case err == nil:
+				live = append(live, liveBlock{pi, addr})
+			case errors.Is(err, ErrOutOfMemory), errors.Is(err, ErrClosed):
+			default:
+				t.Fatalf("step %d: alloc %d: unexpected error %v", step, size, err)
+			}
+		case 4, 5:
+			if len(live) == 0 {
+				continue
+			}
+			i := arg % len(live)
+			lb := live[i]
+			if op%10 == 5 {
+				if err := pools[lb.pool].RecordStream(lb.addr, Stream(arg&3)); err != nil && !errors.Is(err, ErrClosed) {
+					t.Fatalf("step %d: record stream: %v", step, err)
+				}
+			}
+			if err := pools[lb.pool].Free(lb.addr); err != nil && !errors.Is(err, ErrClosed) {
+				t.Fatalf("step %d: free %#x: %v", step, lb.addr, err)
+			}
+			live[i] = live[len(live)-1]
+			live = live[:len(live)-1]
+		case 6:
+			be.CompleteStream(Stream(arg & 3))
+			if _, err := p.ProcessEvents(); err != nil && !errors.Is(err, ErrClosed) {
+				t.Fatalf("step %d: process events: %v", step, err)
+			}
+		case 7:
+			var err error
+			if arg&1 == 0 {
+				_, err = p.EmptyCache()
+			} else {
+				_, err = p.Trim(arg>>1&1, uint64(arg)*MiB/4)
+			}
+			if err != nil && !errors.Is(err, ErrClosed) {
+				t.Fatalf("step %d: empty/trim: %v", step, err)
+			}
+		case 8:
+			if err := p.SetLimit(uint64(arg) * MiB); err != nil && !errors.Is(err, ErrClosed) {
+				t.Fatalf("step %d: set limit: %v", step, err)
+			}
+		case 9:
+			if arg%8 == 0 { // closing is rare, so that the pools do some work first
+				if _, err := p.Close(); err != nil && !errors.Is(err, ErrClosed) {
+					t.Fatalf("step %d: close: %v", step, err)
+				}
+			}
+		}
+		for i, q := range pools {
+			if err := q.CheckInvariants(); err != nil {
+				t.Fatalf("step %d: pool %d: %v", step, i, err)
+			}
+		}
+	}
+	for _, p := range pools {
+		if _, err := p.Close(); err != nil && !errors.Is(err, ErrClosed) {
+			t.Fatalf("final close: %v", err)
+		}
+	}
+	if st := be.Stats(); st.LiveSegments != 0 || st.LiveBytes != 0 || st.LiveEvents != 0 {
+		t.Fatalf("backend still holds %d segments, %d bytes, %d events after both pools closed: %v",
+			st.LiveSegments, st.LiveBytes, st.LiveEvents, be.LiveSegmentsList())
+	}
+}

@@ -1,0 +1,438 @@
+// Package cuda talks to the NVIDIA driver (libcuda.so.1), loaded at run time
+// with dlopen so that gpumempool builds and runs on machines without CUDA,
+// and provides gocore backends over it: Backend (device memory from
+// cuMemAlloc) and HostBackend (pinned host memory from cuMemHostAlloc).
+//
+// Every driver call that needs a context is made by one C helper that pushes
+// the device's primary context, calls the driver and pops the context again.
+// CUDA's current context is per OS thread and a goroutine may change threads
+// between two cgo calls, so pushing in one call and operating in the next
+// could run the operation under another thread's context; and callers such
+// as torch call us from their own threads, whose current context we must
+// leave as we found it. cgo is confined to this thin layer (shim.h and the
+// files that include it); the backends are plain Go.
+//
+// Tests run against a fake driver (tests/csrc/fake_cuda.c) that checks all
+// of this; see internal/fakecuda.
+package cuda
+
+/*
+#cgo LDFLAGS: -ldl
+#include <stdlib.h>
+#include "shim.h"
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"maps"
+	"os"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/gpumempool/gpumempool/gocore"
+)
+
+// DefaultLibrary is the driver library Load opens when given no path and
+// $GMP_LIBCUDA is unset (the name the NVIDIA driver installs).
+const DefaultLibrary = "libcuda.so.1"
+
+// EnvLibrary names the environment variable that overrides DefaultLibrary.
+const EnvLibrary = "GMP_LIBCUDA"
+
+// Driver is a loaded driver library: its resolved entry points and the
+// primary context of each device it has used. It is safe for concurrent use.
+type Driver struct {
+	path     string
+	handle   C.uintptr_t
+	fns      *C.gmp_drv // Go memory holding only C function pointers
+	noDevice error      // set when cuInit found no device: every device is invalid
+
+	// closeMu is held shared by every call into the driver and exclusively
+	// by Close, so that Close never releases a context under a running call.
+	closeMu sync.RWMutex
+	closed  bool // guarded by closeMu
+	// ctxs maps a device ordinal to its retained primary context. It is
+	// copied on write (under retainMu) so that the hot path reads it without
+	// a lock, and a first use of a device never waits for other calls.
+	retainMu sync.Mutex
+	ctxs     atomic.Pointer[map[int]C.uintptr_t]
+}
+
+var (
+	loadMu sync.Mutex
+	// loaded maps a dlopen handle to its Driver: dlopen returns the same
+	// handle for every path naming one file (symlinks and relative paths
+	// included), so this is the cache "per resolved path".
+	loaded = map[C.uintptr_t]*Driver{}
+)
+
+// Load opens the driver library at path (when empty: $GMP_LIBCUDA, else
+// DefaultLibrary) with RTLD_NOW|RTLD_LOCAL, resolves its entry points and
+// calls cuInit(0).
+//
+// Loading a library that is already loaded returns the same *Driver, so its
+// primary contexts are retained once per process however many callers load
+// it; the cache is keyed by the library dlopen resolved the path to, and
+// guarded by a mutex. After Close, Load returns a new Driver.
+//
+// A library that cannot be found yields an error wrapping ErrNoDriver. One
+// that lacks a required entry point yields an error naming it (wrapping
+// ErrDriverTooOld); optional ones (the stream-ordered allocator and virtual
+// memory management) are only needed by their methods, see HasSymbol. A
+// driver whose cuInit reports CUDA_ERROR_NO_DEVICE loads, with no devices.
+func Load(path string) (*Driver, error) {
+	if path == "" {
+		path = os.Getenv(EnvLibrary)
+	}
+	if path == "" {
+		path = DefaultLibrary
+	}
+	loadMu.Lock()
+	defer loadMu.Unlock()
+
+	cpath := C.CString(path)
+	defer C.free(unsafe.Pointer(cpath))
+	var errbuf [1024]C.char
+	h := C.gmp_dlopen(cpath, &errbuf[0], C.size_t(len(errbuf)))
+	if h == 0 {
+		msg := C.GoString(&errbuf[0])
+		if libraryMissing(path) {
+			return nil, fmt.Errorf("cuda: %w: dlopen %s: %s", ErrNoDriver, path, msg)
+		}
+		return nil, fmt.Errorf("cuda: dlopen %s: %s", path, msg)
+	}
+	if d := loaded[h]; d != nil {
+		C.gmp_dlclose(h) // drop the reference this dlopen added
+		return d, nil
+	}
+
+	fns := new(C.gmp_drv)
+	C.gmp_resolve(fns, h)
+	var missing []string
+	for i := 0; i < int(C.GMP_NFUNCS); i++ {
+		if C.gmp_has(fns, C.int(i)) == 0 && C.gmp_required(C.int(i)) != 0 {
+			missing = append(missing, C.GoString(C.gmp_name(C.int(i))))
+		}
+	}
+	if len(missing) > 0 {
+		C.gmp_dlclose(h)
+		return nil, fmt.Errorf("cuda: %s lacks required driver entry point %s (not libcuda, or a driver older than CUDA 11): %w",
+			path, strings.Join(missing, ", "), ErrDriverTooOld)
+	}
+
+	d := &Driver{path: path, handle: h, fns: fns}
+	d.ctxs.Store(&map[int]C.uintptr_t{})
+	if res := C.gmp_init(fns); res.code != 0 {
+		err := d.errorOf(res)
+		if res.code != CodeNoDevice {
+			C.gmp_dlclose(h)
+			return nil, fmt.Errorf("cuda: initialize %s: %w", path, err)
+		}
+		// A driver without GPUs (or with CUDA_VISIBLE_DEVICES empty) is a
+		// valid driver with zero devices; backends report that.
+		d.noDevice = err
+	}
+	// The library is never dlclosed from here on: the real driver does not
+	// support being unloaded once initialized.
+	loaded[h] = d
+	return d, nil
+}
+
+// libraryMissing tells "no such library" from "a library that failed to
+// load" after dlopen failed: a bare name was searched for and not found; a
+// path can be checked.
+func libraryMissing(path string) bool {
+	if !strings.Contains(path, "/") {
+		return true
+	}
+	_, err := os.Stat(path)
+	return errors.Is(err, os.ErrNotExist)
+}
+
+// Path returns the path the library was loaded from, as given to dlopen.
+func (d *Driver) Path() string { return d.path }
+
+// HasSymbol reports whether the driver exports the named entry point among
+// those the package resolves (e.g. "cuMemPoolCreate").
+func (d *Driver) HasSymbol(name string) bool {
+	for i := 0; i < int(C.GMP_NFUNCS); i++ {
+		if C.GoString(C.gmp_name(C.int(i))) == name {
+			return C.gmp_has(d.fns, C.int(i)) != 0
+		}
+	}
+	return false
+}
+
+// Close releases the primary contexts the driver retained and removes it
+// from Load's cache. It exists for tests and orderly shutdown: every later
+// call on d fails with ErrDriverClosed, and anything allocated through d
+// must have been freed before. The library itself stays loaded.
+func (d *Driver) Close() error {
+	d.closeMu.Lock()
+	if d.closed {
+		d.closeMu.Unlock()
+		return fmt.Errorf("cuda: close %s: %w", d.path, ErrDriverClosed)
+	}
+	d.closed = true
+	ctxs := *d.ctxs.Load()
+	devs := make([]int, 0, len(ctxs))
+	for dev := range ctxs {
+		devs = append(devs, dev)
+	}
+	sort.Ints(devs)
+	var errs []error
+	for _, dev := range devs {
+		if res := C.gmp_release(d.fns, C.int(dev)); res.code != 0 {
+			errs = append(errs, fmt.Errorf("cuda: release primary context of device %d: %w", dev, d.errorOf(res)))
+		}
+	}
+	d.ctxs.Store(&map[int]C.uintptr_t{})
+	d.closeMu.Unlock()
+
+	loadMu.Lock()
+	if loaded[d.handle] == d {
+		delete(loaded, d.handle)
+	}
+	loadMu.Unlock()
+	return errors.Join(errs...)
+}
+
+// errorOf turns a failed gmp_res into an *Error named by the entry point
+// that produced it.
+func (d *Driver) errorOf(res C.gmp_res) error {
+	if res.code == 0 {
+		return nil
+	}
+	e := &Error{Op: C.GoString(C.gmp_name(res.fn)), Code: int(res.code)}
+	if s := C.gmp_error_name(d.fns, res.code); s != nil {
+		e.Name = C.GoString(s)
+	}
+	return e
+}
+
+// require fails when an optional entry point is missing.
+func (d *Driver) require(fn C.int) error {
+	if C.gmp_has(d.fns, fn) == 0 {
+		return fmt.Errorf("cuda: %s: %w: %s missing", d.path, ErrDriverTooOld, C.GoString(C.gmp_name(fn)))
+	}
+	return nil
+}
+
+// withCtx runs call, a C helper that pushes ctx, operates and pops, with
+// dev's primary context (retained on first use). The shared close lock keeps
+// Close from releasing the context during the call.
+func (d *Driver) withCtx(dev int, call func(ctx C.uintptr_t) C.gmp_res) error {
+	if dev < 0 {
+		return fmt.Errorf("device %d: %w", dev, gocore.ErrInvalidDevice)
+	}
+	d.closeMu.RLock()
+	defer d.closeMu.RUnlock()
+	if d.closed {
+		return ErrDriverClosed
+	}
+	ctx, ok := (*d.ctxs.Load())[dev]
+	if !ok {
+		var err error
+		if ctx, err = d.retain(dev); err != nil {
+			return err
+		}
+	}
+	return d.errorOf(call(ctx))
+}
+
+// retain retains dev's primary context, once for the driver's lifetime.
+// The caller holds closeMu shared.
+func (d *Driver) retain(dev int) (C.uintptr_t, error) {
+	d.retainMu.Lock()
+	defer d.retainMu.Unlock()
+	old := *d.ctxs.Load()
+	if ctx, ok := old[dev]; ok {
+		return ctx, nil // retained by a concurrent first use
+	}
+	if d.noDevice != nil {
+		return 0, fmt.Errorf("device %d: %w: the driver found no device (%v)", dev, gocore.ErrInvalidDevice, d.noDevice)
+	}
+	var ctx C.uintptr_t
+	if res := C.gmp_retain(d.fns, C.int(dev), &ctx); res.code != 0 {
+		return 0, fmt.Errorf("device %d: %w", dev, d.errorOf(res))
+	}
+	ctxs := maps.Clone(old)
+	ctxs[dev] = ctx
+	d.ctxs.Store(&ctxs)
+	return ctx, nil
+}
+
+// context returns dev's primary context, retaining it if needed.
+func (d *Driver) context(dev int) (C.uintptr_t, error) {
+	var ctx C.uintptr_t
+	err := d.withCtx(dev, func(c C.uintptr_t) C.gmp_res {
+		ctx = c
+		return C.gmp_res{}
+	})
+	return ctx, err
+}
+
+// ContextFuncs returns dev's primary context and the addresses of
+// cuCtxPushCurrent_v2 and cuCtxPopCurrent_v2, for C code in other packages
+// (NCCL) that must make its own driver calls under that context with the
+// same push, operate, pop discipline. The context stays retained until
+// Close.
+func (d *Driver) ContextFuncs(dev int) (ctx, push, pop uintptr, err error) {
+	c, err := d.context(dev)
+	if err != nil {
+		return 0, 0, 0, fmt.Errorf("cuda: context of device %d: %w", dev, err)
+	}
+	return uintptr(c), uintptr(C.gmp_addr(d.fns, C.GMP_cuCtxPushCurrent_v2)),
+		uintptr(C.gmp_addr(d.fns, C.GMP_cuCtxPopCurrent_v2)), nil
+}
+
+// DeviceCount returns the number of devices the driver sees (0 when cuInit
+// found none).
+func (d *Driver) DeviceCount() (int, error) {
+	d.closeMu.RLock()
+	defer d.closeMu.RUnlock()
+	if d.closed {
+		return 0, fmt.Errorf("cuda: device count: %w", ErrDriverClosed)
+	}
+	if d.noDevice != nil {
+		return 0, nil
+	}
+	var n C.int
+	if err := d.errorOf(C.gmp_device_count(d.fns, &n)); err != nil {
+		return 0, fmt.Errorf("cuda: device count: %w", err)
+	}
+	return int(n), nil
+}
+
+// MemGetInfo returns the free and total bytes of device memory on dev.
+func (d *Driver) MemGetInfo(dev int) (free, total uint64, err error) {
+	var f, t C.uint64_t
+	err = d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res { return C.gmp_mem_get_info(d.fns, ctx, &f, &t) })
+	if err != nil {
+		return 0, 0, fmt.Errorf("cuda: memory info of device %d: %w", dev, err)
+	}
+	return uint64(f), uint64(t), nil
+}
+
+// MemAlloc allocates size bytes of device memory on dev (cuMemAlloc_v2).
+// Running out of memory yields an error matching gocore.ErrBackendOutOfMemory.
+func (d *Driver) MemAlloc(dev int, size uint64) (uint64, error) {
+	var p C.uint64_t
+	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res { return C.gmp_mem_alloc(d.fns, ctx, C.size_t(size), &p) })
+	if err != nil {
+		return 0, fmt.Errorf("cuda: alloc %d bytes on device %d: %w", size, dev, err)
+	}
+	return uint64(p), nil
+}
+
+// MemFree frees device memory that MemAlloc returned for dev.
+func (d *Driver) MemFree(dev int, ptr uint64) error {
+	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res { return C.gmp_mem_free(d.fns, ctx, C.uint64_t(ptr)) })
+	if err != nil {
+		return fmt.Errorf("cuda: free %#x on device %d: %w", ptr, dev, err)
+	}
+	return nil
+}
+
+// EventCreate creates an event on dev with CU_EVENT_DISABLE_TIMING (the
+// engine only orders work with events; timing would slow them down).
+func (d *Driver) EventCreate(dev int) (uint64, error) {
+	var ev C.uint64_t
+	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res {
+		return C.gmp_event_create(d.fns, ctx, EventDisableTiming, &ev)
+	})
+	if err != nil {
+		return 0, fmt.Errorf("cuda: create event on device %d: %w", dev, err)
+	}
+	return uint64(ev), nil
+}
+
+// EventRecord captures the work queued so far on stream in ev; both belong
+// to dev.
+func (d *Driver) EventRecord(dev int, ev, stream uint64) error {
+	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res {
+		return C.gmp_event_record(d.fns, ctx, C.uint64_t(ev), C.uint64_t(stream))
+	})
+	if err != nil {
+		return fmt.Errorf("cuda: record event %#x on stream %#x of device %d: %w", ev, stream, dev, err)
+	}
+	return nil
+}
+
+// EventQuery reports whether the work captured by ev (created on dev) has
+// completed: CUDA_ERROR_NOT_READY is (false, nil).
+func (d *Driver) EventQuery(dev int, ev uint64) (bool, error) {
+	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res { return C.gmp_event_query(d.fns, ctx, C.uint64_t(ev)) })
+	var cerr *Error
+	if errors.As(err, &cerr) && cerr.Code == CodeNotReady && cerr.Op == "cuEventQuery" {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("cuda: query event %#x on device %d: %w", ev, dev, err)
+	}
+	return true, nil
+}
+
+// EventDestroy destroys ev, created on dev.
+func (d *Driver) EventDestroy(dev int, ev uint64) error {
+	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res { return C.gmp_event_destroy(d.fns, ctx, C.uint64_t(ev)) })
+	if err != nil {
+		return fmt.Errorf("cuda: destroy event %#x on device %d: %w", ev, dev, err)
+	}
+	return nil
+}
+
+// StreamSynchronize waits for the work queued on stream, a stream of dev.
+func (d *Driver) StreamSynchronize(dev int, stream uint64) error {
+	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res { return C.gmp_stream_sync(d.fns, ctx, C.uint64_t(stream)) })
+	if err != nil {
+		return fmt.Errorf("cuda: synchronize stream %#x of device %d: %w", stream, dev, err)
+	}
+	return nil
+}
+
+// hostDevice is the device whose context pinned host memory is allocated
+// and freed under: cuMemHostAlloc needs a context, any one will do, and
+// with HostAllocPortable the memory is pinned for all of them.
+const hostDevice = 0
+
+// MemHostAlloc allocates size bytes of page-locked host memory
+// (cuMemHostAlloc) with flags (HostAllocPortable, ...), under device 0's
+// context.
+func (d *Driver) MemHostAlloc(size uint64, flags uint32) (uint64, error) {
+	var p C.uint64_t
+	err := d.withCtx(hostDevice, func(ctx C.uintptr_t) C.gmp_res {
+		return C.gmp_host_alloc(d.fns, ctx, C.size_t(size), C.uint(flags), &p)
+	})
+	if err != nil {
+		return 0, fmt.Errorf("cuda: alloc %d bytes of pinned host memory (flags %#x): %w", size, flags, err)
+	}
+	return uint64(p), nil
+}
+
+// MemFreeHost frees memory from MemHostAlloc.
+func (d *Driver) MemFreeHost(ptr uint64) error {
+	err := d.withCtx(hostDevice, func(ctx C.uintptr_t) C.gmp_res { return C.gmp_host_free(d.fns, ctx, C.uint64_t(ptr)) })
+	if err != nil {
+		return fmt.Errorf("cuda: free pinned host memory %#x: %w", ptr, err)
+	}
+	return nil
+}
+
+// MemHostGetFlags returns the flags ptr's pinned allocation was made with;
+// it fails for memory that is not from MemHostAlloc.
+func (d *Driver) MemHostGetFlags(ptr uint64) (uint32, error) {
+	var f C.uint
+	err := d.withCtx(hostDevice, func(ctx C.uintptr_t) C.gmp_res {
+		return C.gmp_host_get_flags(d.fns, ctx, C.uint64_t(ptr), &f)
+	})
+	if err != nil {
+		return 0, fmt.Errorf("cuda: flags of pinned host memory %#x: %w", ptr, err)
+	}
+	return uint32(f), nil
+}

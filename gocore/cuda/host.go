@@ -1,0 +1,202 @@
+package cuda
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+
+	"github.com/gpumempool/gpumempool/gocore"
+)
+
+// HostBackend is a gocore.Backend over page-locked (pinned) host memory
+// from cuMemHostAlloc, for staging buffers and torch's pinned-memory
+// allocator. It serves one device, ordinal 0: the host. The memory is
+// allocated under CUDA device 0's context and its events are CUDA events of
+// device 0, so the streams passed to it must be device 0's streams (a
+// stream of another device cannot record device 0's events). It is safe for
+// concurrent use.
+type HostBackend struct {
+	drv   *Driver
+	flags uint32
+
+	mu     sync.Mutex
+	events map[gocore.Event]struct{}
+}
+
+var _ gocore.Backend = (*HostBackend)(nil)
+
+// NewHostBackend returns a HostBackend allocating with the given
+// cuMemHostAlloc flags (HostAllocPortable, HostAllocDeviceMap,
+// HostAllocWriteCombined); 0 means HostAllocPortable, so that the memory is
+// pinned for every context, as torch's host allocator does. The driver must
+// see at least one device, whose context holds the allocations.
+func NewHostBackend(drv *Driver, flags uint32) (*HostBackend, error) {
+	if drv == nil {
+		return nil, fmt.Errorf("host backend: nil driver: %w", gocore.ErrInvalidArgument)
+	}
+	if flags&^hostAllocAll != 0 {
+		return nil, fmt.Errorf("host backend: unknown cuMemHostAlloc flags %#x: %w", flags&^hostAllocAll, gocore.ErrInvalidArgument)
+	}
+	if flags == 0 {
+		flags = HostAllocPortable
+	}
+	n, err := drv.DeviceCount()
+	if err != nil {
+		return nil, fmt.Errorf("host backend: %w", err)
+	}
+	if n == 0 {
+		return nil, fmt.Errorf("host backend: pinned memory needs a CUDA context and the driver (%s) sees no device: %w",
+			drv.Path(), gocore.ErrInvalidDevice)
+	}
+	return &HostBackend{drv: drv, flags: flags, events: make(map[gocore.Event]struct{})}, nil
+}
+
+// Name returns "host".
+func (b *HostBackend) Name() string { return "host" }
+
+// Devices returns 1: the host.
+func (b *HostBackend) Devices() int { return 1 }
+
+// Alignment returns Alignment (512); cuMemHostAlloc returns page-aligned
+// memory, and Alloc checks.
+func (b *HostBackend) Alignment() uint64 { return Alignment }
+
+// Flags returns the flags ptr's pinned allocation was made with
+// (cuMemHostGetFlags); it fails for memory that is not pinned by the
+// driver, so tests can prove that a pool's blocks are.
+func (b *HostBackend) Flags(ptr uint64) (uint32, error) { return b.drv.MemHostGetFlags(ptr) }
+
+func (b *HostBackend) checkDevice(op string, dev int) error {
+	if dev != 0 {
+		return fmt.Errorf("host backend: %s: device %d: the host is device 0: %w", op, dev, gocore.ErrInvalidDevice)
+	}
+	return nil
+}
+
+// Capacity reports MemTotal and MemAvailable from /proc/meminfo: pinned
+// memory comes out of ordinary RAM, and these are the numbers a user
+// reading an out-of-memory error needs. Where /proc/meminfo cannot be read
+// it returns an error wrapping gocore.ErrUnsupported.
+func (b *HostBackend) Capacity(dev int) (total, free uint64, err error) {
+	if err := b.checkDevice("capacity", dev); err != nil {
+		return 0, 0, err
+	}
+	data, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return 0, 0, fmt.Errorf("host backend: capacity: %v: %w", err, gocore.ErrUnsupported)
+	}
+	total, free, ok := parseMeminfo(data)
+	if !ok {
+		return 0, 0, fmt.Errorf("host backend: capacity: no MemTotal/MemAvailable in /proc/meminfo: %w", gocore.ErrUnsupported)
+	}
+	return total, free, nil
+}
+
+// parseMeminfo extracts MemTotal and MemAvailable (reported in kB) in bytes.
+func parseMeminfo(data []byte) (total, avail uint64, ok bool) {
+	var haveTotal, haveAvail bool
+	sc := bufio.NewScanner(bytes.NewReader(data))
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		if len(fields) < 2 {
+			continue
+		}
+		v, err := strconv.ParseUint(fields[1], 10, 64)
+		if err != nil {
+			continue
+		}
+		if len(fields) > 2 && fields[2] == "kB" {
+			v *= 1024
+		}
+		switch fields[0] {
+		case "MemTotal:":
+			total, haveTotal = v, true
+		case "MemAvailable:":
+			avail, haveAvail = v, true
+		}
+	}
+	return total, avail, haveTotal && haveAvail
+}
+
+// Alloc returns size bytes of pinned host memory. Failing to pin matches
+// gocore.ErrBackendOutOfMemory (the driver reports CUDA_ERROR_OUT_OF_MEMORY).
+func (b *HostBackend) Alloc(dev int, size uint64, stream gocore.Stream) (uint64, error) {
+	if err := b.checkDevice("alloc", dev); err != nil {
+		return 0, err
+	}
+	addr, err := b.drv.MemHostAlloc(size, b.flags)
+	if err != nil {
+		return 0, err
+	}
+	if addr%Alignment != 0 {
+		_ = b.drv.MemFreeHost(addr)
+		return 0, fmt.Errorf("host backend: cuMemHostAlloc returned %#x, not aligned to %d bytes", addr, Alignment)
+	}
+	return addr, nil
+}
+
+// Free returns memory from Alloc (cuMemFreeHost).
+func (b *HostBackend) Free(dev int, addr, size uint64, stream gocore.Stream) error {
+	if err := b.checkDevice("free", dev); err != nil {
+		return err
+	}
+	return b.drv.MemFreeHost(addr)
+}
+
+// NewEvent creates an event on CUDA device 0.
+func (b *HostBackend) NewEvent(dev int) (gocore.Event, error) {
+	if err := b.checkDevice("new event", dev); err != nil {
+		return 0, err
+	}
+	ev, err := b.drv.EventCreate(hostDevice)
+	if err != nil {
+		return 0, err
+	}
+	b.mu.Lock()
+	b.events[gocore.Event(ev)] = struct{}{}
+	b.mu.Unlock()
+	return gocore.Event(ev), nil
+}
+
+func (b *HostBackend) checkEvent(op string, ev gocore.Event) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if _, ok := b.events[ev]; !ok {
+		return fmt.Errorf("host backend: %s unknown event %#x: %w", op, uint64(ev), gocore.ErrInvalidArgument)
+	}
+	return nil
+}
+
+// RecordEvent records ev on stream, a stream of CUDA device 0.
+func (b *HostBackend) RecordEvent(ev gocore.Event, stream gocore.Stream) error {
+	if err := b.checkEvent("record", ev); err != nil {
+		return err
+	}
+	return b.drv.EventRecord(hostDevice, uint64(ev), uint64(stream))
+}
+
+// QueryEvent reports whether the work captured by ev has completed.
+func (b *HostBackend) QueryEvent(ev gocore.Event) (bool, error) {
+	if err := b.checkEvent("query", ev); err != nil {
+		return false, err
+	}
+	return b.drv.EventQuery(hostDevice, uint64(ev))
+}
+
+// DestroyEvent destroys ev.
+func (b *HostBackend) DestroyEvent(ev gocore.Event) error {
+	if err := b.checkEvent("destroy", ev); err != nil {
+		return err
+	}
+	if err := b.drv.EventDestroy(hostDevice, uint64(ev)); err != nil {
+		return err
+	}
+	b.mu.Lock()
+	delete(b.events, ev)
+	b.mu.Unlock()
+	return nil
+}

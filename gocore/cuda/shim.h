@@ -1,0 +1,585 @@
+/* The C half of package cuda: the driver entry points we resolve with dlsym,
+ * the cuda.h types they take, and one helper per operation that pushes the
+ * device's primary context, calls the driver and pops it again, all inside a
+ * single C call. It must be one C call: CUDA's current context is per OS
+ * thread, and a goroutine may move to another thread between two cgo calls.
+ *
+ * No CUDA headers are available where this builds, so the types are
+ * declared here. They match cuda.h of CUDA 12.x and 13.x, checked against
+ * NVIDIA's CUDA Driver API reference (structCUmemPoolProps__v1,
+ * structCUmemAllocationProp__v1, structCUmemLocation__v1,
+ * structCUmemAccessDesc__v1 pages of the 13.1 and 13.4 documentation) and
+ * the cuda.h text quoted in public repositories (CUmemPoolProps_v1 with
+ * maxSize, usage, reserved[54]; CUmemAllocationProp_v1 with allocFlags
+ * {compressionType, gpuDirectRDMACapable, usage, reserved[4]}). 13.4 carves
+ * gpuDirectRDMACapable out of CUmemPoolProps' reserved bytes and puts a
+ * union around CUmemLocation's id; neither changes a size or an offset we
+ * use, and we zero every byte we do not set, which is what the driver
+ * requires of reserved fields. The _Static_asserts pin the sizes (x86-64
+ * and aarch64, LP64). Enum values come from the same sources; the error
+ * codes from cuda.h's cudaError_enum. */
+#ifndef GMP_CUDA_SHIM_H
+#define GMP_CUDA_SHIM_H
+
+#include <dlfcn.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef void *CUcontext;
+typedef void *CUevent;
+typedef void *CUstream;
+typedef void *CUmemoryPool;
+typedef unsigned long long CUmemGenericAllocationHandle;
+
+/* CUmemLocation_v1: { CUmemLocationType type; int id; } */
+typedef struct {
+	int type;
+	int id;
+} CUmemLocation;
+
+/* CUmemAllocationProp_v1 */
+typedef struct {
+	int type;                 /* CUmemAllocationType */
+	int requestedHandleTypes; /* CUmemAllocationHandleType */
+	CUmemLocation location;
+	void *win32HandleMetaData;
+	struct {
+		unsigned char compressionType;
+		unsigned char gpuDirectRDMACapable;
+		unsigned short usage;
+		unsigned char reserved[4];
+	} allocFlags;
+} CUmemAllocationProp;
+
+/* CUmemPoolProps_v1 (CUDA 12.x layout; 13.4 uses reserved[0] as
+ * gpuDirectRDMACapable, which we leave 0). */
+typedef struct {
+	int allocType;   /* CUmemAllocationType */
+	int handleTypes; /* CUmemAllocationHandleType */
+	CUmemLocation location;
+	void *win32SecurityAttributes;
+	size_t maxSize;
+	unsigned short usage;
+	unsigned char reserved[54];
+} CUmemPoolProps;
+
+/* CUmemAccessDesc_v1 */
+typedef struct {
+	CUmemLocation location;
+	int flags; /* CUmemAccess_flags */
+} CUmemAccessDesc;
+
+/* CUmemPoolPtrExportData_v1 */
+typedef struct {
+	unsigned char reserved[64];
+} CUmemPoolPtrExportData;
+
+_Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation is 8 bytes in cuda.h");
+_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp is 32 bytes in cuda.h");
+_Static_assert(offsetof(CUmemAllocationProp, location) == 8, "CUmemAllocationProp.location");
+_Static_assert(offsetof(CUmemAllocationProp, allocFlags) == 24, "CUmemAllocationProp.allocFlags");
+_Static_assert(sizeof(CUmemPoolProps) == 88, "CUmemPoolProps is 88 bytes in cuda.h");
+_Static_assert(offsetof(CUmemPoolProps, maxSize) == 24, "CUmemPoolProps.maxSize");
+_Static_assert(offsetof(CUmemPoolProps, usage) == 32, "CUmemPoolProps.usage");
+_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc is 12 bytes in cuda.h");
+_Static_assert(sizeof(CUmemPoolPtrExportData) == 64, "CUmemPoolPtrExportData is 64 bytes in cuda.h");
+
+#define GMP_CU_MEM_ALLOCATION_TYPE_PINNED 1
+#define GMP_CU_MEM_LOCATION_TYPE_DEVICE 1
+#define GMP_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 1
+#define GMP_CU_MEM_ACCESS_FLAGS_PROT_READWRITE 3
+#define GMP_CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES 3
+
+/* Every entry point: X(name, required). Missing required ones fail Load;
+ * missing optional ones (the stream-ordered allocator and VMM, CUDA 10.2 to
+ * 11.2) only fail the methods that need them. */
+#define GMP_FUNCS(X)                                                             \
+	X(cuInit, 1)                                                                 \
+	X(cuDeviceGet, 1)                                                            \
+	X(cuDeviceGetCount, 1)                                                       \
+	X(cuDevicePrimaryCtxRetain, 1)                                               \
+	X(cuDevicePrimaryCtxRelease_v2, 1)                                           \
+	X(cuCtxPushCurrent_v2, 1)                                                    \
+	X(cuCtxPopCurrent_v2, 1)                                                     \
+	X(cuGetErrorName, 1)                                                         \
+	X(cuMemAlloc_v2, 1)                                                          \
+	X(cuMemFree_v2, 1)                                                           \
+	X(cuMemGetInfo_v2, 1)                                                        \
+	X(cuMemHostAlloc, 1)                                                         \
+	X(cuMemFreeHost, 1)                                                          \
+	X(cuMemHostGetFlags, 1)                                                      \
+	X(cuEventCreate, 1)                                                          \
+	X(cuEventRecord, 1)                                                          \
+	X(cuEventQuery, 1)                                                           \
+	X(cuEventDestroy_v2, 1)                                                      \
+	X(cuStreamSynchronize, 1)                                                    \
+	X(cuMemPoolCreate, 0)                                                        \
+	X(cuMemPoolDestroy, 0)                                                       \
+	X(cuMemAllocFromPoolAsync, 0)                                                \
+	X(cuMemFreeAsync, 0)                                                         \
+	X(cuMemPoolSetAttribute, 0)                                                  \
+	X(cuMemPoolGetAttribute, 0)                                                  \
+	X(cuMemPoolTrimTo, 0)                                                        \
+	X(cuMemPoolExportToShareableHandle, 0)                                       \
+	X(cuMemPoolImportFromShareableHandle, 0)                                     \
+	X(cuMemPoolExportPointer, 0)                                                 \
+	X(cuMemPoolImportPointer, 0)                                                 \
+	X(cuMemGetAllocationGranularity, 0)                                          \
+	X(cuMemCreate, 0)                                                            \
+	X(cuMemRelease, 0)                                                           \
+	X(cuMemAddressReserve, 0)                                                    \
+	X(cuMemAddressFree, 0)                                                       \
+	X(cuMemMap, 0)                                                               \
+	X(cuMemUnmap, 0)                                                             \
+	X(cuMemSetAccess, 0)                                                         \
+	X(cuMemExportToShareableHandle, 0)                                           \
+	X(cuMemImportFromShareableHandle, 0)
+
+#define GMP_AS_ENUM(name, req) GMP_##name,
+enum { GMP_FUNCS(GMP_AS_ENUM) GMP_NFUNCS };
+#undef GMP_AS_ENUM
+
+typedef CUresult (*t_cuInit)(unsigned int);
+typedef CUresult (*t_cuDeviceGet)(CUdevice *, int);
+typedef CUresult (*t_cuDeviceGetCount)(int *);
+typedef CUresult (*t_cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+typedef CUresult (*t_cuDevicePrimaryCtxRelease_v2)(CUdevice);
+typedef CUresult (*t_cuCtxPushCurrent_v2)(CUcontext);
+typedef CUresult (*t_cuCtxPopCurrent_v2)(CUcontext *);
+typedef CUresult (*t_cuGetErrorName)(CUresult, const char **);
+typedef CUresult (*t_cuMemAlloc_v2)(CUdeviceptr *, size_t);
+typedef CUresult (*t_cuMemFree_v2)(CUdeviceptr);
+typedef CUresult (*t_cuMemGetInfo_v2)(size_t *, size_t *);
+typedef CUresult (*t_cuMemHostAlloc)(void **, size_t, unsigned int);
+typedef CUresult (*t_cuMemFreeHost)(void *);
+typedef CUresult (*t_cuMemHostGetFlags)(unsigned int *, void *);
+typedef CUresult (*t_cuEventCreate)(CUevent *, unsigned int);
+typedef CUresult (*t_cuEventRecord)(CUevent, CUstream);
+typedef CUresult (*t_cuEventQuery)(CUevent);
+typedef CUresult (*t_cuEventDestroy_v2)(CUevent);
+typedef CUresult (*t_cuStreamSynchronize)(CUstream);
+typedef CUresult (*t_cuMemPoolCreate)(CUmemoryPool *, const CUmemPoolProps *);
+typedef CUresult (*t_cuMemPoolDestroy)(CUmemoryPool);
+typedef CUresult (*t_cuMemAllocFromPoolAsync)(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
+typedef CUresult (*t_cuMemFreeAsync)(CUdeviceptr, CUstream);
+typedef CUresult (*t_cuMemPoolSetAttribute)(CUmemoryPool, int, void *);
+typedef CUresult (*t_cuMemPoolGetAttribute)(CUmemoryPool, int, void *);
+typedef CUresult (*t_cuMemPoolTrimTo)(CUmemoryPool, size_t);
+typedef CUresult (*t_cuMemPoolExportToShareableHandle)(void *, CUmemoryPool, int, unsigned long long);
+typedef CUresult (*t_cuMemPoolImportFromShareableHandle)(CUmemoryPool *, void *, int, unsigned long long);
+typedef CUresult (*t_cuMemPoolExportPointer)(CUmemPoolPtrExportData *, CUdeviceptr);
+typedef CUresult (*t_cuMemPoolImportPointer)(CUdeviceptr *, CUmemoryPool, CUmemPoolPtrExportData *);
+typedef CUresult (*t_cuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
+typedef CUresult (*t_cuMemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
+                                  unsigned long long);
+typedef CUresult (*t_cuMemRelease)(CUmemGenericAllocationHandle);
+typedef CUresult (*t_cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+typedef CUresult (*t_cuMemAddressFree)(CUdeviceptr, size_t);
+typedef CUresult (*t_cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+typedef CUresult (*t_cuMemUnmap)(CUdeviceptr, size_t);
+typedef CUresult (*t_cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+typedef CUresult (*t_cuMemExportToShareableHandle)(void *, CUmemGenericAllocationHandle, int, unsigned long long);
+typedef CUresult (*t_cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *, int);
+
+/* The resolved entry points, in C memory (calloc'ed by Go). */
+typedef struct {
+	void *fn[GMP_NFUNCS];
+} gmp_drv;
+
+#define GMP_FN(d, name) ((t_##name)(d)->fn[GMP_##name])
+
+/* A driver result and the entry point (GMP_ index) that produced it. */
+typedef struct {
+	int code;
+	int fn;
+} gmp_res;
+
+static inline const char *gmp_name(int i) {
+#define GMP_AS_NAME(name, req) #name,
+	static const char *const names[GMP_NFUNCS] = {GMP_FUNCS(GMP_AS_NAME)};
+#undef GMP_AS_NAME
+	return i >= 0 && i < GMP_NFUNCS ? names[i] : "?";
+}
+
+static inline int gmp_required(int i) {
+#define GMP_AS_REQ(name, req) req,
+	static const int req[GMP_NFUNCS] = {GMP_FUNCS(GMP_AS_REQ)};
+#undef GMP_AS_REQ
+	return req[i];
+}
+
+/* dlopen and dlerror in one C call: dlerror's message is per thread. */
+static inline uintptr_t gmp_dlopen(const char *path, char *err, size_t errlen) {
+	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	if (!h) {
+		const char *e = dlerror();
+		snprintf(err, errlen, "%s", e ? e : "dlopen failed");
+	}
+	return (uintptr_t)h;
+}
+
+static inline void gmp_dlclose(uintptr_t h) { dlclose((void *)h); }
+
+/* Resolves every entry point; returns how many are missing. */
+static inline int gmp_resolve(gmp_drv *d, uintptr_t h) {
+	int missing = 0;
+	for (int i = 0; i < GMP_NFUNCS; i++) {
+		d->fn[i] = dlsym((void *)h, gmp_name(i));
+		if (!d->fn[i]) missing++;
+	}
+	return missing;
+}
+
+static inline int gmp_has(gmp_drv *d, int i) { return d->fn[i] != NULL; }
+static inline uintptr_t gmp_addr(gmp_drv *d, int i) { return (uintptr_t)d->fn[i]; }
+
+static inline gmp_res gmp_res_of(int code, int fn) {
+	gmp_res r = {code, fn};
+	return r;
+}
+
+/* Runs CALL with ctx current on this thread and restores the caller's
+ * current context (whatever it was) by popping ours. A failed op is
+ * reported over a failed pop. */
+#define GMP_IN_CTX(d, ctx, r, FN_ID, CALL)                                  \
+	do {                                                                     \
+		(r).fn = GMP_cuCtxPushCurrent_v2;                                    \
+		(r).code = GMP_FN(d, cuCtxPushCurrent_v2)((CUcontext)(ctx));         \
+		if ((r).code != 0) break;                                            \
+		(r).fn = (FN_ID);                                                    \
+		(r).code = (CALL);                                                   \
+		CUcontext popped_ = NULL;                                            \
+		int pop_ = GMP_FN(d, cuCtxPopCurrent_v2)(&popped_);                  \
+		if ((r).code == 0 && pop_ != 0) {                                    \
+			(r).code = pop_;                                                 \
+			(r).fn = GMP_cuCtxPopCurrent_v2;                                 \
+		}                                                                    \
+	} while (0)
+
+/* ---------------------------- no context needed ---------------------------- */
+
+static inline gmp_res gmp_init(gmp_drv *d) { return gmp_res_of(GMP_FN(d, cuInit)(0), GMP_cuInit); }
+
+static inline gmp_res gmp_device_count(gmp_drv *d, int *n) {
+	return gmp_res_of(GMP_FN(d, cuDeviceGetCount)(n), GMP_cuDeviceGetCount);
+}
+
+static inline gmp_res gmp_retain(gmp_drv *d, int ordinal, uintptr_t *ctx) {
+	CUdevice dev = 0;
+	int rc = GMP_FN(d, cuDeviceGet)(&dev, ordinal);
+	if (rc != 0) return gmp_res_of(rc, GMP_cuDeviceGet);
+	CUcontext c = NULL;
+	rc = GMP_FN(d, cuDevicePrimaryCtxRetain)(&c, dev);
+	*ctx = (uintptr_t)c;
+	return gmp_res_of(rc, GMP_cuDevicePrimaryCtxRetain);
+}
+
+static inline gmp_res gmp_release(gmp_drv *d, int ordinal) {
+	CUdevice dev = 0;
+	int rc = GMP_FN(d, cuDeviceGet)(&dev, ordinal);
+	if (rc != 0) return gmp_res_of(rc, GMP_cuDeviceGet);
+	return gmp_res_of(GMP_FN(d, cuDevicePrimaryCtxRelease_v2)(dev), GMP_cuDevicePrimaryCtxRelease_v2);
+}
+
+/* NULL when the driver does not know the code. */
+static inline const char *gmp_error_name(gmp_drv *d, int code) {
+	const char *s = NULL;
+	if (GMP_FN(d, cuGetErrorName)(code, &s) != 0) return NULL;
+	return s;
+}
+
+/* ------------------------------ with a context ------------------------------ */
+
+static inline gmp_res gmp_mem_alloc(gmp_drv *d, uintptr_t ctx, size_t size, uint64_t *out) {
+	gmp_res r;
+	CUdeviceptr p = 0;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemAlloc_v2, GMP_FN(d, cuMemAlloc_v2)(&p, size));
+	*out = p;
+	return r;
+}
+
+static inline gmp_res gmp_mem_free(gmp_drv *d, uintptr_t ctx, uint64_t ptr) {
+	gmp_res r;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemFree_v2, GMP_FN(d, cuMemFree_v2)(ptr));
+	return r;
+}
+
+static inline gmp_res gmp_mem_get_info(gmp_drv *d, uintptr_t ctx, uint64_t *free_bytes, uint64_t *total) {
+	gmp_res r;
+	size_t f = 0, t = 0;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemGetInfo_v2, GMP_FN(d, cuMemGetInfo_v2)(&f, &t));
+	*free_bytes = f;
+	*total = t;
+	return r;
+}
+
+static inline gmp_res gmp_host_alloc(gmp_drv *d, uintptr_t ctx, size_t size, unsigned flags, uint64_t *out) {
+	gmp_res r;
+	void *p = NULL;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemHostAlloc, GMP_FN(d, cuMemHostAlloc)(&p, size, flags));
+	*out = (uint64_t)(uintptr_t)p;
+	return r;
+}
+
+static inline gmp_res gmp_host_free(gmp_drv *d, uintptr_t ctx, uint64_t ptr) {
+	gmp_res r;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemFreeHost, GMP_FN(d, cuMemFreeHost)((void *)(uintptr_t)ptr));
+	return r;
+}
+
+static inline gmp_res gmp_host_get_flags(gmp_drv *d, uintptr_t ctx, uint64_t ptr, unsigned *flags) {
+	gmp_res r;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemHostGetFlags, GMP_FN(d, cuMemHostGetFlags)(flags, (void *)(uintptr_t)ptr));
+	return r;
+}
+
+static inline gmp_res gmp_event_create(gmp_drv *d, uintptr_t ctx, unsigned flags, uint64_t *out) {
+	gmp_res r;
+	CUevent e = NULL;
+	GMP_IN_CTX(d, ctx, r, GMP_cuEventCreate, GMP_FN(d, cuEventCreate)(&e, flags));
+	*out = (uint64_t)(uintptr_t)e;
+	return r;
+}
+
+static inline gmp_res gmp_event_record(gmp_drv *d, uintptr_t ctx, uint64_t ev, uint64_t stream) {
+	gmp_res r;
+	GMP_IN_CTX(d, ctx, r, GMP_cuEventRecord,
+	           GMP_FN(d, cuEventRecord)((CUevent)(uintptr_t)ev, (CUstream)(uintptr_t)stream));
+	return r;
+}
+
+static inline gmp_res gmp_event_query(gmp_drv *d, uintptr_t ctx, uint64_t ev) {
+	gmp_res r;
+	GMP_IN_CTX(d, ctx, r, GMP_cuEventQuery, GMP_FN(d, cuEventQuery)((CUevent)(uintptr_t)ev));
+	return r;
+}
+
+static inline gmp_res gmp_event_destroy(gmp_drv *d, uintptr_t ctx, uint64_t ev) {
+	gmp_res r;
+	GMP_IN_CTX(d, ctx, r, GMP_cuEventDestroy_v2, GMP_FN(d, cuEventDestroy_v2)((CUevent)(uintptr_t)ev));
+	return r;
+}
+
+static inline gmp_res gmp_stream_sync(gmp_drv *d, uintptr_t ctx, uint64_t stream) {
+	gmp_res r;
+	GMP_IN_CTX(d, ctx, r, GMP_cuStreamSynchronize, GMP_FN(d, cuStreamSynchronize)((CUstream)(uintptr_t)stream));
+	return r;
+}
+
+/* ------------------------- stream-ordered allocator ------------------------- */
+
+static inline gmp_res gmp_pool_create(gmp_drv *d, uintptr_t ctx, int handle_types, int loc_type, int loc_id,
+                                      uint64_t max_size, uint64_t *out) {
+	gmp_res r;
+	CUmemPoolProps props;
+	memset(&props, 0, sizeof(props));
+	props.allocType = GMP_CU_MEM_ALLOCATION_TYPE_PINNED;
+	props.handleTypes = handle_types;
+	props.location.type = loc_type;
+	props.location.id = loc_id;
+	props.maxSize = max_size;
+	CUmemoryPool pool = NULL;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemPoolCreate, GMP_FN(d, cuMemPoolCreate)(&pool, &props));
+	*out = (uint64_t)(uintptr_t)pool;
+	return r;
+}
+
+static inline gmp_res gmp_pool_destroy(gmp_drv *d, uintptr_t ctx, uint64_t pool) {
+	gmp_res r;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemPoolDestroy, GMP_FN(d, cuMemPoolDestroy)((CUmemoryPool)(uintptr_t)pool));
+	return r;
+}
+
+static inline gmp_res gmp_pool_alloc_async(gmp_drv *d, uintptr_t ctx, size_t size, uint64_t pool, uint64_t stream,
+                                           uint64_t *out) {
+	gmp_res r;
+	CUdeviceptr p = 0;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemAllocFromPoolAsync,
+	           GMP_FN(d, cuMemAllocFromPoolAsync)(&p, size, (CUmemoryPool)(uintptr_t)pool,
+	                                              (CUstream)(uintptr_t)stream));
+	*out = p;
+	return r;
+}
+
+static inline gmp_res gmp_free_async(gmp_drv *d, uintptr_t ctx, uint64_t ptr, uint64_t stream) {
+	gmp_res r;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemFreeAsync, GMP_FN(d, cuMemFreeAsync)(ptr, (CUstream)(uintptr_t)stream));
+	return r;
+}
+
+/* The REUSE_* attributes (1..3) are ints in cuda.h, the others cuuint64_t. */
+static inline gmp_res gmp_pool_set_attr(gmp_drv *d, uintptr_t ctx, uint64_t pool, int attr, uint64_t value) {
+	gmp_res r;
+	int iv = (int)value;
+	uint64_t uv = value;
+	void *p = attr <= GMP_CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES ? (void *)&iv : (void *)&uv;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemPoolSetAttribute,
+	           GMP_FN(d, cuMemPoolSetAttribute)((CUmemoryPool)(uintptr_t)pool, attr, p));
+	return r;
+}
+
+static inline gmp_res gmp_pool_get_attr(gmp_drv *d, uintptr_t ctx, uint64_t pool, int attr, uint64_t *value) {
+	gmp_res r;
+	int iv = 0;
+	uint64_t uv = 0;
+	int small = attr <= GMP_CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemPoolGetAttribute,
+	           GMP_FN(d, cuMemPoolGetAttribute)((CUmemoryPool)(uintptr_t)pool, attr, small ? (void *)&iv : (void *)&uv));
+	*value = small ? (uint64_t)(unsigned)iv : uv;
+	return r;
+}
+
+static inline gmp_res gmp_pool_trim(gmp_drv *d, uintptr_t ctx, uint64_t pool, uint64_t keep) {
+	gmp_res r;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemPoolTrimTo, GMP_FN(d, cuMemPoolTrimTo)((CUmemoryPool)(uintptr_t)pool, keep));
+	return r;
+}
+
+/* POSIX file descriptors only: the handle is an int. */
+static inline gmp_res gmp_pool_export(gmp_drv *d, uintptr_t ctx, uint64_t pool, int type, int *fd) {
+	gmp_res r;
+	int h = -1;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemPoolExportToShareableHandle,
+	           GMP_FN(d, cuMemPoolExportToShareableHandle)(&h, (CUmemoryPool)(uintptr_t)pool, type, 0));
+	*fd = h;
+	return r;
+}
+
+/* A POSIX file descriptor is passed as the handle itself, cast to void*. */
+static inline gmp_res gmp_pool_import(gmp_drv *d, uintptr_t ctx, int fd, int type, uint64_t *out) {
+	gmp_res r;
+	CUmemoryPool pool = NULL;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemPoolImportFromShareableHandle,
+	           GMP_FN(d, cuMemPoolImportFromShareableHandle)(&pool, (void *)(intptr_t)fd, type, 0));
+	*out = (uint64_t)(uintptr_t)pool;
+	return r;
+}
+
+static inline gmp_res gmp_pool_export_ptr(gmp_drv *d, uintptr_t ctx, uint64_t ptr, unsigned char *out64) {
+	gmp_res r;
+	CUmemPoolPtrExportData data;
+	memset(&data, 0, sizeof(data));
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemPoolExportPointer, GMP_FN(d, cuMemPoolExportPointer)(&data, ptr));
+	memcpy(out64, data.reserved, sizeof(data.reserved));
+	return r;
+}
+
+static inline gmp_res gmp_pool_import_ptr(gmp_drv *d, uintptr_t ctx, uint64_t pool, const unsigned char *data64,
+                                          uint64_t *out) {
+	gmp_res r;
+	CUmemPoolPtrExportData data;
+	memcpy(data.reserved, data64, sizeof(data.reserved));
+	CUdeviceptr p = 0;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemPoolImportPointer,
+	           GMP_FN(d, cuMemPoolImportPointer)(&p, (CUmemoryPool)(uintptr_t)pool, &data));
+	*out = p;
+	return r;
+}
+
+/* ------------------------ virtual memory management ------------------------ */
+
+static inline void gmp_alloc_prop(CUmemAllocationProp *prop, int loc_type, int loc_id, int handle_types) {
+	memset(prop, 0, sizeof(*prop));
+	prop->type = GMP_CU_MEM_ALLOCATION_TYPE_PINNED;
+	prop->requestedHandleTypes = handle_types;
+	prop->location.type = loc_type;
+	prop->location.id = loc_id;
+}
+
+static inline gmp_res gmp_granularity(gmp_drv *d, uintptr_t ctx, int loc_type, int loc_id, int handle_types,
+                                      int option, uint64_t *out) {
+	gmp_res r;
+	CUmemAllocationProp prop;
+	gmp_alloc_prop(&prop, loc_type, loc_id, handle_types);
+	size_t g = 0;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemGetAllocationGranularity,
+	           GMP_FN(d, cuMemGetAllocationGranularity)(&g, &prop, option));
+	*out = g;
+	return r;
+}
+
+static inline gmp_res gmp_mem_create(gmp_drv *d, uintptr_t ctx, size_t size, int loc_type, int loc_id,
+                                     int handle_types, uint64_t *out) {
+	gmp_res r;
+	CUmemAllocationProp prop;
+	gmp_alloc_prop(&prop, loc_type, loc_id, handle_types);
+	CUmemGenericAllocationHandle h = 0;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemCreate, GMP_FN(d, cuMemCreate)(&h, size, &prop, 0));
+	*out = h;
+	return r;
+}
+
+static inline gmp_res gmp_mem_release(gmp_drv *d, uintptr_t ctx, uint64_t handle) {
+	gmp_res r;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemRelease, GMP_FN(d, cuMemRelease)(handle));
+	return r;
+}
+
+static inline gmp_res gmp_address_reserve(gmp_drv *d, uintptr_t ctx, size_t size, size_t align, uint64_t addr,
+                                          uint64_t *out) {
+	gmp_res r;
+	CUdeviceptr p = 0;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemAddressReserve, GMP_FN(d, cuMemAddressReserve)(&p, size, align, addr, 0));
+	*out = p;
+	return r;
+}
+
+static inline gmp_res gmp_address_free(gmp_drv *d, uintptr_t ctx, uint64_t ptr, size_t size) {
+	gmp_res r;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemAddressFree, GMP_FN(d, cuMemAddressFree)(ptr, size));
+	return r;
+}
+
+static inline gmp_res gmp_mem_map(gmp_drv *d, uintptr_t ctx, uint64_t ptr, size_t size, size_t offset,
+                                  uint64_t handle) {
+	gmp_res r;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemMap, GMP_FN(d, cuMemMap)(ptr, size, offset, handle, 0));
+	return r;
+}
+
+static inline gmp_res gmp_mem_unmap(gmp_drv *d, uintptr_t ctx, uint64_t ptr, size_t size) {
+	gmp_res r;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemUnmap, GMP_FN(d, cuMemUnmap)(ptr, size));
+	return r;
+}
+
+/* Read/write access for each device ordinal in devs (at most 64). */
+static inline gmp_res gmp_mem_set_access(gmp_drv *d, uintptr_t ctx, uint64_t ptr, size_t size, const int *devs,
+                                         int n) {
+	gmp_res r;
+	CUmemAccessDesc desc[64];
+	if (n <= 0 || n > 64) return gmp_res_of(1 /* CUDA_ERROR_INVALID_VALUE */, GMP_cuMemSetAccess);
+	memset(desc, 0, sizeof(desc));
+	for (int i = 0; i < n; i++) {
+		desc[i].location.type = GMP_CU_MEM_LOCATION_TYPE_DEVICE;
+		desc[i].location.id = devs[i];
+		desc[i].flags = GMP_CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+	}
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemSetAccess, GMP_FN(d, cuMemSetAccess)(ptr, size, desc, (size_t)n));
+	return r;
+}
+
+static inline gmp_res gmp_mem_export(gmp_drv *d, uintptr_t ctx, uint64_t handle, int type, int *fd) {
+	gmp_res r;
+	int h = -1;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemExportToShareableHandle,
+	           GMP_FN(d, cuMemExportToShareableHandle)(&h, handle, type, 0));
+	*fd = h;
+	return r;
+}
+
+static inline gmp_res gmp_mem_import(gmp_drv *d, uintptr_t ctx, int fd, int type, uint64_t *out) {
+	gmp_res r;
+	CUmemGenericAllocationHandle h = 0;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemImportFromShareableHandle,
+	           GMP_FN(d, cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)fd, type));
+	*out = h;
+	return r;
+}
+
+#endif

@@ -1,0 +1,1376 @@
+/* A fake libcuda.so.1 over host memory, for tests on machines without a GPU
+ * (gpumempool's Go tests and Python tests share it).
+ *
+ *   cc -shared -fPIC -o libcuda_fake.so tests/csrc/fake_cuda.c
+ *
+ * It implements the driver entry points gpumempool uses, with the real
+ * names (versioned where the real driver versions them), signatures, struct
+ * layouts and error codes of CUDA 12/13's cuda.h, and it is stricter than
+ * the real driver where strictness proves something about the caller:
+ *
+ *  - Devices: FAKE_CUDA_DEVICES (default 2, at most 16; 0 makes cuInit fail
+ *    with CUDA_ERROR_NO_DEVICE like a driver that sees no GPU), each with
+ *    FAKE_CUDA_CAPACITY bytes (default 1 GiB). Allocations past capacity fail
+ *    with CUDA_ERROR_OUT_OF_MEMORY; cuMemGetInfo_v2 reports what is left.
+ *    Both variables are read by cuInit and by fake_cuda_reset.
+ *  - Contexts: each thread has a context stack (cuCtxPushCurrent_v2 /
+ *    cuCtxPopCurrent_v2); cuDevicePrimaryCtxRetain hands out one distinct
+ *    context per device. Every memory, event, stream, pool and VMM call
+ *    fails with CUDA_ERROR_INVALID_CONTEXT unless a context is current, and
+ *    cuMemAlloc_v2 / cuMemHostAlloc / cuEventCreate attribute what they make
+ *    to the current context's device, so a test can prove which context was
+ *    pushed. Freeing memory or using an event under another device's
+ *    context fails too (the real driver would accept it; the fake refuses so
+ *    that a wrong push cannot go unnoticed).
+ *  - Streams and events: in automatic mode (the default) every event is
+ *    complete. In manual mode (fake_cuda_set_manual_events(1)) an event
+ *    recorded on stream S completes when S does: fake_cuda_complete_stream,
+ *    fake_cuda_complete_all or cuStreamSynchronize(S). Stream handles are
+ *    any values the caller makes up (0 is the default stream).
+ *  - Memory is real: device allocations are aligned_alloc(512) blocks, pinned
+ *    host allocations page-aligned ones. VMM reservations are PROT_NONE
+ *    address ranges; cuMemCreate backs a handle with a memfd, cuMemMap maps
+ *    it there (MAP_SHARED, so two mappings of one handle alias like on a
+ *    GPU) and cuMemSetAccess makes it readable/writable. Shareable handles
+ *    are real file descriptors (memfd_create).
+ *  - Failure injection and inspection through the fake_cuda_* functions at
+ *    the end of this file. Everything is guarded by one mutex.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* ---- cuda.h types, declared here (no CUDA headers on the machines that
+ * build this). Layouts of CUDA 12.x/13.x cuda.h; see gocore/cuda/shim.h for
+ * where they were checked. */
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef struct fake_ctx *CUcontext;
+typedef struct fake_event *CUevent;
+typedef void *CUstream;
+typedef struct fake_pool *CUmemoryPool;
+typedef unsigned long long CUmemGenericAllocationHandle;
+
+typedef struct {
+    int type; /* CUmemLocationType */
+    int id;
+} CUmemLocation;
+
+typedef struct {
+    int type;                 /* CUmemAllocationType */
+    int requestedHandleTypes; /* CUmemAllocationHandleType */
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType;
+        unsigned char gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+} CUmemAllocationProp;
+
+typedef struct {
+    int allocType;
+    int handleTypes;
+    CUmemLocation location;
+    void *win32SecurityAttributes;
+    size_t maxSize;
+    unsigned short usage;
+    unsigned char reserved[54];
+} CUmemPoolProps;
+
+typedef struct {
+    CUmemLocation location;
+    int flags; /* CUmemAccess_flags */
+} CUmemAccessDesc;
+
+typedef struct {
+    unsigned char reserved[64];
+} CUmemPoolPtrExportData;
+
+_Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation");
+_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp");
+_Static_assert(sizeof(CUmemPoolProps) == 88, "CUmemPoolProps");
+_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc");
+_Static_assert(sizeof(CUmemPoolPtrExportData) == 64, "CUmemPoolPtrExportData");
+
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_DEINITIALIZED = 4,
+    CUDA_ERROR_NO_DEVICE = 100,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_ALREADY_MAPPED = 208,
+    CUDA_ERROR_NOT_MAPPED = 211,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_ILLEGAL_ADDRESS = 700,
+    CUDA_ERROR_NOT_PERMITTED = 800,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_UNKNOWN = 999,
+};
+
+enum { CU_MEM_ALLOCATION_TYPE_PINNED = 1 };
+enum { CU_MEM_LOCATION_TYPE_DEVICE = 1, CU_MEM_LOCATION_TYPE_HOST_NUMA = 3 };
+enum { CU_MEM_HANDLE_TYPE_NONE = 0, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1 };
+enum { CU_MEM_ACCESS_FLAGS_PROT_NONE = 0, CU_MEM_ACCESS_FLAGS_PROT_READ = 1, CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 };
+enum {
+    CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES = 1,
+    CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC = 2,
+    CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES = 3,
+    CU_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4,
+    CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT = 5,
+    CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH = 6,
+    CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7,
+    CU_MEMPOOL_ATTR_USED_MEM_HIGH = 8,
+};
+#define CU_MEMHOSTALLOC_ALL 0x7u   /* PORTABLE | DEVICEMAP | WRITECOMBINED */
+#define CU_EVENT_FLAGS_ALL 0x7u    /* BLOCKING_SYNC | DISABLE_TIMING | INTERPROCESS */
+
+#define MAX_DEV 16
+#define MAX_DEPTH 64
+#define GRANULARITY ((size_t)2 << 20) /* what real GPUs report for both options */
+#define DEVICE_ALIGN 512
+#define HOST_ALIGN 4096
+#define MAGIC 0xFA4ECDAu
+
+/* ---- every CUDA entry point, for call counts and failure injection ---- */
+#define FAKE_FUNCS(X)                                                                        \
+    X(cuInit) X(cuDeviceGet) X(cuDeviceGetCount) X(cuDevicePrimaryCtxRetain)                 \
+    X(cuDevicePrimaryCtxRelease_v2) X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2)             \
+    X(cuGetErrorName) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemGetInfo_v2) X(cuMemHostAlloc)  \
+    X(cuMemFreeHost) X(cuMemHostGetFlags) X(cuEventCreate) X(cuEventRecord) X(cuEventQuery)  \
+    X(cuEventDestroy_v2) X(cuStreamSynchronize) X(cuMemPoolCreate) X(cuMemPoolDestroy)       \
+    X(cuMemAllocFromPoolAsync) X(cuMemFreeAsync) X(cuMemPoolSetAttribute)                    \
+    X(cuMemPoolGetAttribute) X(cuMemPoolTrimTo) X(cuMemPoolExportToShareableHandle)          \
+    X(cuMemPoolImportFromShareableHandle) X(cuMemPoolExportPointer) X(cuMemPoolImportPointer) \
+    X(cuMemGetAllocationGranularity) X(cuMemCreate) X(cuMemRelease) X(cuMemAddressReserve)   \
+    X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)                          \
+    X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)
+
+#define AS_ENUM(name) F_##name,
+enum { FAKE_FUNCS(AS_ENUM) F_COUNT };
+#define AS_NAME(name) #name,
+static const char *const fn_names[F_COUNT] = {FAKE_FUNCS(AS_NAME)};
+
+/* ---- state (all under mu) ---- */
+struct fake_ctx {
+    unsigned magic;
+    int dev;
+};
+
+struct fake_event {
+    struct fake_event *next;
+    int dev;
+    unsigned flags;
+    int recorded;
+    uintptr_t stream;
+    uint64_t seq;
+};
+
+struct fake_stream {
+    int dev;
+    uintptr_t id;
+    uint64_t submitted, completed;
+};
+
+enum { K_DEVICE = 1, K_HOST, K_POOL };
+
+struct fake_alloc {
+    uintptr_t ptr;
+    size_t size;
+    int dev; /* -1 for pinned host memory */
+    int kind;
+    unsigned flags;
+    struct fake_pool *pool;
+};
+
+struct fake_pool {
+    int id;
+    int dev;
+    int handle_types;
+    int destroyed;
+    struct fake_pool *origin; /* non-NULL: imported from origin */
+    size_t max_size;
+    uint64_t threshold, used, used_high, cached, reserved_high;
+    int reuse[3];
+};
+
+struct fake_handle {
+    int id;
+    int dev; /* -1 for an imported handle: its memory is the exporter's */
+    int memfd;
+    size_t size;
+    int handle_types;
+    int refs; /* 1 until cuMemRelease, plus one per mapping */
+};
+
+struct fake_reservation {
+    uintptr_t base;
+    size_t size;
+};
+
+struct fake_mapping {
+    uintptr_t va;
+    size_t size;
+    struct fake_handle *h;
+    int access[MAX_DEV];
+};
+
+/* A growable array of pointers or structs. */
+#define VEC(T)       \
+    struct {         \
+        T *v;        \
+        size_t n, c; \
+    }
+#define VEC_PUSH(vec, x)                                                        \
+    do {                                                                        \
+        if ((vec).n == (vec).c) {                                               \
+            size_t nc_ = (vec).c ? (vec).c * 2 : 16;                            \
+            void *nv_ = realloc((vec).v, nc_ * sizeof(*(vec).v));              \
+            if (!nv_) abort();                                                  \
+            (vec).v = nv_;                                                      \
+            (vec).c = nc_;                                                      \
+        }                                                                       \
+        (vec).v[(vec).n++] = (x);                                               \
+    } while (0)
+#define VEC_DEL(vec, i) ((vec).v[(i)] = (vec).v[--(vec).n])
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static int initialized;
+static int n_devices = 2;
+static uint64_t capacity = (uint64_t)1 << 30;
+static uint64_t dev_used[MAX_DEV]; /* bytes charged against capacity */
+static long retained[MAX_DEV];
+static struct fake_ctx ctxs[MAX_DEV];
+static long calls[F_COUNT];
+static struct {
+    int code;
+    long after;
+} inject[F_COUNT];
+static int manual_events;
+static long long pushes, pops;
+static unsigned generation = 1; /* bumped by reset: stale thread stacks are dropped */
+static int next_id = 1;
+
+static VEC(struct fake_alloc) allocs;
+static VEC(struct fake_stream) streams;
+static VEC(struct fake_pool *) pools;
+static VEC(struct fake_handle *) handles;
+static VEC(struct fake_reservation) reservations;
+static VEC(struct fake_mapping *) mappings;
+static struct fake_event *events;
+
+static __thread struct {
+    unsigned gen;
+    int depth;
+    int stack[MAX_DEPTH];
+} tls;
+
+static void read_env(void) {
+    const char *s = getenv("FAKE_CUDA_DEVICES");
+    n_devices = 2;
+    if (s && *s) {
+        long n = strtol(s, NULL, 10);
+        n_devices = n < 0 ? 0 : n > MAX_DEV ? MAX_DEV : (int)n;
+    }
+    capacity = (uint64_t)1 << 30;
+    s = getenv("FAKE_CUDA_CAPACITY");
+    if (s && *s) capacity = strtoull(s, NULL, 10);
+}
+
+static void sync_tls(void) {
+    if (tls.gen != generation) {
+        tls.gen = generation;
+        tls.depth = 0;
+    }
+}
+
+/* The device of the calling thread's current context, or -1. */
+static int current_dev(void) {
+    sync_tls();
+    return tls.depth > 0 ? tls.stack[tls.depth - 1] : -1;
+}
+
+static int valid_dev(int dev) { return dev >= 0 && dev < n_devices; }
+
+#define ENTER(name)                                               \
+    pthread_mutex_lock(&mu);                                      \
+    calls[F_##name]++;                                            \
+    if (inject[F_##name].code != 0) {                             \
+        if (inject[F_##name].after > 0) {                         \
+            inject[F_##name].after--;                             \
+        } else {                                                  \
+            int injected_ = inject[F_##name].code;                \
+            pthread_mutex_unlock(&mu);                            \
+            return injected_;                                     \
+        }                                                         \
+    }
+#define RETURN(code)                   \
+    do {                               \
+        int rc_ = (code);              \
+        pthread_mutex_unlock(&mu);     \
+        return rc_;                    \
+    } while (0)
+#define NEED_INIT() \
+    if (!initialized) RETURN(CUDA_ERROR_NOT_INITIALIZED)
+/* Declares cur, the current context's device, or fails without one. */
+#define NEED_CTX()                         \
+    NEED_INIT();                           \
+    int cur = current_dev();               \
+    if (cur < 0) RETURN(CUDA_ERROR_INVALID_CONTEXT)
+
+static uint64_t round_up(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
+
+static long find_alloc(uintptr_t p) {
+    for (size_t i = 0; i < allocs.n; i++)
+        if (allocs.v[i].ptr == p) return (long)i;
+    return -1;
+}
+
+static long find_containing(uintptr_t p) {
+    for (size_t i = 0; i < allocs.n; i++)
+        if (p >= allocs.v[i].ptr && p < allocs.v[i].ptr + allocs.v[i].size) return (long)i;
+    return -1;
+}
+
+static struct fake_event *find_event(CUevent ev) {
+    for (struct fake_event *e = events; e; e = e->next)
+        if (e == ev) return e;
+    return NULL;
+}
+
+static struct fake_stream *stream_of(int dev, uintptr_t id) {
+    for (size_t i = 0; i < streams.n; i++)
+        if (streams.v[i].dev == dev && streams.v[i].id == id) return &streams.v[i];
+    struct fake_stream s = {dev, id, 0, 0};
+    VEC_PUSH(streams, s);
+    return &streams.v[streams.n - 1];
+}
+
+static struct fake_pool *find_pool(CUmemoryPool p) {
+    for (size_t i = 0; i < pools.n; i++)
+        if (pools.v[i] == p) return pools.v[i];
+    return NULL;
+}
+
+static struct fake_handle *find_handle(CUmemGenericAllocationHandle h) {
+    for (size_t i = 0; i < handles.n; i++)
+        if ((CUmemGenericAllocationHandle)(uintptr_t)handles.v[i] == h) return handles.v[i];
+    return NULL;
+}
+
+/* ======================= initialisation and devices ======================= */
+
+EXPORT CUresult cuInit(unsigned int flags) {
+    ENTER(cuInit);
+    if (flags != 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (!initialized) read_env();
+    if (n_devices == 0) RETURN(CUDA_ERROR_NO_DEVICE);
+    initialized = 1;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuDeviceGet(CUdevice *device, int ordinal) {
+    ENTER(cuDeviceGet);
+    NEED_INIT();
+    if (!device) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (!valid_dev(ordinal)) RETURN(CUDA_ERROR_INVALID_DEVICE);
+    *device = ordinal;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuDeviceGetCount(int *count) {
+    ENTER(cuDeviceGetCount);
+    NEED_INIT();
+    if (!count) RETURN(CUDA_ERROR_INVALID_VALUE);
+    *count = n_devices;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    ENTER(cuDevicePrimaryCtxRetain);
+    NEED_INIT();
+    if (!pctx) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (!valid_dev(dev)) RETURN(CUDA_ERROR_INVALID_DEVICE);
+    ctxs[dev].magic = MAGIC;
+    ctxs[dev].dev = dev;
+    retained[dev]++;
+    *pctx = &ctxs[dev];
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    ENTER(cuDevicePrimaryCtxRelease_v2);
+    NEED_INIT();
+    if (!valid_dev(dev)) RETURN(CUDA_ERROR_INVALID_DEVICE);
+    if (retained[dev] == 0) RETURN(CUDA_ERROR_INVALID_CONTEXT);
+    retained[dev]--;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
+    ENTER(cuCtxPushCurrent_v2);
+    NEED_INIT();
+    if (ctx < &ctxs[0] || ctx >= &ctxs[MAX_DEV] || ctx->magic != MAGIC || retained[ctx->dev] == 0)
+        RETURN(CUDA_ERROR_INVALID_CONTEXT);
+    sync_tls();
+    if (tls.depth == MAX_DEPTH) RETURN(CUDA_ERROR_UNKNOWN);
+    tls.stack[tls.depth++] = ctx->dev;
+    pushes++;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuCtxPopCurrent_v2(CUcontext *pctx) {
+    ENTER(cuCtxPopCurrent_v2);
+    NEED_INIT();
+    sync_tls();
+    if (tls.depth == 0) RETURN(CUDA_ERROR_INVALID_CONTEXT);
+    int dev = tls.stack[--tls.depth];
+    if (pctx) *pctx = &ctxs[dev];
+    pops++;
+    RETURN(CUDA_SUCCESS);
+}
+
+static const struct {
+    int code;
+    const char *name;
+} error_names[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY"},
+    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED"},
+    {CUDA_ERROR_DEINITIALIZED, "CUDA_ERROR_DEINITIALIZED"},
+    {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT"},
+    {CUDA_ERROR_ALREADY_MAPPED, "CUDA_ERROR_ALREADY_MAPPED"},
+    {CUDA_ERROR_NOT_MAPPED, "CUDA_ERROR_NOT_MAPPED"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE"},
+    {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND"},
+    {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY"},
+    {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS"},
+    {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED"},
+    {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN"},
+};
+
+/* Works before cuInit, like the real one. */
+EXPORT CUresult cuGetErrorName(CUresult error, const char **pStr) {
+    ENTER(cuGetErrorName);
+    if (!pStr) RETURN(CUDA_ERROR_INVALID_VALUE);
+    for (size_t i = 0; i < sizeof(error_names) / sizeof(error_names[0]); i++) {
+        if (error_names[i].code == error) {
+            *pStr = error_names[i].name;
+            RETURN(CUDA_SUCCESS);
+        }
+    }
+    *pStr = NULL;
+    RETURN(CUDA_ERROR_INVALID_VALUE);
+}
+
+/* ============================== device memory ============================== */
+
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
+    ENTER(cuMemAlloc_v2);
+    NEED_CTX();
+    if (!dptr || bytesize == 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (dev_used[cur] + bytesize > capacity || bytesize > capacity) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    void *p = aligned_alloc(DEVICE_ALIGN, round_up(bytesize, DEVICE_ALIGN));
+    if (!p) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    struct fake_alloc a = {(uintptr_t)p, bytesize, cur, K_DEVICE, 0, NULL};
+    VEC_PUSH(allocs, a);
+    dev_used[cur] += bytesize;
+    *dptr = (CUdeviceptr)(uintptr_t)p;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
+    ENTER(cuMemFree_v2);
+    NEED_CTX();
+    long i = find_alloc((uintptr_t)dptr);
+    if (i < 0 || allocs.v[i].kind != K_DEVICE) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (allocs.v[i].dev != cur) RETURN(CUDA_ERROR_INVALID_CONTEXT);
+    dev_used[cur] -= allocs.v[i].size;
+    free((void *)allocs.v[i].ptr);
+    VEC_DEL(allocs, i);
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+    ENTER(cuMemGetInfo_v2);
+    NEED_CTX();
+    if (!free_bytes || !total) RETURN(CUDA_ERROR_INVALID_VALUE);
+    *total = capacity;
+    *free_bytes = dev_used[cur] >= capacity ? 0 : capacity - dev_used[cur];
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int flags) {
+    ENTER(cuMemHostAlloc);
+    NEED_CTX();
+    if (!pp || bytesize == 0 || (flags & ~CU_MEMHOSTALLOC_ALL)) RETURN(CUDA_ERROR_INVALID_VALUE);
+    void *p = aligned_alloc(HOST_ALIGN, round_up(bytesize, HOST_ALIGN));
+    if (!p) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    struct fake_alloc a = {(uintptr_t)p, bytesize, -1, K_HOST, flags, NULL};
+    VEC_PUSH(allocs, a);
+    *pp = p;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuMemFreeHost(void *p) {
+    ENTER(cuMemFreeHost);
+    NEED_CTX();
+    long i = find_alloc((uintptr_t)p);
+    if (i < 0 || allocs.v[i].kind != K_HOST) RETURN(CUDA_ERROR_INVALID_VALUE);
+    free(p);
+    VEC_DEL(allocs, i);
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuMemHostGetFlags(unsigned int *pFlags, void *p) {
+    ENTER(cuMemHostGetFlags);
+    NEED_CTX();
+    long i = find_containing((uintptr_t)p);
+    if (!pFlags || i < 0 || allocs.v[i].kind != K_HOST) RETURN(CUDA_ERROR_INVALID_VALUE);
+    *pFlags = allocs.v[i].flags;
+    RETURN(CUDA_SUCCESS);
+}
+
+/* ============================ events and streams ============================ */
+
+EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int flags) {
+    ENTER(cuEventCreate);
+    NEED_CTX();
+    if (!phEvent || (flags & ~CU_EVENT_FLAGS_ALL)) RETURN(CUDA_ERROR_INVALID_VALUE);
+    struct fake_event *e = calloc(1, sizeof(*e));
+    if (!e) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    e->dev = cur;
+    e->flags = flags;
+    e->next = events;
+    events = e;
+    *phEvent = e;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
+    ENTER(cuEventRecord);
+    NEED_CTX();
+    struct fake_event *e = find_event(hEvent);
+    if (!e) RETURN(CUDA_ERROR_INVALID_HANDLE);
+    if (e->dev != cur) RETURN(CUDA_ERROR_INVALID_HANDLE); /* event and stream in other contexts */
+    struct fake_stream *s = stream_of(cur, (uintptr_t)hStream);
+    e->recorded = 1;
+    e->stream = (uintptr_t)hStream;
+    e->seq = ++s->submitted;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuEventQuery(CUevent hEvent) {
+    ENTER(cuEventQuery);
+    NEED_CTX();
+    struct fake_event *e = find_event(hEvent);
+    if (!e || e->dev != cur) RETURN(CUDA_ERROR_INVALID_HANDLE);
+    if (!manual_events || !e->recorded) RETURN(CUDA_SUCCESS);
+    struct fake_stream *s = stream_of(e->dev, e->stream);
+    RETURN(s->completed >= e->seq ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY);
+}
+
+EXPORT CUresult cuEventDestroy_v2(CUevent hEvent) {
+    ENTER(cuEventDestroy_v2);
+    NEED_CTX();
+    for (struct fake_event **pp = &events; *pp; pp = &(*pp)->next) {
+        if (*pp == hEvent) {
+            if (hEvent->dev != cur) RETURN(CUDA_ERROR_INVALID_HANDLE);
+            *pp = hEvent->next;
+            free(hEvent);
+            RETURN(CUDA_SUCCESS);
+        }
+    }
+    RETURN(CUDA_ERROR_INVALID_HANDLE);
+}
+
+/* Pools release cached memory above their threshold at synchronization. */
+static void pool_trim(struct fake_pool *p, uint64_t keep) {
+    uint64_t room = keep > p->used ? keep - p->used : 0;
+    if (p->cached > room) {
+        dev_used[p->dev] -= p->cached - room;
+        p->cached = room;
+    }
+}
+
+EXPORT CUresult cuStreamSynchronize(CUstream hStream) {
+    ENTER(cuStreamSynchronize);
+    NEED_CTX();
+    struct fake_stream *s = stream_of(cur, (uintptr_t)hStream);
+    s->completed = s->submitted;
+    for (size_t i = 0; i < pools.n; i++)
+        if (!pools.v[i]->origin && pools.v[i]->dev == cur) pool_trim(pools.v[i], pools.v[i]->threshold);
+    RETURN(CUDA_SUCCESS);
+}
+
+/* ========================= stream-ordered allocator ========================= */
+
+static int zeroed(const unsigned char *p, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i]) return 0;
+    return 1;
+}
+
+EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props) {
+    ENTER(cuMemPoolCreate);
+    NEED_CTX();
+    if (!pool || !props || props->allocType != CU_MEM_ALLOCATION_TYPE_PINNED ||
+        props->win32SecurityAttributes || !zeroed(props->reserved, sizeof(props->reserved)))
+        RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (props->location.type != CU_MEM_LOCATION_TYPE_DEVICE) RETURN(CUDA_ERROR_NOT_SUPPORTED);
+    if (!valid_dev(props->location.id)) RETURN(CUDA_ERROR_INVALID_DEVICE);
+    if (props->handleTypes & ~CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) RETURN(CUDA_ERROR_NOT_SUPPORTED);
+    struct fake_pool *p = calloc(1, sizeof(*p));
+    if (!p) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    p->id = next_id++;
+    p->dev = props->location.id;
+    p->handle_types = props->handleTypes;
+    p->max_size = props->maxSize;
+    p->reuse[0] = p->reuse[1] = p->reuse[2] = 1;
+    VEC_PUSH(pools, p);
+    *pool = p;
+    RETURN(CUDA_SUCCESS);
+}
+
+/* Like the real driver, destroying a pool with outstanding allocations
+ * succeeds; they stay valid until freed. The struct lives until reset. */
+EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool) {
+    ENTER(cuMemPoolDestroy);
+    NEED_CTX();
+    struct fake_pool *p = find_pool(pool);
+    if (!p || p->destroyed) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (!p->origin) pool_trim(p, 0);
+    p->destroyed = 1;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream) {
+    ENTER(cuMemAllocFromPoolAsync);
+    NEED_CTX();
+    (void)hStream;
+    struct fake_pool *p = find_pool(pool);
+    if (!dptr || bytesize == 0 || !p || p->destroyed) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (p->origin) RETURN(CUDA_ERROR_INVALID_VALUE); /* imported pools cannot allocate */
+    uint64_t take = p->cached < bytesize ? p->cached : bytesize;
+    uint64_t grow = bytesize - take;
+    if (p->max_size && p->used + p->cached + grow > p->max_size) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    if (dev_used[p->dev] + grow > capacity) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    void *mem = aligned_alloc(DEVICE_ALIGN, round_up(bytesize, DEVICE_ALIGN));
+    if (!mem) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    p->cached -= take;
+    p->used += bytesize;
+    dev_used[p->dev] += grow;
+    if (p->used > p->used_high) p->used_high = p->used;
+    if (p->used + p->cached > p->reserved_high) p->reserved_high = p->used + p->cached;
+    struct fake_alloc a = {(uintptr_t)mem, bytesize, p->dev, K_POOL, 0, p};
+    VEC_PUSH(allocs, a);
+    *dptr = (CUdeviceptr)(uintptr_t)mem;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
+    ENTER(cuMemFreeAsync);
+    NEED_CTX();
+    (void)hStream;
+    long i = find_alloc((uintptr_t)dptr);
+    if (i < 0 || allocs.v[i].kind != K_POOL) RETURN(CUDA_ERROR_INVALID_VALUE);
+    struct fake_pool *p = allocs.v[i].pool;
+    p->used -= allocs.v[i].size;
+    p->cached += allocs.v[i].size; /* cached until trimmed or synchronized */
+    if (p->destroyed) pool_trim(p, 0);
+    free((void *)allocs.v[i].ptr);
+    VEC_DEL(allocs, i);
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *value) {
+    ENTER(cuMemPoolSetAttribute);
+    NEED_CTX();
+    struct fake_pool *p = find_pool(pool);
+    if (!p || p->destroyed || !value) RETURN(CUDA_ERROR_INVALID_VALUE);
+    switch (attr) {
+    case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES:
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC:
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES:
+        p->reuse[attr - 1] = *(int *)value;
+        break;
+    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD:
+        p->threshold = *(uint64_t *)value;
+        break;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: /* high watermarks can only be reset to 0 */
+        if (*(uint64_t *)value != 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+        p->reserved_high = p->used + p->cached;
+        break;
+    case CU_MEMPOOL_ATTR_USED_MEM_HIGH:
+        if (*(uint64_t *)value != 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+        p->used_high = p->used;
+        break;
+    default:
+        RETURN(CUDA_ERROR_INVALID_VALUE);
+    }
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value) {
+    ENTER(cuMemPoolGetAttribute);
+    NEED_CTX();
+    struct fake_pool *p = find_pool(pool);
+    if (!p || p->destroyed || !value) RETURN(CUDA_ERROR_INVALID_VALUE);
+    switch (attr) {
+    case CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES:
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC:
+    case CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES:
+        *(int *)value = p->reuse[attr - 1];
+        break;
+    case CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: *(uint64_t *)value = p->threshold; break;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT: *(uint64_t *)value = p->used + p->cached; break;
+    case CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH: *(uint64_t *)value = p->reserved_high; break;
+    case CU_MEMPOOL_ATTR_USED_MEM_CURRENT: *(uint64_t *)value = p->used; break;
+    case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *(uint64_t *)value = p->used_high; break;
+    default: RETURN(CUDA_ERROR_INVALID_VALUE);
+    }
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
+    ENTER(cuMemPoolTrimTo);
+    NEED_CTX();
+    struct fake_pool *p = find_pool(pool);
+    if (!p || p->destroyed || p->origin) RETURN(CUDA_ERROR_INVALID_VALUE);
+    pool_trim(p, minBytesToKeep);
+    RETURN(CUDA_SUCCESS);
+}
+
+/* A shareable handle is a memfd holding a tag and the id of what it names. */
+struct share_tag {
+    char tag[8];
+    int id;
+};
+
+static int share_fd(const char *tag, int id) {
+    int fd = memfd_create(tag, MFD_CLOEXEC);
+    if (fd < 0) return -1;
+    struct share_tag t;
+    memset(&t, 0, sizeof(t));
+    memcpy(t.tag, tag, strnlen(tag, sizeof(t.tag)));
+    t.id = id;
+    if (pwrite(fd, &t, sizeof(t), 0) != (ssize_t)sizeof(t)) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static int share_read(int fd, const char *tag) {
+    struct share_tag t;
+    if (pread(fd, &t, sizeof(t), 0) != (ssize_t)sizeof(t)) return -1;
+    if (strncmp(t.tag, tag, sizeof(t.tag)) != 0) return -1;
+    return t.id;
+}
+
+EXPORT CUresult cuMemPoolExportToShareableHandle(void *handle_out, CUmemoryPool pool, int handleType,
+                                                 unsigned long long flags) {
+    ENTER(cuMemPoolExportToShareableHandle);
+    NEED_CTX();
+    struct fake_pool *p = find_pool(pool);
+    if (!handle_out || !p || p->destroyed || p->origin || flags) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || !(p->handle_types & handleType))
+        RETURN(CUDA_ERROR_INVALID_VALUE);
+    int fd = share_fd("fakepool", p->id);
+    if (fd < 0) RETURN(CUDA_ERROR_UNKNOWN);
+    *(int *)handle_out = fd;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuMemPoolImportFromShareableHandle(CUmemoryPool *pool_out, void *handle, int handleType,
+                                                   unsigned long long flags) {
+    ENTER(cuMemPoolImportFromShareableHandle);
+    NEED_CTX();
+    if (!pool_out || flags || handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) RETURN(CUDA_ERROR_INVALID_VALUE);
+    int id = share_read((int)(intptr_t)handle, "fakepool");
+    struct fake_pool *origin = NULL;
+    for (size_t i = 0; i < pools.n; i++)
+        if (pools.v[i]->id == id && !pools.v[i]->origin && !pools.v[i]->destroyed) origin = pools.v[i];
+    if (!origin) RETURN(CUDA_ERROR_INVALID_VALUE);
+    struct fake_pool *p = calloc(1, sizeof(*p));
+    if (!p) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    *p = *origin;
+    p->id = next_id++;
+    p->origin = origin;
+    p->used = p->cached = p->used_high = p->reserved_high = 0;
+    VEC_PUSH(pools, p);
+    *pool_out = p;
+    RETURN(CUDA_SUCCESS);
+}
+
+struct ptr_export {
+    char tag[8];
+    int pool_id;
+    int pad;
+    uint64_t ptr, size;
+};
+_Static_assert(sizeof(struct ptr_export) <= sizeof(CUmemPoolPtrExportData), "ptr_export");
+
+EXPORT CUresult cuMemPoolExportPointer(CUmemPoolPtrExportData *out, CUdeviceptr ptr) {
+    ENTER(cuMemPoolExportPointer);
+    NEED_CTX();
+    long i = find_alloc((uintptr_t)ptr);
+    if (!out || i < 0 || allocs.v[i].kind != K_POOL) RETURN(CUDA_ERROR_INVALID_VALUE);
+    struct fake_pool *p = allocs.v[i].pool;
+    if (!(p->handle_types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) RETURN(CUDA_ERROR_INVALID_VALUE);
+    struct ptr_export e;
+    memset(&e, 0, sizeof(e));
+    memcpy(e.tag, "fakeptr", 8);
+    e.pool_id = p->id;
+    e.ptr = ptr;
+    e.size = allocs.v[i].size;
+    memset(out, 0, sizeof(*out));
+    memcpy(out, &e, sizeof(e));
+    RETURN(CUDA_SUCCESS);
+}
+
+/* In one process the imported pointer is the exported one (a second process
+ * would see its own mapping of the same memory). */
+EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *ptr_out, CUmemoryPool pool, CUmemPoolPtrExportData *data) {
+    ENTER(cuMemPoolImportPointer);
+    NEED_CTX();
+    struct fake_pool *p = find_pool(pool);
+    if (!ptr_out || !data || !p || !p->origin) RETURN(CUDA_ERROR_INVALID_VALUE);
+    struct ptr_export e;
+    memcpy(&e, data, sizeof(e));
+    if (memcmp(e.tag, "fakeptr", 8) != 0 || e.pool_id != p->origin->id) RETURN(CUDA_ERROR_INVALID_VALUE);
+    long i = find_alloc((uintptr_t)e.ptr);
+    if (i < 0 || allocs.v[i].pool != p->origin) RETURN(CUDA_ERROR_INVALID_VALUE);
+    *ptr_out = e.ptr;
+    RETURN(CUDA_SUCCESS);
+}
+
+/* ========================= virtual memory management ========================= */
+
+static int check_prop(const CUmemAllocationProp *prop) {
+    if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED || prop->win32HandleMetaData ||
+        !zeroed(prop->allocFlags.reserved, sizeof(prop->allocFlags.reserved)))
+        return CUDA_ERROR_INVALID_VALUE;
+    if (prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE) {
+        if (!valid_dev(prop->location.id)) return CUDA_ERROR_INVALID_DEVICE;
+    } else if (prop->location.type != CU_MEM_LOCATION_TYPE_HOST_NUMA) {
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    if (prop->requestedHandleTypes & ~CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop, int option) {
+    ENTER(cuMemGetAllocationGranularity);
+    NEED_CTX();
+    if (!granularity || (option != 0 && option != 1)) RETURN(CUDA_ERROR_INVALID_VALUE);
+    int rc = check_prop(prop);
+    if (rc) RETURN(rc);
+    *granularity = GRANULARITY;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                            unsigned long long flags) {
+    ENTER(cuMemCreate);
+    NEED_CTX();
+    if (!handle || size == 0 || size % GRANULARITY || flags) RETURN(CUDA_ERROR_INVALID_VALUE);
+    int rc = check_prop(prop);
+    if (rc) RETURN(rc);
+    /* Host NUMA memory is not charged to a device. */
+    int dev = prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE ? prop->location.id : -1;
+    if (dev >= 0 && dev_used[dev] + size > capacity) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    int fd = memfd_create("fakevmm", MFD_CLOEXEC);
+    if (fd < 0) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    if (ftruncate(fd, (off_t)size) != 0) {
+        close(fd);
+        RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    struct fake_handle *h = calloc(1, sizeof(*h));
+    if (!h) {
+        close(fd);
+        RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    h->id = next_id++;
+    h->dev = dev;
+    h->memfd = fd;
+    h->size = size;
+    h->handle_types = prop->requestedHandleTypes;
+    h->refs = 1;
+    if (dev >= 0) dev_used[dev] += size;
+    VEC_PUSH(handles, h);
+    *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
+    RETURN(CUDA_SUCCESS);
+}
+
+static void handle_unref(struct fake_handle *h) {
+    if (--h->refs > 0) return;
+    for (size_t i = 0; i < handles.n; i++) {
+        if (handles.v[i] == h) {
+            VEC_DEL(handles, i);
+            break;
+        }
+    }
+    if (h->dev >= 0) dev_used[h->dev] -= h->size;
+    close(h->memfd);
+    free(h);
+}
+
+/* The memory goes once every mapping of it is unmapped, as on a GPU. */
+EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+    ENTER(cuMemRelease);
+    NEED_CTX();
+    struct fake_handle *h = find_handle(handle);
+    if (!h || h->refs <= 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+    h->handle_types |= 0x40000000; /* released: not exportable or mappable again */
+    handle_unref(h);
+    RETURN(CUDA_SUCCESS);
+}
+
+static long find_reservation(uintptr_t p, size_t size) {
+    for (size_t i = 0; i < reservations.n; i++) {
+        struct fake_reservation *r = &reservations.v[i];
+        if (p >= r->base && p < r->base + r->size && size <= r->base + r->size - p) return (long)i;
+    }
+    return -1;
+}
+
+EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                    unsigned long long flags) {
+    ENTER(cuMemAddressReserve);
+    NEED_CTX();
+    if (!ptr || size == 0 || size % GRANULARITY || flags || (alignment & (alignment - 1)))
+        RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (alignment < GRANULARITY) alignment = GRANULARITY;
+    void *base = MAP_FAILED;
+    if (addr && addr % alignment == 0) { /* addr is a hint, as in the real driver */
+        base = mmap((void *)(uintptr_t)addr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE |
+                    MAP_FIXED_NOREPLACE, -1, 0);
+        /* Kernels before 4.17 treat the flag as a plain hint and may map elsewhere. */
+        if (base != MAP_FAILED && (uintptr_t)base != addr) {
+            munmap(base, size);
+            base = MAP_FAILED;
+        }
+    }
+    if (base == MAP_FAILED) {
+        char *raw = mmap(NULL, size + alignment, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (raw == MAP_FAILED) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+        uintptr_t b = round_up((uintptr_t)raw, alignment);
+        if (b > (uintptr_t)raw) munmap(raw, b - (uintptr_t)raw);
+        uintptr_t end = (uintptr_t)raw + size + alignment;
+        if (end > b + size) munmap((void *)(b + size), end - (b + size));
+        base = (void *)b;
+    }
+    struct fake_reservation r = {(uintptr_t)base, size};
+    VEC_PUSH(reservations, r);
+    *ptr = (CUdeviceptr)(uintptr_t)base;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    ENTER(cuMemAddressFree);
+    NEED_CTX();
+    for (size_t i = 0; i < reservations.n; i++) {
+        struct fake_reservation r = reservations.v[i];
+        if (r.base != ptr) continue;
+        if (r.size != size) RETURN(CUDA_ERROR_INVALID_VALUE);
+        for (size_t j = 0; j < mappings.n; j++)
+            if (mappings.v[j]->va >= r.base && mappings.v[j]->va < r.base + r.size) RETURN(CUDA_ERROR_INVALID_VALUE);
+        munmap((void *)r.base, r.size);
+        VEC_DEL(reservations, i);
+        RETURN(CUDA_SUCCESS);
+    }
+    RETURN(CUDA_ERROR_INVALID_VALUE);
+}
+
+EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                         unsigned long long flags) {
+    ENTER(cuMemMap);
+    NEED_CTX();
+    struct fake_handle *h = find_handle(handle);
+    if (!h || (h->handle_types & 0x40000000) || flags || size == 0 || ptr % GRANULARITY || size % GRANULARITY ||
+        offset % GRANULARITY || offset > h->size || size > h->size - offset)
+        RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (find_reservation((uintptr_t)ptr, size) < 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+    for (size_t j = 0; j < mappings.n; j++) {
+        struct fake_mapping *m = mappings.v[j];
+        if (ptr < m->va + m->size && m->va < ptr + size) RETURN(CUDA_ERROR_ALREADY_MAPPED);
+    }
+    /* No access until cuMemSetAccess, like on a GPU. */
+    if (mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, h->memfd, (off_t)offset) == MAP_FAILED)
+        RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    struct fake_mapping *m = calloc(1, sizeof(*m));
+    if (!m) abort();
+    m->va = ptr;
+    m->size = size;
+    m->h = h;
+    h->refs++;
+    VEC_PUSH(mappings, m);
+    RETURN(CUDA_SUCCESS);
+}
+
+/* The range must consist of whole mappings. */
+EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    ENTER(cuMemUnmap);
+    NEED_CTX();
+    if (size == 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+    size_t covered = 0;
+    for (size_t j = 0; j < mappings.n; j++) {
+        struct fake_mapping *m = mappings.v[j];
+        if (!(ptr < m->va + m->size && m->va < ptr + size)) continue;
+        if (m->va < ptr || m->va + m->size > ptr + size) RETURN(CUDA_ERROR_INVALID_VALUE);
+        covered += m->size;
+    }
+    if (covered != size) RETURN(CUDA_ERROR_INVALID_VALUE);
+    for (size_t j = 0; j < mappings.n;) {
+        struct fake_mapping *m = mappings.v[j];
+        if (m->va >= ptr && m->va < ptr + size) {
+            /* Back to a bare reservation. */
+            mmap((void *)(uintptr_t)m->va, m->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
+                 -1, 0);
+            handle_unref(m->h);
+            free(m);
+            VEC_DEL(mappings, j);
+        } else {
+            j++;
+        }
+    }
+    RETURN(CUDA_SUCCESS);
+}
+
+/* The range must be mapped throughout. Memory becomes readable when some
+ * device may read it and writable when some device may write it. */
+EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
+    ENTER(cuMemSetAccess);
+    NEED_CTX();
+    if (!desc || count == 0 || size == 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+    for (size_t k = 0; k < count; k++) {
+        if (desc[k].location.type != CU_MEM_LOCATION_TYPE_DEVICE) RETURN(CUDA_ERROR_NOT_SUPPORTED);
+        if (!valid_dev(desc[k].location.id)) RETURN(CUDA_ERROR_INVALID_DEVICE);
+        int f = desc[k].flags;
+        if (f != CU_MEM_ACCESS_FLAGS_PROT_NONE && f != CU_MEM_ACCESS_FLAGS_PROT_READ &&
+            f != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            RETURN(CUDA_ERROR_INVALID_VALUE);
+    }
+    size_t covered = 0;
+    for (size_t j = 0; j < mappings.n; j++) {
+        struct fake_mapping *m = mappings.v[j];
+        if (!(ptr < m->va + m->size && m->va < ptr + size)) continue;
+        uintptr_t lo = m->va > ptr ? m->va : ptr, hi = m->va + m->size < ptr + size ? m->va + m->size : ptr + size;
+        covered += hi - lo;
+    }
+    if (covered != size) RETURN(CUDA_ERROR_INVALID_VALUE);
+    for (size_t j = 0; j < mappings.n; j++) {
+        struct fake_mapping *m = mappings.v[j];
+        if (!(ptr < m->va + m->size && m->va < ptr + size)) continue;
+        int prot = PROT_NONE;
+        for (size_t k = 0; k < count; k++) m->access[desc[k].location.id] = desc[k].flags;
+        for (int d = 0; d < MAX_DEV; d++) {
+            if (m->access[d] & CU_MEM_ACCESS_FLAGS_PROT_READ) prot |= PROT_READ;
+            if (m->access[d] == CU_MEM_ACCESS_FLAGS_PROT_READWRITE) prot |= PROT_WRITE;
+        }
+        uintptr_t lo = m->va > ptr ? m->va : ptr, hi = m->va + m->size < ptr + size ? m->va + m->size : ptr + size;
+        mprotect((void *)lo, hi - lo, prot);
+    }
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                             int handleType, unsigned long long flags) {
+    ENTER(cuMemExportToShareableHandle);
+    NEED_CTX();
+    struct fake_handle *h = find_handle(handle);
+    if (!shareableHandle || !h || (h->handle_types & 0x40000000) || flags ||
+        handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || !(h->handle_types & handleType))
+        RETURN(CUDA_ERROR_INVALID_VALUE);
+    int fd = fcntl(h->memfd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) RETURN(CUDA_ERROR_UNKNOWN);
+    *(int *)shareableHandle = fd;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                               int shHandleType) {
+    ENTER(cuMemImportFromShareableHandle);
+    NEED_CTX();
+    if (!handle || shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) RETURN(CUDA_ERROR_INVALID_VALUE);
+    int fd = (int)(intptr_t)osHandle;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_size <= 0 || (size_t)st.st_size % GRANULARITY) RETURN(CUDA_ERROR_INVALID_VALUE);
+    int dup = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (dup < 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+    struct fake_handle *h = calloc(1, sizeof(*h));
+    if (!h) abort();
+    h->id = next_id++;
+    h->dev = -1;
+    h->memfd = dup;
+    h->size = (size_t)st.st_size;
+    h->handle_types = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    h->refs = 1;
+    VEC_PUSH(handles, h);
+    *handle = (CUmemGenericAllocationHandle)(uintptr_t)h;
+    RETURN(CUDA_SUCCESS);
+}
+
+/* ============================ test controls ============================ */
+
+static int fn_index(const char *fn) {
+    if (!fn) return -1;
+    for (int i = 0; i < F_COUNT; i++)
+        if (strcmp(fn_names[i], fn) == 0) return i;
+    return -1;
+}
+
+/* The named function returns code once after_calls more calls have gone
+ * through, and keeps returning it until cleared with code 0. Returns -1 for
+ * an unknown name. */
+EXPORT int fake_cuda_fail(const char *fn, int code, int after_calls) {
+    int i = fn_index(fn);
+    if (i < 0) return -1;
+    pthread_mutex_lock(&mu);
+    inject[i].code = code;
+    inject[i].after = after_calls < 0 ? 0 : after_calls;
+    pthread_mutex_unlock(&mu);
+    return 0;
+}
+
+/* Calls of the named function since the last reset, or -1 for an unknown name. */
+EXPORT long fake_cuda_calls(const char *fn) {
+    int i = fn_index(fn);
+    if (i < 0) return -1;
+    pthread_mutex_lock(&mu);
+    long n = calls[i];
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+/* Bytes of live allocations on dev (cuMemAlloc, pools, cuMemCreate); dev -1:
+ * pinned host memory from cuMemHostAlloc. */
+EXPORT unsigned long long fake_cuda_live_bytes(int dev) {
+    unsigned long long n = 0;
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < allocs.n; i++)
+        if (allocs.v[i].dev == dev) n += allocs.v[i].size;
+    for (size_t i = 0; i < handles.n; i++)
+        if (dev >= 0 && handles.v[i]->dev == dev) n += handles.v[i]->size;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+/* Number of live allocations counted like fake_cuda_live_bytes. */
+EXPORT long fake_cuda_live_allocs(int dev) {
+    long n = 0;
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < allocs.n; i++)
+        if (allocs.v[i].dev == dev) n++;
+    for (size_t i = 0; i < handles.n; i++)
+        if (dev >= 0 && handles.v[i]->dev == dev) n++;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+/* Live events created on dev. */
+EXPORT long fake_cuda_live_events(int dev) {
+    long n = 0;
+    pthread_mutex_lock(&mu);
+    for (struct fake_event *e = events; e; e = e->next)
+        if (e->dev == dev) n++;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+/* Depth of the calling thread's context stack. */
+EXPORT int fake_cuda_ctx_depth(void) {
+    pthread_mutex_lock(&mu);
+    sync_tls();
+    int d = tls.depth;
+    pthread_mutex_unlock(&mu);
+    return d;
+}
+
+/* Pushes minus pops on all threads since the last reset: non-zero after a
+ * caller's push/op/pop sequences means a context was left current. */
+EXPORT long long fake_cuda_ctx_balance(void) {
+    pthread_mutex_lock(&mu);
+    long long b = pushes - pops;
+    pthread_mutex_unlock(&mu);
+    return b;
+}
+
+/* Device of the calling thread's current context, or -1. */
+EXPORT int fake_cuda_current_device(void) {
+    pthread_mutex_lock(&mu);
+    int d = current_dev();
+    pthread_mutex_unlock(&mu);
+    return d;
+}
+
+/* Pushes dev's primary context on the calling thread as an application
+ * would, so a test can check that a library restores it. Retain counts are
+ * not touched. Returns a CUresult. */
+EXPORT int fake_cuda_push_device(int dev) {
+    pthread_mutex_lock(&mu);
+    if (!initialized || !valid_dev(dev)) {
+        pthread_mutex_unlock(&mu);
+        return CUDA_ERROR_INVALID_DEVICE;
+    }
+    sync_tls();
+    if (tls.depth == MAX_DEPTH) {
+        pthread_mutex_unlock(&mu);
+        return CUDA_ERROR_UNKNOWN;
+    }
+    ctxs[dev].magic = MAGIC;
+    ctxs[dev].dev = dev;
+    tls.stack[tls.depth++] = dev;
+    pushes++;
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+/* Undoes fake_cuda_push_device. Returns a CUresult. */
+EXPORT int fake_cuda_pop_device(void) {
+    pthread_mutex_lock(&mu);
+    sync_tls();
+    if (tls.depth == 0) {
+        pthread_mutex_unlock(&mu);
+        return CUDA_ERROR_INVALID_CONTEXT;
+    }
+    tls.depth--;
+    pops++;
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+/* How many times dev's primary context is retained. */
+EXPORT long fake_cuda_retained(int dev) {
+    if (dev < 0 || dev >= MAX_DEV) return -1;
+    pthread_mutex_lock(&mu);
+    long n = retained[dev];
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+/* Device of the allocation containing ptr: -1 for pinned host memory, -2
+ * when ptr is in no allocation (VMM ranges are not allocations). */
+EXPORT int fake_cuda_ptr_device(uintptr_t ptr) {
+    pthread_mutex_lock(&mu);
+    long i = find_containing(ptr);
+    int d = i < 0 ? -2 : allocs.v[i].dev;
+    pthread_mutex_unlock(&mu);
+    return d;
+}
+
+/* CUmemAccess_flags that cuMemSetAccess gave dev on the mapping holding
+ * ptr, or -1 when ptr is not mapped. */
+EXPORT int fake_cuda_access(uintptr_t ptr, int dev) {
+    int f = -1;
+    pthread_mutex_lock(&mu);
+    for (size_t j = 0; j < mappings.n; j++) {
+        struct fake_mapping *m = mappings.v[j];
+        if (ptr >= m->va && ptr < m->va + m->size) f = dev >= 0 && dev < MAX_DEV ? m->access[dev] : -1;
+    }
+    pthread_mutex_unlock(&mu);
+    return f;
+}
+
+/* Live cuMemCreate/import handles, reservations and mappings. */
+EXPORT long fake_cuda_vmm_objects(void) {
+    pthread_mutex_lock(&mu);
+    long n = (long)(handles.n + reservations.n + mappings.n);
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+/* Live memory pools, imported ones included, not destroyed. */
+EXPORT long fake_cuda_live_pools(void) {
+    long n = 0;
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < pools.n; i++)
+        if (!pools.v[i]->destroyed) n++;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+EXPORT void fake_cuda_set_manual_events(int on) {
+    pthread_mutex_lock(&mu);
+    manual_events = on != 0;
+    pthread_mutex_unlock(&mu);
+}
+
+/* Completes the work recorded so far on stream (on every device). */
+EXPORT void fake_cuda_complete_stream(uintptr_t stream) {
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < streams.n; i++)
+        if (streams.v[i].id == stream) streams.v[i].completed = streams.v[i].submitted;
+    pthread_mutex_unlock(&mu);
+}
+
+EXPORT void fake_cuda_complete_all(void) {
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < streams.n; i++) streams.v[i].completed = streams.v[i].submitted;
+    pthread_mutex_unlock(&mu);
+}
+
+/* Frees everything, clears counters, injections and manual events, drops
+ * every thread's context stack and re-reads FAKE_CUDA_DEVICES and
+ * FAKE_CUDA_CAPACITY. Primary context retain counts and cuInit survive: a
+ * loaded driver keeps its contexts. */
+EXPORT void fake_cuda_reset(void) {
+    pthread_mutex_lock(&mu);
+    for (size_t j = 0; j < mappings.n; j++) {
+        struct fake_mapping *m = mappings.v[j];
+        mmap((void *)(uintptr_t)m->va, m->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1,
+             0);
+        free(m);
+    }
+    mappings.n = 0;
+    for (size_t i = 0; i < reservations.n; i++) munmap((void *)reservations.v[i].base, reservations.v[i].size);
+    reservations.n = 0;
+    for (size_t i = 0; i < handles.n; i++) {
+        close(handles.v[i]->memfd);
+        free(handles.v[i]);
+    }
+    handles.n = 0;
+    for (size_t i = 0; i < allocs.n; i++) free((void *)allocs.v[i].ptr);
+    allocs.n = 0;
+    for (size_t i = 0; i < pools.n; i++) free(pools.v[i]);
+    pools.n = 0;
+    while (events) {
+        struct fake_event *e = events;
+        events = e->next;
+        free(e);
+    }
+    streams.n = 0;
+    memset(dev_used, 0, sizeof(dev_used));
+    memset(calls, 0, sizeof(calls));
+    memset(inject, 0, sizeof(inject));
+    manual_events = 0;
+    pushes = pops = 0;
+    generation++;
+    int was = initialized;
+    read_env();
+    /* A device count of 0 after reset behaves like a driver that found none. */
+    initialized = was && n_devices > 0;
+    pthread_mutex_unlock(&mu);
+}

@@ -12,6 +12,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 	"sync"
 	"time"
@@ -58,12 +59,13 @@ type poolOptions struct {
 	FreeFn           uint64      `json:"free_fn"`
 	Devices          int         `json:"devices"`
 	Alignment        uint64      `json:"alignment"`
+	GPU              gpuOptions  `json:"gpu"`
 }
 
 // Backends lists the backend names NewPool accepts.
 func Backends() string { return strings.Join(backendNames, ",") }
 
-var backendNames = []string{"sim", "callback"}
+var backendNames = []string{"sim", "callback", "cuda", "host", "nccl"}
 
 var (
 	defaultSimOnce sync.Once
@@ -112,6 +114,9 @@ func buildBackend(o poolOptions) (be gocore.Backend, sim *gocore.SimBackend, err
 	case "callback":
 		be, err = callback.New(callback.Config{Alloc: uintptr(o.AllocFn), Free: uintptr(o.FreeFn),
 			Name: o.Name, Devices: o.Devices, Alignment: o.Alignment})
+		return be, nil, err
+	case "cuda", "host", "nccl":
+		be, err = gpuBackend(o.Backend, o.GPU)
 		return be, nil, err
 	default:
 		return nil, nil, fmt.Errorf("unknown backend %q (valid: %s): %w", o.Backend, Backends(), gocore.ErrInvalidArgument)
@@ -277,6 +282,10 @@ func PoolClose(id int64) (js string, err error) {
 	}
 	registry.Remove(id)
 	rep, err := e.Pool.Close()
+	if c, ok := e.Keep.(io.Closer); ok {
+		// Backend resources beyond segments (CUDA memory pools, ...).
+		err = errors.Join(err, c.Close())
+	}
 	if rep.LiveBlocks == nil {
 		rep.LiveBlocks = []gocore.LiveBlock{}
 	}

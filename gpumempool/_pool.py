@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -33,6 +34,24 @@ SIM_OPTIONS = (
 )
 #: Options of the ``callback`` backend (besides ``alloc`` and ``free``).
 CALLBACK_OPTIONS = ("devices", "alignment")
+#: Options of the GPU backends, which load libcuda (and libnccl) at run time.
+GPU_OPTIONS: dict[str, tuple[str, ...]] = {
+    "cuda": ("libcuda",),
+    "host": ("libcuda", "host_flags"),
+    "nccl": ("libcuda", "libnccl"),
+    "async": (
+        "libcuda",
+        "pool_release_threshold",
+        "reuse_follow_event_dependencies",
+        "reuse_allow_opportunistic",
+        "reuse_allow_internal_dependencies",
+        "max_size",
+        "ipc",
+    ),
+    "vmm": ("libcuda", "location", "numa_node", "access_devices", "expandable", "reserve_bytes", "granularity", "ipc"),
+}
+_GPU_BOOL = {"reuse_follow_event_dependencies", "reuse_allow_opportunistic", "reuse_allow_internal_dependencies", "expandable", "ipc"}
+_GPU_STR = {"libcuda", "libnccl", "location", "granularity"}
 
 _U64 = 1 << 64
 _I64 = 1 << 63
@@ -92,6 +111,26 @@ def _device_index(device: Any) -> int:
     return _check_int("device", device, 0, _MAX_DEVICE)
 
 
+def _gpu_options(options: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        if key in _GPU_BOOL:
+            if not isinstance(value, bool):
+                raise TypeError(f"{key} must be a bool, got {type(value).__name__}")
+            out[key] = value
+        elif key in _GPU_STR:
+            if not isinstance(value, (str, os.PathLike)):
+                raise TypeError(f"{key} must be a str, got {type(value).__name__}")
+            out[key] = os.fspath(value)
+        elif key == "access_devices":
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+                raise TypeError("access_devices must be a list of device indices")
+            out[key] = [_device_index(d) for d in value]
+        else:
+            out[key] = _check_int(key, value, 0, _U64 if key not in ("numa_node", "host_flags") else 1 << 31)
+    return out
+
+
 class MemPool:
     """A pool of device memory that caches blocks the way torch's allocator
     does, with segments from the backend you choose.
@@ -101,10 +140,14 @@ class MemPool:
     the :data:`SIM_OPTIONS` give the pool a private one. Pass ``alloc`` and
     ``free`` (C function addresses, ctypes functions or Python callables with
     torch's pluggable-allocator signatures) for the ``callback`` backend.
+    ``cuda`` (cuMemAlloc), ``host`` (pinned cuMemHostAlloc) and ``nccl``
+    (ncclMemAlloc) load libcuda / libnccl at run time; their options are in
+    :data:`GPU_OPTIONS`.
 
-    Common options: ``name``; ``limit`` (bytes the pool may reserve per
-    device); ``max_split_size`` (torch's max_split_size_mb, in bytes);
-    ``release_threshold`` (unused bytes kept cached per device; 0 keeps all).
+    Common options: ``name``; ``device`` (default device of :meth:`alloc`);
+    ``limit`` (bytes the pool may reserve per device); ``max_split_size``
+    (torch's max_split_size_mb, in bytes); ``release_threshold`` (unused
+    bytes kept cached per device; 0 keeps all).
 
     Thread-safe. Use it as a context manager to close it on exit.
     """
@@ -116,12 +159,14 @@ class MemPool:
         alloc: Optional[AllocatorFunction] = None,
         free: Optional[AllocatorFunction] = None,
         name: Optional[str] = None,
+        device: Any = 0,
         limit: Optional[int] = None,
         max_split_size: Optional[int] = None,
         release_threshold: Optional[int] = None,
         **options: Any,
     ) -> None:
         self._id = 0
+        self._device = _device_index(device)
         self._lock = threading.Lock()
         self._report: Optional[CloseReport] = None
         self._callback_errors = CallbackErrors()
@@ -137,11 +182,9 @@ class MemPool:
                 raise InvalidArgumentError("pass both alloc and free (an allocator needs its deleter)")
             backend = "callback"
         valid = {"sim": SIM_OPTIONS, "callback": CALLBACK_OPTIONS}
+        valid.update((name, GPU_OPTIONS[name]) for name in _native.bindings.Backends().split(",") if name in GPU_OPTIONS)
         if backend not in valid:
-            raise InvalidArgumentError(
-                f"unknown backend {backend!r}; valid backends: {', '.join(sorted(valid))} "
-                "(the GPU backends cuda, async, vmm, nccl and host are not built yet)"
-            )
+            raise InvalidArgumentError(f"unknown backend {backend!r}; valid backends: {', '.join(sorted(valid))}")
         unknown = sorted(set(options) - set(valid[backend]))
         if unknown:
             raise InvalidArgumentError(
@@ -169,6 +212,8 @@ class MemPool:
                     else:
                         sim[key] = _check_int(key, value, 0 if key != "seed" else -(1 << 63), 1 << 63)
                 cfg["sim"] = sim
+        elif backend in GPU_OPTIONS:
+            cfg["gpu"] = _gpu_options(options)
         else:
             for key in CALLBACK_OPTIONS:
                 if key in options:
@@ -222,14 +267,17 @@ class MemPool:
 
     # -- allocation -----------------------------------------------------
 
-    def alloc(self, size: int, device: Any = 0, stream: Any = 0) -> int:
-        """Allocate ``size`` bytes on ``device`` for work on ``stream``;
-        return the address. Raises :class:`OutOfMemoryError` when the pool
-        cannot serve it even after releasing its cache."""
+    def alloc(self, size: int, device: Any = None, stream: Any = 0) -> int:
+        """Allocate ``size`` bytes on ``device`` (the pool's default device
+        when None) for work on ``stream``; return the address. Raises
+        :class:`OutOfMemoryError` when the pool cannot serve it even after
+        releasing its cache."""
         # Fast path first: this is called once per tensor by integrations.
         if type(size) is not int or not 0 < size < _I64:
             size = _check_int("size", size, 1, _I64)
-        if type(device) is not int or not 0 <= device < _MAX_DEVICE:
+        if device is None:
+            device = self._device
+        elif type(device) is not int or not 0 <= device < _MAX_DEVICE:
             device = _device_index(device)
         if type(stream) is not int or not 0 <= stream < _U64:
             stream = as_stream(stream)

@@ -65,3 +65,38 @@ def pool():
     p = gmp.MemPool("sim", name="test", capacity=1 << 30)
     yield p
     p.close()
+
+
+def _build_so(tmp_path_factory: pytest.TempPathFactory, src: str, name: str, *flags: str) -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.fail(f"no C compiler (cc/gcc) to build tests/csrc/{src}")
+    out = tmp_path_factory.mktemp(name) / f"lib{name}.so"
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-pthread", *flags, "-o", str(out), str(CSRC / src), "-ldl"], check=True)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def fake_cuda(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ctypes.CDLL]:
+    """A stand-in libcuda.so.1 over host memory (tests/csrc/fake_cuda.c): its
+    path and a handle to its fake_cuda_* controls. Two devices of 1 GiB."""
+    path = _build_so(tmp_path_factory, "fake_cuda.c", "fakecuda")
+    lib = ctypes.CDLL(path)
+    lib.fake_cuda_fail.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]
+    lib.fake_cuda_calls.argtypes = [ctypes.c_char_p]
+    lib.fake_cuda_calls.restype = ctypes.c_long
+    lib.fake_cuda_live_bytes.restype = ctypes.c_ulonglong
+    lib.fake_cuda_live_allocs.restype = ctypes.c_long
+    lib.fake_cuda_ptr_device.argtypes = [ctypes.c_size_t]
+    lib.fake_cuda_complete_stream.argtypes = [ctypes.c_size_t]
+    return path, lib
+
+
+@pytest.fixture(scope="session")
+def fake_nccl(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ctypes.CDLL]:
+    """A stand-in libnccl (tests/csrc/fake_nccl.c, NCCL 2.23.4)."""
+    path = _build_so(tmp_path_factory, "fake_nccl.c", "fakenccl")
+    lib = ctypes.CDLL(path)
+    lib.fake_nccl_calls.restype = ctypes.c_long
+    lib.fake_nccl_live_bytes.restype = ctypes.c_long
+    return path, lib

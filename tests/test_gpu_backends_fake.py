@@ -1,0 +1,123 @@
+"""The GPU backends (cuda, host, nccl) through the Python API, against the
+fake libcuda and libnccl built from tests/csrc: the dlopen layer, context
+handling, error mapping and the OOM path run here without a GPU."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+import gpumempool as gmp
+
+MiB = 1 << 20
+
+
+def test_cuda_pool_on_the_fake_driver(fake_cuda) -> None:
+    path, fake = fake_cuda
+    with gmp.MemPool("cuda", libcuda=path, name="dev") as pool:
+        a = pool.alloc(1000, device=1, stream=0x10)
+        assert fake.fake_cuda_ptr_device(a) == 1  # device 1's context was pushed
+        ctypes.memset(a, 0x7F, 1000)  # the fake's device memory is host memory
+        assert ctypes.string_at(a, 3) == b"\x7f\x7f\x7f"
+        assert fake.fake_cuda_ctx_depth() == 0  # the caller's context stack is untouched
+        pool.free(a)
+        assert pool.alloc(1000, device=1, stream=0x10) == a
+        assert pool.stats(1)["reserved_bytes.all.current"] == 2 * MiB
+        assert pool.config()["devices"] == 2
+    assert fake.fake_cuda_live_bytes(1) == 0
+
+
+def test_cuda_out_of_memory_names_the_cuda_error(fake_cuda) -> None:
+    path, _ = fake_cuda
+    with gmp.MemPool("cuda", libcuda=path) as pool:
+        with pytest.raises(gmp.OutOfMemoryError, match="CUDA_ERROR_OUT_OF_MEMORY") as ei:
+            pool.alloc(4 << 30)
+        assert "device has" in str(ei.value)  # cuMemGetInfo numbers
+        assert pool.stats()["num_alloc_retries"] == 1
+
+
+def test_cuda_errors_other_than_oom_are_backend_errors(fake_cuda) -> None:
+    path, fake = fake_cuda
+    with gmp.MemPool("cuda", libcuda=path) as pool:
+        fake.fake_cuda_fail(b"cuMemAlloc_v2", 1, 0)
+        try:
+            with pytest.raises(gmp.BackendError, match="CUDA_ERROR_INVALID_VALUE"):
+                pool.alloc(100)
+        finally:
+            fake.fake_cuda_fail(b"cuMemAlloc_v2", 0, 0)
+        assert pool.stats()["num_alloc_retries"] == 0
+        pool.free(pool.alloc(100))
+
+
+def test_cuda_cross_stream_reuse_waits_for_events(fake_cuda) -> None:
+    path, fake = fake_cuda
+    fake.fake_cuda_set_manual_events(1)
+    try:
+        with gmp.MemPool("cuda", libcuda=path) as pool:
+            a = pool.alloc(4096, stream=1)
+            pool.record_stream(a, 2)
+            pool.free(a)
+            b = pool.alloc(4096, stream=1)
+            assert b != a  # stream 2 may still be using a
+            fake.fake_cuda_complete_stream(2)
+            assert pool.process_events() == 0
+            assert pool.alloc(4096, stream=1) == a
+    finally:
+        fake.fake_cuda_set_manual_events(0)
+
+
+def test_host_pool_gives_pinned_host_memory(fake_cuda) -> None:
+    path, fake = fake_cuda
+    with gmp.MemPool("host", libcuda=path) as pool:
+        a = pool.alloc(10000)
+        assert fake.fake_cuda_ptr_device(a) == -1  # host memory, not a device's
+        ctypes.memset(a, 1, 10000)
+        pool.free(a)
+        with pytest.raises(ValueError):
+            pool.alloc(10, device=1)  # the host is device 0 only
+
+
+def test_nccl_pool(fake_cuda, fake_nccl) -> None:
+    cuda_path, fake = fake_cuda
+    nccl_path, nccl = fake_nccl
+    before = nccl.fake_nccl_calls()
+    with gmp.MemPool("nccl", libcuda=cuda_path, libnccl=nccl_path) as pool:
+        a = pool.alloc(5000, device=1)
+        b = pool.alloc(5000, device=1)
+        assert nccl.fake_nccl_calls() == before + 1  # one segment serves both
+        pool.free(a)
+        pool.free(b)
+        pool.empty_cache()
+        assert nccl.fake_nccl_live_bytes() == 0
+
+
+def test_gpu_pools_through_the_c_abi(fake_cuda, clib) -> None:
+    path, _ = fake_cuda
+    with gmp.MemPool("cuda", libcuda=path) as pool:
+        assert clib.caller_open(*(s.encode() for s in pool.pluggable_symbols())) == 0
+        p = clib.caller_alloc(2048, 1, None)
+        assert p and pool.stats(1)["allocated_bytes.all.current"] == 2048
+        clib.caller_free(p, 2048, 1, None)
+        assert pool.stats(1)["allocated_bytes.all.current"] == 0
+
+
+def test_missing_driver_is_a_clear_error() -> None:
+    with pytest.raises(gmp.BackendError, match="not found"):
+        gmp.MemPool("cuda", libcuda="/nonexistent/libcuda.so.1")
+    with pytest.raises(gmp.BackendError, match="not found|no such file|NCCL"):
+        gmp.MemPool("nccl", libcuda="/nonexistent/libcuda.so.1")
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"backend": "cuda", "capacity": 1}, ValueError, "unknown option.*valid: .*libcuda"),
+        ({"backend": "host", "host_flags": -1}, ValueError, "host_flags"),
+        ({"backend": "cuda", "libcuda": 5}, TypeError, "libcuda"),
+        ({"backend": "gpu"}, ValueError, "valid backends: .*cuda.*host.*nccl"),
+    ],
+)
+def test_gpu_option_errors(kwargs, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        gmp.MemPool(**kwargs)

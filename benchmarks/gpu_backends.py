@@ -1,0 +1,123 @@
+"""GPU backend benchmarks (issue 3): for each backend, raw backend alloc+free
+latency per size against the engine's cached re-supply of the same size
+(goal: cached >= 50x faster), and the engine's peak reserved vs requested on
+a mixed-size workload. Needs an NVIDIA GPU; run on the device machine:
+
+    python benchmarks/gpu_backends.py [--out benchmarks/results]
+
+Writes gpu_backends.json and gpu_backends.md (with the device name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import sys
+from pathlib import Path
+
+import gpumempool as gmp
+from gpumempool import _native
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB, 256 * MiB, GiB]
+BACKENDS = {
+    "cuda": {},
+    "async": {},
+    "vmm": {},
+    "vmm-expandable": {"backend": "vmm", "gpu": {"expandable": True}},
+    "nccl": {},
+    "host": {},
+}
+
+
+def iters_for(size: int) -> int:
+    return 2000 if size <= MiB else 200 if size <= 256 * MiB else 50
+
+
+def bench_backend(name: str, spec: dict) -> list[dict]:
+    opts = {"backend": spec.get("backend", name), "gpu": spec.get("gpu", {})}
+    rows = []
+    for size in SIZES:
+        js = _native.bindings.BenchBackend(json.dumps(opts), str(size), iters_for(size), 0, 0)
+        rows.extend(json.loads(js))
+        print(f"  {name:15s} {size:>12,d} B  raw {rows[-1]['raw_ns']:>12,.0f} ns  cached {rows[-1]['cached_ns']:>8,.0f} ns"
+              f"  x{rows[-1]['speedup']:,.0f}", file=sys.stderr, flush=True)
+    return rows
+
+
+def mixed_workload(name: str, spec: dict, steps: int = 20000, seed: int = 0) -> dict:
+    """Random alloc/free of log-uniform sizes (512 B .. 64 MiB), ~200 live."""
+    backend = spec.get("backend", name)
+    kwargs = spec.get("gpu", {})
+    rng = random.Random(seed)
+    live: list[tuple[int, int]] = []
+    requested = peak_requested = 0
+    with gmp.MemPool(backend, **kwargs) as pool:
+        for _ in range(steps):
+            if live and (len(live) > 200 or rng.random() < 0.45):
+                ptr, n = live.pop(rng.randrange(len(live)))
+                pool.free(ptr)
+                requested -= n
+            else:
+                n = int(2 ** rng.uniform(9, 26))
+                live.append((pool.alloc(n), n))
+                requested += n
+                peak_requested = max(peak_requested, requested)
+        for ptr, _ in live:
+            pool.free(ptr)
+        s = pool.stats()
+    return {
+        "peak_requested": peak_requested,
+        "peak_allocated": s["allocated_bytes.all.peak"],
+        "peak_reserved": s["reserved_bytes.all.peak"],
+        "reserved_over_requested": s["reserved_bytes.all.peak"] / peak_requested,
+        "backend_calls": s["num_device_alloc"] + s["num_device_free"],
+        "allocations": s["allocation.all.allocated"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--backends", default=",".join(BACKENDS))
+    args = ap.parse_args()
+    devices = gmp.devices()
+    if not devices:
+        raise SystemExit(f"no GPU: {gmp.device_info()['reason']}")
+    device = devices[0]["name"]
+    result = {"date": datetime.date.today().isoformat(), "device": device, "backends": {}}
+    for name in args.backends.split(","):
+        spec = BACKENDS[name]
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        try:
+            result["backends"][name] = {"latency": bench_backend(name, spec), "mixed": mixed_workload(name, spec)}
+        except gmp.GpuMemPoolError as exc:
+            result["backends"][name] = {"error": str(exc)}
+            print(f"  {name}: {exc}", file=sys.stderr)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_backends.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [f"# GPU backends ({result['date']}, {device})", "",
+             "Raw backend alloc+free vs the engine's cached re-supply of the same size (ns per pair).", "",
+             "| backend | size | raw ns | cached ns | speedup (goal >= 50x) |", "|---|---:|---:|---:|---:|"]
+    for name, r in result["backends"].items():
+        if "error" in r:
+            lines.append(f"| {name} | - | - | - | error: {r['error'][:80]} |")
+            continue
+        for row in r["latency"]:
+            lines.append(f"| {name} | {row['size']:,} | {row['raw_ns']:,.0f} | {row['cached_ns']:,.0f} | {row['speedup']:,.0f}x |")
+    lines += ["", "Mixed workload (20,000 random alloc/free, 512 B..64 MiB, ~200 live):", "",
+              "| backend | peak requested | peak reserved | reserved / requested | backend calls |", "|---|---:|---:|---:|---:|"]
+    for name, r in result["backends"].items():
+        if "mixed" in r:
+            m = r["mixed"]
+            lines.append(f"| {name} | {m['peak_requested'] / MiB:,.1f} MiB | {m['peak_reserved'] / MiB:,.1f} MiB | "
+                         f"{m['reserved_over_requested']:.3f} | {m['backend_calls']:,} |")
+    (out / "gpu_backends.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -2,6 +2,7 @@ package bindings
 
 import (
 	"fmt"
+	"io"
 	"strconv"
 	"strings"
 	"time"
@@ -42,6 +43,9 @@ func BenchBackend(optionsJSON, sizesCSV string, iters, device int64, stream uint
 	be, _, err := buildBackend(o)
 	if err != nil {
 		return "", err
+	}
+	if c, ok := be.(io.Closer); ok {
+		defer c.Close()
 	}
 	dev, s := int(device), gocore.Stream(stream)
 	rows := make([]benchRow, 0, len(sizes))

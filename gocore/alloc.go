@@ -70,6 +70,7 @@ func (p *Pool) Alloc(size uint64, dev int, stream Stream) (uint64, error) {
 	if p.isOversize(b.size) {
 		st.OversizeAllocations.add(1)
 	}
+	p.trace(ActionAlloc, dev, b.addr, b.size, stream)
 	return b.addr, nil
 }
 
@@ -128,6 +129,9 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 		if total, free, cerr := p.backend.Capacity(d.id); cerr == nil {
 			oom.DeviceTotal, oom.DeviceFree = total, free
 		}
+		if e := p.trace(ActionOOM, d.id, 0, size, stream); e != nil {
+			e.DeviceFree = oom.DeviceFree
+		}
 		return nil, oom
 	}
 	seg := &segment{device: d.id, addr: addr, size: segSize, stream: stream, kind: kind, expandable: expandable}
@@ -137,6 +141,7 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 		d.growing[stream] = seg // the newest one has the most room to grow
 	}
 	d.segments[addr] = seg
+	p.trace(ActionSegmentAlloc, d.id, addr, segSize, stream)
 	d.stats.NumDeviceAlloc++
 	d.stats.Segment.add(kind, 1)
 	d.stats.ReservedBytes.add(kind, int64(segSize))
@@ -210,6 +215,7 @@ func (p *Pool) growLocked(d *deviceState, rounded uint64, stream Stream) (*block
 		return nil, fmt.Errorf("pool %q: grow segment %#x on device %d by %d bytes: %w", p.name, seg.addr, d.id, extra, err)
 	}
 	seg.size += extra
+	p.trace(ActionSegmentMap, d.id, seg.addr+seg.size-extra, extra, stream)
 	d.stats.NumDeviceAlloc++
 	d.stats.NumExpansions++
 	d.stats.ReservedBytes.add(kindLarge, int64(extra))

@@ -17,6 +17,7 @@ func (p *Pool) releaseSegmentLocked(d *deviceState, s *segment) error {
 	if d.growing[s.stream] == s {
 		delete(d.growing, s.stream)
 	}
+	p.trace(ActionSegmentFree, d.id, s.addr, s.size, s.stream)
 	d.stats.NumDeviceFree++
 	d.stats.Segment.add(s.kind, -1)
 	d.stats.ReservedBytes.add(s.kind, -int64(s.size))

@@ -28,6 +28,7 @@ func (p *Pool) Free(addr uint64) error {
 	}
 	b.allocated = false
 	b.requested = 0
+	p.trace(ActionFreeRequested, d.id, b.addr, b.size, b.seg.stream)
 	if len(b.streamUses) > 0 {
 		return p.deferFreeLocked(d, b)
 	}
@@ -91,6 +92,7 @@ func (p *Pool) RecordStream(addr uint64, stream Stream) error {
 		}
 	}
 	b.streamUses = append(b.streamUses, stream)
+	p.trace(ActionRecordStream, b.seg.device, addr, b.size, stream)
 	p.devices[b.seg.device].stats.NumRecordStream++
 	return nil
 }
@@ -101,6 +103,7 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 	kind := b.seg.kind
 	d.stats.Active.add(kind, -1)
 	d.stats.ActiveBytes.add(kind, -int64(b.size))
+	p.trace(ActionFreeCompleted, d.id, b.addr, b.size, b.seg.stream)
 	b.streamUses = b.streamUses[:0]
 	f := d.freeList(b.seg.stream)
 	if n := b.next; n != nil && n.inFree {

@@ -41,6 +41,8 @@ type Pool struct {
 	allocated map[uint64]*block // live blocks by address
 	spare     []*block          // block structs kept for reuse
 	expander  Expander          // non-nil when the backend grows segments in place
+	hist      *history          // recorded events; nil when recording is off
+	histMax   int
 }
 
 // deviceState is everything the pool keeps for one device.

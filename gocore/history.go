@@ -1,0 +1,84 @@
+package gocore
+
+import "time"
+
+// Trace actions, named as in torch's device_traces.
+const (
+	ActionAlloc          = "alloc"
+	ActionFreeRequested  = "free_requested"
+	ActionFreeCompleted  = "free_completed"
+	ActionSegmentAlloc   = "segment_alloc"
+	ActionSegmentFree    = "segment_free"
+	ActionSegmentMap     = "segment_map" // an expandable segment grew
+	ActionOOM            = "oom"
+	ActionRecordStream   = "record_stream" // ours: a block used on another stream
+	ActionEmptyCacheDone = "empty_cache"   // ours: EmptyCache/Trim ran
+)
+
+// TraceEntry is one recorded allocator event.
+type TraceEntry struct {
+	Action string `json:"action"`
+	Device int    `json:"device"`
+	Addr   uint64 `json:"addr"`
+	Size   uint64 `json:"size"`
+	Stream uint64 `json:"stream"`
+	TimeUS int64  `json:"time_us"`
+	// DeviceFree is the backend's free memory, on "oom" entries.
+	DeviceFree uint64 `json:"device_free,omitempty"`
+}
+
+// history is a ring buffer of trace entries; nil when recording is off, so
+// the hot path pays one nil check.
+type history struct {
+	entries []TraceEntry
+	next    int
+	full    bool
+}
+
+// RecordHistory turns event recording on (keeping at most maxEntries, the
+// oldest dropped first) or off (dropping what was recorded).
+func (p *Pool) RecordHistory(enabled bool, maxEntries int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !enabled || maxEntries <= 0 {
+		p.hist = nil
+		return
+	}
+	p.hist = &history{entries: make([]TraceEntry, 0, min(maxEntries, 1<<16))}
+	p.histMax = maxEntries
+}
+
+// History returns the recorded events, oldest first.
+func (p *Pool) History() []TraceEntry {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	h := p.hist
+	if h == nil {
+		return nil
+	}
+	if !h.full {
+		return append([]TraceEntry(nil), h.entries...)
+	}
+	out := make([]TraceEntry, 0, len(h.entries))
+	out = append(out, h.entries[h.next:]...)
+	return append(out, h.entries[:h.next]...)
+}
+
+// trace records an event if recording is on and returns the stored entry
+// (for extra fields); the pool's lock is held.
+func (p *Pool) trace(action string, dev int, addr, size uint64, stream Stream) *TraceEntry {
+	h := p.hist
+	if h == nil {
+		return nil
+	}
+	e := TraceEntry{Action: action, Device: dev, Addr: addr, Size: size, Stream: uint64(stream), TimeUS: time.Now().UnixMicro()}
+	if len(h.entries) < p.histMax {
+		h.entries = append(h.entries, e)
+		return &h.entries[len(h.entries)-1]
+	}
+	i := h.next
+	h.entries[i] = e
+	h.next = (h.next + 1) % len(h.entries)
+	h.full = true
+	return &h.entries[i]
+}

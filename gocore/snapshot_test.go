@@ -1,0 +1,82 @@
+package gocore
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+func TestSnapshotDescribesSegmentsAndBlocks(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	a := mustAlloc(t, p, 1000, 0, 3)
+	b := mustAlloc(t, p, 5000, 0, 3)
+	c := mustAlloc(t, p, 12*MiB, 0, 3)
+	require.NoError(t, p.RecordStream(b, 4))
+	require.NoError(t, p.Free(b))
+	snap := p.Snapshot()
+	require.Len(t, snap, 2)
+	small, large := snap[0], snap[1]
+	if small.SegmentType != "small" {
+		small, large = large, small
+	}
+	assert.Equal(t, "small", small.SegmentType)
+	assert.EqualValues(t, 2*MiB, small.TotalSize)
+	assert.EqualValues(t, 3, small.Stream)
+	require.Len(t, small.Blocks, 3)
+	assert.Equal(t, SnapshotBlock{Address: a, Size: 1024, RequestedSize: 1000, State: StateAllocated}, small.Blocks[0])
+	assert.Equal(t, StatePendingFree, small.Blocks[1].State)
+	assert.Equal(t, StateInactive, small.Blocks[2].State)
+	assert.EqualValues(t, 1024, small.AllocatedSize)
+	assert.EqualValues(t, 1024+5120, small.ActiveSize)
+	assert.EqualValues(t, 1000, small.RequestedSize)
+	assert.Equal(t, c, large.Address)
+	assert.EqualValues(t, 12*MiB, large.AllocatedSize)
+
+	be.CompleteAll()
+	_, err := p.ProcessEvents()
+	require.NoError(t, err)
+	require.NoError(t, p.Free(a))
+	f := FragmentationOf(p.Snapshot())
+	assert.EqualValues(t, 14*MiB, f.Reserved)
+	assert.EqualValues(t, 12*MiB, f.Allocated)
+	assert.EqualValues(t, 2*MiB, f.FreeBytes)
+	assert.Equal(t, 1, f.FreeBlocks) // the freed blocks merged back
+	assert.Zero(t, f.External)
+}
+
+func TestHistoryRecordsEventsInOrder(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Capacity: 8 * MiB}, Config{})
+	assert.Nil(t, p.History())
+	p.RecordHistory(true, 100)
+	a := mustAlloc(t, p, 100, 0, 0)
+	require.NoError(t, p.RecordStream(a, 5))
+	require.NoError(t, p.Free(a))
+	_, err := p.Alloc(100*MiB, 0, 0)
+	require.ErrorIs(t, err, ErrOutOfMemory)
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	var actions []string
+	for _, e := range p.History() {
+		actions = append(actions, e.Action)
+	}
+	// The OOM path released the cached segment before retrying, so the
+	// device was all free when the OOM was recorded.
+	assert.Equal(t, []string{ActionSegmentAlloc, ActionAlloc, ActionRecordStream, ActionFreeRequested,
+		ActionFreeCompleted, ActionSegmentFree, ActionOOM}, actions)
+	oom := p.History()[6]
+	assert.EqualValues(t, 8*MiB, oom.DeviceFree)
+	assert.EqualValues(t, 100*MiB, oom.Size)
+
+	// A ring: only the newest entries are kept, oldest first.
+	p.RecordHistory(true, 3)
+	for range 5 {
+		require.NoError(t, p.Free(mustAlloc(t, p, 100, 0, 0)))
+	}
+	h := p.History()
+	require.Len(t, h, 3)
+	assert.LessOrEqual(t, h[0].TimeUS, h[2].TimeUS)
+	assert.Equal(t, ActionFreeCompleted, h[2].Action)
+	p.RecordHistory(false, 0)
+	assert.Nil(t, p.History())
+}

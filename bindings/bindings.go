@@ -420,3 +420,46 @@ func marshal(v any) (string, error) {
 	b, err := json.Marshal(v)
 	return string(b), err
 }
+
+// PoolSnapshot returns the pool's segments and blocks as JSON (a list in
+// torch's snapshot vocabulary).
+func PoolSnapshot(id int64) (js string, err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return "", err
+	}
+	segs := e.Pool.Snapshot()
+	if segs == nil {
+		segs = []gocore.SnapshotSegment{}
+	}
+	return marshal(map[string]any{"segments": segs, "fragmentation": gocore.FragmentationOf(segs)})
+}
+
+// PoolRecordHistory turns event recording on (keeping maxEntries) or off.
+func PoolRecordHistory(id int64, enabled bool, maxEntries int64) (err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return err
+	}
+	if enabled && maxEntries <= 0 {
+		return fmt.Errorf("max_entries %d must be positive: %w", maxEntries, gocore.ErrInvalidArgument)
+	}
+	e.Pool.RecordHistory(enabled, int(min(maxEntries, 1<<30)))
+	return nil
+}
+
+// PoolHistory returns the recorded events, oldest first, as JSON.
+func PoolHistory(id int64) (js string, err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return "", err
+	}
+	h := e.Pool.History()
+	if h == nil {
+		h = []gocore.TraceEntry{}
+	}
+	return marshal(h)
+}

@@ -18,6 +18,7 @@ from ._errors import (
     PoolClosedError,
 )
 from ._pool import CloseReport, LiveBlock, MemPool
+from ._snapshot import dump_snapshot, record_history, snapshot
 
 __all__ = [
     "ALLOC_FN",
@@ -37,8 +38,11 @@ __all__ = [
     "backends",
     "device_info",
     "devices",
+    "dump_snapshot",
     "library_path",
     "pools",
+    "record_history",
+    "snapshot",
 ]
 
 __version__: str = _native.bindings.Version()

@@ -5,15 +5,27 @@ from __future__ import annotations
 import json
 import os
 import threading
+import weakref
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar
 
 from . import _native
+from . import _snapshot
 from ._callbacks import AllocatorFunction, CallbackErrors, function_address
 from ._errors import BackendError, InvalidArgumentError, LeakWarning, PoolClosedError, translate
 
-__all__ = ["CloseReport", "LiveBlock", "MemPool", "as_stream"]
+__all__ = ["CloseReport", "LiveBlock", "MemPool", "as_stream", "open_pools"]
+
+_open: "weakref.WeakSet[MemPool]" = weakref.WeakSet()
+_open_lock = threading.Lock()
+
+
+def open_pools() -> list["MemPool"]:
+    """The MemPool objects of this process that are not closed, oldest first."""
+    with _open_lock:
+        pools = [p for p in _open if not p.closed]
+    return sorted(pools, key=lambda p: p._id)
 
 _b = _native.bindings
 T = TypeVar("T")
@@ -225,6 +237,12 @@ class MemPool:
             self._py_callbacks = py_a or py_f
         self._id = self._native(_b.NewPool, json.dumps(cfg))
         self.backend: str = backend
+        self._frames: Optional[dict[int, list[dict[str, Any]]]] = None  # addr -> alloc stack
+        with _open_lock:
+            _open.add(self)
+        settings = _snapshot.history_settings()
+        if settings is not None:
+            self.record_history(True, max_entries=settings[0], stacks=settings[1])
 
     # -- plumbing -------------------------------------------------------
 
@@ -281,7 +299,18 @@ class MemPool:
             device = _device_index(device)
         if type(stream) is not int or not 0 <= stream < _U64:
             stream = as_stream(stream)
-        return self._native(_b.PoolAlloc, self._id if self._report is None else self._handle(), size, device, stream)
+        ptr = self._native(_b.PoolAlloc, self._id if self._report is None else self._handle(), size, device, stream)
+        if self._frames is not None:
+            self._remember_frames(ptr)
+        return ptr
+
+    def _remember_frames(self, ptr: int) -> None:
+        frames = self._frames
+        assert frames is not None
+        frames.pop(ptr, None)  # re-insert: the dict stays ordered by recency
+        frames[ptr] = _snapshot.capture_frames(skip=3)
+        if len(frames) > self._frames_max:
+            del frames[next(iter(frames))]
 
     def free(self, ptr: int) -> None:
         """Return the block at ``ptr`` to the pool."""
@@ -358,6 +387,30 @@ class MemPool:
         """The last error recorded by a C-ABI call on this pool (they return
         NULL instead of raising), cleared by reading; None when none."""
         return self._native(_b.PoolTakeError, self._handle()) or None
+
+    # -- snapshots and history ----------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """This pool in the format of ``torch.cuda.memory._snapshot()``:
+        ``segments`` with their ``blocks`` (address, size, requested_size,
+        state), ``device_traces`` when history is recorded, plus our
+        ``fragmentation`` figures (free bytes, largest free block, external
+        fragmentation)."""
+        raw = json.loads(self._native(_b.PoolSnapshot, self._handle()))
+        history = json.loads(self._native(_b.PoolHistory, self._handle()))
+        return _snapshot.pool_snapshot(self, raw, history, dict(self._frames or {}))
+
+    def segments(self) -> list[dict[str, int]]:
+        """The pool's segments: device, address, size, stream."""
+        raw = json.loads(self._native(_b.PoolSnapshot, self._handle()))
+        return [{"device": s["device"], "address": s["address"], "size": s["total_size"], "stream": s["stream"]}
+                for s in raw["segments"]]
+
+    def record_history(self, enabled: bool = True, max_entries: int = 100_000, stacks: bool = False) -> None:
+        """Record this pool's allocator events (see :func:`gpumempool.record_history`)."""
+        self._native(_b.PoolRecordHistory, self._handle(), bool(enabled), _check_int("max_entries", max_entries, 1, 1 << 31))
+        self._frames = {} if enabled and stacks else None
+        self._frames_max = max_entries
 
     # -- C ABI --------------------------------------------------------------
 

@@ -1,0 +1,144 @@
+"""Snapshots in the format of ``torch.cuda.memory._snapshot()``, so that
+pytorch.org/memory_viz and ``torch.cuda._memory_viz`` can render them, plus
+fragmentation figures of our own.
+
+``pool.snapshot()`` covers one pool, :func:`snapshot` every open pool;
+:func:`dump_snapshot` writes the pickle torch's tools read;
+:func:`record_history` turns on event recording (alloc, free_requested,
+free_completed, segment_alloc, segment_free, segment_map, oom), optionally
+with the Python stack of each allocation made through the Python API
+(allocations torch makes through the C ABI carry no Python frames).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+import traceback
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from ._pool import MemPool
+
+__all__ = ["dump_snapshot", "record_history", "snapshot"]
+
+_settings_lock = threading.Lock()
+#: Applied to every pool created while it is set: (max_entries, stacks) or None.
+_history_settings: Optional[tuple[int, bool]] = None
+
+
+def capture_frames(skip: int = 2, limit: int = 32) -> list[dict[str, Any]]:
+    """The caller's Python stack, innermost first, as torch writes frames."""
+    stack = traceback.extract_stack(limit=limit + skip)[:-skip]
+    return [{"filename": f.filename, "line": f.lineno or 0, "name": f.name} for f in reversed(stack)]
+
+
+def pool_snapshot(pool: "MemPool", raw: dict[str, Any], history: list[dict[str, Any]],
+                  frames: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Build torch's snapshot dict from the engine's JSON."""
+    name = pool.name
+    segments = []
+    for s in raw["segments"]:
+        blocks = [
+            {
+                "address": b["address"],
+                "size": b["size"],
+                "requested_size": b["requested_size"],
+                "state": b["state"],
+                "frames": frames.get(b["address"], []) if b["state"] != "inactive" else [],
+            }
+            for b in s["blocks"]
+        ]
+        segments.append(
+            {
+                "device": s["device"],
+                "address": s["address"],
+                "total_size": s["total_size"],
+                "allocated_size": s["allocated_size"],
+                "active_size": s["active_size"],
+                "requested_size": s["requested_size"],
+                "stream": s["stream"],
+                "segment_type": s["segment_type"],
+                "segment_pool_id": (0, pool.handle),
+                "is_expandable": s["is_expandable"],
+                "frames": [],
+                "blocks": blocks,
+                "pool": name,
+            }
+        )
+    devices = 1 + max([s["device"] for s in segments] + [e["device"] for e in history] + [-1])
+    traces: list[list[dict[str, Any]]] = [[] for _ in range(max(devices, 1))]
+    for e in history:
+        entry = {
+            "action": e["action"],
+            "addr": e["addr"],
+            "size": e["size"],
+            "stream": e["stream"],
+            "time_us": e["time_us"],
+            "frames": frames.get(e["addr"], []) if e["action"] == "alloc" else [],
+        }
+        if e["action"] == "oom":
+            entry["device_free"] = e.get("device_free", 0)
+        traces[e["device"]].append(entry)
+    return {
+        "segments": segments,
+        "device_traces": traces,
+        "allocator_settings": {"pool": name, "backend": pool.backend},
+        "fragmentation": raw["fragmentation"],
+    }
+
+
+def merge(snaps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One snapshot of several pools: segments side by side, traces merged by time."""
+    segments: list[dict[str, Any]] = []
+    traces: list[list[dict[str, Any]]] = []
+    for s in snaps:
+        segments += s["segments"]
+        for d, t in enumerate(s["device_traces"]):
+            while len(traces) <= d:
+                traces.append([])
+            traces[d] += t
+    for t in traces:
+        t.sort(key=lambda e: e["time_us"])
+    segments.sort(key=lambda s: (s["device"], s["address"]))
+    return {"segments": segments, "device_traces": traces or [[]], "allocator_settings": {"pools": [s["allocator_settings"]["pool"] for s in snaps]}}
+
+
+def snapshot() -> dict[str, Any]:
+    """A snapshot of every open pool of this process, in torch's format."""
+    from ._pool import open_pools
+
+    return merge([p.snapshot() for p in open_pools()])
+
+
+def dump_snapshot(path: str, snap: Optional[dict[str, Any]] = None) -> None:
+    """Write ``snap`` (default: :func:`snapshot`) as the pickle that
+    pytorch.org/memory_viz and ``python -m torch.cuda._memory_viz`` read."""
+    data = snapshot() if snap is None else snap
+    with open(path, "wb") as f:
+        pickle.dump(data, f)
+
+
+def record_history(enabled: bool = True, max_entries: int = 100_000, stacks: bool = False) -> None:
+    """Record allocator events in every open pool and every pool created
+    from now on (``stacks``: with the Python stack of allocations made
+    through the Python API). Off by default; when off it costs one check."""
+    global _history_settings
+    from ._pool import open_pools
+
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0:
+        raise ValueError(f"max_entries must be a positive int, got {max_entries!r}")
+    with _settings_lock:
+        _history_settings = (max_entries, bool(stacks)) if enabled else None
+    for p in open_pools():
+        p.record_history(enabled, max_entries=max_entries, stacks=stacks)
+
+
+def history_settings() -> Optional[tuple[int, bool]]:
+    with _settings_lock:
+        return _history_settings
+
+
+def loads_engine(js: str) -> Any:
+    return json.loads(js)

@@ -1,0 +1,93 @@
+"""Snapshots in torch's format, history recording, dump_snapshot."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+import gpumempool as gmp
+
+MiB = 1 << 20
+
+
+def test_pool_snapshot_has_torch_shape() -> None:
+    with gmp.MemPool("sim", name="snap", manual_events=True) as pool:
+        a = pool.alloc(1000, stream=3)
+        b = pool.alloc(5000, stream=3)
+        pool.alloc(12 * MiB, stream=3)
+        pool.record_stream(b, 4)
+        pool.free(b)
+        snap = pool.snapshot()
+        assert set(snap) >= {"segments", "device_traces", "allocator_settings", "fragmentation"}
+        segs = snap["segments"]
+        assert len(segs) == 2 and {s["segment_type"] for s in segs} == {"small", "large"}
+        small = next(s for s in segs if s["segment_type"] == "small")
+        for key in ("device", "address", "total_size", "allocated_size", "active_size", "requested_size",
+                    "stream", "segment_type", "segment_pool_id", "is_expandable", "frames", "blocks"):
+            assert key in small
+        assert small["total_size"] == 2 * MiB and small["stream"] == 3
+        states = [blk["state"] for blk in small["blocks"]]
+        assert states == ["active_allocated", "active_pending_free", "inactive"]
+        assert small["blocks"][0] == {"address": a, "size": 1024, "requested_size": 1000,
+                                      "state": "active_allocated", "frames": []}
+        frag = snap["fragmentation"]
+        assert frag["reserved"] == 14 * MiB and frag["allocated"] == 12 * MiB + 1024
+        assert pool.segments()[0]["size"] in (2 * MiB, 12 * MiB)
+
+
+def test_history_with_python_stacks_and_dump(tmp_path) -> None:
+    with gmp.MemPool("sim", capacity=8 * MiB) as pool:
+        pool.record_history(True, max_entries=1000, stacks=True)
+
+        def allocate_here() -> int:
+            return pool.alloc(4096)
+
+        a = allocate_here()
+        pool.free(a)
+        with pytest.raises(gmp.OutOfMemoryError):
+            pool.alloc(100 * MiB)
+        snap = pool.snapshot()
+        trace = snap["device_traces"][0]
+        actions = [e["action"] for e in trace]
+        assert actions == ["segment_alloc", "alloc", "free_requested", "free_completed", "segment_free", "oom"]
+        alloc = trace[1]
+        assert alloc["addr"] == a and alloc["size"] == 4096
+        assert alloc["frames"][0]["name"] == "allocate_here"
+        assert trace[-1]["device_free"] == 8 * MiB
+        path = tmp_path / "snap.pickle"
+        gmp.dump_snapshot(str(path), snap)
+        assert pickle.loads(path.read_bytes()) == snap
+
+
+def test_global_snapshot_and_record_history_cover_all_pools() -> None:
+    gmp.record_history(True, max_entries=50)
+    try:
+        with gmp.MemPool("sim", name="one") as p1, gmp.MemPool("sim", name="two") as p2:
+            p1.alloc(100)
+            p2.alloc(200)
+            snap = gmp.snapshot()
+            names = {s["pool"] for s in snap["segments"]}
+            assert {"one", "two"} <= names
+            assert {"one", "two"} <= set(snap["allocator_settings"]["pools"])
+            times = [e["time_us"] for e in snap["device_traces"][0]]
+            assert times == sorted(times) and len(times) >= 4
+    finally:
+        gmp.record_history(False)
+    with gmp.MemPool("sim") as p3:
+        p3.alloc(100)
+        assert p3.snapshot()["device_traces"] == [[]]
+    with pytest.raises(ValueError):
+        gmp.record_history(True, max_entries=0)
+
+
+def test_torch_memory_viz_renders_our_snapshot(tmp_path) -> None:
+    memory_viz = pytest.importorskip("torch.cuda._memory_viz")
+    with gmp.MemPool("sim") as pool:
+        pool.record_history(True, stacks=True)
+        ptrs = [pool.alloc(n) for n in (100, 5000, 3 * MiB)]
+        pool.free(ptrs[1])
+        snap = pool.snapshot()
+    assert "<svg" in memory_viz.segments(snap) or memory_viz.segments(snap)
+    html = memory_viz.trace_plot(snap)
+    assert "<html" in html.lower() or "script" in html

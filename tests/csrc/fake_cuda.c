@@ -33,8 +33,13 @@
  *    it there (MAP_SHARED, so two mappings of one handle alias like on a
  *    GPU) and cuMemSetAccess makes it readable/writable. Shareable handles
  *    are real file descriptors (memfd_create).
+ *  - VMM granularity: 2 MiB for both options, like real GPUs, unless a test
+ *    sets others with fake_cuda_set_granularity; sizes, offsets and addresses
+ *    are checked against the minimum one, as the driver documents.
  *  - Failure injection and inspection through the fake_cuda_* functions at
- *    the end of this file. Everything is guarded by one mutex.
+ *    the end of this file (call counts, the last stream a stream-ordered
+ *    call was given, the last CUmemAllocationProp / CUmemPoolProps seen,
+ *    pointers imported from pools). Everything is guarded by one mutex.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -276,6 +281,21 @@ static VEC(struct fake_reservation) reservations;
 static VEC(struct fake_mapping *) mappings;
 static struct fake_event *events;
 
+/* VMM granularities (fake_cuda_set_granularity); the minimum is enforced. */
+static size_t gran_min = GRANULARITY, gran_rec = GRANULARITY;
+/* The stream handle the last call of each stream-taking entry point got. */
+static uintptr_t last_stream[F_COUNT];
+/* The properties of the last cuMemCreate and cuMemPoolCreate calls. */
+static CUmemAllocationProp last_create_prop;
+static CUmemPoolProps last_pool_props;
+/* Pointers imported with cuMemPoolImportPointer and not freed (cuMemFree_v2). */
+struct fake_import {
+    uintptr_t ptr;
+    int dev;
+    struct fake_pool *pool;
+};
+static VEC(struct fake_import) imports;
+
 static __thread struct {
     unsigned gen;
     int depth;
@@ -503,6 +523,14 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
 EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     ENTER(cuMemFree_v2);
     NEED_CTX();
+    /* An importer frees a pointer imported from a pool with cuMemFree: that
+     * only drops its mapping (in one process the exporter's allocation stays). */
+    for (size_t k = 0; k < imports.n; k++) {
+        if (imports.v[k].ptr != (uintptr_t)dptr) continue;
+        if (imports.v[k].dev != cur) RETURN(CUDA_ERROR_INVALID_CONTEXT);
+        VEC_DEL(imports, k);
+        RETURN(CUDA_SUCCESS);
+    }
     long i = find_alloc((uintptr_t)dptr);
     if (i < 0 || allocs.v[i].kind != K_DEVICE) RETURN(CUDA_ERROR_INVALID_VALUE);
     if (allocs.v[i].dev != cur) RETURN(CUDA_ERROR_INVALID_CONTEXT);
@@ -571,6 +599,7 @@ EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int flags) {
 EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
     ENTER(cuEventRecord);
     NEED_CTX();
+    last_stream[F_cuEventRecord] = (uintptr_t)hStream;
     struct fake_event *e = find_event(hEvent);
     if (!e) RETURN(CUDA_ERROR_INVALID_HANDLE);
     if (e->dev != cur) RETURN(CUDA_ERROR_INVALID_HANDLE); /* event and stream in other contexts */
@@ -617,6 +646,7 @@ static void pool_trim(struct fake_pool *p, uint64_t keep) {
 EXPORT CUresult cuStreamSynchronize(CUstream hStream) {
     ENTER(cuStreamSynchronize);
     NEED_CTX();
+    last_stream[F_cuStreamSynchronize] = (uintptr_t)hStream;
     struct fake_stream *s = stream_of(cur, (uintptr_t)hStream);
     s->completed = s->submitted;
     for (size_t i = 0; i < pools.n; i++)
@@ -635,6 +665,7 @@ static int zeroed(const unsigned char *p, size_t n) {
 EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props) {
     ENTER(cuMemPoolCreate);
     NEED_CTX();
+    if (props) last_pool_props = *props;
     if (!pool || !props || props->allocType != CU_MEM_ALLOCATION_TYPE_PINNED ||
         props->win32SecurityAttributes || !zeroed(props->reserved, sizeof(props->reserved)))
         RETURN(CUDA_ERROR_INVALID_VALUE);
@@ -668,7 +699,7 @@ EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool) {
 EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream) {
     ENTER(cuMemAllocFromPoolAsync);
     NEED_CTX();
-    (void)hStream;
+    last_stream[F_cuMemAllocFromPoolAsync] = (uintptr_t)hStream;
     struct fake_pool *p = find_pool(pool);
     if (!dptr || bytesize == 0 || !p || p->destroyed) RETURN(CUDA_ERROR_INVALID_VALUE);
     if (p->origin) RETURN(CUDA_ERROR_INVALID_VALUE); /* imported pools cannot allocate */
@@ -692,7 +723,7 @@ EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUme
 EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
     ENTER(cuMemFreeAsync);
     NEED_CTX();
-    (void)hStream;
+    last_stream[F_cuMemFreeAsync] = (uintptr_t)hStream;
     long i = find_alloc((uintptr_t)dptr);
     if (i < 0 || allocs.v[i].kind != K_POOL) RETURN(CUDA_ERROR_INVALID_VALUE);
     struct fake_pool *p = allocs.v[i].pool;
@@ -862,6 +893,8 @@ EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *ptr_out, CUmemoryPool pool, 
     if (memcmp(e.tag, "fakeptr", 8) != 0 || e.pool_id != p->origin->id) RETURN(CUDA_ERROR_INVALID_VALUE);
     long i = find_alloc((uintptr_t)e.ptr);
     if (i < 0 || allocs.v[i].pool != p->origin) RETURN(CUDA_ERROR_INVALID_VALUE);
+    struct fake_import imp = {(uintptr_t)e.ptr, cur, p};
+    VEC_PUSH(imports, imp);
     *ptr_out = e.ptr;
     RETURN(CUDA_SUCCESS);
 }
@@ -887,7 +920,7 @@ EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAl
     if (!granularity || (option != 0 && option != 1)) RETURN(CUDA_ERROR_INVALID_VALUE);
     int rc = check_prop(prop);
     if (rc) RETURN(rc);
-    *granularity = GRANULARITY;
+    *granularity = option == 0 ? gran_min : gran_rec;
     RETURN(CUDA_SUCCESS);
 }
 
@@ -895,7 +928,8 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, c
                             unsigned long long flags) {
     ENTER(cuMemCreate);
     NEED_CTX();
-    if (!handle || size == 0 || size % GRANULARITY || flags) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (prop) last_create_prop = *prop;
+    if (!handle || size == 0 || size % gran_min || flags) RETURN(CUDA_ERROR_INVALID_VALUE);
     int rc = check_prop(prop);
     if (rc) RETURN(rc);
     /* Host NUMA memory is not charged to a device. */
@@ -960,9 +994,9 @@ EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignm
                                     unsigned long long flags) {
     ENTER(cuMemAddressReserve);
     NEED_CTX();
-    if (!ptr || size == 0 || size % GRANULARITY || flags || (alignment & (alignment - 1)))
+    if (!ptr || size == 0 || size % gran_min || flags || (alignment & (alignment - 1)))
         RETURN(CUDA_ERROR_INVALID_VALUE);
-    if (alignment < GRANULARITY) alignment = GRANULARITY;
+    if (alignment < gran_min) alignment = gran_min;
     void *base = MAP_FAILED;
     if (addr && addr % alignment == 0) { /* addr is a hint, as in the real driver */
         base = mmap((void *)(uintptr_t)addr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE |
@@ -1009,8 +1043,8 @@ EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGener
     ENTER(cuMemMap);
     NEED_CTX();
     struct fake_handle *h = find_handle(handle);
-    if (!h || (h->handle_types & 0x40000000) || flags || size == 0 || ptr % GRANULARITY || size % GRANULARITY ||
-        offset % GRANULARITY || offset > h->size || size > h->size - offset)
+    if (!h || (h->handle_types & 0x40000000) || flags || size == 0 || ptr % gran_min || size % gran_min ||
+        offset % gran_min || offset > h->size || size > h->size - offset)
         RETURN(CUDA_ERROR_INVALID_VALUE);
     if (find_reservation((uintptr_t)ptr, size) < 0) RETURN(CUDA_ERROR_INVALID_VALUE);
     for (size_t j = 0; j < mappings.n; j++) {
@@ -1117,7 +1151,7 @@ EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *han
     if (!handle || shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) RETURN(CUDA_ERROR_INVALID_VALUE);
     int fd = (int)(intptr_t)osHandle;
     struct stat st;
-    if (fstat(fd, &st) != 0 || st.st_size <= 0 || (size_t)st.st_size % GRANULARITY) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (fstat(fd, &st) != 0 || st.st_size <= 0 || (size_t)st.st_size % gran_min) RETURN(CUDA_ERROR_INVALID_VALUE);
     int dup = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (dup < 0) RETURN(CUDA_ERROR_INVALID_VALUE);
     struct fake_handle *h = calloc(1, sizeof(*h));
@@ -1312,6 +1346,64 @@ EXPORT long fake_cuda_live_pools(void) {
     return n;
 }
 
+/* The stream handle the last call of the named entry point was given
+ * (cuMemAllocFromPoolAsync, cuMemFreeAsync, cuEventRecord,
+ * cuStreamSynchronize; 0 for others or before any call), or ~0 for an
+ * unknown name. */
+EXPORT unsigned long long fake_cuda_last_stream(const char *fn) {
+    int i = fn_index(fn);
+    if (i < 0) return ~0ULL;
+    pthread_mutex_lock(&mu);
+    unsigned long long s = last_stream[i];
+    pthread_mutex_unlock(&mu);
+    return s;
+}
+
+/* The location and requested handle types of the CUmemAllocationProp the
+ * last cuMemCreate call was given (all 0 before any call). */
+EXPORT void fake_cuda_last_mem_create(int *loc_type, int *loc_id, int *handle_types) {
+    pthread_mutex_lock(&mu);
+    if (loc_type) *loc_type = last_create_prop.location.type;
+    if (loc_id) *loc_id = last_create_prop.location.id;
+    if (handle_types) *handle_types = last_create_prop.requestedHandleTypes;
+    pthread_mutex_unlock(&mu);
+}
+
+/* The location, handle types and maxSize of the CUmemPoolProps the last
+ * cuMemPoolCreate call was given (all 0 before any call). */
+EXPORT void fake_cuda_last_pool_create(int *loc_type, int *loc_id, int *handle_types, unsigned long long *max_size) {
+    pthread_mutex_lock(&mu);
+    if (loc_type) *loc_type = last_pool_props.location.type;
+    if (loc_id) *loc_id = last_pool_props.location.id;
+    if (handle_types) *handle_types = last_pool_props.handleTypes;
+    if (max_size) *max_size = last_pool_props.maxSize;
+    pthread_mutex_unlock(&mu);
+}
+
+/* Sets the granularities cuMemGetAllocationGranularity reports; the minimum
+ * one is what VMM calls check. Both must be powers of two, the recommended
+ * one a multiple of the minimum. Call it right after a reset, before any
+ * VMM object exists. Returns 0, or -1 for invalid values. Reset restores
+ * 2 MiB for both. */
+EXPORT int fake_cuda_set_granularity(unsigned long long minimum, unsigned long long recommended) {
+    if (minimum == 0 || (minimum & (minimum - 1)) || recommended < minimum || (recommended & (recommended - 1)))
+        return -1;
+    pthread_mutex_lock(&mu);
+    gran_min = (size_t)minimum;
+    gran_rec = (size_t)recommended;
+    pthread_mutex_unlock(&mu);
+    return 0;
+}
+
+/* Pointers imported with cuMemPoolImportPointer and not yet freed with
+ * cuMemFree_v2. */
+EXPORT long fake_cuda_imported_ptrs(void) {
+    pthread_mutex_lock(&mu);
+    long n = (long)imports.n;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
 EXPORT void fake_cuda_set_manual_events(int on) {
     pthread_mutex_lock(&mu);
     manual_events = on != 0;
@@ -1365,6 +1457,11 @@ EXPORT void fake_cuda_reset(void) {
     memset(dev_used, 0, sizeof(dev_used));
     memset(calls, 0, sizeof(calls));
     memset(inject, 0, sizeof(inject));
+    memset(last_stream, 0, sizeof(last_stream));
+    memset(&last_create_prop, 0, sizeof(last_create_prop));
+    memset(&last_pool_props, 0, sizeof(last_pool_props));
+    imports.n = 0;
+    gran_min = gran_rec = GRANULARITY;
     manual_events = 0;
     pushes = pops = 0;
     generation++;

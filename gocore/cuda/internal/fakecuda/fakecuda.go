@@ -29,6 +29,16 @@ static long fc_l_i(uintptr_t f, int a) { return ((long (*)(int))f)(a); }
 static long fc_l_s(uintptr_t f, const char *s) { return ((long (*)(const char *))f)(s); }
 static long long fc_ll(uintptr_t f) { return ((long long (*)(void))f)(); }
 static unsigned long long fc_ull_i(uintptr_t f, int a) { return ((unsigned long long (*)(int))f)(a); }
+static unsigned long long fc_ull_s(uintptr_t f, const char *s) {
+	return ((unsigned long long (*)(const char *))f)(s);
+}
+static void fc_v_3pi(uintptr_t f, int *a, int *b, int *c) { ((void (*)(int *, int *, int *))f)(a, b, c); }
+static void fc_v_3pi_pull(uintptr_t f, int *a, int *b, int *c, unsigned long long *d) {
+	((void (*)(int *, int *, int *, unsigned long long *))f)(a, b, c, d);
+}
+static int fc_i_ullull(uintptr_t f, unsigned long long a, unsigned long long b) {
+	return ((int (*)(unsigned long long, unsigned long long))f)(a, b);
+}
 static int fc_fail(uintptr_t f, const char *s, int code, int after) {
 	return ((int (*)(const char *, int, int))f)(s, code, after);
 }
@@ -177,7 +187,8 @@ var controls = []string{
 	"fake_cuda_live_events", "fake_cuda_ctx_depth", "fake_cuda_ctx_balance", "fake_cuda_current_device",
 	"fake_cuda_push_device", "fake_cuda_pop_device", "fake_cuda_retained", "fake_cuda_ptr_device",
 	"fake_cuda_access", "fake_cuda_vmm_objects", "fake_cuda_live_pools", "fake_cuda_set_manual_events",
-	"fake_cuda_complete_stream", "fake_cuda_complete_all",
+	"fake_cuda_complete_stream", "fake_cuda_complete_all", "fake_cuda_last_stream", "fake_cuda_last_mem_create",
+	"fake_cuda_last_pool_create", "fake_cuda_set_granularity", "fake_cuda_imported_ptrs",
 }
 
 // Open builds the fake (once per process), loads it and resets it.
@@ -215,7 +226,8 @@ func OpenPath(t testing.TB, path string) *Fake {
 func (f *Fake) Path() string { return f.path }
 
 // Reset frees everything the fake holds, clears counters, injected
-// failures and manual events, drops every thread's context stack and
+// failures, manual events, recorded streams and properties, and the VMM
+// granularities (back to 2 MiB), drops every thread's context stack and
 // re-reads FAKE_CUDA_DEVICES and FAKE_CUDA_CAPACITY. Retained primary
 // contexts survive (a loaded Driver keeps its own).
 func (f *Fake) Reset() { C.fc_v(f.fns["fake_cuda_reset"]) }
@@ -324,6 +336,51 @@ func (f *Fake) SetManualEvents(on bool) {
 func (f *Fake) CompleteStream(stream uint64) {
 	C.fc_v_p(f.fns["fake_cuda_complete_stream"], C.uintptr_t(stream))
 }
+
+// LastStream returns the stream handle the last call of the named entry
+// point was given: cuMemAllocFromPoolAsync, cuMemFreeAsync, cuEventRecord
+// and cuStreamSynchronize record it (0 before any call, and for others).
+func (f *Fake) LastStream(fn string) uint64 {
+	cfn := C.CString(fn)
+	defer C.free(unsafe.Pointer(cfn))
+	s := uint64(C.fc_ull_s(f.fns["fake_cuda_last_stream"], cfn))
+	if s == ^uint64(0) {
+		panic("fakecuda: LastStream: unknown entry point " + fn)
+	}
+	return s
+}
+
+// LastMemCreate returns the location type and id and the requested handle
+// types of the CUmemAllocationProp the last cuMemCreate call was given (all
+// 0 before any call).
+func (f *Fake) LastMemCreate() (locType, locID, handleTypes int) {
+	var t, id, h C.int
+	C.fc_v_3pi(f.fns["fake_cuda_last_mem_create"], &t, &id, &h)
+	return int(t), int(id), int(h)
+}
+
+// LastPoolCreate returns the location type and id, the handle types and the
+// maxSize of the CUmemPoolProps the last cuMemPoolCreate call was given.
+func (f *Fake) LastPoolCreate() (locType, locID, handleTypes int, maxSize uint64) {
+	var t, id, h C.int
+	var m C.ulonglong
+	C.fc_v_3pi_pull(f.fns["fake_cuda_last_pool_create"], &t, &id, &h, &m)
+	return int(t), int(id), int(h), uint64(m)
+}
+
+// SetGranularity sets the minimum and recommended granularities the fake
+// reports (powers of two, recommended >= minimum); VMM calls check sizes,
+// offsets and addresses against the minimum. Call it right after Open,
+// before any VMM object exists. Reset restores 2 MiB for both.
+func (f *Fake) SetGranularity(minimum, recommended uint64) {
+	if C.fc_i_ullull(f.fns["fake_cuda_set_granularity"], C.ulonglong(minimum), C.ulonglong(recommended)) != 0 {
+		panic(fmt.Sprintf("fakecuda: SetGranularity(%d, %d): invalid granularities", minimum, recommended))
+	}
+}
+
+// ImportedPointers counts pointers imported with cuMemPoolImportPointer and
+// not yet freed with cuMemFree_v2.
+func (f *Fake) ImportedPointers() int { return int(C.fc_l(f.fns["fake_cuda_imported_ptrs"])) }
 
 // CompleteAll completes the work recorded so far on every stream.
 func (f *Fake) CompleteAll() { C.fc_v(f.fns["fake_cuda_complete_all"]) }

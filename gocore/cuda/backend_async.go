@@ -1,0 +1,394 @@
+package cuda
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"sort"
+	"sync"
+
+	"github.com/gpumempool/gpumempool/gocore"
+)
+
+// ErrBackendClosed is wrapped by the methods of AsyncBackend and VMMBackend
+// that need a live backend, once Close was called.
+var ErrBackendClosed = errors.New("backend is closed")
+
+// AsyncOptions configures an AsyncBackend. The zero value is a pool per
+// device with the driver's defaults, not exportable.
+type AsyncOptions struct {
+	// ReleaseThreshold is CU_MEMPOOL_ATTR_RELEASE_THRESHOLD: how many unused
+	// bytes each CUDA pool keeps when the device synchronizes. 0 (the
+	// driver's default too) gives memory freed to the CUDA pool back to the
+	// device at the next synchronization, where other users can have it.
+	ReleaseThreshold uint64
+	// ReuseFollowEventDependencies, ReuseAllowOpportunistic and
+	// ReuseAllowInternalDependencies set the CU_MEMPOOL_ATTR_REUSE_*
+	// policies of each pool; nil keeps the driver's default (all enabled).
+	ReuseFollowEventDependencies   *bool
+	ReuseAllowOpportunistic        *bool
+	ReuseAllowInternalDependencies *bool
+	// IPC creates the pools exportable as POSIX file descriptors, for
+	// ExportPool, ExportPointer and ImportAsyncPool in another process.
+	IPC bool
+	// MaxSize caps the bytes each pool reserves from its device (the
+	// pool's maxSize); 0 lets the driver choose.
+	MaxSize uint64
+}
+
+// AsyncBackend is a gocore.Backend named "async" whose segments come from
+// CUDA's stream-ordered allocator: one memory pool (cuMemPoolCreate) per
+// device, created on first use, from which Alloc takes memory with
+// cuMemAllocFromPoolAsync and to which Free returns it with
+// cuMemFreeAsync, both ordered on the segment's stream. The engine's cache
+// sits in front of the CUDA pool's own; the CUDA pool makes what the engine
+// gives back reusable without a device synchronization and shareable
+// between processes (IPC).
+//
+// Events, devices and capacity are those of the cuda backend (Backend). It
+// is safe for concurrent use; driver calls run without the backend's lock
+// except the creation of a pool.
+type AsyncBackend struct {
+	cu   *Backend
+	drv  *Driver
+	opts AsyncOptions
+
+	mu     sync.Mutex
+	pools  []uint64               // by device; 0 until created
+	live   map[uint64]*asyncAlloc // segments by address (UVA: unique across devices)
+	closed bool
+}
+
+type asyncAlloc struct {
+	dev     int
+	size    uint64
+	stream  gocore.Stream
+	freeing bool // a Free is in flight: refuse a second one
+}
+
+var (
+	_ gocore.Backend = (*AsyncBackend)(nil)
+	_ io.Closer      = (*AsyncBackend)(nil)
+)
+
+// asyncSymbols are the entry points every AsyncBackend needs; checking them
+// up front turns an old driver into one clear error at construction
+// (matching ErrDriverTooOld and gocore.ErrUnsupported) instead of one on
+// the first allocation.
+var asyncSymbols = []string{
+	"cuMemPoolCreate", "cuMemPoolDestroy", "cuMemAllocFromPoolAsync", "cuMemFreeAsync",
+	"cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemPoolTrimTo",
+}
+
+// NewAsyncBackend returns an AsyncBackend over drv's devices. It fails when
+// drv is nil, sees no device or lacks the stream-ordered allocator (CUDA
+// 11.2+). No pool is created until a device is used.
+func NewAsyncBackend(drv *Driver, opts AsyncOptions) (*AsyncBackend, error) {
+	cu, err := NewBackend(drv)
+	if err != nil {
+		return nil, fmt.Errorf("async backend: %w", err)
+	}
+	if err := requireSymbols(drv, "async backend", asyncSymbols); err != nil {
+		return nil, err
+	}
+	return &AsyncBackend{
+		cu: cu, drv: drv, opts: opts,
+		pools: make([]uint64, cu.Devices()),
+		live:  make(map[uint64]*asyncAlloc),
+	}, nil
+}
+
+// requireSymbols fails with ErrDriverTooOld naming the first missing entry
+// point.
+func requireSymbols(drv *Driver, who string, names []string) error {
+	for _, name := range names {
+		if !drv.HasSymbol(name) {
+			return fmt.Errorf("%s: %s: %w: %s missing", who, drv.Path(), ErrDriverTooOld, name)
+		}
+	}
+	return nil
+}
+
+// Name returns "async".
+func (b *AsyncBackend) Name() string { return "async" }
+
+// Devices returns the number of devices the driver saw when b was made.
+func (b *AsyncBackend) Devices() int { return b.cu.Devices() }
+
+// Alignment returns Alignment (512), checked on every allocation.
+func (b *AsyncBackend) Alignment() uint64 { return Alignment }
+
+// Driver returns the driver b allocates through.
+func (b *AsyncBackend) Driver() *Driver { return b.drv }
+
+// Options returns the options b was made with.
+func (b *AsyncBackend) Options() AsyncOptions { return b.opts }
+
+// Capacity reports the device's total and free memory (cuMemGetInfo_v2).
+// Memory cached by the CUDA pool counts as used.
+func (b *AsyncBackend) Capacity(dev int) (total, free uint64, err error) { return b.cu.Capacity(dev) }
+
+// NewEvent creates an event on dev (see Backend.NewEvent).
+func (b *AsyncBackend) NewEvent(dev int) (gocore.Event, error) { return b.cu.NewEvent(dev) }
+
+// RecordEvent records ev on stream (see Backend.RecordEvent).
+func (b *AsyncBackend) RecordEvent(ev gocore.Event, stream gocore.Stream) error {
+	return b.cu.RecordEvent(ev, stream)
+}
+
+// QueryEvent reports whether the work captured by ev has completed.
+func (b *AsyncBackend) QueryEvent(ev gocore.Event) (bool, error) { return b.cu.QueryEvent(ev) }
+
+// DestroyEvent destroys ev.
+func (b *AsyncBackend) DestroyEvent(ev gocore.Event) error { return b.cu.DestroyEvent(ev) }
+
+// LiveEvents reports how many events b has created and not destroyed.
+func (b *AsyncBackend) LiveEvents() int { return b.cu.LiveEvents() }
+
+// pool returns dev's CUDA pool, creating it on first use. Creation holds
+// b.mu: it happens once per device, and holding the lock keeps two first
+// users from creating two pools.
+func (b *AsyncBackend) pool(op string, dev int) (uint64, error) {
+	if err := b.cu.checkDevice(op, dev); err != nil {
+		return 0, fmt.Errorf("async backend: %w", err)
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return 0, fmt.Errorf("async backend: %s on device %d: %w", op, dev, ErrBackendClosed)
+	}
+	if p := b.pools[dev]; p != 0 {
+		return p, nil
+	}
+	p, err := b.createPool(dev)
+	if err != nil {
+		return 0, fmt.Errorf("async backend: %s on device %d: %w", op, dev, err)
+	}
+	b.pools[dev] = p
+	return p, nil
+}
+
+// createPool creates dev's pool and applies the options; on any failure
+// the pool is destroyed again so that nothing half-configured is used.
+func (b *AsyncBackend) createPool(dev int) (uint64, error) {
+	props := PoolProps{HandleType: MemHandleTypeNone, LocationType: MemLocationTypeDevice, LocationID: dev,
+		MaxSize: b.opts.MaxSize}
+	if b.opts.IPC {
+		props.HandleType = MemHandleTypePosixFD
+	}
+	p, err := b.drv.MemPoolCreate(dev, props)
+	if err != nil {
+		return 0, err
+	}
+	// The threshold is always set, even to 0 (the driver's default), so
+	// that the option is what decides it; nil reuse policies are left alone.
+	type setting struct {
+		attr  int
+		value uint64
+	}
+	settings := []setting{{MemPoolAttrReleaseThreshold, b.opts.ReleaseThreshold}}
+	for _, r := range []struct {
+		attr int
+		on   *bool
+	}{
+		{MemPoolAttrReuseFollowEventDependencies, b.opts.ReuseFollowEventDependencies},
+		{MemPoolAttrReuseAllowOpportunistic, b.opts.ReuseAllowOpportunistic},
+		{MemPoolAttrReuseAllowInternalDependencies, b.opts.ReuseAllowInternalDependencies},
+	} {
+		if r.on != nil {
+			settings = append(settings, setting{r.attr, boolValue(*r.on)})
+		}
+	}
+	for _, a := range settings {
+		if err := b.drv.MemPoolSetAttribute(dev, p, a.attr, a.value); err != nil {
+			_ = b.drv.MemPoolDestroy(dev, p) // the error that matters is the one above
+			return 0, err
+		}
+	}
+	return p, nil
+}
+
+func boolValue(on bool) uint64 {
+	if on {
+		return 1
+	}
+	return 0
+}
+
+// Alloc takes size bytes from dev's pool, ordered on stream: the memory is
+// usable by work queued on stream after this call (other streams must wait
+// for it, which the engine's events take care of). Running out of memory
+// (CUDA_ERROR_OUT_OF_MEMORY, also when MaxSize is reached) matches
+// gocore.ErrBackendOutOfMemory.
+func (b *AsyncBackend) Alloc(dev int, size uint64, stream gocore.Stream) (uint64, error) {
+	p, err := b.pool("alloc", dev)
+	if err != nil {
+		return 0, err
+	}
+	addr, err := b.drv.MemAllocFromPoolAsync(dev, size, p, uint64(stream))
+	if err != nil {
+		return 0, fmt.Errorf("async backend: %w", err)
+	}
+	if addr%Alignment != 0 {
+		// Not ours to keep: hand it back rather than break the promise.
+		_ = b.drv.MemFreeAsync(dev, addr, uint64(stream))
+		return 0, fmt.Errorf("async backend: cuMemAllocFromPoolAsync returned %#x, not aligned to %d bytes", addr, Alignment)
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	// An address whose Free is in flight may come back at once; only a live
+	// one is a driver bug.
+	if old, dup := b.live[addr]; dup && !old.freeing {
+		return 0, fmt.Errorf("async backend: cuMemAllocFromPoolAsync returned %#x, which is still allocated", addr)
+	}
+	b.live[addr] = &asyncAlloc{dev: dev, size: size, stream: stream}
+	return addr, nil
+}
+
+// Free returns a segment to dev's pool with cuMemFreeAsync on stream, which
+// the engine passes as the segment's stream: the free is ordered after the
+// work queued there, so it neither waits nor races with kernels still using
+// the memory (work on other streams was waited for by the engine's
+// events). It works after Close too: a destroyed pool's allocations stay
+// valid until freed. On error the segment stays allocated.
+func (b *AsyncBackend) Free(dev int, addr, size uint64, stream gocore.Stream) error {
+	b.mu.Lock()
+	a, ok := b.live[addr]
+	switch {
+	case !ok || a.dev != dev || a.size != size:
+		b.mu.Unlock()
+		return fmt.Errorf("async backend: free(%#x, %d bytes, device %d): not a live segment of that size and device: %w",
+			addr, size, dev, gocore.ErrInvalidArgument)
+	case a.freeing:
+		b.mu.Unlock()
+		return fmt.Errorf("async backend: free(%#x): already being freed: %w", addr, gocore.ErrInvalidArgument)
+	}
+	a.freeing = true
+	b.mu.Unlock()
+
+	err := b.drv.MemFreeAsync(dev, addr, uint64(stream))
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if err != nil {
+		a.freeing = false
+		return fmt.Errorf("async backend: %w", err)
+	}
+	if b.live[addr] == a { // after the free an Alloc may already own addr
+		delete(b.live, addr)
+	}
+	return nil
+}
+
+// Trim releases memory cached by dev's CUDA pool (memory the engine gave
+// back) until at most keep unused bytes remain (cuMemPoolTrimTo). Nothing
+// happens when the device's pool was never created.
+func (b *AsyncBackend) Trim(dev int, keep uint64) error {
+	if err := b.cu.checkDevice("trim", dev); err != nil {
+		return fmt.Errorf("async backend: %w", err)
+	}
+	b.mu.Lock()
+	p, closed := b.pools[dev], b.closed
+	b.mu.Unlock()
+	if closed {
+		return fmt.Errorf("async backend: trim device %d: %w", dev, ErrBackendClosed)
+	}
+	if p == 0 {
+		return nil
+	}
+	if err := b.drv.MemPoolTrimTo(dev, p, keep); err != nil {
+		return fmt.Errorf("async backend: %w", err)
+	}
+	return nil
+}
+
+// Attribute reads an attribute (MemPoolAttr*) of dev's pool, creating the
+// pool if needed: the options applied, and the pool's usage.
+func (b *AsyncBackend) Attribute(dev, attr int) (uint64, error) {
+	p, err := b.pool("read pool attribute", dev)
+	if err != nil {
+		return 0, err
+	}
+	v, err := b.drv.MemPoolGetAttribute(dev, p, attr)
+	if err != nil {
+		return 0, fmt.Errorf("async backend: %w", err)
+	}
+	return v, nil
+}
+
+// ExportPool exports dev's pool (created if needed) as a POSIX file
+// descriptor for ImportAsyncPool in another process; the caller owns and
+// closes it. It needs AsyncOptions.IPC (else the error wraps
+// gocore.ErrUnsupported).
+func (b *AsyncBackend) ExportPool(dev int) (int, error) {
+	if !b.opts.IPC {
+		return -1, fmt.Errorf("async backend: export pool of device %d: created without IPC: %w", dev, gocore.ErrUnsupported)
+	}
+	p, err := b.pool("export pool", dev)
+	if err != nil {
+		return -1, err
+	}
+	fd, err := b.drv.MemPoolExportToShareableHandle(dev, p, MemHandleTypePosixFD)
+	if err != nil {
+		return -1, fmt.Errorf("async backend: %w", err)
+	}
+	return fd, nil
+}
+
+// ExportPointer returns the data with which a process that imported dev's
+// pool (ImportedPool.ImportPointer) maps the segment starting at ptr. ptr
+// must be the start of a live segment on dev: the driver exports whole
+// allocations, so a block inside a segment is shared by exporting the
+// segment and passing the block's offset along. It needs AsyncOptions.IPC.
+// The exporter must not free the segment before every importer freed its
+// import (the driver's rule).
+func (b *AsyncBackend) ExportPointer(dev int, ptr uint64) ([64]byte, error) {
+	if !b.opts.IPC {
+		return [64]byte{}, fmt.Errorf("async backend: export pointer %#x: created without IPC: %w", ptr, gocore.ErrUnsupported)
+	}
+	b.mu.Lock()
+	a, ok := b.live[ptr]
+	b.mu.Unlock()
+	if !ok || a.dev != dev {
+		return [64]byte{}, fmt.Errorf("async backend: export pointer %#x: not the start of a live segment on device %d: %w",
+			ptr, dev, gocore.ErrInvalidArgument)
+	}
+	data, err := b.drv.MemPoolExportPointer(dev, ptr)
+	if err != nil {
+		return [64]byte{}, fmt.Errorf("async backend: %w", err)
+	}
+	return data, nil
+}
+
+// Close destroys the CUDA pools (cuMemPoolDestroy, which gives their
+// cached memory back). Segments still allocated are reported as an error;
+// the driver keeps them valid until they are freed, and Free still works.
+// Every other method fails afterwards; closing twice is an error.
+func (b *AsyncBackend) Close() error {
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return fmt.Errorf("async backend: close: %w", ErrBackendClosed)
+	}
+	b.closed = true
+	pools := append([]uint64(nil), b.pools...)
+	var leaked []string
+	for addr, a := range b.live {
+		leaked = append(leaked, fmt.Sprintf("%#x (%d bytes, device %d)", addr, a.size, a.dev))
+	}
+	b.mu.Unlock()
+
+	var errs []error
+	for dev, p := range pools {
+		if p == 0 {
+			continue
+		}
+		if err := b.drv.MemPoolDestroy(dev, p); err != nil {
+			errs = append(errs, fmt.Errorf("async backend: close: %w", err))
+		}
+	}
+	if len(leaked) > 0 {
+		sort.Strings(leaked)
+		errs = append(errs, fmt.Errorf("async backend: close: %d segments never freed: %v", len(leaked), leaked))
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,328 @@
+package cuda
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/cuda/internal/fakecuda"
+)
+
+func newAsync(t *testing.T, drv *Driver, opts AsyncOptions) *AsyncBackend {
+	t.Helper()
+	be, err := NewAsyncBackend(drv, opts)
+	require.NoError(t, err)
+	return be
+}
+
+func TestAsyncBackendPoolCycle(t *testing.T) {
+	f, drv := setup(t)
+	be := newAsync(t, drv, AsyncOptions{})
+	assert.Equal(t, "async", be.Name())
+	assert.Equal(t, 2, be.Devices())
+	assert.EqualValues(t, Alignment, be.Alignment())
+	assert.Same(t, drv, be.Driver())
+	assert.Zero(t, f.LivePools(), "pools are created on first use")
+	p := newPool(t, be)
+
+	const stream = 0x10
+	a, err := p.Alloc(1000, 1, stream)
+	require.NoError(t, err)
+	assert.Equal(t, 1, f.LivePools())
+	assert.Equal(t, 1, f.PtrDevice(a), "allocated from device 1's pool")
+	assert.EqualValues(t, gocore.SmallBuffer, f.LiveBytes(1))
+	assert.EqualValues(t, stream, f.LastStream("cuMemAllocFromPoolAsync"), "ordered on the caller's stream")
+	pattern := bytes.Repeat([]byte{0x3C, 0xC3}, 500)
+	fakecuda.Write(a, pattern)
+	assert.Equal(t, pattern, fakecuda.Read(a, len(pattern)))
+
+	b, err := p.Alloc(1000, 1, stream)
+	require.NoError(t, err)
+	assert.Equal(t, a+1024, b, "carved from the same segment")
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(b))
+	c, err := p.Alloc(1000, 1, stream)
+	require.NoError(t, err)
+	assert.Equal(t, a, c, "served from the engine's cache")
+	assert.Equal(t, 1, f.Calls("cuMemAllocFromPoolAsync"))
+	require.NoError(t, p.Free(c))
+
+	released, err := p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, gocore.SmallBuffer, released)
+	assert.Zero(t, f.LiveBytes(1))
+	assert.Equal(t, 1, f.Calls("cuMemFreeAsync"))
+	assert.EqualValues(t, stream, f.LastStream("cuMemFreeAsync"))
+
+	// The CUDA pool keeps what the engine gave back until trimmed.
+	reserved, err := be.Attribute(1, MemPoolAttrReservedMemCurrent)
+	require.NoError(t, err)
+	assert.EqualValues(t, gocore.SmallBuffer, reserved)
+	require.NoError(t, be.Trim(1, 0))
+	reserved, err = be.Attribute(1, MemPoolAttrReservedMemCurrent)
+	require.NoError(t, err)
+	assert.Zero(t, reserved)
+	require.NoError(t, be.Trim(0, 0), "no pool on device 0 yet: nothing to do")
+	assert.Equal(t, 1, f.LivePools())
+
+	rep := closePool(t, p)
+	assert.Empty(t, rep.LiveBlocks)
+	assert.Zero(t, be.LiveEvents())
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.LivePools())
+	assert.Zero(t, f.LiveAllocs(1))
+	free, total, err := drv.MemGetInfo(1)
+	require.NoError(t, err)
+	assert.Equal(t, total, free, "everything went back to the device")
+}
+
+func TestAsyncBackendAttributes(t *testing.T) {
+	f, drv := setup(t)
+	no, yes := false, true
+	opts := AsyncOptions{ReleaseThreshold: 64 * mib, ReuseAllowOpportunistic: &no, ReuseFollowEventDependencies: &yes,
+		MaxSize: 32 * mib}
+	be := newAsync(t, drv, opts)
+	assert.Equal(t, opts, be.Options())
+	attr := func(dev, a int) uint64 {
+		t.Helper()
+		v, err := be.Attribute(dev, a)
+		require.NoError(t, err)
+		return v
+	}
+	assert.EqualValues(t, 64*mib, attr(1, MemPoolAttrReleaseThreshold))
+	assert.Zero(t, attr(1, MemPoolAttrReuseAllowOpportunistic))
+	assert.EqualValues(t, 1, attr(1, MemPoolAttrReuseFollowEventDependencies))
+	assert.EqualValues(t, 1, attr(1, MemPoolAttrReuseAllowInternalDependencies), "nil keeps the driver default")
+	assert.Equal(t, 3, f.Calls("cuMemPoolSetAttribute"), "the threshold and the two reuse policies given")
+	locType, locID, handles, maxSize := f.LastPoolCreate()
+	assert.Equal(t, MemLocationTypeDevice, locType)
+	assert.Equal(t, 1, locID)
+	assert.Equal(t, MemHandleTypeNone, handles, "not exportable without IPC")
+	assert.EqualValues(t, 32*mib, maxSize)
+	assert.Equal(t, 1, f.LivePools())
+
+	// A pool per device, each configured.
+	assert.EqualValues(t, 64*mib, attr(0, MemPoolAttrReleaseThreshold))
+	assert.Equal(t, 2, f.LivePools())
+	assert.Equal(t, 2, f.Calls("cuMemPoolCreate"), "device 1's pool was reused")
+
+	// MaxSize reaches the driver: a pool of 32 MiB cannot give 40.
+	p := newPool(t, be)
+	_, err := p.Alloc(40*mib, 0, 0)
+	var oom *gocore.OutOfMemoryError
+	require.ErrorAs(t, err, &oom)
+	require.ErrorIs(t, oom.Cause, gocore.ErrBackendOutOfMemory)
+	closePool(t, p)
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.LivePools())
+
+	// IPC pools are created exportable as file descriptors.
+	ipc := newAsync(t, drv, AsyncOptions{IPC: true})
+	_, err = ipc.Attribute(0, MemPoolAttrReleaseThreshold)
+	require.NoError(t, err)
+	_, _, handles, _ = f.LastPoolCreate()
+	assert.Equal(t, MemHandleTypePosixFD, handles)
+	require.NoError(t, ipc.Close())
+}
+
+func TestAsyncBackendFreesOnTheSegmentsStream(t *testing.T) {
+	f, drv := setup(t)
+	be := newAsync(t, drv, AsyncOptions{})
+	p := newPool(t, be)
+	for _, stream := range []gocore.Stream{0x20, 0, 0x30} {
+		a, err := p.Alloc(4*mib, 0, stream)
+		require.NoError(t, err)
+		assert.EqualValues(t, stream, f.LastStream("cuMemAllocFromPoolAsync"))
+		require.NoError(t, p.Free(a))
+		_, err = p.EmptyCache()
+		require.NoError(t, err)
+		assert.EqualValues(t, stream, f.LastStream("cuMemFreeAsync"), "freed on the stream it was allocated on")
+	}
+
+	// A block used on another stream: the engine waits for that stream's
+	// event, and the segment is still freed on its own stream.
+	f.SetManualEvents(true)
+	a, err := p.Alloc(4*mib, 0, 0x40)
+	require.NoError(t, err)
+	require.NoError(t, p.RecordStream(a, 0x50))
+	require.NoError(t, p.Free(a))
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 0x30, f.LastStream("cuMemFreeAsync"), "not freed while stream 0x50 may use it")
+	f.CompleteStream(0x50)
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 0x40, f.LastStream("cuMemFreeAsync"))
+
+	closePool(t, p)
+	require.NoError(t, be.Close())
+}
+
+func TestAsyncBackendOutOfMemory(t *testing.T) {
+	f, drv := setup(t, "FAKE_CUDA_CAPACITY", fmt.Sprint(64*mib))
+	be := newAsync(t, drv, AsyncOptions{})
+	p := newPool(t, be)
+
+	a, err := p.Alloc(40*mib, 0, 0)
+	require.NoError(t, err)
+	require.NoError(t, p.Free(a)) // cached by the engine, still allocated in the driver
+	b, err := p.Alloc(50*mib, 0, 0)
+	require.NoError(t, err, "the engine released its cache and retried")
+	st, err := p.Stats(0)
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, st.NumAllocRetries)
+	assert.Zero(t, st.NumOOMs)
+	assert.EqualValues(t, 50*mib, f.LiveBytes(0))
+
+	_, err = p.Alloc(100*mib, 0, 0)
+	var oom *gocore.OutOfMemoryError
+	require.ErrorAs(t, err, &oom)
+	assert.Equal(t, "async", oom.Backend)
+	assert.EqualValues(t, 64*mib, oom.DeviceTotal, "capacity comes from the cuda backend")
+	var cerr *Error
+	require.ErrorAs(t, err, &cerr)
+	assert.Equal(t, CodeOutOfMemory, cerr.Code)
+	assert.Equal(t, "cuMemAllocFromPoolAsync", cerr.Op)
+	st, err = p.Stats(0)
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, st.NumOOMs)
+
+	require.NoError(t, p.Free(b))
+	closePool(t, p)
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.LiveBytes(0))
+}
+
+func TestAsyncBackendErrors(t *testing.T) {
+	_, err := NewAsyncBackend(nil, AsyncOptions{})
+	require.ErrorIs(t, err, gocore.ErrInvalidArgument)
+
+	f, drv := setup(t)
+	be := newAsync(t, drv, AsyncOptions{})
+	_, err = be.Alloc(2, mib, 0)
+	require.ErrorIs(t, err, gocore.ErrInvalidDevice)
+	require.ErrorIs(t, be.Trim(-1, 0), gocore.ErrInvalidDevice)
+	require.ErrorIs(t, be.Free(0, 0x1000, mib, 0), gocore.ErrInvalidArgument)
+	_, err = be.ExportPool(0)
+	require.ErrorIs(t, err, gocore.ErrUnsupported, "created without IPC")
+	_, err = be.ExportPointer(0, 0x1000)
+	require.ErrorIs(t, err, gocore.ErrUnsupported)
+
+	// A pool whose options cannot be applied is destroyed again.
+	f.Fail("cuMemPoolSetAttribute", CodeInvalidValue, 0)
+	_, err = be.Alloc(0, mib, 0)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "cuMemPoolSetAttribute")
+	assert.Zero(t, f.LivePools())
+	f.Fail("cuMemPoolSetAttribute", 0, 0)
+
+	a, err := be.Alloc(0, 2*mib, 7)
+	require.NoError(t, err)
+	require.ErrorIs(t, be.Free(0, a, mib, 7), gocore.ErrInvalidArgument, "wrong size")
+	require.ErrorIs(t, be.Free(1, a, 2*mib, 7), gocore.ErrInvalidArgument, "wrong device")
+	f.Fail("cuMemFreeAsync", CodeUnknown, 0)
+	require.Error(t, be.Free(0, a, 2*mib, 7))
+	f.Fail("cuMemFreeAsync", 0, 0)
+
+	// Closing with a segment still allocated reports it; Free still works.
+	err = be.Close()
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "1 segments never freed")
+	assert.Zero(t, f.LivePools())
+	require.NoError(t, be.Free(0, a, 2*mib, 7), "a destroyed pool's allocations stay valid until freed")
+	assert.Zero(t, f.LiveBytes(0))
+	require.ErrorIs(t, be.Close(), ErrBackendClosed)
+	_, err = be.Alloc(0, mib, 0)
+	require.ErrorIs(t, err, ErrBackendClosed)
+	_, err = be.Attribute(0, MemPoolAttrReleaseThreshold)
+	require.ErrorIs(t, err, ErrBackendClosed)
+	require.ErrorIs(t, be.Trim(0, 0), ErrBackendClosed)
+}
+
+func TestGPUBackendsNeedTheirEntryPoints(t *testing.T) {
+	lib := fakecuda.BuildHiding(t, "cuMemFreeAsync", "cuMemMap")
+	fakecuda.OpenPath(t, lib)
+	drv, err := Load(lib)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, drv.Close()) }()
+	_, err = NewAsyncBackend(drv, AsyncOptions{})
+	require.ErrorIs(t, err, ErrDriverTooOld)
+	require.ErrorIs(t, err, gocore.ErrUnsupported, "callers can fall back with one check")
+	assert.Contains(t, err.Error(), "cuMemFreeAsync missing")
+	_, err = NewVMMBackend(drv, VMMOptions{})
+	require.ErrorIs(t, err, ErrDriverTooOld)
+	assert.Contains(t, err.Error(), "cuMemMap missing")
+}
+
+// Pools on many goroutines share one backend, as the Backend contract
+// allows; run with -race.
+func testConcurrentPools(t *testing.T, be gocore.Backend, sizes []uint64) {
+	t.Helper()
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			p, err := gocore.NewPool(gocore.Config{Backend: be, Name: fmt.Sprint("pool", g)})
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer func() {
+				if _, err := p.Close(); err != nil {
+					errs <- err
+				}
+			}()
+			for i := range 20 {
+				dev := (g + i) % be.Devices()
+				stream := gocore.Stream(g + 1)
+				var addrs []uint64
+				for _, size := range sizes {
+					a, err := p.Alloc(size, dev, stream)
+					if err != nil {
+						errs <- err
+						return
+					}
+					fakecuda.Write(a, []byte{byte(g), byte(i)})
+					addrs = append(addrs, a)
+				}
+				for _, a := range addrs {
+					if got := fakecuda.Read(a, 2); got[0] != byte(g) || got[1] != byte(i) {
+						errs <- fmt.Errorf("pool %d: memory at %#x overwritten: %v", g, a, got)
+					}
+					if err := p.Free(a); err != nil {
+						errs <- err
+					}
+				}
+				if i%5 == 4 {
+					if _, err := p.EmptyCache(); err != nil {
+						errs <- err
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	var all []error
+	for err := range errs {
+		all = append(all, err)
+	}
+	require.NoError(t, errors.Join(all...))
+}
+
+func TestAsyncBackendConcurrentPools(t *testing.T) {
+	f, drv := setup(t)
+	be := newAsync(t, drv, AsyncOptions{})
+	testConcurrentPools(t, be, []uint64{1000, 3 * mib, 12 * mib})
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.LiveAllocs(0)+f.LiveAllocs(1))
+	assert.Zero(t, f.LivePools())
+}

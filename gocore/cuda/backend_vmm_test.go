@@ -1,0 +1,432 @@
+package cuda
+
+import (
+	"bytes"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/cuda/internal/fakecuda"
+)
+
+func newVMM(t *testing.T, drv *Driver, opts VMMOptions) *VMMBackend {
+	t.Helper()
+	be, err := NewVMMBackend(drv, opts)
+	require.NoError(t, err)
+	return be
+}
+
+func poolStats(t *testing.T, p *gocore.Pool, dev int) gocore.Stats {
+	t.Helper()
+	st, err := p.Stats(dev)
+	require.NoError(t, err)
+	return st
+}
+
+func TestVMMBackendPoolCycle(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{})
+	assert.Equal(t, "vmm", be.Name())
+	assert.Equal(t, 2, be.Devices())
+	assert.EqualValues(t, Alignment, be.Alignment())
+	assert.Same(t, drv, be.Driver())
+	assert.False(t, be.Expandable())
+	assert.EqualValues(t, 2*mib, be.Granularity())
+	opts := be.Options()
+	assert.Equal(t, VMMLocationDevice, opts.Location, "defaults filled in")
+	assert.Equal(t, VMMGranularityRecommended, opts.Granularity)
+	p := newPool(t, be)
+
+	const stream = 0x11
+	a, err := p.Alloc(1000, 1, stream)
+	require.NoError(t, err)
+	assert.EqualValues(t, gocore.SmallBuffer, f.LiveBytes(1), "cuMemCreate on device 1")
+	assert.Zero(t, f.LiveBytes(0))
+	assert.Equal(t, 3, f.VMMObjects(), "a handle, a reservation, a mapping")
+	assert.Zero(t, a%(2*mib), "reservations start on the granularity")
+	assert.Equal(t, MemAccessProtReadWrite, f.Access(a, 1), "the owning device may read and write")
+	assert.Equal(t, MemAccessProtNone, f.Access(a, 0), "no peer was asked for")
+	locType, locID, handles := f.LastMemCreate()
+	assert.Equal(t, [3]int{MemLocationTypeDevice, 1, MemHandleTypeNone}, [3]int{locType, locID, handles})
+	pattern := bytes.Repeat([]byte{0x5A, 0xA5}, 500)
+	fakecuda.Write(a, pattern)
+	assert.Equal(t, pattern, fakecuda.Read(a, len(pattern)))
+
+	b, err := p.Alloc(1000, 1, stream)
+	require.NoError(t, err)
+	assert.Equal(t, a+1024, b, "carved from the same segment")
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(b))
+	c, err := p.Alloc(1000, 1, stream)
+	require.NoError(t, err)
+	assert.Equal(t, a, c, "served from the engine's cache")
+	assert.Equal(t, 1, f.Calls("cuMemCreate"))
+	require.NoError(t, p.Free(c))
+	assert.Equal(t, 1, be.LiveSegments())
+
+	released, err := p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, gocore.SmallBuffer, released)
+	assert.Zero(t, f.VMMObjects(), "unmapped, released, address range freed")
+	assert.Zero(t, f.LiveBytes(1))
+	assert.EqualValues(t, stream, f.LastStream("cuStreamSynchronize"), "waited for the segment's stream before unmapping")
+	assert.Zero(t, be.LiveSegments())
+
+	// A block used on another stream is not unmapped before that stream's
+	// work is done (the engine's event), then after waiting for its own.
+	f.SetManualEvents(true)
+	d, err := p.Alloc(4*mib, 0, 0x12)
+	require.NoError(t, err)
+	require.NoError(t, p.RecordStream(d, 0x13))
+	require.NoError(t, p.Free(d))
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.Equal(t, 3, f.VMMObjects(), "still in use on stream 0x13")
+	assert.Equal(t, 1, be.LiveEvents())
+	f.CompleteStream(0x13)
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.Zero(t, f.VMMObjects())
+	assert.EqualValues(t, 0x12, f.LastStream("cuStreamSynchronize"))
+
+	closePool(t, p)
+	assert.Zero(t, be.LiveEvents())
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.VMMObjects())
+}
+
+func TestVMMBackendGranularityRounding(t *testing.T) {
+	f, drv := setup(t)
+	f.SetGranularity(2*mib, 8*mib)
+
+	rec := newVMM(t, drv, VMMOptions{})
+	assert.EqualValues(t, 8*mib, rec.Granularity())
+	a, err := rec.Alloc(0, 2*mib, 0)
+	require.NoError(t, err)
+	assert.EqualValues(t, 8*mib, f.LiveBytes(0), "mapped in the recommended granularity")
+	assert.Zero(t, a%(8*mib), "the reservation is aligned to the granularity we use, not the driver's default")
+	fakecuda.Write(a+8*mib-4, []byte("tail"))
+	assert.Equal(t, []byte("tail"), fakecuda.Read(a+8*mib-4, 4), "the rounded size is mapped")
+	require.ErrorIs(t, rec.Free(0, a, 8*mib, 0), gocore.ErrInvalidArgument, "the segment keeps the engine's size")
+	require.NoError(t, rec.Free(0, a, 2*mib, 0))
+	assert.Zero(t, f.VMMObjects())
+
+	// Through a pool: the engine reserves 2 MiB, the device maps 8.
+	p := newPool(t, rec)
+	_, err = p.Alloc(1000, 0, 0)
+	require.NoError(t, err)
+	assert.EqualValues(t, gocore.SmallBuffer, poolStats(t, p, 0).ReservedBytes[0].Current)
+	assert.EqualValues(t, 8*mib, f.LiveBytes(0))
+	closePool(t, p)
+	assert.Zero(t, f.VMMObjects())
+	require.NoError(t, rec.Close())
+
+	minimum := newVMM(t, drv, VMMOptions{Granularity: VMMGranularityMinimum})
+	assert.EqualValues(t, 2*mib, minimum.Granularity())
+	a, err = minimum.Alloc(0, 3*mib, 0)
+	require.NoError(t, err)
+	assert.EqualValues(t, 4*mib, f.LiveBytes(0), "3 MiB rounded up to the minimum granularity")
+	require.NoError(t, minimum.Free(0, a, 3*mib, 0))
+	require.NoError(t, minimum.Close())
+	assert.Zero(t, f.VMMObjects())
+}
+
+func TestVMMBackendAccess(t *testing.T) {
+	f, drv := setup(t, "FAKE_CUDA_DEVICES", "3")
+	be := newVMM(t, drv, VMMOptions{AccessDevices: []int{2, 2, 0}})
+	assert.Equal(t, []int{2, 0}, be.Options().AccessDevices, "deduplicated")
+
+	a, err := be.Alloc(0, 2*mib, 0)
+	require.NoError(t, err)
+	assert.Equal(t, MemAccessProtReadWrite, f.Access(a, 0))
+	assert.Equal(t, MemAccessProtReadWrite, f.Access(a, 2))
+	assert.Equal(t, MemAccessProtNone, f.Access(a, 1))
+
+	b, err := be.Alloc(2, 2*mib, 0)
+	require.NoError(t, err)
+	assert.Equal(t, -2, f.PtrDevice(b), "VMM ranges are no cuMemAlloc allocations")
+	assert.EqualValues(t, 2*mib, f.LiveBytes(2))
+	assert.Equal(t, MemAccessProtReadWrite, f.Access(b, 2))
+	assert.Equal(t, MemAccessProtReadWrite, f.Access(b, 0))
+	assert.Equal(t, MemAccessProtNone, f.Access(b, 1))
+
+	require.NoError(t, be.Free(0, a, 2*mib, 0))
+	require.NoError(t, be.Free(2, b, 2*mib, 0))
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.VMMObjects())
+}
+
+func TestVMMBackendHostNUMA(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Location: VMMLocationHostNUMA, NUMANode: 1, AccessDevices: []int{1}, IPC: true})
+	p := newPool(t, be)
+	a, err := p.Alloc(1000, 0, 0) // device 0, NUMA node 1: the two ids differ
+	require.NoError(t, err)
+	locType, locID, handles := f.LastMemCreate()
+	assert.Equal(t, MemLocationTypeHostNUMA, locType, "the location reached cuMemCreate")
+	assert.Equal(t, 1, locID, "the NUMA node, not the device")
+	assert.Equal(t, MemHandleTypePosixFD, handles)
+	assert.Zero(t, f.LiveBytes(0)+f.LiveBytes(1), "host memory is charged to no device")
+	assert.Equal(t, 3, f.VMMObjects())
+	assert.Equal(t, MemAccessProtReadWrite, f.Access(a, 0), "the device the engine asked for")
+	assert.Equal(t, MemAccessProtReadWrite, f.Access(a, 1), "and the peers")
+	fakecuda.Write(a, []byte("egm"))
+	assert.Equal(t, []byte("egm"), fakecuda.Read(a, 3))
+	_, _, err = be.Capacity(0)
+	require.ErrorIs(t, err, gocore.ErrUnsupported)
+
+	require.NoError(t, p.Free(a))
+	closePool(t, p)
+	assert.Zero(t, f.VMMObjects())
+	require.NoError(t, be.Close())
+}
+
+func TestVMMBackendExpandable(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true, AccessDevices: []int{1}})
+	assert.True(t, be.Expandable())
+	p := newPool(t, be)
+	const stream = 0x21
+
+	a, err := p.Alloc(3*mib, 0, stream)
+	require.NoError(t, err)
+	head := bytes.Repeat([]byte("before growth "), 100)
+	fakecuda.Write(a, head)
+	fakecuda.Write(a+3*mib-4, []byte("edge"))
+
+	b, err := p.Alloc(3*mib, 0, stream)
+	require.NoError(t, err)
+	assert.Equal(t, a+3*mib, b, "the second block follows the first in the grown segment")
+	st := poolStats(t, p, 0)
+	assert.EqualValues(t, 1, st.NumExpansions)
+	assert.EqualValues(t, 1, st.Segment[0].Current)
+	assert.EqualValues(t, 6*mib, st.ReservedBytes[0].Current)
+	assert.Equal(t, 2, f.Calls("cuMemCreate"), "the first chunk and the growth")
+	assert.Equal(t, 1, f.Calls("cuMemAddressReserve"), "one reservation")
+	assert.EqualValues(t, 6*mib, f.LiveBytes(0))
+	assert.Equal(t, head, fakecuda.Read(a, len(head)), "what was written before the growth is still there")
+	assert.Equal(t, []byte("edge"), fakecuda.Read(a+3*mib-4, 4))
+	// b spans the boundary between the two chunks at a+4 MiB.
+	across := []byte("across the chunk boundary")
+	fakecuda.Write(a+4*mib-10, across)
+	assert.Equal(t, across, fakecuda.Read(a+4*mib-10, len(across)))
+	assert.Equal(t, MemAccessProtReadWrite, f.Access(a+4*mib, 0), "the new chunk got the owner's access")
+	assert.Equal(t, MemAccessProtReadWrite, f.Access(a+4*mib, 1), "and the peers'")
+
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(b))
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.Equal(t, 2, f.Calls("cuMemUnmap"), "one unmap per chunk")
+	assert.Equal(t, 2, f.Calls("cuMemRelease"), "every chunk released")
+	assert.Equal(t, 1, f.Calls("cuMemAddressFree"))
+	assert.Zero(t, f.VMMObjects())
+	assert.Zero(t, f.LiveBytes(0))
+	closePool(t, p)
+	require.NoError(t, be.Close())
+}
+
+func TestVMMBackendExpandBeyondReservation(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true, ReserveBytes: 4 * mib})
+	p := newPool(t, be)
+	a, err := p.Alloc(3*mib, 0, 0)
+	require.NoError(t, err)
+	b, err := p.Alloc(3*mib, 0, 0)
+	require.NoError(t, err, "a new segment when the growing one is full")
+	assert.NotEqual(t, a+3*mib, b)
+	st := poolStats(t, p, 0)
+	assert.Zero(t, st.NumExpansions)
+	assert.EqualValues(t, 2, st.Segment[0].Current)
+	assert.Equal(t, 6, f.VMMObjects(), "two segments of one chunk each; nothing left over from the refused growth")
+	assert.Equal(t, 2, f.Calls("cuMemCreate"))
+
+	// Directly: beyond the reservation is an out-of-memory condition and
+	// changes nothing.
+	err = be.Expand(0, a, 4*mib, 2*mib, 0)
+	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory)
+	assert.Contains(t, err.Error(), "beyond the 4194304 bytes reserved")
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(b))
+	closePool(t, p)
+	assert.Zero(t, f.VMMObjects())
+	require.NoError(t, be.Close())
+}
+
+func TestVMMBackendExpandFailures(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true, AccessDevices: []int{1}})
+	p := newPool(t, be)
+	a, err := p.Alloc(3*mib, 0, 0)
+	require.NoError(t, err)
+	fakecuda.Write(a, []byte("kept"))
+	require.Equal(t, 3, f.VMMObjects())
+
+	// Out of device memory: the growth and the new segment both fail, the
+	// engine reports an OutOfMemoryError, the segment is as it was.
+	f.Fail("cuMemCreate", CodeOutOfMemory, 0)
+	_, err = p.Alloc(3*mib, 0, 0)
+	var oom *gocore.OutOfMemoryError
+	require.ErrorAs(t, err, &oom)
+	assert.Equal(t, "vmm", oom.Backend)
+	assert.Equal(t, 3, f.VMMObjects())
+	assert.Zero(t, poolStats(t, p, 0).NumExpansions)
+	f.Fail("cuMemCreate", 0, 0)
+
+	// Failures after the memory was created release it again.
+	for _, fn := range []string{"cuMemMap", "cuMemSetAccess"} {
+		releases := f.Calls("cuMemRelease")
+		f.Fail(fn, CodeInvalidValue, 0)
+		_, err = p.Alloc(3*mib, 0, 0)
+		require.Error(t, err, fn)
+		assert.Contains(t, err.Error(), fn)
+		assert.Equal(t, releases+1, f.Calls("cuMemRelease"), "%s: the new chunk was released", fn)
+		assert.Equal(t, 3, f.VMMObjects(), "%s: nothing left over", fn)
+		f.Fail(fn, 0, 0)
+	}
+	assert.Equal(t, []byte("kept"), fakecuda.Read(a, 4))
+	assert.Equal(t, MemAccessProtReadWrite, f.Access(a, 1))
+
+	b, err := p.Alloc(3*mib, 0, 0)
+	require.NoError(t, err)
+	assert.Equal(t, a+3*mib, b, "grows once the driver cooperates")
+	assert.EqualValues(t, 1, poolStats(t, p, 0).NumExpansions)
+
+	// The Expander contract, directly.
+	require.ErrorIs(t, be.Expand(0, a, 4*mib, 2*mib, 0), gocore.ErrInvalidArgument, "not the segment's size (6 MiB)")
+	require.ErrorIs(t, be.Expand(0, a+mib, 6*mib, 2*mib, 0), gocore.ErrInvalidArgument, "not a segment's base")
+	require.ErrorIs(t, be.Expand(1, a, 6*mib, 2*mib, 0), gocore.ErrInvalidArgument, "another device's")
+	require.ErrorIs(t, be.Free(0, a, 4*mib, 0), gocore.ErrInvalidArgument, "a grown segment is freed with its grown size")
+
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(b))
+	closePool(t, p)
+	assert.Zero(t, f.VMMObjects())
+	require.NoError(t, be.Close())
+
+	plain := newVMM(t, drv, VMMOptions{})
+	c, err := plain.Alloc(0, 2*mib, 0)
+	require.NoError(t, err)
+	require.ErrorIs(t, plain.Expand(0, c, 2*mib, 2*mib, 0), gocore.ErrUnsupported)
+	require.NoError(t, plain.Free(0, c, 2*mib, 0))
+	require.NoError(t, plain.Close())
+}
+
+func TestVMMBackendAllocAndFreeFailures(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{})
+	_, err := be.Alloc(2, 2*mib, 0)
+	require.ErrorIs(t, err, gocore.ErrInvalidDevice)
+	_, err = be.Alloc(0, 0, 0)
+	require.ErrorIs(t, err, gocore.ErrInvalidArgument)
+
+	f.Fail("cuMemCreate", CodeOutOfMemory, 0)
+	_, err = be.Alloc(0, 2*mib, 0)
+	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory, "the engine's release-and-retry path")
+	f.Fail("cuMemCreate", 0, 0)
+	for _, fn := range []string{"cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"} {
+		f.Fail(fn, CodeInvalidValue, 0)
+		_, err = be.Alloc(0, 2*mib, 0)
+		require.Error(t, err, fn)
+		assert.Contains(t, err.Error(), fn)
+		assert.Zero(t, f.VMMObjects(), "%s: everything created was released", fn)
+		f.Fail(fn, 0, 0)
+	}
+
+	a, err := be.Alloc(0, 2*mib, 0x9)
+	require.NoError(t, err)
+	// A failed wait changes nothing: the segment stays and can be freed later.
+	f.Fail("cuStreamSynchronize", CodeIllegalAddress, 0)
+	require.Error(t, be.Free(0, a, 2*mib, 0x9))
+	assert.Equal(t, 3, f.VMMObjects())
+	f.Fail("cuStreamSynchronize", 0, 0)
+	f.Fail("cuMemUnmap", CodeInvalidValue, 0)
+	require.Error(t, be.Free(0, a, 2*mib, 0x9))
+	assert.Equal(t, 3, f.VMMObjects())
+	f.Fail("cuMemUnmap", 0, 0)
+	fakecuda.Write(a, []byte("still mapped"))
+
+	// Close reports the leak and leaves it mapped; Free still works.
+	err = be.Close()
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "1 segments never freed")
+	assert.Equal(t, []byte("still mapped"), fakecuda.Read(a, 12))
+	require.NoError(t, be.Free(0, a, 2*mib, 0x9))
+	assert.Zero(t, f.VMMObjects())
+	require.ErrorIs(t, be.Close(), ErrBackendClosed)
+	_, err = be.Alloc(0, 2*mib, 0)
+	require.ErrorIs(t, err, ErrBackendClosed)
+}
+
+func TestVMMBackendFreeFailureAfterUnmapIsReportedAtClose(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{})
+	a, err := be.Alloc(0, 2*mib, 0)
+	require.NoError(t, err)
+	f.Fail("cuMemAddressFree", CodeInvalidValue, 0)
+	require.NoError(t, be.Free(0, a, 2*mib, 0), "unmapped: the segment is gone for the engine")
+	f.Fail("cuMemAddressFree", 0, 0)
+	assert.Zero(t, be.LiveSegments())
+	err = be.Close()
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "cuMemAddressFree")
+}
+
+// An export in flight keeps Free from releasing the handles it exports but
+// lets the segment grow; a Free in flight excludes everything.
+func TestVMMBackendClaims(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true, IPC: true})
+	a, err := be.Alloc(0, 2*mib, 0)
+	require.NoError(t, err)
+	s, err := be.claim(opExport, 0, a, 0)
+	require.NoError(t, err)
+	require.ErrorIs(t, be.Free(0, a, 2*mib, 0), gocore.ErrInvalidArgument, "exporting")
+	assert.Equal(t, 3, f.VMMObjects(), "the refused Free changed nothing")
+	require.NoError(t, be.Expand(0, a, 2*mib, 2*mib, 0), "growing only appends a chunk")
+	be.release(s, opExport)
+	s, err = be.claim(opFree, 0, a, 4*mib)
+	require.NoError(t, err)
+	require.ErrorIs(t, be.Expand(0, a, 4*mib, 2*mib, 0), gocore.ErrInvalidArgument, "being freed")
+	_, err = be.ExportSegment(0, a)
+	require.ErrorIs(t, err, gocore.ErrInvalidArgument, "being freed")
+	be.release(s, opFree)
+	require.NoError(t, be.Free(0, a, 4*mib, 0))
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.VMMObjects())
+}
+
+func TestVMMOptionsValidation(t *testing.T) {
+	_, err := NewVMMBackend(nil, VMMOptions{})
+	require.ErrorIs(t, err, gocore.ErrInvalidArgument)
+
+	_, drv := setup(t)
+	for _, tc := range []struct {
+		opts VMMOptions
+		want string
+	}{
+		{VMMOptions{Location: "hbm"}, `unknown location "hbm"`},
+		{VMMOptions{Location: VMMLocationHostNUMA, NUMANode: -1}, "negative NUMA node -1"},
+		{VMMOptions{NUMANode: 1}, "NUMANode 1 given with location \"device\""},
+		{VMMOptions{AccessDevices: []int{2}}, "access device 2 out of range [0, 2)"},
+		{VMMOptions{AccessDevices: []int{0, -1}}, "access device -1 out of range"},
+		{VMMOptions{Granularity: "huge"}, `unknown granularity "huge"`},
+	} {
+		_, err := NewVMMBackend(drv, tc.opts)
+		require.ErrorIs(t, err, gocore.ErrInvalidArgument, "%+v", tc.opts)
+		assert.Contains(t, err.Error(), tc.want)
+	}
+	be, err := NewVMMBackend(drv, VMMOptions{Location: VMMLocationHostNUMA, NUMANode: 3, Granularity: VMMGranularityMinimum})
+	require.NoError(t, err)
+	require.NoError(t, be.Close())
+}
+
+func TestVMMBackendConcurrentPools(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true, AccessDevices: []int{0, 1}})
+	testConcurrentPools(t, be, []uint64{1000, 3 * mib, 12 * mib})
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.VMMObjects())
+}

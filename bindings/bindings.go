@@ -65,7 +65,7 @@ type poolOptions struct {
 // Backends lists the backend names NewPool accepts.
 func Backends() string { return strings.Join(backendNames, ",") }
 
-var backendNames = []string{"sim", "callback", "cuda", "host", "nccl"}
+var backendNames = []string{"sim", "callback", "cuda", "async", "vmm", "nccl", "host"}
 
 var (
 	defaultSimOnce sync.Once
@@ -115,7 +115,7 @@ func buildBackend(o poolOptions) (be gocore.Backend, sim *gocore.SimBackend, err
 		be, err = callback.New(callback.Config{Alloc: uintptr(o.AllocFn), Free: uintptr(o.FreeFn),
 			Name: o.Name, Devices: o.Devices, Alignment: o.Alignment})
 		return be, nil, err
-	case "cuda", "host", "nccl":
+	case "cuda", "async", "vmm", "nccl", "host":
 		be, err = gpuBackend(o.Backend, o.GPU)
 		return be, nil, err
 	default:

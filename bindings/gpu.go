@@ -56,6 +56,20 @@ func gpuBackend(name string, o gpuOptions) (gocore.Backend, error) {
 			return nil, fmt.Errorf("nccl backend: %w", err)
 		}
 		return nccl.NewBackend(lib, drv, events)
+	case "async":
+		return cuda.NewAsyncBackend(drv, cuda.AsyncOptions{
+			ReleaseThreshold:               o.PoolReleaseThreshold,
+			ReuseFollowEventDependencies:   o.ReuseFollowEventDependencies,
+			ReuseAllowOpportunistic:        o.ReuseAllowOpportunistic,
+			ReuseAllowInternalDependencies: o.ReuseAllowInternalDependencies,
+			IPC:                            o.IPC,
+			MaxSize:                        o.MaxSize,
+		})
+	case "vmm":
+		return cuda.NewVMMBackend(drv, cuda.VMMOptions{
+			Location: o.Location, NUMANode: o.NUMANode, AccessDevices: o.AccessDevices,
+			Expandable: o.Expandable, ReserveBytes: o.ReserveBytes, Granularity: o.Granularity, IPC: o.IPC,
+		})
 	}
 	return nil, fmt.Errorf("unknown GPU backend %q: %w", name, gocore.ErrInvalidArgument)
 }

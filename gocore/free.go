@@ -180,3 +180,24 @@ func (d *deviceState) wholeFreeSegments() []*segment {
 	})
 	return segs
 }
+
+// BlockInfo describes a live block and the segment holding it.
+type BlockInfo struct {
+	Device      int
+	Addr, Size  uint64
+	SegmentAddr uint64
+	SegmentSize uint64
+	Stream      Stream
+}
+
+// Lookup describes the allocated block at addr (for IPC export).
+func (p *Pool) Lookup(addr uint64) (BlockInfo, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	b, err := p.liveBlockLocked("look up", addr)
+	if err != nil {
+		return BlockInfo{}, err
+	}
+	return BlockInfo{Device: b.seg.device, Addr: b.addr, Size: b.size, SegmentAddr: b.seg.addr,
+		SegmentSize: b.seg.size, Stream: b.seg.stream}, nil
+}

@@ -18,7 +18,13 @@ from ._errors import (
     PoolClosedError,
 )
 from ._pool import CloseReport, LiveBlock, MemPool
+from . import cupy as cupy  # noqa: F401  (gmp.cupy: CuPy from a pool; imports CuPy lazily)
+from .scope import cache_scope, invalidate
+from .torch import mempool, set_torch_allocator, torch_memory_stats  # imports torch lazily
 from ._snapshot import dump_snapshot, record_history, snapshot
+from .ipc import ImportedMemory, IpcHandle, import_pool
+from .replay import ReplayResult, replay
+from .trace import Trace, TraceRecorder, from_history, from_torch_snapshot, load_trace
 
 __all__ = [
     "ALLOC_FN",
@@ -27,6 +33,8 @@ __all__ = [
     "CloseReport",
     "DoubleFreeError",
     "GpuMemPoolError",
+    "ImportedMemory",
+    "IpcHandle",
     "InvalidArgumentError",
     "InvalidPointerError",
     "LeakWarning",
@@ -36,13 +44,26 @@ __all__ = [
     "PoolClosedError",
     "__version__",
     "backends",
+    "cache_scope",
     "device_info",
     "devices",
     "dump_snapshot",
+    "import_pool",
+    "invalidate",
     "library_path",
+    "mempool",
     "pools",
     "record_history",
+    "set_torch_allocator",
     "snapshot",
+    "torch_memory_stats",
+    "ReplayResult",
+    "Trace",
+    "TraceRecorder",
+    "from_history",
+    "from_torch_snapshot",
+    "load_trace",
+    "replay",
 ]
 
 __version__: str = _native.bindings.Version()

@@ -8,12 +8,15 @@ import threading
 import weakref
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from . import _native
 from . import _snapshot
 from ._callbacks import AllocatorFunction, CallbackErrors, function_address
 from ._errors import BackendError, InvalidArgumentError, LeakWarning, PoolClosedError, translate
+
+if TYPE_CHECKING:
+    from .ipc import IpcHandle
 
 __all__ = ["CloseReport", "LiveBlock", "MemPool", "as_stream", "open_pools"]
 
@@ -411,6 +414,19 @@ class MemPool:
         self._native(_b.PoolRecordHistory, self._handle(), bool(enabled), _check_int("max_entries", max_entries, 1, 1 << 31))
         self._frames = {} if enabled and stacks else None
         self._frames_max = max_entries
+
+    # -- IPC ----------------------------------------------------------------
+
+    def export(self, ptr: int) -> "IpcHandle":
+        """Make the block at ``ptr`` shareable with another process (async or
+        vmm pools created with ``ipc=True``); see :mod:`gpumempool.ipc`."""
+        from .ipc import IpcHandle
+
+        ptr = _check_int("ptr", ptr, 0, _U64)
+        meta = json.loads(self._native(_b.PoolExport, self._handle(), ptr))
+        fds = meta.pop("fds")
+        meta["fds"] = [None] * len(fds)  # numbers are per process; only the count travels
+        return IpcHandle(meta, fds)
 
     # -- C ABI --------------------------------------------------------------
 

@@ -89,6 +89,7 @@ def fake_cuda(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ctypes.CDL
     lib.fake_cuda_live_allocs.restype = ctypes.c_long
     lib.fake_cuda_ptr_device.argtypes = [ctypes.c_size_t]
     lib.fake_cuda_complete_stream.argtypes = [ctypes.c_size_t]
+    lib.fake_cuda_access.argtypes = [ctypes.c_size_t, ctypes.c_int]
     return path, lib
 
 

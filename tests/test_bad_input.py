@@ -69,7 +69,7 @@ def test_pointer_of_another_pool(pool: gmp.MemPool) -> None:
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        ({"backend": "cuda9"}, ValueError, "valid backends: callback, cuda, host, nccl, sim"),
+        ({"backend": "cuda9"}, ValueError, "valid backends: async, callback, cuda, host, nccl, sim, vmm"),
         ({"bogus": 1}, ValueError, "unknown option"),
         ({"capacity": -1}, ValueError, "capacity"),
         ({"fail_rate": 2.0}, ValueError, "FailRate 2 is not in"),

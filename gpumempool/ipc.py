@@ -1,0 +1,120 @@
+"""Sharing pool memory between processes (CUDA IPC with POSIX file
+descriptors), for pools created with ``ipc=True`` on the ``async`` or
+``vmm`` backend.
+
+Exporter::
+
+    pool = gmp.MemPool("vmm", ipc=True)
+    ptr = pool.alloc(1 << 20)
+    handle = pool.export(ptr)        # an IpcHandle: JSON metadata + file descriptors
+    handle.send(sock)                # over a connected AF_UNIX socket (SCM_RIGHTS)
+    handle.close()                   # the descriptors are ours to close once sent
+
+Importer (another process)::
+
+    handle = gmp.IpcHandle.recv(sock)
+    with gmp.import_pool(handle) as mem:   # maps the memory; mem.ptr is the block
+        ...                                # read and write it with kernels
+    handle.close()
+
+The importer must stop using (and unmap) the memory before the exporter
+frees the block. File descriptors cannot be pickled or sent as bytes: only a
+UNIX socket (or fork) carries them to another process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from . import _native
+from ._errors import translate
+
+__all__ = ["ImportedMemory", "IpcHandle", "import_pool"]
+
+_MAX_MESSAGE = 1 << 16
+
+
+@dataclass
+class IpcHandle:
+    """An exported block: ``meta`` (JSON-able) plus the file descriptors
+    (``fds``) that carry the physical memory."""
+
+    meta: dict[str, Any]
+    fds: list[int] = field(default_factory=list)
+
+    def send(self, sock: socket.socket) -> None:
+        """Send over a connected AF_UNIX socket; the fds travel as SCM_RIGHTS."""
+        socket.send_fds(sock, [json.dumps(self.meta).encode()], self.fds)
+
+    @classmethod
+    def recv(cls, sock: socket.socket, max_fds: int = 256) -> "IpcHandle":
+        """Receive what :meth:`send` sent (new descriptor numbers here)."""
+        msg, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MESSAGE, max_fds)
+        if not msg:
+            raise ConnectionError("the peer closed the socket before sending an IPC handle")
+        meta = json.loads(msg)
+        if len(fds) != len(meta.get("fds", [])):
+            for fd in fds:
+                os.close(fd)
+            raise ValueError(f"IPC handle lists {len(meta.get('fds', []))} descriptors, {len(fds)} arrived")
+        return cls(meta, list(fds))
+
+    def close(self) -> None:
+        """Close this process's descriptors (idempotent)."""
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __enter__(self) -> "IpcHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class ImportedMemory:
+    """Memory of another process mapped into this one. ``ptr`` is the
+    exported block's address here, ``size`` its size."""
+
+    def __init__(self, import_id: int, ptr: int, size: int) -> None:
+        self._id: Optional[int] = import_id
+        self.ptr = ptr
+        self.size = size
+
+    def close(self) -> None:
+        """Unmap (idempotent)."""
+        if self._id is None:
+            return
+        import_id, self._id = self._id, None
+        try:
+            _native.bindings.CloseImport(import_id)
+        except RuntimeError as exc:
+            raise translate(exc) from None
+
+    def __enter__(self) -> "ImportedMemory":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<gpumempool.ImportedMemory ptr={self.ptr:#x} size={self.size}{' closed' if self._id is None else ''}>"
+
+
+def import_pool(handle: IpcHandle, libcuda: Optional[str] = None) -> ImportedMemory:
+    """Map an exported block (see :meth:`MemPool.export`) into this process."""
+    if not isinstance(handle, IpcHandle):
+        raise TypeError(f"import_pool takes an IpcHandle, got {type(handle).__name__}")
+    meta = dict(handle.meta, fds=list(handle.fds))
+    try:
+        out = json.loads(_native.bindings.ImportMemory(json.dumps(meta), os.fspath(libcuda) if libcuda else ""))
+    except RuntimeError as exc:
+        raise translate(exc) from None
+    return ImportedMemory(out["id"], out["ptr"], out["size"])

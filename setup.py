@@ -119,7 +119,9 @@ class GopyBuildExt(build_ext):
         gopy = self._ensure_tools(go, env)
 
         tag = sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
-        out_dir = os.path.join(ROOT, "bindings", "_gopy_out", tag)
+        # One directory per build: two builds of the same checkout at once
+        # (pip install while a wheel builds) must not clobber each other.
+        out_dir = os.path.join(ROOT, "bindings", "_gopy_out", f"{tag}-{os.getpid()}")
         shutil.rmtree(out_dir, ignore_errors=True)
         os.makedirs(out_dir)
         say(f"building the Go extension with gopy into {out_dir}")
@@ -166,6 +168,7 @@ class GopyBuildExt(build_ext):
         for name in GOPY_PY_FILES:
             shutil.copyfile(os.path.join(out_dir, name), os.path.join(dest_dir, name))
         say(f"installed the extension into {dest_dir}")
+        shutil.rmtree(out_dir, ignore_errors=True)  # kept only when the build fails
 
     def _ensure_tools(self, go, env):
         """Return the gopy to run; build missing tools into build/tools.

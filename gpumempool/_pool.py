@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -29,6 +30,28 @@ def open_pools() -> list["MemPool"]:
     with _open_lock:
         pools = [p for p in _open if not p.closed]
     return sorted(pools, key=lambda p: p._id)
+
+
+def _report_leaks_at_exit() -> None:
+    """At interpreter exit, warn about pools that still hold allocated
+    blocks. The pools are not closed: torch may still free into them while
+    it shuts down, and the process is about to give everything back anyway."""
+    for pool in open_pools():
+        try:
+            s = pool.stats()
+        except Exception:  # a pool closed concurrently: nothing to report
+            continue
+        live, nbytes = s["allocation.all.current"], s["allocated_bytes.all.current"]
+        if live:
+            warnings.warn(
+                f"gpumempool: pool {pool.name!r} ({pool.backend}) still holds {live} allocated block(s), "
+                f"{nbytes} bytes, at exit",
+                LeakWarning,
+                stacklevel=1,
+            )
+
+
+atexit.register(_report_leaks_at_exit)
 
 _b = _native.bindings
 T = TypeVar("T")

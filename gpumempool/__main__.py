@@ -1,11 +1,20 @@
-"""Command line: ``python -m gpumempool {info,demo} [--json]``."""
+"""Command line: ``python -m gpumempool {info,demo,replay,plot,bench}``.
+
+Every command has ``--help``; ``--json`` prints machine-readable output;
+long work shows a progress bar on stderr unless ``--json`` or
+``--no-progress``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
 import sys
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import Any, Optional, Sequence
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -48,6 +57,195 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_trace(path: str, args: argparse.Namespace) -> Any:
+    """A gmptrace file, or a torch (or gpumempool) snapshot pickle with history."""
+    from .trace import Trace, from_torch_snapshot, is_trace_file
+
+    kind = args.format
+    if kind == "auto":
+        if is_trace_file(path):
+            kind = "trace"
+        elif path.endswith((".pickle", ".pkl", ".pickle.gz", ".pkl.gz")):
+            kind = "snapshot"
+        else:
+            with open(path, "rb") as f:
+                head = f.read(2)
+            if head[:1] == b"\x80" or head == b"\x1f\x8b":
+                kind = "snapshot"
+            else:
+                raise ValueError(f"{path}: neither a gmptrace file nor a snapshot pickle (use --format)")
+    if kind == "trace":
+        return Trace.load(path)
+    return from_torch_snapshot(path, infer_empty_cache=not args.no_infer_empty_cache)
+
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"python -m gpumempool: error: {message}", file=sys.stderr)
+    return code
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    vwidth = max(len(v) for _, v in rows)
+    line = "+" + "-" * (width + 2) + "+" + "-" * (vwidth + 2) + "+"
+    return "\n".join([line] + [f"| {k.ljust(width)} | {v.ljust(vwidth)} |" for k, v in rows] + [line])
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    import pickle
+
+    from ._progress import Progress
+    from .demo import format_bytes
+    from .replay import parse_policy, replay
+    from .trace import TraceFormatError
+
+    try:
+        policy = parse_policy(args.policy or [])
+    except ValueError as exc:
+        return _fail(f"--policy: {exc}", 2)
+    try:
+        trace = _load_trace(args.trace, args)
+    except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError) as exc:
+        return _fail(str(exc))
+    if args.save_trace:
+        trace.save(args.save_trace)
+    with Progress("replay", unit="ev", enabled=not (args.json or args.no_progress), total=len(trace)) as bar:
+        try:
+            result = replay(trace, policy, progress=bar)
+        except (ValueError, TypeError) as exc:
+            return _fail(str(exc), 2)
+    if args.json:
+        out = result.as_dict()
+        out["trace"] = {"path": args.trace, "meta": trace.meta, "counts": trace.counts()}
+        print(json.dumps(out, indent=2))
+        return 0
+    pol = ", ".join(f"{k}={v}" for k, v in policy.items()) or "defaults"
+    rows = [
+        ("trace", f"{os.path.basename(args.trace)} ({trace.source}, {len(trace):,} events)"),
+        ("policy", pol),
+        ("allocations", f"{result.allocations:,} ({result.ooms:,} OOM)"),
+        ("peak requested", format_bytes(result.peak_requested)),
+        ("peak allocated", format_bytes(result.peak_allocated)),
+        ("peak reserved", format_bytes(result.peak_reserved)),
+        ("fragmentation", f"{result.fragmentation:.3f} (peak reserved / peak allocated)"),
+        ("backend calls", f"{result.backend_calls:,} ({result.device_allocs:,} segment allocations or growths, "
+                          f"{result.device_frees:,} releases)"),
+        ("cache-hit rate", f"{100 * result.cache_hit_rate:.2f} %"),
+    ]
+    if result.recorded_peak_reserved is not None:
+        who = result.recorded_by or "recording"
+        rows.append((f"{who} peak reserved", format_bytes(result.recorded_peak_reserved)))
+        verdict = "saves memory" if (result.reserved_vs_recorded or 0) < 1 else "no saving"
+        rows.append((f"ours / {who}", f"{result.reserved_vs_recorded:.3f} ({verdict})"))
+    print("gpumempool replay on the simulated device (sim backend)")
+    print(_table(rows))
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    import pickle
+
+    from ._progress import Progress
+    from .plot import MissingDependencyError, plot_snapshot
+    from .trace import TraceFormatError, is_trace_file
+
+    if is_trace_file(args.snapshot):
+        return _fail(f"{args.snapshot} is a gmptrace file; plot reads snapshot pickles "
+                     "(gmp.dump_snapshot or torch.cuda.memory._dump_snapshot)", 2)
+    with Progress("plot", unit="ev", enabled=not (args.json or args.no_progress)) as bar:
+        try:
+            summary = plot_snapshot(args.snapshot, args.output, title=args.title,
+                                    max_segments=args.max_segments, progress=bar)
+        except MissingDependencyError as exc:
+            return _fail(str(exc), 2)
+        except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError) as exc:
+            return _fail(str(exc))
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"wrote {summary['output']}: {summary['events']:,} history events, {summary['segments']:,} segments, "
+              f"{summary['blocks']:,} blocks")
+    return 0
+
+
+def _find_checkout(start: Optional[str]) -> Optional[Path]:
+    if start is not None:
+        root = Path(start).resolve()
+        return root if (root / "benchmarks" / "cpu_bench.py").is_file() else None
+    here = Path.cwd().resolve()
+    for d in (here, *here.parents):
+        if (d / "benchmarks" / "cpu_bench.py").is_file() and (d / "gocore").is_dir():
+            return d
+    return None
+
+
+def _bench_plan(root: Path) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    import gpumempool as gmp
+
+    run: list[dict[str, str]] = []
+    skip: list[dict[str, str]] = []
+    cpu = "benchmarks/cpu_bench.py (Go micro-benchmarks, C-ABI round trip, Python API round trip)"
+    missing = [tool for tool, found in (("go", shutil.which("go")),
+                                        ("a C compiler (cc/gcc)", shutil.which("cc") or shutil.which("gcc")))
+               if not found]
+    if missing:
+        skip.append({"name": cpu, "reason": f"needs {' and '.join(missing)} on PATH"})
+    else:
+        run.append({"name": cpu, "writes": "benchmarks/results/cpu.json, cpu.md"})
+    info = gmp.device_info()
+    gpu = "benchmarks/gpu_backends.py (raw vs cached alloc per GPU backend)"
+    if not info["devices"]:
+        skip.append({"name": gpu, "reason": f"needs an NVIDIA GPU: {info['reason']}"})
+    elif not (root / "benchmarks" / "gpu_backends.py").is_file():
+        skip.append({"name": gpu, "reason": "not in this checkout"})
+    else:
+        run.append({"name": gpu, "writes": "benchmarks/results/gpu_backends.json, gpu_backends.md"})
+    skip.append({"name": "torch native vs cudaMallocAsync vs gpumempool vs CuPy (alloc loops, GPT-2 step, "
+                         "trace replays on the GPU)",
+                 "reason": "not in this version (issue 5, section 4); needs an NVIDIA GPU and torch"})
+    return run, skip
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    root = _find_checkout(args.root)
+    if root is None:
+        where = args.root or "the current directory or its parents"
+        return _fail(f"bench runs the benchmarks of a source checkout, and none was found in {where} "
+                     "(benchmarks/cpu_bench.py); run it from the repository root or pass --root", 2)
+    run, skip = _bench_plan(root)
+    if not args.json:
+        print(f"gpumempool bench in {root}")
+        for r in run:
+            print(f"  will run:   {r['name']}")
+        for s in skip:
+            print(f"  cannot run: {s['name']}: {s['reason']}")
+        sys.stdout.flush()
+    report: dict[str, Any] = {"root": str(root), "run": run, "not_run": skip, "results": {}}
+    if args.dry_run:
+        if args.json:
+            print(json.dumps(report, indent=2))
+        return 0
+    if not run:
+        return _fail("nothing this machine can run (see above)")
+    env = dict(os.environ, PYTHONSAFEPATH="1")
+    if args.count:
+        env["GMP_BENCH_COUNT"] = str(args.count)
+    rc = 0
+    for r in run:
+        script = r["name"].split(" ", 1)[0]
+        cmd = [sys.executable, str(root / script)]
+        proc = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.PIPE if args.json else None, text=True)
+        r["returncode"] = str(proc.returncode)
+        rc = rc or proc.returncode
+        stem = Path(script).stem.replace("_bench", "")
+        result_file = root / "benchmarks" / "results" / f"{stem}.json"
+        if proc.returncode == 0 and result_file.is_file():
+            report["results"][stem] = json.loads(result_file.read_text())
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return rc
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -68,6 +266,57 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
     demo.set_defaults(func=_cmd_demo)
+
+    rep = sub.add_parser(
+        "replay",
+        help="replay an allocation trace on the simulated device with a policy",
+        description="Replay TRACE (a gmptrace file, or a snapshot pickle with history from "
+        "torch.cuda.memory._dump_snapshot or gmp.dump_snapshot) on a private simulated device and report "
+        "peak allocated/reserved, fragmentation, backend calls and OOMs, next to the reserved bytes the "
+        "recording allocator (torch) had. Policy keys: max_split_size, release_threshold, limit, "
+        "granularity, capacity (bytes; suffixes KiB/MiB/GiB or KB/MB/GB) and expandable (true/false).",
+    )
+    rep.add_argument("trace", metavar="TRACE", help="a .trace[.gz] file or a .pickle/.pkl snapshot")
+    rep.add_argument("--policy", action="append", metavar="KEY=VALUE",
+                     help="a policy setting, e.g. max_split_size=64MiB (repeat, or separate with commas)")
+    rep.add_argument("--format", choices=("auto", "trace", "snapshot"), default="auto",
+                     help="input format (default: by extension and content)")
+    rep.add_argument("--no-infer-empty-cache", action="store_true",
+                     help="torch snapshots: do not treat released segments outside an allocation as empty_cache()")
+    rep.add_argument("--save-trace", metavar="OUT", help="also write the (imported) trace as a gmptrace file")
+    rep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rep.add_argument("--json", action="store_true", help="print the result as JSON")
+    rep.set_defaults(func=_cmd_replay)
+
+    plot = sub.add_parser(
+        "plot",
+        help="plot a memory snapshot: allocated vs reserved over time and a segment map",
+        description="Draw SNAPSHOT (a pickle from gmp.dump_snapshot or torch.cuda.memory._dump_snapshot, "
+        "loaded without running any code in it) as an image: a timeline of allocated vs reserved bytes "
+        "over the recorded history and a map of the segments with their blocks coloured by state. "
+        "Needs matplotlib (pip install 'gpumempool[plot]').",
+    )
+    plot.add_argument("snapshot", metavar="SNAPSHOT", help="snapshot pickle")
+    plot.add_argument("-o", "--output", required=True, metavar="OUT", help="image to write (.png, .svg, .pdf)")
+    plot.add_argument("--title", help="figure title")
+    plot.add_argument("--max-segments", type=_positive, default=120, help="segments drawn at most (default 120)")
+    plot.add_argument("--no-progress", action="store_true", help="no progress bar")
+    plot.add_argument("--json", action="store_true", help="print a summary as JSON")
+    plot.set_defaults(func=_cmd_plot)
+
+    bench = sub.add_parser(
+        "bench",
+        help="run the benchmarks this machine can run (from a source checkout)",
+        description="Run the benchmarks of a source checkout that this machine can run: the CPU "
+        "benchmarks (benchmarks/cpu_bench.py: Go micro-benchmarks, the C-ABI and Python round trips; "
+        "they need go and a C compiler) and, with an NVIDIA GPU, benchmarks/gpu_backends.py; says what "
+        "it cannot run and why. Results go to benchmarks/results/.",
+    )
+    bench.add_argument("--root", help="the repository root (default: found from the current directory)")
+    bench.add_argument("--count", type=_positive, help="runs of each Go benchmark (GMP_BENCH_COUNT, default 5)")
+    bench.add_argument("--dry-run", action="store_true", help="only say what would run and what cannot")
+    bench.add_argument("--json", action="store_true", help="print the plan and results as JSON")
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

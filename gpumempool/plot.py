@@ -1,0 +1,254 @@
+"""Plots of a memory snapshot (ours or torch's): allocated vs reserved bytes
+over the recorded history, and a segment map (one bar per segment, its
+blocks coloured by state).
+
+Needs matplotlib, an optional extra (``pip install 'gpumempool[plot]'``);
+without it :func:`plot_snapshot` raises :class:`MissingDependencyError`.
+Snapshot pickles are read with :func:`gpumempool.trace.load_pickle`, which
+refuses anything but plain data.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from typing import Any, Callable, Optional, Union
+
+from .trace import PathLike, TraceFormatError, load_pickle
+
+__all__ = ["MissingDependencyError", "plot_snapshot", "timeline"]
+
+STATE_COLORS = {
+    "active_allocated": "#1f77b4",
+    "active_pending_free": "#ff7f0e",
+    "inactive": "#d9d9d9",
+}
+STATE_LABELS = {
+    "active_allocated": "allocated",
+    "active_pending_free": "freed, waiting for other streams",
+    "inactive": "free (cached)",
+}
+
+
+class MissingDependencyError(ImportError):
+    """An optional dependency (matplotlib) is not installed."""
+
+
+def _require_matplotlib() -> Any:
+    try:
+        import matplotlib
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "plotting needs matplotlib, an optional extra: pip install 'gpumempool[plot]' "
+            "(or pip install matplotlib)"
+        ) from exc
+    return matplotlib, Figure
+
+
+def _load(snapshot: Union[PathLike, dict[str, Any]]) -> dict[str, Any]:
+    snap = snapshot if isinstance(snapshot, dict) else load_pickle(snapshot)
+    if not isinstance(snap, dict) or not isinstance(snap.get("segments", []), list):
+        raise TraceFormatError("not a memory snapshot (a dict with 'segments' and 'device_traces')")
+    traces = snap.get("device_traces", [])
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        raise TraceFormatError("snapshot device_traces must be a list of lists")
+    return snap
+
+
+def _int(v: Any) -> int:
+    return v if type(v) is int else 0
+
+
+def timeline(snapshot: Union[PathLike, dict[str, Any]],
+             progress: Optional[Callable[[int, int], None]] = None) -> dict[str, list[int]]:
+    """Allocated and reserved bytes (all devices) after each history entry:
+    ``{"allocated": [...], "reserved": [...], "time_us": [...]}``, starting
+    from the state before the first entry (derived from the segments at the
+    end minus what the history changed). Allocations count from ``alloc``
+    to ``free_completed``."""
+    snap = _load(snapshot)
+    traces = snap.get("device_traces", [])
+    entries = list(heapq.merge(*[[(e.get("time_us", 0) if isinstance(e, dict) else 0, d, i, e)
+                                  for i, e in enumerate(t)] for d, t in enumerate(traces)], key=lambda x: x[0]))
+    entries = [(t, d, e) for t, d, _, e in entries if isinstance(e, dict)]
+    sizes: dict[tuple[int, int], int] = {}
+    d_alloc = d_res = 0
+    steps: list[tuple[int, int]] = []
+    total = len(entries)
+    for n, (_, d, e) in enumerate(entries):
+        a = e.get("action")
+        k = (d, _int(e.get("addr")))
+        size = _int(e.get("size"))
+        da = dr = 0
+        if a == "alloc":
+            sizes[k] = size
+            da = size
+        elif a == "free_completed":
+            da = -sizes.pop(k, size)
+        elif a in ("segment_alloc", "segment_map"):
+            dr = size
+        elif a in ("segment_free", "segment_unmap"):
+            dr = -size
+        d_alloc += da
+        d_res += dr
+        steps.append((d_alloc, d_res))
+        if progress is not None and (n + 1) % 50_000 == 0:
+            progress(n + 1, total)
+    end_alloc = end_res = 0
+    ours = isinstance(snap.get("allocator_settings"), dict) and (
+        "pools" in snap["allocator_settings"] or "backend" in snap["allocator_settings"])
+    for s in snap.get("segments", []):
+        if not isinstance(s, dict):
+            continue
+        end_res += _int(s.get("total_size"))
+        for b in s.get("blocks", []) if isinstance(s.get("blocks"), list) else []:
+            if isinstance(b, dict) and b.get("state") in ("active_allocated", "active_pending_free"):
+                end_alloc += _int(b.get("size")) if ours else (_int(b.get("requested_size")) or _int(b.get("size")))
+    if snap.get("segments"):
+        base_alloc = max(0, end_alloc - d_alloc)
+        base_res = max(0, end_res - d_res)
+    else:  # no segments: start from zero, lifted so nothing goes negative
+        base_alloc = max(0, -min([a for a, _ in steps] + [0]))
+        base_res = max(0, -min([r for _, r in steps] + [0]))
+    if progress is not None:
+        progress(total, total)
+    return {
+        "allocated": [base_alloc] + [base_alloc + a for a, _ in steps],
+        "reserved": [base_res] + [base_res + r for _, r in steps],
+        "time_us": [entries[0][0] if entries else 0] + [t for t, _, _ in entries],
+    }
+
+
+def _downsample(values: list[int], points: int) -> tuple[list[int], list[int]]:
+    """At most ``points`` (x, max-of-bucket) pairs, so peaks stay visible."""
+    n = len(values)
+    if n <= points:
+        return list(range(n)), values
+    step = n / points
+    xs, ys = [], []
+    for i in range(points):
+        lo, hi = int(i * step), max(int((i + 1) * step), int(i * step) + 1)
+        xs.append(lo)
+        ys.append(max(values[lo:hi]))
+    return xs, ys
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _byte_step(top: float) -> float:
+    """A power-of-two tick step giving 4 to 8 ticks up to ``top`` bytes."""
+    step = 1.0
+    while top / step > 8:
+        step *= 2
+    return step
+
+
+def plot_snapshot(
+    snapshot: Union[PathLike, dict[str, Any]],
+    out: PathLike,
+    *,
+    title: Optional[str] = None,
+    max_segments: int = 120,
+    progress: Optional[Callable[[int, int], None]] = None,
+    dpi: int = 110,
+) -> dict[str, Any]:
+    """Draw ``snapshot`` (a pickle path, ours or torch's, or the dict) to
+    ``out`` (PNG, or any format matplotlib knows by the extension): a
+    timeline of allocated vs reserved bytes over the recorded history and a
+    segment map of the segments at the end (at most ``max_segments``, the
+    largest). Returns a summary (peaks, counts, output path)."""
+    _, Figure = _require_matplotlib()
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter, MultipleLocator
+
+    snap = _load(snapshot)
+    tl = timeline(snap, progress=progress)
+    segments = [s for s in snap.get("segments", []) if isinstance(s, dict) and _int(s.get("total_size")) > 0]
+    segments.sort(key=lambda s: (_int(s.get("device")), _int(s.get("address"))))
+    shown = segments
+    if len(segments) > max_segments:
+        keep = sorted(segments, key=lambda s: -_int(s.get("total_size")))[:max_segments]
+        ids = {id(s) for s in keep}
+        shown = [s for s in segments if id(s) in ids]
+
+    fig = Figure(figsize=(12, 8.5), layout="constrained")
+    ax_t, ax_s = fig.subplots(2, 1, height_ratios=[1, 1.3])
+    byte_fmt = FuncFormatter(lambda v, _pos: _fmt_bytes(v))
+
+    events = len(tl["allocated"]) - 1
+    if events > 0:
+        xs, ys = _downsample(tl["reserved"], 4000)
+        ax_t.fill_between(xs, ys, step="post", color="#ffbb78", alpha=0.6, label="reserved (segments)")
+        ax_t.plot(xs, ys, drawstyle="steps-post", color="#ff7f0e", linewidth=1)
+        xs, ys = _downsample(tl["allocated"], 4000)
+        ax_t.fill_between(xs, ys, step="post", color="#aec7e8", alpha=0.8, label="allocated (blocks)")
+        ax_t.plot(xs, ys, drawstyle="steps-post", color="#1f77b4", linewidth=1)
+        ax_t.set_xlim(0, events)
+        ax_t.set_ylim(bottom=0)
+        ax_t.legend(loc="upper left")
+    else:
+        ax_t.text(0.5, 0.5, "no history recorded\n(record_history() / torch.cuda.memory._record_memory_history())",
+                  ha="center", va="center", transform=ax_t.transAxes, color="gray")
+    ax_t.yaxis.set_major_formatter(byte_fmt)
+    ax_t.yaxis.set_major_locator(MultipleLocator(_byte_step(max(tl["reserved"] + tl["allocated"] + [1]))))
+    ax_t.set_xlabel("allocator events")
+    peak_a, peak_r = max(tl["allocated"]), max(tl["reserved"])
+    frag = f", peak reserved / peak allocated {peak_r / peak_a:.3f}" if peak_a else ""
+    ax_t.set_title(f"allocated vs reserved: peaks {_fmt_bytes(peak_a)} / {_fmt_bytes(peak_r)}{frag}")
+
+    blocks = 0
+    for row, s in enumerate(shown):
+        off = 0
+        spans: list[tuple[int, int]] = []
+        colors: list[str] = []
+        for b in s.get("blocks", []) if isinstance(s.get("blocks"), list) else []:
+            if not isinstance(b, dict):
+                continue
+            size = _int(b.get("size"))
+            spans.append((off, size))
+            colors.append(STATE_COLORS.get(str(b.get("state")), "#9467bd"))
+            off += size
+            blocks += 1
+        total = _int(s.get("total_size"))
+        if off < total:  # blocks missing from the snapshot
+            spans.append((off, total - off))
+            colors.append("#ffffff")
+        ax_s.broken_barh(spans, (row - 0.4, 0.8), facecolors=colors, edgecolor="black", linewidth=0.2)
+    ax_s.xaxis.set_major_formatter(byte_fmt)
+    ax_s.xaxis.set_major_locator(MultipleLocator(_byte_step(max([_int(s.get("total_size")) for s in shown] + [1]))))
+    ax_s.set_xlabel("offset in segment")
+    ax_s.invert_yaxis()
+    if shown and len(shown) <= 40:
+        ax_s.set_yticks(range(len(shown)))
+        ax_s.set_yticklabels([f"d{_int(s.get('device'))} {_int(s.get('address')):#x}" for s in shown], fontsize=7)
+    else:
+        ax_s.set_ylabel("segments")
+        ax_s.set_yticks([])
+    if not shown:
+        ax_s.text(0.5, 0.5, "no segments", ha="center", va="center", transform=ax_s.transAxes, color="gray")
+    more = f" (the {len(shown)} largest of {len(segments)})" if len(shown) < len(segments) else ""
+    reserved = sum(_int(s.get("total_size")) for s in segments)
+    ax_s.set_title(f"segment map: {len(segments)} segments, {_fmt_bytes(reserved)} reserved{more}")
+    ax_s.legend(handles=[Patch(facecolor=c, edgecolor="black", label=STATE_LABELS[k]) for k, c in STATE_COLORS.items()],
+                loc="lower right", fontsize=8)
+    if title:
+        fig.suptitle(title)
+    out_path = os.fspath(out)
+    fig.savefig(out_path, dpi=dpi)
+    return {
+        "output": out_path,
+        "events": events,
+        "segments": len(segments),
+        "segments_shown": len(shown),
+        "blocks": blocks,
+        "peak_allocated": peak_a,
+        "peak_reserved": peak_r,
+        "reserved_at_end": reserved,
+    }

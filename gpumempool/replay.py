@@ -1,0 +1,279 @@
+"""Replay a :class:`~gpumempool.trace.Trace` on a private simulated device
+with the policy you choose, and compare with what the recording allocator
+(torch, or a gpumempool pool) reserved.
+
+::
+
+    from gpumempool.trace import from_torch_snapshot
+    from gpumempool.replay import replay
+
+    r = replay(from_torch_snapshot("snapshot.pickle"), {"max_split_size": 64 << 20})
+    print(r.peak_reserved, r.recorded_peak_reserved, r.reserved_vs_recorded)
+
+The sim pool uses manual events, so ``record_stream`` in the trace is
+honoured: a block freed after ``r ID STREAM`` comes back only after an
+``s STREAM`` (or ``s``) event; at the end every stream completes.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+from ._errors import InvalidArgumentError, LeakWarning, OutOfMemoryError
+from ._pool import MemPool
+from .trace import Alloc, EmptyCache, Free, RecordStream, Sync, Trace, Trim
+
+__all__ = ["POLICY_KEYS", "ReplayResult", "parse_policy", "parse_size", "replay"]
+
+#: Policy keys and what they set on the replay pool.
+POLICY_KEYS: dict[str, str] = {
+    "max_split_size": "blocks at least this large are never split (torch's max_split_size_mb, in bytes)",
+    "release_threshold": "unused bytes kept cached per device (0: keep all)",
+    "limit": "bytes the pool may reserve per device (0: no limit)",
+    "expandable": "grow one segment per stream in place (torch's expandable_segments)",
+    "granularity": "mapping granularity of expandable segments, bytes",
+    "capacity": "bytes of the simulated device (default: the trace's 'capacity' metadata, else 80 GiB)",
+}
+_BOOL_KEYS = {"expandable"}
+#: Device size when neither the policy nor the trace names one: an 80 GB H100.
+DEFAULT_CAPACITY = 80 << 30
+
+ProgressFn = Callable[[int, int], None]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kb": 1000, "kib": 1 << 10,
+    "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
+    "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30,
+    "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"512"``, ``"64MiB"``, ``"64M"`` (binary), ``"2GB"`` (decimal), ``"0x1000"``."""
+    t = text.strip().lower().replace("_", "")
+    if t.startswith("0x"):
+        return int(t, 16)
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):].strip()
+    if unit not in _UNITS or not num:
+        raise ValueError(f"not a size: {text!r} (examples: 1048576, 512MiB, 2GiB, 1GB)")
+    value = float(num) * _UNITS[unit]
+    if value < 0 or value != int(value):
+        raise ValueError(f"not a whole, non-negative number of bytes: {text!r}")
+    return int(value)
+
+
+def _parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (true/false)")
+
+
+def parse_policy(items: Any) -> dict[str, Any]:
+    """A policy dict from ``key=value`` strings (each may hold several,
+    comma-separated), e.g. ``["max_split_size=64MiB", "expandable=true"]``."""
+    if isinstance(items, str):
+        items = [items]
+    policy: dict[str, Any] = {}
+    for item in items:
+        for part in str(item).split(","):
+            if not part.strip():
+                continue
+            key, sep, value = part.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep:
+                raise ValueError(f"policy entries are key=value, got {part!r}")
+            if key not in POLICY_KEYS:
+                raise ValueError(f"unknown policy key {key!r}; valid: {', '.join(POLICY_KEYS)}")
+            policy[key] = _parse_bool(value) if key in _BOOL_KEYS else parse_size(value)
+    return policy
+
+
+def _check_policy(policy: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in (policy or {}).items():
+        if key not in POLICY_KEYS:
+            raise InvalidArgumentError(f"unknown policy key {key!r}; valid: {', '.join(POLICY_KEYS)}")
+        if value is None:
+            continue
+        if key in _BOOL_KEYS:
+            if not isinstance(value, bool):
+                raise TypeError(f"policy {key} must be a bool, got {type(value).__name__}")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"policy {key} must be a non-negative int (bytes), got {value!r}")
+        out[key] = value
+    return out
+
+
+@dataclass
+class ReplayResult:
+    """What a replay measured. Byte figures are summed over devices of each
+    device's peak, like ``reserved_bytes.all.peak``."""
+
+    source: str
+    policy: dict[str, Any]
+    capacity: int  # bytes of the simulated device (per device)
+    events: int
+    allocations: int  # allocation requests in the trace
+    frees: int
+    ooms: int  # allocations the replay pool could not serve
+    skipped: int  # frees / record_streams of blocks that were never allocated (or OOMed)
+    peak_requested: int  # peak of the sizes the trace holds allocated
+    peak_allocated: int  # pool's allocated_bytes.all.peak (rounded block sizes)
+    peak_reserved: int  # pool's reserved_bytes.all.peak
+    fragmentation: float  # peak reserved / peak allocated
+    device_allocs: int  # segments the backend allocated (num_device_alloc)
+    device_frees: int  # ... and released (num_device_free)
+    backend_calls: int  # device_allocs + device_frees
+    peak_segments: int
+    alloc_retries: int  # allocations served only after releasing the cache
+    expansions: int  # in-place growths of expandable segments
+    cache_hit_rate: float
+    seconds: float
+    recorded_by: Optional[str] = None  # whose reserved bytes the trace recorded
+    recorded_peak_reserved: Optional[int] = None
+    reserved_vs_recorded: Optional[float] = None  # peak_reserved / recorded_peak_reserved
+    stats: dict[str, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def torch_peak_reserved(self) -> Optional[int]:
+        """Torch's recorded peak reserved bytes (torch traces only)."""
+        return self.recorded_peak_reserved if self.recorded_by == "torch" else None
+
+    @property
+    def ratio_vs_torch(self) -> Optional[float]:
+        """Our peak reserved / torch's (torch traces only; < 1 saves memory)."""
+        return self.reserved_vs_recorded if self.recorded_by == "torch" else None
+
+    def as_dict(self, with_stats: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        if not with_stats:
+            d.pop("stats")
+        d["torch_peak_reserved"] = self.torch_peak_reserved
+        d["ratio_vs_torch"] = self.ratio_vs_torch
+        return d
+
+
+def replay(
+    trace: Trace,
+    policy: Optional[Mapping[str, Any]] = None,
+    *,
+    progress: Optional[ProgressFn] = None,
+    progress_every: int = 10_000,
+) -> ReplayResult:
+    """Run ``trace`` on a fresh private sim pool configured by ``policy``
+    (keys: :data:`POLICY_KEYS`) and report peaks, fragmentation, backend
+    calls and OOMs. ``progress(done, total)`` is called every
+    ``progress_every`` events and at the end."""
+    if not isinstance(trace, Trace):
+        raise TypeError(f"trace must be a Trace, got {type(trace).__name__}")
+    pol = _check_policy(policy)
+    events = trace.events
+    total = len(events)
+    devices = max([int(trace.meta.get("devices", 1) or 1)] + [e.device + 1 for e in events if type(e) is Alloc])
+    capacity = pol.get("capacity") or trace.meta.get("capacity")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+        capacity = DEFAULT_CAPACITY
+    sim: dict[str, Any] = {"capacity": capacity, "manual_events": True, "devices": devices}
+    if "expandable" in pol:
+        sim["expandable"] = pol["expandable"]
+    if "granularity" in pol:
+        sim["granularity"] = pol["granularity"]
+    pool = MemPool(
+        "sim",
+        name="replay",
+        limit=pol.get("limit") or None,
+        max_split_size=pol.get("max_split_size") or None,
+        release_threshold=pol.get("release_threshold") or None,
+        **sim,
+    )
+    ptrs: dict[int, Optional[int]] = {}
+    sizes: dict[int, int] = {}
+    allocs = frees = ooms = skipped = 0
+    cur = peak_req = 0
+    start = time.perf_counter()
+    step = max(1, int(progress_every))
+    try:
+        alloc, free, record_stream = pool.alloc, pool.free, pool.record_stream
+        for i, e in enumerate(events):
+            t = type(e)
+            if t is Alloc:
+                allocs += 1
+                cur += e.size  # type: ignore[union-attr]
+                sizes[e.id] = e.size  # type: ignore[union-attr]
+                if cur > peak_req:
+                    peak_req = cur
+                try:
+                    ptrs[e.id] = alloc(e.size, e.device, e.stream)  # type: ignore[union-attr]
+                except OutOfMemoryError:
+                    ooms += 1
+                    ptrs[e.id] = None  # type: ignore[union-attr]
+            elif t is Free:
+                ptr = ptrs.pop(e.id, None)  # type: ignore[union-attr]
+                cur -= sizes.pop(e.id, 0)  # type: ignore[union-attr]
+                if ptr is None:
+                    skipped += 1
+                else:
+                    free(ptr)
+                    frees += 1
+            elif t is RecordStream:
+                ptr = ptrs.get(e.id)  # type: ignore[union-attr]
+                if ptr is None:
+                    skipped += 1
+                else:
+                    record_stream(ptr, e.stream)  # type: ignore[union-attr]
+            elif t is Sync:
+                pool.sim_complete(e.stream)  # type: ignore[union-attr]
+            elif t is EmptyCache:
+                pool.empty_cache()
+            elif t is Trim:
+                pool.trim(e.keep, e.device)  # type: ignore[union-attr]
+            if progress is not None and (i + 1) % step == 0:
+                progress(i + 1, total)
+        pool.sim_complete()
+        pool.process_events()
+        stats = pool.stats()
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", LeakWarning)
+            pool.close()
+    if progress is not None:
+        progress(total, total)
+    seconds = time.perf_counter() - start
+    peak_alloc = stats.get("allocated_bytes.all.peak", 0)
+    peak_res = stats.get("reserved_bytes.all.peak", 0)
+    recorded = trace.recorded_peak_reserved()
+    served = stats.get("allocation.all.allocated", 0)
+    return ReplayResult(
+        source=trace.source,
+        policy=dict(pol),
+        capacity=capacity,
+        events=total,
+        allocations=allocs,
+        frees=frees,
+        ooms=ooms,
+        skipped=skipped,
+        peak_requested=peak_req,
+        peak_allocated=peak_alloc,
+        peak_reserved=peak_res,
+        fragmentation=peak_res / peak_alloc if peak_alloc else 0.0,
+        device_allocs=stats.get("num_device_alloc", 0),
+        device_frees=stats.get("num_device_free", 0),
+        backend_calls=stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0),
+        peak_segments=stats.get("segment.all.peak", 0),
+        alloc_retries=stats.get("num_alloc_retries", 0),
+        expansions=stats.get("num_expansions", 0),
+        cache_hit_rate=stats.get("num_cache_hits", 0) / served if served else 0.0,
+        seconds=seconds,
+        recorded_by=trace.recorded_by if recorded is not None else None,
+        recorded_peak_reserved=recorded,
+        reserved_vs_recorded=(peak_res / recorded) if recorded else None,
+        stats=stats,
+    )

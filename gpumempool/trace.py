@@ -1,0 +1,934 @@
+"""Allocation traces: a compact file format, importers from gpumempool's and
+torch's recorded history, and a recorder.
+
+A trace is the sequence of allocator *requests* a program made (allocate,
+free, record_stream, stream completion, empty_cache), with stable block ids
+instead of addresses, so that :func:`gpumempool.replay.replay` can feed the
+same requests to a pool with another policy and compare.
+
+File format ``gmptrace`` version 1
+----------------------------------
+UTF-8 text, one record per line, fields separated by one space; gzip
+compressed when the file name ends in ``.gz``. The first line is the header
+``gmptrace 1``. Integers are decimal; streams may also be written in hex
+(``0x...``), and are when saved. Then, in any order:
+
+``# text``
+    a comment, ignored.
+``@ {json}``
+    metadata: one JSON object on one line (several are merged). Keys used:
+    ``source`` (``gpumempool``, ``torch``, ``synthetic``...),
+    ``recorded_by`` (the allocator whose reserved bytes the ``R`` records
+    hold), ``devices``, ``notes``, and counts from the importer.
+``a ID SIZE STREAM [DEVICE]``
+    allocate SIZE bytes for work on STREAM (DEVICE defaults to 0); the block
+    is called ID (a positive integer, unique in the trace) from now on.
+``f ID``
+    free block ID.
+``r ID STREAM``
+    block ID is used on STREAM too (``Tensor.record_stream``): after its free
+    it may be reused only once the work queued on STREAM up to the free has
+    completed (see ``s``).
+``s [STREAM]``
+    the work queued so far on STREAM (every stream when omitted) has
+    completed; blocks waiting on it become reusable the next time the pool
+    processes its events (at its next allocation).
+``e``
+    ``empty_cache()``: release every wholly free cached segment.
+``t KEEP [DEVICE]``
+    ``trim(KEEP)``: release free segments until at most KEEP unused bytes
+    stay cached (on DEVICE, every device when omitted).
+``R INDEX BYTES [DEVICE]``
+    reference series, not replayed: the recording allocator's reserved bytes
+    on DEVICE became BYTES while it served event INDEX (0-based: the number
+    of events before it; a point at INDEX 0 before any change is the start).
+    Written just before that event; several may share an INDEX. Replay
+    reports the peak of this series next to its own.
+
+Importers
+---------
+:func:`from_history` converts a pool's recorded history (``pool.snapshot()``
+with :meth:`~gpumempool.MemPool.record_history` on) and
+:func:`from_torch_snapshot` a pickle written by
+``torch.cuda.memory._record_memory_history()`` + ``_dump_snapshot()`` (or
+its dict). Both read the same torch-format ``device_traces``:
+
+* ``alloc`` / ``free_requested`` become ``a`` / ``f``. gpumempool records
+  the block size of an allocation (rounded up, and the whole block when it
+  was not split), torch the requested size.
+* A free that waited for other streams (gpumempool: its block had
+  ``record_stream`` entries; torch, which records none: its
+  ``free_completed`` did not follow at once) gets a *virtual stream*
+  (``1 << 63`` plus a small number, reused once synced): ``r ID VSTREAM``
+  before the free and ``s VSTREAM`` where the recording shows the free
+  completed. Replays thus see each block come back exactly when the
+  recording did, whatever the policy. (The real streams of gpumempool's
+  ``record_stream`` entries are counted in the metadata, not kept.)
+* Blocks freed in the trace but allocated before it started, and blocks
+  still allocated in the snapshot's segments that the trace never mentions,
+  are allocated at the start (as torch's memory_viz assumes too).
+* ``segment_alloc`` / ``segment_map`` add to and ``segment_free`` /
+  ``segment_unmap`` subtract from the recorded reserved bytes (``R``),
+  starting from the snapshot's segments minus what the trace changed.
+* Neither allocator records ``empty_cache`` calls. For torch traces a run of
+  segment releases that is not followed by a new segment (or an OOM) inside
+  the same allocation is taken for an ``empty_cache()``; for gpumempool,
+  :class:`TraceRecorder` records ``empty_cache`` and ``trim`` calls made
+  through the Python API.
+
+Torch pickles may come from anyone: :func:`load_pickle` reads them with an
+unpickler that refuses every global (so only plain dict/list/tuple/str/int/
+float/bool/None/bytes survive) and with size limits.
+"""
+
+from __future__ import annotations
+
+import gzip
+import heapq
+import io
+import json
+import os
+import pickle
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Union
+
+if TYPE_CHECKING:
+    from ._pool import MemPool
+
+__all__ = [
+    "Alloc",
+    "EmptyCache",
+    "Event",
+    "Free",
+    "RecordStream",
+    "Sync",
+    "Trace",
+    "TraceFormatError",
+    "TraceRecorder",
+    "Trim",
+    "UnsafePickleError",
+    "VIRTUAL_STREAM_BASE",
+    "from_history",
+    "from_torch_snapshot",
+    "is_trace_file",
+    "load_pickle",
+    "load_trace",
+]
+
+FORMAT = "gmptrace"
+VERSION = 1
+#: Streams at or above this are virtual streams made by the importers.
+VIRTUAL_STREAM_BASE = 1 << 63
+_U64 = 1 << 64
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class TraceFormatError(ValueError):
+    """A trace file (or history) that cannot be read."""
+
+
+class UnsafePickleError(pickle.UnpicklingError):
+    """A pickle that holds more than plain data (or is too large) was refused."""
+
+
+# -- events ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Alloc:
+    """``a ID SIZE STREAM [DEVICE]``"""
+
+    id: int
+    size: int
+    stream: int = 0
+    device: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """``f ID``"""
+
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecordStream:
+    """``r ID STREAM``"""
+
+    id: int
+    stream: int
+
+
+@dataclass(frozen=True, slots=True)
+class Sync:
+    """``s [STREAM]``; ``stream=None``: every stream."""
+
+    stream: Optional[int] = None
+
+
+@dataclass(frozen=True, slots=True)
+class EmptyCache:
+    """``e``"""
+
+
+@dataclass(frozen=True, slots=True)
+class Trim:
+    """``t KEEP [DEVICE]``; ``device=None``: every device."""
+
+    keep: int
+    device: Optional[int] = None
+
+
+Event = Union[Alloc, Free, RecordStream, Sync, EmptyCache, Trim]
+
+
+def _stream_text(s: int) -> str:
+    return hex(s) if s else "0"
+
+
+def _event_line(e: Event) -> str:
+    t = type(e)
+    if t is Alloc:
+        line = f"a {e.id} {e.size} {_stream_text(e.stream)}"  # type: ignore[union-attr]
+        return line if not e.device else f"{line} {e.device}"  # type: ignore[union-attr]
+    if t is Free:
+        return f"f {e.id}"  # type: ignore[union-attr]
+    if t is RecordStream:
+        return f"r {e.id} {_stream_text(e.stream)}"  # type: ignore[union-attr]
+    if t is Sync:
+        return "s" if e.stream is None else f"s {_stream_text(e.stream)}"  # type: ignore[union-attr]
+    if t is EmptyCache:
+        return "e"
+    if t is Trim:
+        return f"t {e.keep}" if e.device is None else f"t {e.keep} {e.device}"  # type: ignore[union-attr]
+    raise TypeError(f"not a trace event: {e!r}")
+
+
+# -- the trace ------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    """A list of allocator :data:`Event` objects plus metadata.
+
+    ``reserved`` is the recording allocator's reserved-bytes series (for
+    torch traces, torch's own): ``(index, device, bytes)`` points in order,
+    meaning that reserved bytes on ``device`` became ``bytes`` while event
+    ``index`` was served (the first point of a device is its start).
+    """
+
+    events: list[Event] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    reserved: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(self.events)
+
+    @property
+    def source(self) -> str:
+        return str(self.meta.get("source", "unknown"))
+
+    @property
+    def recorded_by(self) -> Optional[str]:
+        """The allocator whose reserved bytes :attr:`reserved` holds."""
+        rb = self.meta.get("recorded_by")
+        return str(rb) if rb else None
+
+    def recorded_peak_reserved(self) -> Optional[int]:
+        """Peak of :attr:`reserved` (summed over devices of each device's
+        peak, as ``reserved_bytes.all.peak`` is); None without a series."""
+        if not self.reserved:
+            return None
+        peaks: dict[int, int] = {}
+        for _, dev, b in self.reserved:
+            if b > peaks.get(dev, -1):
+                peaks[dev] = b
+        return sum(peaks.values())
+
+    def peak_requested(self) -> int:
+        """Peak of the bytes the trace holds allocated (sizes as written)."""
+        live: dict[int, int] = {}
+        cur = peak = 0
+        for e in self.events:
+            t = type(e)
+            if t is Alloc:
+                live[e.id] = e.size  # type: ignore[union-attr]
+                cur += e.size  # type: ignore[union-attr]
+                peak = max(peak, cur)
+            elif t is Free:
+                cur -= live.pop(e.id, 0)  # type: ignore[union-attr]
+        return peak
+
+    def counts(self) -> dict[str, int]:
+        """Number of events of each kind."""
+        names = {Alloc: "alloc", Free: "free", RecordStream: "record_stream", Sync: "sync",
+                 EmptyCache: "empty_cache", Trim: "trim"}
+        out = dict.fromkeys(names.values(), 0)
+        for e in self.events:
+            out[names[type(e)]] += 1
+        return out
+
+    def validate(self) -> None:
+        """Check that ids are allocated once, and freed or recorded only
+        while allocated; raises :class:`TraceFormatError`."""
+        live: set[int] = set()
+        seen: set[int] = set()
+        for i, e in enumerate(self.events):
+            t = type(e)
+            if t is Alloc:
+                if e.id in seen:  # type: ignore[union-attr]
+                    raise TraceFormatError(f"event {i}: block {e.id} allocated twice")  # type: ignore[union-attr]
+                if e.size <= 0:  # type: ignore[union-attr]
+                    raise TraceFormatError(f"event {i}: block {e.id} has size {e.size}")  # type: ignore[union-attr]
+                seen.add(e.id)  # type: ignore[union-attr]
+                live.add(e.id)  # type: ignore[union-attr]
+            elif t is Free:
+                if e.id not in live:  # type: ignore[union-attr]
+                    raise TraceFormatError(f"event {i}: free of block {e.id}, which is not allocated")  # type: ignore[union-attr]
+                live.discard(e.id)  # type: ignore[union-attr]
+            elif t is RecordStream:
+                if e.id not in live:  # type: ignore[union-attr]
+                    raise TraceFormatError(f"event {i}: record_stream of block {e.id}, which is not allocated")  # type: ignore[union-attr]
+
+    # -- files ------------------------------------------------------------
+
+    def save(self, path: PathLike) -> None:
+        """Write the trace (gzip when ``path`` ends in ``.gz``)."""
+        p = os.fspath(path)
+        if p.endswith(".gz"):
+            with open(p, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
+                with io.TextIOWrapper(gz, encoding="utf-8", newline="\n") as f:
+                    self._write(f)
+        else:
+            with open(p, "w", encoding="utf-8", newline="\n") as f:
+                self._write(f)
+
+    def dumps(self) -> str:
+        """The trace as text."""
+        buf = io.StringIO()
+        self._write(buf)
+        return buf.getvalue()
+
+    def _write(self, f: Any) -> None:
+        f.write(f"{FORMAT} {VERSION}\n")
+        if self.meta:
+            f.write("@ " + json.dumps(self.meta, sort_keys=True, separators=(",", ":")) + "\n")
+        ref = sorted(self.reserved, key=lambda r: r[0])
+        j = 0
+        buf: list[str] = []
+        for i, e in enumerate(self.events):
+            while j < len(ref) and ref[j][0] <= i:
+                buf.append(_ref_line(ref[j]))
+                j += 1
+            buf.append(_event_line(e))
+            if len(buf) >= 8192:
+                f.write("\n".join(buf) + "\n")
+                buf.clear()
+        while j < len(ref):
+            buf.append(_ref_line(ref[j]))
+            j += 1
+        if buf:
+            f.write("\n".join(buf) + "\n")
+
+    @classmethod
+    def load(cls, path: PathLike, *, max_events: int = 100_000_000) -> "Trace":
+        """Read a trace file (gzip-compressed or not, detected by content)."""
+        p = os.fspath(path)
+        with open(p, "rb") as raw:
+            magic = raw.read(2)
+            raw.seek(0)
+            stream: Any = gzip.GzipFile(fileobj=raw, mode="rb") if magic == b"\x1f\x8b" else raw
+            try:
+                with io.TextIOWrapper(stream, encoding="utf-8", newline="\n") as f:
+                    return cls._read(f, p, max_events)
+            except (OSError, EOFError, UnicodeDecodeError) as exc:
+                raise TraceFormatError(f"{p}: not a readable {FORMAT} file: {exc}") from exc
+
+    @classmethod
+    def loads(cls, text: str, *, max_events: int = 100_000_000) -> "Trace":
+        """Parse a trace from text."""
+        return cls._read(io.StringIO(text), "<string>", max_events)
+
+    @classmethod
+    def _read(cls, f: Iterable[str], name: str, max_events: int) -> "Trace":
+        it = iter(f)
+        header = next(it, "").rstrip("\n").split()
+        if len(header) != 2 or header[0] != FORMAT:
+            raise TraceFormatError(f"{name}: not a {FORMAT} file (first line must be '{FORMAT} {VERSION}')")
+        if header[1] != str(VERSION):
+            raise TraceFormatError(f"{name}: {FORMAT} version {header[1]} is not supported (this reader: {VERSION})")
+        tr = cls()
+        events = tr.events
+        append = events.append
+        lineno = 1
+        for lineno, line in enumerate(it, start=2):
+            if len(line) > 1 << 20:
+                raise TraceFormatError(f"{name}:{lineno}: line longer than 1 MiB")
+            parts = line.split()
+            if not parts:
+                continue
+            op = parts[0]
+            try:
+                n = len(parts)
+                if op == "a" and 4 <= n <= 5:
+                    ev: Event = Alloc(_id(parts[1]), _size(parts[2]), _u64(parts[3]), _dev(parts[4]) if n == 5 else 0)
+                elif op == "f" and n == 2:
+                    ev = Free(_id(parts[1]))
+                elif op == "r" and n == 3:
+                    ev = RecordStream(_id(parts[1]), _u64(parts[2]))
+                elif op == "s" and n <= 2:
+                    ev = Sync(_u64(parts[1]) if n == 2 else None)
+                elif op == "e" and n == 1:
+                    ev = EmptyCache()
+                elif op == "t" and 2 <= n <= 3:
+                    ev = Trim(_u64(parts[1]), _dev(parts[2]) if n == 3 else None)
+                elif op == "R" and 3 <= n <= 4:
+                    tr.reserved.append((_u64(parts[1]), _dev(parts[3]) if n == 4 else 0, _u64(parts[2])))
+                    continue
+                elif op == "@":
+                    meta = json.loads(line[1:])
+                    if not isinstance(meta, dict):
+                        raise ValueError("metadata must be a JSON object")
+                    tr.meta.update(meta)
+                    continue
+                elif op.startswith("#"):
+                    continue
+                else:
+                    raise ValueError(f"unknown record {op!r} with {n - 1} field(s)")
+            except ValueError as exc:
+                raise TraceFormatError(f"{name}:{lineno}: {exc}: {line.strip()[:80]!r}") from None
+            append(ev)
+            if len(events) > max_events:
+                raise TraceFormatError(f"{name}: more than {max_events} events (raise max_events)")
+        return tr
+
+
+def _ref_line(r: tuple[int, int, int]) -> str:
+    idx, dev, b = r
+    return f"R {idx} {b}" if not dev else f"R {idx} {b} {dev}"
+
+
+def _int(text: str) -> int:
+    if text.startswith(("0x", "0X")):
+        return int(text, 16)
+    if not text.isdigit():
+        raise ValueError(f"{text!r} is not a non-negative integer")
+    return int(text)
+
+
+def _u64(text: str) -> int:
+    v = _int(text)
+    if v >= _U64:
+        raise ValueError(f"{text} does not fit in 64 bits")
+    return v
+
+
+def _id(text: str) -> int:
+    v = _u64(text)
+    if v == 0:
+        raise ValueError("block ids are positive")
+    return v
+
+
+def _size(text: str) -> int:
+    v = _int(text)
+    if not 0 < v < 1 << 63:
+        raise ValueError(f"size {text} out of range")
+    return v
+
+
+def _dev(text: str) -> int:
+    v = _int(text)
+    if v >= 1 << 20:
+        raise ValueError(f"device {text} out of range")
+    return v
+
+
+def load_trace(path: PathLike, **kwargs: Any) -> Trace:
+    """:meth:`Trace.load`."""
+    return Trace.load(path, **kwargs)
+
+
+def is_trace_file(path: PathLike) -> bool:
+    """Whether ``path`` starts like a gmptrace file (plain or gzip)."""
+    try:
+        with open(os.fspath(path), "rb") as raw:
+            head = raw.read(2)
+            raw.seek(0)
+            if head == b"\x1f\x8b":
+                with gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+                    head = gz.read(len(FORMAT))
+            else:
+                head = raw.read(len(FORMAT))
+    except (OSError, EOFError):
+        return False
+    return head == FORMAT.encode()
+
+
+# -- restricted unpickling ------------------------------------------------
+
+#: Default limit on a pickle's size (compressed and uncompressed).
+MAX_PICKLE_BYTES = 4 << 30
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Builds only what pickle's own opcodes build (dict, list, tuple, set,
+    str, bytes, int, float, bool, None); every global is refused, so no
+    constructor, function or reducer can run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise UnsafePickleError(
+            f"refused to load {module}.{name}: a memory snapshot may only contain plain data "
+            "(dict, list, tuple, str, int, float, bool, None); this pickle tries to import or call "
+            "code, so it is not one (it may be malicious)"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickleError("refused a persistent id: a memory snapshot holds plain data only")
+
+
+def load_pickle(source: Union[PathLike, bytes], *, max_bytes: int = MAX_PICKLE_BYTES) -> Any:
+    """Load a pickle of plain data from a path or bytes, refusing anything
+    else with :class:`UnsafePickleError` before any of it runs. Files ending
+    in ``.gz`` (or starting with gzip's magic) are decompressed, at most
+    ``max_bytes`` of them."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+        name = "<bytes>"
+    else:
+        name = os.fspath(source)
+        size = os.path.getsize(name)
+        if size > max_bytes:
+            raise UnsafePickleError(f"{name}: {size} bytes is over the limit of {max_bytes} (raise max_bytes)")
+        with open(name, "rb") as f:
+            data = f.read()
+    if len(data) > max_bytes:
+        raise UnsafePickleError(f"{name}: {len(data)} bytes is over the limit of {max_bytes} (raise max_bytes)")
+    if data[:2] == b"\x1f\x8b":
+        with gzip.GzipFile(fileobj=io.BytesIO(data), mode="rb") as gz:
+            try:
+                data = gz.read(max_bytes + 1)
+            except (OSError, EOFError) as exc:
+                raise UnsafePickleError(f"{name}: bad gzip data: {exc}") from exc
+        if len(data) > max_bytes:
+            raise UnsafePickleError(f"{name}: decompresses to more than {max_bytes} bytes (raise max_bytes)")
+    try:
+        return _PlainDataUnpickler(io.BytesIO(data)).load()
+    except UnsafePickleError:
+        raise
+    except Exception as exc:  # truncated or corrupt data raise all sorts
+        raise UnsafePickleError(f"{name}: not a readable pickle: {type(exc).__name__}: {exc}") from None
+
+
+# -- importing torch-format device_traces ---------------------------------
+
+_ENTRY_INTS = ("addr", "size", "stream")
+_IMPORTED = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
+             "segment_unmap", "oom", "record_stream")
+
+
+@dataclass
+class _Marker:
+    t0: int
+    t1: int
+    event: Event
+
+
+def _check_snapshot(snap: Any) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
+    if not isinstance(snap, dict):
+        raise TraceFormatError(f"a snapshot is a dict, got {type(snap).__name__}")
+    traces = snap.get("device_traces")
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        raise TraceFormatError("snapshot has no device_traces (a list per device): record history first "
+                               "(torch.cuda.memory._record_memory_history() / pool.record_history())")
+    for d, tr in enumerate(traces):
+        for i, e in enumerate(tr):
+            if not isinstance(e, dict) or not isinstance(e.get("action"), str):
+                raise TraceFormatError(f"device_traces[{d}][{i}] is not an entry with an 'action'")
+            if e["action"] in _IMPORTED:
+                for k in _ENTRY_INTS:
+                    v = e.get(k, 0)
+                    if type(v) is not int or v < 0:
+                        raise TraceFormatError(f"device_traces[{d}][{i}] ({e['action']}): {k} must be a non-negative int, got {v!r}")
+                tu = e.get("time_us", 0)
+                if type(tu) not in (int, float):
+                    raise TraceFormatError(f"device_traces[{d}][{i}]: time_us must be a number, got {tu!r}")
+    segments = snap.get("segments", [])
+    if not isinstance(segments, list):
+        raise TraceFormatError("snapshot segments must be a list")
+    good = []
+    for s in segments:
+        if isinstance(s, dict) and type(s.get("total_size", None)) is int:
+            good.append(s)
+    return traces, good
+
+
+def _flavor(snap: dict[str, Any], traces: list[list[dict[str, Any]]]) -> str:
+    settings = snap.get("allocator_settings")
+    # Ours: {"pool": name, "backend": ...} (pool.snapshot) or {"pools": [...]} (gmp.snapshot).
+    if isinstance(settings, dict) and (("pool" in settings and "backend" in settings) or "pools" in settings):
+        return "gpumempool"
+    if any(e.get("action") == "record_stream" for t in traces for e in t):
+        return "gpumempool"
+    return "torch"
+
+
+class _VirtualStreams:
+    def __init__(self) -> None:
+        self.free: list[int] = []
+        self.next = 0
+
+    def take(self) -> int:
+        if self.free:
+            return heapq.heappop(self.free)
+        self.next += 1
+        return VIRTUAL_STREAM_BASE + self.next
+
+    def give(self, s: int) -> None:
+        heapq.heappush(self.free, s)
+
+
+def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[_Marker]] = None,
+             infer_empty_cache: Optional[bool] = None) -> Trace:
+    traces, segments = _check_snapshot(snap)
+    flavor = source or _flavor(snap, traces)
+    if infer_empty_cache is None:
+        infer_empty_cache = flavor == "torch"
+
+    # Per device: which free_requested entries completed at once.
+    immediate: list[list[bool]] = []
+    for tr in traces:
+        imm = [False] * len(tr)
+        for i, e in enumerate(tr):
+            if e["action"] == "free_requested" and i + 1 < len(tr):
+                n = tr[i + 1]
+                imm[i] = n["action"] == "free_completed" and n.get("addr") == e.get("addr")
+        immediate.append(imm)
+
+    # One list in time order (each device's own order kept).
+    if len(traces) == 1:
+        merged = [(0, i, e) for i, e in enumerate(traces[0])]
+    else:
+        merged = [(d, i, e) for _, d, i, e in heapq.merge(
+            *[[(e.get("time_us", 0), d, i, e) for i, e in enumerate(tr)] for d, tr in enumerate(traces)],
+            key=lambda x: x[0])]
+    imported = [(d, i, e) for d, i, e in merged if e["action"] in _IMPORTED]
+    unknown: dict[str, int] = {}
+    for _, _, e in merged:
+        if e["action"] not in _IMPORTED:
+            unknown[e["action"]] = unknown.get(e["action"], 0) + 1
+
+    # Pass 1: blocks that were allocated before the trace started.
+    live: dict[tuple[int, int], tuple[int, int]] = {}
+    seen: set[tuple[int, int]] = set()
+    pre: list[tuple[int, int, int, int]] = []  # (device, addr, size, stream)
+    for d, _, e in imported:
+        a = e["action"]
+        k = (d, e.get("addr", 0))
+        if a == "alloc":
+            live[k] = (e["size"], e.get("stream", 0))
+            seen.add(k)
+        elif a == "free_requested":
+            if k not in live and k not in seen:
+                pre.append((d, k[1], e["size"], e.get("stream", 0)))
+                seen.add(k)
+            live.pop(k, None)
+    for s in segments:
+        d = s.get("device", 0)
+        for b in s.get("blocks", []) if isinstance(s.get("blocks"), list) else []:
+            if not isinstance(b, dict) or b.get("state") != "active_allocated":
+                continue
+            addr = b.get("address")
+            size = b.get("requested_size") or b.get("size")
+            if type(addr) is not int or type(size) is not int or size <= 0 or type(d) is not int:
+                continue
+            k = (d, addr)
+            if k not in live and k not in seen:
+                pre.append((d, addr, size, s.get("stream", 0) if type(s.get("stream", 0)) is int else 0))
+                seen.add(k)
+
+    # Reserved bytes at the start: the segments at the end minus the trace's changes.
+    delta: dict[int, int] = {}
+    for d, _, e in imported:
+        a = e["action"]
+        if a in ("segment_alloc", "segment_map"):
+            delta[d] = delta.get(d, 0) + e["size"]
+        elif a in ("segment_free", "segment_unmap"):
+            delta[d] = delta.get(d, 0) - e["size"]
+    reserved_now: dict[int, int] = {}
+    for s in segments:
+        d = s.get("device", 0)
+        if type(d) is int:
+            reserved_now[d] = reserved_now.get(d, 0) + s["total_size"]
+    has_segment_events = bool(delta) or any(e["action"].startswith("segment_") for _, _, e in imported)
+    reserved: dict[int, int] = {}
+    for d in set(delta) | set(reserved_now):
+        reserved[d] = max(0, reserved_now.get(d, 0) - delta.get(d, 0)) if segments else max(0, -min(0, delta.get(d, 0)))
+
+    tr_out = Trace()
+    out = tr_out.events
+    series = tr_out.reserved
+    for d in sorted(reserved):
+        if has_segment_events or segments:
+            series.append((0, d, reserved[d]))
+
+    next_id = 0
+    ids: dict[tuple[int, int], int] = {}
+    for d, addr, size, stream in pre:
+        next_id += 1
+        ids[(d, addr)] = next_id
+        out.append(Alloc(next_id, size, stream, d))
+
+    vstreams = _VirtualStreams()
+    vstream_of: dict[int, int] = {}
+    pending: dict[tuple[int, int], int] = {}  # (device, addr) -> id waiting for free_completed
+    synced: set[int] = set()  # ids whose completion was synced early (before a marker)
+    counts = {"allocs": 0, "frees": 0, "deferred_frees": 0, "unmatched_frees": 0, "repaired_allocs": 0,
+              "recorded_ooms": 0, "record_stream_entries": 0, "inferred_empty_cache": 0,
+              "preexisting_blocks": len(pre), "recorder_calls": 0}
+    marks = sorted(markers or [], key=lambda m: m.t0)
+    mi = 0
+    n = len(imported)
+
+    def sync_completion(k: tuple[int, int]) -> None:
+        bid = pending.get(k)
+        if bid is None or bid in synced:
+            return
+        vs = vstream_of.pop(bid, None)
+        if vs is not None:
+            out.append(Sync(vs))
+            vstreams.give(vs)
+        synced.add(bid)
+
+    for pos, (d, i, e) in enumerate(imported):
+        a = e["action"]
+        tu = e.get("time_us", 0)
+        while mi < len(marks) and tu >= marks[mi].t0:
+            # Frees that completed inside the call: their streams finished before it.
+            m = marks[mi]
+            j = pos
+            while j < n and imported[j][2].get("time_us", 0) < m.t1:
+                d2, _, e2 = imported[j]
+                if e2["action"] == "free_completed":
+                    sync_completion((d2, e2.get("addr", 0)))
+                j += 1
+            out.append(m.event)
+            counts["recorder_calls"] += 1
+            mi += 1
+        k = (d, e.get("addr", 0))
+        if a == "alloc":
+            if e["size"] <= 0:
+                continue
+            if k in ids:  # the trace lost a free
+                out.append(Free(ids.pop(k)))
+                counts["repaired_allocs"] += 1
+            next_id += 1
+            ids[k] = next_id
+            out.append(Alloc(next_id, e["size"], e.get("stream", 0), d))
+            counts["allocs"] += 1
+        elif a == "record_stream":
+            counts["record_stream_entries"] += 1
+            bid = ids.get(k)
+            if bid is not None and bid not in vstream_of:
+                vstream_of[bid] = vstreams.take()
+                out.append(RecordStream(bid, vstream_of[bid]))
+        elif a == "free_requested":
+            bid = ids.pop(k, None)
+            if bid is None:
+                counts["unmatched_frees"] += 1
+                continue
+            counts["frees"] += 1
+            if flavor == "gpumempool" and bid > len(pre):
+                # The engine defers a free exactly when record_stream added a stream.
+                deferred = bid in vstream_of
+            else:
+                # Torch records no record_stream: a free that did not complete at
+                # once waited for streams. (One that completed at the very next
+                # allocation looks the same as an immediate one, and replays the same.)
+                deferred = not immediate[d][i]
+            if deferred:
+                counts["deferred_frees"] += 1
+                if bid not in vstream_of:
+                    vstream_of[bid] = vstreams.take()
+                    out.append(RecordStream(bid, vstream_of[bid]))
+                pending[k] = bid
+            elif bid in vstream_of:  # recorded on a stream but freed at once
+                vstreams.give(vstream_of.pop(bid))
+            out.append(Free(bid))
+        elif a == "free_completed":
+            if k in pending:
+                sync_completion(k)
+                synced.discard(pending.pop(k))
+        elif a in ("segment_alloc", "segment_map", "segment_free", "segment_unmap"):
+            grow = a in ("segment_alloc", "segment_map")
+            if not grow and infer_empty_cache:
+                prev = imported[pos - 1][2]["action"] if pos > 0 else ""
+                if prev not in ("segment_free", "segment_unmap"):
+                    j = pos
+                    while j < n and imported[j][2]["action"] in ("segment_free", "segment_unmap"):
+                        j += 1
+                    after = imported[j][2]["action"] if j < n else ""
+                    if after not in ("segment_alloc", "segment_map", "oom", "alloc"):
+                        out.append(EmptyCache())
+                        counts["inferred_empty_cache"] += 1
+            reserved[d] = reserved.get(d, 0) + (e["size"] if grow else -e["size"])
+            series.append((len(out), d, max(0, reserved[d])))
+        elif a == "oom":
+            counts["recorded_ooms"] += 1
+    while mi < len(marks):
+        out.append(marks[mi].event)
+        counts["recorder_calls"] += 1
+        mi += 1
+
+    if not has_segment_events and not segments:
+        series.clear()
+    tr_out.meta = {
+        "source": flavor,
+        "recorded_by": flavor if tr_out.reserved else None,
+        "devices": max(len(traces), 1 + max([ev.device for ev in out if type(ev) is Alloc] + [0])),
+        **{k: v for k, v in counts.items() if v},
+    }
+    if unknown:
+        tr_out.meta["ignored_actions"] = unknown
+    if flavor == "gpumempool":
+        tr_out.meta["notes"] = "alloc sizes are gpumempool block sizes (rounded)"
+    return tr_out
+
+
+def from_history(pool_or_snapshot: Any, *, infer_empty_cache: bool = False) -> Trace:
+    """The trace of a pool's recorded history: ``pool`` (a
+    :class:`~gpumempool.MemPool` with history on) or a snapshot dict of ours
+    (``pool.snapshot()``, ``gmp.snapshot()``) with ``device_traces``."""
+    if hasattr(pool_or_snapshot, "snapshot") and callable(pool_or_snapshot.snapshot):
+        snap = pool_or_snapshot.snapshot()
+        tr = _convert(snap, source="gpumempool", infer_empty_cache=infer_empty_cache)
+        _describe_pool(tr, pool_or_snapshot)
+        return tr
+    return _convert(pool_or_snapshot, source="gpumempool", infer_empty_cache=infer_empty_cache)
+
+
+def _describe_pool(tr: Trace, pool: Any) -> None:
+    """Name and policy of the recording pool, for the reader of the trace."""
+    try:
+        cfg = pool.config()
+    except Exception:  # a closed pool, or a stand-in without config()
+        return
+    tr.meta["pool"] = cfg.get("name")
+    tr.meta["recorded_policy"] = {k: cfg[k] for k in ("backend", "limit", "max_split_size", "release_threshold")
+                                  if cfg.get(k)}
+
+
+def from_torch_snapshot(path_or_dict: Union[PathLike, bytes, dict[str, Any]], *,
+                        infer_empty_cache: bool = True, max_bytes: int = MAX_PICKLE_BYTES) -> Trace:
+    """Import a torch memory snapshot with history: the pickle written by
+    ``torch.cuda.memory._record_memory_history()`` then
+    ``torch.cuda.memory._dump_snapshot(path)`` (loaded with
+    :func:`load_pickle`, which runs none of its content), or its dict
+    (``torch.cuda.memory._snapshot()``). gpumempool's own snapshots are
+    recognised and imported as :func:`from_history` does."""
+    if isinstance(path_or_dict, dict):
+        snap = path_or_dict
+        name = "<dict>"
+    else:
+        snap = load_pickle(path_or_dict, max_bytes=max_bytes)
+        name = "<bytes>" if isinstance(path_or_dict, (bytes, bytearray)) else os.fspath(path_or_dict)
+    try:
+        traces, _ = _check_snapshot(snap)
+    except TraceFormatError as exc:
+        raise TraceFormatError(f"{name}: {exc}") from None
+    flavor = _flavor(snap, traces)
+    tr = _convert(snap, source=flavor, infer_empty_cache=infer_empty_cache and flavor == "torch")
+    if name not in ("<dict>", "<bytes>"):
+        tr.meta["file"] = os.path.basename(name)
+    return tr
+
+
+# -- recording --------------------------------------------------------------
+
+
+def _next_tick_us() -> int:
+    """Wait for the microsecond clock (the one history entries use) to tick;
+    the returned time is later than every event recorded before the call."""
+    t = time.time_ns() // 1000
+    while True:
+        u = time.time_ns() // 1000
+        if u != t:
+            return u
+
+
+class TraceRecorder:
+    """Record a pool's allocator requests as a :class:`Trace`::
+
+        with TraceRecorder(pool) as rec:
+            ... # allocate and free
+        rec.trace.save("run.trace.gz")
+
+    Turns the pool's history on (dropping what it recorded before) and back
+    off on exit (or to the settings of :func:`gpumempool.record_history`),
+    and records ``empty_cache`` and ``trim`` calls made on ``pool`` through
+    Python, which the engine's history does not show. ``max_entries`` bounds
+    the engine's history ring; a warning says when it overflowed.
+    """
+
+    def __init__(self, pool: "MemPool", max_entries: int = 10_000_000) -> None:
+        self.pool = pool
+        self.max_entries = max_entries
+        self.trace: Optional[Trace] = None
+        self._markers: list[_Marker] = []
+
+    def __enter__(self) -> "TraceRecorder":
+        pool = self.pool
+        pool.record_history(True, max_entries=self.max_entries)
+        markers = self._markers
+        empty_cache, trim = pool.empty_cache, pool.trim
+
+        def recorded_empty_cache() -> int:
+            t0 = _next_tick_us()
+            try:
+                return empty_cache()
+            finally:
+                markers.append(_Marker(t0, _next_tick_us(), EmptyCache()))
+
+        def recorded_trim(keep_bytes: int = 0, device: Optional[Any] = None) -> int:
+            from ._pool import _device_index
+
+            t0 = _next_tick_us()
+            try:
+                return trim(keep_bytes, device)
+            finally:
+                dev = None if device is None else _device_index(device)
+                markers.append(_Marker(t0, _next_tick_us(), Trim(int(keep_bytes), dev)))
+
+        recorded_empty_cache.__doc__ = empty_cache.__doc__
+        recorded_trim.__doc__ = trim.__doc__
+        pool.empty_cache = recorded_empty_cache  # type: ignore[method-assign]
+        pool.trim = recorded_trim  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from ._snapshot import history_settings
+
+        pool = self.pool
+        for name in ("empty_cache", "trim"):
+            pool.__dict__.pop(name, None)
+        if pool.closed:
+            if exc and exc[0] is not None:
+                return  # don't hide the exception that closed it
+            raise RuntimeError("TraceRecorder: the pool was closed inside the block; its history is gone")
+        snap = pool.snapshot()
+        n = sum(len(t) for t in snap["device_traces"])
+        if n >= self.max_entries:
+            warnings.warn(f"TraceRecorder: the history ring ({self.max_entries} entries) overflowed; "
+                          "the trace lacks the first events (raise max_entries)", RuntimeWarning, stacklevel=2)
+        self.trace = _convert(snap, source="gpumempool", markers=self._markers, infer_empty_cache=False)
+        _describe_pool(self.trace, pool)
+        settings = history_settings()
+        if settings is None:
+            pool.record_history(False)
+        else:
+            pool.record_history(True, max_entries=settings[0], stacks=settings[1])

@@ -1,0 +1,265 @@
+"""python -m gpumempool replay / plot / bench, and gpumempool.plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gpumempool as gmp
+from gpumempool.__main__ import main
+from gpumempool.trace import Trace
+
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "benchmarks" / "traces" / "demo-synthetic.trace.gz"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def run_cli(*args: str, cwd: Path = ROOT, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpumempool", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd, **kw)
+
+
+@pytest.fixture(scope="module")
+def snapshot_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Our snapshot with history: a few segments, blocks in every state."""
+    path = tmp_path_factory.mktemp("snap") / "pool.pickle"
+    with gmp.MemPool("sim", name="plotted", capacity=1 << 30, manual_events=True) as pool:
+        pool.record_history(True)
+        keep = [pool.alloc(n, stream=s) for n, s in ((1000, 0), (300_000, 0), (3 * MiB, 0), (25 * MiB, 7))]
+        tmp = [pool.alloc(MiB * (i % 5 + 1)) for i in range(40)]
+        for p in tmp[::2]:
+            pool.free(p)
+        pool.record_stream(keep[1], 9)
+        pool.free(keep[1])  # pending: waits for stream 9
+        gmp.dump_snapshot(str(path), pool.snapshot())
+    return path
+
+
+def torch_like_snapshot() -> dict:
+    """torch's format: one 20 MiB segment from before the trace, one 2 MiB
+    segment made in it; 12 MiB allocated and freed."""
+
+    def e(action: str, addr: int, size: int, t: int) -> dict:
+        return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t, "frames": []}
+
+    a, b = 0x7F0000000000, 0x7F0010000000
+    return {
+        "segments": [
+            {"device": 0, "address": a, "total_size": 20 * MiB, "stream": 0, "segment_type": "large",
+             "blocks": [{"address": a, "size": 20 * MiB, "requested_size": 0, "state": "inactive", "frames": []}]},
+            {"device": 0, "address": b, "total_size": 2 * MiB, "stream": 0, "segment_type": "small",
+             "blocks": [{"address": b, "size": 512, "requested_size": 100, "state": "active_allocated", "frames": []},
+                        {"address": b + 512, "size": 2 * MiB - 512, "requested_size": 0, "state": "inactive",
+                         "frames": []}]},
+        ],
+        "device_traces": [[
+            e("alloc", a, 12 * MiB, 1),
+            e("free_requested", a, 12 * MiB, 2),
+            e("free_completed", a, 12 * MiB, 3),
+            e("segment_alloc", b, 2 * MiB, 4),
+            e("alloc", b, 100, 5),
+        ]],
+        "allocator_settings": {"expandable_segments": False},
+    }
+
+
+class _Evil:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+# -- help and JSON --------------------------------------------------------------
+
+
+def test_every_command_has_help() -> None:
+    top = run_cli("--help")
+    assert top.returncode == 0
+    for cmd in ("info", "demo", "replay", "plot", "bench"):
+        assert cmd in top.stdout
+        r = run_cli(cmd, "--help")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith(f"usage: python -m gpumempool {cmd}")
+    assert "max_split_size" in run_cli("replay", "--help").stdout
+    assert "matplotlib" in run_cli("plot", "--help").stdout
+
+
+# -- replay -----------------------------------------------------------------------
+
+
+def test_cli_replay_json(tmp_path: Path) -> None:
+    r = run_cli("replay", str(SHIPPED), "--json")
+    assert r.returncode == 0, r.stderr
+    assert "replay" not in r.stderr  # no progress bar with --json
+    out = json.loads(r.stdout)
+    assert out["reserved_vs_recorded"] == 1.0 and out["recorded_by"] == "gpumempool"
+    assert out["torch_peak_reserved"] is None and out["ooms"] == 0
+    assert out["trace"]["meta"]["synthetic"] is True and out["trace"]["counts"]["alloc"] == out["allocations"]
+    r = run_cli("replay", str(SHIPPED), "--json", "--policy", "expandable=true", "--policy", "limit=1GiB,capacity=2GiB")
+    assert r.returncode == 0, r.stderr
+    out2 = json.loads(r.stdout)
+    assert out2["policy"] == {"expandable": True, "limit": 1 << 30, "capacity": 2 << 30}
+    assert out2["ooms"] > 0 and out2["peak_reserved"] <= 1 << 30 and out2["capacity"] == 2 << 30
+
+
+def test_cli_replay_table_and_progress_bar() -> None:
+    r = run_cli("replay", str(SHIPPED))
+    assert r.returncode == 0, r.stderr
+    for row in ("peak allocated", "peak reserved", "fragmentation", "backend calls", "gpumempool peak reserved",
+                "ours / gpumempool"):
+        assert row in r.stdout
+    assert "replay" in r.stderr and "ev" in r.stderr  # tqdm's bar
+    quiet = run_cli("replay", str(SHIPPED), "--no-progress")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+
+
+def test_cli_replay_torch_pickle(tmp_path: Path) -> None:
+    snap = tmp_path / "torch.pickle"
+    snap.write_bytes(pickle.dumps(torch_like_snapshot()))
+    saved = tmp_path / "torch.trace.gz"
+    r = run_cli("replay", str(snap), "--json", "--save-trace", str(saved))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    # torch reserved 20 MiB before the trace and 22 MiB at its peak.
+    assert out["recorded_by"] == "torch" and out["torch_peak_reserved"] == 22 * MiB
+    assert out["ratio_vs_torch"] == pytest.approx(out["peak_reserved"] / (22 * MiB))
+    # The replay starts empty: a 12 MiB segment, then a 2 MiB small one for the 100 bytes.
+    assert out["peak_reserved"] == 14 * MiB and out["ratio_vs_torch"] == pytest.approx(14 / 22)
+    assert Trace.load(saved).recorded_peak_reserved() == 22 * MiB
+    # Detected by content as well as by extension.
+    odd = tmp_path / "snapshot.bin"
+    odd.write_bytes(snap.read_bytes())
+    r2 = run_cli("replay", str(odd), "--json")
+    assert r2.returncode == 0 and json.loads(r2.stdout)["torch_peak_reserved"] == 22 * MiB
+    human = run_cli("replay", str(snap), "--no-progress")
+    assert "torch peak reserved" in human.stdout and "ours / torch" in human.stdout
+
+
+def test_cli_replay_errors(tmp_path: Path) -> None:
+    r = run_cli("replay", str(SHIPPED), "--policy", "bogus=1")
+    assert r.returncode == 2 and "unknown policy key 'bogus'" in r.stderr
+    r = run_cli("replay", str(tmp_path / "missing.trace"))
+    assert r.returncode == 1 and "error:" in r.stderr
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+    r = run_cli("replay", str(text))
+    assert r.returncode == 1 and "neither a gmptrace file nor a snapshot pickle" in r.stderr
+    side = tmp_path / "pwned"
+    evil = tmp_path / "evil.pickle"
+    evil.write_bytes(pickle.dumps({"device_traces": [[_Evil(side)]]}))
+    r = run_cli("replay", str(evil))
+    assert r.returncode == 1 and "refused to load posix.system" in r.stderr
+    assert not side.exists()
+
+
+# -- plot ------------------------------------------------------------------------
+
+
+def test_cli_plot_writes_a_png(tmp_path: Path, snapshot_file: Path) -> None:
+    out = tmp_path / "out.png"
+    r = run_cli("plot", str(snapshot_file), "-o", str(out), "--title", "test pool")
+    assert r.returncode == 0, r.stderr
+    assert "wrote" in r.stdout
+    data = out.read_bytes()
+    assert data[:8] == PNG and len(data) > 20_000
+    r = run_cli("plot", str(snapshot_file), "-o", str(tmp_path / "o2.png"), "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    snap = pickle.loads(snapshot_file.read_bytes())
+    assert summary["segments"] == len(snap["segments"]) >= 3
+    assert summary["events"] == len(snap["device_traces"][0])
+    assert summary["blocks"] == sum(len(s["blocks"]) for s in snap["segments"])
+    assert summary["peak_reserved"] == snap["fragmentation"]["reserved"]  # nothing was released
+
+
+def test_plot_timeline_and_torch_snapshot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from gpumempool.plot import plot_snapshot, timeline
+
+    snap = torch_like_snapshot()
+    tl = timeline(snap)
+    # Before the trace: 20 MiB reserved, nothing allocated (torch counts requested bytes).
+    assert tl["reserved"] == [20 * MiB, 20 * MiB, 20 * MiB, 20 * MiB, 22 * MiB, 22 * MiB]
+    assert tl["allocated"] == [0, 12 * MiB, 12 * MiB, 0, 0, 100]
+    summary = plot_snapshot(snap, tmp_path / "t.png", max_segments=1)
+    assert summary["peak_reserved"] == 22 * MiB and summary["peak_allocated"] == 12 * MiB
+    assert summary["segments"] == 2 and summary["segments_shown"] == 1
+    assert (tmp_path / "t.png").read_bytes()[:8] == PNG
+    # A snapshot without history still gets its segment map.
+    empty = plot_snapshot({"segments": snap["segments"], "device_traces": [[]]}, tmp_path / "e.png")
+    assert empty["events"] == 0 and (tmp_path / "e.png").stat().st_size > 5_000
+
+
+def test_plot_without_matplotlib(tmp_path: Path, snapshot_file: Path, monkeypatch, capsys) -> None:
+    out = tmp_path / "never.png"
+    code = ("import sys; sys.modules['matplotlib'] = None; from gpumempool.__main__ import main; "
+            f"sys.exit(main(['plot', {str(snapshot_file)!r}, '-o', {str(out)!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2
+    assert "plotting needs matplotlib" in r.stderr and "pip install 'gpumempool[plot]'" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["plot", str(snapshot_file), "-o", str(out), "--no-progress"]) == 2
+    assert "pip install 'gpumempool[plot]'" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_plot_refuses_bad_input(tmp_path: Path) -> None:
+    side = tmp_path / "pwned"
+    evil = tmp_path / "evil.pickle"
+    evil.write_bytes(pickle.dumps({"segments": [_Evil(side)], "device_traces": []}))
+    r = run_cli("plot", str(evil), "-o", str(tmp_path / "x.png"))
+    assert r.returncode == 1 and "refused to load posix.system" in r.stderr
+    assert not side.exists() and not (tmp_path / "x.png").exists()
+    r = run_cli("plot", str(SHIPPED), "-o", str(tmp_path / "y.png"))
+    assert r.returncode == 2 and "gmptrace file" in r.stderr
+    r = run_cli("plot", str(SHIPPED))
+    assert r.returncode == 2 and "-o/--output" in r.stderr
+
+
+# -- bench -----------------------------------------------------------------------
+
+
+def test_bench_dry_run_says_what_it_cannot_run(tmp_path: Path) -> None:
+    r = run_cli("bench", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "cpu_bench.py" in r.stdout and "cannot run:" in r.stdout
+    assert "torch native vs cudaMallocAsync" in r.stdout
+    plan = json.loads(run_cli("bench", "--dry-run", "--json").stdout)
+    assert plan["root"] == str(ROOT) and plan["results"] == {}
+    names = [x["name"] for x in plan["run"] + plan["not_run"]]
+    assert any("cpu_bench.py" in n for n in names) and any("gpu_backends.py" in n for n in names)
+    if not gmp.devices():
+        gpu = next(x for x in plan["not_run"] if "gpu_backends.py" in x["name"])
+        assert "needs an NVIDIA GPU" in gpu["reason"]
+    r = run_cli("bench", "--dry-run", cwd=tmp_path)
+    assert r.returncode == 2 and "source checkout" in r.stderr
+
+
+def test_bench_runs_the_cpu_script_of_a_checkout(tmp_path: Path) -> None:
+    """A stand-in checkout whose cpu_bench.py only writes its result file."""
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "cpu_bench.py").write_text(
+        "import json, os, pathlib\n"
+        "out = pathlib.Path(__file__).parent / 'results' / 'cpu.json'\n"
+        "out.write_text(json.dumps({'count': os.environ.get('GMP_BENCH_COUNT')}))\n"
+        "print('| stub | 1 |')\n"
+    )
+    r = run_cli("bench", "--root", str(tmp_path), "--count", "2", "--json")
+    report = json.loads(r.stdout)
+    if report["run"] and "cpu_bench" in report["run"][0]["name"]:
+        assert r.returncode == 0, r.stderr
+        assert report["results"]["cpu"] == {"count": "2"}
+    else:  # no go or no C compiler here: said so, nothing run
+        assert r.returncode == 1 and "needs" in report["not_run"][0]["reason"]
+    r = run_cli("bench", "--root", str(tmp_path), "--count", "1")
+    assert "| stub | 1 |" in r.stdout or r.returncode == 1

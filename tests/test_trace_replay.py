@@ -1,0 +1,517 @@
+"""Traces (format, importers, recorder, restricted unpickling) and replay."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+import gpumempool as gmp
+from gpumempool.replay import parse_policy, parse_size, replay
+from gpumempool.trace import (
+    VIRTUAL_STREAM_BASE,
+    Alloc,
+    EmptyCache,
+    Free,
+    RecordStream,
+    Sync,
+    Trace,
+    TraceFormatError,
+    TraceRecorder,
+    Trim,
+    UnsafePickleError,
+    from_history,
+    from_torch_snapshot,
+    is_trace_file,
+    load_pickle,
+)
+
+MiB = 1 << 20
+V1 = VIRTUAL_STREAM_BASE + 1
+SHIPPED = Path(__file__).resolve().parent.parent / "benchmarks" / "traces" / "demo-synthetic.trace.gz"
+
+
+# -- the file format --------------------------------------------------------
+
+
+def sample_trace() -> Trace:
+    return Trace(
+        events=[
+            Alloc(1, 1000, 0, 0),
+            Alloc(2, 3 * MiB, 0x7F00DEAD0000, 1),
+            RecordStream(2, 0x2000),
+            Free(2),
+            Sync(0x2000),
+            Sync(None),
+            EmptyCache(),
+            Trim(4 * MiB),
+            Trim(0, 1),
+            Free(1),
+        ],
+        meta={"source": "hand", "recorded_by": "torch", "devices": 2},
+        reserved=[(0, 0, 0), (0, 0, 2 * MiB), (1, 1, 20 * MiB), (7, 1, 0)],
+    )
+
+
+@pytest.mark.parametrize("name", ["t.trace", "t.trace.gz"])
+def test_format_round_trip(tmp_path: Path, name: str) -> None:
+    tr = sample_trace()
+    path = tmp_path / name
+    tr.save(path)
+    raw = path.read_bytes()
+    if name.endswith(".gz"):
+        assert raw[:2] == b"\x1f\x8b"
+        text = gzip.decompress(raw).decode()
+    else:
+        text = raw.decode()
+    assert text.startswith("gmptrace 1\n")
+    assert "a 2 3145728 0x7f00dead0000 1\n" in text and "r 2 0x2000\n" in text and "\ns\n" in text
+    assert "\nt 0 1\n" in text and "\nR 1 20971520 1\n" in text
+    back = Trace.load(path)
+    assert back.events == tr.events
+    assert back.meta == tr.meta
+    assert back.reserved == tr.reserved
+    assert is_trace_file(path)
+    assert Trace.loads(tr.dumps()).events == tr.events
+    assert back.recorded_peak_reserved() == 2 * MiB + 20 * MiB
+    assert back.peak_requested() == 1000 + 3 * MiB
+    assert back.counts() == {"alloc": 2, "free": 2, "record_stream": 1, "sync": 2, "empty_cache": 1, "trim": 2}
+    back.validate()
+
+
+def test_gzip_output_is_reproducible(tmp_path: Path) -> None:
+    sample_trace().save(tmp_path / "a.trace.gz")
+    sample_trace().save(tmp_path / "b.trace.gz")
+    assert (tmp_path / "a.trace.gz").read_bytes() == (tmp_path / "b.trace.gz").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("hello\n", "not a gmptrace file"),
+        ("gmptrace 2\na 1 10 0\n", "version 2 is not supported"),
+        ("gmptrace 1\na 1 -5 0\n", ":2:"),
+        ("gmptrace 1\na 0 5 0\n", "block ids are positive"),
+        ("gmptrace 1\nf 1\nx 3\n", "unknown record 'x'"),
+        ("gmptrace 1\na 1 10 0 0 0\n", "unknown record 'a' with 5 field(s)"),
+        ("gmptrace 1\n@ [1, 2]\n", "metadata must be a JSON object"),
+    ],
+)
+def test_format_errors_name_the_line(text: str, message: str) -> None:
+    with pytest.raises(TraceFormatError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Trace.loads(text)
+
+
+def test_validate_catches_bad_sequences() -> None:
+    with pytest.raises(TraceFormatError, match="not allocated"):
+        Trace([Alloc(1, 10), Free(1), Free(1)]).validate()
+    with pytest.raises(TraceFormatError, match="allocated twice"):
+        Trace([Alloc(1, 10), Free(1), Alloc(1, 10)]).validate()
+    with pytest.raises(TraceFormatError, match="record_stream"):
+        Trace([RecordStream(3, 7)]).validate()
+
+
+def test_load_refuses_too_many_events() -> None:
+    with pytest.raises(TraceFormatError, match="more than 2 events"):
+        Trace.loads("gmptrace 1\na 1 1 0\na 2 1 0\na 3 1 0\n", max_events=2)
+
+
+# -- from_history and the recorder ------------------------------------------
+
+
+def test_from_history_of_a_known_sequence() -> None:
+    with gmp.MemPool("sim", name="hist", capacity=1 << 30, manual_events=True) as pool:
+        pool.record_history(True)
+        a = pool.alloc(1000)
+        b = pool.alloc(5000)
+        pool.record_stream(b, 7)
+        pool.free(b)  # waits for stream 7
+        pool.alloc(3000)
+        pool.sim_complete(7)
+        pool.alloc(100)  # processes events first: b's free completes here
+        pool.free(a)
+        tr = from_history(pool)
+    assert tr.events == [
+        Alloc(1, 1024, 0, 0),
+        Alloc(2, 5120, 0, 0),
+        RecordStream(2, V1),
+        Free(2),
+        Alloc(3, 3072, 0, 0),
+        Sync(V1),
+        Alloc(4, 512, 0, 0),
+        Free(1),
+    ]
+    assert tr.meta["source"] == "gpumempool" and tr.meta["pool"] == "hist"
+    assert tr.meta["deferred_frees"] == 1 and tr.meta["record_stream_entries"] == 1
+    assert tr.reserved == [(0, 0, 0), (0, 0, 2 * MiB)]
+    assert tr.recorded_peak_reserved() == 2 * MiB
+    tr.validate()
+
+
+def test_from_history_needs_history() -> None:
+    with gmp.MemPool("sim", capacity=1 << 30) as pool:
+        pool.alloc(100)
+        assert from_history(pool).events == [Alloc(1, 100, 0, 0)]  # live block at the start, from the segments
+    with pytest.raises(TraceFormatError, match="device_traces"):
+        from_history({"segments": []})
+
+
+def test_trace_recorder_records_calls_and_restores_the_pool() -> None:
+    with gmp.MemPool("sim", name="rec", capacity=1 << 30, manual_events=True) as pool:
+        with TraceRecorder(pool) as rec:
+            x = pool.alloc(12 * MiB)
+            pool.free(x)
+            assert pool.empty_cache() == 12 * MiB
+            y = pool.alloc(1000, stream=5)
+            pool.record_stream(y, 6)
+            pool.free(y)
+            pool.trim(0)  # y still waits for stream 6: nothing to release
+            pool.sim_complete(6)
+            pool.alloc(200, stream=5)
+        assert "empty_cache" not in vars(pool) and "trim" not in vars(pool)
+        assert pool.snapshot()["device_traces"] == [[]]  # history is off again
+    assert rec.trace is not None
+    assert rec.trace.events == [
+        Alloc(1, 12 * MiB, 0, 0),
+        Free(1),
+        EmptyCache(),
+        Alloc(2, 1024, 5, 0),
+        RecordStream(2, V1),
+        Free(2),
+        Trim(0, None),
+        Sync(V1),
+        Alloc(3, 512, 5, 0),
+    ]
+    assert rec.trace.meta["recorder_calls"] == 2
+    res = replay(rec.trace)
+    assert res.device_allocs == 2 and res.device_frees == 1  # the 12 MiB segment went back at empty_cache
+
+
+def test_trace_recorder_syncs_before_an_empty_cache_that_completes_frees() -> None:
+    with gmp.MemPool("sim", capacity=1 << 30, manual_events=True) as pool:
+        with TraceRecorder(pool) as rec:
+            x = pool.alloc(12 * MiB)
+            pool.record_stream(x, 9)
+            pool.free(x)
+            pool.sim_complete(9)
+            pool.empty_cache()  # completes x's free, then releases its segment
+    assert rec.trace is not None
+    assert rec.trace.events == [Alloc(1, 12 * MiB, 0, 0), RecordStream(1, V1), Free(1), Sync(V1), EmptyCache()]
+    res = replay(rec.trace)
+    assert res.device_frees == 1
+
+
+# -- torch snapshots ----------------------------------------------------------
+
+A = 0x7F0000000000  # a small segment made in the trace
+P = 0x7F0010000000  # a large segment from before the trace
+L = 0x7F0020000000  # a large segment made and emptied in the trace
+
+
+def torch_snapshot() -> dict:
+    """A snapshot in the format torch.cuda.memory._snapshot() returns with
+    history on (CUDACachingAllocator's TraceEntry: alloc sizes are requested
+    sizes; free_completed follows free_requested at once unless the block
+    was used on other streams)."""
+
+    def e(action: str, addr: int, size: int, t: int, **kw) -> dict:
+        return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t, "frames": [], **kw}
+
+    trace = [
+        e("segment_alloc", A, 2 * MiB, 10),
+        e("alloc", A, 100, 11),
+        e("alloc", A + 512, 1000, 12),
+        e("free_requested", A + 512, 1000, 13),  # used on another stream: completes later
+        e("alloc", A + 1536, 600, 14),
+        e("free_requested", P, 4 * MiB, 15),  # allocated before the trace started
+        e("free_completed", P, 4 * MiB, 16),
+        e("free_completed", A + 512, 1000, 17),
+        e("alloc", A + 512, 900, 18),
+        e("segment_alloc", L, 20 * MiB, 19),
+        e("alloc", L, 12 * MiB, 20),
+        e("free_requested", L, 12 * MiB, 21),
+        e("free_completed", L, 12 * MiB, 22),
+        e("segment_free", L, 20 * MiB, 23),  # torch.cuda.empty_cache()
+        e("free_requested", A, 100, 24),
+        e("free_completed", A, 100, 25),
+        e("oom", 1 << 30, 1 << 40, 26, device_free=1 << 30),
+        e("snapshot", 0, 0, 27),
+    ]
+
+    def seg(addr: int, size: int, blocks: list) -> dict:
+        return {"device": 0, "address": addr, "total_size": size, "allocated_size": 0, "active_size": 0,
+                "requested_size": 0, "stream": 0, "segment_type": "large" if size > 2 * MiB else "small",
+                "segment_pool_id": (0, 0), "is_expandable": False, "frames": [], "blocks": blocks}
+
+    def blk(addr: int, size: int, req: int, state: str) -> dict:
+        return {"address": addr, "size": size, "requested_size": req, "state": state, "frames": []}
+
+    return {
+        "segments": [
+            seg(A, 2 * MiB, [blk(A, 512, 0, "inactive"), blk(A + 512, 1024, 900, "active_allocated"),
+                             blk(A + 1536, 1024, 600, "active_allocated"), blk(A + 2560, 2 * MiB - 2560, 0, "inactive")]),
+            seg(P, 20 * MiB, [blk(P, 4 * MiB, 0, "inactive"), blk(P + 4 * MiB, MiB, MiB, "active_allocated"),
+                              blk(P + 5 * MiB, 15 * MiB, 0, "inactive")]),
+        ],
+        "device_traces": [trace],
+        "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": None, "max_split_size": -1, "expandable_segments": False},
+    }
+
+
+EXPECTED_TORCH_EVENTS = [
+    Alloc(1, 4 * MiB, 0, 0),  # freed in the trace, allocated before it
+    Alloc(2, MiB, 0, 0),  # live at the end, never in the trace
+    Alloc(3, 100, 0, 0),
+    Alloc(4, 1000, 0, 0),
+    RecordStream(4, V1),
+    Free(4),
+    Alloc(5, 600, 0, 0),
+    Free(1),
+    Sync(V1),
+    Alloc(6, 900, 0, 0),
+    Alloc(7, 12 * MiB, 0, 0),
+    Free(7),
+    EmptyCache(),
+    Free(3),
+]
+
+
+def check_torch_trace(tr: Trace) -> None:
+    assert tr.events == EXPECTED_TORCH_EVENTS
+    assert tr.source == "torch" and tr.recorded_by == "torch"
+    # Reserved at the start = 22 MiB of segments at the end - (2 + 20 - 20) MiB made in the trace.
+    assert tr.reserved == [(0, 0, 20 * MiB), (2, 0, 22 * MiB), (10, 0, 42 * MiB), (13, 0, 22 * MiB)]
+    assert tr.recorded_peak_reserved() == 42 * MiB
+    assert tr.meta["recorded_ooms"] == 1 and tr.meta["inferred_empty_cache"] == 1
+    assert tr.meta["preexisting_blocks"] == 2 and tr.meta["ignored_actions"] == {"snapshot": 1}
+    tr.validate()
+
+
+def test_torch_importer_on_a_hand_built_snapshot() -> None:
+    check_torch_trace(from_torch_snapshot(torch_snapshot()))
+    assert EmptyCache() not in from_torch_snapshot(torch_snapshot(), infer_empty_cache=False).events
+
+
+def test_torch_pickle_through_the_restricted_loader(tmp_path: Path) -> None:
+    path = tmp_path / "snapshot.pickle"
+    path.write_bytes(pickle.dumps(torch_snapshot(), protocol=pickle.HIGHEST_PROTOCOL))
+    assert load_pickle(path) == torch_snapshot()
+    tr = from_torch_snapshot(path)
+    check_torch_trace(tr)
+    assert tr.meta["file"] == "snapshot.pickle"
+    gz = tmp_path / "snapshot.pickle.gz"
+    gz.write_bytes(gzip.compress(pickle.dumps(torch_snapshot(), protocol=2)))
+    assert from_torch_snapshot(gz).events == EXPECTED_TORCH_EVENTS
+    # Replay against torch's own reserved bytes.
+    res = replay(tr)
+    assert res.recorded_by == "torch" and res.torch_peak_reserved == 42 * MiB
+    assert res.ratio_vs_torch == pytest.approx(res.peak_reserved / (42 * MiB))
+    assert res.allocations == 7 and res.ooms == 0 and res.skipped == 0
+
+
+def test_multi_device_torch_snapshot() -> None:
+    def e(action: str, addr: int, size: int, t: int) -> dict:
+        return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t}
+
+    snap = {
+        "segments": [],
+        "device_traces": [
+            [e("segment_alloc", A, 2 * MiB, 1), e("alloc", A, 512, 2), e("free_requested", A, 512, 5),
+             e("free_completed", A, 512, 5)],
+            [e("segment_alloc", A, 20 * MiB, 3), e("alloc", A, 8 * MiB, 4)],
+        ],
+    }
+    tr = from_torch_snapshot(snap)
+    assert tr.events == [Alloc(1, 512, 0, 0), Alloc(2, 8 * MiB, 0, 1), Free(1)]
+    assert tr.meta["devices"] == 2
+    assert tr.recorded_peak_reserved() == 22 * MiB
+    res = replay(tr)
+    assert res.peak_reserved == 22 * MiB  # a 2 MiB small segment on device 0, 20 MiB on device 1
+
+
+def test_our_own_snapshot_pickle_imports_like_history(tmp_path: Path) -> None:
+    with gmp.MemPool("sim", capacity=1 << 30, manual_events=True) as pool:
+        pool.record_history(True)
+        p = pool.alloc(5000)
+        pool.record_stream(p, 3)
+        pool.free(p)
+        gmp.dump_snapshot(str(tmp_path / "ours.pickle"), pool.snapshot())
+        direct = from_history(pool)
+    tr = from_torch_snapshot(tmp_path / "ours.pickle")
+    assert tr.source == "gpumempool"
+    assert tr.events == direct.events == [Alloc(1, 5120, 0, 0), RecordStream(1, V1), Free(1)]
+
+
+# -- malicious pickles ---------------------------------------------------------
+
+
+class _SystemCall:
+    def __init__(self, cmd: str) -> None:
+        self.cmd = cmd
+
+    def __reduce__(self):
+        return (os.system, (self.cmd,))
+
+
+class _Eval:
+    def __init__(self, code: str) -> None:
+        self.code = code
+
+    def __reduce__(self):
+        import builtins
+
+        return (builtins.eval, (self.code,))
+
+
+def _payloads(side: Path) -> list[bytes]:
+    write = f"open({str(side)!r}, 'w').write('pwned')"
+    return [
+        pickle.dumps({"segments": [], "device_traces": [[_SystemCall(f"touch {side}")]]}),
+        pickle.dumps({"segments": [], "device_traces": [[_Eval(write)]]}, protocol=2),
+        # Hand-written protocol-0 opcodes: GLOBAL builtins.exec, then REDUCE.
+        b"cbuiltins\nexec\n(V" + write.encode() + b"\ntR.",
+    ]
+
+
+def test_malicious_pickles_are_refused_and_nothing_runs(tmp_path: Path) -> None:
+    # The payloads are live: plain pickle runs them.
+    control = tmp_path / "control"
+    pickle.loads(_payloads(control)[1])
+    assert control.read_text() == "pwned"
+
+    side = tmp_path / "side-effect"
+    for i, data in enumerate(_payloads(side)):
+        path = tmp_path / f"evil{i}.pickle"
+        path.write_bytes(data)
+        with pytest.raises(UnsafePickleError, match="refused to load (posix|os|builtins|__builtin__)\\.(system|eval|exec)"):
+            from_torch_snapshot(path)
+        with pytest.raises(UnsafePickleError, match="plain data"):
+            load_pickle(data)
+        assert not side.exists(), f"payload {i} ran"
+
+
+def test_pickle_size_limits(tmp_path: Path) -> None:
+    data = pickle.dumps(torch_snapshot())
+    with pytest.raises(UnsafePickleError, match="over the limit"):
+        load_pickle(data, max_bytes=100)
+    path = tmp_path / "big.pickle"
+    path.write_bytes(data)
+    with pytest.raises(UnsafePickleError, match="over the limit"):
+        from_torch_snapshot(path, max_bytes=100)
+    bomb = tmp_path / "bomb.pickle.gz"
+    bomb.write_bytes(gzip.compress(pickle.dumps("x" * 100_000)))
+    with pytest.raises(UnsafePickleError, match="decompresses to more than"):
+        load_pickle(bomb, max_bytes=50_000)
+    with pytest.raises(UnsafePickleError, match="not a readable pickle"):
+        load_pickle(data[: len(data) // 2])
+    with pytest.raises(TraceFormatError, match="device_traces"):
+        from_torch_snapshot({"segments": []})
+    with pytest.raises(TraceFormatError, match="addr must be a non-negative int"):
+        from_torch_snapshot({"device_traces": [[{"action": "alloc", "addr": "x", "size": 1}]]})
+
+
+# -- replay -------------------------------------------------------------------
+
+HAND = """gmptrace 1
+# 1 KiB and 5 KiB share a 2 MiB small segment; 12 MiB gets its own segment.
+a 1 1000 0
+a 2 5000 0
+a 3 12582912 0
+f 2
+f 3
+a 4 12582912 0
+f 4
+e
+a 5 12582912 0
+r 5 0x2000
+f 5
+a 6 12582912 0
+f 6
+s 0x2000
+a 7 12582912 0
+"""
+
+
+def test_replay_of_a_hand_written_trace_gives_exact_peaks() -> None:
+    tr = Trace.loads(HAND)
+    res = replay(tr)
+    # Block 5 waits for stream 0x2000, so block 6 needs a second 12 MiB
+    # segment; after the sync block 7 reuses one.
+    assert res.peak_allocated == 1024 + 5120 + 12 * MiB
+    assert res.peak_reserved == 2 * MiB + 24 * MiB
+    assert res.peak_requested == 1000 + 5000 + 12 * MiB
+    assert res.fragmentation == pytest.approx((26 * MiB) / (12 * MiB + 6144))
+    assert (res.device_allocs, res.device_frees, res.backend_calls) == (4, 1, 5)
+    assert (res.allocations, res.frees, res.ooms, res.skipped) == (7, 5, 0, 0)
+    assert res.peak_segments == 3 and res.recorded_peak_reserved is None
+    # Without the record_stream the freed block is reused at once.
+    res2 = replay(Trace.loads(HAND.replace("r 5 0x2000\n", "")))
+    assert res2.peak_reserved == 14 * MiB and res2.device_allocs == 3
+    # A sync before the reuse has the same effect.
+    res3 = replay(Trace.loads(HAND.replace("a 6 12582912 0\n", "s\na 6 12582912 0\n")))
+    assert res3.peak_reserved == 14 * MiB
+
+
+def test_replay_honours_limit_and_counts_ooms() -> None:
+    res = replay(Trace.loads(HAND), {"limit": 13 * MiB})
+    # 2 MiB (small, never empty) + 12 MiB > 13 MiB: every 12 MiB allocation fails.
+    assert res.ooms == 5 and res.skipped == 5  # f 3, f 4, r 5, f 5, f 6 name blocks never served
+    assert res.peak_reserved == 2 * MiB
+    assert replay(Trace.loads(HAND), {"capacity": 8 * MiB}).ooms == 5
+
+
+def test_replay_policies_change_the_outcome() -> None:
+    tr = Trace.load(SHIPPED)
+    base = replay(tr)
+    exp = replay(tr, {"expandable": True})
+    assert exp.peak_segments < base.peak_segments / 10 and exp.expansions > 0
+    assert exp.peak_reserved < base.peak_reserved
+    rel = replay(tr, {"release_threshold": 1})
+    assert rel.device_frees > 0 == base.device_frees
+    lim = replay(tr, {"limit": 1 << 30})
+    assert lim.ooms > 0 and lim.peak_reserved <= 1 << 30
+    assert base.ooms == 0
+    with pytest.raises(gmp.InvalidArgumentError, match="unknown policy key"):
+        replay(tr, {"bogus": 1})
+    with pytest.raises(TypeError):
+        replay(tr, {"limit": "1GiB"})
+
+
+def test_shipped_synthetic_trace_replays_exactly() -> None:
+    tr = Trace.load(SHIPPED)
+    assert tr.meta["synthetic"] is True and tr.meta["capacity"] == 64 << 30
+    assert len(tr) > 40_000 and SHIPPED.stat().st_size < 400 << 10
+    tr.validate()
+    calls: list[tuple[int, int]] = []
+    res = replay(tr, progress=lambda done, total: calls.append((done, total)), progress_every=10_000)
+    # The recording pool had the default policy: the replay reproduces it.
+    assert res.reserved_vs_recorded == 1.0
+    assert res.peak_reserved == tr.recorded_peak_reserved()
+    assert res.peak_allocated == tr.peak_requested()  # sizes in our traces are block sizes
+    assert res.capacity == 64 << 30
+    assert calls[0] == (10_000, len(tr)) and calls[-1] == (len(tr), len(tr))
+
+
+def test_replay_matches_the_demo_it_was_recorded_from() -> None:
+    from gpumempool.demo import run_demo
+
+    with gmp.MemPool("sim", capacity=64 << 30, manual_events=True) as pool:
+        with TraceRecorder(pool) as rec:
+            demo = run_demo(steps=12, layers=5, seed=3, progress=False, pool=pool)
+    assert rec.trace is not None
+    res = replay(rec.trace)
+    assert (res.peak_allocated, res.peak_reserved) == (demo.peak_allocated, demo.peak_reserved)
+    assert res.backend_calls == demo.backend_calls
+
+
+def test_parse_policy_and_sizes() -> None:
+    assert parse_size("64MiB") == 64 * MiB == parse_size("64m") == parse_size("67108864")
+    assert parse_size("2GB") == 2_000_000_000 and parse_size("0x1000") == 4096 and parse_size("1.5KiB") == 1536
+    assert parse_policy(["max_split_size=64MiB,expandable=true", "limit=1GiB"]) == {
+        "max_split_size": 64 * MiB, "expandable": True, "limit": 1 << 30}
+    for bad in ("limit", "bogus=1", "limit=lots", "expandable=maybe"):
+        with pytest.raises(ValueError):
+            parse_policy([bad])

@@ -1,0 +1,431 @@
+"""GPT-2 training inside gmp.mempool vs torch's allocator (issue 4, part 6).
+
+A small GPT-2 (transformers' GPT2Config, random weights, random tokens, a
+fixed seed, deterministic kernels) trains for a few hundred steps:
+
+* natively (torch's caching allocator);
+* inside ``gmp.mempool(pool, all_threads=True)`` with the ``vmm`` and the
+  ``nccl`` backends (all_threads: autograd's backward runs on its own device
+  thread, which per-thread routing would leave to torch's allocator);
+
+and reports the losses (must be identical), the median step time ratio vs
+native (goal <= 1.02) and the peak reserved ratio vs native (goal <= 1.0;
+for a pool: the engine's peak reserved plus whatever torch reserved outside
+the pool). After training, the pool's torch pool is released and training
+restarts in a new one: the number of raw backend allocations this costs is
+reported (0: the engine's cache served it). Finally a ``torch.empty``/``del``
+loop runs in full-replacement mode (``gmp.set_torch_allocator``) and
+natively (goal <= 1.3x per operation).
+
+Every mode runs in a fresh process (the full replacement must precede CUDA
+initialisation; peaks start from zero). Needs an NVIDIA GPU, torch with
+CUDA and transformers; run on the device machine:
+
+    python benchmarks/gpt2_train.py [--steps 300] [--out benchmarks/results]
+
+Writes gpt2_<device>.json and gpt2_<device>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+BANNER = (
+    "gpt2_train: GPT-2 training natively and inside gpumempool.mempool (vmm, nccl backends), plus a "
+    "full-replacement torch.empty/del loop; needs an NVIDIA GPU, torch with CUDA and transformers"
+)
+MiB = 1 << 20
+TRAIN_MODES = ["native", "mempool-vmm", "mempool-nccl"]
+LOOP_MODES = ["loop-native", "loop-replacement"]
+GOALS = {"step_time_ratio": 1.02, "peak_reserved_ratio": 1.0, "loop_ratio": 1.3}
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# workers (each in its own process)
+# ---------------------------------------------------------------------------
+
+
+def build_model(args: argparse.Namespace) -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=args.vocab,
+        n_positions=args.seq,
+        n_embd=args.embd,
+        n_layer=args.layers,
+        n_head=args.heads,
+        attn_implementation="eager",  # deterministic attention kernels
+    )
+    try:
+        config._attn_implementation = "eager"
+    except (AttributeError, ValueError):
+        pass
+    return GPT2LMHeadModel(config)
+
+
+def worker_train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    import gpumempool as gmp
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(args.seed)
+    data = torch.randint(0, args.vocab, (args.steps, args.batch, args.seq), generator=g)
+    pool: Optional[gmp.MemPool] = None
+    if mode.startswith("mempool-"):
+        pool = gmp.MemPool(mode.split("-", 1)[1], device=0, name=mode)
+
+    def context() -> Any:
+        if pool is None:
+            import contextlib
+
+            return contextlib.nullcontext()
+        return gmp.mempool(pool, device=dev, all_threads=True)
+
+    def outside_pool() -> int:
+        """Bytes torch reserved that did not come from the pool."""
+        if pool is None:
+            return 0
+        return max(0, torch.cuda.memory_reserved(dev) - pool.stats(0)["allocated_bytes.all.current"])
+
+    losses: list[float] = []
+    times: list[float] = []
+    outside_peak = 0
+    with context():
+        torch.manual_seed(args.seed)
+        model = build_model(args).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        for step in range(args.steps):
+            x = data[step].to(dev)
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            out = model(input_ids=x, labels=x)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss = float(out.loss.item())
+            times.append(time.perf_counter() - t0)
+            losses.append(loss)
+            outside_peak = max(outside_peak, outside_pool())
+            if (step + 1) % 25 == 0 or step == 0:
+                say(f"  [{mode}] step {step + 1}/{args.steps} loss {loss:.4f} {times[-1] * 1e3:.2f} ms")
+    res: dict[str, Any] = {
+        "mode": mode,
+        "losses": losses,
+        "step_times_s": times,
+        "median_step_s": statistics.median(times[args.warmup:]),
+        "torch_max_reserved": int(torch.cuda.max_memory_reserved(dev)),
+        "torch_max_allocated": int(torch.cuda.max_memory_allocated(dev)),
+    }
+    if pool is None:
+        res["peak_reserved"] = res["torch_max_reserved"]
+        return res
+    s = pool.stats(0)
+    res.update(
+        pool_peak_reserved=s["reserved_bytes.all.peak"],
+        pool_peak_allocated=s["allocated_bytes.all.peak"],
+        outside_pool_peak_reserved=outside_peak,
+        peak_reserved=s["reserved_bytes.all.peak"] + outside_peak,
+        pool_device_allocs=s["num_device_alloc"],
+    )
+    # release the torch pool, then train a few steps in a fresh one: served by the engine's cache?
+    del model, opt, out, x
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    res["released_bytes"] = gmp.torch.release(pool)
+    n0 = pool.stats(0)["num_device_alloc"]
+    t0 = time.perf_counter()
+    with context():
+        torch.manual_seed(args.seed)
+        model = build_model(args).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        for step in range(5):
+            x = data[step].to(dev)
+            out = model(input_ids=x, labels=x)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(dev)
+    res["reentry_5_steps_s"] = time.perf_counter() - t0
+    res["reentry_device_allocs"] = pool.stats(0)["num_device_alloc"] - n0
+    say(f"  [{mode}] after release, 5 steps in a new torch pool: {res['reentry_device_allocs']} raw backend allocations")
+    del model, opt, out, x
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    gmp.torch.release(pool)
+    pool.close()
+    return res
+
+
+def worker_loop(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch  # CUDA not initialised yet: full replacement is still possible
+
+    import gpumempool as gmp
+
+    pool = None
+    if mode == "loop-replacement":
+        pool = gmp.MemPool(args.loop_backend, device=0, name="replacement")
+        hooks = gmp.set_torch_allocator(pool)
+        say(f"  [{mode}] torch's allocator replaced by a {args.loop_backend} pool; hooks wired: {', '.join(hooks)}")
+    rng = random.Random(args.seed)
+    sizes = [int(2 ** rng.uniform(9, 24)) for _ in range(args.loop_ops)]
+    dev = torch.device("cuda", 0)
+    res: dict[str, Any] = {"mode": mode, "ops": len(sizes)}
+    for variant, window in (("empty_del", 0), ("window32", 32)):
+        best = float("inf")
+        for _ in range(3):  # the first pass warms the caches
+            live: list[Any] = []
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            for n in sizes:
+                t = torch.empty(n, dtype=torch.uint8, device=dev)
+                if window:
+                    live.append(t)
+                    if len(live) > window:
+                        live.pop(0)
+                del t
+            live.clear()
+            torch.cuda.synchronize(dev)
+            best = min(best, time.perf_counter() - t0)
+        res[f"{variant}_ns_per_op"] = best / len(sizes) * 1e9
+        say(f"  [{mode}] {variant}: {res[f'{variant}_ns_per_op']:.0f} ns per torch.empty + del")
+    if pool is not None:
+        res["pool_stats"] = {k: v for k, v in gmp.torch_memory_stats(0).items() if k.endswith(".all.peak") or k.startswith("num_")}
+    return res
+
+
+# ---------------------------------------------------------------------------
+# the driver
+# ---------------------------------------------------------------------------
+
+
+def gpu_problem() -> Optional[str]:
+    """Why this cannot run here, or None."""
+    try:
+        import gpumempool as gmp
+    except Exception as exc:  # noqa: BLE001
+        return f"gpumempool does not import ({exc})"
+    info = gmp.device_info()
+    if not info.get("devices"):
+        return f"NVML finds no NVIDIA GPU ({info.get('reason') or 'no devices'})"
+    for mod in ("torch", "transformers"):
+        try:
+            __import__(mod)
+        except Exception as exc:  # noqa: BLE001
+            return f"{mod} is not installed ({exc})"
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device (a CPU-only build?)"
+    return None
+
+
+def device_slug(name: str) -> str:
+    m = re.search(r"\b([A-Za-z]{1,2}\d{2,4})\b", name.replace("NVIDIA", ""))
+    return (m.group(1) if m else re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")).lower()
+
+
+def run_worker(mode: str, args: argparse.Namespace) -> Optional[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--worker-out", str(out)] + args.passthrough
+        env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONHASHSEED": str(args.seed)}
+        say(f"== {mode}")
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL)
+        if proc.returncode != 0 or not out.exists():
+            say(f"== {mode} FAILED (exit {proc.returncode})")
+            return None
+        res = json.loads(out.read_text())
+        say(f"== {mode} done in {time.perf_counter() - t0:.1f} s")
+        return res
+
+
+def summarize(results: dict[str, Any], args: argparse.Namespace, device: dict[str, Any], versions: dict[str, str]) -> dict[str, Any]:
+    native = results.get("native")
+    summary: dict[str, Any] = {"train": {}, "loop": {}}
+    for mode in TRAIN_MODES[1:]:
+        r = results.get(mode)
+        if not r or not native:
+            continue
+        diffs = [abs(a - b) for a, b in zip(r["losses"], native["losses"], strict=False)]
+        summary["train"][mode] = {
+            "losses_identical": r["losses"] == native["losses"],
+            "max_loss_abs_diff": max(diffs) if diffs else None,
+            "step_time_ratio": r["median_step_s"] / native["median_step_s"],
+            "peak_reserved_ratio": r["peak_reserved"] / native["peak_reserved"],
+            "reentry_device_allocs": r.get("reentry_device_allocs"),
+        }
+    ln, lr = results.get("loop-native"), results.get("loop-replacement")
+    if ln and lr:
+        for variant in ("empty_del", "window32"):
+            summary["loop"][variant] = lr[f"{variant}_ns_per_op"] / ln[f"{variant}_ns_per_op"]
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device,
+        "versions": versions,
+        "config": {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seq", "vocab", "embd", "layers", "heads", "seed", "loop_ops", "loop_backend")},
+        "goals": GOALS,
+        "summary": summary,
+        "results": results,
+    }
+
+
+def write_markdown(doc: dict[str, Any], path: Path) -> None:
+    res, summ, cfg = doc["results"], doc["summary"], doc["config"]
+    ok = lambda v, goal: "yes" if v is not None and v <= goal else "**no**"  # noqa: E731
+    lines = [
+        f"# GPT-2 training with gpumempool.mempool on {doc['device']['name']}",
+        "",
+        f"{doc['date']}; torch {doc['versions'].get('torch')}, CUDA {doc['versions'].get('cuda')}, "
+        f"transformers {doc['versions'].get('transformers')}, gpumempool {doc['versions'].get('gpumempool')}.",
+        f"GPT-2 with {cfg['layers']} layers, {cfg['heads']} heads, width {cfg['embd']}, vocabulary {cfg['vocab']}; "
+        f"batch {cfg['batch']} x {cfg['seq']} random tokens, {cfg['steps']} AdamW steps, seed {cfg['seed']}, "
+        "deterministic kernels. Median step time after "
+        f"{cfg['warmup']} warm-up steps. Pools are entered with `gmp.mempool(pool, all_threads=True)`.",
+        "",
+        "| mode | median step (ms) | vs native (goal <= 1.02) | peak reserved (MiB) | vs native (goal <= 1.0) | losses identical | raw allocs on re-entry |",
+        "|---|---:|---:|---:|---:|---|---:|",
+    ]
+    for mode in TRAIN_MODES:
+        r = res.get(mode)
+        if not r:
+            lines.append(f"| {mode} | not run | | | | | |")
+            continue
+        s = summ["train"].get(mode, {})
+        st = s.get("step_time_ratio")
+        pr = s.get("peak_reserved_ratio")
+        lines.append(
+            f"| {mode} | {r['median_step_s'] * 1e3:.2f} | "
+            + (f"{st:.3f} ({ok(st, GOALS['step_time_ratio'])})" if st is not None else "-")
+            + f" | {r['peak_reserved'] / MiB:.0f} | "
+            + (f"{pr:.3f} ({ok(pr, GOALS['peak_reserved_ratio'])})" if pr is not None else "-")
+            + f" | {s.get('losses_identical', '-')} | {r.get('reentry_device_allocs', '-')} |"
+        )
+    lines += [
+        "",
+        f"Full replacement (`gmp.set_torch_allocator`, {cfg['loop_backend']} backend): `torch.empty(n)` + `del` "
+        f"over {cfg['loop_ops']} sizes from 512 B to 16 MiB (best of 3 passes).",
+        "",
+        "| loop | native (ns/op) | replacement (ns/op) | ratio (goal <= 1.3) |",
+        "|---|---:|---:|---:|",
+    ]
+    ln, lr = res.get("loop-native"), res.get("loop-replacement")
+    for variant, label in (("empty_del", "empty then del"), ("window32", "32 tensors alive")):
+        if ln and lr:
+            ratio = summ["loop"][variant]
+            lines.append(f"| {label} | {ln[f'{variant}_ns_per_op']:.0f} | {lr[f'{variant}_ns_per_op']:.0f} | "
+                         f"{ratio:.2f} ({ok(ratio, GOALS['loop_ratio'])}) |")
+        else:
+            lines.append(f"| {label} | not run | | |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--embd", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--loop-ops", type=int, default=20000)
+    ap.add_argument("--loop-backend", default="cuda")
+    ap.add_argument("--modes", default=",".join(TRAIN_MODES + LOOP_MODES))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--worker")]
+
+    if args.worker:
+        fn = worker_loop if args.worker.startswith("loop-") else worker_train
+        res = fn(args.worker, args)
+        Path(args.worker_out).write_text(json.dumps(res))
+        return 0
+
+    print(BANNER, flush=True)
+    problem = gpu_problem()
+    if problem:
+        print(f"gpt2_train: cannot run here: {problem}", file=sys.stderr, flush=True)
+        return 2
+
+    import torch
+    import transformers
+
+    import gpumempool as gmp
+
+    dev = gmp.devices()[0]
+    versions = {
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "transformers": transformers.__version__,
+        "gpumempool": gmp.__version__,
+        "python": sys.version.split()[0],
+    }
+    say(f"device: {dev['name']}; {', '.join(f'{k} {v}' for k, v in versions.items())}")
+    caps = gmp.torch.capabilities()
+    say(f"torch capabilities: {caps}")
+    wanted = [m for m in args.modes.split(",") if m]
+    results: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    for mode in wanted:
+        if mode.startswith("mempool-"):
+            backend = mode.split("-", 1)[1]
+            if backend not in gmp.backends():
+                skipped[mode] = f"this build has no {backend!r} backend"
+                continue
+            try:
+                gmp.MemPool(backend, device=0).close()
+            except gmp.GpuMemPoolError as exc:
+                skipped[mode] = f"{backend} backend unavailable: {exc}"
+                continue
+        r = run_worker(mode, args)
+        if r is None:
+            skipped[mode] = "worker failed (see its output above)"
+        else:
+            results[mode] = r
+    for mode, why in skipped.items():
+        say(f"skipped {mode}: {why}")
+
+    doc = summarize(results, args, {"name": dev["name"], "uuid": dev.get("uuid"), "total_bytes": dev.get("total_bytes")}, versions)
+    doc["skipped"] = skipped
+    doc["torch_capabilities"] = caps.__dict__
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"gpt2_{device_slug(dev['name'])}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    write_markdown(doc, out_dir / f"{stem}.md")
+    print((out_dir / f"{stem}.md").read_text())
+    say(f"wrote {out_dir / (stem + '.json')} and {out_dir / (stem + '.md')}")
+    identical = all(s["losses_identical"] for s in doc["summary"]["train"].values())
+    if not identical:
+        say("gpt2_train: losses differ between native and gmp.mempool runs")
+    return 0 if identical and not any(v.startswith("worker failed") for v in skipped.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

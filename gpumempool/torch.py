@@ -1,0 +1,1192 @@
+"""PyTorch integration: tensors from a gpumempool pool.
+
+Importing this module does not import torch; every function imports it when
+called (``pip install 'gpumempool[torch]'``). Four pieces:
+
+``mempool(pool, device=None, stream=None)``
+    A context manager routing the CUDA allocations of the calling thread to
+    ``pool``, leaving torch's own allocator in charge everywhere else::
+
+        pool = gmp.MemPool(backend="nccl")
+        with gmp.mempool(pool, device="cuda:0"):
+            x = torch.randn(2**20, device="cuda")   # segments from `pool`
+        y = torch.randn(10, device="cuda")          # torch's default allocator
+
+    It is built on torch's pluggable-allocator hooks: a ``torch.cuda.MemPool``
+    whose allocator is ``CUDAPluggableAllocator(*pool.pluggable_symbols())``
+    (exported C functions of our engine, no Python on the allocation path).
+    There is **one torch pool per (gpumempool pool, device)**, created on first
+    use and reused by every later entry, so what torch cached stays cached.
+
+    Two layers of caching: torch keeps its own caching *inside* the torch pool
+    (it splits the segments it got from us into tensors and keeps freed blocks
+    for the next allocation routed to that pool), and our engine caches the
+    *segments* beneath it. ``release(pool)`` hands torch's cached segments
+    back to the engine, which keeps them: entering ``mempool`` again then
+    costs no raw backend allocation (cudaMalloc, ncclMemAlloc, cuMemCreate...).
+    Note that ``torch.cuda.empty_cache()`` does not touch a live torch pool
+    (torch only empties private pools nobody references); ``release`` does.
+
+    Semantics: contexts nest (an inner pool takes over, the outer one resumes
+    on exit); tensors outlive the block and stay valid; the optional
+    ``stream`` (a ``torch.cuda.Stream``) is entered with the pool. Routing is
+    per thread on torch >= 2.8, see the table, which leaves the allocations
+    autograd makes on its backward threads to torch's allocator;
+    ``all_threads=True`` routes every thread's while inside. Two threads may be inside
+    ``mempool(pool)`` at the same time: torch refuses to route two threads to
+    one torch pool at once ("beginAllocateToPool: already recording to
+    mempool_id"), so a second concurrent thread gets a second torch pool over
+    the same gpumempool pool (also cached and reused).
+
+``release(pool, device=None)`` (alias ``pool_release``)
+    Empties torch's cache of the pool's torch pools and returns their
+    segments to the engine. Raises :class:`PoolInUseError` (a RuntimeError,
+    not a crash) while tensors allocated from them are alive or a thread is
+    inside ``mempool(pool)``.
+
+``set_torch_allocator(pool)``
+    Full replacement: every CUDA allocation of the process goes to ``pool``
+    (``torch.cuda.memory.change_current_allocator``). Must run before torch
+    initialises CUDA; :class:`AllocatorInitializedError` says so otherwise.
+    ``torch.cuda.empty_cache()`` then empties the pool, ``record_stream`` and
+    ``set_per_process_memory_fraction`` reach it; torch's own
+    ``memory_stats()`` stops working and ``torch_memory_stats()`` gives the
+    same keys from our engine. Torch does not cache on top of a pluggable
+    allocator: each tensor is one engine allocation. Caveat from torch's
+    CUDAPluggableAllocator::allocate (every version we read, up to torch's
+    main branch of 2026): it does not check for NULL, so when the pool cannot
+    serve a request (after releasing its cache and retrying) torch hands out
+    a tensor whose data pointer is 0 instead of raising
+    torch.OutOfMemoryError; ``pool.last_error()`` says why. Inside
+    ``mempool`` torch >= 2.8 checks (allocPrimitive) and raises its
+    OutOfMemoryError.
+
+``register(pool, process_group=None)`` / ``deregister(...)``
+    NCCL user-buffer registration of the pool's segments with a process
+    group's communicator, kept up to date as the pool grows (see below).
+
+Which torch versions do what (checked against PyTorch's sources and pull
+requests; the version of a pull request is the first release cut after it
+was merged). Features are detected, not inferred from the version string,
+except where noted:
+
+=====================  ====================================================
+torch < 2.5            no ``torch.cuda.MemPool``: :class:`TorchVersionError`
+2.5                    ``torch.cuda.MemPool(allocator)`` and ``use_mem_pool``
+                       (pytorch#133599). Routing uses ``MemPoolContext`` and
+                       ``_cuda_beginAllocateToPool`` with an always-true
+                       filter: while any thread is inside, **every thread's**
+                       allocations on that device go to the pool
+                       (pytorch#152861); a :class:`ProcessWideRoutingWarning`
+                       says so once.
+2.6, 2.7               + ``ProcessGroupNCCL.register_mem_pool`` (pytorch#133603),
+                       which registers the segments present at the call only
+                       and refuses to register one twice: the registration is
+                       lifted while a thread is inside ``mempool(pool)`` (the
+                       pool may grow) and renewed on exit, as NVIDIA apex's
+                       ``nccl_mem`` does. ``MemPool.use_count()`` and
+                       ``snapshot()`` (by 2.7; we fall back to
+                       ``torch.cuda.memory._snapshot()`` without them).
+2.8 and later          routing is thread-local (``_cuda_beginAllocateCurrent
+                       ThreadToPool``, pytorch#153356), ``MemPoolContext`` is
+                       gone (pytorch#154042), ``register_mem_pool`` also
+                       registers future segments (pytorch#150684, by version);
+                       ``MemPool(use_on_oom=, no_split=)`` where the signature
+                       has them.
+2.10 / 2.11            nested ``use_mem_pool`` is LIFO (pytorch#168382); we do
+                       not depend on it: entering a pool suspends the
+                       thread's active one (end + release, re-begun on exit),
+                       so nesting is correct on every version.
+=====================  ====================================================
+
+Target of the GPU validation: torch 2.11 with CUDA 13 (tests/test_torch_gpu.py,
+benchmarks/gpt2_train.py). The version-dispatch logic is tested on CPU
+against fakes of the 2.5-2.7 and 2.8+ behaviours (tests/test_torch_logic.py).
+:func:`capabilities` reports what the running torch offers.
+
+NVLS. NCCL's NVLink SHARP reductions need NVSwitch hardware (HGX H100/H200
+8-GPU boards, NVL72 racks) with multicast support (CUDA >= 12.1, NCCL >=
+2.17, a driver and fabric manager that enable it), and registered buffers
+must be cuMem (VMM) allocations, which the ``nccl`` (ncclMemAlloc) and ``vmm``
+backends give and ``cuda`` (cuMemAlloc) does not. Without NVSwitch (one GPU,
+PCIe, NVLink bridges) NCCL simply never selects NVLS: registration still
+succeeds, collectives stay correct, and NCCL may use the registration for
+other zero-copy paths (peer-to-peer, IB SHARP/CollNet) or ignore it. On a
+single-GPU machine only the API path is exercised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib
+import inspect
+import json
+import re
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from . import _native
+from ._errors import GpuMemPoolError, InvalidArgumentError, PoolClosedError
+from ._pool import MemPool
+
+__all__ = [
+    "AllocatorInitializedError",
+    "MempoolContext",
+    "PoolInUseError",
+    "ProcessWideRoutingWarning",
+    "TorchCapabilities",
+    "TorchIntegrationError",
+    "TorchVersionError",
+    "capabilities",
+    "deregister",
+    "hook_errors",
+    "mempool",
+    "pool_release",
+    "register",
+    "release",
+    "set_torch_allocator",
+    "torch_allocator_pool",
+    "torch_memory_stats",
+    "torch_pools",
+]
+
+
+class TorchIntegrationError(GpuMemPoolError, RuntimeError):
+    """The PyTorch integration cannot do what was asked."""
+
+
+class TorchVersionError(TorchIntegrationError):
+    """torch is missing, or too old for the feature."""
+
+
+class AllocatorInitializedError(TorchIntegrationError):
+    """torch's CUDA allocator was initialised (or replaced) already."""
+
+
+class PoolInUseError(TorchIntegrationError):
+    """Tensors from the pool are alive, or a thread is inside ``mempool``."""
+
+
+class ProcessWideRoutingWarning(UserWarning):
+    """This torch routes every thread's allocations to an entered pool."""
+
+
+# ---------------------------------------------------------------------------
+# torch, and what it offers
+# ---------------------------------------------------------------------------
+
+
+def _import_torch() -> Any:
+    try:
+        return importlib.import_module("torch")
+    except ImportError as exc:
+        raise TorchVersionError(
+            "gpumempool's PyTorch integration needs torch >= 2.5 (pip install 'gpumempool[torch]')"
+        ) from exc
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    m = re.match(r"\s*(\d+)\.(\d+)", str(version))
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+@dataclass(frozen=True)
+class TorchCapabilities:
+    """What the running torch offers to this module (see :func:`capabilities`)."""
+
+    version: str
+    #: torch.cuda.MemPool exists (torch >= 2.5)
+    mem_pool: bool
+    #: torch.cuda.use_mem_pool exists (we enter pools with it)
+    use_mem_pool: bool
+    #: names of the private torch._C calls used when use_mem_pool is missing
+    begin_fn: Optional[str]
+    end_fn: Optional[str]
+    #: routing affects only the entering thread (torch >= 2.8)
+    thread_local_routing: bool
+    #: MemPoolContext picks the allocator (torch 2.5-2.7)
+    pool_context: bool
+    #: keyword options of torch.cuda.MemPool besides ``allocator``
+    mem_pool_options: tuple[str, ...]
+    #: torch.cuda.MemPool.snapshot() exists
+    pool_snapshot: bool
+    #: torch.cuda.memory.CUDAPluggableAllocator and change_current_allocator
+    pluggable: bool
+    #: ProcessGroupNCCL.register_mem_pool registers segments added later (>= 2.8, by version)
+    nccl_registers_new_segments: bool
+
+
+def _mem_pool_class(torch: Any) -> Any:
+    cuda = getattr(torch, "cuda", None)
+    cls = getattr(cuda, "MemPool", None)
+    if cls is None:
+        cls = getattr(getattr(cuda, "memory", None), "MemPool", None)
+    return cls
+
+
+def _use_mem_pool_fn(torch: Any) -> Any:
+    cuda = getattr(torch, "cuda", None)
+    fn = getattr(cuda, "use_mem_pool", None)
+    if fn is None:
+        fn = getattr(getattr(cuda, "memory", None), "use_mem_pool", None)
+    return fn
+
+
+_caps_cache: dict[int, tuple[Any, TorchCapabilities]] = {}
+
+
+def capabilities(torch: Any = None) -> TorchCapabilities:
+    """Feature-detect the running torch (or the module passed)."""
+    if torch is None:
+        torch = _import_torch()
+    hit = _caps_cache.get(id(torch))
+    if hit is not None and hit[0] is torch:
+        return hit[1]
+    caps = _detect(torch)
+    _caps_cache[id(torch)] = (torch, caps)  # keeps the module, so its id is not reused
+    return caps
+
+
+def _detect(torch: Any) -> TorchCapabilities:
+    C = getattr(torch, "_C", None)
+    cuda = getattr(torch, "cuda", None)
+    memory = getattr(cuda, "memory", None)
+    version = str(getattr(torch, "__version__", "0.0"))
+    cls = _mem_pool_class(torch)
+    begin = next((n for n in ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_beginAllocateToPool") if hasattr(C, n)), None)
+    end = next((n for n in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool") if hasattr(C, n)), None)
+    pool_context = hasattr(memory, "MemPoolContext") or hasattr(cuda, "MemPoolContext")
+    use = _use_mem_pool_fn(torch) is not None
+    if use:
+        thread_local = not pool_context and hasattr(C, "_cuda_beginAllocateCurrentThreadToPool")
+    else:
+        thread_local = begin == "_cuda_beginAllocateCurrentThreadToPool"
+    options: tuple[str, ...] = ()
+    if cls is not None:
+        try:
+            params = inspect.signature(cls.__init__).parameters
+            options = tuple(n for n in params if n not in ("self", "allocator") and not n.startswith("_"))
+        except (TypeError, ValueError):
+            options = ()
+    return TorchCapabilities(
+        version=version,
+        mem_pool=cls is not None,
+        use_mem_pool=use,
+        begin_fn=begin,
+        end_fn=end,
+        thread_local_routing=bool(thread_local),
+        pool_context=bool(pool_context),
+        mem_pool_options=options,
+        pool_snapshot=cls is not None and hasattr(cls, "snapshot"),
+        pluggable=hasattr(memory, "CUDAPluggableAllocator") and hasattr(memory, "change_current_allocator"),
+        nccl_registers_new_segments=_version_tuple(version) >= (2, 8),
+    )
+
+
+def _require_mem_pool(caps: TorchCapabilities) -> None:
+    if not caps.mem_pool or not caps.pluggable:
+        raise TorchVersionError(
+            f"gpumempool.mempool needs torch >= 2.5 (torch.cuda.MemPool and CUDAPluggableAllocator); "
+            f"this is torch {caps.version}"
+        )
+    if not caps.use_mem_pool and (caps.begin_fn is None or caps.end_fn is None):
+        raise TorchVersionError(
+            f"torch {caps.version} has neither torch.cuda.use_mem_pool nor torch._C._cuda_beginAllocate*ToPool"
+        )
+
+
+def _cuda_index(torch: Any, device: Any) -> int:
+    """A CUDA device index from None/"cuda" (the current device), "cuda:N",
+    an int or a torch.device."""
+    if device is None:
+        return int(torch.cuda.current_device())
+    if isinstance(device, bool):
+        raise TypeError("device must be an int, 'cuda[:N]' or a torch.device, got bool")
+    if isinstance(device, int):
+        if device < 0:
+            raise InvalidArgumentError(f"device must be >= 0, got {device}")
+        return device
+    if isinstance(device, str):
+        head, _, idx = device.partition(":")
+        if head != "cuda" or (idx and not idx.isdigit()):
+            raise InvalidArgumentError(f"device must be 'cuda' or 'cuda:N', got {device!r}")
+        return int(idx) if idx else int(torch.cuda.current_device())
+    dtype = getattr(device, "type", None)
+    if dtype is not None:
+        if dtype != "cuda":
+            raise InvalidArgumentError(f"device must be a CUDA device, got {device!r}")
+        index = getattr(device, "index", None)
+        return int(torch.cuda.current_device()) if index is None else int(index)
+    raise TypeError(f"device must be an int, 'cuda[:N]' or a torch.device, got {type(device).__name__}")
+
+
+# ---------------------------------------------------------------------------
+# bookkeeping: torch pools ("lanes") per gpumempool pool, per-thread frames
+# ---------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Lane:
+    """One torch.cuda.MemPool over a gpumempool pool, for one device and tag.
+    At most one thread routes to it at a time (torch refuses two)."""
+
+    torch_pool: Any
+    device: int
+    tag: Any
+    options: dict[str, bool]
+    holder: Optional[int] = None  # thread ident of the thread inside
+    holds: int = 0  # frames of that thread using the lane
+
+
+@dataclass(eq=False)
+class _Registration:
+    """A pool registered with one process group's NCCL communicator on one device."""
+
+    group: Any
+    device: int
+    backend: Any
+    mode: str  # "mem_pool" (backend.register_mem_pool) or "comm_register" (ncclCommRegister)
+    comm: int = 0
+    # per lane (by id): "registered"/"suspended" (mem_pool), {address: (handle, size)} (comm_register)
+    lanes: dict[int, Any] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _PoolState:
+    pool: MemPool
+    allocator: Any = None  # torch.cuda.memory.CUDAPluggableAllocator over the pool's C symbols
+    lanes: list[_Lane] = field(default_factory=list)
+    registrations: list[_Registration] = field(default_factory=list)
+
+
+_lock = threading.RLock()
+_states: dict[int, _PoolState] = {}  # id(pool) -> state; the state keeps the pool alive
+_tls = threading.local()
+_warned_process_wide = False
+
+
+def _frames() -> list["MempoolContext"]:
+    frames = getattr(_tls, "frames", None)
+    if frames is None:
+        frames = _tls.frames = []
+    return frames
+
+
+def _state(pool: MemPool, create: bool = True) -> Optional[_PoolState]:
+    st = _states.get(id(pool))
+    if st is None and create:
+        st = _states[id(pool)] = _PoolState(pool)
+    return st
+
+
+def _allocator(torch: Any, st: _PoolState) -> Any:
+    if st.allocator is None:
+        st.allocator = torch.cuda.memory.CUDAPluggableAllocator(*st.pool.pluggable_symbols())
+    return st.allocator
+
+
+def _new_lane(torch: Any, caps: TorchCapabilities, st: _PoolState, device: int, tag: Any, options: dict[str, bool]) -> _Lane:
+    kwargs: dict[str, bool] = {}
+    for name, value in options.items():
+        if value and name not in caps.mem_pool_options:
+            raise TorchVersionError(f"torch {caps.version}'s torch.cuda.MemPool has no {name!r} option")
+        if name in caps.mem_pool_options:
+            kwargs[name] = value
+    raw = _allocator(torch, st).allocator()
+    # torch binds a MemPool to the current device when it is created
+    with torch.cuda.device(device):
+        tp = _mem_pool_class(torch)(raw, **kwargs)
+    lane = _Lane(tp, device, tag, dict(options))
+    st.lanes.append(lane)
+    try:
+        for reg in st.registrations:
+            if reg.device == device:
+                _register_lane(torch, caps, reg, lane)
+    except BaseException:
+        st.lanes.remove(lane)
+        raise
+    return lane
+
+
+def _acquire_lane(
+    torch: Any, caps: TorchCapabilities, pool: MemPool, device: int, tag: Any, options: dict[str, bool], tid: int
+) -> tuple[_Lane, bool]:
+    """The lane the thread routes to, and whether it just took it."""
+    st = _state(pool)
+    assert st is not None
+    free: Optional[_Lane] = None
+    for lane in st.lanes:
+        if lane.device != device or lane.tag != tag:
+            continue
+        if lane.options != options:
+            raise InvalidArgumentError(
+                f"pool {pool.name!r} already has a torch pool on cuda:{device} with options {lane.options}; "
+                f"release(pool) before entering it with {options}"
+            )
+        if lane.holder == tid:
+            lane.holds += 1
+            return lane, False
+        if lane.holder is None and free is None:
+            free = lane
+    lane = free if free is not None else _new_lane(torch, caps, st, device, tag, options)
+    lane.holder, lane.holds = tid, 1
+    return lane, True
+
+
+def _release_lane(lane: _Lane) -> bool:
+    """Drop one hold; whether the lane is free now."""
+    lane.holds -= 1
+    if lane.holds <= 0:
+        lane.holder, lane.holds = None, 0
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def _private_route(torch: Any, caps: TorchCapabilities, tp: Any, device: int, begin_fn: str) -> Any:
+    """use_mem_pool rebuilt from torch._C's private calls (for builds
+    without it, and for all-thread routing)."""
+    C = torch._C
+    ctx = None
+    if caps.pool_context:
+        ctx_cls = getattr(torch.cuda.memory, "MemPoolContext", None) or torch.cuda.MemPoolContext
+        ctx = ctx_cls(tp)
+    assert caps.end_fn is not None
+    getattr(C, begin_fn)(device, tp.id)
+    try:
+        yield
+    finally:
+        getattr(C, caps.end_fn)(device, tp.id)
+        if hasattr(C, "_cuda_releasePool"):
+            C._cuda_releasePool(device, tp.id)
+        del ctx
+
+
+_ALL_THREADS_FN = "_cuda_beginAllocateToPool"
+
+
+def _route(torch: Any, caps: TorchCapabilities, tp: Any, device: int, all_threads: bool = False) -> Any:
+    if all_threads and caps.thread_local_routing:
+        return _private_route(torch, caps, tp, device, _ALL_THREADS_FN)
+    if caps.use_mem_pool:
+        return _use_mem_pool_fn(torch)(tp, device)
+    assert caps.begin_fn is not None
+    return _private_route(torch, caps, tp, device, caps.begin_fn)
+
+
+class MempoolContext:
+    """What :func:`mempool` returns; entering it yields the torch.cuda.MemPool."""
+
+    def __init__(
+        self,
+        pool: MemPool,
+        device: Any = None,
+        stream: Any = None,
+        *,
+        tag: Any = None,
+        options: Optional[dict[str, bool]] = None,
+        all_threads: bool = False,
+    ) -> None:
+        if not isinstance(pool, MemPool):
+            raise TypeError(f"pool must be a gpumempool.MemPool, got {type(pool).__name__}")
+        self._pool = pool
+        self._all_threads = bool(all_threads)
+        self._device_arg = device
+        self._stream = stream
+        self._tag = tag
+        self._options = dict(options or {})
+        self._entered = False
+        self._lane: Optional[_Lane] = None
+        self._route: Any = None
+        self._stream_cm: Any = None
+        self._suspended: list[MempoolContext] = []
+        self._torch: Any = None
+        self._caps: Optional[TorchCapabilities] = None
+        self.device: Optional[int] = None
+
+    # routing of this frame, stopped while an inner context suspends it
+    def _start(self) -> None:
+        assert self._lane is not None and self._caps is not None and self.device is not None
+        cm = _route(self._torch, self._caps, self._lane.torch_pool, self.device, self._all_threads)
+        cm.__enter__()
+        self._route = cm
+
+    def _stop(self) -> None:
+        cm, self._route = self._route, None
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+    @property
+    def active(self) -> bool:
+        """Whether allocations of the entering thread are being routed here now."""
+        return self._route is not None
+
+    @property
+    def torch_pool(self) -> Any:
+        """The torch.cuda.MemPool this context routes to (None before entry)."""
+        return None if self._lane is None else self._lane.torch_pool
+
+    def __enter__(self) -> Any:
+        global _warned_process_wide
+        if self._entered:
+            raise TorchIntegrationError("a gmp.mempool(...) context can be entered once; make a new one")
+        torch = _import_torch()
+        caps = capabilities(torch)
+        _require_mem_pool(caps)
+        if self._pool.closed:
+            raise PoolClosedError(f"pool {self._pool!r} is closed")
+        if not torch.cuda.is_available():
+            raise TorchIntegrationError("torch sees no CUDA device (torch.cuda.is_available() is False)")
+        self._torch, self._caps = torch, caps
+        self.device = _cuda_index(torch, self._device_arg)
+        if self._all_threads and caps.thread_local_routing and (
+            not hasattr(torch._C, _ALL_THREADS_FN) or caps.end_fn is None
+        ):
+            raise TorchVersionError(f"torch {caps.version} has no torch._C.{_ALL_THREADS_FN} for all_threads=True")
+        if not caps.thread_local_routing and not _warned_process_wide:
+            _warned_process_wide = True
+            warnings.warn(
+                f"torch {caps.version} routes the allocations of every thread to a pool entered with "
+                "gmp.mempool (torch >= 2.8 routes only the entering thread's); allocations of other "
+                "threads land in the pool's torch pool but are made with cudaMalloc",
+                ProcessWideRoutingWarning,
+                stacklevel=2,
+            )
+        tid = threading.get_ident()
+        with _lock:
+            self._lane, first = _acquire_lane(torch, caps, self._pool, self.device, self._tag, self._options, tid)
+            if first:
+                try:
+                    _lane_taken(torch, caps, self._pool, self._lane)
+                except BaseException:
+                    _release_lane(self._lane)
+                    raise
+        frames = _frames()
+        # One active route per thread and device (per thread on 2.5-2.7, whose
+        # MemPoolContext is not per device): suspend the current one.
+        self._suspended = [f for f in frames if f.active and (caps.pool_context or f.device == self.device)]
+        stopped: list[MempoolContext] = []
+        try:
+            for f in reversed(self._suspended):
+                f._stop()
+                stopped.append(f)
+            self._start()
+            if self._stream is not None:
+                self._stream_cm = torch.cuda.stream(self._stream)
+                self._stream_cm.__enter__()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._stop()
+            for f in reversed(stopped):
+                with contextlib.suppress(Exception):
+                    f._start()
+            with _lock:
+                if _release_lane(self._lane):
+                    with contextlib.suppress(Exception):
+                        _lane_freed(torch, caps, self._pool, self._lane)
+            raise
+        self._entered = True
+        frames.append(self)
+        return self._lane.torch_pool
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        assert self._lane is not None
+        problems: list[str] = []
+        if self._stream_cm is not None:
+            cm, self._stream_cm = self._stream_cm, None
+            try:
+                cm.__exit__(exc_type, exc, tb)
+            except Exception as e:  # noqa: BLE001 - reported below
+                problems.append(f"leaving the stream context failed: {e!r}")
+        frames = _frames()
+        if frames and frames[-1] is self:
+            frames.pop()
+        else:
+            if self in frames:
+                frames.remove(self)
+            problems.append("gmp.mempool contexts were exited out of order (exit the innermost first)")
+        try:
+            self._stop()
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"ending the routing to the torch pool failed: {e!r}")
+        for f in self._suspended:
+            if f in frames and not f.active:
+                try:
+                    f._start()
+                except Exception as e:  # noqa: BLE001
+                    problems.append(f"resuming the enclosing gmp.mempool context failed: {e!r}")
+        self._suspended = []
+        with _lock:
+            if _release_lane(self._lane):
+                try:
+                    _lane_freed(self._torch, self._caps, self._pool, self._lane)
+                except Exception as e:  # noqa: BLE001
+                    problems.append(f"registering the pool's new segments with NCCL failed: {e!r}")
+        if problems and exc_type is None:
+            raise TorchIntegrationError("; ".join(problems))
+
+
+def mempool(
+    pool: MemPool,
+    device: Any = None,
+    stream: Any = None,
+    *,
+    all_threads: bool = False,
+    use_on_oom: bool = False,
+    no_split: bool = False,
+) -> MempoolContext:
+    """Route the calling thread's CUDA allocations on ``device`` to ``pool``.
+
+    ``device``: None or "cuda" (the current device), "cuda:N", N or a
+    torch.device. ``stream``: a torch.cuda.Stream entered with the pool.
+    ``all_threads``: route every thread's allocations on the device while
+    inside (``torch._C._cuda_beginAllocateToPool``), e.g. to catch those of
+    autograd's backward threads, which thread-local routing (torch >= 2.8)
+    leaves to torch's allocator; torch 2.5-2.7 route every thread anyway.
+    ``use_on_oom`` / ``no_split``: torch.cuda.MemPool's options (torch
+    versions whose MemPool has them); fixed when the torch pool is created.
+    Entering yields the torch.cuda.MemPool. See the module docstring.
+    """
+    options: dict[str, bool] = {}
+    if use_on_oom:
+        options["use_on_oom"] = True
+    if no_split:
+        options["no_split"] = True
+    return MempoolContext(pool, device, stream, options=options, all_threads=all_threads)
+
+
+def torch_pools(pool: MemPool, device: Any = None) -> list[Any]:
+    """The torch.cuda.MemPool objects gpumempool made over ``pool`` (all
+    devices, or one), oldest first."""
+    with _lock:
+        st = _state(pool, create=False)
+        lanes = list(st.lanes) if st is not None else []
+    if device is not None:
+        dev = device if isinstance(device, int) and not isinstance(device, bool) else _cuda_index(_import_torch(), device)
+        lanes = [lane for lane in lanes if lane.device == dev]
+    return [lane.torch_pool for lane in lanes]
+
+
+# ---------------------------------------------------------------------------
+# release
+# ---------------------------------------------------------------------------
+
+_ALL = object()
+
+
+def _segments(torch: Any, caps: Optional[TorchCapabilities], tp: Any) -> list[dict[str, Any]]:
+    """torch's segments of one torch pool (snapshot dicts)."""
+    snap = getattr(tp, "snapshot", None)
+    if callable(snap):
+        try:
+            return list(snap())
+        except Exception:  # noqa: BLE001 - fall back to the global snapshot
+            pass
+    return _segments_of(torch, {tuple(tp.id)})
+
+
+def _segments_of(torch: Any, pool_ids: set[tuple[int, ...]]) -> list[dict[str, Any]]:
+    raw = torch.cuda.memory._snapshot()
+    segs = raw.get("segments", []) if isinstance(raw, dict) else list(raw)
+    return [s for s in segs if tuple(s.get("segment_pool_id", ()) or ()) in pool_ids]
+
+
+def release(pool: MemPool, device: Any = None, *, to_backend: bool = False, tag: Any = _ALL) -> int:
+    """Empty torch's cache of the torch pools made over ``pool`` (every
+    device, or ``device``) and give their segments back to the pool; return
+    the bytes given back. The next ``mempool(pool)`` makes a new torch pool,
+    served from the engine's cache. ``to_backend=True`` also empties the
+    engine's cache (``pool.empty_cache()``).
+
+    Raises :class:`PoolInUseError`, touching nothing, while a thread is
+    inside ``mempool(pool)`` or tensors allocated from the pool are alive.
+    NCCL registrations stay: they apply to the next torch pool too. When
+    torch's MemPool destructor did not free the segments (older versions),
+    this calls ``torch.cuda.empty_cache()``, which also empties torch's own
+    cache.
+    """
+    with _lock:
+        st = _state(pool, create=False)
+        if st is None or not st.lanes:
+            if to_backend and not pool.closed:
+                pool.empty_cache()
+            return 0
+        torch = _import_torch()
+        caps = capabilities(torch)
+        dev = None if device is None else _cuda_index(torch, device)
+        lanes = [ln for ln in st.lanes if (dev is None or ln.device == dev) and (tag is _ALL or ln.tag == tag)]
+        if not lanes:
+            if to_backend and not pool.closed:
+                pool.empty_cache()
+            return 0
+        busy = [ln for ln in lanes if ln.holder is not None]
+        if busy:
+            names = {t.ident: t.name for t in threading.enumerate()}
+            where = ", ".join(f"cuda:{ln.device} in thread {names.get(ln.holder, ln.holder)!r}" for ln in busy)
+            raise PoolInUseError(f"cannot release pool {pool.name!r}: still inside gmp.mempool(...) ({where})")
+        live_blocks = live_bytes = 0
+        per_lane: list[tuple[_Lane, list[dict[str, Any]]]] = []
+        for ln in lanes:
+            segs = _segments(torch, caps, ln.torch_pool)
+            per_lane.append((ln, segs))
+            for s in segs:
+                used = int(s.get("allocated_size", 0) or 0)
+                if used:
+                    live_bytes += used
+                    live_blocks += sum(1 for b in s.get("blocks", []) if str(b.get("state", "")).startswith("active_allocated")) or 1
+        if live_bytes:
+            devs = sorted({ln.device for ln in lanes})
+            raise PoolInUseError(
+                f"cannot release pool {pool.name!r}: {live_blocks} tensor block(s), {live_bytes} bytes, allocated "
+                f"inside gmp.mempool(...) on {', '.join(f'cuda:{d}' for d in devs)} are still alive; "
+                "delete them (and the objects holding them) first"
+            )
+        total = 0
+        ids: set[tuple[int, ...]] = set()
+        for ln, segs in per_lane:
+            for reg in st.registrations:
+                if reg.device == ln.device:
+                    _deregister_lane(reg, ln)
+            st.lanes.remove(ln)
+            ids.add(tuple(ln.torch_pool.id))
+            total += sum(int(s.get("total_size", 0) or 0) for s in segs)
+            ln.torch_pool = None  # the MemPool's destructor releases it in torch
+        del per_lane, lanes
+        gc.collect()
+        left = _segments_of(torch, ids)
+        if left:
+            # Versions whose MemPool destructor does not empty the pool: torch
+            # frees the segments of pools nobody uses on empty_cache().
+            torch.cuda.empty_cache()
+            left = _segments_of(torch, ids)
+        if not st.lanes and not st.registrations and not left:
+            _states.pop(id(pool), None)
+    if left:
+        raise TorchIntegrationError(
+            f"torch still holds {len(left)} segment(s), {sum(int(s.get('total_size', 0) or 0) for s in left)} bytes, "
+            f"of pool {pool.name!r} after release: a torch.cuda.MemPool object gmp.mempool yielded is still "
+            "referenced somewhere, or a CUDA graph retains it; they are freed when it goes"
+        )
+    if to_backend:
+        pool.empty_cache()
+    return total
+
+
+#: Alias of :func:`release` (the issue's name).
+pool_release = release
+
+
+# ---------------------------------------------------------------------------
+# NCCL registration
+# ---------------------------------------------------------------------------
+
+
+class _NcclLib:
+    """ncclCommRegister / ncclCommDeregister from the libnccl torch loaded."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        for name in ("ncclCommRegister", "ncclCommDeregister"):
+            if not hasattr(lib, name):
+                raise TorchVersionError(f"this libnccl has no {name} (needs NCCL >= 2.19)")
+        lib.ncclCommRegister.restype = ctypes.c_int
+        lib.ncclCommRegister.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)]
+        lib.ncclCommDeregister.restype = ctypes.c_int
+        lib.ncclCommDeregister.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            msg = ""
+            fn = getattr(self._lib, "ncclGetErrorString", None)
+            if fn is not None:
+                fn.restype = ctypes.c_char_p
+                fn.argtypes = [ctypes.c_int]
+                msg = ": " + (fn(rc) or b"").decode(errors="replace")
+            raise TorchIntegrationError(f"{what} failed with NCCL error {rc}{msg}")
+
+    def register(self, comm: int, ptr: int, size: int) -> int:
+        handle = ctypes.c_void_p()
+        self._check(self._lib.ncclCommRegister(comm, ptr, size, ctypes.byref(handle)), "ncclCommRegister")
+        return int(handle.value or 0)
+
+    def deregister(self, comm: int, handle: int) -> None:
+        self._check(self._lib.ncclCommDeregister(comm, handle), "ncclCommDeregister")
+
+
+_nccl: Optional[_NcclLib] = None
+
+
+def _nccl_lib() -> _NcclLib:
+    global _nccl
+    if _nccl is None:
+        errors = []
+        for name in ("libnccl.so.2", "libnccl.so"):
+            try:  # by soname: the copy torch already loaded, if any
+                _nccl = _NcclLib(ctypes.CDLL(name))
+                break
+            except OSError as exc:
+                errors.append(str(exc))
+        if _nccl is None:
+            raise TorchVersionError("cannot load libnccl for ncclCommRegister: " + "; ".join(errors))
+    return _nccl
+
+
+def _legacy_registration(caps: Optional[TorchCapabilities]) -> bool:
+    """register_mem_pool registers only the segments present (torch < 2.8)."""
+    return caps is None or not caps.nccl_registers_new_segments
+
+
+def _register_lane(torch: Any, caps: Optional[TorchCapabilities], reg: _Registration, lane: _Lane) -> None:
+    """Register a lane's torch pool. State kept in reg.lanes[id(lane)]:
+    "registered" / "suspended" (register_mem_pool), or {address: (handle,
+    size)} (ncclCommRegister)."""
+    tp = lane.torch_pool
+    if reg.mode == "mem_pool":
+        if lane.holder is not None and _legacy_registration(caps):
+            reg.lanes[id(lane)] = "suspended"  # registered when its thread leaves mempool
+            return
+        try:
+            reg.backend.register_mem_pool(tp)
+        except RuntimeError as exc:
+            hint = ""
+            if "initialized" in str(exc):
+                hint = (
+                    " (the NCCL communicator is created lazily: pass device_id=torch.device('cuda', N) to "
+                    "init_process_group, or run one collective, before registering)"
+                )
+            raise TorchIntegrationError(f"register_mem_pool failed: {exc}{hint}") from exc
+        reg.lanes[id(lane)] = "registered"
+    else:
+        _sync_handles(torch, caps, reg, lane)
+
+
+def _sync_handles(torch: Any, caps: Optional[TorchCapabilities], reg: _Registration, lane: _Lane) -> None:
+    """ncclCommRegister the lane's new segments, deregister vanished ones."""
+    nccl = _nccl_lib()
+    handles: dict[int, tuple[int, int]] = reg.lanes.setdefault(id(lane), {})
+    present = {int(s["address"]): int(s["total_size"]) for s in _segments(torch, caps, lane.torch_pool)}
+    for addr in [a for a in handles if a not in present]:
+        nccl.deregister(reg.comm, handles.pop(addr)[0])
+    for addr, size in present.items():
+        if addr not in handles:
+            handles[addr] = (nccl.register(reg.comm, addr, size), size)
+
+
+def _deregister_lane(reg: _Registration, lane: _Lane) -> None:
+    state = reg.lanes.pop(id(lane), None)
+    if state is None:
+        return
+    if reg.mode == "mem_pool":
+        if state == "registered":
+            reg.backend.deregister_mem_pool(lane.torch_pool)
+    else:
+        nccl = _nccl_lib()
+        for handle, _ in state.values():
+            nccl.deregister(reg.comm, handle)
+
+
+def _registrations_of(pool: MemPool, lane: _Lane) -> list[_Registration]:
+    st = _state(pool, create=False)
+    return [r for r in st.registrations if r.device == lane.device and id(lane) in r.lanes] if st is not None else []
+
+
+def _lane_taken(torch: Any, caps: Optional[TorchCapabilities], pool: MemPool, lane: _Lane) -> None:
+    """A thread starts routing to the lane. torch < 2.8 registers a pool's
+    segments once and refuses to register one twice or deregister one it did
+    not register, so a registration that cannot follow growth by itself is
+    lifted while the pool may grow and renewed on leaving (as NVIDIA apex's
+    nccl_mem does): collectives inside stay correct, without zero-copy."""
+    for reg in _registrations_of(pool, lane):
+        if reg.mode == "mem_pool" and _legacy_registration(caps) and reg.lanes[id(lane)] == "registered":
+            reg.backend.deregister_mem_pool(lane.torch_pool)
+            reg.lanes[id(lane)] = "suspended"
+
+
+def _lane_freed(torch: Any, caps: Optional[TorchCapabilities], pool: MemPool, lane: _Lane) -> None:
+    """No thread routes to the lane any more: bring registrations up to date."""
+    for reg in _registrations_of(pool, lane):
+        if reg.mode == "mem_pool":
+            if reg.lanes[id(lane)] == "suspended":
+                reg.backend.register_mem_pool(lane.torch_pool)
+                reg.lanes[id(lane)] = "registered"
+        else:
+            _sync_handles(torch, caps, reg, lane)
+
+
+def _group_and_backend(torch: Any, process_group: Any, dev: int) -> tuple[Any, Any]:
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        raise TorchIntegrationError(
+            "NCCL registration needs torch.distributed initialised: "
+            "torch.distributed.init_process_group('nccl', device_id=torch.device('cuda', N))"
+        )
+    group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        backend = group._get_backend(torch.device("cuda", dev))
+    except RuntimeError as exc:
+        raise TorchIntegrationError(f"the process group has no NCCL backend for cuda:{dev}: {exc}") from exc
+    return group, backend
+
+
+def register(pool: MemPool, process_group: Any = None, *, device: Any = None) -> None:
+    """Register ``pool``'s segments on ``device`` (default: the current one)
+    with the NCCL communicator of ``process_group`` (default group if None),
+    and keep them registered as the pool grows, until :func:`deregister`.
+
+    Uses ``ProcessGroupNCCL.register_mem_pool`` (torch >= 2.6) on the torch
+    pools behind ``mempool(pool)`` (made now if needed); torch >= 2.8 then
+    registers new segments itself. On torch 2.6/2.7, which registers only the
+    segments present and refuses to register one twice, the registration is
+    lifted while a thread is inside ``mempool(pool)`` and renewed when it
+    leaves (collectives inside stay correct, without zero-copy). Without
+    register_mem_pool, ``ncclCommRegister`` is called on each segment
+    (communicator from ``backend._comm_ptr()``) and new segments are
+    registered when a ``mempool(pool)`` context exits. The communicator must
+    exist: pass ``device_id`` to ``init_process_group`` or run a collective
+    first.
+    """
+    if not isinstance(pool, MemPool):
+        raise TypeError(f"pool must be a gpumempool.MemPool, got {type(pool).__name__}")
+    torch = _import_torch()
+    caps = capabilities(torch)
+    _require_mem_pool(caps)
+    dev = _cuda_index(torch, device)
+    group, backend = _group_and_backend(torch, process_group, dev)
+    if hasattr(backend, "register_mem_pool"):
+        reg = _Registration(group, dev, backend, "mem_pool")
+    elif hasattr(backend, "_comm_ptr"):
+        comm = backend._comm_ptr()
+        comm = int(comm() if callable(comm) else comm)
+        if not comm:
+            raise TorchIntegrationError(
+                "the process group's NCCL communicator is not created yet: pass device_id to "
+                "init_process_group, or run one collective, before registering"
+            )
+        reg = _Registration(group, dev, backend, "comm_register", comm=comm)
+        _nccl_lib()
+    else:
+        raise TorchVersionError(
+            f"{type(backend).__name__} offers neither register_mem_pool (torch >= 2.6) nor _comm_ptr; "
+            "cannot register with NCCL"
+        )
+    with _lock:
+        st = _state(pool)
+        assert st is not None
+        if any(r.group is group and r.device == dev for r in st.registrations):
+            return
+        lanes = [ln for ln in st.lanes if ln.device == dev]
+        if not lanes:
+            lanes = [_new_lane(torch, caps, st, dev, None, {})]
+        done: list[_Lane] = []
+        try:
+            for ln in lanes:
+                _register_lane(torch, caps, reg, ln)
+                done.append(ln)
+        except BaseException:
+            for ln in done:
+                with contextlib.suppress(Exception):
+                    _deregister_lane(reg, ln)
+            raise
+        st.registrations.append(reg)
+
+
+def deregister(pool: MemPool, process_group: Any = None, *, device: Any = None) -> None:
+    """Undo :func:`register` for ``process_group`` (default group if None) on
+    ``device`` (every device when None)."""
+    if not isinstance(pool, MemPool):
+        raise TypeError(f"pool must be a gpumempool.MemPool, got {type(pool).__name__}")
+    torch = _import_torch()
+    dev = None if device is None else _cuda_index(torch, device)
+    with _lock:
+        st = _state(pool, create=False)
+        if st is None:
+            return
+        if process_group is None:
+            dist = getattr(torch, "distributed", None)
+            group = dist.distributed_c10d._get_default_group() if dist is not None and dist.is_initialized() else None
+        else:
+            group = process_group
+        regs = [r for r in st.registrations if (group is None or r.group is group) and (dev is None or r.device == dev)]
+        for reg in regs:
+            for ln in st.lanes:
+                if ln.device == reg.device:
+                    _deregister_lane(reg, ln)
+            st.registrations.remove(reg)
+
+
+# ---------------------------------------------------------------------------
+# full replacement
+# ---------------------------------------------------------------------------
+
+_RESET_FN = ctypes.CFUNCTYPE(None)
+_INIT_FN = ctypes.CFUNCTYPE(None, ctypes.c_int)
+_FRACTION_FN = ctypes.CFUNCTYPE(None, ctypes.c_double, ctypes.c_int)
+_RECORD_STREAM_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
+
+_hook_error_list: list[str] = []
+
+
+def hook_errors() -> list[str]:
+    """Errors raised inside the allocator hooks torch called (they cannot
+    propagate through torch's C++); returned and cleared."""
+    with _lock:
+        out = list(_hook_error_list)
+        _hook_error_list.clear()
+    return out
+
+
+def _guard(fn: Callable[..., None]) -> Callable[..., None]:
+    def hook(*args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - never unwind into C++
+            with _lock:
+                if len(_hook_error_list) < 1000:
+                    _hook_error_list.append(f"{fn.__name__}: {exc!r}")
+
+    return hook
+
+
+def _device_total_bytes(device: int) -> int:
+    try:
+        for d in json.loads(_native.bindings.Devices()).get("devices", []):
+            if d.get("index") == device and d.get("total_bytes"):
+                return int(d["total_bytes"])
+    except Exception:  # noqa: BLE001 - fall back to torch
+        pass
+    return int(_import_torch().cuda.get_device_properties(device).total_memory)
+
+
+@dataclass
+class _Installed:
+    pool: MemPool
+    allocator: Any
+    callbacks: list[Any]
+    hooks: tuple[str, ...]
+    device_count: Optional[int] = None
+
+
+_installed: Optional[_Installed] = None
+
+
+def _hooks(pool: MemPool) -> dict[str, tuple[Any, Any]]:
+    """setter name -> (ctypes callback type, Python function)."""
+
+    def empty_cache() -> None:
+        if not pool.closed:
+            pool.empty_cache()
+
+    def init(device_count: int) -> None:
+        if _installed is not None and _installed.pool is pool:
+            _installed.device_count = int(device_count)
+
+    def memory_fraction(fraction: float, device: int) -> None:
+        pool.set_limit(int(fraction * _device_total_bytes(device)) or None)
+
+    def record_stream(ptr: Optional[int], stream: Optional[int]) -> None:
+        if ptr:
+            pool.record_stream(int(ptr), int(stream or 0))
+
+    return {
+        "set_reset_fn": (_RESET_FN, empty_cache),
+        "set_init_fn": (_INIT_FN, init),
+        "set_memory_fraction_fn": (_FRACTION_FN, memory_fraction),
+        "set_record_stream_fn": (_RECORD_STREAM_FN, record_stream),
+    }
+
+
+def set_torch_allocator(pool: MemPool) -> tuple[str, ...]:
+    """Make ``pool`` torch's CUDA allocator for the whole process.
+
+    Must be called before torch initialises CUDA (right after ``import
+    torch``; torch refuses to swap an initialised allocator). Wires torch's
+    hooks that its Python API exposes on the pluggable allocator
+    (``empty_cache`` -> ``pool.empty_cache()``, ``record_stream`` ->
+    ``pool.record_stream``, ``set_per_process_memory_fraction`` ->
+    ``pool.set_limit``, init) and returns the names of the hooks wired. The
+    hooks are Python functions called from torch's C++ (they take the GIL).
+    Calling it again with the same pool does nothing.
+
+    Out of memory: torch's pluggable allocator does not check the pointer our
+    C function returns, so a request the pool cannot serve gives a tensor
+    with ``data_ptr() == 0`` rather than torch.OutOfMemoryError (see the
+    module docstring); ``pool.last_error()`` holds the reason.
+    """
+    global _installed
+    if not isinstance(pool, MemPool):
+        raise TypeError(f"pool must be a gpumempool.MemPool, got {type(pool).__name__}")
+    torch = _import_torch()
+    caps = capabilities(torch)
+    if not caps.pluggable:
+        raise TorchVersionError(f"torch {caps.version} has no CUDAPluggableAllocator/change_current_allocator")
+    with _lock:
+        if _installed is not None:
+            if _installed.pool is pool:
+                return _installed.hooks
+            raise AllocatorInitializedError(
+                f"torch's CUDA allocator was already replaced by pool {_installed.pool.name!r}; "
+                "torch cannot swap its allocator twice in one process"
+            )
+        if pool.closed:
+            raise PoolClosedError(f"pool {pool!r} is closed")
+        if torch.cuda.is_initialized():
+            raise AllocatorInitializedError(
+                "gmp.set_torch_allocator(pool) must be called before torch initialises CUDA, and "
+                "torch.cuda.is_initialized() is already True (a CUDA tensor, stream, torch.cuda.init() or "
+                "similar came first). Call it right after `import torch`, or in a fresh process."
+            )
+        cpa = torch.cuda.memory.CUDAPluggableAllocator(*pool.pluggable_symbols())
+        raw = cpa.allocator()
+        callbacks: list[Any] = []
+        wired: list[str] = []
+        for setter, (ftype, fn) in _hooks(pool).items():
+            if hasattr(raw, setter):
+                cb = ftype(_guard(fn))
+                callbacks.append(cb)
+                getattr(raw, setter)(ctypes.cast(cb, ctypes.c_void_p).value)
+                wired.append(setter[len("set_"):].removesuffix("_fn"))
+        try:
+            torch.cuda.memory.change_current_allocator(cpa)
+        except RuntimeError as exc:
+            if "initialized" in str(exc):
+                raise AllocatorInitializedError(
+                    f"torch refused to swap its CUDA allocator ({exc}): call gmp.set_torch_allocator(pool) "
+                    "before anything initialises CUDA, in a fresh process"
+                ) from exc
+            raise
+        _installed = _Installed(pool, cpa, callbacks, tuple(wired))
+        return _installed.hooks
+
+
+def torch_allocator_pool() -> Optional[MemPool]:
+    """The pool installed with :func:`set_torch_allocator`, or None."""
+    return None if _installed is None else _installed.pool
+
+
+def torch_memory_stats(device: Any = None) -> dict[str, int]:
+    """``pool.stats(device)`` of the pool installed with
+    :func:`set_torch_allocator`: torch.cuda.memory_stats()'s key names,
+    for one device or summed over all (device None)."""
+    if _installed is None:
+        raise TorchIntegrationError(
+            "no pool is torch's allocator (gmp.set_torch_allocator was not called); use torch.cuda.memory_stats()"
+        )
+    return _installed.pool.stats(device)
+
+
+def _reset_for_tests() -> None:
+    """Forget every torch pool, registration and installed allocator (tests)."""
+    global _installed, _warned_process_wide, _nccl
+    with _lock:
+        _states.clear()
+        _caps_cache.clear()
+        _installed = None
+        _warned_process_wide = False
+        _nccl = None
+        _hook_error_list.clear()
+    _tls.frames = []
+

@@ -1,0 +1,1322 @@
+"""The torch, CuPy and cache-scope integrations without a GPU, torch or CuPy.
+
+A fake ``torch`` (injected into sys.modules) models what gpumempool.torch
+depends on, after PyTorch's sources: torch.cuda.MemPool over a pluggable
+allocator, use_mem_pool, the per-device ``captures_underway`` list with its
+"already recording to mempool_id" check, thread filters, private pools that
+cache freed blocks, emptyCache of unreferenced pools, snapshots,
+change_current_allocator and the pluggable allocator's hooks, and
+ProcessGroupNCCL's register_mem_pool. Three variants: "2.5" (MemPoolContext,
+always-true filter, first match, no MemPool.snapshot, destructor does not
+empty), "2.7" (+ snapshot, register_mem_pool of present segments) and "2.11"
+(thread-local routing, LIFO, use_on_oom/no_split). The pluggable allocator
+calls gpumempool's real exported C functions, so segments come from a real
+engine pool on the simulated device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import sys
+import threading
+import types
+import warnings
+from typing import Any, Optional
+
+import pytest
+
+import gpumempool as gmp
+from gpumempool import scope as gscope
+from gpumempool import torch as gtorch
+
+MiB = 1 << 20
+ALLOC_T = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+FREE_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+
+
+def seg_size(n: int) -> int:
+    """torch's segment size for a request (CUDACachingAllocator::get_allocation_size)."""
+    if n <= MiB:
+        return 2 * MiB
+    if n < 10 * MiB:
+        return 20 * MiB
+    return (n + 2 * MiB - 1) // (2 * MiB) * (2 * MiB)
+
+
+# ---------------------------------------------------------------------------
+# the fake torch
+# ---------------------------------------------------------------------------
+
+
+class FakeRawPluggable:
+    """torch._C._CUDAPluggableAllocator: calls the C functions, keeps metadata, hooks."""
+
+    def __init__(self, alloc_fn: Any, free_fn: Any) -> None:
+        self.alloc_fn, self.free_fn = alloc_fn, free_fn
+        self.meta: dict[int, tuple[int, int, int]] = {}
+        self.hooks: dict[str, Any] = {}
+
+    def set_init_fn(self, addr: int) -> None:
+        self.hooks["init"] = ctypes.CFUNCTYPE(None, ctypes.c_int)(addr)
+
+    def set_reset_fn(self, addr: int) -> None:
+        self.hooks["reset"] = ctypes.CFUNCTYPE(None)(addr)
+
+    def set_memory_fraction_fn(self, addr: int) -> None:
+        self.hooks["fraction"] = ctypes.CFUNCTYPE(None, ctypes.c_double, ctypes.c_int)(addr)
+
+    def set_record_stream_fn(self, addr: int) -> None:
+        self.hooks["record_stream"] = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(addr)
+
+    def malloc(self, size: int, device: int, stream: int) -> int:
+        ptr = self.alloc_fn(size, device, stream) or 0
+        if ptr:
+            self.meta[ptr] = (size, device, stream)
+        return ptr
+
+    def raw_delete(self, ptr: int) -> None:
+        size, device, stream = self.meta.pop(ptr)
+        self.free_fn(ptr, size, device, stream)
+
+
+class FakePrivatePool:
+    def __init__(self, pid: tuple[int, int], device: int, allocator: Any) -> None:
+        self.pid, self.device, self.allocator = pid, device, allocator
+        self.use_count = 1
+        self.segs: dict[int, list[Any]] = {}  # address -> [size, allocated]
+
+
+class FakeTensor:
+    def __init__(self, world: "World", ptr: int, nbytes: int, device: int, pid: Any, kind: str) -> None:
+        self.world, self.ptr, self.nbytes, self.device, self.pid, self.kind = world, ptr, nbytes, device, pid, kind
+        self.alive = True
+
+    def record_stream(self, stream: Any) -> None:
+        if self.kind == "pluggable":
+            self.world.current_allocator.hooks["record_stream"](self.ptr, getattr(stream, "cuda_stream", stream))
+
+    def __del__(self) -> None:
+        if self.alive:
+            self.alive = False
+            with contextlib.suppress(Exception):
+                self.world.free_tensor(self)
+
+
+class World:
+    """State of the fake torch process."""
+
+    def __init__(self, variant: str) -> None:
+        self.variant = variant
+        self.version = tuple(int(x) for x in variant.split("."))
+        self.modern = self.version >= (2, 8)
+        self.captures: dict[int, list[tuple[tuple[int, int], Any]]] = {}
+        self.pools: dict[tuple[int, int], FakePrivatePool] = {}
+        self.initialized = False
+        self.current_allocator: Optional[FakeRawPluggable] = None
+        self.native_next = 0x7F00_0000_0000
+        self.tls = threading.local()
+        self.uid = 0
+        self.misroutes: list[str] = []
+        self.calls: list[tuple[Any, ...]] = []
+        self.segment_hooks: list[Any] = []
+        self.lock = threading.RLock()
+
+    # thread state
+    def device(self) -> int:
+        return getattr(self.tls, "device", 0)
+
+    def stream(self) -> "FakeStream":
+        return getattr(self.tls, "stream", None) or FakeStream(0)
+
+    def lazy_init(self) -> None:
+        if not self.initialized:
+            self.initialized = True
+            if self.current_allocator is not None and "init" in self.current_allocator.hooks:
+                self.current_allocator.hooks["init"](2)
+
+    # CUDACachingAllocator's pool routing
+    def begin(self, device: int, pid: Any, filt: Any) -> None:
+        pid = tuple(pid)
+        with self.lock:
+            self.calls.append(("begin", device, pid))
+            self.pools[pid].use_count += 1
+            for other, _ in self.captures.get(device, []):
+                if other == pid:
+                    raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+            self.captures.setdefault(device, []).append((pid, filt))
+
+    def end(self, device: int, pid: Any) -> None:
+        pid = tuple(pid)
+        with self.lock:
+            self.calls.append(("end", device, pid))
+            entries = self.captures.get(device, [])
+            for i, (other, _) in enumerate(entries):
+                if other == pid:
+                    del entries[i]
+                    return
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    def release(self, device: int, pid: Any) -> None:
+        pid = tuple(pid)
+        with self.lock:
+            self.calls.append(("release", device, pid))
+            pp = self.pools[pid]
+            pp.use_count -= 1
+            if pp.use_count < 0:
+                raise RuntimeError("uc >= 0 INTERNAL ASSERT FAILED")
+
+    def empty_pool(self, pid: Any) -> None:
+        pp = self.pools.get(tuple(pid))
+        if pp is None:
+            return
+        for addr, (_size, allocated) in list(pp.segs.items()):
+            if not allocated:
+                pp.allocator.raw_delete(addr)
+                del pp.segs[addr]
+
+    def empty_cache(self) -> None:
+        if self.current_allocator is not None:
+            if "reset" in self.current_allocator.hooks:
+                self.current_allocator.hooks["reset"]()
+            return
+        for pid, pp in list(self.pools.items()):
+            if pp.use_count == 0:
+                self.empty_pool(pid)
+
+    # tensors
+    def alloc(self, nbytes: int, device: Optional[int] = None) -> FakeTensor:
+        self.lazy_init()
+        dev = self.device() if device is None else device
+        stream = self.stream().cuda_stream
+        if self.current_allocator is not None:
+            ptr = self.current_allocator.malloc(nbytes, dev, stream)
+            if not ptr:
+                raise MemoryError("CUDA out of memory (pluggable)")
+            return FakeTensor(self, ptr, nbytes, dev, None, "pluggable")
+        tid = threading.get_ident()
+        with self.lock:
+            entries = list(self.captures.get(dev, []))
+            if self.modern:
+                entries.reverse()  # LIFO since pytorch#168382
+            pp = next((self.pools[pid] for pid, filt in entries if filt(tid)), None)
+            if pp is None:
+                self.native_next += seg_size(nbytes)
+                return FakeTensor(self, self.native_next, nbytes, dev, None, "native")
+            allocator = pp.allocator
+            if not self.modern:  # 2.5-2.7: the allocator comes from MemPoolContext
+                active = FakeMemPoolContext.active_pool()
+                if active is None or active.allocator is not pp.allocator:
+                    self.misroutes.append(f"private pool {pp.pid} allocated with another pool's allocator")
+            for addr, seg in pp.segs.items():
+                if not seg[1] and seg[0] >= nbytes:
+                    seg[1] = True
+                    return FakeTensor(self, addr, nbytes, dev, pp.pid, "private")
+            size = seg_size(nbytes)
+            ptr = allocator.malloc(size, dev, stream)
+            if not ptr:
+                raise MemoryError("CUDA out of memory (private pool)")
+            pp.segs[ptr] = [size, True]
+            for hook in self.segment_hooks:
+                hook(pp.pid, ptr)
+            return FakeTensor(self, ptr, nbytes, dev, pp.pid, "private")
+
+    def free_tensor(self, t: FakeTensor) -> None:
+        if t.kind == "pluggable":
+            self.current_allocator.raw_delete(t.ptr)
+        elif t.kind == "private":
+            with self.lock:
+                self.pools[t.pid].segs[t.ptr][1] = False
+
+    def snapshot(self, pid: Any = None) -> list[dict[str, Any]]:
+        out = []
+        for p, pp in self.pools.items():
+            if pid is not None and p != tuple(pid):
+                continue
+            for addr, (size, allocated) in pp.segs.items():
+                out.append({
+                    "device": pp.device, "address": addr, "total_size": size,
+                    "allocated_size": size if allocated else 0, "segment_pool_id": p,
+                    "blocks": [{"size": size, "state": "active_allocated" if allocated else "inactive"}],
+                })
+        return out
+
+
+class FakeStream:
+    def __init__(self, handle: int) -> None:
+        self.cuda_stream = handle
+
+
+class FakeMemPoolContext:
+    _tls = threading.local()
+
+    def __init__(self, pool: Any) -> None:
+        self.prev = getattr(self._tls, "active", None)
+        self._tls.active = pool
+
+    def __del__(self) -> None:
+        self._tls.active = self.prev
+
+    @classmethod
+    def active_pool(cls) -> Any:
+        return getattr(cls._tls, "active", None)
+
+
+class FakeBackend:
+    """ProcessGroupNCCL: registerSegment refuses a segment registered
+    already, deregisterSegment one that is not; torch >= 2.8 also registers
+    segments a registered pool gains (its allocator hook)."""
+
+    def __init__(self, world: World, mode: str, comm_error: bool = False) -> None:
+        self.world, self.mode, self.comm_error = world, mode, comm_error
+        self.segments: set[tuple[Any, int]] = set()  # registered (pool, address); sim devices share addresses
+        self.pools: set[tuple[int, int]] = set()
+        self.calls: list[tuple[str, Any]] = []
+        world.segment_hooks.append(self._segment_alloc)
+        if mode == "mem_pool":
+            self.register_mem_pool = self._register
+            self.deregister_mem_pool = self._deregister
+        elif mode == "comm":
+            self._comm_ptr = lambda: 0xC0FFEE
+
+    def _segment_alloc(self, pid: tuple[int, int], addr: int) -> None:
+        if self.world.modern and pid in self.pools:
+            self.segments.add((pid, addr))
+
+    def registered(self, pid: Any) -> set[int]:
+        return {s["address"] for s in self.world.snapshot(pid) if (tuple(pid), s["address"]) in self.segments}
+
+    def _register(self, pool: Any) -> None:
+        if self.comm_error:
+            raise RuntimeError("NCCL communicator has not been initialized before mem pool creation.")
+        self.calls.append(("register", tuple(pool.id)))
+        self.pools.add(tuple(pool.id))
+        for s in self.world.snapshot(pool.id):
+            if (tuple(pool.id), s["address"]) in self.segments:
+                raise RuntimeError(f"Segment with ptr {s['address']} is already registered with this NCCL comm")
+            self.segments.add((tuple(pool.id), s["address"]))
+
+    def _deregister(self, pool: Any) -> None:
+        self.calls.append(("deregister", tuple(pool.id)))
+        self.pools.discard(tuple(pool.id))
+        for s in self.world.snapshot(pool.id):
+            if (tuple(pool.id), s["address"]) not in self.segments:
+                raise RuntimeError(f"Segment with ptr {s['address']} is not registered with this NCCL comm")
+            self.segments.remove((tuple(pool.id), s["address"]))
+
+
+class FakeGroup:
+    def __init__(self, backend: FakeBackend) -> None:
+        self.backend = backend
+
+    def _get_backend(self, device: Any) -> FakeBackend:
+        return self.backend
+
+
+def make_torch(variant: str = "2.11", *, use_mem_pool: bool = True, mem_pool: bool = True,
+               nccl_mode: str = "mem_pool") -> types.ModuleType:
+    world = World(variant)
+    torch = types.ModuleType("torch")
+    torch.__version__ = variant + ".0+fake"
+    torch._world = world  # type: ignore[attr-defined]
+    C = types.SimpleNamespace()
+    if world.modern:
+        C._cuda_beginAllocateCurrentThreadToPool = lambda d, pid: world.begin(
+            d, pid, (lambda me: (lambda tid: tid == me))(threading.get_ident()))
+        C._cuda_endAllocateToPool = world.end
+    else:
+        C._cuda_endAllocateCurrentStreamToPool = world.end
+    C._cuda_beginAllocateToPool = lambda d, pid: world.begin(d, pid, lambda tid: True)
+    C._cuda_releasePool = world.release
+    torch._C = C
+
+    class CUDAPluggableAllocator:
+        def __init__(self, path: str, alloc_name: str, free_name: str) -> None:
+            lib = ctypes.CDLL(path)
+            a = ALLOC_T(ctypes.cast(getattr(lib, alloc_name), ctypes.c_void_p).value)
+            f = FREE_T(ctypes.cast(getattr(lib, free_name), ctypes.c_void_p).value)
+            self._allocator = FakeRawPluggable(a, f)
+
+        def allocator(self) -> FakeRawPluggable:
+            return self._allocator
+
+    def change_current_allocator(cpa: Any) -> None:
+        if world.initialized:
+            raise RuntimeError("Can't swap an already initialized allocator")
+        world.current_allocator = cpa.allocator()
+
+    class MemPoolBase:
+        def _setup(self, allocator: Any, options: dict[str, bool]) -> None:
+            world.lazy_init()
+            world.uid += 1
+            self._pid = (0, world.uid)
+            self.device = world.device()
+            self.allocator = allocator
+            self.options = options
+            world.pools[self._pid] = FakePrivatePool(self._pid, self.device, allocator)
+
+        @property
+        def id(self) -> tuple[int, int]:
+            return self._pid
+
+        def __del__(self) -> None:
+            with contextlib.suppress(Exception):
+                world.release(self.device, self._pid)
+                if world.version >= (2, 6):
+                    world.empty_pool(self._pid)
+
+    if world.version >= (2, 8):
+        class MemPool(MemPoolBase):
+            def __init__(self, allocator: Any = None, use_on_oom: bool = False, no_split: bool = False) -> None:
+                self._setup(allocator, {"use_on_oom": use_on_oom, "no_split": no_split})
+
+            def use_count(self) -> int:
+                return world.pools[self._pid].use_count
+
+            def snapshot(self) -> list[dict[str, Any]]:
+                return world.snapshot(self._pid)
+    elif world.version >= (2, 6):
+        class MemPool(MemPoolBase):  # type: ignore[no-redef]
+            def __init__(self, allocator: Any = None) -> None:
+                self._setup(allocator, {})
+
+            def use_count(self) -> int:
+                return world.pools[self._pid].use_count
+
+            def snapshot(self) -> list[dict[str, Any]]:
+                return world.snapshot(self._pid)
+    else:
+        class MemPool(MemPoolBase):  # type: ignore[no-redef]
+            def __init__(self, allocator: Any = None) -> None:
+                self._setup(allocator, {})
+
+    @contextlib.contextmanager
+    def use_mem_pool_modern(pool: Any, device: Any = None) -> Any:
+        d = world.device() if device is None else device
+        C._cuda_beginAllocateCurrentThreadToPool(d, pool.id)
+        try:
+            yield
+        finally:
+            C._cuda_endAllocateToPool(d, pool.id)
+            C._cuda_releasePool(d, pool.id)
+
+    @contextlib.contextmanager
+    def use_mem_pool_legacy(pool: Any, device: Any = None) -> Any:
+        ctx = FakeMemPoolContext(pool)
+        d = world.device() if device is None else device
+        C._cuda_beginAllocateToPool(d, pool.id)
+        try:
+            yield
+        finally:
+            C._cuda_endAllocateCurrentStreamToPool(d, pool.id)
+            C._cuda_releasePool(d, pool.id)
+            del ctx
+
+    @contextlib.contextmanager
+    def device_cm(d: int) -> Any:
+        prev = world.device()
+        world.tls.device = d
+        try:
+            yield
+        finally:
+            world.tls.device = prev
+
+    @contextlib.contextmanager
+    def stream_cm(s: Any) -> Any:
+        prev = getattr(world.tls, "stream", None)
+        world.tls.stream = s
+        try:
+            yield
+        finally:
+            world.tls.stream = prev
+
+    memory = types.SimpleNamespace(
+        CUDAPluggableAllocator=CUDAPluggableAllocator,
+        change_current_allocator=change_current_allocator,
+        _snapshot=lambda *a, **k: {"segments": world.snapshot()},
+    )
+    cuda = types.SimpleNamespace(
+        memory=memory,
+        is_available=lambda: True,
+        is_initialized=lambda: world.initialized,
+        current_device=world.device,
+        device=device_cm,
+        stream=stream_cm,
+        Stream=FakeStream,
+        current_stream=lambda device=None: world.stream(),
+        empty_cache=world.empty_cache,
+        get_device_properties=lambda d: types.SimpleNamespace(total_memory=8 << 30),
+        set_per_process_memory_fraction=lambda f, d=None: world.current_allocator.hooks["fraction"](f, d or 0),
+    )
+    if mem_pool:
+        memory.MemPool = cuda.MemPool = MemPool
+        if use_mem_pool:
+            memory.use_mem_pool = cuda.use_mem_pool = use_mem_pool_modern if world.modern else use_mem_pool_legacy
+    if not world.modern:
+        memory.MemPoolContext = FakeMemPoolContext
+    torch.cuda = cuda
+    torch.device = lambda kind, index=None: types.SimpleNamespace(type=kind, index=index)
+    backend = FakeBackend(world, nccl_mode)
+    group = FakeGroup(backend)
+    state = {"initialized": True}
+    torch.distributed = types.SimpleNamespace(
+        is_available=lambda: True,
+        is_initialized=lambda: state["initialized"],
+        distributed_c10d=types.SimpleNamespace(_get_default_group=lambda: group),
+    )
+    torch._backend = backend  # type: ignore[attr-defined]
+    torch._group = group  # type: ignore[attr-defined]
+    torch._dist_state = state  # type: ignore[attr-defined]
+    torch.empty = world.alloc  # type: ignore[attr-defined]
+    return torch
+
+
+@pytest.fixture(autouse=True)
+def clean_state():
+    gtorch._reset_for_tests()
+    gscope._reset_for_tests()
+    yield
+    gtorch._reset_for_tests()
+    gscope._reset_for_tests()
+    gc.collect()
+
+
+@pytest.fixture()
+def sim():
+    p = gmp.MemPool("sim", name="torchpool", devices=2, capacity=1 << 30)
+    yield p
+    p.close()
+
+
+def install(monkeypatch: pytest.MonkeyPatch, variant: str = "2.11", **kw: Any) -> Any:
+    torch = make_torch(variant, **kw)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    return torch
+
+
+VARIANTS = ["2.5", "2.7", "2.11"]
+
+
+def allocated(pool: gmp.MemPool, device: Any = None) -> int:
+    return pool.stats(device)["allocated_bytes.all.current"]
+
+
+# ---------------------------------------------------------------------------
+# version dispatch
+# ---------------------------------------------------------------------------
+
+
+def test_without_torch_the_error_says_what_to_install(monkeypatch, sim):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(gtorch.TorchVersionError, match=r"needs torch >= 2\.5.*gpumempool\[torch\]"):
+        with gmp.mempool(sim):
+            pass
+    with pytest.raises(gtorch.TorchVersionError):
+        gmp.set_torch_allocator(sim)
+    assert isinstance(gtorch.TorchVersionError("x"), RuntimeError)
+
+
+def test_torch_without_mempool_is_too_old(monkeypatch, sim):
+    install(monkeypatch, "2.4", mem_pool=False)
+    with pytest.raises(gtorch.TorchVersionError, match=r"torch >= 2\.5.*this is torch 2\.4"):
+        with gmp.mempool(sim):
+            pass
+
+
+@pytest.mark.parametrize(
+    "variant, thread_local, pool_context, options, snapshot, nccl_new",
+    [
+        ("2.5", False, True, (), False, False),
+        ("2.7", False, True, (), True, False),
+        ("2.11", True, False, ("use_on_oom", "no_split"), True, True),
+    ],
+)
+def test_capabilities(monkeypatch, variant, thread_local, pool_context, options, snapshot, nccl_new):
+    torch = install(monkeypatch, variant)
+    caps = gtorch.capabilities()
+    assert caps == gtorch.capabilities(torch)
+    assert caps.version.startswith(variant)
+    assert caps.mem_pool and caps.use_mem_pool and caps.pluggable
+    assert caps.thread_local_routing is thread_local
+    assert caps.pool_context is pool_context
+    assert caps.mem_pool_options == options
+    assert caps.pool_snapshot is snapshot
+    assert caps.nccl_registers_new_segments is nccl_new
+
+
+def test_private_calls_replace_a_missing_use_mem_pool(monkeypatch, sim):
+    torch = install(monkeypatch, "2.11", use_mem_pool=False)
+    caps = gtorch.capabilities()
+    assert not caps.use_mem_pool and caps.thread_local_routing
+    assert (caps.begin_fn, caps.end_fn) == ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_endAllocateToPool")
+    with gmp.mempool(sim) as tp:
+        t = torch.empty(1000)
+    assert t.pid == tp.id and allocated(sim) == 2 * MiB
+    kinds = [c[0] for c in torch._world.calls]
+    assert kinds == ["begin", "end", "release"]
+    assert torch._world.pools[tp.id].use_count == 1
+
+
+def test_legacy_private_calls_use_the_pool_context(monkeypatch, sim):
+    torch = install(monkeypatch, "2.5", use_mem_pool=False)
+    caps = gtorch.capabilities()
+    assert (caps.begin_fn, caps.end_fn) == ("_cuda_beginAllocateToPool", "_cuda_endAllocateCurrentStreamToPool")
+    with pytest.warns(gtorch.ProcessWideRoutingWarning):
+        with gmp.mempool(sim) as tp:
+            t = torch.empty(1000)
+    assert t.pid == tp.id and not torch._world.misroutes
+
+
+# ---------------------------------------------------------------------------
+# the mempool context
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_routes_inside_and_reuses_one_torch_pool(monkeypatch, sim, variant):
+    torch = install(monkeypatch, variant)
+    warnings.simplefilter("ignore", gtorch.ProcessWideRoutingWarning)
+    outside = torch.empty(1000)
+    assert outside.kind == "native"
+    with gmp.mempool(sim, device="cuda:0") as tp:
+        x = torch.empty(3 * MiB)
+    y = torch.empty(10)
+    assert x.kind == "private" and x.pid == tp.id and y.kind == "native"
+    assert allocated(sim) == 20 * MiB  # torch's segment, from our engine
+    with gmp.mempool(sim) as tp2:
+        z = torch.empty(3 * MiB)
+    assert tp2 is tp and gtorch.torch_pools(sim) == [tp]
+    assert z.pid == tp.id and allocated(sim) == 40 * MiB
+    del z
+    with gmp.mempool(sim):
+        w = torch.empty(2 * MiB)  # torch's cache inside the torch pool: no new segment
+    assert allocated(sim) == 40 * MiB and w.pid == tp.id
+    assert x.alive and x.ptr in torch._world.pools[tp.id].segs  # outlives the block
+    assert torch._world.pools[tp.id].use_count == 1  # every begin has its release
+    assert not torch._world.misroutes
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_nesting_routes_to_the_innermost_pool(monkeypatch, sim, variant):
+    torch = install(monkeypatch, variant)
+    warnings.simplefilter("ignore", gtorch.ProcessWideRoutingWarning)
+    other = gmp.MemPool("sim", name="inner", capacity=1 << 30)
+    try:
+        with gmp.mempool(sim) as ta:
+            a1 = torch.empty(1000)
+            with gmp.mempool(other) as tb:
+                b = torch.empty(1000)
+                with gmp.mempool(sim) as ta2:  # the outer pool again, inside the inner one
+                    a2 = torch.empty(3 * MiB)
+                b2 = torch.empty(3 * MiB)
+            a3 = torch.empty(12 * MiB)
+        n = torch.empty(1000)
+        assert ta2 is ta
+        assert [t.pid for t in (a1, a2, a3)] == [ta.id] * 3
+        assert [t.pid for t in (b, b2)] == [tb.id] * 2
+        assert n.kind == "native"
+        assert allocated(other) == 2 * MiB + 20 * MiB
+        assert allocated(sim) == 2 * MiB + 20 * MiB + 12 * MiB
+        assert not torch._world.misroutes  # 2.5-2.7: MemPoolContext stayed consistent
+        assert torch._world.captures[0] == []
+        assert torch._world.pools[ta.id].use_count == 1 and torch._world.pools[tb.id].use_count == 1
+    finally:
+        other.close()
+
+
+def test_same_pool_nested_in_itself(monkeypatch, sim):
+    torch = install(monkeypatch)
+    with gmp.mempool(sim) as t1:
+        with gmp.mempool(sim) as t2:
+            x = torch.empty(100)
+        y = torch.empty(100)
+    assert t1 is t2 and x.pid == y.pid == t1.id
+    assert len(gtorch.torch_pools(sim)) == 1
+
+
+def test_other_threads_are_not_routed(monkeypatch, sim):
+    torch = install(monkeypatch, "2.11")
+    got: dict[str, Any] = {}
+    with gmp.mempool(sim):
+        th = threading.Thread(target=lambda: got.update(t=torch.empty(1000)))
+        th.start()
+        th.join()
+        mine = torch.empty(1000)
+    assert got["t"].kind == "native" and mine.kind == "private"
+
+
+def test_all_threads_routes_other_threads_too(monkeypatch, sim):
+    torch = install(monkeypatch, "2.11")
+    got: dict[str, Any] = {}
+    with gmp.mempool(sim, all_threads=True) as tp:
+        th = threading.Thread(target=lambda: got.update(t=torch.empty(1000)))
+        th.start()
+        th.join()
+    assert got["t"].pid == tp.id  # e.g. autograd's backward thread
+    assert torch._world.pools[tp.id].use_count == 1 and torch._world.captures[0] == []
+    del torch._C._cuda_beginAllocateToPool
+    gtorch._caps_cache.clear()
+    with pytest.raises(gtorch.TorchVersionError, match="all_threads"):
+        with gmp.mempool(sim, all_threads=True):
+            pass
+
+
+def test_process_wide_routing_is_warned_once(monkeypatch, sim):
+    torch = install(monkeypatch, "2.5")
+    got: dict[str, Any] = {}
+    with pytest.warns(gtorch.ProcessWideRoutingWarning, match="every thread"):
+        with gmp.mempool(sim):
+            th = threading.Thread(target=lambda: got.update(t=torch.empty(1000)))
+            th.start()
+            th.join()
+    assert got["t"].kind == "private"  # what torch 2.5-2.7 does
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with gmp.mempool(sim):
+            pass
+
+
+def test_concurrent_threads_get_their_own_torch_pools(monkeypatch, sim):
+    torch = install(monkeypatch, "2.11")
+    inside = threading.Barrier(2)
+    results: dict[str, Any] = {}
+
+    def worker(name: str) -> None:
+        try:
+            with gmp.mempool(sim) as tp:
+                inside.wait(timeout=10)
+                results[name] = (tp, torch.empty(1000))
+                inside.wait(timeout=10)
+        except BaseException as exc:  # noqa: BLE001
+            results[name] = exc
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in ("a", "b")]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    (ta, xa), (tb, xb) = results["a"], results["b"]
+    assert ta is not tb  # torch would refuse one pool for two threads at once
+    assert xa.pid == ta.id and xb.pid == tb.id
+    pools = gtorch.torch_pools(sim)
+    assert len(pools) == 2
+    with gmp.mempool(sim) as again:
+        pass
+    assert again is pools[0]  # the first one is reused
+
+
+def test_stream_is_entered_with_the_pool(monkeypatch, sim):
+    torch = install(monkeypatch)
+    s = torch.cuda.Stream(0x5000)
+    with gmp.mempool(sim, stream=s):
+        assert torch.cuda.current_stream() is s
+        x = torch.empty(1000)
+    assert torch.cuda.current_stream().cuda_stream == 0
+    assert torch._world.pools[x.pid].allocator.meta[x.ptr][2] == 0x5000  # the segment was asked for on s
+
+
+def test_devices(monkeypatch, sim):
+    torch = install(monkeypatch)
+    with gmp.mempool(sim, device="cuda:1") as t1:
+        pass
+    with gmp.mempool(sim, device=torch.device("cuda", 1)) as t1b:
+        x = torch.empty(1000, device=1)
+    with gmp.mempool(sim, device=0) as t0:
+        pass
+    assert t1 is t1b and t1.device == 1 and t0.device == 0 and t0 is not t1
+    assert x.pid == t1.id and allocated(sim, 1) == 2 * MiB and allocated(sim, 0) == 0
+    assert gtorch.torch_pools(sim, device=1) == [t1]
+    with pytest.raises(gmp.InvalidArgumentError, match="cuda"):
+        gmp.mempool(sim, device="cpu").__enter__()
+    with pytest.raises(TypeError):
+        gmp.mempool(sim, device=True).__enter__()
+    with pytest.raises(gmp.InvalidArgumentError):
+        gmp.mempool(sim, device=torch.device("cpu")).__enter__()
+    with pytest.raises(TypeError, match="gpumempool.MemPool"):
+        gmp.mempool("not a pool")
+
+
+def test_closed_pool_and_single_use_context(monkeypatch):
+    install(monkeypatch)
+    p = gmp.MemPool("sim", capacity=1 << 26)
+    cm = gmp.mempool(p)
+    with cm:
+        pass
+    with pytest.raises(gtorch.TorchIntegrationError, match="entered once"):
+        cm.__enter__()
+    p.close()
+    with pytest.raises(gmp.PoolClosedError):
+        with gmp.mempool(p):
+            pass
+
+
+def test_exiting_out_of_order_is_an_error(monkeypatch, sim):
+    install(monkeypatch)
+    other = gmp.MemPool("sim", capacity=1 << 26)
+    outer, inner = gmp.mempool(sim), gmp.mempool(other)
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(gtorch.TorchIntegrationError, match="out of order"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    other.close()
+
+
+def test_mempool_options(monkeypatch, sim):
+    install(monkeypatch, "2.11")
+    with gmp.mempool(sim, use_on_oom=True, no_split=True) as tp:
+        pass
+    assert tp.options == {"use_on_oom": True, "no_split": True}
+    with pytest.raises(gmp.InvalidArgumentError, match="options"):
+        with gmp.mempool(sim):
+            pass
+
+
+@pytest.mark.filterwarnings("ignore::gpumempool.torch.ProcessWideRoutingWarning")
+def test_mempool_options_need_a_torch_that_has_them(monkeypatch, sim):
+    install(monkeypatch, "2.7")
+    with pytest.raises(gtorch.TorchVersionError, match="use_on_oom"):
+        with gmp.mempool(sim, use_on_oom=True):
+            pass
+
+
+def test_begin_failure_leaves_nothing_half_done(monkeypatch, sim):
+    torch = install(monkeypatch)
+    other = gmp.MemPool("sim", capacity=1 << 26)
+    real = torch._C._cuda_beginAllocateCurrentThreadToPool
+    with gmp.mempool(sim) as ta:
+        def fail(d, pid):
+            if pid != ta.id:
+                raise RuntimeError("boom")
+            real(d, pid)
+
+        torch._C._cuda_beginAllocateCurrentThreadToPool = fail
+        with pytest.raises(RuntimeError, match="boom"):
+            with gmp.mempool(other):
+                pass
+        x = torch.empty(100)  # the outer pool was resumed
+    torch._C._cuda_beginAllocateCurrentThreadToPool = real
+    assert x.pid == ta.id
+    with gmp.mempool(other):
+        pass  # its lane was handed back
+    other.close()
+
+
+# ---------------------------------------------------------------------------
+# release
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_release(monkeypatch, sim, variant):
+    torch = install(monkeypatch, variant)
+    warnings.simplefilter("ignore", gtorch.ProcessWideRoutingWarning)
+    with gmp.mempool(sim) as tp:
+        x = torch.empty(3 * MiB)
+        y = torch.empty(1000)
+    del tp
+    allocs_before = sim.stats()["num_device_alloc"]
+    with pytest.raises(gtorch.PoolInUseError, match=r"2 tensor block\(s\).*still alive") as err:
+        gtorch.release(sim)
+    assert isinstance(err.value, RuntimeError)
+    assert allocated(sim) == 22 * MiB and len(gtorch.torch_pools(sim)) == 1  # untouched
+    del x, y
+    assert gtorch.release(sim) == 22 * MiB
+    assert allocated(sim) == 0 and gtorch.torch_pools(sim) == []
+    assert sim.stats()["reserved_bytes.all.current"] > 0  # the engine keeps the segments
+    with gmp.mempool(sim) as tp2:  # a new torch pool, fed from the engine's cache
+        z = torch.empty(3 * MiB)
+    assert z.pid == tp2.id
+    assert sim.stats()["num_device_alloc"] == allocs_before
+    del z, tp2
+    assert gmp.torch.pool_release(sim, to_backend=True) == 20 * MiB
+    assert sim.stats()["reserved_bytes.all.current"] == 0
+
+
+def test_release_while_inside_is_refused(monkeypatch, sim):
+    install(monkeypatch)
+    entered, leave = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        with gmp.mempool(sim):
+            entered.set()
+            leave.wait(10)
+
+    th = threading.Thread(target=worker, name="holder")
+    th.start()
+    entered.wait(10)
+    try:
+        with pytest.raises(gtorch.PoolInUseError, match="still inside.*'holder'"):
+            gtorch.release(sim)
+    finally:
+        leave.set()
+        th.join()
+    assert gtorch.release(sim) == 0
+
+
+def test_release_of_one_device_and_of_nothing(monkeypatch, sim):
+    torch = install(monkeypatch)
+    assert gtorch.release(sim) == 0
+    with gmp.mempool(sim, device=1):
+        torch.empty(100, device=1)
+    with gmp.mempool(sim, device=0):
+        torch.empty(100)
+    gc.collect()
+    assert gtorch.release(sim, device=1) == 2 * MiB
+    assert [tp.device for tp in gtorch.torch_pools(sim)] == [0]
+
+
+def test_release_reports_a_torch_pool_kept_alive(monkeypatch, sim):
+    torch = install(monkeypatch)
+    with gmp.mempool(sim) as kept:
+        torch.empty(100)
+    gc.collect()
+    with pytest.raises(gtorch.TorchIntegrationError, match="still referenced"):
+        gtorch.release(sim)
+    del kept
+    torch.cuda.empty_cache()
+    assert allocated(sim) == 0
+
+
+# ---------------------------------------------------------------------------
+# full replacement
+# ---------------------------------------------------------------------------
+
+
+def test_set_torch_allocator(monkeypatch, sim):
+    torch = install(monkeypatch)
+    with pytest.raises(gtorch.TorchIntegrationError, match="set_torch_allocator was not called"):
+        gmp.torch_memory_stats()
+    hooks = gmp.set_torch_allocator(sim)
+    assert set(hooks) == {"reset", "init", "memory_fraction", "record_stream"}
+    assert gmp.set_torch_allocator(sim) == hooks  # again: nothing to do
+    assert gtorch.torch_allocator_pool() is sim
+    x = torch.empty(1000)
+    assert x.kind == "pluggable" and allocated(sim) == 1024
+    assert gtorch._installed.device_count == 2  # init hook at torch's lazy init
+    assert gmp.torch_memory_stats() == sim.stats()
+    assert gmp.torch_memory_stats(0)["allocated_bytes.all.current"] == 1024
+    x.record_stream(torch.cuda.Stream(0x77))
+    assert sim.stats()["num_record_stream"] == 1
+    del x
+    assert allocated(sim) == 0 and sim.stats()["reserved_bytes.all.current"] > 0
+    torch.cuda.empty_cache()  # reset hook -> pool.empty_cache()
+    assert sim.stats()["reserved_bytes.all.current"] == 0
+    torch.cuda.set_per_process_memory_fraction(0.001, 0)  # 8 GiB device -> ~8 MiB cap
+    with pytest.raises(MemoryError):
+        torch.empty(64 * MiB)
+    assert gtorch.hook_errors() == []
+    other = gmp.MemPool("sim", capacity=1 << 26)
+    with pytest.raises(gtorch.AllocatorInitializedError, match="already replaced"):
+        gmp.set_torch_allocator(other)
+    other.close()
+
+
+def test_set_torch_allocator_after_cuda_init(monkeypatch, sim):
+    torch = install(monkeypatch)
+    torch.empty(10)
+    with pytest.raises(gtorch.AllocatorInitializedError, match=r"before torch initialises CUDA.*fresh process") as err:
+        gmp.set_torch_allocator(sim)
+    assert isinstance(err.value, RuntimeError)
+
+
+def test_set_torch_allocator_when_torch_refuses(monkeypatch, sim):
+    torch = install(monkeypatch)
+
+    def refuse(cpa):
+        raise RuntimeError("Can't swap an already initialized allocator")
+
+    torch.cuda.memory.change_current_allocator = refuse
+    with pytest.raises(gtorch.AllocatorInitializedError, match="refused"):
+        gmp.set_torch_allocator(sim)
+    assert gtorch.torch_allocator_pool() is None
+
+
+def test_hook_errors_do_not_unwind_into_torch(monkeypatch, sim):
+    torch = install(monkeypatch)
+    gmp.set_torch_allocator(sim)
+    torch._world.current_allocator.hooks["record_stream"](0x1234, 5)  # not a block of the pool
+    errs = gtorch.hook_errors()
+    assert len(errs) == 1 and "record_stream" in errs[0]
+    assert gtorch.hook_errors() == []
+
+
+# ---------------------------------------------------------------------------
+# NCCL registration
+# ---------------------------------------------------------------------------
+
+
+def test_register_needs_distributed(monkeypatch, sim):
+    torch = install(monkeypatch)
+    torch._dist_state["initialized"] = False
+    with pytest.raises(gtorch.TorchIntegrationError, match="init_process_group"):
+        gtorch.register(sim)
+
+
+def test_register_with_register_mem_pool(monkeypatch, sim):
+    torch = install(monkeypatch, "2.11")
+    backend = torch._backend
+    gtorch.register(sim)
+    (tp,) = gtorch.torch_pools(sim)  # made for the registration
+    assert backend.calls == [("register", tp.id)]
+    gtorch.register(sim, torch._group)  # the default group again: nothing to do
+    assert len(backend.calls) == 1
+    with gmp.mempool(sim) as t:
+        x = torch.empty(30 * MiB)  # the pool grows: torch >= 2.8 registers it itself
+    assert t is tp and backend.calls == [("register", tp.id)]
+    assert backend.registered(tp.id) == {x.ptr}
+    tp_id = tp.id
+    del x, t, tp
+    gc.collect()
+    gtorch.release(sim)  # deregisters the torch pool that goes
+    assert backend.calls[-1] == ("deregister", tp_id)
+    with gmp.mempool(sim) as tp2:  # the next torch pool is registered
+        pass
+    assert backend.calls[-1] == ("register", tp2.id)
+    gtorch.deregister(sim)
+    assert backend.calls[-1] == ("deregister", tp2.id) and backend.segments == set()
+    with gmp.mempool(sim):
+        pass
+    assert backend.calls[-1] == ("deregister", tp2.id)  # no longer registered
+
+
+def test_register_on_old_torch_is_lifted_while_inside(monkeypatch, sim):
+    torch = install(monkeypatch, "2.7")
+    warnings.simplefilter("ignore", gtorch.ProcessWideRoutingWarning)
+    backend = torch._backend
+    gtorch.register(sim)
+    (tp,) = gtorch.torch_pools(sim)
+    assert backend.calls == [("register", tp.id)]
+    with gmp.mempool(sim):
+        assert backend.calls[-1] == ("deregister", tp.id)  # the pool may grow in here
+        with gmp.mempool(sim):  # nested: nothing more
+            x = torch.empty(1000)
+        assert len(backend.calls) == 2
+    assert backend.calls[-1] == ("register", tp.id)
+    assert backend.registered(tp.id) == {x.ptr}  # the new segment too, without double registration
+    with gmp.mempool(sim):
+        y = torch.empty(3 * MiB)
+    assert backend.registered(tp.id) == {x.ptr, y.ptr}
+
+    # registering while a thread is inside: done when it leaves
+    other = gmp.MemPool("sim", capacity=1 << 30)
+    inside, leave = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            with gmp.mempool(other):
+                torch.empty(1000)
+                inside.set()
+                leave.wait(10)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    th = threading.Thread(target=worker)
+    th.start()
+    inside.wait(10)
+    gtorch.register(other)
+    (tpo,) = gtorch.torch_pools(other)
+    assert ("register", tpo.id) not in backend.calls
+    leave.set()
+    th.join()
+    assert errors == []
+    assert backend.calls[-1] == ("register", tpo.id) and len(backend.registered(tpo.id)) == 1
+    del x, y, tp, tpo
+    gc.collect()
+    gtorch.release(sim)
+    gtorch.release(other)
+    assert backend.segments == set()
+    other.close()
+
+
+def test_register_explains_a_lazy_communicator(monkeypatch, sim):
+    torch = install(monkeypatch)
+    torch._backend.comm_error = True
+    with pytest.raises(gtorch.TorchIntegrationError, match="device_id"):
+        gtorch.register(sim)
+
+
+class FakeNccl:
+    def __init__(self) -> None:
+        self.handles: dict[int, tuple[int, int, int]] = {}
+        self.next = 1
+
+    def register(self, comm: int, ptr: int, size: int) -> int:
+        self.next += 1
+        self.handles[self.next] = (comm, ptr, size)
+        return self.next
+
+    def deregister(self, comm: int, handle: int) -> None:
+        assert self.handles.pop(handle)[0] == comm
+
+
+def test_register_falls_back_to_nccl_comm_register(monkeypatch, sim):
+    torch = install(monkeypatch, "2.5", nccl_mode="comm")
+    warnings.simplefilter("ignore", gtorch.ProcessWideRoutingWarning)
+    nccl = FakeNccl()
+    monkeypatch.setattr(gtorch, "_nccl_lib", lambda: nccl)
+    gtorch.register(sim)
+    assert nccl.handles == {}  # no segment yet
+    with gmp.mempool(sim):
+        x = torch.empty(1000)
+        y = torch.empty(3 * MiB)
+    assert sorted((p, s) for _, p, s in nccl.handles.values()) == sorted([(x.ptr, 2 * MiB), (y.ptr, 20 * MiB)])
+    assert {c for c, _, _ in nccl.handles.values()} == {0xC0FFEE}
+    gtorch.deregister(sim)
+    assert nccl.handles == {}
+
+
+def test_register_without_any_nccl_api(monkeypatch, sim):
+    install(monkeypatch, nccl_mode="none")
+    with pytest.raises(gtorch.TorchVersionError, match="register_mem_pool"):
+        gtorch.register(sim)
+
+
+# ---------------------------------------------------------------------------
+# cache scopes
+# ---------------------------------------------------------------------------
+
+BODY = [1000, 5000, 5000, 70_000, 3 * MiB]
+
+
+def run_body(scope: gscope.CacheScope) -> list[int]:
+    ptrs = [scope.alloc(n) for n in BODY]
+    tmp = scope.alloc(2000)
+    scope.free(tmp)
+    again = scope.alloc(2000)  # reuses the block freed in this very iteration
+    assert again == tmp
+    for p in reversed(ptrs):
+        scope.free(p)
+    scope.free(again)
+    return ptrs + [again]
+
+
+def test_scope_reuses_the_previous_iteration_exactly(pool):
+    seen = []
+    for _ in range(3):
+        with gmp.cache_scope(pool, "body") as scope:
+            seen.append(run_body(scope))
+    assert seen[0] == seen[1] == seen[2]
+    assert scope.misses == len(BODY) + 1 and scope.entries == 3
+    assert scope.stats()["live_bytes"] == 0 and scope.cached_bytes > 0
+    gmp.invalidate("body")
+
+
+def test_scope_peak_stays_flat(pool):
+    peaks = []
+    for _ in range(100):
+        with gmp.cache_scope(pool, "loop") as scope:
+            run_body(scope)
+        peaks.append(pool.stats()["allocated_bytes.all.peak"])
+    assert len(set(peaks)) == 1
+    assert peaks[0] <= sum((n + 511) // 512 * 512 for n in BODY) + 2048
+    freed = gmp.invalidate("loop")
+    assert freed == sum((n + 511) // 512 * 512 for n in BODY) + 2048
+    s = pool.stats()
+    assert s["allocated_bytes.all.current"] == 0 and s["active.all.current"] == 0
+    assert gmp.invalidate("loop") == 0
+    with gmp.cache_scope(pool, "loop") as fresh:
+        assert fresh is not scope and fresh.entries == 1
+
+
+def test_scope_module_functions_and_blocks_outliving_it(pool):
+    assert gscope.active_scope(pool) is None
+    raw = gscope.alloc(pool, 4096)  # no scope: straight from the pool
+    with gmp.cache_scope(pool, "s") as scope:
+        assert gscope.active_scope(pool) is scope
+        a = gscope.alloc(pool, 4096)
+        kept = gscope.alloc(pool, 8192)
+        gscope.free(pool, a)
+    gscope.free(pool, raw)
+    assert scope.cached_bytes == 4096 and scope.live_bytes == 8192
+    gscope.free(pool, kept)  # freed after the scope exited: cached for its next entry
+    assert scope.cached_bytes == 4096 + 8192
+    with gmp.cache_scope(pool, "s"):
+        assert gscope.alloc(pool, 8192) == kept
+        late = gscope.alloc(pool, 512)
+    assert gmp.invalidate("s", pool) == 4096
+    gscope.free(pool, kept)  # after invalidation: to the pool
+    gscope.free(pool, late)
+    assert allocated(pool) == 0
+    with pytest.raises(gscope.ScopeError, match="invalidated"):
+        scope.alloc(100)
+
+
+def test_scope_errors(pool):
+    with gmp.cache_scope(pool, "e") as scope:
+        with pytest.raises(gscope.ScopeError, match="entered"):
+            gmp.invalidate("e")
+        with pytest.raises(gmp.InvalidPointerError):
+            scope.free(0x1234)
+        with pytest.raises(gmp.InvalidArgumentError):
+            scope.alloc(0)
+        with pytest.raises(TypeError):
+            scope.alloc(1.5)
+    with pytest.raises(TypeError):
+        with gmp.cache_scope(pool, ""):
+            pass
+    with pytest.raises(TypeError):
+        with gmp.cache_scope("pool", "x"):
+            pass
+    assert isinstance(gscope.ScopeError("x"), RuntimeError)
+
+
+def test_scope_keep_false_invalidates_on_exit(pool):
+    with gmp.cache_scope(pool, "once", keep=False) as scope:
+        for _ in range(10):
+            p = scope.alloc(100_000)
+            scope.free(p)
+    assert scope.invalidated and scope.hits == 9 and allocated(pool) == 0
+
+
+def test_scope_is_per_thread_and_per_stream(pool):
+    got = {}
+    with gmp.cache_scope(pool, "t") as scope:
+        a = scope.alloc(1000, stream=1)
+        scope.free(a)
+        assert scope.alloc(1000, stream=2) != a  # another stream: not the cached block
+        th = threading.Thread(target=lambda: got.update(s=gscope.active_scope(pool)))
+        th.start()
+        th.join()
+    assert got["s"] is None
+
+
+def test_scope_with_torch(monkeypatch, sim):
+    torch = install(monkeypatch, "2.11")
+    with gmp.mempool(sim) as plain:
+        pass
+    for _ in range(5):
+        with gmp.cache_scope(sim, "step", torch=True, device="cuda:0") as scope:
+            x = torch.empty(3 * MiB)
+            y = torch.empty(3 * MiB)
+            del x, y
+        assert allocated(sim) == 40 * MiB  # one iteration's worth (the fake gives each tensor a segment)
+    pools = gtorch.torch_pools(sim)
+    assert len(pools) == 2 and pools[0] is plain
+    del pools  # (a reference to a torch pool keeps it, and its segments, alive)
+    assert allocated(sim) == 40 * MiB  # kept in the scope's torch pool for the next iteration
+    with gmp.cache_scope(sim, "step", torch=True):
+        alive = torch.empty(1000)
+    with pytest.raises(gtorch.PoolInUseError):
+        gmp.invalidate("step")
+    assert not scope.invalidated
+    del alive
+    gmp.invalidate("step")
+    assert gtorch.torch_pools(sim) == [plain] and allocated(sim) == 0
+
+
+# ---------------------------------------------------------------------------
+# CuPy
+# ---------------------------------------------------------------------------
+
+
+def make_cupy() -> types.ModuleType:
+    cp = types.ModuleType("cupy")
+    state: dict[str, Any] = {"allocator": "cupy-default", "device": 0, "stream": 0}
+    tls = threading.local()
+
+    class UnownedMemory:
+        def __init__(self, ptr: int, size: int, owner: Any, device_id: int = -1) -> None:
+            self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+    class MemoryPointer:
+        def __init__(self, mem: Any, offset: int) -> None:
+            self.mem, self.ptr = mem, mem.ptr + offset
+
+    @contextlib.contextmanager
+    def using_allocator(fn: Any = None) -> Any:
+        prev = getattr(tls, "allocator", None)
+        tls.allocator = fn
+        try:
+            yield
+        finally:
+            tls.allocator = prev
+
+    def alloc(size: int) -> Any:
+        fn = getattr(tls, "allocator", None) or state["allocator"]
+        return fn(size)
+
+    cp.cuda = types.SimpleNamespace(
+        UnownedMemory=UnownedMemory,
+        MemoryPointer=MemoryPointer,
+        set_allocator=lambda fn=None: state.update(allocator=fn),
+        get_allocator=lambda: state["allocator"],
+        using_allocator=using_allocator,
+        alloc=alloc,
+        get_current_stream=lambda: types.SimpleNamespace(ptr=state["stream"]),
+        runtime=types.SimpleNamespace(getDevice=lambda: state["device"]),
+    )
+    cp._state = state  # type: ignore[attr-defined]
+    return cp
+
+
+def test_cupy_without_cupy(monkeypatch, pool):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(gmp.cupy.CupyIntegrationError, match="needs CuPy"):
+        gmp.cupy.set_allocator(pool)
+
+
+def test_cupy_using_is_thread_local_and_frees_on_gc(monkeypatch, sim):
+    cp = make_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    cp._state.update(device=1, stream=0x99)
+    with gmp.cupy.using(sim) as fn:
+        assert fn.pool is sim
+        mp = cp.cuda.alloc(1000)
+        zero = cp.cuda.alloc(0)
+    assert cp.cuda.get_allocator() == "cupy-default"
+    assert mp.mem.device_id == 1 and mp.ptr and zero.ptr == 0
+    assert allocated(sim, 1) == 1024
+    del mp
+    gc.collect()
+    assert allocated(sim) == 0
+
+
+def test_cupy_set_and_reset_allocator(monkeypatch, sim):
+    cp = make_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    assert gmp.cupy.set_allocator(sim, device=0) == "cupy-default"
+    keep = cp.cuda.alloc(5000)
+    gmp.cupy.reset_allocator()
+    assert cp.cuda.get_allocator() == "cupy-default"
+    with pytest.raises(gmp.cupy.CupyIntegrationError, match="nothing to restore"):
+        gmp.cupy.reset_allocator()
+    with gmp.cupy.using(sim, process_wide=True):
+        assert cp.cuda.get_allocator() is not None and cp.cuda.get_allocator() != "cupy-default"
+        other = cp.cuda.alloc(100)
+    assert cp.cuda.get_allocator() == "cupy-default"
+    assert allocated(sim) == 5120 + 512
+    del keep, other
+    gc.collect()
+    assert allocated(sim) == 0
+
+
+def test_cupy_inside_a_cache_scope(monkeypatch, sim):
+    cp = make_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    ptrs = []
+    with gmp.cupy.using(sim):
+        for _ in range(5):
+            with gmp.cache_scope(sim, "cupy-body"):
+                a = cp.cuda.alloc(100_000)
+                ptrs.append(a.ptr)
+                del a
+                gc.collect()
+    assert len(set(ptrs)) == 1 and allocated(sim) == 100_352
+    gmp.invalidate("cupy-body")
+    assert allocated(sim) == 0
+
+
+def test_cupy_free_after_close_is_swallowed(monkeypatch):
+    cp = make_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    p = gmp.MemPool("sim", capacity=1 << 26)
+    with gmp.cupy.using(p):
+        mp = cp.cuda.alloc(100)
+    p.close()
+    before = gmp.cupy._dropped[0]
+    del mp
+    gc.collect()
+    assert gmp.cupy._dropped[0] == before + 1

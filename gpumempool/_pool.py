@@ -396,6 +396,35 @@ class MemPool:
         return self._cached_name
 
     @property
+    def device(self) -> int:
+        """The default device of :meth:`alloc`."""
+        return self._device
+
+    # -- torch / NCCL (gpumempool.torch imports torch lazily) -------------
+
+    def register(self, process_group: Any = None, **kwargs: Any) -> Any:
+        """Register the pool's buffers with the NCCL communicator of
+        ``process_group`` (the default group when None), and keep registering
+        as the pool grows; see :func:`gpumempool.torch.register`."""
+        from . import torch as _torch
+
+        return _torch.register(self, process_group, **kwargs)
+
+    def deregister(self, process_group: Any = None, **kwargs: Any) -> Any:
+        """Undo :meth:`register`; see :func:`gpumempool.torch.deregister`."""
+        from . import torch as _torch
+
+        return _torch.deregister(self, process_group, **kwargs)
+
+    def release(self, device: Any = None, **kwargs: Any) -> int:
+        """Give back the segments torch cached for this pool once its tensors
+        are gone; an error (not a crash) while they are alive. See
+        :func:`gpumempool.torch.release`."""
+        from . import torch as _torch
+
+        return _torch.release(self, device, **kwargs)
+
+    @property
     def handle(self) -> int:
         """The pool's handle in the native library (for gmp_pool_alloc)."""
         return self._handle()

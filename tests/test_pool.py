@@ -196,3 +196,15 @@ def test_expandable_sim_segments_grow_in_place() -> None:
         pool.free(a)
         pool.free(b)
         assert pool.alloc(6 * MiB) == a  # served from the two freed pieces
+
+
+def test_torch_methods_need_torch_and_say_so() -> None:
+    import importlib.util
+
+    with gmp.MemPool("sim", device=0) as pool:
+        assert pool.device == 0
+        if importlib.util.find_spec("torch") is not None:
+            pytest.skip("torch is installed: the GPU tests cover these methods")
+        for method in (pool.release, pool.register, pool.deregister):
+            with pytest.raises(gmp.GpuMemPoolError, match="needs torch"):
+                method()

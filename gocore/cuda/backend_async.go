@@ -8,6 +8,7 @@ import (
 	"sync"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/internal/segtrack"
 )
 
 // ErrBackendClosed is wrapped by the methods of AsyncBackend and VMMBackend
@@ -53,17 +54,11 @@ type AsyncBackend struct {
 	drv  *Driver
 	opts AsyncOptions
 
-	mu     sync.Mutex
-	pools  []uint64               // by device; 0 until created
-	live   map[uint64]*asyncAlloc // segments by address (UVA: unique across devices)
-	closed bool
-}
+	live *segtrack.Table // the segments allocated and not freed
 
-type asyncAlloc struct {
-	dev     int
-	size    uint64
-	stream  gocore.Stream
-	freeing bool // a Free is in flight: refuse a second one
+	mu     sync.Mutex
+	pools  []uint64 // by device; 0 until created
+	closed bool
 }
 
 var (
@@ -94,7 +89,7 @@ func NewAsyncBackend(drv *Driver, opts AsyncOptions) (*AsyncBackend, error) {
 	return &AsyncBackend{
 		cu: cu, drv: drv, opts: opts,
 		pools: make([]uint64, cu.Devices()),
-		live:  make(map[uint64]*asyncAlloc),
+		live:  segtrack.New("async backend"),
 	}, nil
 }
 
@@ -234,14 +229,11 @@ func (b *AsyncBackend) Alloc(dev int, size uint64, stream gocore.Stream) (uint64
 		_ = b.drv.MemFreeAsync(dev, addr, uint64(stream))
 		return 0, fmt.Errorf("async backend: cuMemAllocFromPoolAsync returned %#x, not aligned to %d bytes", addr, Alignment)
 	}
-	b.mu.Lock()
-	defer b.mu.Unlock()
 	// An address whose Free is in flight may come back at once; only a live
 	// one is a driver bug.
-	if old, dup := b.live[addr]; dup && !old.freeing {
+	if !b.live.Add(segtrack.Segment{Device: dev, Addr: addr, Size: size}) {
 		return 0, fmt.Errorf("async backend: cuMemAllocFromPoolAsync returned %#x, which is still allocated", addr)
 	}
-	b.live[addr] = &asyncAlloc{dev: dev, size: size, stream: stream}
 	return addr, nil
 }
 
@@ -252,31 +244,12 @@ func (b *AsyncBackend) Alloc(dev int, size uint64, stream gocore.Stream) (uint64
 // events). It works after Close too: a destroyed pool's allocations stay
 // valid until freed. On error the segment stays allocated.
 func (b *AsyncBackend) Free(dev int, addr, size uint64, stream gocore.Stream) error {
-	b.mu.Lock()
-	a, ok := b.live[addr]
-	switch {
-	case !ok || a.dev != dev || a.size != size:
-		b.mu.Unlock()
-		return fmt.Errorf("async backend: free(%#x, %d bytes, device %d): not a live segment of that size and device: %w",
-			addr, size, dev, gocore.ErrInvalidArgument)
-	case a.freeing:
-		b.mu.Unlock()
-		return fmt.Errorf("async backend: free(%#x): already being freed: %w", addr, gocore.ErrInvalidArgument)
-	}
-	a.freeing = true
-	b.mu.Unlock()
-
-	err := b.drv.MemFreeAsync(dev, addr, uint64(stream))
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if err != nil {
-		a.freeing = false
-		return fmt.Errorf("async backend: %w", err)
-	}
-	if b.live[addr] == a { // after the free an Alloc may already own addr
-		delete(b.live, addr)
-	}
-	return nil
+	return b.live.Free(dev, addr, size, func() error {
+		if err := b.drv.MemFreeAsync(dev, addr, uint64(stream)); err != nil {
+			return fmt.Errorf("async backend: %w", err)
+		}
+		return nil
+	})
 }
 
 // Trim releases memory cached by dev's CUDA pool (memory the engine gave
@@ -345,10 +318,8 @@ func (b *AsyncBackend) ExportPointer(dev int, ptr uint64) ([64]byte, error) {
 	if !b.opts.IPC {
 		return [64]byte{}, fmt.Errorf("async backend: export pointer %#x: created without IPC: %w", ptr, gocore.ErrUnsupported)
 	}
-	b.mu.Lock()
-	a, ok := b.live[ptr]
-	b.mu.Unlock()
-	if !ok || a.dev != dev {
+	s, ok := b.live.Lookup(ptr)
+	if !ok || s.Device != dev {
 		return [64]byte{}, fmt.Errorf("async backend: export pointer %#x: not the start of a live segment on device %d: %w",
 			ptr, dev, gocore.ErrInvalidArgument)
 	}
@@ -371,11 +342,11 @@ func (b *AsyncBackend) Close() error {
 	}
 	b.closed = true
 	pools := append([]uint64(nil), b.pools...)
-	var leaked []string
-	for addr, a := range b.live {
-		leaked = append(leaked, fmt.Sprintf("%#x (%d bytes, device %d)", addr, a.size, a.dev))
-	}
 	b.mu.Unlock()
+	var leaked []string
+	for _, s := range b.live.Segments() {
+		leaked = append(leaked, fmt.Sprintf("%#x (%d bytes, device %d)", s.Addr, s.Size, s.Device))
+	}
 
 	var errs []error
 	for dev, p := range pools {

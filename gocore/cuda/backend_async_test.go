@@ -24,10 +24,7 @@ func newAsync(t *testing.T, drv *Driver, opts AsyncOptions) *AsyncBackend {
 func TestAsyncBackendPoolCycle(t *testing.T) {
 	f, drv := setup(t)
 	be := newAsync(t, drv, AsyncOptions{})
-	assert.Equal(t, "async", be.Name())
-	assert.Equal(t, 2, be.Devices())
-	assert.EqualValues(t, Alignment, be.Alignment())
-	assert.Same(t, drv, be.Driver())
+	checkGPUBackend(t, be, "async", drv)
 	assert.Zero(t, f.LivePools(), "pools are created on first use")
 	p := newPool(t, be)
 
@@ -42,16 +39,7 @@ func TestAsyncBackendPoolCycle(t *testing.T) {
 	fakecuda.Write(a, pattern)
 	assert.Equal(t, pattern, fakecuda.Read(a, len(pattern)))
 
-	b, err := p.Alloc(1000, 1, stream)
-	require.NoError(t, err)
-	assert.Equal(t, a+1024, b, "carved from the same segment")
-	require.NoError(t, p.Free(a))
-	require.NoError(t, p.Free(b))
-	c, err := p.Alloc(1000, 1, stream)
-	require.NoError(t, err)
-	assert.Equal(t, a, c, "served from the engine's cache")
-	assert.Equal(t, 1, f.Calls("cuMemAllocFromPoolAsync"))
-	require.NoError(t, p.Free(c))
+	checkCarveAndReuse(t, f, p, a, 1, stream, "cuMemAllocFromPoolAsync")
 
 	released, err := p.EmptyCache()
 	require.NoError(t, err)
@@ -174,8 +162,7 @@ func TestAsyncBackendOutOfMemory(t *testing.T) {
 	require.NoError(t, p.Free(a)) // cached by the engine, still allocated in the driver
 	b, err := p.Alloc(50*mib, 0, 0)
 	require.NoError(t, err, "the engine released its cache and retried")
-	st, err := p.Stats(0)
-	require.NoError(t, err)
+	st := poolStats(t, p, 0)
 	assert.EqualValues(t, 1, st.NumAllocRetries)
 	assert.Zero(t, st.NumOOMs)
 	assert.EqualValues(t, 50*mib, f.LiveBytes(0))
@@ -189,8 +176,7 @@ func TestAsyncBackendOutOfMemory(t *testing.T) {
 	require.ErrorAs(t, err, &cerr)
 	assert.Equal(t, CodeOutOfMemory, cerr.Code)
 	assert.Equal(t, "cuMemAllocFromPoolAsync", cerr.Op)
-	st, err = p.Stats(0)
-	require.NoError(t, err)
+	st = poolStats(t, p, 0)
 	assert.EqualValues(t, 1, st.NumOOMs)
 
 	require.NoError(t, p.Free(b))

@@ -22,6 +22,53 @@ func newPool(t *testing.T, be gocore.Backend) *gocore.Pool {
 	return p
 }
 
+func newBackend(t *testing.T, drv *Driver) *Backend {
+	t.Helper()
+	be, err := NewBackend(drv)
+	require.NoError(t, err)
+	return be
+}
+
+func poolStats(t *testing.T, p *gocore.Pool, dev int) gocore.Stats {
+	t.Helper()
+	st, err := p.Stats(dev)
+	require.NoError(t, err)
+	return st
+}
+
+// checkGPUBackend checks what a GPU backend over drv (from the fake, two
+// devices) says about itself.
+func checkGPUBackend(t *testing.T, be interface {
+	gocore.Backend
+	Driver() *Driver
+}, name string, drv *Driver) {
+	t.Helper()
+	assert.Equal(t, name, be.Name())
+	assert.Equal(t, 2, be.Devices())
+	assert.EqualValues(t, Alignment, be.Alignment())
+	assert.Same(t, drv, be.Driver())
+}
+
+// checkCarveAndReuse takes a, a 1000-byte block on dev and stream, through
+// the engine's side of a pool cycle: a second such block is carved from
+// a's segment (1000 rounds up to 1024), and once both are freed a third is
+// served from the engine's cache, the driver's entry point alloc having
+// been called only once, for a's segment.
+func checkCarveAndReuse(t *testing.T, f *fakecuda.Fake, p *gocore.Pool, a uint64, dev int, stream gocore.Stream,
+	alloc string) {
+	t.Helper()
+	b, err := p.Alloc(1000, dev, stream)
+	require.NoError(t, err)
+	assert.Equal(t, a+1024, b, "carved from the same segment")
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(b))
+	c, err := p.Alloc(1000, dev, stream)
+	require.NoError(t, err)
+	assert.Equal(t, a, c, "served from the engine's cache")
+	assert.Equal(t, 1, f.Calls(alloc))
+	require.NoError(t, p.Free(c))
+}
+
 func closePool(t *testing.T, p *gocore.Pool) gocore.CloseReport {
 	t.Helper()
 	rep, err := p.Close()
@@ -38,8 +85,7 @@ func TestNewBackendErrors(t *testing.T) {
 	_, drv := setup(t)
 	_, err = NewHostBackend(drv, 0x10)
 	require.ErrorIs(t, err, gocore.ErrInvalidArgument)
-	be, err := NewBackend(drv)
-	require.NoError(t, err)
+	be := newBackend(t, drv)
 	assert.Equal(t, "cuda", be.Name())
 	assert.Equal(t, 2, be.Devices())
 	assert.EqualValues(t, 512, be.Alignment())
@@ -58,8 +104,7 @@ func TestNewBackendErrors(t *testing.T) {
 
 func TestPoolOverCUDABackend(t *testing.T) {
 	f, drv := setup(t)
-	be, err := NewBackend(drv)
-	require.NoError(t, err)
+	be := newBackend(t, drv)
 	p := newPool(t, be)
 
 	a, err := p.Alloc(1000, 1, 0x10)
@@ -113,8 +158,7 @@ func TestPoolOverCUDABackend(t *testing.T) {
 // which names the driver's error.
 func TestOutOfMemoryReleasesCacheAndRetries(t *testing.T) {
 	f, drv := setup(t, "FAKE_CUDA_CAPACITY", strconv.Itoa(64<<20))
-	be, err := NewBackend(drv)
-	require.NoError(t, err)
+	be := newBackend(t, drv)
 	p := newPool(t, be)
 
 	a, err := p.Alloc(40<<20, 0, 1)
@@ -123,8 +167,7 @@ func TestOutOfMemoryReleasesCacheAndRetries(t *testing.T) {
 
 	b, err := p.Alloc(40<<20, 0, 2) // stream 2 cannot reuse it: 80 MiB > 64 MiB
 	require.NoError(t, err, "the cached segment was released and the allocation retried")
-	st, err := p.Stats(0)
-	require.NoError(t, err)
+	st := poolStats(t, p, 0)
 	assert.EqualValues(t, 1, st.NumAllocRetries)
 	assert.Zero(t, st.NumOOMs)
 	assert.Equal(t, 3, f.Calls("cuMemAlloc_v2"), "first, failed, retried")
@@ -142,8 +185,7 @@ func TestOutOfMemoryReleasesCacheAndRetries(t *testing.T) {
 	var cerr *Error
 	require.ErrorAs(t, err, &cerr)
 	assert.Equal(t, CodeOutOfMemory, cerr.Code)
-	st, err = p.Stats(0)
-	require.NoError(t, err)
+	st = poolStats(t, p, 0)
 	assert.EqualValues(t, 1, st.NumOOMs)
 	assert.EqualValues(t, 2, st.NumAllocRetries)
 
@@ -154,11 +196,10 @@ func TestOutOfMemoryReleasesCacheAndRetries(t *testing.T) {
 
 func TestInjectedOutOfMemory(t *testing.T) {
 	f, drv := setup(t)
-	be, err := NewBackend(drv)
-	require.NoError(t, err)
+	be := newBackend(t, drv)
 	p := newPool(t, be)
 	f.Fail("cuMemAlloc_v2", CodeOutOfMemory, 0)
-	_, err = p.Alloc(4096, 1, 0)
+	_, err := p.Alloc(4096, 1, 0)
 	require.ErrorIs(t, err, gocore.ErrOutOfMemory)
 	assert.Contains(t, err.Error(), "cuMemAlloc_v2: CUDA_ERROR_OUT_OF_MEMORY (2)")
 	assert.Equal(t, 2, f.Calls("cuMemAlloc_v2"), "tried, released the cache, retried")
@@ -171,11 +212,10 @@ func TestInjectedOutOfMemory(t *testing.T) {
 
 func TestOtherDriverErrorsAreNotOutOfMemory(t *testing.T) {
 	f, drv := setup(t)
-	be, err := NewBackend(drv)
-	require.NoError(t, err)
+	be := newBackend(t, drv)
 	p := newPool(t, be)
 	f.Fail("cuMemAlloc_v2", CodeInvalidValue, 0)
-	_, err = p.Alloc(4096, 0, 0)
+	_, err := p.Alloc(4096, 0, 0)
 	require.Error(t, err)
 	assert.NotErrorIs(t, err, gocore.ErrOutOfMemory)
 	assert.NotErrorIs(t, err, gocore.ErrBackendOutOfMemory)
@@ -183,8 +223,7 @@ func TestOtherDriverErrorsAreNotOutOfMemory(t *testing.T) {
 	var cerr *Error
 	require.ErrorAs(t, err, &cerr)
 	assert.Equal(t, &Error{Op: "cuMemAlloc_v2", Code: 1, Name: "CUDA_ERROR_INVALID_VALUE"}, cerr)
-	st, err := p.Stats(0)
-	require.NoError(t, err)
+	st := poolStats(t, p, 0)
 	assert.Zero(t, st.NumAllocRetries, "no release-and-retry for a non-OOM error")
 	assert.Equal(t, 1, f.Calls("cuMemAlloc_v2"))
 
@@ -207,8 +246,7 @@ func TestOtherDriverErrorsAreNotOutOfMemory(t *testing.T) {
 func TestCrossStreamReuseWaitsForEvents(t *testing.T) {
 	f, drv := setup(t)
 	f.SetManualEvents(true)
-	be, err := NewBackend(drv)
-	require.NoError(t, err)
+	be := newBackend(t, drv)
 	p := newPool(t, be)
 	const own, other = gocore.Stream(0x11), gocore.Stream(0x22)
 
@@ -321,8 +359,7 @@ func TestParseMeminfo(t *testing.T) {
 // was written to it, and nothing leaks.
 func TestConcurrentPoolsOnTwoDevices(t *testing.T) {
 	f, drv := setup(t)
-	be, err := NewBackend(drv)
-	require.NoError(t, err)
+	be := newBackend(t, drv)
 	shared := newPool(t, be)
 	const workers, rounds = 8, 150
 	var wg sync.WaitGroup

@@ -18,20 +18,10 @@ func newVMM(t *testing.T, drv *Driver, opts VMMOptions) *VMMBackend {
 	return be
 }
 
-func poolStats(t *testing.T, p *gocore.Pool, dev int) gocore.Stats {
-	t.Helper()
-	st, err := p.Stats(dev)
-	require.NoError(t, err)
-	return st
-}
-
 func TestVMMBackendPoolCycle(t *testing.T) {
 	f, drv := setup(t)
 	be := newVMM(t, drv, VMMOptions{})
-	assert.Equal(t, "vmm", be.Name())
-	assert.Equal(t, 2, be.Devices())
-	assert.EqualValues(t, Alignment, be.Alignment())
-	assert.Same(t, drv, be.Driver())
+	checkGPUBackend(t, be, "vmm", drv)
 	assert.False(t, be.Expandable())
 	assert.EqualValues(t, 2*mib, be.Granularity())
 	opts := be.Options()
@@ -54,16 +44,7 @@ func TestVMMBackendPoolCycle(t *testing.T) {
 	fakecuda.Write(a, pattern)
 	assert.Equal(t, pattern, fakecuda.Read(a, len(pattern)))
 
-	b, err := p.Alloc(1000, 1, stream)
-	require.NoError(t, err)
-	assert.Equal(t, a+1024, b, "carved from the same segment")
-	require.NoError(t, p.Free(a))
-	require.NoError(t, p.Free(b))
-	c, err := p.Alloc(1000, 1, stream)
-	require.NoError(t, err)
-	assert.Equal(t, a, c, "served from the engine's cache")
-	assert.Equal(t, 1, f.Calls("cuMemCreate"))
-	require.NoError(t, p.Free(c))
+	checkCarveAndReuse(t, f, p, a, 1, stream, "cuMemCreate")
 	assert.Equal(t, 1, be.LiveSegments())
 
 	released, err := p.EmptyCache()

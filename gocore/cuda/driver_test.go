@@ -79,8 +79,7 @@ func TestOldDriverLoadsWithoutOptionalSymbols(t *testing.T) {
 	assert.ErrorIs(t, drv.MemSetAccess(0, 0, 2<<20, []int{0}), ErrDriverTooOld)
 
 	// The required part works.
-	be, err := NewBackend(drv)
-	require.NoError(t, err)
+	be := newBackend(t, drv)
 	addr, err := be.Alloc(0, 4096, 0)
 	require.NoError(t, err)
 	assert.EqualValues(t, 4096, f.LiveBytes(0))

@@ -4,20 +4,10 @@
  * single C call. It must be one C call: CUDA's current context is per OS
  * thread, and a goroutine may move to another thread between two cgo calls.
  *
- * No CUDA headers are available where this builds, so the types are
- * declared here. They match cuda.h of CUDA 12.x and 13.x, checked against
- * NVIDIA's CUDA Driver API reference (structCUmemPoolProps__v1,
- * structCUmemAllocationProp__v1, structCUmemLocation__v1,
- * structCUmemAccessDesc__v1 pages of the 13.1 and 13.4 documentation) and
- * the cuda.h text quoted in public repositories (CUmemPoolProps_v1 with
- * maxSize, usage, reserved[54]; CUmemAllocationProp_v1 with allocFlags
- * {compressionType, gpuDirectRDMACapable, usage, reserved[4]}). 13.4 carves
- * gpuDirectRDMACapable out of CUmemPoolProps' reserved bytes and puts a
- * union around CUmemLocation's id; neither changes a size or an offset we
- * use, and we zero every byte we do not set, which is what the driver
- * requires of reserved fields. The _Static_asserts pin the sizes (x86-64
- * and aarch64, LP64). Enum values come from the same sources; the error
- * codes from cuda.h's cudaError_enum. */
+ * No CUDA headers are available where this builds: the cuda.h types,
+ * constants and error codes are declared in cuda_types.h (shared with the
+ * fake driver the tests use, tests/csrc/fake_cuda.c), the opaque handles
+ * here. */
 #ifndef GMP_CUDA_SHIM_H
 #define GMP_CUDA_SHIM_H
 
@@ -27,73 +17,12 @@
 #include <stdio.h>
 #include <string.h>
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef unsigned long long CUdeviceptr;
+#include "cuda_types.h"
+
 typedef void *CUcontext;
 typedef void *CUevent;
 typedef void *CUstream;
 typedef void *CUmemoryPool;
-typedef unsigned long long CUmemGenericAllocationHandle;
-
-/* CUmemLocation_v1: { CUmemLocationType type; int id; } */
-typedef struct {
-	int type;
-	int id;
-} CUmemLocation;
-
-/* CUmemAllocationProp_v1 */
-typedef struct {
-	int type;                 /* CUmemAllocationType */
-	int requestedHandleTypes; /* CUmemAllocationHandleType */
-	CUmemLocation location;
-	void *win32HandleMetaData;
-	struct {
-		unsigned char compressionType;
-		unsigned char gpuDirectRDMACapable;
-		unsigned short usage;
-		unsigned char reserved[4];
-	} allocFlags;
-} CUmemAllocationProp;
-
-/* CUmemPoolProps_v1 (CUDA 12.x layout; 13.4 uses reserved[0] as
- * gpuDirectRDMACapable, which we leave 0). */
-typedef struct {
-	int allocType;   /* CUmemAllocationType */
-	int handleTypes; /* CUmemAllocationHandleType */
-	CUmemLocation location;
-	void *win32SecurityAttributes;
-	size_t maxSize;
-	unsigned short usage;
-	unsigned char reserved[54];
-} CUmemPoolProps;
-
-/* CUmemAccessDesc_v1 */
-typedef struct {
-	CUmemLocation location;
-	int flags; /* CUmemAccess_flags */
-} CUmemAccessDesc;
-
-/* CUmemPoolPtrExportData_v1 */
-typedef struct {
-	unsigned char reserved[64];
-} CUmemPoolPtrExportData;
-
-_Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation is 8 bytes in cuda.h");
-_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp is 32 bytes in cuda.h");
-_Static_assert(offsetof(CUmemAllocationProp, location) == 8, "CUmemAllocationProp.location");
-_Static_assert(offsetof(CUmemAllocationProp, allocFlags) == 24, "CUmemAllocationProp.allocFlags");
-_Static_assert(sizeof(CUmemPoolProps) == 88, "CUmemPoolProps is 88 bytes in cuda.h");
-_Static_assert(offsetof(CUmemPoolProps, maxSize) == 24, "CUmemPoolProps.maxSize");
-_Static_assert(offsetof(CUmemPoolProps, usage) == 32, "CUmemPoolProps.usage");
-_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc is 12 bytes in cuda.h");
-_Static_assert(sizeof(CUmemPoolPtrExportData) == 64, "CUmemPoolPtrExportData is 64 bytes in cuda.h");
-
-#define GMP_CU_MEM_ALLOCATION_TYPE_PINNED 1
-#define GMP_CU_MEM_LOCATION_TYPE_DEVICE 1
-#define GMP_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 1
-#define GMP_CU_MEM_ACCESS_FLAGS_PROT_READWRITE 3
-#define GMP_CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES 3
 
 /* Every entry point: X(name, required). Missing required ones fail Load;
  * missing optional ones (the stream-ordered allocator and VMM, CUDA 10.2 to
@@ -378,7 +307,7 @@ static inline gmp_res gmp_pool_create(gmp_drv *d, uintptr_t ctx, int handle_type
 	gmp_res r;
 	CUmemPoolProps props;
 	memset(&props, 0, sizeof(props));
-	props.allocType = GMP_CU_MEM_ALLOCATION_TYPE_PINNED;
+	props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
 	props.handleTypes = handle_types;
 	props.location.type = loc_type;
 	props.location.id = loc_id;
@@ -417,7 +346,7 @@ static inline gmp_res gmp_pool_set_attr(gmp_drv *d, uintptr_t ctx, uint64_t pool
 	gmp_res r;
 	int iv = (int)value;
 	uint64_t uv = value;
-	void *p = attr <= GMP_CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES ? (void *)&iv : (void *)&uv;
+	void *p = attr <= CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES ? (void *)&iv : (void *)&uv;
 	GMP_IN_CTX(d, ctx, r, GMP_cuMemPoolSetAttribute,
 	           GMP_FN(d, cuMemPoolSetAttribute)((CUmemoryPool)(uintptr_t)pool, attr, p));
 	return r;
@@ -427,7 +356,7 @@ static inline gmp_res gmp_pool_get_attr(gmp_drv *d, uintptr_t ctx, uint64_t pool
 	gmp_res r;
 	int iv = 0;
 	uint64_t uv = 0;
-	int small = attr <= GMP_CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES;
+	int small = attr <= CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES;
 	GMP_IN_CTX(d, ctx, r, GMP_cuMemPoolGetAttribute,
 	           GMP_FN(d, cuMemPoolGetAttribute)((CUmemoryPool)(uintptr_t)pool, attr, small ? (void *)&iv : (void *)&uv));
 	*value = small ? (uint64_t)(unsigned)iv : uv;
@@ -485,7 +414,7 @@ static inline gmp_res gmp_pool_import_ptr(gmp_drv *d, uintptr_t ctx, uint64_t po
 
 static inline void gmp_alloc_prop(CUmemAllocationProp *prop, int loc_type, int loc_id, int handle_types) {
 	memset(prop, 0, sizeof(*prop));
-	prop->type = GMP_CU_MEM_ALLOCATION_TYPE_PINNED;
+	prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
 	prop->requestedHandleTypes = handle_types;
 	prop->location.type = loc_type;
 	prop->location.id = loc_id;
@@ -553,12 +482,12 @@ static inline gmp_res gmp_mem_set_access(gmp_drv *d, uintptr_t ctx, uint64_t ptr
                                          int n) {
 	gmp_res r;
 	CUmemAccessDesc desc[64];
-	if (n <= 0 || n > 64) return gmp_res_of(1 /* CUDA_ERROR_INVALID_VALUE */, GMP_cuMemSetAccess);
+	if (n <= 0 || n > 64) return gmp_res_of(CUDA_ERROR_INVALID_VALUE, GMP_cuMemSetAccess);
 	memset(desc, 0, sizeof(desc));
 	for (int i = 0; i < n; i++) {
-		desc[i].location.type = GMP_CU_MEM_LOCATION_TYPE_DEVICE;
+		desc[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
 		desc[i].location.id = devs[i];
-		desc[i].flags = GMP_CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+		desc[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
 	}
 	GMP_IN_CTX(d, ctx, r, GMP_cuMemSetAccess, GMP_FN(d, cuMemSetAccess)(ptr, size, desc, (size_t)n));
 	return r;

@@ -15,13 +15,11 @@
 package nccl
 
 import (
-	"cmp"
 	"fmt"
-	"slices"
-	"sync"
 	"time"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/internal/segtrack"
 )
 
 // ContextSource gives the primary CUDA context of a device and the addresses of
@@ -70,14 +68,7 @@ type Backend struct {
 	ctx     ContextSource
 	events  EventSource
 	devices int
-
-	mu   sync.Mutex
-	live map[uint64]*liveSegment // by address (unique across devices: UVA)
-}
-
-type liveSegment struct {
-	Segment
-	freeing bool // a Free is in flight: refuse a second one
+	live    *segtrack.Table // the segments allocated and not freed
 }
 
 var _ gocore.Backend = (*Backend)(nil)
@@ -101,7 +92,7 @@ func NewBackend(lib *Lib, ctx ContextSource, events EventSource) (*Backend, erro
 	if ctx == nil {
 		n = 1
 	}
-	return &Backend{lib: lib, ctx: ctx, events: events, devices: n, live: make(map[uint64]*liveSegment)}, nil
+	return &Backend{lib: lib, ctx: ctx, events: events, devices: n, live: segtrack.New("nccl backend")}, nil
 }
 
 // Name returns "nccl".
@@ -161,17 +152,14 @@ func (b *Backend) Alloc(device int, size uint64, stream gocore.Stream) (uint64, 
 		return 0, fmt.Errorf("nccl backend: ncclMemAlloc(%d bytes) on device %d returned %#x, not aligned to %d bytes",
 			size, device, r.ptr, Alignment)
 	}
-	b.mu.Lock()
-	defer b.mu.Unlock()
 	// An address whose Free is in flight is fair game: NCCL may hand it
 	// out again as soon as ncclMemFree returns, before that Free takes the
 	// lock to forget it (it then leaves this new entry alone).
-	if old, dup := b.live[r.ptr]; dup && !old.freeing {
+	if !b.live.Add(segtrack.Segment{Device: device, Addr: r.ptr, Size: size}) {
 		// NCCL handed out memory we still hold: never free it twice.
 		return 0, fmt.Errorf("nccl backend: ncclMemAlloc(%d bytes) on device %d returned %#x, which is still allocated",
 			size, device, r.ptr)
 	}
-	b.live[r.ptr] = &liveSegment{Segment: Segment{Device: device, Addr: r.ptr, Size: size}}
 	return r.ptr, nil
 }
 
@@ -184,32 +172,7 @@ func (b *Backend) Alloc(device int, size uint64, stream gocore.Stream) (uint64, 
 // size. On any error the segment stays
 // allocated and the engine keeps it cached.
 func (b *Backend) Free(device int, addr, size uint64, stream gocore.Stream) error {
-	b.mu.Lock()
-	s, ok := b.live[addr]
-	switch {
-	case !ok || s.Size != size || s.Device != device:
-		b.mu.Unlock()
-		return fmt.Errorf("nccl backend: free(%#x, %d bytes, device %d): not a live segment of that size and device: %w",
-			addr, size, device, gocore.ErrInvalidArgument)
-	case s.freeing:
-		b.mu.Unlock()
-		return fmt.Errorf("nccl backend: free(%#x): already being freed: %w", addr, gocore.ErrInvalidArgument)
-	}
-	s.freeing = true
-	b.mu.Unlock()
-
-	err := b.free(device, addr, size, stream)
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if err != nil {
-		s.freeing = false
-		return err
-	}
-	// Only our entry: after ncclMemFree an Alloc may already own addr.
-	if b.live[addr] == s {
-		delete(b.live, addr)
-	}
-	return nil
+	return b.live.Free(device, addr, size, func() error { return b.free(device, addr, size, stream) })
 }
 
 func (b *Backend) free(device int, addr, size uint64, stream gocore.Stream) error {
@@ -299,14 +262,10 @@ func (b *Backend) callError(fn string, device int, size uint64, r callResult) er
 // registers with NCCL communicators (ncclCommRegister) to get zero-copy
 // collectives on pool memory.
 func (b *Backend) Segments() []Segment {
-	b.mu.Lock()
-	out := make([]Segment, 0, len(b.live))
-	for _, s := range b.live {
-		out = append(out, s.Segment)
+	live := b.live.Segments()
+	out := make([]Segment, 0, len(live))
+	for _, s := range live {
+		out = append(out, Segment(s))
 	}
-	b.mu.Unlock()
-	slices.SortFunc(out, func(x, y Segment) int {
-		return cmp.Or(cmp.Compare(x.Device, y.Device), cmp.Compare(x.Addr, y.Addr))
-	})
 	return out
 }

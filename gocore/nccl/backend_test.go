@@ -332,12 +332,7 @@ func TestAllocPushPopFailures(t *testing.T) {
 	assert.Equal(t, 1, s.fake.Calls())
 	assert.Zero(t, s.fake.LiveBytes(), "memory from a failed call is handed back")
 	assert.Empty(t, s.backend.Segments())
-	// Undo what the failed pop left on this thread.
-	s.fake.CtxFail(0, 0)
-	assert.Equal(t, depth+1, s.fake.Depth())
-	ctx, r := s.fake.Pop()
-	assert.Zero(t, r)
-	assert.Equal(t, ctxOf(0), ctx)
+	s.popLeftover(t, depth)
 }
 
 func TestFreePopFailureStillFrees(t *testing.T) {
@@ -354,11 +349,7 @@ func TestFreePopFailureStillFrees(t *testing.T) {
 	require.NoError(t, s.backend.Free(0, addr, 2*mib, 0))
 	assert.Zero(t, s.fake.LiveBytes())
 	assert.Empty(t, s.backend.Segments())
-	s.fake.CtxFail(0, 0)
-	assert.Equal(t, depth+1, s.fake.Depth())
-	ctx, r := s.fake.Pop()
-	assert.Zero(t, r)
-	assert.Equal(t, ctxOf(0), ctx)
+	s.popLeftover(t, depth)
 }
 
 func TestSegmentsSorted(t *testing.T) {

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpumempool/gpumempool/gocore"
@@ -199,6 +200,17 @@ func newSetup(t *testing.T) *setup {
 	s.backend, err = nccl.NewBackend(lib, s.ctx, s.events)
 	require.NoError(t, err)
 	return s
+}
+
+// popLeftover undoes what a failed pop (CtxFail(0, code)) left on this
+// thread: device 0's context, pushed on top of the depth the thread had.
+func (s *setup) popLeftover(t *testing.T, depth int) {
+	t.Helper()
+	s.fake.CtxFail(0, 0)
+	assert.Equal(t, depth+1, s.fake.Depth())
+	ctx, r := s.fake.Pop()
+	assert.Zero(t, r)
+	assert.Equal(t, ctxOf(0), ctx)
 }
 
 func (s *setup) pool(t *testing.T) *gocore.Pool {

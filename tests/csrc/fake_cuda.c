@@ -55,95 +55,17 @@
 
 #define EXPORT __attribute__((visibility("default")))
 
-/* ---- cuda.h types, declared here (no CUDA headers on the machines that
- * build this). Layouts of CUDA 12.x/13.x cuda.h; see gocore/cuda/shim.h for
- * where they were checked. */
-typedef int CUresult;
-typedef int CUdevice;
-typedef unsigned long long CUdeviceptr;
+/* ---- cuda.h types, constants and error codes: declared once, for the shim
+ * that calls the real driver and for this fake (no CUDA headers on the
+ * machines that build either). The path is relative to this file, so any
+ * working directory builds it. The opaque handles are the fake's own. */
+#include "../../gocore/cuda/cuda_types.h"
+
 typedef struct fake_ctx *CUcontext;
 typedef struct fake_event *CUevent;
 typedef void *CUstream;
 typedef struct fake_pool *CUmemoryPool;
-typedef unsigned long long CUmemGenericAllocationHandle;
 
-typedef struct {
-    int type; /* CUmemLocationType */
-    int id;
-} CUmemLocation;
-
-typedef struct {
-    int type;                 /* CUmemAllocationType */
-    int requestedHandleTypes; /* CUmemAllocationHandleType */
-    CUmemLocation location;
-    void *win32HandleMetaData;
-    struct {
-        unsigned char compressionType;
-        unsigned char gpuDirectRDMACapable;
-        unsigned short usage;
-        unsigned char reserved[4];
-    } allocFlags;
-} CUmemAllocationProp;
-
-typedef struct {
-    int allocType;
-    int handleTypes;
-    CUmemLocation location;
-    void *win32SecurityAttributes;
-    size_t maxSize;
-    unsigned short usage;
-    unsigned char reserved[54];
-} CUmemPoolProps;
-
-typedef struct {
-    CUmemLocation location;
-    int flags; /* CUmemAccess_flags */
-} CUmemAccessDesc;
-
-typedef struct {
-    unsigned char reserved[64];
-} CUmemPoolPtrExportData;
-
-_Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation");
-_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp");
-_Static_assert(sizeof(CUmemPoolProps) == 88, "CUmemPoolProps");
-_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc");
-_Static_assert(sizeof(CUmemPoolPtrExportData) == 64, "CUmemPoolPtrExportData");
-
-enum {
-    CUDA_SUCCESS = 0,
-    CUDA_ERROR_INVALID_VALUE = 1,
-    CUDA_ERROR_OUT_OF_MEMORY = 2,
-    CUDA_ERROR_NOT_INITIALIZED = 3,
-    CUDA_ERROR_DEINITIALIZED = 4,
-    CUDA_ERROR_NO_DEVICE = 100,
-    CUDA_ERROR_INVALID_DEVICE = 101,
-    CUDA_ERROR_INVALID_CONTEXT = 201,
-    CUDA_ERROR_ALREADY_MAPPED = 208,
-    CUDA_ERROR_NOT_MAPPED = 211,
-    CUDA_ERROR_INVALID_HANDLE = 400,
-    CUDA_ERROR_NOT_FOUND = 500,
-    CUDA_ERROR_NOT_READY = 600,
-    CUDA_ERROR_ILLEGAL_ADDRESS = 700,
-    CUDA_ERROR_NOT_PERMITTED = 800,
-    CUDA_ERROR_NOT_SUPPORTED = 801,
-    CUDA_ERROR_UNKNOWN = 999,
-};
-
-enum { CU_MEM_ALLOCATION_TYPE_PINNED = 1 };
-enum { CU_MEM_LOCATION_TYPE_DEVICE = 1, CU_MEM_LOCATION_TYPE_HOST_NUMA = 3 };
-enum { CU_MEM_HANDLE_TYPE_NONE = 0, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1 };
-enum { CU_MEM_ACCESS_FLAGS_PROT_NONE = 0, CU_MEM_ACCESS_FLAGS_PROT_READ = 1, CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 };
-enum {
-    CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES = 1,
-    CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC = 2,
-    CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES = 3,
-    CU_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4,
-    CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT = 5,
-    CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH = 6,
-    CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7,
-    CU_MEMPOOL_ATTR_USED_MEM_HIGH = 8,
-};
 #define CU_MEMHOSTALLOC_ALL 0x7u   /* PORTABLE | DEVICEMAP | WRITECOMBINED */
 #define CU_EVENT_FLAGS_ALL 0x7u    /* BLOCKING_SYNC | DISABLE_TIMING | INTERPROCESS */
 

@@ -1,0 +1,132 @@
+/* The cuda.h declarations that both sides of the driver boundary need: the
+ * shim that calls the real driver (shim.h) and the fake driver the tests
+ * build (tests/csrc/fake_cuda.c, which includes this file by its path
+ * relative to itself). One copy, so that the two cannot drift apart.
+ *
+ * No CUDA headers are available where this builds, so the types are
+ * declared here. They match cuda.h of CUDA 12.x and 13.x, checked against
+ * NVIDIA's CUDA Driver API reference (structCUmemPoolProps__v1,
+ * structCUmemAllocationProp__v1, structCUmemLocation__v1,
+ * structCUmemAccessDesc__v1 pages of the 13.1 and 13.4 documentation) and
+ * the cuda.h text quoted in public repositories (CUmemPoolProps_v1 with
+ * maxSize, usage, reserved[54]; CUmemAllocationProp_v1 with allocFlags
+ * {compressionType, gpuDirectRDMACapable, usage, reserved[4]}). 13.4 carves
+ * gpuDirectRDMACapable out of CUmemPoolProps' reserved bytes and puts a
+ * union around CUmemLocation's id; neither changes a size or an offset we
+ * use, and we zero every byte we do not set, which is what the driver
+ * requires of reserved fields. The _Static_asserts pin the sizes (x86-64
+ * and aarch64, LP64). Enum values come from the same sources; the error
+ * codes from cuda.h's cudaError_enum.
+ *
+ * The opaque handles (CUcontext, CUevent, CUstream, CUmemoryPool) are left
+ * to the includer: the shim passes them around as void *, the fake points
+ * them at its own structs. */
+#ifndef GMP_CUDA_TYPES_H
+#define GMP_CUDA_TYPES_H
+
+#include <stddef.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+
+/* CUmemLocation_v1: { CUmemLocationType type; int id; } */
+typedef struct {
+	int type; /* CUmemLocationType */
+	int id;
+} CUmemLocation;
+
+/* CUmemAllocationProp_v1 */
+typedef struct {
+	int type;                 /* CUmemAllocationType */
+	int requestedHandleTypes; /* CUmemAllocationHandleType */
+	CUmemLocation location;
+	void *win32HandleMetaData;
+	struct {
+		unsigned char compressionType;
+		unsigned char gpuDirectRDMACapable;
+		unsigned short usage;
+		unsigned char reserved[4];
+	} allocFlags;
+} CUmemAllocationProp;
+
+/* CUmemPoolProps_v1 (CUDA 12.x layout; 13.4 uses reserved[0] as
+ * gpuDirectRDMACapable, which we leave 0). */
+typedef struct {
+	int allocType;   /* CUmemAllocationType */
+	int handleTypes; /* CUmemAllocationHandleType */
+	CUmemLocation location;
+	void *win32SecurityAttributes;
+	size_t maxSize;
+	unsigned short usage;
+	unsigned char reserved[54];
+} CUmemPoolProps;
+
+/* CUmemAccessDesc_v1 */
+typedef struct {
+	CUmemLocation location;
+	int flags; /* CUmemAccess_flags */
+} CUmemAccessDesc;
+
+/* CUmemPoolPtrExportData_v1 */
+typedef struct {
+	unsigned char reserved[64];
+} CUmemPoolPtrExportData;
+
+_Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation is 8 bytes in cuda.h");
+_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp is 32 bytes in cuda.h");
+_Static_assert(offsetof(CUmemAllocationProp, location) == 8, "CUmemAllocationProp.location");
+_Static_assert(offsetof(CUmemAllocationProp, allocFlags) == 24, "CUmemAllocationProp.allocFlags");
+_Static_assert(sizeof(CUmemPoolProps) == 88, "CUmemPoolProps is 88 bytes in cuda.h");
+_Static_assert(offsetof(CUmemPoolProps, maxSize) == 24, "CUmemPoolProps.maxSize");
+_Static_assert(offsetof(CUmemPoolProps, usage) == 32, "CUmemPoolProps.usage");
+_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc is 12 bytes in cuda.h");
+_Static_assert(sizeof(CUmemPoolPtrExportData) == 64, "CUmemPoolPtrExportData is 64 bytes in cuda.h");
+
+/* cudaError_enum: the codes used here (package cuda's Code* constants in
+ * consts.go are the same values for Go). */
+enum {
+	CUDA_SUCCESS = 0,
+	CUDA_ERROR_INVALID_VALUE = 1,
+	CUDA_ERROR_OUT_OF_MEMORY = 2,
+	CUDA_ERROR_NOT_INITIALIZED = 3,
+	CUDA_ERROR_DEINITIALIZED = 4,
+	CUDA_ERROR_NO_DEVICE = 100,
+	CUDA_ERROR_INVALID_DEVICE = 101,
+	CUDA_ERROR_INVALID_CONTEXT = 201,
+	CUDA_ERROR_ALREADY_MAPPED = 208,
+	CUDA_ERROR_NOT_MAPPED = 211,
+	CUDA_ERROR_INVALID_HANDLE = 400,
+	CUDA_ERROR_NOT_FOUND = 500,
+	CUDA_ERROR_NOT_READY = 600,
+	CUDA_ERROR_ILLEGAL_ADDRESS = 700,
+	CUDA_ERROR_NOT_PERMITTED = 800,
+	CUDA_ERROR_NOT_SUPPORTED = 801,
+	CUDA_ERROR_UNKNOWN = 999,
+};
+
+/* CUmemAllocationType, CUmemLocationType, CUmemAllocationHandleType and
+ * CUmemAccess_flags: the values used here. */
+enum { CU_MEM_ALLOCATION_TYPE_PINNED = 1 };
+enum { CU_MEM_LOCATION_TYPE_DEVICE = 1, CU_MEM_LOCATION_TYPE_HOST_NUMA = 3 };
+enum { CU_MEM_HANDLE_TYPE_NONE = 0, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1 };
+enum {
+	CU_MEM_ACCESS_FLAGS_PROT_NONE = 0,
+	CU_MEM_ACCESS_FLAGS_PROT_READ = 1,
+	CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
+};
+
+/* CUmemPool_attribute: the REUSE_* ones are ints, the others cuuint64_t. */
+enum {
+	CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES = 1,
+	CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC = 2,
+	CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES = 3,
+	CU_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4,
+	CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT = 5,
+	CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH = 6,
+	CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7,
+	CU_MEMPOOL_ATTR_USED_MEM_HIGH = 8,
+};
+
+#endif

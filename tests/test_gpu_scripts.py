@@ -1,0 +1,256 @@
+"""CPU checks of the scripts a GPU session runs: tools/build-gpu-wheel.sh,
+tools/gpu-check.sh, benchmarks/record_traces.py and benchmarks/suite_gpu.py.
+Their GPU work cannot run here; what can is checked: syntax, --help without
+torch, a clear "no GPU" refusal, gpu-check.sh without a wheel, and the
+CPU-side halves (snapshot conversion and replay summary, the suite's report
+and chart, trace replays)."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHELL_SCRIPTS = [ROOT / "tools" / "build-gpu-wheel.sh", ROOT / "tools" / "gpu-check.sh"]
+PY_SCRIPTS = [ROOT / "benchmarks" / "record_traces.py", ROOT / "benchmarks" / "suite_gpu.py"]
+MiB = 1 << 20
+
+needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def has_gpu() -> bool:
+    try:
+        import gpumempool as gmp
+
+        return bool(gmp.devices())
+    except Exception:
+        return False
+
+
+def load(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(f"gmp_test_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(cmd: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache"), **env}
+    return subprocess.run(cmd, capture_output=True, text=True, env=full, cwd=tmp_path, timeout=300)
+
+
+@needs_bash
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: p.name)
+def test_shell_scripts_parse(script: Path) -> None:
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("script", PY_SCRIPTS, ids=lambda p: p.name)
+def test_python_scripts_compile(script: Path, tmp_path: Path) -> None:
+    r = run([sys.executable, "-m", "py_compile", str(script)], tmp_path)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("script", PY_SCRIPTS, ids=lambda p: p.name)
+def test_help_needs_no_torch(script: Path, tmp_path: Path) -> None:
+    # torch, CuPy and transformers made unimportable: --help must not need them
+    code = (
+        "import runpy, sys\n"
+        "for m in ('torch', 'cupy', 'transformers', 'matplotlib'):\n"
+        "    sys.modules[m] = None\n"
+        f"sys.argv = [{str(script)!r}, '--help']\n"
+        f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
+    )
+    r = run([sys.executable, "-c", code], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "usage:" in r.stdout and "--out" in r.stdout
+    assert "GPU" in r.stdout
+
+
+@pytest.mark.skipif(has_gpu(), reason="a GPU is present: the scripts would run for real")
+@pytest.mark.parametrize("script", PY_SCRIPTS, ids=lambda p: p.name)
+def test_refuses_clearly_without_a_gpu(script: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    r = run([sys.executable, str(script), "--out", str(out)], tmp_path)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "cannot run here: no GPU" in r.stderr
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_record_traces_rejects_unknown_workload(tmp_path: Path) -> None:
+    r = run([sys.executable, str(PY_SCRIPTS[0]), "--workloads", "gpt2-train,bogus"], tmp_path)
+    assert r.returncode == 2 and "unknown workload" in r.stderr
+
+
+# -- tools/gpu-check.sh ---------------------------------------------------------
+
+
+def gpu_check(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    empty = tmp_path / "wheelhouse"
+    empty.mkdir(exist_ok=True)
+    base = {"OUT": str(tmp_path / "out"), "GMP_WORK": str(tmp_path / "work"), "GMP_VENV": str(tmp_path / "venv"),
+            "GMP_WHEELHOUSE": str(empty)}
+    return run(["bash", str(SHELL_SCRIPTS[1]), *args], tmp_path, **{**base, **env})
+
+
+@needs_bash
+def test_gpu_check_without_a_wheel_fails_clearly(tmp_path: Path) -> None:
+    r = gpu_check(tmp_path, "info", "gputests")
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert "no wheel" in r.stderr and "tools/build-gpu-wheel.sh" in r.stderr and 'carry=["wheelhouse"]' in r.stderr
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "no wheel" in summary and "| gputests | **not run** |" in summary
+    assert not (tmp_path / "venv").exists()
+
+
+@needs_bash
+def test_gpu_check_several_wheels_fail_clearly(tmp_path: Path) -> None:
+    wh = tmp_path / "wheelhouse"
+    wh.mkdir()
+    for v in ("0.1.0", "0.2.0"):
+        (wh / f"gpumempool-{v}-cp312-cp312-linux_x86_64.whl").write_bytes(b"")
+    r = gpu_check(tmp_path, "info")
+    assert r.returncode == 3 and "several gpumempool cp312 wheels" in r.stderr
+
+
+@needs_bash
+def test_gpu_check_arguments(tmp_path: Path) -> None:
+    r = gpu_check(tmp_path, "bogus")
+    assert r.returncode == 2 and "unknown stage or group 'bogus'" in r.stderr
+    r = gpu_check(tmp_path, "--help")
+    assert r.returncode == 0
+    for word in ("part1", "part2", "gputests", "sanitizer", 'carry=["wheelhouse"]'):
+        assert word in r.stdout
+
+
+@needs_bash
+def test_build_gpu_wheel_refuses_a_wrong_python(tmp_path: Path) -> None:
+    before = sorted(p.name for p in (ROOT / "wheelhouse").glob("*")) if (ROOT / "wheelhouse").is_dir() else None
+    r = run(["bash", str(SHELL_SCRIPTS[0])], tmp_path, GMP_PY312=sys.executable if sys.version_info[:2] != (3, 12)
+            else "/nonexistent/python3.12")
+    assert r.returncode != 0
+    assert "build-gpu-wheel: error:" in r.stderr
+    after = sorted(p.name for p in (ROOT / "wheelhouse").glob("*")) if (ROOT / "wheelhouse").is_dir() else None
+    assert before == after
+
+
+# -- the CPU halves of the Python scripts -----------------------------------------
+
+
+def fake_torch_snapshot() -> dict:
+    """torch.cuda.memory._snapshot() of a tiny run recorded from the start."""
+    A, B = 0x7F0000000000, 0x7F0000400000
+
+    def e(action: str, addr: int, size: int, t: int) -> dict:
+        return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t, "frames": []}
+
+    trace = [
+        e("segment_alloc", A, 2 * MiB, 1), e("alloc", A, 4096, 2), e("alloc", A + 4096, 8192, 3),
+        e("segment_alloc", B, 20 * MiB, 4), e("alloc", B, 12 * MiB, 5),
+        e("free_requested", A + 4096, 8192, 6), e("free_completed", A + 4096, 8192, 6),
+        e("free_requested", B, 12 * MiB, 7), e("free_completed", B, 12 * MiB, 7),
+        e("alloc", B, 6 * MiB, 8),
+    ]
+    seg = lambda addr, size, blocks: {"device": 0, "address": addr, "total_size": size, "stream": 0,  # noqa: E731
+                                      "segment_type": "large", "frames": [], "blocks": blocks}
+    blk = lambda addr, size, state: {"address": addr, "size": size, "requested_size": size, "state": state,  # noqa: E731
+                                     "frames": []}
+    return {
+        "segments": [seg(A, 2 * MiB, [blk(A, 4096, "active_allocated"), blk(A + 4096, 2 * MiB - 4096, "inactive")]),
+                     seg(B, 20 * MiB, [blk(B, 6 * MiB, "active_allocated"), blk(B + 6 * MiB, 14 * MiB, "inactive")])],
+        "device_traces": [trace],
+    }
+
+
+def test_record_traces_conversion_and_summary(tmp_path: Path) -> None:
+    rt = load(PY_SCRIPTS[0])
+    snap = tmp_path / "tiny.pickle.gz"
+    with gzip.open(snap, "wb") as f:
+        pickle.dump(fake_torch_snapshot(), f)
+    info = {"name": "tiny", "seconds": 1.5, "history_entries": 10, "history_overflowed": False,
+            "torch_max_reserved": 22 * MiB, "torch_max_allocated": 12 * MiB + 12288, "device": "NVIDIA H100 80GB HBM3",
+            "device_total_bytes": 80 << 30, "torch": "2.11.0", "cuda": "13.0", "notes": {"workload": "a tiny test"}}
+    row = rt.convert_and_replay("tiny", snap, info, tmp_path)
+    row["workload"] = "a tiny test"
+    trace = tmp_path / "tiny.trace.gz"
+    assert trace.is_file() and row["trace"] == "tiny.trace.gz"
+    assert row["recorded_peak_reserved"] == 22 * MiB
+    assert row["recorded_vs_memory_stats"] == pytest.approx(1.0)
+    assert set(row["replay"]) == {"default", "expandable"}
+    assert row["replay"]["default"]["recorded_by"] == "torch"
+    assert row["replay"]["default"]["reserved_vs_recorded"] > 0
+
+    from gpumempool.trace import Trace
+
+    back = Trace.load(trace)
+    assert back.meta["name"] == "tiny" and back.meta["capacity"] == 80 << 30 and back.meta["notes"] == "a tiny test"
+    assert back.counts()["alloc"] == 4
+
+    doc = {"date": "today", "device": info["device"], "torch": "2.11.0", "cuda": "13.0", "gpumempool": "0.1.0",
+           "traces": [row, {"name": "broken", "error": "worker exited with status 1"}]}
+    rt.write_summary(doc, tmp_path)
+    md = (tmp_path / "replay_summary.md").read_text()
+    assert "| tiny.trace.gz | " in md and "error: worker exited" in md
+    assert json.loads((tmp_path / "replay_summary.json").read_text())["traces"][0]["name"] == "tiny"
+
+
+def test_suite_report_and_chart_from_results(tmp_path: Path) -> None:
+    sg = load(PY_SCRIPTS[1])
+    args = sg.argparse.Namespace(backend="cuda", loop_ops=100, steps=20, warmup=5, batch=4, seq=64, vocab=512,
+                                 embd=64, layers=2, heads=2, seed=1, timeout=60)
+    loop = lambda c, t, r: {"config": c, "workload": "loop", "empty_del_ns_per_op": t,  # noqa: E731
+                            "window32_ns_per_op": 2 * t, "peak_reserved": r, "device_used_peak": r + MiB}
+    gpt2 = lambda c, s, r: {"config": c, "workload": "gpt2", "median_step_s": s, "peak_reserved": r,  # noqa: E731
+                            "losses": [1.0, 0.9]}
+    results = {
+        "native:loop": loop("native", 1000.0, 100 * MiB), "async:loop": loop("async", 1500.0, 80 * MiB),
+        "gmp-context:loop": loop("gmp-context", 1100.0, 100 * MiB),
+        "gmp-replace:loop": {"config": "gmp-replace", "workload": "loop", "error": "timed out after 60 s"},
+        "cupy:loop": loop("cupy", 900.0, 120 * MiB),
+        "native:gpt2": gpt2("native", 0.020, 1000 * MiB), "gmp-context:gpt2": gpt2("gmp-context", 0.0202, 990 * MiB),
+        "async:gpt2": gpt2("async", 0.021, 1100 * MiB),
+    }
+    replays = [{"trace": "gpt2-train.trace.gz", "path": "x", "policies": {
+        "default": {"events": 10, "peak_reserved": 90 * MiB, "recorded_by": "torch",
+                    "recorded_peak_reserved": 100 * MiB, "reserved_vs_recorded": 0.9},
+        "expandable": {"events": 10, "peak_reserved": 110 * MiB, "recorded_by": "torch",
+                       "recorded_peak_reserved": 100 * MiB, "reserved_vs_recorded": 1.1}}}]
+    doc = sg.build_doc(args, list(sg.CONFIGS), "NVIDIA H200", results, replays, {"cupy:gpt2": "n/a"}, {"torch": "2.11"})
+    s = doc["summary"]
+    assert s["loop"]["async"]["empty_del_time"] == pytest.approx(1.5)
+    assert s["loop"]["cupy"]["peak_reserved"] == pytest.approx(1.2)
+    assert "gmp-replace" not in s["loop"]
+    assert s["gpt2"]["gmp-context"]["step_time"] == pytest.approx(1.01)
+    assert s["gpt2"]["gmp-context"]["losses_identical_to_native"] is True
+    assert s["replay"]["gpt2-train.trace.gz"] == {"default": 0.9, "expandable": 1.1}
+    paths = sg.write_outputs(doc, tmp_path)
+    assert [p.name for p in paths][:2] == ["suite_gpu_h200.json", "suite_gpu_h200.md"]
+    md = paths[1].read_text()
+    assert "| gmp-replace | failed: timed out after 60 s |" in md
+    assert "1.010" in md and "1.050 **(goal <= 1.02)**" in md  # async step time misses the goal
+    assert "1.100 **(goal <= 1)**" in md  # expandable replay over torch's
+    assert json.loads(paths[0].read_text())["skipped"] == {"cupy:gpt2": "n/a"}
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert paths[2].name == "suite_gpu_h200.png" and paths[2].stat().st_size > 1000
+
+
+def test_suite_replays_the_shipped_traces_on_cpu(tmp_path: Path) -> None:
+    r = run([sys.executable, str(PY_SCRIPTS[1]), "--workloads", "replay", "--out", str(tmp_path / "res")], tmp_path)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(next((tmp_path / "res").glob("suite_gpu_*.json")).read_text())
+    names = [row["trace"] for row in doc["replays"]]
+    assert "demo-synthetic.trace.gz" in names
+    demo = doc["replays"][names.index("demo-synthetic.trace.gz")]["policies"]["default"]
+    assert demo["recorded_by"] == "gpumempool" and demo["reserved_vs_recorded"] == pytest.approx(1.0)

@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# Build the CPython 3.12 wheel of gpumempool that the GPU device machine
+# installs (it has Python 3.12 + torch but no Go, so the extension must be
+# built here). Runs on the build machine, from any directory:
+#
+#     bash tools/build-gpu-wheel.sh
+#
+# Leaves exactly one wheelhouse/gpumempool-*-cp312-*.whl (older gpumempool
+# wheels there are removed), plus, when pip can fetch it, a tqdm wheel (pure
+# Python: gpumempool depends on tqdm and the device has no internet; it
+# usually has tqdm already, through transformers) and wheelhouse/BUILD-INFO
+# (commit, dirty files, time). Prints the wheel's path on the last line of
+# stdout. wheelhouse/ is git-ignored: carry it to the device machine with the
+# run tool's carry=["wheelhouse"], then `bash tools/gpu-check.sh` there.
+#
+# Needs Go (>= 1.23) and a C compiler, and a CPython 3.12: $GMP_PY312 if
+# set, else python3.12 on PATH, else pyenv's 3.12.*. The build happens in a
+# throwaway virtualenv (setuptools, wheel, pybindgen) with
+# `pip wheel --no-deps --no-build-isolation .`; the checkout is not modified
+# apart from the git-ignored build/ and wheelhouse/ directories.
+#
+# Environment: GMP_PY312 (interpreter), GMP_NO_TQDM_WHEEL=1 (don't fetch tqdm),
+# GMP_KEEP_VENV=1 (keep the build virtualenv and print where it is).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+WHEELHOUSE=$ROOT/wheelhouse
+
+say() { echo "build-gpu-wheel: $*" >&2; }
+die() { echo "build-gpu-wheel: error: $*" >&2; exit 1; }
+
+# -- tools ------------------------------------------------------------------
+command -v go >/dev/null || die "Go is not on PATH (needs Go >= 1.23; https://go.dev/dl/)"
+command -v cc >/dev/null || command -v gcc >/dev/null || die "no C compiler (cc/gcc) on PATH; cgo needs one"
+
+is_py312() { "$1" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else 1)' 2>/dev/null; }
+PY=""
+if [[ -n "${GMP_PY312:-}" ]]; then
+  is_py312 "$GMP_PY312" || die "GMP_PY312=$GMP_PY312 is not a working CPython 3.12"
+  PY=$(command -v "$GMP_PY312")
+else
+  candidates=(python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12)
+  for p in "${candidates[@]}"; do
+    if command -v "$p" >/dev/null 2>&1 && is_py312 "$p"; then
+      PY=$(command -v "$p")
+      break
+    fi
+  done
+  [[ -n "$PY" ]] || die "no CPython 3.12 found (tried: ${candidates[*]}); set GMP_PY312=/path/to/python3.12"
+fi
+say "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])')); $(go version)"
+
+# -- a throwaway build virtualenv -------------------------------------------
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/gmp-wheel.XXXXXX")
+cleanup() {
+  if [[ -n "${GMP_KEEP_VENV:-}" ]]; then say "kept $TMP"; else rm -rf "$TMP"; fi
+}
+trap cleanup EXIT
+VENV=$TMP/venv
+"$PY" -m venv "$VENV"
+say "installing the build requirements (setuptools, wheel, pybindgen) into a temporary virtualenv"
+"$VENV/bin/pip" install -q --disable-pip-version-check 'setuptools>=64' wheel 'pybindgen>=0.22' \
+  || die "pip could not install setuptools/wheel/pybindgen"
+
+# -- build ----------------------------------------------------------------
+# From a copy of the working tree (tracked and untracked-but-not-ignored
+# files, as the device machine gets it), so that the build neither shares
+# build/ with a concurrent `pip install .` of the checkout nor sees stale
+# build outputs. Go's build cache makes this cheap; build/tools (gopy,
+# goimports) is reused when the checkout has it.
+SRC=$ROOT
+if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  SRC=$TMP/src
+  mkdir -p "$SRC"
+  (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard \
+     | while IFS= read -r -d '' f; do [[ -f "$f" ]] && printf '%s\0' "$f"; done \
+     | xargs -0 -r cp --parents -t "$SRC") || die "could not copy the working tree to $SRC"
+  if [[ -d "$ROOT/build/tools" ]]; then
+    mkdir -p "$SRC/build" && cp -r "$ROOT/build/tools" "$SRC/build/tools"
+  fi
+else
+  say "note: not a git checkout; building in place"
+fi
+OUTDIR=$TMP/dist
+say "pip wheel --no-deps --no-build-isolation . (the Go build takes ~20 s with a warm Go cache, minutes without)"
+t0=$SECONDS
+if ! "$VENV/bin/pip" wheel -q --disable-pip-version-check --no-deps --no-build-isolation "$SRC" -w "$OUTDIR" >"$TMP/build.log" 2>&1; then
+  tail -n 60 "$TMP/build.log" >&2
+  die "pip wheel failed (last 60 lines of its output above)"
+fi
+shopt -s nullglob
+built=("$OUTDIR"/gpumempool-*-cp312-*.whl)
+shopt -u nullglob
+[[ ${#built[@]} -eq 1 ]] || { ls -l "$OUTDIR" >&2; die "expected one gpumempool cp312 wheel in $OUTDIR"; }
+say "built $(basename "${built[0]}") in $((SECONDS - t0)) s"
+
+# -- check it: installs, imports outside the checkout, allocates on sim ------
+"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "${built[0]}"
+(cd "$TMP" && PYTHONSAFEPATH=1 "$VENV/bin/python" - <<'EOF') || die "the wheel does not work (see above)"
+import os, subprocess, sys
+import gpumempool as gmp
+p = gmp.MemPool()
+p.free(p.alloc(1000))
+p.close()
+lib = gmp.library_path()
+assert "site-packages" in lib, lib
+try:
+    dyn = subprocess.run(["readelf", "-d", lib], capture_output=True, text=True).stdout
+    needed = [l.split("[", 1)[1].rstrip("]") for l in dyn.splitlines() if "(NEEDED)" in l]
+    if any(n.startswith("libpython") for n in needed):
+        sys.exit(f"the extension links libpython ({needed}); the device's python may not have it")
+    syms = subprocess.run(["objdump", "-T", lib], capture_output=True, text=True).stdout
+    import re
+    vers = sorted({tuple(map(int, v.split("."))) for v in re.findall(r"GLIBC_(\d+(?:\.\d+)+)", syms)})
+    glibc = ".".join(map(str, vers[-1])) if vers else "?"
+    print(f"build-gpu-wheel: wheel OK (sim alloc/free); extension NEEDS {', '.join(needed) or '-'}; "
+          f"requires glibc >= {glibc}", file=sys.stderr)
+except FileNotFoundError:
+    print("build-gpu-wheel: wheel OK (sim alloc/free); readelf/objdump not found, library check skipped", file=sys.stderr)
+EOF
+
+# -- wheelhouse/ ------------------------------------------------------------
+mkdir -p "$WHEELHOUSE"
+rm -f "$WHEELHOUSE"/gpumempool-*.whl
+cp "${built[0]}" "$WHEELHOUSE/"
+WHEEL=$WHEELHOUSE/$(basename "${built[0]}")
+
+if [[ -z "${GMP_NO_TQDM_WHEEL:-}" ]]; then
+  shopt -s nullglob
+  have_tqdm=("$WHEELHOUSE"/tqdm-*.whl)
+  shopt -u nullglob
+  if [[ ${#have_tqdm[@]} -eq 0 ]]; then
+    if "$VENV/bin/pip" download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+        --python-version 3.12 tqdm -d "$WHEELHOUSE" >"$TMP/tqdm.log" 2>&1; then
+      say "added a tqdm wheel (fallback for the device, which has no internet)"
+    else
+      say "note: could not download a tqdm wheel (offline?); the device must already have tqdm"
+    fi
+  fi
+fi
+
+{
+  echo "wheel: $(basename "$WHEEL")"
+  echo "sha256: $(sha256sum "$WHEEL" | cut -d' ' -f1)"
+  echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) with $("$PY" -c 'import sys; print(sys.version.split()[0])') and $(go version | cut -d' ' -f3)"
+  if git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1; then
+    echo "commit: $(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo none)"
+    echo "modified tracked files: $(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null | wc -l)"
+    git -C "$ROOT" status --porcelain 2>/dev/null | head -n 40 | sed 's/^/  /'
+  fi
+} >"$WHEELHOUSE/BUILD-INFO"
+
+say "wheelhouse: $(cd "$WHEELHOUSE" && ls | tr '\n' ' ')($(du -sh "$WHEELHOUSE" | cut -f1))"
+say "on the device: run(command=\"bash tools/gpu-check.sh part1\", carry=[\"wheelhouse\"], timeout_s=600), then part2"
+echo "$WHEEL"

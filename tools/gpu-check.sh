@@ -1,0 +1,454 @@
+#!/usr/bin/env bash
+# GPU checks of gpumempool on the device machine (one H100/H200, Python 3.12
+# with torch, CuPy, NCCL, transformers, pytest; no Go, no internet). Runs
+# from the repository root there, with $OUT set by the run tool.
+#
+# 1. Here (the build machine, which has Go):   bash tools/build-gpu-wheel.sh
+#    -> wheelhouse/gpumempool-*-cp312-*.whl (git-ignored, so it must be carried)
+# 2. With the run tool, two calls of < 10 minutes each (each call starts a
+#    fresh machine, so each installs the wheel again; ~10 s):
+#      run(command="bash tools/gpu-check.sh part1", carry=["wheelhouse"], timeout_s=600)
+#      run(command="bash tools/gpu-check.sh part2", carry=["wheelhouse"], timeout_s=600)
+#    or name stages: run(command="bash tools/gpu-check.sh gputests bench", carry=["wheelhouse"])
+# 3. Back here, under the reply's files_at: summary.md (read this first),
+#    gpu-check.tar.gz (logs/, results/), traces.tar.gz (recorded traces and
+#    their replay summary) and snapshots.tar (torch's raw snapshots, when
+#    they fit). The run tool returns at most 8 files, hence the archives.
+#    tar -xzf .../gpu-check.tar.gz -C /tmp/gpu && cp /tmp/gpu/results/*.{md,json,png} benchmarks/results/
+#    tar -xzf .../traces.tar.gz -C /tmp/gpu && cp /tmp/gpu/traces/*.trace.gz benchmarks/traces/
+#
+# Stages (each under `timeout`, logging to logs/<stage>.log; a failure is
+# recorded and the next stage runs):
+#   info       python -m gpumempool info --json, nvidia-smi, versions          (~10 s)
+#   gputests   pytest -m gpu tests/test_gpu.py tests/test_torch_gpu.py        (~1-3 min)
+#   cputests   pytest -m "not gpu" tests (the rest of the suite)              (~30-60 s)
+#   tests      pytest tests (the whole suite, GPU tests included)             (~2-4 min)
+#   bench      benchmarks/gpu_backends.py (raw vs cached, per backend)       (~1-3 min)
+#   gpt2       benchmarks/gpt2_train.py (mempool vmm/nccl, replacement loop) (~2-4 min)
+#   traces     benchmarks/record_traces.py (GPT-2 train, CNN, inference)     (~1-3 min)
+#   suite      benchmarks/suite_gpu.py (native/async/gmp/CuPy + replays)     (~3-5 min)
+#   sanitizer  compute-sanitizer memcheck over cuda/vmm/async pools + CuPy   (~1-2 min)
+# Groups: part1 = info gputests bench sanitizer cputests
+#         part2 = info traces gpt2 suite          (suite also replays the traces just recorded)
+#         all   = every stage but `tests` (the default; the deadline skips what does not fit)
+# The whole invocation stops starting stages at GMP_CHECK_DEADLINE seconds
+# (default 570, for the run tool's 600-s limit) and caps each stage's
+# timeout to what is left; summary.md and the archives are rewritten after
+# every stage, so a run that is killed still returns what it finished.
+#
+# Environment: PYTHON (base interpreter, default python3: must be 3.12),
+# GMP_WHEELHOUSE (default ./wheelhouse), GMP_VENV (default /tmp/gmpvenv),
+# GMP_WORK (default /tmp/gmp-check: logs/results/traces, kept between calls on
+# a warm machine), GMP_CHECK_DEADLINE, GMP_T_<STAGE> (a stage's time budget in
+# seconds, e.g. GMP_T_SUITE=400), GMP_GPT2_ARGS / GMP_TRACES_ARGS /
+# GMP_SUITE_ARGS / GMP_BENCH_ARGS / GMP_PYTEST_ARGS (extra arguments).
+# Exit status: 0 every stage of this call ok; 1 some stage failed, timed out,
+# was skipped or (pytest) skipped every test; 2 bad arguments; 3 no usable
+# wheel or Python (summary.md says which).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+T_START=$SECONDS
+
+ALL_STAGES=(info gputests cputests tests bench gpt2 traces suite sanitizer)
+declare -A BUDGET=([info]=60 [gputests]=300 [cputests]=180 [tests]=420 [bench]=300 [gpt2]=360
+                   [traces]=300 [suite]=420 [sanitizer]=240)
+declare -A STAGE_GROUPS=([part1]="info gputests bench sanitizer cputests"
+                         [part2]="info traces gpt2 suite"
+                         [all]="info gputests bench traces gpt2 suite sanitizer cputests")
+
+usage() {
+  sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+}
+
+# -- arguments ----------------------------------------------------------------
+STAGES=()
+[[ $# -eq 0 ]] && set -- all
+for arg in "$@"; do
+  case "$arg" in
+    -h|--help) usage; exit 0 ;;
+  esac
+  if [[ -n "${STAGE_GROUPS[$arg]:-}" ]]; then
+    for s in ${STAGE_GROUPS[$arg]}; do STAGES+=("$s"); done
+  elif [[ -n "${BUDGET[$arg]:-}" ]]; then
+    STAGES+=("$arg")
+  else
+    echo "gpu-check: unknown stage or group '$arg'; stages: ${ALL_STAGES[*]}; groups: ${!STAGE_GROUPS[*]}" >&2
+    exit 2
+  fi
+done
+# de-duplicate, keeping the order
+declare -A _seen=()
+_uniq=()
+for s in "${STAGES[@]}"; do [[ -z "${_seen[$s]:-}" ]] && _uniq+=("$s") && _seen[$s]=1; done
+STAGES=("${_uniq[@]}")
+
+if [[ -z "${OUT:-}" ]]; then
+  OUT=/tmp/gpu-check-out
+  echo "gpu-check: \$OUT is not set (the run tool sets it); writing to $OUT" >&2
+fi
+mkdir -p "$OUT"
+WORK=${GMP_WORK:-/tmp/gmp-check}
+mkdir -p "$WORK/logs" "$WORK/results" "$WORK/traces"
+STATUS=$WORK/status.tsv
+touch "$STATUS"
+BASE_PY=${PYTHON:-python3}
+VENV=${GMP_VENV:-/tmp/gmpvenv}
+WHEELHOUSE=${GMP_WHEELHOUSE:-$ROOT/wheelhouse}
+RUN_ID=$(date -u +%Y%m%dT%H%M%SZ)
+NOTES=$WORK/notes.txt
+: >"$NOTES"
+
+log() { echo "gpu-check [$((SECONDS - T_START))s]: $*" >&2; }
+note() { echo "$*" >>"$NOTES"; log "$*"; }
+
+set_status() {  # stage result seconds detail
+  local tmp detail
+  detail=$(printf '%s' "${4:-}" | tr '\t\n' '  ')
+  tmp=$(mktemp)
+  awk -F'\t' -v s="$1" '$1 != s' "$STATUS" >"$tmp"
+  printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$RUN_ID" "$detail" >>"$tmp"
+  mv "$tmp" "$STATUS"
+}
+
+# -- summary.md and the archives (rewritten after every stage) -----------------
+finish() {
+  "$BASE_PY" - "$WORK" "$OUT" "$RUN_ID" "$ROOT" <<'PYEOF' || echo "gpu-check: could not write summary.md" >&2
+import os, sys, glob, re
+work, out, run_id, root = sys.argv[1:5]
+def read(p, limit=None):
+    try:
+        with open(p, errors="replace") as f:
+            t = f.read()
+    except OSError:
+        return ""
+    return t if limit is None else t[-limit:]
+rows = [l.rstrip("\n").split("\t") for l in read(os.path.join(work, "status.tsv")).splitlines() if l.strip()]
+L = ["# gpumempool GPU check", ""]
+env = read(os.path.join(work, "env.txt")).strip()
+if env:
+    L += ["```", env, "```", ""]
+notes = read(os.path.join(work, "notes.txt")).strip()
+if notes:
+    L += ["Notes:", ""] + [f"* {n}" for n in notes.splitlines()] + [""]
+L += ["| stage | result | seconds | run | detail |", "|---|---|---:|---|---|"]
+for r in rows:
+    r += [""] * (5 - len(r))
+    mark = r[1] if r[1] == "ok" else f"**{r[1]}**"
+    L.append(f"| {r[0]} | {mark} | {r[2]} | {r[3]}{' (this run)' if r[3] == run_id else ''} | {r[4]} |")
+L.append("")
+for r in rows:
+    stage, result = r[0], r[1]
+    lg = os.path.join(work, "logs", f"{stage}.log")
+    text = read(lg)
+    if stage in ("gputests", "cputests", "tests") and text:
+        skips = [l for l in text.splitlines() if l.startswith(("SKIPPED", "FAILED", "ERROR"))]
+        final = [l for l in text.splitlines() if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)|no tests ran", l)][-1:]
+        L += [f"## {stage}: {result}", "", "```"] + final + skips[:60] + ["```", ""]
+    if result != "ok" and text:
+        L += [f"### {stage} log (last 60 lines of logs/{stage}.log)", "", "```"] + text.splitlines()[-60:] + ["```", ""]
+for md in sorted(glob.glob(os.path.join(work, "results", "*.md")) + glob.glob(os.path.join(work, "traces", "*.md"))):
+    L += [f"## {os.path.relpath(md, work)}", "", read(md).strip(), ""]
+L += ["## Files", ""]
+for f in sorted(os.listdir(out)):
+    if f != "summary.md":
+        L.append(f"* `{f}` ({os.path.getsize(os.path.join(out, f)) / 2**20:.2f} MiB)")
+open(os.path.join(out, "summary.md"), "w").write("\n".join(L) + "\n")
+PYEOF
+}
+
+pack() {
+  local max=$((15 * 1024 * 1024))
+  rm -f "$OUT/gpu-check.tar.gz" "$OUT/traces.tar.gz" "$OUT/snapshots.tar"
+  (cd "$WORK" && tar -czf "$OUT/gpu-check.tar.gz" --exclude='*.pickle.gz' logs results status.tsv notes.txt \
+      $(ls env.txt sanitize_backends.py 2>/dev/null)) 2>/dev/null
+  if compgen -G "$WORK/traces/*" >/dev/null; then
+    (cd "$WORK" && tar -czf "$OUT/traces.tar.gz" --exclude='raw' traces) 2>/dev/null
+  fi
+  if compgen -G "$WORK/traces/raw/*.pickle.gz" >/dev/null; then
+    (cd "$WORK/traces" && tar -cf "$OUT/snapshots.tar" raw) 2>/dev/null
+  fi
+  for f in "$OUT"/gpu-check.tar.gz "$OUT"/traces.tar.gz "$OUT"/snapshots.tar; do
+    if [[ -f "$f" && $(stat -c %s "$f") -gt $max ]]; then
+      rm -f "$f"
+      grep -qF "dropped $(basename "$f")" "$NOTES" || note "dropped $(basename "$f"): larger than 15 MiB (the run tool returns files up to 16 MiB)"
+    fi
+  done
+  finish
+  pack_done=1
+}
+
+fail_early() {  # message: no stage can run
+  note "ERROR: $*"
+  for s in "${STAGES[@]}"; do set_status "$s" "not run" 0 "setup failed"; done
+  pack
+  echo "gpu-check: error: $*" >&2
+  exit 3
+}
+
+# -- the wheel ----------------------------------------------------------------
+shopt -s nullglob
+WHEELS=("$WHEELHOUSE"/gpumempool-*cp312*.whl)
+shopt -u nullglob
+if [[ ${#WHEELS[@]} -eq 0 ]]; then
+  fail_early "no wheel: $WHEELHOUSE/gpumempool-*cp312*.whl not found. The device has no Go, so the extension is built on the build machine: run \`bash tools/build-gpu-wheel.sh\` there and pass carry=[\"wheelhouse\"] to the run tool (wheelhouse/ is git-ignored and does not travel otherwise)."
+fi
+if [[ ${#WHEELS[@]} -gt 1 ]]; then
+  fail_early "several gpumempool cp312 wheels in $WHEELHOUSE (${WHEELS[*]}); keep one (tools/build-gpu-wheel.sh does)"
+fi
+WHEEL=${WHEELS[0]}
+
+if ! "$BASE_PY" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else 1)' 2>/dev/null; then
+  fail_early "$BASE_PY is not a CPython 3.12 ($("$BASE_PY" --version 2>&1)); the wheel is cp312. Set PYTHON=..."
+fi
+
+# -- install into a virtualenv that sees the base interpreter's packages ------
+install_wheel() {
+  local sha site parent
+  sha=$(sha256sum "$WHEEL" | cut -d' ' -f1)
+  if [[ -x "$VENV/bin/python" && "$(cat "$VENV/.gmp-wheel-sha" 2>/dev/null)" == "$sha" ]]; then
+    echo "reusing $VENV (same wheel)"
+    return 0
+  fi
+  rm -rf "$VENV"
+  if "$BASE_PY" -m venv --system-site-packages "$VENV"; then
+    site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return 1
+  else
+    echo "python -m venv failed; making one without pip and installing with the base pip"
+    rm -rf "$VENV"
+    "$BASE_PY" -m venv --system-site-packages --without-pip "$VENV" || return 1
+    site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return 1
+  fi
+  # --system-site-packages reaches the *base* interpreter's site-packages; when
+  # python3 is itself a virtualenv (/opt/torch/.venv: torch, CuPy...), add its
+  # site-packages too (after ours, .pth files inside processed).
+  parent=$("$BASE_PY" - <<'EOF'
+import sys, sysconfig
+if sys.prefix != sys.base_prefix:
+    seen = []
+    for key in ("purelib", "platlib"):
+        p = sysconfig.get_paths()[key]
+        if p not in seen:
+            seen.append(p)
+    print("import site; " + "; ".join(f"site.addsitedir({p!r})" for p in seen))
+EOF
+)
+  if [[ -n "$parent" ]]; then
+    echo "$parent" >"$site/_gmp_parent_site.pth"
+    echo "added the base virtualenv's site-packages: $parent"
+  fi
+  venv_pip_install "$WHEEL" || return 1
+  echo "$sha" >"$VENV/.gmp-wheel-sha"
+}
+
+venv_pip_install() {  # wheel: offline, without dependencies
+  if [[ -x "$VENV/bin/pip" ]]; then
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-index --no-deps "$1"
+  else
+    "$BASE_PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --target \
+      "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" "$1"
+  fi
+}
+
+{
+  echo "== install $(basename "$WHEEL") into $VENV (base: $(command -v "$BASE_PY"))"
+  install_wheel
+} >"$WORK/logs/install.log" 2>&1 || { cat "$WORK/logs/install.log" >&2; fail_early "installing the wheel failed (logs/install.log)"; }
+PY=$VENV/bin/python
+export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 MPLBACKEND=Agg PYTHONDONTWRITEBYTECODE=1
+# tqdm: a dependency of gpumempool (the demo's progress bar) that pip --no-deps skips
+if ! "$PY" -c 'import tqdm' 2>/dev/null; then
+  shopt -s nullglob
+  tq=("$WHEELHOUSE"/tqdm-*.whl)
+  shopt -u nullglob
+  if [[ ${#tq[@]} -gt 0 ]] && venv_pip_install "${tq[0]}" >>"$WORK/logs/install.log" 2>&1; then
+    note "tqdm was missing; installed $(basename "${tq[0]}") from the wheelhouse"
+  else
+    note "tqdm is missing and no wheelhouse/tqdm-*.whl could be installed: \`python -m gpumempool demo\` (with its progress bar) and the CLI tests that use it will fail"
+  fi
+fi
+if ! (cd /tmp && "$PY" -c 'import gpumempool, sys; sys.exit(0 if "site-packages" in gpumempool.__file__ else 1)') >>"$WORK/logs/install.log" 2>&1; then
+  cat "$WORK/logs/install.log" >&2
+  fail_early "the installed wheel does not import (logs/install.log)"
+fi
+# is the wheel's Python code the checkout's? (a wheel built before later edits to gpumempool/)
+stale=$(cd /tmp && "$PY" - "$ROOT" <<'EOF'
+import hashlib, os, sys, gpumempool
+inst = os.path.dirname(gpumempool.__file__)
+src = os.path.join(sys.argv[1], "gpumempool")
+h = lambda p: hashlib.sha256(open(p, "rb").read()).hexdigest()
+diff = [f for f in sorted(os.listdir(src)) if f.endswith(".py")
+        and (not os.path.exists(os.path.join(inst, f)) or h(os.path.join(src, f)) != h(os.path.join(inst, f)))]
+print(" ".join(diff))
+EOF
+)
+[[ -n "$stale" ]] && note "WARNING: the wheel's gpumempool/ differs from the checkout's in: $stale (rebuild it with tools/build-gpu-wheel.sh; the wheel's code is what ran)"
+{
+  echo "run $RUN_ID on $(uname -n); stages asked: ${STAGES[*]}"
+  echo "wheel: $(basename "$WHEEL") sha256 $(sha256sum "$WHEEL" | cut -c1-16)"
+  [[ -f "$WHEELHOUSE/BUILD-INFO" ]] && sed 's/^/  /' "$WHEELHOUSE/BUILD-INFO"
+  echo "checkout: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | sed 's/^/gpu: /'
+  else
+    echo "gpu: nvidia-smi not found"
+  fi
+  (cd /tmp && "$PY" - <<'EOF'
+import sys
+print("python", sys.version.split()[0], sys.executable)
+for m in ("gpumempool", "torch", "cupy", "transformers", "numpy", "pytest", "matplotlib", "tqdm"):
+    try:
+        mod = __import__(m)
+        extra = f" (CUDA {mod.version.cuda}, cuda available: {mod.cuda.is_available()})" if m == "torch" else ""
+        print(f"{m} {getattr(mod, '__version__', '?')}{extra}")
+    except Exception as exc:
+        print(f"{m}: not importable ({exc.__class__.__name__}: {exc})")
+EOF
+  ) 2>&1
+  echo "compute-sanitizer: $(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || echo 'not found')"
+  echo "cc: $(command -v cc || command -v gcc || echo 'not found (the tests build small C helpers)')"
+} >"$WORK/env.txt" 2>&1
+log "installed $(basename "$WHEEL") into $VENV; stages: ${STAGES[*]}"
+
+# -- stages -------------------------------------------------------------------
+PYTEST_EXTRA=(-p no:cacheprovider)
+"$PY" -c 'import pytest_timeout' 2>/dev/null && PYTEST_EXTRA+=(--timeout=240)
+
+stage_cmd() {  # the stage's command, run from the repository root
+  case "$1" in
+    info)
+      nvidia-smi || true
+      "$PY" -m gpumempool info
+      "$PY" -m gpumempool info --json >"$WORK/results/info.json" && cat "$WORK/results/info.json" ;;
+    gputests)
+      "$PY" -m pytest -m gpu -q -rs "${PYTEST_EXTRA[@]}" --junitxml="$WORK/results/junit-gputests.xml" \
+        tests/test_gpu.py tests/test_torch_gpu.py ${GMP_PYTEST_ARGS:-} ;;
+    cputests)
+      "$PY" -m pytest -m "not gpu" -q -rs "${PYTEST_EXTRA[@]}" --junitxml="$WORK/results/junit-cputests.xml" \
+        tests ${GMP_PYTEST_ARGS:-} ;;
+    tests)
+      "$PY" -m pytest -q -rs "${PYTEST_EXTRA[@]}" --junitxml="$WORK/results/junit-tests.xml" tests ${GMP_PYTEST_ARGS:-} ;;
+    bench)
+      "$PY" benchmarks/gpu_backends.py --out "$WORK/results" ${GMP_BENCH_ARGS:-} ;;
+    gpt2)
+      "$PY" benchmarks/gpt2_train.py --out "$WORK/results" ${GMP_GPT2_ARGS:-} ;;
+    traces)
+      "$PY" benchmarks/record_traces.py --out "$WORK/traces" ${GMP_TRACES_ARGS:-} ;;
+    suite)
+      local tr=(--traces "$ROOT/benchmarks/traces")
+      compgen -G "$WORK/traces/*.trace.gz" >/dev/null && tr+=(--traces "$WORK/traces")
+      "$PY" benchmarks/suite_gpu.py --out "$WORK/results" "${tr[@]}" ${GMP_SUITE_ARGS:-} ;;
+    sanitizer)
+      run_sanitizer ;;
+  esac
+}
+
+run_sanitizer() {
+  local cs
+  cs=$(command -v compute-sanitizer || true)
+  [[ -z "$cs" && -x /usr/local/cuda/bin/compute-sanitizer ]] && cs=/usr/local/cuda/bin/compute-sanitizer
+  if [[ -z "$cs" ]]; then
+    echo "compute-sanitizer not found: skipped"
+    return 99
+  fi
+  cat >"$WORK/sanitize_backends.py" <<'EOF'
+"""Allocate and free through gpumempool's cuda/vmm/async pools, write every
+byte with a CuPy kernel and read it back; run under compute-sanitizer."""
+import sys
+import numpy as np
+import cupy as cp
+import gpumempool as gmp
+
+cp.cuda.set_allocator(None)  # no CuPy pool: only our blocks and CuPy's own plain allocations
+cp.cuda.set_pinned_memory_allocator(None)
+fill = cp.RawKernel(r'''
+extern "C" __global__ void fill(unsigned char* p, unsigned long long n, unsigned int seed) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        p[i] = (unsigned char)(i * 7u + seed);
+}''', "fill")
+
+def check(pool, ptr, n, seed):
+    mem = cp.cuda.UnownedMemory(ptr, n, owner=None, device_id=0)
+    arr = cp.ndarray((n,), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
+    fill((min(1024, (n + 255) // 256),), (256,), (arr, cp.uint64(n), cp.uint32(seed)))
+    got = cp.asnumpy(arr)
+    want = ((np.arange(n, dtype=np.uint64) * 7 + seed) & 0xFF).astype(np.uint8)
+    assert np.array_equal(got, want), f"{pool.config()['backend']}: wrong bytes in a block of {n}"
+
+sizes = [512, 4097, 1 << 20, (3 << 20) + 7, 16 << 20]
+failed = []
+for backend, opts in (("cuda", {}), ("vmm", {}), ("vmm", {"expandable": True}), ("async", {})):
+    label = backend + ("-expandable" if opts else "")
+    try:
+        with gmp.MemPool(backend, device=0, name=f"sanitize-{label}", **opts) as pool:
+            for rnd in range(2):  # the second round is served from the cache
+                ptrs = [pool.alloc(n) for n in sizes]
+                for i, (p, n) in enumerate(zip(ptrs, sizes)):
+                    check(pool, p, n, 13 * rnd + i)
+                cp.cuda.Device(0).synchronize()
+                for p in ptrs:
+                    pool.free(p)
+            s = pool.stats()
+            pool.empty_cache()
+            print(f"{label}: ok ({s['num_device_alloc']} segment allocations, {s['num_cache_hits']} cache hits)", flush=True)
+    except Exception as exc:
+        failed.append(label)
+        print(f"{label}: FAILED {exc!r}", flush=True)
+sys.exit(1 if failed else 0)
+EOF
+  echo "+ $cs --tool memcheck --leak-check full --error-exitcode 7 $PY sanitize_backends.py"
+  (cd /tmp && "$cs" --tool memcheck --leak-check full --error-exitcode 7 --print-limit 100 "$PY" "$WORK/sanitize_backends.py")
+}
+
+run_stage() {
+  local stage=$1 budget elapsed left t rc t0 var
+  var="GMP_T_${stage^^}"
+  budget=${!var:-${BUDGET[$stage]}}
+  elapsed=$((SECONDS - T_START))
+  left=$(( ${GMP_CHECK_DEADLINE:-570} - elapsed - 10 ))
+  if (( left < 30 )); then
+    set_status "$stage" "skipped" 0 "no time left in this call (${elapsed}s used); run \`bash tools/gpu-check.sh $stage\` in another call"
+    log "$stage: skipped, no time left"
+    return
+  fi
+  t=$(( budget < left ? budget : left ))
+  log "$stage: starting (timeout ${t}s)"
+  t0=$SECONDS
+  (
+    echo "== $stage, run $RUN_ID, timeout ${t}s, $(date -u +%H:%M:%S)"
+    export -f stage_cmd run_sanitizer
+    export PY WORK ROOT
+    timeout -k 15 "$t" bash -c "$(declare -p PYTEST_EXTRA); stage_cmd $stage"
+    rc=$?
+    echo "== exit status $rc after $((SECONDS - t0))s"
+    exit $rc
+  ) >"$WORK/logs/$stage.log" 2>&1
+  rc=$?
+  local secs=$((SECONDS - t0)) result detail=""
+  case $rc in
+    0) result=ok ;;
+    124|137) result="TIMEOUT"; detail="killed after ${t}s" ;;
+    99) result="skipped"; detail=$(tail -n 2 "$WORK/logs/$stage.log" | head -n 1) ;;
+    *) result="FAILED"; detail="exit status $rc" ;;
+  esac
+  case $stage in
+    gputests|cputests|tests)
+      local line
+      line=$(grep -E '[0-9]+ (passed|failed|skipped|deselected|errors?)|no tests ran' "$WORK/logs/$stage.log" | tail -n 1 | tr -d '=' | sed 's/^ *//')
+      detail="${detail:+$detail; }$line"
+      # everything skipped (no GPU seen, torch or CuPy missing) is not a pass
+      [[ $result == ok && $line != *passed* ]] && result="ALL SKIPPED" ;;
+  esac
+  set_status "$stage" "$result" "$secs" "$detail"
+  log "$stage: $result ($secs s)"
+  pack
+}
+
+for s in "${STAGES[@]}"; do
+  run_stage "$s"
+done
+pack
+log "done in $((SECONDS - T_START)) s; $OUT/summary.md"
+grep -vq $'\tok\t' <(awk -F'\t' -v r="$RUN_ID" '$4 == r' "$STATUS") && exit 1
+exit 0

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from ._pool import MemPool
+from ._progress import Progress
 
 COMPUTE_STREAM = 0x1000
 COMM_STREAM = 0x2000
@@ -57,11 +58,7 @@ def run_demo(
     if pool is None:
         pool = MemPool("sim", name="demo", capacity=64 << 30, manual_events=True)
     rng = random.Random(seed)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=steps, desc="demo", unit="step", leave=False)
+    bar = Progress("demo", unit="step", enabled=progress, total=steps)
     allocations = 0
     start = time.perf_counter()
     try:
@@ -89,16 +86,14 @@ def run_demo(
             # The comm stream finishes its all-reduces one step late.
             if step % 2 == 1:
                 pool.sim_complete(COMM_STREAM)
-            if bar is not None:
-                bar.update(1)
+            bar(step + 1, steps)
         for w in weights:
             pool.free(w)
         pool.sim_complete()
         pool.process_events()
         s = pool.stats()
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
         if own:
             pool.close()
     seconds = time.perf_counter() - start

@@ -43,6 +43,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _gpu_env  # noqa: E402  (shared GPU checks, next to this script)
+
 MiB = 1 << 20
 WORKLOADS = ("gpt2-train", "cnn-train", "gpt2-infer")
 POLICIES: dict[str, dict[str, Any]] = {"default": {}, "expandable": {"expandable": True}}
@@ -242,30 +245,9 @@ def _allocator_backend(torch: Any) -> str:
 # ---------------------------------------------------------------------------
 
 
-def gpu_problem(need_transformers: bool = True) -> Optional[str]:
-    """Why this cannot run here (a message starting with 'no GPU' when there is none), or None."""
-    try:
-        import gpumempool as gmp
-    except Exception as exc:  # noqa: BLE001
-        return f"gpumempool does not import ({exc}); install the wheel first"
-    try:
-        info = gmp.device_info()
-    except Exception as exc:  # noqa: BLE001
-        info = {"devices": [], "reason": repr(exc)}
-    if not info.get("devices"):
-        return f"no GPU: NVML finds no NVIDIA device ({info.get('reason') or 'no devices'})"
-    try:
-        import torch
-    except Exception as exc:  # noqa: BLE001
-        return f"torch is not installed ({exc})"
-    if not torch.cuda.is_available():
-        return f"no GPU visible to torch {torch.__version__} (a CPU-only build?)"
-    if need_transformers:
-        try:
-            import transformers  # noqa: F401
-        except Exception as exc:  # noqa: BLE001
-            return f"transformers is not installed ({exc})"
-    return None
+def gpu_problem() -> Optional[str]:
+    """Why this cannot run here, or None (see _gpu_env.gpu_problem)."""
+    return _gpu_env.gpu_problem(need_transformers=True)
 
 
 def run_worker(name: str, args: argparse.Namespace, snapshot: Path) -> dict[str, Any]:

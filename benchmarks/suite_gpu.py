@@ -61,6 +61,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _gpu_env  # noqa: E402  (shared GPU checks, next to this script)
+
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
 CONFIGS = ("native", "async", "gmp-context", "gmp-replace", "cupy")
@@ -343,24 +346,8 @@ def worker(spec: str, args: argparse.Namespace, out_json: Path) -> None:
 
 
 def gpu_problem() -> Optional[str]:
-    """Why the GPU workloads cannot run here (a message starting with 'no GPU' when there is none), or None."""
-    try:
-        import gpumempool as gmp
-    except Exception as exc:  # noqa: BLE001
-        return f"gpumempool does not import ({exc}); install the wheel first"
-    try:
-        info = gmp.device_info()
-    except Exception as exc:  # noqa: BLE001
-        info = {"devices": [], "reason": repr(exc)}
-    if not info.get("devices"):
-        return f"no GPU: NVML finds no NVIDIA device ({info.get('reason') or 'no devices'})"
-    try:
-        import torch
-    except Exception as exc:  # noqa: BLE001
-        return f"torch is not installed ({exc})"
-    if not torch.cuda.is_available():
-        return f"no GPU visible to torch {torch.__version__} (a CPU-only build?)"
-    return None
+    """Why this cannot run here, or None (see _gpu_env.gpu_problem)."""
+    return _gpu_env.gpu_problem(need_transformers=False)
 
 
 def _child_env(config: Optional[str] = None) -> dict[str, str]:

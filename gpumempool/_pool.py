@@ -511,7 +511,21 @@ class MemPool:
     def close(self) -> CloseReport:
         """Return every segment to the backend and forget the pool. Blocks
         still allocated become invalid; they are listed in the report and a
-        :class:`LeakWarning` is issued. Closing again returns the same report."""
+        :class:`LeakWarning` is issued. Closing again returns the same report.
+
+        First the pool's cache scopes are invalidated and, if torch used the
+        pool, its NCCL registrations are dropped and torch's segments given
+        back. Torch tensors from the pool that are still alive lose their
+        memory: that is reported with a :class:`LeakWarning` (closing must
+        work in ``__exit__`` and at shutdown, so it does not raise)."""
+        if self._report is None and self._id:
+            from . import scope as _scope
+            from . import torch as _torch
+
+            problem = _torch.forget_pool(self)
+            if problem:
+                warnings.warn(f"closing pool anyway: {problem}", LeakWarning, stacklevel=2)
+            _scope.forget_pool(self)
         with self._lock:
             if self._report is not None:
                 return self._report

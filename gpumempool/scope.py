@@ -323,3 +323,13 @@ def _reset_for_tests() -> None:
     with _lock:
         _registry.clear()
     _tls.stack = []
+
+
+def forget_pool(pool: MemPool) -> int:
+    """Invalidate every cache scope of ``pool`` and drop the pool from the
+    registry (MemPool.close calls this); return the bytes freed."""
+    with _lock:
+        ps = _registry.pop(id(pool), None)
+    if ps is None or ps.pool is not pool:
+        return 0
+    return sum(scope.invalidate() for scope in list(ps.scopes.values()))

@@ -1190,3 +1190,26 @@ def _reset_for_tests() -> None:
         _hook_error_list.clear()
     _tls.frames = []
 
+
+
+def forget_pool(pool: MemPool) -> Optional[str]:
+    """Called by MemPool.close: deregister the pool's NCCL registrations,
+    give back torch's segments and drop the pool's state. Touches torch only
+    when the pool was used with it. Returns why torch's segments could not
+    be given back (tensors from the pool still alive), or None."""
+    with _lock:
+        st = _state(pool, create=False)
+        if st is None:
+            return None
+        registered = bool(st.registrations)
+    problem = None
+    try:
+        if registered:
+            deregister(pool)
+        release(pool)
+    except PoolInUseError as exc:
+        problem = str(exc)
+    finally:
+        with _lock:
+            _states.pop(id(pool), None)
+    return problem

@@ -80,6 +80,21 @@ def build_model(args: argparse.Namespace) -> Any:
     return GPT2LMHeadModel(config)
 
 
+def train_step(model: Any, opt: Any, x: Any, dev: Any) -> tuple[float, float]:
+    """One timed training step on token batch ``x`` (already on ``dev``):
+    returns (loss, seconds). Shared with benchmarks/suite_gpu.py."""
+    import torch
+
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    out = model(input_ids=x, labels=x)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss = float(out.loss.item())  # .item() waits for the step's kernels
+    return loss, time.perf_counter() - t0
+
+
 def worker_train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -116,15 +131,8 @@ def worker_train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         model = build_model(args).to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
         for step in range(args.steps):
-            x = data[step].to(dev)
-            torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            out = model(input_ids=x, labels=x)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss = float(out.loss.item())
-            times.append(time.perf_counter() - t0)
+            loss, seconds = train_step(model, opt, data[step].to(dev), dev)
+            times.append(seconds)
             losses.append(loss)
             outside_peak = max(outside_peak, outside_pool())
             if (step + 1) % 25 == 0 or step == 0:

@@ -249,31 +249,14 @@ def _window_peak(sizes: list[int], window: int) -> int:
 
 
 def load_gpt2_train() -> Any:
-    """benchmarks/gpt2_train.py as a module (its imports are stdlib only), or None."""
+    """benchmarks/gpt2_train.py, next to this file, as a module (its imports
+    are stdlib only): the GPT-2 model and training step are its own."""
     path = HERE / "gpt2_train.py"
-    if not path.is_file():
-        return None
-    try:
-        spec = importlib.util.spec_from_file_location("gmp_bench_gpt2_train", path)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod if hasattr(mod, "build_model") else None
-    except Exception as exc:  # noqa: BLE001
-        say(f"cannot import {path} ({exc!r}); using the compact GPT-2 of this file")
-        return None
-
-
-def build_gpt2(args: argparse.Namespace) -> tuple[Any, str]:
-    mod = load_gpt2_train()
-    ns = argparse.Namespace(vocab=args.vocab, seq=args.seq, embd=args.embd, layers=args.layers, heads=args.heads)
-    if mod is not None:
-        return mod.build_model(ns), "benchmarks/gpt2_train.py:build_model"
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.embd, n_layer=args.layers,
-                     n_head=args.heads)
-    return GPT2LMHeadModel(cfg), "suite_gpu.py (compact equivalent)"
+    spec = importlib.util.spec_from_file_location("gmp_bench_gpt2_train", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def worker_gpt2(env: Env, args: argparse.Namespace) -> dict[str, Any]:
@@ -290,21 +273,16 @@ def worker_gpt2(env: Env, args: argparse.Namespace) -> dict[str, Any]:
     losses: list[float] = []
     outside_peak = 0
     used_peak = 0
+    gpt2 = load_gpt2_train()
+    source = "benchmarks/gpt2_train.py:build_model"
     with env.context():
         torch.manual_seed(args.seed)
-        model, source = build_gpt2(args)
-        model = model.to(dev)
+        ns = argparse.Namespace(vocab=args.vocab, seq=args.seq, embd=args.embd, layers=args.layers, heads=args.heads)
+        model = gpt2.build_model(ns).to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
         for step in range(args.steps):
-            x = data[step].to(dev)
-            torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            out = model(input_ids=x, labels=x)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss = float(out.loss.item())
-            times.append(time.perf_counter() - t0)
+            loss, seconds = gpt2.train_step(model, opt, data[step].to(dev), dev)
+            times.append(seconds)
             losses.append(loss)
             outside_peak = max(outside_peak, env.outside_pool())
             used_peak = max(used_peak, env.baseline_free - env.free_bytes())

@@ -157,7 +157,7 @@ def worker_train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         pool_device_allocs=s["num_device_alloc"],
     )
     # release the torch pool, then train a few steps in a fresh one: served by the engine's cache?
-    del model, opt, out, x
+    del model, opt  # train_step kept no references to its outputs
     gc.collect()
     torch.cuda.synchronize(dev)
     res["released_bytes"] = gmp.torch.release(pool)

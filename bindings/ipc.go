@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"sync"
+	"syscall"
 
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/cuda"
@@ -165,9 +166,16 @@ func CloseImport(id int64) (err error) {
 	delete(imports, id)
 	importsMu.Unlock()
 	if c == nil {
-		return fmt.Errorf("import handle %d: %w", id, registryErrNoImport)
+		return fmt.Errorf("import handle %d: %w", id, errNoImport)
 	}
 	return c.Close()
 }
 
-var registryErrNoImport = fmt.Errorf("no such import (closed already?): %w", gocore.ErrInvalidArgument)
+var errNoImport = fmt.Errorf("no such import (closed already?): %w", gocore.ErrInvalidArgument)
+
+// closeFDs closes descriptors on an error path.
+func closeFDs(fds []int) {
+	for _, fd := range fds {
+		_ = syscall.Close(fd)
+	}
+}

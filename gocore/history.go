@@ -4,15 +4,14 @@ import "time"
 
 // Trace actions, named as in torch's device_traces.
 const (
-	ActionAlloc          = "alloc"
-	ActionFreeRequested  = "free_requested"
-	ActionFreeCompleted  = "free_completed"
-	ActionSegmentAlloc   = "segment_alloc"
-	ActionSegmentFree    = "segment_free"
-	ActionSegmentMap     = "segment_map" // an expandable segment grew
-	ActionOOM            = "oom"
-	ActionRecordStream   = "record_stream" // ours: a block used on another stream
-	ActionEmptyCacheDone = "empty_cache"   // ours: EmptyCache/Trim ran
+	ActionAlloc         = "alloc"
+	ActionFreeRequested = "free_requested"
+	ActionFreeCompleted = "free_completed"
+	ActionSegmentAlloc  = "segment_alloc"
+	ActionSegmentFree   = "segment_free"
+	ActionSegmentMap    = "segment_map" // an expandable segment grew
+	ActionOOM           = "oom"
+	ActionRecordStream  = "record_stream" // ours: a block used on another stream
 )
 
 // TraceEntry is one recorded allocator event.

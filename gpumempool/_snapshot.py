@@ -12,7 +12,6 @@ with the Python stack of each allocation made through the Python API
 
 from __future__ import annotations
 
-import json
 import pickle
 import threading
 import traceback
@@ -138,7 +137,3 @@ def record_history(enabled: bool = True, max_entries: int = 100_000, stacks: boo
 def history_settings() -> Optional[tuple[int, bool]]:
     with _settings_lock:
         return _history_settings
-
-
-def loads_engine(js: str) -> Any:
-    return json.loads(js)

@@ -8,7 +8,6 @@ import sys
 import threading
 import time
 
-import pytest
 
 import gpumempool as gmp
 

@@ -19,7 +19,7 @@ import (
 
 	// The C ABI lives in the same .so: importing it links its //export
 	// functions into the extension.
-	_ "github.com/gpumempool/gpumempool/bindings/cabi"
+	"github.com/gpumempool/gpumempool/bindings/cabi"
 	"github.com/gpumempool/gpumempool/bindings/registry"
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/callback"
@@ -229,14 +229,32 @@ func PoolTrim(id, device int64, keep uint64) (released uint64, err error) {
 	return e.Pool.Trim(int(device), keep)
 }
 
-// PoolSetLimit sets the per-device byte limit (0: none).
-func PoolSetLimit(id int64, limit uint64) (err error) {
+// PoolSetLimit sets the byte limit (0: none) of device, or of every device
+// when device is -1.
+func PoolSetLimit(id int64, limit uint64, device int64) (err error) {
 	defer guard(&err)
 	e, err := entry(id)
 	if err != nil {
 		return err
 	}
-	return e.Pool.SetLimit(limit)
+	if device == -1 {
+		return e.Pool.SetLimit(limit)
+	}
+	return e.Pool.SetDeviceLimit(int(device), limit)
+}
+
+// PoolLimit returns the byte limit in force on device (0: none).
+func PoolLimit(id int64, device int64) (limit uint64, err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return 0, err
+	}
+	if device < 0 || device >= int64(e.Pool.Backend().Devices()) {
+		return 0, fmt.Errorf("limit: device %d out of range [0, %d): %w",
+			device, e.Pool.Backend().Devices(), gocore.ErrInvalidDevice)
+	}
+	return e.Pool.Limit(int(device)), nil
 }
 
 // PoolSetReleaseThreshold sets the release threshold (0: unlimited).
@@ -307,6 +325,22 @@ func PoolSymbols(id int64) (names string, err error) {
 		return "", err
 	}
 	return fmt.Sprintf("gmp_alloc_%d,gmp_free_%d", slot, slot), nil
+}
+
+// PoolHookSymbols gives the pool a C slot and returns, as JSON, torch's
+// CUDAPluggableAllocator hook setters mapped to the pool's exported hook
+// functions (init, empty cache, memory fraction, record stream).
+func PoolHookSymbols(id int64) (js string, err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return "", err
+	}
+	slot, err := registry.AssignSlot(e)
+	if err != nil {
+		return "", err
+	}
+	return marshal(cabi.HookSymbols(slot))
 }
 
 // PoolTakeError returns and clears the last error a C call on this pool

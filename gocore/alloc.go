@@ -70,7 +70,7 @@ func (p *Pool) Alloc(size uint64, dev int, stream Stream) (uint64, error) {
 	if p.isOversize(b.size) {
 		st.OversizeAllocations.add(1)
 	}
-	p.trace(ActionAlloc, dev, b.addr, b.size, stream)
+	p.trace(ActionAlloc, dev, b.addr, size, stream)
 	return b.addr, nil
 }
 
@@ -121,7 +121,7 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 			Pool: p.name, Backend: p.backend.Name(), Device: d.id, Requested: size, Segment: segSize,
 			Allocated: uint64(d.stats.AllocatedBytes[0].Current),
 			Reserved:  uint64(d.stats.ReservedBytes[0].Current),
-			Limit:     p.cfg.Limit,
+			Limit:     p.limitLocked(d.id),
 		}
 		if !errors.Is(err, errLimit) {
 			oom.Cause = err
@@ -156,7 +156,7 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 var errLimit = fmt.Errorf("pool limit reached: %w", ErrBackendOutOfMemory)
 
 func (p *Pool) backendAlloc(d *deviceState, size uint64, stream Stream) (uint64, error) {
-	if p.cfg.Limit != 0 && uint64(d.stats.ReservedBytes[0].Current)+size > p.cfg.Limit {
+	if p.overLimitLocked(d, size) {
 		return 0, errLimit
 	}
 	return p.backend.Alloc(d.id, size, stream)
@@ -205,7 +205,7 @@ func (p *Pool) growLocked(d *deviceState, rounded uint64, stream Stream) (*block
 		need -= last.size
 	}
 	extra := roundUp(need, p.expander.Granularity())
-	if p.cfg.Limit != 0 && uint64(d.stats.ReservedBytes[0].Current)+extra > p.cfg.Limit {
+	if p.overLimitLocked(d, extra) {
 		return nil, nil
 	}
 	if err := p.expander.Expand(d.id, seg.addr, seg.size, extra, stream); err != nil {

@@ -27,8 +27,9 @@ func (p *Pool) Free(addr uint64) error {
 		st.OversizeAllocations.add(-1)
 	}
 	b.allocated = false
-	b.requested = 0
-	p.trace(ActionFreeRequested, d.id, b.addr, b.size, b.seg.stream)
+	// Like torch, history carries the caller's size; b.requested is kept
+	// until the block is free (a pending block still shows it).
+	p.trace(ActionFreeRequested, d.id, b.addr, b.requested, b.seg.stream)
 	if len(b.streamUses) > 0 {
 		return p.deferFreeLocked(d, b)
 	}
@@ -103,7 +104,8 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 	kind := b.seg.kind
 	d.stats.Active.add(kind, -1)
 	d.stats.ActiveBytes.add(kind, -int64(b.size))
-	p.trace(ActionFreeCompleted, d.id, b.addr, b.size, b.seg.stream)
+	p.trace(ActionFreeCompleted, d.id, b.addr, b.requested, b.seg.stream)
+	b.requested = 0
 	b.streamUses = b.streamUses[:0]
 	f := d.freeList(b.seg.stream)
 	if n := b.next; n != nil && n.inFree {

@@ -149,7 +149,13 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 				t.Fatalf("step %d: empty/trim: %v", step, err)
 			}
 		case 8:
-			if err := p.SetLimit(uint64(arg) * MiB); err != nil && !errors.Is(err, ErrClosed) {
+			var err error
+			if arg&1 == 0 {
+				err = p.SetLimit(uint64(arg) * MiB)
+			} else {
+				err = p.SetDeviceLimit(arg>>1&1, uint64(arg)*MiB)
+			}
+			if err != nil && !errors.Is(err, ErrClosed) {
 				t.Fatalf("step %d: set limit: %v", step, err)
 			}
 		case 9:

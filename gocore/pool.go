@@ -43,6 +43,9 @@ type Pool struct {
 	expander  Expander          // non-nil when the backend grows segments in place
 	hist      *history          // recorded events; nil when recording is off
 	histMax   int
+	// deviceLimit overrides cfg.Limit for single devices (torch's
+	// set_per_process_memory_fraction is per device); 0 there means none.
+	deviceLimit map[int]uint64
 }
 
 // deviceState is everything the pool keeps for one device.
@@ -107,7 +110,8 @@ func (p *Pool) Config() Config {
 	return p.cfg
 }
 
-// SetLimit changes the per-device byte limit (0: none). Memory already
+// SetLimit changes the byte limit of every device (0: none), replacing
+// limits set for single devices with SetDeviceLimit. Memory already
 // reserved above a lowered limit stays until freed and released.
 func (p *Pool) SetLimit(limit uint64) error {
 	p.mu.Lock()
@@ -116,7 +120,47 @@ func (p *Pool) SetLimit(limit uint64) error {
 		return fmt.Errorf("set limit on pool %q: %w", p.name, ErrClosed)
 	}
 	p.cfg.Limit = limit
+	p.deviceLimit = nil
 	return nil
+}
+
+// SetDeviceLimit changes the byte limit of one device (0: none), leaving the
+// other devices' limits as they are.
+func (p *Pool) SetDeviceLimit(device int, limit uint64) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return fmt.Errorf("set limit on pool %q: %w", p.name, ErrClosed)
+	}
+	if _, err := p.device(device); err != nil {
+		return fmt.Errorf("set limit: %w", err)
+	}
+	if p.deviceLimit == nil {
+		p.deviceLimit = make(map[int]uint64)
+	}
+	p.deviceLimit[device] = limit
+	return nil
+}
+
+// Limit reports the byte limit in force on device (0: none).
+func (p *Pool) Limit(device int) uint64 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.limitLocked(device)
+}
+
+func (p *Pool) limitLocked(device int) uint64 {
+	if l, ok := p.deviceLimit[device]; ok {
+		return l
+	}
+	return p.cfg.Limit
+}
+
+// overLimitLocked reports whether reserving extra more bytes on d would pass
+// its limit.
+func (p *Pool) overLimitLocked(d *deviceState, extra uint64) bool {
+	l := p.limitLocked(d.id)
+	return l != 0 && uint64(d.stats.ReservedBytes[0].Current)+extra > l
 }
 
 // SetReleaseThreshold changes the release threshold (0: unlimited) and

@@ -262,6 +262,37 @@ func TestLimit(t *testing.T) {
 	mustAlloc(t, p, MiB, 0, 0)
 }
 
+func TestDeviceLimit(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Devices: 2}, Config{Limit: 8 * MiB})
+	require.NoError(t, p.SetDeviceLimit(1, 2*MiB))
+	assert.EqualValues(t, 8*MiB, p.Limit(0))
+	assert.EqualValues(t, 2*MiB, p.Limit(1))
+
+	mustAlloc(t, p, MiB, 1, 0)
+	mustAlloc(t, p, MiB, 1, 0)
+	_, err := p.Alloc(MiB, 1, 0)
+	var oom *OutOfMemoryError
+	require.ErrorAs(t, err, &oom)
+	assert.EqualValues(t, 2*MiB, oom.Limit)
+	assert.Equal(t, 1, oom.Device)
+	for range 8 { // device 0 keeps the pool-wide limit
+		mustAlloc(t, p, MiB, 0, 0)
+	}
+	_, err = p.Alloc(MiB, 0, 0)
+	require.ErrorAs(t, err, &oom)
+	assert.EqualValues(t, 8*MiB, oom.Limit)
+
+	require.ErrorIs(t, p.SetDeviceLimit(2, MiB), ErrInvalidDevice)
+	require.ErrorIs(t, p.SetDeviceLimit(-1, MiB), ErrInvalidDevice)
+
+	// SetLimit applies to every device and drops single-device limits.
+	require.NoError(t, p.SetLimit(0))
+	assert.Zero(t, p.Limit(1))
+	mustAlloc(t, p, MiB, 1, 0)
+	mustAlloc(t, p, MiB, 0, 0)
+	require.NoError(t, p.CheckInvariants())
+}
+
 func TestTrimAndReleaseThreshold(t *testing.T) {
 	p, be := newTestPool(t, SimConfig{}, Config{})
 	var addrs []uint64

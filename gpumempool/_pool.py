@@ -368,9 +368,17 @@ class MemPool:
         dev = -1 if device is None else _device_index(device)
         return self._native(_b.PoolTrim, self._handle(), dev, keep)
 
-    def set_limit(self, limit: Optional[int]) -> None:
-        """Cap the bytes the pool reserves per device (None or 0: no cap)."""
-        self._native(_b.PoolSetLimit, self._handle(), _check_int("limit", limit or 0, 0, _U64))
+    def set_limit(self, limit: Optional[int], device: Optional[Any] = None) -> None:
+        """Cap the bytes the pool reserves on ``device``, or on every device
+        when None (which also drops earlier single-device caps). None or 0:
+        no cap."""
+        nbytes = _check_int("limit", limit or 0, 0, _U64)
+        dev = -1 if device is None else _device_index(device)
+        self._native(_b.PoolSetLimit, self._handle(), nbytes, dev)
+
+    def limit(self, device: Any = 0) -> Optional[int]:
+        """The byte cap in force on ``device`` (None when uncapped)."""
+        return self._native(_b.PoolLimit, self._handle(), _device_index(device)) or None
 
     def set_release_threshold(self, nbytes: Optional[int]) -> None:
         """Keep at most ``nbytes`` unused bytes cached per device (None or 0: all)."""
@@ -490,6 +498,14 @@ class MemPool:
         names = self._native(_b.PoolSymbols, self._handle())
         alloc_sym, free_sym = names.split(",")
         return _native.library_path(), alloc_sym, free_sym
+
+    def pluggable_hooks(self) -> dict[str, str]:
+        """Torch's ``CUDAPluggableAllocator`` hook setters (``set_init_fn``,
+        ``set_reset_fn``, ``set_memory_fraction_fn``, ``set_record_stream_fn``)
+        mapped to this pool's exported C functions in
+        :func:`library_path`. Torch calls them directly, without the GIL;
+        their failures are kept for :meth:`last_error`."""
+        return dict(json.loads(self._native(_b.PoolHookSymbols, self._handle())))
 
     # -- simulated device controls ----------------------------------------
 

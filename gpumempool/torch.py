@@ -122,14 +122,12 @@ import ctypes
 import gc
 import importlib
 import inspect
-import json
 import re
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from . import _native
 from ._errors import GpuMemPoolError, InvalidArgumentError, PoolClosedError
 from ._pool import MemPool
 
@@ -1022,81 +1020,24 @@ def deregister(pool: MemPool, process_group: Any = None, *, device: Any = None) 
 # full replacement
 # ---------------------------------------------------------------------------
 
-_RESET_FN = ctypes.CFUNCTYPE(None)
-_INIT_FN = ctypes.CFUNCTYPE(None, ctypes.c_int)
-_FRACTION_FN = ctypes.CFUNCTYPE(None, ctypes.c_double, ctypes.c_int)
-_RECORD_STREAM_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
-
-_hook_error_list: list[str] = []
-
-
 def hook_errors() -> list[str]:
-    """Errors raised inside the allocator hooks torch called (they cannot
-    propagate through torch's C++); returned and cleared."""
-    with _lock:
-        out = list(_hook_error_list)
-        _hook_error_list.clear()
-    return out
-
-
-def _guard(fn: Callable[..., None]) -> Callable[..., None]:
-    def hook(*args: Any) -> None:
-        try:
-            fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - never unwind into C++
-            with _lock:
-                if len(_hook_error_list) < 1000:
-                    _hook_error_list.append(f"{fn.__name__}: {exc!r}")
-
-    return hook
-
-
-def _device_total_bytes(device: int) -> int:
-    try:
-        for d in json.loads(_native.bindings.Devices()).get("devices", []):
-            if d.get("index") == device and d.get("total_bytes"):
-                return int(d["total_bytes"])
-    except Exception:  # noqa: BLE001 - fall back to torch
-        pass
-    return int(_import_torch().cuda.get_device_properties(device).total_memory)
+    """The last error recorded by a call torch made into the installed pool
+    (alloc, free or one of the hooks: their C signatures return nothing, so
+    errors cannot propagate through torch's C++); returned and cleared."""
+    if _installed is None or _installed.pool.closed:
+        return []
+    msg = _installed.pool.last_error()
+    return [msg] if msg else []
 
 
 @dataclass
 class _Installed:
     pool: MemPool
     allocator: Any
-    callbacks: list[Any]
     hooks: tuple[str, ...]
-    device_count: Optional[int] = None
 
 
 _installed: Optional[_Installed] = None
-
-
-def _hooks(pool: MemPool) -> dict[str, tuple[Any, Any]]:
-    """setter name -> (ctypes callback type, Python function)."""
-
-    def empty_cache() -> None:
-        if not pool.closed:
-            pool.empty_cache()
-
-    def init(device_count: int) -> None:
-        if _installed is not None and _installed.pool is pool:
-            _installed.device_count = int(device_count)
-
-    def memory_fraction(fraction: float, device: int) -> None:
-        pool.set_limit(int(fraction * _device_total_bytes(device)) or None)
-
-    def record_stream(ptr: Optional[int], stream: Optional[int]) -> None:
-        if ptr:
-            pool.record_stream(int(ptr), int(stream or 0))
-
-    return {
-        "set_reset_fn": (_RESET_FN, empty_cache),
-        "set_init_fn": (_INIT_FN, init),
-        "set_memory_fraction_fn": (_FRACTION_FN, memory_fraction),
-        "set_record_stream_fn": (_RECORD_STREAM_FN, record_stream),
-    }
 
 
 def set_torch_allocator(pool: MemPool) -> tuple[str, ...]:
@@ -1106,10 +1047,12 @@ def set_torch_allocator(pool: MemPool) -> tuple[str, ...]:
     torch``; torch refuses to swap an initialised allocator). Wires torch's
     hooks that its Python API exposes on the pluggable allocator
     (``empty_cache`` -> ``pool.empty_cache()``, ``record_stream`` ->
-    ``pool.record_stream``, ``set_per_process_memory_fraction`` ->
-    ``pool.set_limit``, init) and returns the names of the hooks wired. The
-    hooks are Python functions called from torch's C++ (they take the GIL).
-    Calling it again with the same pool does nothing.
+    ``pool.record_stream``, ``set_per_process_memory_fraction(f, device)``
+    -> ``pool.set_limit(f * device total, device)``, init) and returns the
+    names of the hooks wired. Like alloc and free, the hooks are C functions
+    exported by the extension (``pool.pluggable_hooks()``): torch calls
+    them without the GIL. Their errors: :func:`hook_errors`. Calling it
+    again with the same pool does nothing.
 
     Out of memory: torch's pluggable allocator does not check the pointer our
     C function returns, so a request the pool cannot serve gives a tensor
@@ -1139,15 +1082,14 @@ def set_torch_allocator(pool: MemPool) -> tuple[str, ...]:
                 "torch.cuda.is_initialized() is already True (a CUDA tensor, stream, torch.cuda.init() or "
                 "similar came first). Call it right after `import torch`, or in a fresh process."
             )
-        cpa = torch.cuda.memory.CUDAPluggableAllocator(*pool.pluggable_symbols())
+        path, alloc_sym, free_sym = pool.pluggable_symbols()
+        cpa = torch.cuda.memory.CUDAPluggableAllocator(path, alloc_sym, free_sym)
         raw = cpa.allocator()
-        callbacks: list[Any] = []
+        lib = ctypes.CDLL(path)  # the library already loaded: same handle
         wired: list[str] = []
-        for setter, (ftype, fn) in _hooks(pool).items():
+        for setter, sym in sorted(pool.pluggable_hooks().items()):
             if hasattr(raw, setter):
-                cb = ftype(_guard(fn))
-                callbacks.append(cb)
-                getattr(raw, setter)(ctypes.cast(cb, ctypes.c_void_p).value)
+                getattr(raw, setter)(ctypes.cast(getattr(lib, sym), ctypes.c_void_p).value)
                 wired.append(setter[len("set_"):].removesuffix("_fn"))
         try:
             torch.cuda.memory.change_current_allocator(cpa)
@@ -1158,7 +1100,7 @@ def set_torch_allocator(pool: MemPool) -> tuple[str, ...]:
                     "before anything initialises CUDA, in a fresh process"
                 ) from exc
             raise
-        _installed = _Installed(pool, cpa, callbacks, tuple(wired))
+        _installed = _Installed(pool, cpa, tuple(wired))
         return _installed.hooks
 
 
@@ -1187,7 +1129,6 @@ def _reset_for_tests() -> None:
         _installed = None
         _warned_process_wide = False
         _nccl = None
-        _hook_error_list.clear()
     _tls.frames = []
 
 

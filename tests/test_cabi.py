@@ -11,6 +11,8 @@ import pytest
 import gpumempool as gmp
 from gpumempool import _native
 
+MiB = 1 << 20
+
 
 def test_symbols_are_exported_by_the_imported_library(pool: gmp.MemPool) -> None:
     path, alloc_sym, free_sym = pool.pluggable_symbols()
@@ -105,6 +107,85 @@ def test_generic_handle_entry_points(pool: gmp.MemPool) -> None:
     assert not lib.gmp_pool_alloc(999999, 512, 0, None)
 
 
+def _hooks(pool: gmp.MemPool) -> dict[str, ctypes._CFuncPtr]:
+    """The pool's torch hooks as C functions, looked up the way torch's
+    set_*_fn gets them: by address in the library Python loaded."""
+    lib = ctypes.CDLL(gmp.library_path())
+    types = {
+        "set_init_fn": ctypes.CFUNCTYPE(None, ctypes.c_int),
+        "set_reset_fn": ctypes.CFUNCTYPE(None),
+        "set_memory_fraction_fn": ctypes.CFUNCTYPE(None, ctypes.c_double, ctypes.c_int),
+        "set_record_stream_fn": ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p),
+    }
+    out = {}
+    for setter, sym in pool.pluggable_hooks().items():
+        addr = ctypes.cast(getattr(lib, sym), ctypes.c_void_p).value
+        out[setter] = types[setter](addr)
+    return out
+
+
+def test_torch_hooks_are_native_functions_that_act_on_the_pool() -> None:
+    with gmp.MemPool("sim", devices=2, capacity=64 * MiB) as pool:
+        hooks = _hooks(pool)
+        assert set(hooks) == {"set_init_fn", "set_reset_fn", "set_memory_fraction_fn", "set_record_stream_fn"}
+        assert pool.pluggable_hooks() == pool.pluggable_hooks()  # the slot is kept
+
+        hooks["set_init_fn"](2)
+        assert pool.last_error() is None
+        hooks["set_init_fn"](8)
+        assert "torch sees 8 devices" in (pool.last_error() or "")
+
+        # memory fraction: a per-device limit from the device's total memory
+        hooks["set_memory_fraction_fn"](0.25, 1)
+        assert pool.last_error() is None
+        assert pool.limit(1) == 16 * MiB and pool.limit(0) is None
+        live = [pool.alloc(16 * MiB, device=1)]  # a segment of exactly the limit
+        with pytest.raises(gmp.OutOfMemoryError, match="limit 16.00 MiB"):
+            pool.alloc(MiB, device=1)
+        hooks["set_memory_fraction_fn"](1.5, 0)
+        assert "outside [0, 1]" in (pool.last_error() or "")
+        assert pool.limit(0) is None
+        hooks["set_memory_fraction_fn"](0.0, 0)
+        with pytest.raises(gmp.OutOfMemoryError):
+            pool.alloc(512, device=0)
+        pool.set_limit(None)
+
+        # record_stream: the block waits for the stream before reuse
+        pool.sim_manual_events()
+        p = pool.alloc(MiB, stream=1)
+        hooks["set_record_stream_fn"](p, 2)
+        assert pool.last_error() is None
+        pool.free(p)
+        live.append(pool.alloc(MiB, stream=1))
+        assert live[-1] != p
+        hooks["set_record_stream_fn"](12345, 2)
+        assert "0x3039" in (msg := pool.last_error() or "") and "not owned" in msg
+
+        # reset (torch.cuda.empty_cache): cached segments go back
+        pool.sim_complete()
+        pool.process_events()
+        reserved = pool.stats()["reserved_bytes.all.current"]
+        for a in live:
+            pool.free(a)
+        hooks["set_reset_fn"]()
+        assert pool.last_error() is None
+        assert pool.stats()["reserved_bytes.all.current"] < reserved
+        assert pool.stats()["reserved_bytes.all.current"] == 0
+
+
+def test_torch_hooks_recover_panics_and_closed_slots() -> None:
+    pool = gmp.MemPool("sim")
+    hooks = _hooks(pool)
+    _native.bindings.DebugPanicNext(pool.handle)
+    hooks["set_reset_fn"]()
+    assert "panic" in (pool.last_error() or "")
+    hooks["set_reset_fn"]()  # the pool carries on
+    assert pool.last_error() is None
+    pool.close()
+    hooks["set_memory_fraction_fn"](0.5, 0)  # no pool holds the slot now
+    assert "no pool holds this slot" in _native.bindings.PoolTakeError(0)
+
+
 def test_c_round_trip_benchmark_runs(pool: gmp.MemPool, clib) -> None:
     assert clib.caller_open(*(x.encode() for x in pool.pluggable_symbols())) == 0
     assert clib.caller_bench(4096, 1000) > 0
@@ -129,7 +210,14 @@ def test_slots_run_out_with_a_clear_error() -> None:
 
 def test_torch_pluggable_allocator_accepts_the_symbols(pool: gmp.MemPool) -> None:
     torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA cannot build a CUDAPluggableAllocator")
+    if not hasattr(torch._C, "_cuda_customAllocator"):
+        pytest.skip("this torch is built without CUDA: no CUDAPluggableAllocator")
+    # Building the allocator dlopens the library and looks the names up; no
+    # GPU is needed for that, nor for wiring the hooks.
     alloc = torch.cuda.memory.CUDAPluggableAllocator(*pool.pluggable_symbols())
-    assert alloc.allocator() is not None
+    raw = alloc.allocator()
+    lib = ctypes.CDLL(gmp.library_path())
+    hooks = pool.pluggable_hooks()
+    for setter, sym in hooks.items():
+        assert hasattr(raw, setter), f"torch {torch.__version__} lost {setter}"
+        getattr(raw, setter)(ctypes.cast(getattr(lib, sym), ctypes.c_void_p).value)

@@ -85,6 +85,26 @@ def test_limit_and_oom_error_names_the_numbers() -> None:
             pool.free(k)
 
 
+def test_limit_per_device() -> None:
+    with gmp.MemPool("sim", devices=2, capacity=64 * MiB) as pool:
+        pool.set_limit(8 * MiB)
+        pool.set_limit(2 * MiB, device=1)
+        assert pool.limit(0) == 8 * MiB and pool.limit(1) == 2 * MiB
+        keep = [pool.alloc(MiB, device=1) for _ in range(2)]
+        with pytest.raises(gmp.OutOfMemoryError, match="device 1"):
+            pool.alloc(MiB, device=1)
+        keep += [pool.alloc(MiB, device=0) for _ in range(4)]  # device 0 keeps 8 MiB
+        with pytest.raises(ValueError):
+            pool.set_limit(MiB, device=2)
+        with pytest.raises(ValueError):
+            pool.limit(5)
+        pool.set_limit(None)  # every device, single-device caps dropped
+        assert pool.limit(0) is None and pool.limit(1) is None
+        keep.append(pool.alloc(MiB, device=1))
+        for k in keep:
+            pool.free(k)
+
+
 def test_oom_releases_cache_then_retries() -> None:
     with gmp.MemPool("sim", capacity=64 * MiB) as pool:
         a, b = pool.alloc(15 * MiB), pool.alloc(15 * MiB)

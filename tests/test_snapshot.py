@@ -88,6 +88,17 @@ def test_torch_memory_viz_renders_our_snapshot(tmp_path) -> None:
         ptrs = [pool.alloc(n) for n in (100, 5000, 3 * MiB)]
         pool.free(ptrs[1])
         snap = pool.snapshot()
-    assert "<svg" in memory_viz.segments(snap) or memory_viz.segments(snap)
+        for p in (ptrs[0], ptrs[2]):
+            pool.free(p)
+    # segsum re-adds every segment from its blocks and raises on a mismatch.
+    summary = memory_viz.segsum(snap)
+    assert f"segments: {len(snap['segments'])}" in summary
+    assert "total_allocated: " in summary and "total_reserved: " in summary
+    # The flamegraph input, without the flamegraph.pl download torch does.
+    lines = memory_viz.segments(snap, format_flamegraph=lambda text: text)
+    assert lines.count("\n") >= 3 and "100" in lines.replace(",", "")
+    trace = memory_viz.trace(snap)
+    assert "cudaMalloc(" in trace and "del " in trace
     html = memory_viz.trace_plot(snap)
     assert "<html" in html.lower() or "script" in html
+    assert "<html" in memory_viz.segment_plot(snap).lower()

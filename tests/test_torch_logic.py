@@ -894,7 +894,7 @@ def test_set_torch_allocator(monkeypatch, sim):
     assert gtorch.torch_allocator_pool() is sim
     x = torch.empty(1000)
     assert x.kind == "pluggable" and allocated(sim) == 1024
-    assert gtorch._installed.device_count == 2  # init hook at torch's lazy init
+    assert gtorch.hook_errors() == []  # init hook at torch's lazy init: 2 devices, as the pool
     assert gmp.torch_memory_stats() == sim.stats()
     assert gmp.torch_memory_stats(0)["allocated_bytes.all.current"] == 1024
     x.record_stream(torch.cuda.Stream(0x77))
@@ -903,9 +903,12 @@ def test_set_torch_allocator(monkeypatch, sim):
     assert allocated(sim) == 0 and sim.stats()["reserved_bytes.all.current"] > 0
     torch.cuda.empty_cache()  # reset hook -> pool.empty_cache()
     assert sim.stats()["reserved_bytes.all.current"] == 0
-    torch.cuda.set_per_process_memory_fraction(0.001, 0)  # 8 GiB device -> ~8 MiB cap
+    torch.cuda.set_per_process_memory_fraction(0.001, 0)  # 1 GiB sim device -> 1.02 MiB cap on device 0
+    assert sim.limit(0) == (1 << 30) // 1000 and sim.limit(1) is None
     with pytest.raises(MemoryError):
         torch.empty(64 * MiB)
+    (err,) = gtorch.hook_errors()  # the refused allocation, kept for the user
+    assert err.startswith("gmp_alloc:") and "limit 1.02 MiB" in err
     assert gtorch.hook_errors() == []
     other = gmp.MemPool("sim", capacity=1 << 26)
     with pytest.raises(gtorch.AllocatorInitializedError, match="already replaced"):

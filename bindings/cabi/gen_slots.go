@@ -1,8 +1,9 @@
 //go:build ignore
 
-// gen_slots writes zz_slots.go: one exported alloc/free pair per registry
-// slot. C has no closures, so each pool plugged into torch needs functions
-// of its own; they are generated rather than written out by hand.
+// gen_slots writes zz_slots.go: one exported alloc/free pair and the four
+// torch hooks (hooks.go) per registry slot. C has no closures, so each pool
+// plugged into torch needs functions of its own; they are generated rather
+// than written out by hand.
 package main
 
 import (
@@ -22,6 +23,10 @@ func main() {
 	for i := range registry.NumSlots {
 		fmt.Fprintf(&b, "\n//export gmp_alloc_%d\nfunc gmp_alloc_%d(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {\n\treturn slotAlloc(%d, size, device, stream)\n}\n", i, i, i)
 		fmt.Fprintf(&b, "\n//export gmp_free_%d\nfunc gmp_free_%d(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {\n\tslotFree(%d, ptr)\n}\n", i, i, i)
+		fmt.Fprintf(&b, "\n//export gmp_init_%d\nfunc gmp_init_%d(deviceCount C.int) {\n\tslotInit(%d, deviceCount)\n}\n", i, i, i)
+		fmt.Fprintf(&b, "\n//export gmp_empty_cache_%d\nfunc gmp_empty_cache_%d() {\n\tslotEmptyCache(%d)\n}\n", i, i, i)
+		fmt.Fprintf(&b, "\n//export gmp_memory_fraction_%d\nfunc gmp_memory_fraction_%d(fraction C.double, device C.int) {\n\tslotMemoryFraction(%d, fraction, device)\n}\n", i, i, i)
+		fmt.Fprintf(&b, "\n//export gmp_record_stream_%d\nfunc gmp_record_stream_%d(ptr, stream unsafe.Pointer) {\n\tslotRecordStream(%d, ptr, stream)\n}\n", i, i, i)
 	}
 	src, err := format.Source(b.Bytes())
 	if err != nil {

@@ -99,7 +99,7 @@ class GopyBuildExt(build_ext):
                 f"`go` was not found on PATH. Install Go >= {MIN_GO}"
                 + (f" (this checkout's go.mod says `go {want}`)" if want else "")
                 + " from https://go.dev/dl/ and put its bin/ directory on PATH."
-                " A C compiler (gcc or clang) is needed too, for cgo."
+                " C and C++ compilers (gcc and g++, or clang) are needed too, for cgo."
             )
         if importlib.util.find_spec("pybindgen") is None:
             raise CompileError(

@@ -313,8 +313,10 @@ func PoolClose(id int64) (js string, err error) {
 }
 
 // PoolSymbols gives the pool a C slot and returns the names of its torch
-// pluggable-allocator functions as "alloc_name,free_name".
-func PoolSymbols(id int64) (names string, err error) {
+// pluggable-allocator functions as "alloc_name,free_name". With throwing,
+// the alloc function is the C++ one that throws instead of returning NULL
+// (for torch's full replacement, which does not check for NULL).
+func PoolSymbols(id int64, throwing bool) (names string, err error) {
 	defer guard(&err)
 	e, err := entry(id)
 	if err != nil {
@@ -323,6 +325,9 @@ func PoolSymbols(id int64) (names string, err error) {
 	slot, err := registry.AssignSlot(e)
 	if err != nil {
 		return "", err
+	}
+	if throwing {
+		return fmt.Sprintf("gmp_alloc_or_throw_%d,gmp_free_%d", slot, slot), nil
 	}
 	return fmt.Sprintf("gmp_alloc_%d,gmp_free_%d", slot, slot), nil
 }

@@ -490,12 +490,19 @@ class MemPool:
 
     # -- C ABI --------------------------------------------------------------
 
-    def pluggable_symbols(self) -> tuple[str, str, str]:
+    def pluggable_symbols(self, *, throw_on_oom: bool = False) -> tuple[str, str, str]:
         """``(library path, alloc symbol, free symbol)`` for
         ``torch.cuda.memory.CUDAPluggableAllocator``: exported C functions
         with torch's signatures that allocate from this very pool, in the
-        library this Python process already loaded."""
-        names = self._native(_b.PoolSymbols, self._handle())
+        library this Python process already loaded.
+
+        The alloc function returns NULL when the pool cannot serve a request
+        (torch's caching allocator checks for it inside ``torch.cuda.MemPool``).
+        ``throw_on_oom=True`` names a C++ one that throws a
+        ``std::runtime_error`` instead, for callers that do not check, such
+        as torch's full replacement (torch reports it as a RuntimeError);
+        only C++ callers may use it."""
+        names = self._native(_b.PoolSymbols, self._handle(), bool(throw_on_oom))
         alloc_sym, free_sym = names.split(",")
         return _native.library_path(), alloc_sym, free_sym
 

@@ -52,14 +52,15 @@ called (``pip install 'gpumempool[torch]'``). Four pieces:
     ``set_per_process_memory_fraction`` reach it; torch's own
     ``memory_stats()`` stops working and ``torch_memory_stats()`` gives the
     same keys from our engine. Torch does not cache on top of a pluggable
-    allocator: each tensor is one engine allocation. Caveat from torch's
+    allocator: each tensor is one engine allocation. Torch's
     CUDAPluggableAllocator::allocate (every version we read, up to torch's
-    main branch of 2026): it does not check for NULL, so when the pool cannot
-    serve a request (after releasing its cache and retrying) torch hands out
-    a tensor whose data pointer is 0 instead of raising
-    torch.OutOfMemoryError; ``pool.last_error()`` says why. Inside
+    main branch of 2026) does not check for NULL and would hand out a tensor
+    at address 0, so this mode installs ``gmp_alloc_or_throw_<i>``, a C++
+    entry point that throws ``std::runtime_error`` instead: out of memory is
+    a ``RuntimeError`` naming the pool's reason (not
+    ``torch.OutOfMemoryError``, whose C++ type lives in libc10). Inside
     ``mempool`` torch >= 2.8 checks (allocPrimitive) and raises its
-    OutOfMemoryError.
+    OutOfMemoryError, so the plain C entry points are used there.
 
 ``register(pool, process_group=None)`` / ``deregister(...)``
     NCCL user-buffer registration of the pool's segments with a process
@@ -1054,10 +1055,12 @@ def set_torch_allocator(pool: MemPool) -> tuple[str, ...]:
     them without the GIL. Their errors: :func:`hook_errors`. Calling it
     again with the same pool does nothing.
 
-    Out of memory: torch's pluggable allocator does not check the pointer our
-    C function returns, so a request the pool cannot serve gives a tensor
-    with ``data_ptr() == 0`` rather than torch.OutOfMemoryError (see the
-    module docstring); ``pool.last_error()`` holds the reason.
+    Out of memory: torch's pluggable allocator does not check the pointer it
+    gets, so the alloc function installed is the C++ entry point that throws
+    ``std::runtime_error`` when the pool cannot serve a request (after
+    releasing its cache and retrying); torch raises it as a ``RuntimeError``
+    ("gpumempool: cannot allocate N bytes on device D: <the pool's reason>"),
+    not ``torch.OutOfMemoryError``, whose C++ type lives in libc10.
     """
     global _installed
     if not isinstance(pool, MemPool):
@@ -1082,7 +1085,9 @@ def set_torch_allocator(pool: MemPool) -> tuple[str, ...]:
                 "torch.cuda.is_initialized() is already True (a CUDA tensor, stream, torch.cuda.init() or "
                 "similar came first). Call it right after `import torch`, or in a fresh process."
             )
-        path, alloc_sym, free_sym = pool.pluggable_symbols()
+        # Torch's pluggable allocator uses the pointer without a NULL check:
+        # the C++ alloc entry point throws instead (a RuntimeError in Python).
+        path, alloc_sym, free_sym = pool.pluggable_symbols(throw_on_oom=True)
         cpa = torch.cuda.memory.CUDAPluggableAllocator(path, alloc_sym, free_sym)
         raw = cpa.allocator()
         lib = ctypes.CDLL(path)  # the library already loaded: same handle

@@ -77,6 +77,21 @@ def _build_so(tmp_path_factory: pytest.TempPathFactory, src: str, name: str, *fl
 
 
 @pytest.fixture(scope="session")
+def cxx_caller(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """tests/csrc/throw_caller.cpp: a C++ caller that catches what the
+    throwing alloc entry points throw, as torch does."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        pytest.fail("no C++ compiler (c++/g++) to build tests/csrc/throw_caller.cpp")
+    out = tmp_path_factory.mktemp("throwcaller") / "libthrowcaller.so"
+    subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(out), str(CSRC / "throw_caller.cpp"), "-ldl"], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.call_alloc.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
+                               ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
+    return lib
+
+
+@pytest.fixture(scope="session")
 def fake_cuda(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ctypes.CDLL]:
     """A stand-in libcuda.so.1 over host memory (tests/csrc/fake_cuda.c): its
     path and a handle to its fake_cuda_* controls. Two devices of 1 GiB."""

@@ -186,6 +186,41 @@ def test_torch_hooks_recover_panics_and_closed_slots() -> None:
     assert "no pool holds this slot" in _native.bindings.PoolTakeError(0)
 
 
+def _call(cxx_caller, path: str, sym: str, size: int, device: int = 0) -> tuple[int, int, str]:
+    out = ctypes.c_void_p()
+    msg = ctypes.create_string_buffer(2048)
+    rc = cxx_caller.call_alloc(path.encode(), sym.encode(), size, device, None, ctypes.byref(out), msg, len(msg))
+    return rc, out.value or 0, msg.value.decode()
+
+
+def test_throwing_alloc_raises_a_cpp_exception_instead_of_returning_null(cxx_caller) -> None:
+    with gmp.MemPool("sim", name="thrower", capacity=64 * MiB) as pool:
+        path, a_sym, f_sym = pool.pluggable_symbols(throw_on_oom=True)
+        assert a_sym.startswith("gmp_alloc_or_throw_") and f_sym.startswith("gmp_free_")
+        assert pool.pluggable_symbols()[1] == a_sym.replace("_or_throw", "")  # same slot
+        rc, ptr, _ = _call(cxx_caller, path, a_sym, 1000)
+        assert rc == 0 and ptr and pool.stats()["allocated_bytes.all.current"] == 1024
+        # Out of memory: a std::runtime_error naming the pool's reason, which
+        # pool.last_error() still shows.
+        rc, bad, msg = _call(cxx_caller, path, a_sym, 128 * MiB)
+        assert rc == 1 and bad == 0, msg
+        assert msg.startswith(f"gpumempool: cannot allocate {128 * MiB} bytes on device 0: gmp_alloc: ")
+        assert 'pool "thrower"' in msg and "out of memory" in msg
+        assert "out of memory" in (pool.last_error() or "")
+        # Bad input is thrown the same way; size 0 is not an error for torch.
+        rc, _, msg = _call(cxx_caller, path, a_sym, 100, device=7)
+        assert rc == 1 and "device 7" in msg
+        rc, zero, _ = _call(cxx_caller, path, a_sym, 0)
+        assert rc == 0 and zero == 0
+        pool.last_error()
+        pool.free(ptr)
+        assert pool.stats()["allocated_bytes.all.current"] == 0
+        pool.check()
+    # The slot is free again: the exception names that.
+    rc, _, msg = _call(cxx_caller, path, a_sym, 1000)
+    assert rc == 1 and "no pool holds" in msg
+
+
 def test_c_round_trip_benchmark_runs(pool: gmp.MemPool, clib) -> None:
     assert clib.caller_open(*(x.encode() for x in pool.pluggable_symbols())) == 0
     assert clib.caller_bench(4096, 1000) > 0

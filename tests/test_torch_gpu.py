@@ -310,6 +310,7 @@ def test_full_replacement() -> None:
             del t
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             res["over_fraction"] = "raised " + type(exc).__name__
+            res["over_fraction_msg"] = str(exc)[:500]
             res["last_error"] = pool.last_error()
         res["hook_errors"] = gmp.torch.hook_errors()
         print(json.dumps(res))
@@ -323,7 +324,10 @@ def test_full_replacement() -> None:
     if "reset" in out["hooks"]:
         assert out["released_by_empty_cache"] >= 256 * MiB
     if "memory_fraction" in out["hooks"]:
-        assert out["over_fraction"] in ("ptr 0", "raised OutOfMemoryError", "raised RuntimeError") and out["last_error"]
+        # the C++ entry point threw: an exception, never a tensor at address 0
+        assert out["over_fraction"] == "raised RuntimeError", out
+        assert "gpumempool: cannot allocate" in out["over_fraction_msg"] and "limit" in out["over_fraction_msg"]
+        assert out["last_error"]
 
 
 def test_full_replacement_after_cuda_init_is_refused() -> None:

@@ -57,6 +57,7 @@ class FakeRawPluggable:
         self.alloc_fn, self.free_fn = alloc_fn, free_fn
         self.meta: dict[int, tuple[int, int, int]] = {}
         self.hooks: dict[str, Any] = {}
+        self.throws = False  # the alloc function throws instead of returning NULL
 
     def set_init_fn(self, addr: int) -> None:
         self.hooks["init"] = ctypes.CFUNCTYPE(None, ctypes.c_int)(addr)
@@ -192,8 +193,10 @@ class World:
         stream = self.stream().cuda_stream
         if self.current_allocator is not None:
             ptr = self.current_allocator.malloc(nbytes, dev, stream)
-            if not ptr:
-                raise MemoryError("CUDA out of memory (pluggable)")
+            if not ptr and self.current_allocator.throws:  # torch: C++ exception -> RuntimeError
+                raise RuntimeError(f"gpumempool: cannot allocate {nbytes} bytes on device {dev}")
+            if not ptr:  # what torch's pluggable allocator really does: a tensor at address 0
+                return FakeTensor(self, 0, nbytes, dev, None, "pluggable")
             return FakeTensor(self, ptr, nbytes, dev, None, "pluggable")
         tid = threading.get_ident()
         with self.lock:
@@ -334,9 +337,15 @@ def make_torch(variant: str = "2.11", *, use_mem_pool: bool = True, mem_pool: bo
     class CUDAPluggableAllocator:
         def __init__(self, path: str, alloc_name: str, free_name: str) -> None:
             lib = ctypes.CDLL(path)
-            a = ALLOC_T(ctypes.cast(getattr(lib, alloc_name), ctypes.c_void_p).value)
+            assert hasattr(lib, alloc_name) and hasattr(lib, free_name)
+            # ctypes cannot catch a C++ exception: call the C function the
+            # throwing one wraps and throw here what it would (test_cabi.py
+            # checks the C++ entry point itself from C++).
+            throws = "_or_throw_" in alloc_name
+            a = ALLOC_T(ctypes.cast(getattr(lib, alloc_name.replace("_or_throw", "")), ctypes.c_void_p).value)
             f = FREE_T(ctypes.cast(getattr(lib, free_name), ctypes.c_void_p).value)
             self._allocator = FakeRawPluggable(a, f)
+            self._allocator.throws = throws
 
         def allocator(self) -> FakeRawPluggable:
             return self._allocator
@@ -905,7 +914,8 @@ def test_set_torch_allocator(monkeypatch, sim):
     assert sim.stats()["reserved_bytes.all.current"] == 0
     torch.cuda.set_per_process_memory_fraction(0.001, 0)  # 1 GiB sim device -> 1.02 MiB cap on device 0
     assert sim.limit(0) == (1 << 30) // 1000 and sim.limit(1) is None
-    with pytest.raises(MemoryError):
+    assert torch._world.current_allocator.throws  # out of memory is an exception, not a NULL tensor
+    with pytest.raises(RuntimeError, match="cannot allocate"):
         torch.empty(64 * MiB)
     (err,) = gtorch.hook_errors()  # the refused allocation, kept for the user
     assert err.startswith("gmp_alloc:") and "limit 1.02 MiB" in err

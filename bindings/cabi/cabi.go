@@ -115,6 +115,33 @@ func gmp_pool_free(pool C.int64_t, ptr unsafe.Pointer, size C.size_t, device C.i
 	return entryFree(e, "gmp_pool_free", ptr)
 }
 
+// copyCString writes msg into buf (n bytes) as a NUL-terminated string,
+// truncated like snprintf, and returns len(msg).
+func copyCString(msg string, buf *C.char, n C.size_t) C.size_t {
+	if buf != nil && n > 0 {
+		dst := unsafe.Slice((*byte)(unsafe.Pointer(buf)), int(n))
+		k := copy(dst[:len(dst)-1], msg)
+		dst[k] = 0
+	}
+	return C.size_t(len(msg))
+}
+
+// gmp_slot_error copies the last error of the pool holding slot into buf
+// without clearing it (the C++ entry points in zz_throw.cpp put it in the
+// exception they throw, and pool.last_error() still shows it). Returns its
+// full length, 0 when there is none.
+//
+//export gmp_slot_error
+func gmp_slot_error(slot C.int, buf *C.char, n C.size_t) C.size_t {
+	var msg string
+	if e := registry.BySlot(int(slot)); e != nil {
+		msg = e.PeekError()
+	} else {
+		msg = fmt.Sprintf("no pool holds C slot %d (closed?)", int(slot))
+	}
+	return copyCString(msg, buf, n)
+}
+
 // gmp_last_error copies the last error of pool (or, for pool 0, of calls no
 // pool owned) into buf as a NUL-terminated string, clears it, and returns its
 // full length (0 when there was none). Like snprintf, it writes at most n
@@ -130,10 +157,5 @@ func gmp_last_error(pool C.int64_t, buf *C.char, n C.size_t) C.size_t {
 	} else {
 		msg = err.Error()
 	}
-	if buf != nil && n > 0 {
-		dst := unsafe.Slice((*byte)(unsafe.Pointer(buf)), int(n))
-		k := copy(dst[:len(dst)-1], msg)
-		dst[k] = 0
-	}
-	return C.size_t(len(msg))
+	return copyCString(msg, buf, n)
 }

@@ -52,6 +52,14 @@ func (e *Entry) TakeError() string {
 	return ""
 }
 
+// PeekError returns the last recorded error without clearing it.
+func (e *Entry) PeekError() string {
+	if p := e.lastErr.Load(); p != nil {
+		return *p
+	}
+	return ""
+}
+
 // Slot returns the entry's C slot, or -1.
 func (e *Entry) Slot() int { return int(e.slot.Load()) }
 

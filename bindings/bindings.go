@@ -318,11 +318,7 @@ func PoolClose(id int64) (js string, err error) {
 // (for torch's full replacement, which does not check for NULL).
 func PoolSymbols(id int64, throwing bool) (names string, err error) {
 	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return "", err
-	}
-	slot, err := registry.AssignSlot(e)
+	slot, err := slotOf(id)
 	if err != nil {
 		return "", err
 	}
@@ -337,15 +333,20 @@ func PoolSymbols(id int64, throwing bool) (names string, err error) {
 // functions (init, empty cache, memory fraction, record stream).
 func PoolHookSymbols(id int64) (js string, err error) {
 	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return "", err
-	}
-	slot, err := registry.AssignSlot(e)
+	slot, err := slotOf(id)
 	if err != nil {
 		return "", err
 	}
 	return marshal(cabi.HookSymbols(slot))
+}
+
+// slotOf returns the pool's C slot, assigning one on first use.
+func slotOf(id int64) (int, error) {
+	e, err := entry(id)
+	if err != nil {
+		return 0, err
+	}
+	return registry.AssignSlot(e)
 }
 
 // PoolTakeError returns and clears the last error a C call on this pool

@@ -34,12 +34,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def clib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        pytest.fail("no C compiler (cc/gcc) to build tests/csrc/testalloc.c")
-    out = tmp_path_factory.mktemp("clib") / "libtestalloc.so"
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(CSRC / "testalloc.c"), "-ldl"], check=True)
-    lib = ctypes.CDLL(str(out))
+    lib = ctypes.CDLL(_build_so(tmp_path_factory, "testalloc.c", "testalloc"))
     lib.test_alloc.restype = ctypes.c_void_p
     lib.test_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     lib.test_free.restype = None
@@ -68,11 +63,16 @@ def pool():
 
 
 def _build_so(tmp_path_factory: pytest.TempPathFactory, src: str, name: str, *flags: str) -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        pytest.fail(f"no C compiler (cc/gcc) to build tests/csrc/{src}")
+    """Build tests/csrc/<src> (C, or C++ for .cpp) into a shared library."""
+    if src.endswith(".cpp"):
+        compiler, what = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++"), "C++ compiler (c++/g++)"
+    else:
+        compiler, what = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"), "C compiler (cc/gcc)"
+    if not compiler:
+        pytest.fail(f"no {what} to build tests/csrc/{src}")
     out = tmp_path_factory.mktemp(name) / f"lib{name}.so"
-    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-pthread", *flags, "-o", str(out), str(CSRC / src), "-ldl"], check=True)
+    subprocess.run([compiler, "-O1", "-shared", "-fPIC", "-pthread", *flags, "-o", str(out), str(CSRC / src), "-ldl"],
+                   check=True)
     return str(out)
 
 
@@ -80,12 +80,7 @@ def _build_so(tmp_path_factory: pytest.TempPathFactory, src: str, name: str, *fl
 def cxx_caller(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     """tests/csrc/throw_caller.cpp: a C++ caller that catches what the
     throwing alloc entry points throw, as torch does."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
-        pytest.fail("no C++ compiler (c++/g++) to build tests/csrc/throw_caller.cpp")
-    out = tmp_path_factory.mktemp("throwcaller") / "libthrowcaller.so"
-    subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(out), str(CSRC / "throw_caller.cpp"), "-ldl"], check=True)
-    lib = ctypes.CDLL(str(out))
+    lib = ctypes.CDLL(_build_so(tmp_path_factory, "throw_caller.cpp", "throwcaller"))
     lib.call_alloc.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
                                ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
     return lib

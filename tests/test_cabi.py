@@ -142,9 +142,10 @@ def test_torch_hooks_are_native_functions_that_act_on_the_pool() -> None:
         live = [pool.alloc(16 * MiB, device=1)]  # a segment of exactly the limit
         with pytest.raises(gmp.OutOfMemoryError, match="limit 16.00 MiB"):
             pool.alloc(MiB, device=1)
-        hooks["set_memory_fraction_fn"](1.5, 0)
-        assert "outside [0, 1]" in (pool.last_error() or "")
-        assert pool.limit(0) is None
+        for bad in (1.5, -0.1, float("nan")):
+            hooks["set_memory_fraction_fn"](bad, 0)
+            assert "outside [0, 1]" in (pool.last_error() or "")
+            assert pool.limit(0) is None
         hooks["set_memory_fraction_fn"](0.0, 0)
         with pytest.raises(gmp.OutOfMemoryError):
             pool.alloc(512, device=0)

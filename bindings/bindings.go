@@ -53,6 +53,7 @@ type poolOptions struct {
 	Name             string      `json:"name"`
 	Limit            uint64      `json:"limit"`
 	MaxSplitSize     uint64      `json:"max_split_size"`
+	RoundupDivisions uint64      `json:"roundup_power2_divisions"`
 	ReleaseThreshold uint64      `json:"release_threshold"`
 	Sim              *simOptions `json:"sim"`
 	AllocFn          uint64      `json:"alloc_fn"`
@@ -136,7 +137,7 @@ func NewPool(optionsJSON string) (id int64, err error) {
 		return 0, err
 	}
 	p, err := gocore.NewPool(gocore.Config{Name: o.Name, Backend: be, Limit: o.Limit,
-		MaxSplitSize: o.MaxSplitSize, ReleaseThreshold: o.ReleaseThreshold})
+		MaxSplitSize: o.MaxSplitSize, ReleaseThreshold: o.ReleaseThreshold, RoundupPower2Divisions: o.RoundupDivisions})
 	if err != nil {
 		return 0, err
 	}
@@ -277,7 +278,8 @@ func PoolConfig(id int64) (js string, err error) {
 	c := e.Pool.Config()
 	return marshal(map[string]any{"name": c.Name, "backend": c.Backend.Name(), "limit": c.Limit,
 		"max_split_size": c.MaxSplitSize, "release_threshold": c.ReleaseThreshold,
-		"devices": c.Backend.Devices(), "alignment": c.Backend.Alignment(), "slot": e.Slot()})
+		"roundup_power2_divisions": c.RoundupPower2Divisions,
+		"devices":                  c.Backend.Devices(), "alignment": c.Backend.Alignment(), "slot": e.Slot()})
 }
 
 // PoolCheck verifies the pool's invariants (see gocore.Pool.CheckInvariants).

@@ -1,5 +1,7 @@
 package gocore
 
+import "math/bits"
+
 // Size policy, the same as PyTorch's CUDACachingAllocator so that memory use
 // is what torch users expect.
 const (
@@ -65,6 +67,21 @@ func roundSize(size uint64) uint64 {
 		return MinBlockSize
 	}
 	return (size + MinBlockSize - 1) / MinBlockSize * MinBlockSize
+}
+
+// roundPower2Divisions rounds a request as torch's roundup_power2_divisions
+// does: the range between the powers of two around size is cut into
+// divisions equal steps and size goes up to the next step, so that requests
+// of similar sizes share block sizes (less fragmentation from many distinct
+// sizes, at the cost of some rounding waste). Powers of two, sizes up to
+// MinBlockSize*divisions, and divisions < 2 get plain rounding. divisions
+// must be a power of two.
+func roundPower2Divisions(size, divisions uint64) uint64 {
+	if divisions < 2 || size <= MinBlockSize*divisions || size&(size-1) == 0 {
+		return roundSize(size)
+	}
+	floor := uint64(1) << (63 - bits.LeadingZeros64(size))
+	return roundUp(size, floor/divisions)
 }
 
 // segmentSize is how much to obtain from the backend for a rounded request.

@@ -86,6 +86,9 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 		if flags&16 != 0 {
 			cfg.ReleaseThreshold = 32 * MiB
 		}
+		if flags&32 != 0 && i == 1 { // one pool rounds like torch's roundup_power2_divisions
+			cfg.RoundupPower2Divisions = 4
+		}
 		if pools[i], err = NewPool(cfg); err != nil {
 			t.Fatal(err)
 		}

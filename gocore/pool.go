@@ -22,6 +22,11 @@ type Config struct {
 	// requests below it never take them (torch's max_split_size_mb). 0
 	// means unlimited. Must be > SmallSize when set.
 	MaxSplitSize uint64
+	// RoundupPower2Divisions, when at least 2, rounds requests up to one of
+	// this many equal steps between consecutive powers of two (torch's
+	// roundup_power2_divisions); it must be a power of two, at most 64. 0 or
+	// 1: plain 512-byte rounding.
+	RoundupPower2Divisions uint64
 	// ReleaseThreshold is how many unused reserved bytes a device may keep
 	// cached: when a free leaves more, whole free segments go back to the
 	// backend until it is under the threshold (like the release threshold of
@@ -70,6 +75,10 @@ func NewPool(cfg Config) (*Pool, error) {
 	if cfg.MaxSplitSize != 0 && cfg.MaxSplitSize <= SmallSize {
 		return nil, fmt.Errorf("new pool: max split size %d must exceed %d bytes: %w",
 			cfg.MaxSplitSize, SmallSize, ErrInvalidArgument)
+	}
+	if d := cfg.RoundupPower2Divisions; d > 64 || d&(d-1) != 0 {
+		return nil, fmt.Errorf("new pool: roundup power-2 divisions %d must be a power of two <= 64 (or 0): %w",
+			d, ErrInvalidArgument)
 	}
 	if cfg.Name == "" {
 		cfg.Name = "pool"

@@ -64,6 +64,42 @@ func TestRoundingAndSegmentSizes(t *testing.T) {
 	}
 }
 
+func TestRoundupPower2Divisions(t *testing.T) {
+	cases := []struct{ size, divisions, want uint64 }{
+		{1200 * MiB, 4, 1280 * MiB}, // torch's documented example: 1024..2048 MiB in steps of 256
+		{1200 * MiB, 2, 1536 * MiB},
+		{1200 * MiB, 8, 1280 * MiB},
+		{1100 * MiB, 8, 1152 * MiB},
+		{1024 * MiB, 4, 1024 * MiB}, // a power of two stays
+		{1280 * MiB, 4, 1280 * MiB}, // on a step already
+		{3000, 4, 3072},
+		{2048, 4, 2048},             // <= 512*divisions: plain rounding
+		{1500, 4, 1536},             // plain
+		{5*MiB + 1, 0, 5*MiB + 512}, // off
+		{5*MiB + 1, 1, 5*MiB + 512},
+		{5*MiB + 1, 64, 5*MiB + 64<<10},
+	}
+	for _, c := range cases {
+		assert.EqualValues(t, c.want, roundPower2Divisions(c.size, c.divisions), "%d with %d divisions", c.size, c.divisions)
+	}
+
+	p, _ := newTestPool(t, SimConfig{}, Config{RoundupPower2Divisions: 4})
+	a := mustAlloc(t, p, 1200*MiB, 0, 0)
+	s := stats(t, p)
+	assert.EqualValues(t, 1280*MiB, s.AllocatedBytes[0].Current)
+	assert.EqualValues(t, 1200*MiB, s.RequestedBytes[0].Current)
+	require.NoError(t, p.Free(a))
+	b := mustAlloc(t, p, 1100*MiB, 0, 0) // rounds to the same 1280 MiB block size: a cache hit
+	assert.Equal(t, a, b)
+	assert.EqualValues(t, 1, stats(t, p).NumCacheHits)
+	require.NoError(t, p.CheckInvariants())
+
+	for _, bad := range []uint64{3, 6, 128} {
+		_, err := NewPool(Config{Backend: p.Backend(), RoundupPower2Divisions: bad})
+		require.ErrorIs(t, err, ErrInvalidArgument, "divisions %d", bad)
+	}
+}
+
 func TestCacheHitReusesAddress(t *testing.T) {
 	p, be := newTestPool(t, SimConfig{}, Config{})
 	a := mustAlloc(t, p, 4096, 0, 0)

@@ -274,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
         "torch.cuda.memory._dump_snapshot or gmp.dump_snapshot) on a private simulated device and report "
         "peak allocated/reserved, fragmentation, backend calls and OOMs, next to the reserved bytes the "
         "recording allocator (torch) had. Policy keys: max_split_size, release_threshold, limit, "
-        "granularity, capacity (bytes; suffixes KiB/MiB/GiB or KB/MB/GB) and expandable (true/false).",
+        "granularity, capacity (bytes; suffixes KiB/MiB/GiB or KB/MB/GB), roundup_power2_divisions (a count) "
+        "and expandable (true/false).",
     )
     rep.add_argument("trace", metavar="TRACE", help="a .trace[.gz] file or a .pickle/.pkl snapshot")
     rep.add_argument("--policy", action="append", metavar="KEY=VALUE",

@@ -185,7 +185,9 @@ class MemPool:
     Common options: ``name``; ``device`` (default device of :meth:`alloc`);
     ``limit`` (bytes the pool may reserve per device); ``max_split_size``
     (torch's max_split_size_mb, in bytes); ``release_threshold`` (unused
-    bytes kept cached per device; 0 keeps all).
+    bytes kept cached per device; 0 keeps all); ``roundup_power2_divisions``
+    (torch's option of that name: requests round up to one of N equal steps
+    between powers of two; a power of two <= 64, 0 or 1 for off).
 
     Thread-safe. Use it as a context manager to close it on exit.
     """
@@ -201,6 +203,7 @@ class MemPool:
         limit: Optional[int] = None,
         max_split_size: Optional[int] = None,
         release_threshold: Optional[int] = None,
+        roundup_power2_divisions: Optional[int] = None,
         **options: Any,
     ) -> None:
         self._id = 0
@@ -227,14 +230,16 @@ class MemPool:
         if unknown:
             raise InvalidArgumentError(
                 f"unknown option(s) {', '.join(unknown)} for backend {backend!r}; "
-                f"valid: name, limit, max_split_size, release_threshold, {', '.join(valid[backend])}"
+                f"valid: name, limit, max_split_size, release_threshold, roundup_power2_divisions, "
+                f"{', '.join(valid[backend])}"
             )
         cfg: dict[str, Any] = {"backend": backend}
         if name is not None:
             if not isinstance(name, str):
                 raise TypeError(f"name must be a str, got {type(name).__name__}")
             cfg["name"] = name
-        for key, value in (("limit", limit), ("max_split_size", max_split_size), ("release_threshold", release_threshold)):
+        for key, value in (("limit", limit), ("max_split_size", max_split_size), ("release_threshold", release_threshold),
+                           ("roundup_power2_divisions", roundup_power2_divisions)):
             if value is not None:
                 cfg[key] = _check_int(key, value, 0, _U64)
         if backend == "sim":

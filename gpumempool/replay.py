@@ -32,6 +32,7 @@ __all__ = ["POLICY_KEYS", "ReplayResult", "parse_policy", "parse_size", "replay"
 POLICY_KEYS: dict[str, str] = {
     "max_split_size": "blocks at least this large are never split (torch's max_split_size_mb, in bytes)",
     "release_threshold": "unused bytes kept cached per device (0: keep all)",
+    "roundup_power2_divisions": "round requests up to one of N steps between powers of two (torch's option; 0: off)",
     "limit": "bytes the pool may reserve per device (0: no limit)",
     "expandable": "grow one segment per stream in place (torch's expandable_segments)",
     "granularity": "mapping granularity of expandable segments, bytes",
@@ -192,6 +193,7 @@ def replay(
         limit=pol.get("limit") or None,
         max_split_size=pol.get("max_split_size") or None,
         release_threshold=pol.get("release_threshold") or None,
+        roundup_power2_divisions=pol.get("roundup_power2_divisions") or None,
         **sim,
     )
     ptrs: dict[int, Optional[int]] = {}

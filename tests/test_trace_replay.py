@@ -476,8 +476,22 @@ def test_replay_policies_change_the_outcome() -> None:
     assert base.ooms == 0
     with pytest.raises(gmp.InvalidArgumentError, match="unknown policy key"):
         replay(tr, {"bogus": 1})
+    with pytest.raises(gmp.InvalidArgumentError, match="power of two"):
+        replay(tr, {"roundup_power2_divisions": 3})
     with pytest.raises(TypeError):
         replay(tr, {"limit": "1GiB"})
+
+
+def test_replay_with_roundup_power2_divisions() -> None:
+    # 1100 MiB and 1200 MiB round to one 1280 MiB block with 4 divisions
+    # (torch's example), so the second allocation reuses the first block;
+    # without rounding 1200 MiB does not fit the freed 1100 MiB.
+    text = "gmptrace 1\na 1 1153433600 0\nf 1\na 2 1258291200 0\nf 2\n"
+    base = replay(Trace.loads(text))
+    assert base.peak_allocated == 1200 * MiB and base.device_allocs == 2
+    rnd = replay(Trace.loads(text), {"roundup_power2_divisions": 4})
+    assert rnd.peak_allocated == 1280 * MiB and rnd.device_allocs == 1
+    assert parse_policy(["roundup_power2_divisions=4"]) == {"roundup_power2_divisions": 4}
 
 
 def test_shipped_synthetic_trace_replays_exactly() -> None:

@@ -54,6 +54,7 @@ type poolOptions struct {
 	Limit            uint64      `json:"limit"`
 	MaxSplitSize     uint64      `json:"max_split_size"`
 	RoundupDivisions uint64      `json:"roundup_power2_divisions"`
+	RoundupBySize    []uint64    `json:"roundup_power2_divisions_by_size"`
 	ReleaseThreshold uint64      `json:"release_threshold"`
 	Sim              *simOptions `json:"sim"`
 	AllocFn          uint64      `json:"alloc_fn"`
@@ -137,7 +138,8 @@ func NewPool(optionsJSON string) (id int64, err error) {
 		return 0, err
 	}
 	p, err := gocore.NewPool(gocore.Config{Name: o.Name, Backend: be, Limit: o.Limit,
-		MaxSplitSize: o.MaxSplitSize, ReleaseThreshold: o.ReleaseThreshold, RoundupPower2Divisions: o.RoundupDivisions})
+		MaxSplitSize: o.MaxSplitSize, ReleaseThreshold: o.ReleaseThreshold,
+		RoundupPower2Divisions: o.RoundupDivisions, RoundupPower2DivisionsBySize: o.RoundupBySize})
 	if err != nil {
 		return 0, err
 	}
@@ -278,7 +280,7 @@ func PoolConfig(id int64) (js string, err error) {
 	c := e.Pool.Config()
 	return marshal(map[string]any{"name": c.Name, "backend": c.Backend.Name(), "limit": c.Limit,
 		"max_split_size": c.MaxSplitSize, "release_threshold": c.ReleaseThreshold,
-		"roundup_power2_divisions": c.RoundupPower2Divisions,
+		"roundup_power2_divisions": c.RoundupPower2Divisions, "roundup_power2_divisions_by_size": c.RoundupPower2DivisionsBySize,
 		"devices":                  c.Backend.Devices(), "alignment": c.Backend.Alignment(), "slot": e.Slot()})
 }
 

@@ -27,7 +27,7 @@ func (p *Pool) Alloc(size uint64, dev int, stream Stream) (uint64, error) {
 	if len(d.pending) > 0 {
 		p.processEventsLocked(d)
 	}
-	rounded := roundPower2Divisions(size, p.cfg.RoundupPower2Divisions)
+	rounded := p.roundRequest(size)
 	kind := kindOf(rounded)
 	f := d.freeList(stream)
 	var b *block

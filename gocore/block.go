@@ -84,6 +84,22 @@ func roundPower2Divisions(size, divisions uint64) uint64 {
 	return roundUp(size, floor/divisions)
 }
 
+// RoundupIntervals is how many size intervals torch's per-size
+// roundup_power2_divisions has: interval 0 holds sizes below 2 MiB, interval
+// i sizes in [2^(20+i), 2^(21+i)), and the last one everything from 32 GiB.
+const RoundupIntervals = 16
+
+// roundupInterval is the interval of torch's divisions table that size falls
+// in.
+func roundupInterval(size uint64) int {
+	const start = 20 // log2(1 MiB)
+	log := 63 - bits.LeadingZeros64(size)
+	if log <= start {
+		return 0
+	}
+	return min(log-start, RoundupIntervals-1)
+}
+
 // segmentSize is how much to obtain from the backend for a rounded request.
 func segmentSize(rounded uint64) uint64 {
 	switch {

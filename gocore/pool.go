@@ -3,6 +3,7 @@ package gocore
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"sort"
 	"sync"
 )
@@ -24,14 +25,50 @@ type Config struct {
 	MaxSplitSize uint64
 	// RoundupPower2Divisions, when at least 2, rounds requests up to one of
 	// this many equal steps between consecutive powers of two (torch's
-	// roundup_power2_divisions); it must be a power of two, at most 64. 0 or
-	// 1: plain 512-byte rounding.
+	// roundup_power2_divisions); it must be a power of two, at most
+	// MaxRoundupDivisions. 0 or 1: plain 512-byte rounding.
 	RoundupPower2Divisions uint64
+	// RoundupPower2DivisionsBySize, when set (RoundupIntervals entries),
+	// gives the divisions per size interval instead, like torch's
+	// roundup_power2_divisions:[256:1,512:2,>:8] (see RoundupIntervals).
+	RoundupPower2DivisionsBySize []uint64
 	// ReleaseThreshold is how many unused reserved bytes a device may keep
 	// cached: when a free leaves more, whole free segments go back to the
 	// backend until it is under the threshold (like the release threshold of
 	// a CUDA memory pool). 0 means unlimited.
 	ReleaseThreshold uint64
+}
+
+// MaxRoundupDivisions bounds Config.RoundupPower2Divisions.
+const MaxRoundupDivisions = 1 << 16
+
+func checkDivisions(cfg Config) error {
+	bad := func(d uint64) bool { return d > MaxRoundupDivisions || d&(d-1) != 0 }
+	if bad(cfg.RoundupPower2Divisions) {
+		return fmt.Errorf("roundup power-2 divisions %d must be a power of two <= %d (or 0): %w",
+			cfg.RoundupPower2Divisions, MaxRoundupDivisions, ErrInvalidArgument)
+	}
+	if by := cfg.RoundupPower2DivisionsBySize; by != nil {
+		if len(by) != RoundupIntervals {
+			return fmt.Errorf("roundup power-2 divisions by size: %d entries, want %d: %w",
+				len(by), RoundupIntervals, ErrInvalidArgument)
+		}
+		for i, d := range by {
+			if bad(d) {
+				return fmt.Errorf("roundup power-2 divisions of interval %d: %d must be a power of two <= %d (or 0): %w",
+					i, d, MaxRoundupDivisions, ErrInvalidArgument)
+			}
+		}
+	}
+	return nil
+}
+
+// roundRequest rounds a request to its block size under the pool's policy.
+func (p *Pool) roundRequest(size uint64) uint64 {
+	if by := p.cfg.RoundupPower2DivisionsBySize; by != nil {
+		return roundPower2Divisions(size, by[roundupInterval(size)])
+	}
+	return roundPower2Divisions(size, p.cfg.RoundupPower2Divisions)
 }
 
 // Pool is a caching allocator over one Backend. It is safe for concurrent
@@ -76,10 +113,10 @@ func NewPool(cfg Config) (*Pool, error) {
 		return nil, fmt.Errorf("new pool: max split size %d must exceed %d bytes: %w",
 			cfg.MaxSplitSize, SmallSize, ErrInvalidArgument)
 	}
-	if d := cfg.RoundupPower2Divisions; d > 64 || d&(d-1) != 0 {
-		return nil, fmt.Errorf("new pool: roundup power-2 divisions %d must be a power of two <= 64 (or 0): %w",
-			d, ErrInvalidArgument)
+	if err := checkDivisions(cfg); err != nil {
+		return nil, fmt.Errorf("new pool: %w", err)
 	}
+	cfg.RoundupPower2DivisionsBySize = slices.Clone(cfg.RoundupPower2DivisionsBySize)
 	if cfg.Name == "" {
 		cfg.Name = "pool"
 	}
@@ -116,7 +153,9 @@ func (p *Pool) Backend() Backend { return p.backend }
 func (p *Pool) Config() Config {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.cfg
+	c := p.cfg
+	c.RoundupPower2DivisionsBySize = slices.Clone(c.RoundupPower2DivisionsBySize)
+	return c
 }
 
 // SetLimit changes the byte limit of every device (0: none), replacing

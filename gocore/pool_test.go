@@ -94,10 +94,36 @@ func TestRoundupPower2Divisions(t *testing.T) {
 	assert.EqualValues(t, 1, stats(t, p).NumCacheHits)
 	require.NoError(t, p.CheckInvariants())
 
-	for _, bad := range []uint64{3, 6, 128} {
+	for _, bad := range []uint64{3, 6, MaxRoundupDivisions * 2} {
 		_, err := NewPool(Config{Backend: p.Backend(), RoundupPower2Divisions: bad})
 		require.ErrorIs(t, err, ErrInvalidArgument, "divisions %d", bad)
 	}
+}
+
+func TestRoundupPower2DivisionsBySize(t *testing.T) {
+	for _, c := range []struct {
+		size uint64
+		want int
+	}{{512, 0}, {MiB, 0}, {2*MiB - 1, 0}, {2 * MiB, 1}, {3 * MiB, 1}, {4 * MiB, 2}, {31 << 30, 14}, {32 << 30, 15}, {1 << 40, 15}} {
+		assert.Equal(t, c.want, roundupInterval(c.size), "interval of %d", c.size)
+	}
+	by := make([]uint64, RoundupIntervals)
+	by[roundupInterval(1200*MiB)] = 4 // [1 GiB, 2 GiB) in quarters, nothing else rounded
+	p, _ := newTestPool(t, SimConfig{}, Config{RoundupPower2DivisionsBySize: by})
+	by[roundupInterval(1200*MiB)] = 2 // the pool keeps its own copy
+	a := mustAlloc(t, p, 1200*MiB, 0, 0)
+	b := mustAlloc(t, p, 600*MiB+1, 0, 0)
+	s := stats(t, p)
+	assert.EqualValues(t, 1280*MiB+600*MiB+512, s.AllocatedBytes[0].Current)
+	assert.EqualValues(t, 4, p.Config().RoundupPower2DivisionsBySize[roundupInterval(1200*MiB)])
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(b))
+
+	_, err := NewPool(Config{Backend: p.Backend(), RoundupPower2DivisionsBySize: make([]uint64, 3)})
+	require.ErrorIs(t, err, ErrInvalidArgument)
+	by[5] = 3
+	_, err = NewPool(Config{Backend: p.Backend(), RoundupPower2DivisionsBySize: by})
+	require.ErrorIs(t, err, ErrInvalidArgument)
 }
 
 func TestCacheHitReusesAddress(t *testing.T) {

@@ -111,7 +111,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         trace.save(args.save_trace)
     with Progress("replay", unit="ev", enabled=not (args.json or args.no_progress), total=len(trace)) as bar:
         try:
-            result = replay(trace, policy, progress=bar)
+            result = replay(trace, policy, progress=bar, recorded_policy=not args.no_recorded_policy)
         except (ValueError, TypeError) as exc:
             return _fail(str(exc), 2)
     if args.json:
@@ -119,7 +119,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         out["trace"] = {"path": args.trace, "meta": trace.meta, "counts": trace.counts()}
         print(json.dumps(out, indent=2))
         return 0
-    pol = ", ".join(f"{k}={v}" for k, v in policy.items()) or "defaults"
+    pol = ", ".join(f"{k}={v}" + ("" if k in policy else " (recorded)") for k, v in result.policy.items()) or "defaults"
     rows = [
         ("trace", f"{os.path.basename(args.trace)} ({trace.source}, {len(trace):,} events)"),
         ("policy", pol),
@@ -280,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("trace", metavar="TRACE", help="a .trace[.gz] file or a .pickle/.pkl snapshot")
     rep.add_argument("--policy", action="append", metavar="KEY=VALUE",
                      help="a policy setting, e.g. max_split_size=64MiB (repeat, or separate with commas)")
+    rep.add_argument("--no-recorded-policy", action="store_true",
+                     help="do not apply the recording allocator's settings (torch's max_split_size, "
+                     "expandable_segments, roundup_power2_divisions) where --policy leaves them out")
     rep.add_argument("--format", choices=("auto", "trace", "snapshot"), default="auto",
                      help="input format (default: by extension and content)")
     rep.add_argument("--no-infer-empty-cache", action="store_true",

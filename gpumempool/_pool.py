@@ -9,7 +9,7 @@ import threading
 import weakref
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, TypeVar, Union
 
 from . import _native
 from . import _snapshot
@@ -125,6 +125,27 @@ def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
     return value
 
 
+#: Size intervals of torch's per-size roundup_power2_divisions.
+ROUNDUP_INTERVALS = 16
+
+
+def _roundup_option(value: Any) -> dict[str, Any]:
+    """The NewPool JSON for ``roundup_power2_divisions``: one count for every
+    size, or one per size interval (a sequence, or torch's snapshot dict
+    keyed "1".."16")."""
+    name = "roundup_power2_divisions"
+    if isinstance(value, Mapping):
+        keys = {str(i) for i in range(1, ROUNDUP_INTERVALS + 1)}
+        if set(map(str, value)) != keys:
+            raise InvalidArgumentError(f"{name} as a dict needs the keys '1'..'{ROUNDUP_INTERVALS}', got {sorted(value)}")
+        value = [value[k] if k in value else value[int(k)] for k in sorted(keys, key=int)]
+    if isinstance(value, (list, tuple)):
+        if len(value) != ROUNDUP_INTERVALS:
+            raise InvalidArgumentError(f"{name} per size needs {ROUNDUP_INTERVALS} counts, got {len(value)}")
+        return {f"{name}_by_size": [_check_int(f"{name}[{i}]", v, 0, _U64) for i, v in enumerate(value)]}
+    return {name: _check_int(name, value, 0, _U64)}
+
+
 def as_stream(stream: Any) -> int:
     """A stream handle as an int: an int, None (the default stream), or an
     object with ``cuda_stream`` (torch.cuda.Stream) or ``ptr`` (cupy)."""
@@ -187,7 +208,10 @@ class MemPool:
     (torch's max_split_size_mb, in bytes); ``release_threshold`` (unused
     bytes kept cached per device; 0 keeps all); ``roundup_power2_divisions``
     (torch's option of that name: requests round up to one of N equal steps
-    between powers of two; a power of two <= 64, 0 or 1 for off).
+    between powers of two; N a power of two, 0 or 1 for off; or 16 such
+    counts, one per size interval as in torch: sizes below 2 MiB, then
+    [2^(20+i), 2^(21+i)) bytes, the last from 32 GiB; a list, or the dict
+    ``{"1": n1, ..., "16": n16}`` of a torch snapshot's allocator_settings).
 
     Thread-safe. Use it as a context manager to close it on exit.
     """
@@ -203,7 +227,7 @@ class MemPool:
         limit: Optional[int] = None,
         max_split_size: Optional[int] = None,
         release_threshold: Optional[int] = None,
-        roundup_power2_divisions: Optional[int] = None,
+        roundup_power2_divisions: Union[int, Sequence[int], Mapping[str, int], None] = None,
         **options: Any,
     ) -> None:
         self._id = 0
@@ -238,10 +262,11 @@ class MemPool:
             if not isinstance(name, str):
                 raise TypeError(f"name must be a str, got {type(name).__name__}")
             cfg["name"] = name
-        for key, value in (("limit", limit), ("max_split_size", max_split_size), ("release_threshold", release_threshold),
-                           ("roundup_power2_divisions", roundup_power2_divisions)):
+        for key, value in (("limit", limit), ("max_split_size", max_split_size), ("release_threshold", release_threshold)):
             if value is not None:
                 cfg[key] = _check_int(key, value, 0, _U64)
+        if roundup_power2_divisions is not None:
+            cfg.update(_roundup_option(roundup_power2_divisions))
         if backend == "sim":
             if options:
                 sim: dict[str, Any] = {}

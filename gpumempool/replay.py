@@ -32,7 +32,8 @@ __all__ = ["POLICY_KEYS", "ReplayResult", "parse_policy", "parse_size", "replay"
 POLICY_KEYS: dict[str, str] = {
     "max_split_size": "blocks at least this large are never split (torch's max_split_size_mb, in bytes)",
     "release_threshold": "unused bytes kept cached per device (0: keep all)",
-    "roundup_power2_divisions": "round requests up to one of N steps between powers of two (torch's option; 0: off)",
+    "roundup_power2_divisions": "round requests up to one of N steps between powers of two (torch's option; 0: off; "
+    "or 16 counts, one per size interval)",
     "limit": "bytes the pool may reserve per device (0: no limit)",
     "expandable": "grow one segment per stream in place (torch's expandable_segments)",
     "granularity": "mapping granularity of expandable segments, bytes",
@@ -107,6 +108,8 @@ def _check_policy(policy: Optional[Mapping[str, Any]]) -> dict[str, Any]:
         if key in _BOOL_KEYS:
             if not isinstance(value, bool):
                 raise TypeError(f"policy {key} must be a bool, got {type(value).__name__}")
+        elif key == "roundup_power2_divisions" and isinstance(value, (list, tuple, dict)):
+            value = list(value.values()) if isinstance(value, dict) else list(value)  # MemPool checks the counts
         elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise TypeError(f"policy {key} must be a non-negative int (bytes), got {value!r}")
         out[key] = value
@@ -168,14 +171,22 @@ def replay(
     *,
     progress: Optional[ProgressFn] = None,
     progress_every: int = 10_000,
+    recorded_policy: bool = True,
 ) -> ReplayResult:
     """Run ``trace`` on a fresh private sim pool configured by ``policy``
     (keys: :data:`POLICY_KEYS`) and report peaks, fragmentation, backend
-    calls and OOMs. ``progress(done, total)`` is called every
-    ``progress_every`` events and at the end."""
+    calls and OOMs. With ``recorded_policy`` the settings the recording
+    allocator had (``trace.meta["recorded_policy"]``, e.g. torch's
+    max_split_size, expandable_segments and roundup_power2_divisions) fill
+    in what ``policy`` leaves out, so that the comparison with torch's
+    recorded reserve is like for like. ``progress(done, total)`` is called
+    every ``progress_every`` events and at the end."""
     if not isinstance(trace, Trace):
         raise TypeError(f"trace must be a Trace, got {type(trace).__name__}")
     pol = _check_policy(policy)
+    recorded = trace.meta.get("recorded_policy") if recorded_policy else None
+    if isinstance(recorded, dict):
+        pol = {**_check_policy({k: v for k, v in recorded.items() if k in POLICY_KEYS}), **pol}
     events = trace.events
     total = len(events)
     devices = max([int(trace.meta.get("devices", 1) or 1)] + [e.device + 1 for e in events if type(e) is Alloc])

@@ -795,9 +795,34 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
     }
     if unknown:
         tr_out.meta["ignored_actions"] = unknown
-    if flavor == "gpumempool":
-        tr_out.meta["notes"] = "alloc sizes are gpumempool block sizes (rounded)"
+    if flavor == "torch":
+        settings = torch_allocator_policy(snap.get("allocator_settings"))
+        if settings:
+            tr_out.meta["recorded_policy"] = settings
     return tr_out
+
+
+def torch_allocator_policy(settings: Any) -> dict[str, Any]:
+    """The replay policy (keys of :data:`gpumempool.replay.POLICY_KEYS`)
+    equivalent to a torch snapshot's ``allocator_settings`` (torch >= 2.1):
+    max_split_size (torch writes -1 for unlimited), expandable_segments and
+    roundup_power2_divisions (per size interval, "1".."16"). Settings we do
+    not model (garbage_collection_threshold, ...) are left out; defaults
+    are not listed."""
+    if not isinstance(settings, dict):
+        return {}
+    out: dict[str, Any] = {}
+    mss = settings.get("max_split_size")
+    if type(mss) is int and 0 < mss < (1 << 62):
+        out["max_split_size"] = mss
+    if settings.get("expandable_segments") is True:
+        out["expandable"] = True
+    div = settings.get("roundup_power2_divisions")
+    if isinstance(div, dict) and len(div) == 16:
+        vals = [div.get(str(i), div.get(i)) for i in range(1, 17)]
+        if all(type(v) is int and v >= 0 for v in vals) and any(v > 1 for v in vals):
+            out["roundup_power2_divisions"] = vals[0] if len(set(vals)) == 1 else vals
+    return out
 
 
 def from_history(pool_or_snapshot: Any, *, infer_empty_cache: bool = False) -> Trace:
@@ -819,8 +844,11 @@ def _describe_pool(tr: Trace, pool: Any) -> None:
     except Exception:  # a closed pool, or a stand-in without config()
         return
     tr.meta["pool"] = cfg.get("name")
-    tr.meta["recorded_policy"] = {k: cfg[k] for k in ("backend", "limit", "max_split_size", "release_threshold")
-                                  if cfg.get(k)}
+    pol = {k: cfg[k] for k in ("backend", "limit", "max_split_size", "release_threshold", "roundup_power2_divisions")
+           if cfg.get(k)}
+    if cfg.get("roundup_power2_divisions_by_size"):
+        pol["roundup_power2_divisions"] = cfg["roundup_power2_divisions_by_size"]
+    tr.meta["recorded_policy"] = pol
 
 
 def from_torch_snapshot(path_or_dict: Union[PathLike, bytes, dict[str, Any]], *,

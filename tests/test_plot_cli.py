@@ -142,6 +142,21 @@ def test_cli_replay_torch_pickle(tmp_path: Path) -> None:
     assert r2.returncode == 0 and json.loads(r2.stdout)["torch_peak_reserved"] == 22 * MiB
     human = run_cli("replay", str(snap), "--no-progress")
     assert "torch peak reserved" in human.stdout and "ours / torch" in human.stdout
+    assert "defaults" in human.stdout  # torch ran with its default settings
+
+
+def test_cli_replay_applies_torch_settings(tmp_path: Path) -> None:
+    snap = torch_like_snapshot()
+    snap["allocator_settings"] = {"expandable_segments": True, "max_split_size": -1}
+    path = tmp_path / "torch.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    human = run_cli("replay", str(path), "--no-progress", "--policy", "limit=1GiB")
+    assert human.returncode == 0, human.stderr
+    assert "expandable=True (recorded)" in human.stdout and "limit=1073741824" in human.stdout
+    out = json.loads(run_cli("replay", str(path), "--json").stdout)
+    assert out["policy"] == {"expandable": True} and out["trace"]["meta"]["recorded_policy"] == {"expandable": True}
+    out = json.loads(run_cli("replay", str(path), "--json", "--no-recorded-policy").stdout)
+    assert out["policy"] == {}
 
 
 def test_cli_replay_errors(tmp_path: Path) -> None:

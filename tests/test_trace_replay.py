@@ -295,6 +295,38 @@ def test_torch_importer_on_a_hand_built_snapshot() -> None:
     assert EmptyCache() not in from_torch_snapshot(torch_snapshot(), infer_empty_cache=False).events
 
 
+def test_torch_allocator_settings_become_the_replay_policy() -> None:
+    assert "recorded_policy" not in from_torch_snapshot(torch_snapshot()).meta  # torch's defaults
+    snap = torch_snapshot()
+    div = {str(i): 0 for i in range(1, 17)}
+    div["1"] = 4
+    snap["allocator_settings"].update(max_split_size=64 * MiB, expandable_segments=True, roundup_power2_divisions=div,
+                                      garbage_collection_threshold=0.6)
+    tr = from_torch_snapshot(snap)
+    assert tr.meta["recorded_policy"] == {"max_split_size": 64 * MiB, "expandable": True,
+                                          "roundup_power2_divisions": [4] + [0] * 15}
+    res = replay(tr)
+    assert res.policy == tr.meta["recorded_policy"]
+    assert res.expansions > 0  # expandable segments, as torch had
+    assert replay(tr, {"expandable": False}).policy["expandable"] is False  # an explicit policy wins
+    assert replay(tr, recorded_policy=False).policy == {}
+    # The policy survives saving the trace.
+    assert Trace.loads(tr.dumps()).meta["recorded_policy"] == tr.meta["recorded_policy"]
+    # One count for every size comes back as one number.
+    div = {str(i): 8 for i in range(1, 17)}
+    snap["allocator_settings"].update(roundup_power2_divisions=div, expandable_segments=False, max_split_size=-1)
+    assert from_torch_snapshot(snap).meta["recorded_policy"] == {"roundup_power2_divisions": 8}
+
+
+def test_history_trace_records_the_pool_policy() -> None:
+    with gmp.MemPool("sim", capacity=1 << 30, roundup_power2_divisions=4, max_split_size=32 * MiB) as pool:
+        pool.record_history(True)
+        pool.free(pool.alloc(1100 * MiB // 4))
+        tr = from_history(pool)
+    assert tr.meta["recorded_policy"] == {"backend": "sim", "max_split_size": 32 * MiB, "roundup_power2_divisions": 4}
+    assert replay(tr).policy == {"max_split_size": 32 * MiB, "roundup_power2_divisions": 4}
+
+
 def test_torch_pickle_through_the_restricted_loader(tmp_path: Path) -> None:
     path = tmp_path / "snapshot.pickle"
     path.write_bytes(pickle.dumps(torch_snapshot(), protocol=pickle.HIGHEST_PROTOCOL))

@@ -281,7 +281,7 @@ func PoolConfig(id int64) (js string, err error) {
 	return marshal(map[string]any{"name": c.Name, "backend": c.Backend.Name(), "limit": c.Limit,
 		"max_split_size": c.MaxSplitSize, "release_threshold": c.ReleaseThreshold,
 		"roundup_power2_divisions": c.RoundupPower2Divisions, "roundup_power2_divisions_by_size": c.RoundupPower2DivisionsBySize,
-		"devices":                  c.Backend.Devices(), "alignment": c.Backend.Alignment(), "slot": e.Slot()})
+		"devices": c.Backend.Devices(), "alignment": c.Backend.Alignment(), "slot": e.Slot()})
 }
 
 // PoolCheck verifies the pool's invariants (see gocore.Pool.CheckInvariants).

@@ -55,6 +55,7 @@ type poolOptions struct {
 	MaxSplitSize     uint64      `json:"max_split_size"`
 	RoundupDivisions uint64      `json:"roundup_power2_divisions"`
 	RoundupBySize    []uint64    `json:"roundup_power2_divisions_by_size"`
+	GCThreshold      float64     `json:"garbage_collection_threshold"`
 	ReleaseThreshold uint64      `json:"release_threshold"`
 	Sim              *simOptions `json:"sim"`
 	AllocFn          uint64      `json:"alloc_fn"`
@@ -139,7 +140,8 @@ func NewPool(optionsJSON string) (id int64, err error) {
 	}
 	p, err := gocore.NewPool(gocore.Config{Name: o.Name, Backend: be, Limit: o.Limit,
 		MaxSplitSize: o.MaxSplitSize, ReleaseThreshold: o.ReleaseThreshold,
-		RoundupPower2Divisions: o.RoundupDivisions, RoundupPower2DivisionsBySize: o.RoundupBySize})
+		RoundupPower2Divisions: o.RoundupDivisions, RoundupPower2DivisionsBySize: o.RoundupBySize,
+		GarbageCollectionThreshold: o.GCThreshold})
 	if err != nil {
 		return 0, err
 	}
@@ -281,7 +283,8 @@ func PoolConfig(id int64) (js string, err error) {
 	return marshal(map[string]any{"name": c.Name, "backend": c.Backend.Name(), "limit": c.Limit,
 		"max_split_size": c.MaxSplitSize, "release_threshold": c.ReleaseThreshold,
 		"roundup_power2_divisions": c.RoundupPower2Divisions, "roundup_power2_divisions_by_size": c.RoundupPower2DivisionsBySize,
-		"devices": c.Backend.Devices(), "alignment": c.Backend.Alignment(), "slot": e.Slot()})
+		"garbage_collection_threshold": c.GarbageCollectionThreshold,
+		"devices":                      c.Backend.Devices(), "alignment": c.Backend.Alignment(), "slot": e.Slot()})
 }
 
 // PoolCheck verifies the pool's invariants (see gocore.Pool.CheckInvariants).

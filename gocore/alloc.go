@@ -34,12 +34,16 @@ func (p *Pool) Alloc(size uint64, dev int, stream Stream) (uint64, error) {
 	if kind == kindSmall {
 		b = f.small.bestFit(rounded)
 	} else {
+		d.largeLookups++
 		b = f.bestFitLarge(rounded, p.cfg.MaxSplitSize)
 	}
 	if b != nil {
 		d.removeFree(f, b)
 		d.stats.NumCacheHits++
 	} else {
+		if kind == kindLarge && p.cfg.GarbageCollectionThreshold > 0 {
+			p.collectGarbageLocked(d)
+		}
 		if b, err = p.newSegmentBlock(d, size, rounded, kind, stream); err != nil {
 			return 0, err
 		}

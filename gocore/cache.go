@@ -3,6 +3,7 @@ package gocore
 import (
 	"errors"
 	"fmt"
+	"sort"
 )
 
 // releaseSegmentLocked returns a wholly free segment to the backend. On a
@@ -52,6 +53,58 @@ func (p *Pool) releaseCachedLocked(d *deviceState, keep uint64) (uint64, error) 
 		p.processEventsLocked(d)
 	}
 	return p.trimLocked(d, keep)
+}
+
+// collectGarbageLocked is torch's garbage_collect_cached_blocks: when the
+// device reserves more than GarbageCollectionThreshold of its limit, release
+// whole cached large segments (not expandable ones) whose age, in large-pool
+// searches since they became free, is at least the average age of such
+// segments; repeat with the new average until enough is released or nothing
+// more goes. A failed release leaves the segment cached.
+func (p *Pool) collectGarbageLocked(d *deviceState) {
+	limit := p.limitLocked(d.id)
+	if limit == 0 {
+		return
+	}
+	threshold := uint64(p.cfg.GarbageCollectionThreshold * float64(limit))
+	reserved := uint64(d.stats.ReservedBytes[0].Current)
+	if reserved <= threshold {
+		return
+	}
+	target := reserved - threshold
+	var cands []*segment
+	var totalAge uint64
+	for s, since := range d.wholeFree {
+		if s.kind == kindLarge && !s.expandable {
+			cands = append(cands, s)
+			totalAge += d.largeLookups - since
+		}
+	}
+	sort.Slice(cands, func(i, j int) bool { // torch's order: size, then address
+		if cands[i].size != cands[j].size {
+			return cands[i].size < cands[j].size
+		}
+		return cands[i].addr < cands[j].addr
+	})
+	var reclaimed uint64
+	for reclaimed < target && len(cands) > 0 {
+		avg := float64(totalAge) / float64(len(cands))
+		kept := cands[:0]
+		for _, s := range cands {
+			age := d.largeLookups - d.wholeFree[s]
+			if float64(age) >= avg && p.releaseSegmentLocked(d, s) == nil {
+				reclaimed += s.size
+				totalAge -= age
+				d.stats.NumGCReleases++
+				continue
+			}
+			kept = append(kept, s)
+		}
+		if len(kept) == len(cands) {
+			break // nothing more can go
+		}
+		cands = kept
+	}
 }
 
 // EmptyCache returns every wholly free segment on every device to the

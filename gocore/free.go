@@ -147,7 +147,7 @@ func (d *deviceState) insertFree(f *streamFree, b *block) {
 		d.stats.InactiveSplit.add(b.seg.kind, 1)
 		d.stats.InactiveSplitBytes.add(b.seg.kind, int64(b.size))
 	} else {
-		d.wholeFree[b.seg] = struct{}{}
+		d.wholeFree[b.seg] = d.largeLookups
 	}
 }
 

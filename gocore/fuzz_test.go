@@ -89,6 +89,9 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 		if flags&32 != 0 && i == 1 { // one pool rounds like torch's roundup_power2_divisions
 			cfg.RoundupPower2Divisions = 4
 		}
+		if flags&64 != 0 && i == 0 { // and one collects garbage against its limit
+			cfg.GarbageCollectionThreshold = 0.5
+		}
 		if pools[i], err = NewPool(cfg); err != nil {
 			t.Fatal(err)
 		}

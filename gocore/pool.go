@@ -32,6 +32,15 @@ type Config struct {
 	// gives the divisions per size interval instead, like torch's
 	// roundup_power2_divisions:[256:1,512:2,>:8] (see RoundupIntervals).
 	RoundupPower2DivisionsBySize []uint64
+	// GarbageCollectionThreshold (torch's garbage_collection_threshold, in
+	// (0, 1); 0 is off) acts on devices with a limit: when a large request
+	// misses the cache while the device reserves more than this fraction of
+	// its limit, whole cached large segments unused for longer than the
+	// average are released (oldest first, repeatedly) until it is below,
+	// before asking the backend for more. Unlike the release-and-retry of
+	// the OOM path it runs before memory is exhausted, so the limit is
+	// rarely reached.
+	GarbageCollectionThreshold float64
 	// ReleaseThreshold is how many unused reserved bytes a device may keep
 	// cached: when a free leaves more, whole free segments go back to the
 	// backend until it is under the threshold (like the release threshold of
@@ -96,12 +105,15 @@ type deviceState struct {
 	streams    map[Stream]*streamFree
 	lastStream Stream
 	lastFree   *streamFree
-	segments   map[uint64]*segment   // by base address
-	wholeFree  map[*segment]struct{} // segments that are one free block
-	pending    []pendingFree         // frees waiting for events
-	events     []Event               // idle events kept for reuse
-	growing    map[Stream]*segment   // the large segment each stream grows
-	stats      Stats
+	segments   map[uint64]*segment // by base address
+	wholeFree  map[*segment]uint64 // segments that are one free block -> largeLookups when it became so
+	// largeLookups counts searches of the large free lists: the clock that
+	// ages cached segments for garbage collection (torch's gc_count).
+	largeLookups uint64
+	pending      []pendingFree       // frees waiting for events
+	events       []Event             // idle events kept for reuse
+	growing      map[Stream]*segment // the large segment each stream grows
+	stats        Stats
 }
 
 // NewPool validates cfg and returns an empty pool.
@@ -115,6 +127,9 @@ func NewPool(cfg Config) (*Pool, error) {
 	}
 	if err := checkDivisions(cfg); err != nil {
 		return nil, fmt.Errorf("new pool: %w", err)
+	}
+	if g := cfg.GarbageCollectionThreshold; !(g >= 0 && g < 1) {
+		return nil, fmt.Errorf("new pool: garbage collection threshold %v must be in [0, 1): %w", g, ErrInvalidArgument)
 	}
 	cfg.RoundupPower2DivisionsBySize = slices.Clone(cfg.RoundupPower2DivisionsBySize)
 	if cfg.Name == "" {
@@ -252,7 +267,7 @@ func (p *Pool) device(dev int) (*deviceState, error) {
 			id:        dev,
 			streams:   make(map[Stream]*streamFree),
 			segments:  make(map[uint64]*segment),
-			wholeFree: make(map[*segment]struct{}),
+			wholeFree: make(map[*segment]uint64),
 			growing:   make(map[Stream]*segment),
 		}
 		d.stats.MaxSplitSize = maxSplitStat(p.cfg.MaxSplitSize)

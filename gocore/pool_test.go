@@ -1,6 +1,7 @@
 package gocore
 
 import (
+	"math"
 	"math/rand/v2"
 	"testing"
 
@@ -124,6 +125,44 @@ func TestRoundupPower2DivisionsBySize(t *testing.T) {
 	by[5] = 3
 	_, err = NewPool(Config{Backend: p.Backend(), RoundupPower2DivisionsBySize: by})
 	require.ErrorIs(t, err, ErrInvalidArgument)
+}
+
+func TestGarbageCollectionThreshold(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.5})
+	a := mustAlloc(t, p, 20*MiB, 0, 0)
+	b := mustAlloc(t, p, 20*MiB, 0, 0)
+	require.NoError(t, p.Free(a)) // cached since the 2nd large search
+	c := mustAlloc(t, p, 30*MiB, 0, 0)
+	require.NoError(t, p.Free(b)) // cached since the 3rd
+	require.NoError(t, p.Free(c))
+	assert.EqualValues(t, 70*MiB, stats(t, p).ReservedBytes[0].Current)
+	// A miss with 70 MiB reserved > 50 MiB: segments at least as old as the
+	// average (ages 2, 1, 1) go until 20 MiB are back: only a's.
+	d := mustAlloc(t, p, 40*MiB, 0, 0)
+	s := stats(t, p)
+	assert.EqualValues(t, 1, s.NumGCReleases)
+	assert.EqualValues(t, 90*MiB, s.ReservedBytes[0].Current)
+	assert.Zero(t, s.NumAllocRetries) // the limit was never hit
+	assert.Len(t, be.LiveSegmentsList(), 3)
+	_, err := p.Lookup(d)
+	require.NoError(t, err)
+	require.NoError(t, p.CheckInvariants())
+	// b and c are still cached: served without the backend.
+	before := stats(t, p).NumDeviceAlloc
+	mustAlloc(t, p, 30*MiB, 0, 0)
+	mustAlloc(t, p, 20*MiB, 0, 0)
+	assert.Equal(t, before, stats(t, p).NumDeviceAlloc)
+
+	// Without a limit there is nothing to collect against.
+	q, _ := newTestPool(t, SimConfig{}, Config{GarbageCollectionThreshold: 0.1})
+	require.NoError(t, q.Free(mustAlloc(t, q, 30*MiB, 0, 0)))
+	mustAlloc(t, q, 40*MiB, 0, 0)
+	assert.Zero(t, stats(t, q).NumGCReleases)
+
+	for _, bad := range []float64{-0.1, 1, 1.5, math.NaN()} {
+		_, err := NewPool(Config{Backend: be, GarbageCollectionThreshold: bad})
+		require.ErrorIs(t, err, ErrInvalidArgument, "threshold %v", bad)
+	}
 }
 
 func TestCacheHitReusesAddress(t *testing.T) {

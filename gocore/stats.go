@@ -48,6 +48,7 @@ type Stats struct {
 	NumCacheHits    int64 // allocations served without a Backend.Alloc
 	NumRecordStream int64 // RecordStream calls that added a stream use
 	NumExpansions   int64 // segments grown in place (Expander backends)
+	NumGCReleases   int64 // segments released by garbage collection
 	MaxSplitSize    int64 // the pool's option, -1 when unlimited
 }
 
@@ -67,6 +68,7 @@ func (s *Stats) Merge(o *Stats) {
 	mergeStat(&s.OversizeSegments, &o.OversizeSegments)
 	s.NumAllocRetries += o.NumAllocRetries
 	s.NumOOMs += o.NumOOMs
+	s.NumGCReleases += o.NumGCReleases
 	s.NumDeviceAlloc += o.NumDeviceAlloc
 	s.NumDeviceFree += o.NumDeviceFree
 	s.NumCacheHits += o.NumCacheHits
@@ -109,6 +111,7 @@ func (s *Stats) ToMap() map[string]int64 {
 	m["num_cache_hits"] = s.NumCacheHits
 	m["num_record_stream"] = s.NumRecordStream
 	m["num_expansions"] = s.NumExpansions
+	m["num_gc_releases"] = s.NumGCReleases
 	m["max_split_size"] = s.MaxSplitSize
 	// torch reports these; the engine never synchronizes all streams.
 	m["num_sync_all_streams"] = 0

@@ -211,7 +211,11 @@ class MemPool:
     between powers of two; N a power of two, 0 or 1 for off; or 16 such
     counts, one per size interval as in torch: sizes below 2 MiB, then
     [2^(20+i), 2^(21+i)) bytes, the last from 32 GiB; a list, or the dict
-    ``{"1": n1, ..., "16": n16}`` of a torch snapshot's allocator_settings).
+    ``{"1": n1, ..., "16": n16}`` of a torch snapshot's allocator_settings);
+    ``garbage_collection_threshold`` (torch's option, in [0, 1); with a
+    limit on a device, a cache miss while more than this fraction of the
+    limit is reserved first releases the cached large segments unused the
+    longest).
 
     Thread-safe. Use it as a context manager to close it on exit.
     """
@@ -228,6 +232,7 @@ class MemPool:
         max_split_size: Optional[int] = None,
         release_threshold: Optional[int] = None,
         roundup_power2_divisions: Union[int, Sequence[int], Mapping[str, int], None] = None,
+        garbage_collection_threshold: Optional[float] = None,
         **options: Any,
     ) -> None:
         self._id = 0
@@ -255,6 +260,7 @@ class MemPool:
             raise InvalidArgumentError(
                 f"unknown option(s) {', '.join(unknown)} for backend {backend!r}; "
                 f"valid: name, limit, max_split_size, release_threshold, roundup_power2_divisions, "
+                "garbage_collection_threshold, "
                 f"{', '.join(valid[backend])}"
             )
         cfg: dict[str, Any] = {"backend": backend}
@@ -267,6 +273,13 @@ class MemPool:
                 cfg[key] = _check_int(key, value, 0, _U64)
         if roundup_power2_divisions is not None:
             cfg.update(_roundup_option(roundup_power2_divisions))
+        if garbage_collection_threshold is not None:
+            gc = garbage_collection_threshold
+            if isinstance(gc, bool) or not isinstance(gc, (int, float)):
+                raise TypeError(f"garbage_collection_threshold must be a number, got {type(gc).__name__}")
+            if not 0 <= gc < 1:
+                raise InvalidArgumentError(f"garbage_collection_threshold must be in [0, 1), got {gc}")
+            cfg["garbage_collection_threshold"] = float(gc)
         if backend == "sim":
             if options:
                 sim: dict[str, Any] = {}

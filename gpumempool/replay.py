@@ -32,6 +32,8 @@ __all__ = ["POLICY_KEYS", "ReplayResult", "parse_policy", "parse_size", "replay"
 POLICY_KEYS: dict[str, str] = {
     "max_split_size": "blocks at least this large are never split (torch's max_split_size_mb, in bytes)",
     "release_threshold": "unused bytes kept cached per device (0: keep all)",
+    "garbage_collection_threshold": "fraction of the limit above which a cache miss first releases old cached "
+    "segments (torch's option; needs limit)",
     "roundup_power2_divisions": "round requests up to one of N steps between powers of two (torch's option; 0: off; "
     "or 16 counts, one per size interval)",
     "limit": "bytes the pool may reserve per device (0: no limit)",
@@ -40,6 +42,7 @@ POLICY_KEYS: dict[str, str] = {
     "capacity": "bytes of the simulated device (default: the trace's 'capacity' metadata, else 80 GiB)",
 }
 _BOOL_KEYS = {"expandable"}
+_FRACTION_KEYS = {"garbage_collection_threshold"}
 #: Device size when neither the policy nor the trace names one: an 80 GB H100.
 DEFAULT_CAPACITY = 80 << 30
 
@@ -94,7 +97,12 @@ def parse_policy(items: Any) -> dict[str, Any]:
                 raise ValueError(f"policy entries are key=value, got {part!r}")
             if key not in POLICY_KEYS:
                 raise ValueError(f"unknown policy key {key!r}; valid: {', '.join(POLICY_KEYS)}")
-            policy[key] = _parse_bool(value) if key in _BOOL_KEYS else parse_size(value)
+            if key in _BOOL_KEYS:
+                policy[key] = _parse_bool(value)
+            elif key in _FRACTION_KEYS:
+                policy[key] = float(value)
+            else:
+                policy[key] = parse_size(value)
     return policy
 
 
@@ -108,6 +116,9 @@ def _check_policy(policy: Optional[Mapping[str, Any]]) -> dict[str, Any]:
         if key in _BOOL_KEYS:
             if not isinstance(value, bool):
                 raise TypeError(f"policy {key} must be a bool, got {type(value).__name__}")
+        elif key in _FRACTION_KEYS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"policy {key} must be a number, got {value!r}")
         elif key == "roundup_power2_divisions" and isinstance(value, (list, tuple, dict)):
             value = list(value.values()) if isinstance(value, dict) else list(value)  # MemPool checks the counts
         elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -205,6 +216,7 @@ def replay(
         max_split_size=pol.get("max_split_size") or None,
         release_threshold=pol.get("release_threshold") or None,
         roundup_power2_divisions=pol.get("roundup_power2_divisions") or None,
+        garbage_collection_threshold=pol.get("garbage_collection_threshold") or None,
         **sim,
     )
     ptrs: dict[int, Optional[int]] = {}

@@ -805,10 +805,11 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
 def torch_allocator_policy(settings: Any) -> dict[str, Any]:
     """The replay policy (keys of :data:`gpumempool.replay.POLICY_KEYS`)
     equivalent to a torch snapshot's ``allocator_settings`` (torch >= 2.1):
-    max_split_size (torch writes -1 for unlimited), expandable_segments and
+    max_split_size (torch writes -1 for unlimited), expandable_segments,
+    garbage_collection_threshold (it acts only under a limit, which the
+    snapshot does not record: pass the memory fraction as ``limit``) and
     roundup_power2_divisions (per size interval, "1".."16"). Settings we do
-    not model (garbage_collection_threshold, ...) are left out; defaults
-    are not listed."""
+    not model are left out; defaults are not listed."""
     if not isinstance(settings, dict):
         return {}
     out: dict[str, Any] = {}
@@ -817,6 +818,9 @@ def torch_allocator_policy(settings: Any) -> dict[str, Any]:
         out["max_split_size"] = mss
     if settings.get("expandable_segments") is True:
         out["expandable"] = True
+    gc = settings.get("garbage_collection_threshold")
+    if type(gc) in (int, float) and 0 < gc < 1:
+        out["garbage_collection_threshold"] = float(gc)
     div = settings.get("roundup_power2_divisions")
     if isinstance(div, dict) and len(div) == 16:
         vals = [div.get(str(i), div.get(i)) for i in range(1, 17)]
@@ -844,8 +848,8 @@ def _describe_pool(tr: Trace, pool: Any) -> None:
     except Exception:  # a closed pool, or a stand-in without config()
         return
     tr.meta["pool"] = cfg.get("name")
-    pol = {k: cfg[k] for k in ("backend", "limit", "max_split_size", "release_threshold", "roundup_power2_divisions")
-           if cfg.get(k)}
+    pol = {k: cfg[k] for k in ("backend", "limit", "max_split_size", "release_threshold", "roundup_power2_divisions",
+                               "garbage_collection_threshold") if cfg.get(k)}
     if cfg.get("roundup_power2_divisions_by_size"):
         pol["roundup_power2_divisions"] = cfg["roundup_power2_divisions_by_size"]
     tr.meta["recorded_policy"] = pol

@@ -105,6 +105,26 @@ def test_limit_per_device() -> None:
             pool.free(k)
 
 
+def test_garbage_collection_threshold_releases_old_segments_before_the_limit() -> None:
+    with gmp.MemPool("sim", capacity=1 << 30, limit=100 * MiB, garbage_collection_threshold=0.5) as pool:
+        assert pool.config()["garbage_collection_threshold"] == 0.5
+        a, b = pool.alloc(20 * MiB), pool.alloc(20 * MiB)
+        pool.free(a)
+        c = pool.alloc(30 * MiB)
+        pool.free(b)
+        pool.free(c)
+        d = pool.alloc(40 * MiB)  # 70 MiB reserved > 50 MiB: the oldest segment (a's) goes first
+        s = pool.stats()
+        assert s["num_gc_releases"] == 1 and s["reserved_bytes.all.current"] == 90 * MiB
+        assert s["num_alloc_retries"] == 0 and s["num_ooms"] == 0
+        pool.free(d)
+    for bad in (1.0, -0.5):
+        with pytest.raises(ValueError, match=r"\[0, 1\)"):
+            gmp.MemPool("sim", garbage_collection_threshold=bad)
+    with pytest.raises(TypeError):
+        gmp.MemPool("sim", garbage_collection_threshold="0.5")
+
+
 def test_oom_releases_cache_then_retries() -> None:
     with gmp.MemPool("sim", capacity=64 * MiB) as pool:
         a, b = pool.alloc(15 * MiB), pool.alloc(15 * MiB)

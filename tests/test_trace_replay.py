@@ -304,7 +304,8 @@ def test_torch_allocator_settings_become_the_replay_policy() -> None:
                                       garbage_collection_threshold=0.6)
     tr = from_torch_snapshot(snap)
     assert tr.meta["recorded_policy"] == {"max_split_size": 64 * MiB, "expandable": True,
-                                          "roundup_power2_divisions": [4] + [0] * 15}
+                                          "roundup_power2_divisions": [4] + [0] * 15,
+                                          "garbage_collection_threshold": 0.6}
     res = replay(tr)
     assert res.policy == tr.meta["recorded_policy"]
     assert res.expansions > 0  # expandable segments, as torch had
@@ -314,7 +315,8 @@ def test_torch_allocator_settings_become_the_replay_policy() -> None:
     assert Trace.loads(tr.dumps()).meta["recorded_policy"] == tr.meta["recorded_policy"]
     # One count for every size comes back as one number.
     div = {str(i): 8 for i in range(1, 17)}
-    snap["allocator_settings"].update(roundup_power2_divisions=div, expandable_segments=False, max_split_size=-1)
+    snap["allocator_settings"].update(roundup_power2_divisions=div, expandable_segments=False, max_split_size=-1,
+                                      garbage_collection_threshold=0.0)
     assert from_torch_snapshot(snap).meta["recorded_policy"] == {"roundup_power2_divisions": 8}
 
 
@@ -524,6 +526,19 @@ def test_replay_with_roundup_power2_divisions() -> None:
     rnd = replay(Trace.loads(text), {"roundup_power2_divisions": 4})
     assert rnd.peak_allocated == 1280 * MiB and rnd.device_allocs == 1
     assert parse_policy(["roundup_power2_divisions=4"]) == {"roundup_power2_divisions": 4}
+
+
+def test_replay_with_garbage_collection_threshold() -> None:
+    # Segments of 20, 20, 30 MiB cached, then a 40 MiB miss under a 100 MiB limit.
+    text = ("gmptrace 1\na 1 20971520 0\na 2 20971520 0\nf 1\na 3 31457280 0\nf 2\nf 3\n"
+            "a 4 41943040 0\nf 4\n")
+    plain = replay(Trace.loads(text), {"limit": 100 * MiB})
+    assert plain.stats["num_alloc_retries"] == 1 and plain.stats["num_gc_releases"] == 0  # hit the limit
+    gc = replay(Trace.loads(text), parse_policy(["limit=100MiB,garbage_collection_threshold=0.5"]))
+    assert gc.stats["num_gc_releases"] == 1 and gc.stats["num_alloc_retries"] == 0
+    assert gc.peak_reserved == 90 * MiB and gc.policy["garbage_collection_threshold"] == 0.5
+    with pytest.raises(TypeError):
+        replay(Trace.loads(text), {"garbage_collection_threshold": "high"})
 
 
 def test_shipped_synthetic_trace_replays_exactly() -> None:

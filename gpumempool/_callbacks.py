@@ -29,7 +29,9 @@ ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctyp
 #: ctypes prototype of a free function.
 FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
 
-AllocatorFunction = Union[int, "ctypes._CFuncPtr", Callable[..., Any]]
+#: What MemPool(alloc=..., free=...) takes: an address, a ctypes function
+#: (ctypes' function pointer base class is private, hence Any), or a callable.
+AllocatorFunction = Union[int, Callable[..., Any], Any]
 
 
 class CallbackErrors:

@@ -69,9 +69,9 @@ def timeline(snapshot: Union[PathLike, dict[str, Any]],
     to ``free_completed``."""
     snap = _load(snapshot)
     traces = snap.get("device_traces", [])
-    entries = list(heapq.merge(*[[(e.get("time_us", 0) if isinstance(e, dict) else 0, d, i, e)
-                                  for i, e in enumerate(t)] for d, t in enumerate(traces)], key=lambda x: x[0]))
-    entries = [(t, d, e) for t, d, _, e in entries if isinstance(e, dict)]
+    merged = list(heapq.merge(*[[(e.get("time_us", 0) if isinstance(e, dict) else 0, d, i, e)
+                                 for i, e in enumerate(t)] for d, t in enumerate(traces)], key=lambda x: x[0]))
+    entries = [(t, d, e) for t, d, _, e in merged if isinstance(e, dict)]
     sizes: dict[tuple[int, int], int] = {}
     d_alloc = d_res = 0
     steps: list[tuple[int, int]] = []

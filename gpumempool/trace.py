@@ -191,12 +191,12 @@ def _stream_text(s: int) -> str:
 def _event_line(e: Event) -> str:
     t = type(e)
     if t is Alloc:
-        line = f"a {e.id} {e.size} {_stream_text(e.stream)}"  # type: ignore[union-attr]
+        line = f"a {e.id} {e.size} {_stream_text(e.stream)}"  # type: ignore[union-attr,arg-type]
         return line if not e.device else f"{line} {e.device}"  # type: ignore[union-attr]
     if t is Free:
         return f"f {e.id}"  # type: ignore[union-attr]
     if t is RecordStream:
-        return f"r {e.id} {_stream_text(e.stream)}"  # type: ignore[union-attr]
+        return f"r {e.id} {_stream_text(e.stream)}"  # type: ignore[union-attr,arg-type]
     if t is Sync:
         return "s" if e.stream is None else f"s {_stream_text(e.stream)}"  # type: ignore[union-attr]
     if t is EmptyCache:
@@ -606,8 +606,8 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
         imm = [False] * len(tr)
         for i, e in enumerate(tr):
             if e["action"] == "free_requested" and i + 1 < len(tr):
-                n = tr[i + 1]
-                imm[i] = n["action"] == "free_completed" and n.get("addr") == e.get("addr")
+                nxt = tr[i + 1]
+                imm[i] = nxt["action"] == "free_completed" and nxt.get("addr") == e.get("addr")
         immediate.append(imm)
 
     # One list in time order (each device's own order kept).
@@ -814,17 +814,18 @@ def torch_allocator_policy(settings: Any) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {}
     mss = settings.get("max_split_size")
-    if type(mss) is int and 0 < mss < (1 << 62):
+    if isinstance(mss, int) and not isinstance(mss, bool) and 0 < mss < (1 << 62):
         out["max_split_size"] = mss
     if settings.get("expandable_segments") is True:
         out["expandable"] = True
     gc = settings.get("garbage_collection_threshold")
-    if type(gc) in (int, float) and 0 < gc < 1:
+    if isinstance(gc, (int, float)) and not isinstance(gc, bool) and 0 < gc < 1:
         out["garbage_collection_threshold"] = float(gc)
     div = settings.get("roundup_power2_divisions")
     if isinstance(div, dict) and len(div) == 16:
-        vals = [div.get(str(i), div.get(i)) for i in range(1, 17)]
-        if all(type(v) is int and v >= 0 for v in vals) and any(v > 1 for v in vals):
+        raw = [div.get(str(i), div.get(i)) for i in range(1, 17)]
+        vals = [v for v in raw if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+        if len(vals) == 16 and any(v > 1 for v in vals):
             out["roundup_power2_divisions"] = vals[0] if len(set(vals)) == 1 else vals
     return out
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 __all__ = ["bindings", "library_path"]
 
@@ -41,7 +42,7 @@ def _not_built_message() -> str:
     )
 
 
-def _load():
+def _load() -> Any:
     has_flags = hasattr(sys, "getdlopenflags")  # POSIX only
     old_flags = sys.getdlopenflags() if has_flags else None
     try:

@@ -65,7 +65,7 @@ def _load() -> Any:
             path=exc.path,
         ) from exc
     finally:
-        if has_flags:
+        if old_flags is not None:
             sys.setdlopenflags(old_flags)
         # gopy's bindings.py chdirs into its own directory while it imports
         # the extension and does not change back if that fails.

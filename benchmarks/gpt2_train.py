@@ -95,6 +95,22 @@ def train_step(model: Any, opt: Any, x: Any, dev: Any) -> tuple[float, float]:
     return loss, time.perf_counter() - t0
 
 
+def warm_up_blas(dev: Any) -> None:
+    """Matrix products forward and backward, outside any pool: torch keeps a
+    cuBLAS/cuBLASLt workspace per (thread's handle, stream) for the life of
+    the process, allocated through its allocator on first use. Made inside
+    gmp.mempool it would pin a block of the pool and gmp.torch.release would
+    refuse (PoolInUseError)."""
+    import torch
+
+    lin = torch.nn.Linear(64, 64).to(dev)
+    x = torch.randn(16, 64, device=dev, requires_grad=True)
+    y = lin(x)  # addmm with a bias (cuBLASLt)
+    z = torch.bmm(y.view(2, 8, 64), y.view(2, 8, 64).transpose(1, 2))  # cuBLAS
+    (z.sum() + y.square().sum()).backward()  # mm on autograd's device thread
+    torch.cuda.synchronize(dev)
+
+
 def worker_train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -126,6 +142,7 @@ def worker_train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     losses: list[float] = []
     times: list[float] = []
     outside_peak = 0
+    warm_up_blas(dev)  # every mode, so that they stay comparable
     with context():
         torch.manual_seed(args.seed)
         model = build_model(args).to(dev)
@@ -168,7 +185,7 @@ def worker_train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         model = build_model(args).to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
         for step in range(5):
-            x = data[step].to(dev)
+            x = data[step % args.steps].to(dev)
             out = model(input_ids=x, labels=x)
             out.loss.backward()
             opt.step()
@@ -260,7 +277,11 @@ def run_worker(mode: str, args: argparse.Namespace) -> Optional[dict[str, Any]]:
         env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONHASHSEED": str(args.seed)}
         say(f"== {mode}")
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL)
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            say(f"== {mode} FAILED (timed out after {args.timeout} s)")
+            return None
         if proc.returncode != 0 or not out.exists():
             say(f"== {mode} FAILED (exit {proc.returncode})")
             return None
@@ -362,6 +383,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--loop-ops", type=int, default=20000)
     ap.add_argument("--loop-backend", default="cuda")
+    ap.add_argument("--timeout", type=int, default=240, help="seconds per worker process (default 240)")
     ap.add_argument("--modes", default=",".join(TRAIN_MODES + LOOP_MODES))
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)

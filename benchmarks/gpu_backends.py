@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -78,6 +79,18 @@ def mixed_workload(name: str, spec: dict, steps: int = 20000, seed: int = 0) -> 
     }
 
 
+def load_nccl() -> None:
+    """The nccl backend uses a libnccl already loaded in the process, else
+    $GMP_LIBNCCL, else the loader's search path; NCCL usually comes with
+    torch (a pip package outside that path), and importing torch loads it."""
+    if os.environ.get("GMP_LIBNCCL"):
+        return
+    try:
+        import torch  # noqa: F401
+    except Exception:  # noqa: BLE001 - the nccl backend then reports what it finds
+        pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -87,17 +100,26 @@ def main() -> None:
     if not devices:
         raise SystemExit(f"no GPU: {gmp.device_info()['reason']}")
     device = devices[0]["name"]
+    names = args.backends.split(",")
+    if "nccl" in names:
+        load_nccl()
     result = {"date": datetime.date.today().isoformat(), "device": device, "backends": {}}
-    for name in args.backends.split(","):
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
         spec = BACKENDS[name]
         print(f"{name} ...", file=sys.stderr, flush=True)
         try:
             result["backends"][name] = {"latency": bench_backend(name, spec), "mixed": mixed_workload(name, spec)}
-        except gmp.GpuMemPoolError as exc:
+        except (gmp.GpuMemPoolError, RuntimeError) as exc:  # BenchBackend raises plain RuntimeErrors
             result["backends"][name] = {"error": str(exc)}
             print(f"  {name}: {exc}", file=sys.stderr)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+        write(result, out)  # after every backend: a run cut short keeps what it measured
+    print((out / "gpu_backends.md").read_text())
+
+
+def write(result: dict, out: Path) -> None:
+    device = result["device"]
     (out / "gpu_backends.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# GPU backends ({result['date']}, {device})", "",
              "Raw backend alloc+free vs the engine's cached re-supply of the same size (ns per pair).", "",
@@ -116,7 +138,6 @@ def main() -> None:
             lines.append(f"| {name} | {m['peak_requested'] / MiB:,.1f} MiB | {m['peak_reserved'] / MiB:,.1f} MiB | "
                          f"{m['reserved_over_requested']:.3f} | {m['backend_calls']:,} |")
     (out / "gpu_backends.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

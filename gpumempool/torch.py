@@ -694,6 +694,23 @@ def _segments_of(torch: Any, pool_ids: set[tuple[int, ...]]) -> list[dict[str, A
     return [s for s in segs if tuple(s.get("segment_pool_id", ()) or ()) in pool_ids]
 
 
+def _scan_lanes(torch: Any, caps: "TorchCapabilities", lanes: list["_Lane"]) -> tuple[
+        list[tuple["_Lane", list[dict[str, Any]]]], int, int]:
+    """Each lane's torch segments, and the blocks and bytes still allocated
+    in them."""
+    live_blocks = live_bytes = 0
+    per_lane: list[tuple[_Lane, list[dict[str, Any]]]] = []
+    for ln in lanes:
+        segs = _segments(torch, caps, ln.torch_pool)
+        per_lane.append((ln, segs))
+        for s in segs:
+            used = int(s.get("allocated_size", 0) or 0)
+            if used:
+                live_bytes += used
+                live_blocks += sum(1 for b in s.get("blocks", []) if str(b.get("state", "")).startswith("active_allocated")) or 1
+    return per_lane, live_blocks, live_bytes
+
+
 def release(pool: MemPool, device: Any = None, *, to_backend: bool = False, tag: Any = _ALL) -> int:
     """Empty torch's cache of the torch pools made over ``pool`` (every
     device, or ``device``) and give their segments back to the pool; return
@@ -703,6 +720,10 @@ def release(pool: MemPool, device: Any = None, *, to_backend: bool = False, tag:
 
     Raises :class:`PoolInUseError`, touching nothing, while a thread is
     inside ``mempool(pool)`` or tensors allocated from the pool are alive.
+    Torch's cuBLAS workspaces (made by the first matmul of a thread and
+    stream, and kept) are not counted as alive: when blocks remain, this
+    clears them (``torch._C._cuda_clearCublasWorkspaces``; torch makes new
+    ones on the next matmul) before deciding.
     NCCL registrations stay: they apply to the next torch pool too. When
     torch's MemPool destructor did not free the segments (older versions),
     this calls ``torch.cuda.empty_cache()``, which also empties torch's own
@@ -727,16 +748,15 @@ def release(pool: MemPool, device: Any = None, *, to_backend: bool = False, tag:
             names = {t.ident: t.name for t in threading.enumerate()}
             where = ", ".join(f"cuda:{ln.device} in thread {names.get(ln.holder, ln.holder)!r}" for ln in busy)
             raise PoolInUseError(f"cannot release pool {pool.name!r}: still inside gmp.mempool(...) ({where})")
-        live_blocks = live_bytes = 0
-        per_lane: list[tuple[_Lane, list[dict[str, Any]]]] = []
-        for ln in lanes:
-            segs = _segments(torch, caps, ln.torch_pool)
-            per_lane.append((ln, segs))
-            for s in segs:
-                used = int(s.get("allocated_size", 0) or 0)
-                if used:
-                    live_bytes += used
-                    live_blocks += sum(1 for b in s.get("blocks", []) if str(b.get("state", "")).startswith("active_allocated")) or 1
+        per_lane, live_blocks, live_bytes = _scan_lanes(torch, caps, lanes)
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if live_bytes and clear is not None:
+            # torch keeps a cuBLAS workspace per (handle, stream) from the first
+            # matmul on, allocated wherever that matmul ran: one made inside
+            # mempool(pool) would pin the pool forever. Workspaces are
+            # re-made on the next matmul.
+            clear()
+            per_lane, live_blocks, live_bytes = _scan_lanes(torch, caps, lanes)
         if live_bytes:
             devs = sorted({ln.device for ln in lanes})
             raise PoolInUseError(

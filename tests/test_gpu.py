@@ -73,7 +73,8 @@ def test_cross_stream_reuse_waits_for_the_other_stream(backend: str) -> None:
     with make_pool(backend) as pool:
         ptr = pool.alloc(4096, stream=home.ptr)
         pool.record_stream(ptr, other.ptr)
-        clock_hz = cp.cuda.runtime.getDeviceProperties(0)["clockRate"] * 1000
+        # kHz; cudaDeviceProp.clockRate is gone in CUDA 13, the attribute stays
+        clock_hz = cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrClockRate, 0) * 1000
         with other:  # about half a second of spinning, then a write
             kernel((1,), (32,), (cp.uint64(ptr), cp.int64(clock_hz // 2), cp.uint8(7)))
         pool.free(ptr)

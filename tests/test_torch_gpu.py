@@ -45,12 +45,34 @@ def nccl_ok() -> bool:
         return False
 
 
+_blas_warm = False
+
+
+def warm_up_blas() -> None:
+    """Run matrix products (forward and backward) outside any pool, once.
+    torch keeps a cuBLAS/cuBLASLt workspace per (thread's handle, stream) for
+    the life of the process, allocated through its allocator on first use:
+    made inside gmp.mempool it would pin a block of that pool, so release()
+    would refuse and close() would free memory torch still uses."""
+    global _blas_warm
+    if _blas_warm:
+        return
+    lin = torch.nn.Linear(64, 64, device="cuda")
+    x = torch.randn(16, 64, device="cuda", requires_grad=True)
+    y = lin(x)  # addmm with a bias (cuBLASLt)
+    z = torch.bmm(y.view(2, 8, 64), y.view(2, 8, 64).transpose(1, 2))  # cuBLAS
+    (z.sum() + y.square().sum()).backward()  # mm on autograd's device thread
+    torch.cuda.synchronize()
+    _blas_warm = True
+
+
 @contextlib.contextmanager
 def make_pool(backend: str = "cuda", **kw: Any) -> Iterator[gmp.MemPool]:
     if backend not in gmp.backends():
         pytest.skip(f"this build has no {backend!r} backend")
     if backend == "nccl" and not nccl_ok():
         pytest.skip("no NCCL >= 2.19 in this process")
+    warm_up_blas()
     pool = gmp.MemPool(backend, **kw)
     try:
         yield pool
@@ -371,8 +393,9 @@ dist.barrier()
 gmp.torch.deregister(pool)
 del t, big
 torch.cuda.synchronize()
-res["released"] = gmp.torch.release(pool)
+# first: the process group's work objects (watchdog) may still hold t and big
 dist.destroy_process_group()
+res["released"] = gmp.torch.release(pool)
 print(json.dumps(res))
 """
 

@@ -843,6 +843,26 @@ def test_release(monkeypatch, sim, variant):
     assert sim.stats()["reserved_bytes.all.current"] == 0
 
 
+def test_release_clears_cublas_workspaces_made_inside(monkeypatch, sim):
+    torch = install(monkeypatch)
+    workspaces: list[Any] = []  # what torch's cuBLAS handle pool keeps
+
+    def clear() -> None:
+        workspaces.clear()
+
+    with gmp.mempool(sim):
+        workspaces.append(torch.empty(4 * MiB))  # the first matmul's workspace, made inside
+        x = torch.empty(1000)
+    with pytest.raises(gtorch.PoolInUseError, match=r"2 tensor block"):
+        gtorch.release(sim)  # this torch cannot clear them: both count
+    torch._C._cuda_clearCublasWorkspaces = clear
+    with pytest.raises(gtorch.PoolInUseError, match=r"1 tensor block"):
+        gtorch.release(sim)  # the workspace went, the user's tensor still counts
+    assert workspaces == []
+    del x
+    assert gtorch.release(sim) == 22 * MiB and allocated(sim) == 0
+
+
 def test_release_while_inside_is_refused(monkeypatch, sim):
     install(monkeypatch)
     entered, leave = threading.Event(), threading.Event()

@@ -27,6 +27,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         "backends": gmp.backends(),
         "devices": info["devices"],
         "reason": info["reason"],
+        "torch": _torch_info(),
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -42,7 +43,56 @@ def _cmd_info(args: argparse.Namespace) -> int:
             f"  [{d['index']}] {d['name']}  {d['uuid']}  {d['total_bytes'] / gib:.1f} GiB total, "
             f"{d['free_bytes'] / gib:.1f} GiB free, NUMA {d['numa_node']}, cc {d['compute_capability']}"
         )
+    t = out["torch"]
+    if t is None:
+        print("torch:    not installed (gmp.mempool / set_torch_allocator need it)")
+    elif "error" in t:
+        print(f"torch:    does not import: {t['error']}")
+    else:
+        cuda = f"CUDA {t['cuda']}" if t["cuda"] else "no CUDA build"
+        print(f"torch:    {t['version']} ({cuda}, GPU {'visible' if t['cuda_available'] else 'not visible'})")
+        print(f"  mempool: {t['mempool']}")
+        print(f"  full replacement: {'yes' if t['pluggable'] else 'no'}; NCCL registration: {t['nccl_registration']}")
     return 0
+
+
+def _torch_info() -> Any:
+    """What gpumempool.torch will do with the installed torch, or None when
+    torch is not installed. Imports torch (slow) only when it is there."""
+    import importlib.util
+
+    if "torch" not in sys.modules and importlib.util.find_spec("torch") is None:
+        return None
+    try:
+        import torch
+
+        from . import torch as gtorch
+
+        caps = gtorch.capabilities(torch)
+    except Exception as exc:  # noqa: BLE001 - a broken torch install is reported, not raised
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    if not caps.mem_pool:
+        mempool = "unsupported (torch < 2.5 has no torch.cuda.MemPool)"
+    else:
+        enter = "use_mem_pool" if caps.use_mem_pool else f"torch._C.{caps.begin_fn}"
+        routing = "this thread only" if caps.thread_local_routing else "every thread while inside (torch 2.5-2.7)"
+        mempool = f"torch.cuda.MemPool entered with {enter}; routing: {routing}"
+    dist = getattr(torch, "distributed", None)
+    pg = getattr(getattr(dist, "distributed_c10d", None), "ProcessGroupNCCL", None) if dist is not None else None
+    if pg is not None and hasattr(pg, "register_mem_pool"):
+        nccl = "register_mem_pool" + (" (new segments too)" if caps.nccl_registers_new_segments else
+                                      " (re-registered on mempool exit)")
+    else:
+        nccl = "ncclCommRegister per segment"
+    return {
+        "version": caps.version,
+        "cuda": getattr(getattr(torch, "version", None), "cuda", None),
+        "cuda_available": bool(torch.cuda.is_available()),
+        "mempool": mempool,
+        "pluggable": caps.pluggable,
+        "nccl_registration": nccl,
+        "capabilities": {k: v for k, v in vars(caps).items()},
+    }
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -25,6 +25,24 @@ def test_info_without_a_driver_exits_zero() -> None:
         assert "NVML" in out["reason"] and "devices:  none" in r.stdout
 
 
+def test_info_reports_what_the_torch_integration_will_do(monkeypatch) -> None:
+    from gpumempool import __main__ as cli
+    from test_torch_logic import make_torch
+
+    if "torch" not in sys.modules:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            out = json.loads(run_cli("info", "--json").stdout)
+            assert out["torch"] is None
+            assert "torch:    not installed" in run_cli("info").stdout
+    for variant, routing in (("2.11", "this thread only"), ("2.5", "every thread while inside")):
+        monkeypatch.setitem(sys.modules, "torch", make_torch(variant))
+        t = cli._torch_info()
+        assert t["version"] == f"{variant}.0+fake" and routing in t["mempool"]
+        assert t["pluggable"] is True and t["capabilities"]["mem_pool"] is True
+
+
 def test_demo_prints_a_summary() -> None:
     r = run_cli("demo", "--steps", "20", "--layers", "6")
     assert r.returncode == 0, r.stderr

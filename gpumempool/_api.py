@@ -20,7 +20,7 @@ from ._errors import (
 from ._pool import CloseReport, LiveBlock, MemPool
 from . import cupy as cupy  # noqa: F401  (gmp.cupy: CuPy from a pool; imports CuPy lazily)
 from .scope import cache_scope, invalidate
-from .torch import mempool, set_torch_allocator, torch_memory_stats  # imports torch lazily
+from .torch import mempool, set_torch_allocator, torch_memory_stats, torch_memory_summary  # imports torch lazily
 from ._snapshot import dump_snapshot, record_history, snapshot
 from .ipc import ImportedMemory, IpcHandle, import_pool
 from .replay import ReplayResult, replay
@@ -57,6 +57,7 @@ __all__ = [
     "set_torch_allocator",
     "snapshot",
     "torch_memory_stats",
+    "torch_memory_summary",
     "ReplayResult",
     "Trace",
     "TraceRecorder",

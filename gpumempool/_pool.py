@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, TypeVar, Union
 
 from . import _native
-from . import _snapshot
+from . import _snapshot, _summary
 from ._callbacks import AllocatorFunction, CallbackErrors, function_address
 from ._errors import BackendError, InvalidArgumentError, LeakWarning, PoolClosedError, translate
 
@@ -434,6 +434,14 @@ class MemPool:
         device or summed over all (peaks are then summed per-device peaks)."""
         dev = -1 if device is None else _device_index(device)
         return json.loads(self._native(_b.PoolStats, self._handle(), dev))
+
+    def memory_summary(self, device: Optional[Any] = None, abbreviated: bool = False) -> str:
+        """:meth:`stats` as a table laid out like ``torch.cuda.memory_summary()``
+        (current, peak, total allocated and freed of each metric, per pool
+        part unless ``abbreviated``), plus the engine's counters."""
+        dev = None if device is None else _device_index(device)
+        title = _summary.pool_title(self.config(), dev)
+        return _summary.memory_summary(self.stats(dev), title=title, abbreviated=abbreviated)
 
     def config(self) -> dict[str, Any]:
         """The pool's name, backend and options."""

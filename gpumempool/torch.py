@@ -150,6 +150,7 @@ __all__ = [
     "set_torch_allocator",
     "torch_allocator_pool",
     "torch_memory_stats",
+    "torch_memory_summary",
     "torch_pools",
 ]
 
@@ -1143,6 +1144,16 @@ def torch_memory_stats(device: Any = None) -> dict[str, int]:
             "no pool is torch's allocator (gmp.set_torch_allocator was not called); use torch.cuda.memory_stats()"
         )
     return _installed.pool.stats(device)
+
+
+def torch_memory_summary(device: Any = None, abbreviated: bool = False) -> str:
+    """``torch.cuda.memory_summary()`` for the pool installed with
+    :func:`set_torch_allocator` (torch's own stops working in that mode)."""
+    if _installed is None:
+        raise TorchIntegrationError(
+            "no pool is torch's allocator (gmp.set_torch_allocator was not called); use torch.cuda.memory_summary()"
+        )
+    return _installed.pool.memory_summary(device, abbreviated=abbreviated)
 
 
 def _reset_for_tests() -> None:

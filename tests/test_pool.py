@@ -125,6 +125,27 @@ def test_garbage_collection_threshold_releases_old_segments_before_the_limit() -
         gmp.MemPool("sim", garbage_collection_threshold="0.5")
 
 
+def test_memory_summary_reads_like_torchs() -> None:
+    with gmp.MemPool("sim", name="acts", devices=2, capacity=1 << 30) as pool:
+        keep = [pool.alloc(1000), pool.alloc(5 * MiB), pool.alloc(3000, device=1)]
+        pool.free(pool.alloc(100))
+        text = pool.memory_summary()
+        lines = text.splitlines()
+        assert len({len(line) for line in lines}) == 1  # a closed box
+        assert "gpumempool acts (sim), all devices" in lines[1]
+        row = next(line for line in lines if line.startswith("| Allocated memory"))
+        cells = [c.strip() for c in row.split("|")[2:6]]
+        assert cells == ["5.00 MiB", "5.00 MiB", "5.00 MiB", "512 B"]  # 1 KiB + 5 MiB + 3 KiB; freed: the 100-byte block
+        assert any(line.startswith("|       from large pool") for line in lines)
+        assert "cache hits 1, backend allocs 3," in text  # the 100 bytes came from the small segment
+        one = pool.memory_summary(device=1, abbreviated=True)
+        assert "device 1" in one and "from large pool" not in one
+        alloc_row = next(line for line in one.splitlines() if line.startswith("| Allocations"))
+        assert [c.strip() for c in alloc_row.split("|")[2:6]] == ["1", "1", "1", "0"]
+        for k in keep:
+            pool.free(k)
+
+
 def test_oom_releases_cache_then_retries() -> None:
     with gmp.MemPool("sim", capacity=64 * MiB) as pool:
         a, b = pool.alloc(15 * MiB), pool.alloc(15 * MiB)

@@ -917,6 +917,8 @@ def test_set_torch_allocator(monkeypatch, sim):
     torch = install(monkeypatch)
     with pytest.raises(gtorch.TorchIntegrationError, match="set_torch_allocator was not called"):
         gmp.torch_memory_stats()
+    with pytest.raises(gtorch.TorchIntegrationError, match="torch.cuda.memory_summary"):
+        gmp.torch_memory_summary()
     hooks = gmp.set_torch_allocator(sim)
     assert set(hooks) == {"reset", "init", "memory_fraction", "record_stream"}
     assert gmp.set_torch_allocator(sim) == hooks  # again: nothing to do
@@ -925,6 +927,7 @@ def test_set_torch_allocator(monkeypatch, sim):
     assert x.kind == "pluggable" and allocated(sim) == 1024
     assert gtorch.hook_errors() == []  # init hook at torch's lazy init: 2 devices, as the pool
     assert gmp.torch_memory_stats() == sim.stats()
+    assert gmp.torch_memory_summary() == sim.memory_summary()
     assert gmp.torch_memory_stats(0)["allocated_bytes.all.current"] == 1024
     x.record_stream(torch.cuda.Stream(0x77))
     assert sim.stats()["num_record_stream"] == 1

@@ -1,0 +1,76 @@
+"""A text report of a pool's statistics, laid out like
+``torch.cuda.memory_summary()`` (which stops working once torch's allocator
+is replaced): one row per metric, its large- and small-pool parts below it,
+and columns for the current value, the peak, and the totals allocated and
+freed."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+__all__ = ["memory_summary"]
+
+#: (title, stat key prefix, is a byte count)
+_METRICS = (
+    ("Allocated memory", "allocated_bytes", True),
+    ("Active memory", "active_bytes", True),
+    ("Requested memory", "requested_bytes", True),
+    ("Reserved memory", "reserved_bytes", True),
+    ("Non-releasable memory", "inactive_split_bytes", True),
+    ("Allocations", "allocation", False),
+    ("Active allocs", "active", False),
+    ("Reserved segments", "segment", False),
+    ("Non-releasable allocs", "inactive_split", False),
+)
+_COLUMNS = ("current", "peak", "allocated", "freed")
+_WIDTH = 80  # the metric rows: "| " + 25 + 4 columns of " | " + 10 + " |"
+
+
+def _fmt_bytes(n: int) -> str:
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024 or unit == "PiB":
+            break
+        value /= 1024
+    return f"{int(value)} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+
+
+def _fmt_count(n: int) -> str:
+    return f"{n:,}"
+
+
+def memory_summary(stats: Mapping[str, int], *, title: str, abbreviated: bool = False) -> str:
+    """The report for ``stats`` (``MemPool.stats()`` keys, which are torch's)."""
+    line, thick = "|" + "-" * (_WIDTH - 2) + "|", "|" + "=" * (_WIDTH - 2) + "|"
+    rows = [thick, f"|{title:^{_WIDTH - 2}}|", line]
+    rows.append(f"| {'Metric':<25}| {'Cur Usage':>10} | {'Peak Usage':>10} | {'Tot Alloc':>10} | {'Tot Freed':>10} |")
+    rows.append(thick)
+    parts = ("all",) if abbreviated else ("all", "large_pool", "small_pool")
+    for name, key, is_bytes in _METRICS:
+        fmt: Callable[[int], str] = _fmt_bytes if is_bytes else _fmt_count
+        for part in parts:
+            label = name if part == "all" else f"      from {part.replace('_', ' ')}"
+            vals = [fmt(int(stats.get(f"{key}.{part}.{col}", 0))) for col in _COLUMNS]
+            rows.append(f"| {label:<25}| {vals[0]:>10} | {vals[1]:>10} | {vals[2]:>10} | {vals[3]:>10} |")
+        rows.append(line)
+    for name, key in (("Oversize allocations", "oversize_allocations"), ("Oversize segments", "oversize_segments")):
+        vals = [_fmt_count(int(stats.get(f"{key}.{col}", 0))) for col in _COLUMNS]
+        rows.append(f"| {name:<25}| {vals[0]:>10} | {vals[1]:>10} | {vals[2]:>10} | {vals[3]:>10} |")
+    rows.append(line)
+    counters = (
+        ("cache hits", "num_cache_hits"), ("backend allocs", "num_device_alloc"),
+        ("backend frees", "num_device_free"), ("alloc retries", "num_alloc_retries"), ("OOMs", "num_ooms"),
+        ("GC releases", "num_gc_releases"), ("expansions", "num_expansions"),
+    )
+    text = ", ".join(f"{label} {int(stats.get(key, 0)):,}" for label, key in counters)
+    while text:
+        cut = text if len(text) <= _WIDTH - 4 else text[: text.rfind(", ", 0, _WIDTH - 4) + 1]
+        rows.append(f"| {cut.strip():<{_WIDTH - 4}} |")
+        text = text[len(cut):]
+    rows.append(thick)
+    return "\n".join(rows) + "\n"
+
+
+def pool_title(config: Mapping[str, Any], device: Optional[int]) -> str:
+    where = "all devices" if device is None else f"device {device}"
+    return f"gpumempool {config.get('name')!s} ({config.get('backend')!s}), {where}"

@@ -56,6 +56,7 @@ type poolOptions struct {
 	RoundupDivisions uint64      `json:"roundup_power2_divisions"`
 	RoundupBySize    []uint64    `json:"roundup_power2_divisions_by_size"`
 	GCThreshold      float64     `json:"garbage_collection_threshold"`
+	MaxNonSplitRound uint64      `json:"max_non_split_rounding_size"`
 	ReleaseThreshold uint64      `json:"release_threshold"`
 	Sim              *simOptions `json:"sim"`
 	AllocFn          uint64      `json:"alloc_fn"`
@@ -141,7 +142,7 @@ func NewPool(optionsJSON string) (id int64, err error) {
 	p, err := gocore.NewPool(gocore.Config{Name: o.Name, Backend: be, Limit: o.Limit,
 		MaxSplitSize: o.MaxSplitSize, ReleaseThreshold: o.ReleaseThreshold,
 		RoundupPower2Divisions: o.RoundupDivisions, RoundupPower2DivisionsBySize: o.RoundupBySize,
-		GarbageCollectionThreshold: o.GCThreshold})
+		GarbageCollectionThreshold: o.GCThreshold, MaxNonSplitRoundingSize: o.MaxNonSplitRound})
 	if err != nil {
 		return 0, err
 	}
@@ -284,6 +285,7 @@ func PoolConfig(id int64) (js string, err error) {
 		"max_split_size": c.MaxSplitSize, "release_threshold": c.ReleaseThreshold,
 		"roundup_power2_divisions": c.RoundupPower2Divisions, "roundup_power2_divisions_by_size": c.RoundupPower2DivisionsBySize,
 		"garbage_collection_threshold": c.GarbageCollectionThreshold,
+		"max_non_split_rounding_size":  c.MaxNonSplitRoundingSize,
 		"devices":                      c.Backend.Devices(), "alignment": c.Backend.Alignment(), "slot": e.Slot()})
 }
 

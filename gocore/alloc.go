@@ -35,7 +35,7 @@ func (p *Pool) Alloc(size uint64, dev int, stream Stream) (uint64, error) {
 		b = f.small.bestFit(rounded)
 	} else {
 		d.largeLookups++
-		b = f.bestFitLarge(rounded, p.cfg.MaxSplitSize)
+		b = f.bestFitLarge(rounded, p.cfg.MaxSplitSize, p.cfg.MaxNonSplitRoundingSize)
 	}
 	if b != nil {
 		d.removeFree(f, b)

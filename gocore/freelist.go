@@ -143,8 +143,8 @@ func (f *streamFree) remove(b *block) {
 // bestFitLarge applies torch's max_split_size rules: a request below
 // maxSplit never takes an oversize block (one that will not be split), and an
 // oversize request takes an oversize block only if it wastes less than
-// LargeBuffer.
-func (f *streamFree) bestFitLarge(size, maxSplit uint64) *block {
+// maxNonSplitRounding.
+func (f *streamFree) bestFitLarge(size, maxSplit, maxNonSplitRounding uint64) *block {
 	f.pivot.size, f.pivot.addr = size, 0
 	var found *block
 	f.large.AscendGreaterOrEqual(&f.pivot, func(b *block) bool {
@@ -157,7 +157,7 @@ func (f *streamFree) bestFitLarge(size, maxSplit uint64) *block {
 	if size < maxSplit && found.size >= maxSplit {
 		return nil
 	}
-	if size >= maxSplit && found.size >= size+LargeBuffer {
+	if size >= maxSplit && found.size >= size+maxNonSplitRounding {
 		return nil
 	}
 	return found

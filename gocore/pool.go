@@ -23,6 +23,11 @@ type Config struct {
 	// requests below it never take them (torch's max_split_size_mb). 0
 	// means unlimited. Must be > SmallSize when set.
 	MaxSplitSize uint64
+	// MaxNonSplitRoundingSize: a request of at least MaxSplitSize takes a
+	// cached block (unsplit) only if the block is less than this much larger
+	// (torch's max_non_split_rounding_mb). 0 means torch's default,
+	// LargeBuffer (20 MiB).
+	MaxNonSplitRoundingSize uint64
 	// RoundupPower2Divisions, when at least 2, rounds requests up to one of
 	// this many equal steps between consecutive powers of two (torch's
 	// roundup_power2_divisions); it must be a power of two, at most
@@ -132,6 +137,9 @@ func NewPool(cfg Config) (*Pool, error) {
 		return nil, fmt.Errorf("new pool: garbage collection threshold %v must be in [0, 1): %w", g, ErrInvalidArgument)
 	}
 	cfg.RoundupPower2DivisionsBySize = slices.Clone(cfg.RoundupPower2DivisionsBySize)
+	if cfg.MaxNonSplitRoundingSize == 0 {
+		cfg.MaxNonSplitRoundingSize = LargeBuffer
+	}
 	if cfg.Name == "" {
 		cfg.Name = "pool"
 	}

@@ -258,6 +258,22 @@ func TestLargeSplitThresholdAndMaxSplitSize(t *testing.T) {
 	assert.ErrorIs(t, err, ErrInvalidArgument)
 }
 
+func TestMaxNonSplitRoundingSize(t *testing.T) {
+	for _, c := range []struct {
+		rounding uint64
+		reuse    bool
+	}{{0, false}, {64 * MiB, true}, {60 * MiB, false}} {
+		p, _ := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 32 * MiB, MaxNonSplitRoundingSize: c.rounding})
+		big := mustAlloc(t, p, 100*MiB, 0, 0)
+		require.NoError(t, p.Free(big))
+		// 40 MiB in the cached 100 MiB block wastes 60 MiB: allowed only
+		// when the rounding allowance exceeds that (default 20 MiB).
+		got := mustAlloc(t, p, 40*MiB, 0, 0)
+		assert.Equal(t, c.reuse, got == big, "rounding %d", c.rounding)
+		assert.EqualValues(t, max(c.rounding, LargeBuffer), p.Config().MaxNonSplitRoundingSize)
+	}
+}
+
 func TestStreamOrderedReuse(t *testing.T) {
 	p, _ := newTestPool(t, SimConfig{}, Config{})
 	a := mustAlloc(t, p, 4096, 0, 1)

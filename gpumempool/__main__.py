@@ -304,6 +304,8 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .replay import POLICY_KEYS
+
     parser = argparse.ArgumentParser(prog="python -m gpumempool", description="gpumempool command line")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="version, library path and NVIDIA devices (via NVML)")
@@ -323,9 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay TRACE (a gmptrace file, or a snapshot pickle with history from "
         "torch.cuda.memory._dump_snapshot or gmp.dump_snapshot) on a private simulated device and report "
         "peak allocated/reserved, fragmentation, backend calls and OOMs, next to the reserved bytes the "
-        "recording allocator (torch) had. Policy keys: max_split_size, release_threshold, limit, "
-        "granularity, capacity (bytes; suffixes KiB/MiB/GiB or KB/MB/GB), roundup_power2_divisions (a count) "
-        "and expandable (true/false).",
+        "recording allocator (torch) had. Policy keys (sizes in bytes, with KiB/MiB/GiB or KB/MB/GB "
+        "suffixes allowed): " + "; ".join(f"{k}: {v}" for k, v in POLICY_KEYS.items()) + ".",
     )
     rep.add_argument("trace", metavar="TRACE", help="a .trace[.gz] file or a .pickle/.pkl snapshot")
     rep.add_argument("--policy", action="append", metavar="KEY=VALUE",

@@ -205,7 +205,10 @@ class MemPool:
 
     Common options: ``name``; ``device`` (default device of :meth:`alloc`);
     ``limit`` (bytes the pool may reserve per device); ``max_split_size``
-    (torch's max_split_size_mb, in bytes); ``release_threshold`` (unused
+    (torch's max_split_size_mb, in bytes); ``max_non_split_rounding_size``
+    (torch's max_non_split_rounding_mb, in bytes: how much larger than an
+    oversize request a cached oversize block it takes may be; default 20
+    MiB); ``release_threshold`` (unused
     bytes kept cached per device; 0 keeps all); ``roundup_power2_divisions``
     (torch's option of that name: requests round up to one of N equal steps
     between powers of two; N a power of two, 0 or 1 for off; or 16 such
@@ -231,6 +234,7 @@ class MemPool:
         limit: Optional[int] = None,
         max_split_size: Optional[int] = None,
         release_threshold: Optional[int] = None,
+        max_non_split_rounding_size: Optional[int] = None,
         roundup_power2_divisions: Union[int, Sequence[int], Mapping[str, int], None] = None,
         garbage_collection_threshold: Optional[float] = None,
         **options: Any,
@@ -259,7 +263,8 @@ class MemPool:
         if unknown:
             raise InvalidArgumentError(
                 f"unknown option(s) {', '.join(unknown)} for backend {backend!r}; "
-                f"valid: name, limit, max_split_size, release_threshold, roundup_power2_divisions, "
+                f"valid: name, limit, max_split_size, max_non_split_rounding_size, release_threshold, "
+                "roundup_power2_divisions, "
                 "garbage_collection_threshold, "
                 f"{', '.join(valid[backend])}"
             )
@@ -268,7 +273,8 @@ class MemPool:
             if not isinstance(name, str):
                 raise TypeError(f"name must be a str, got {type(name).__name__}")
             cfg["name"] = name
-        for key, value in (("limit", limit), ("max_split_size", max_split_size), ("release_threshold", release_threshold)):
+        for key, value in (("limit", limit), ("max_split_size", max_split_size), ("release_threshold", release_threshold),
+                           ("max_non_split_rounding_size", max_non_split_rounding_size)):
             if value is not None:
                 cfg[key] = _check_int(key, value, 0, _U64)
         if roundup_power2_divisions is not None:

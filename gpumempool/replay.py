@@ -31,6 +31,8 @@ __all__ = ["POLICY_KEYS", "ReplayResult", "parse_policy", "parse_size", "replay"
 #: Policy keys and what they set on the replay pool.
 POLICY_KEYS: dict[str, str] = {
     "max_split_size": "blocks at least this large are never split (torch's max_split_size_mb, in bytes)",
+    "max_non_split_rounding_size": "how much larger than an oversize request a cached oversize block may be "
+    "(torch's max_non_split_rounding_mb, in bytes; default 20 MiB)",
     "release_threshold": "unused bytes kept cached per device (0: keep all)",
     "garbage_collection_threshold": "fraction of the limit above which a cache miss first releases old cached "
     "segments (torch's option; needs limit)",
@@ -214,6 +216,7 @@ def replay(
         name="replay",
         limit=pol.get("limit") or None,
         max_split_size=pol.get("max_split_size") or None,
+        max_non_split_rounding_size=pol.get("max_non_split_rounding_size") or None,
         release_threshold=pol.get("release_threshold") or None,
         roundup_power2_divisions=pol.get("roundup_power2_divisions") or None,
         garbage_collection_threshold=pol.get("garbage_collection_threshold") or None,

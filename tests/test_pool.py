@@ -146,6 +146,17 @@ def test_memory_summary_reads_like_torchs() -> None:
             pool.free(k)
 
 
+def test_max_non_split_rounding_size() -> None:
+    for rounding, reused in ((None, False), (64 * MiB, True)):
+        with gmp.MemPool("sim", capacity=1 << 30, max_split_size=32 * MiB, max_non_split_rounding_size=rounding) as pool:
+            assert pool.config()["max_non_split_rounding_size"] == (rounding or 20 * MiB)
+            big = pool.alloc(100 * MiB)
+            pool.free(big)
+            got = pool.alloc(40 * MiB)  # 60 MiB more than asked: within 64 MiB, not within 20 MiB
+            assert (got == big) is reused
+            pool.free(got)
+
+
 def test_oom_releases_cache_then_retries() -> None:
     with gmp.MemPool("sim", capacity=64 * MiB) as pool:
         a, b = pool.alloc(15 * MiB), pool.alloc(15 * MiB)

@@ -526,6 +526,7 @@ def test_replay_with_roundup_power2_divisions() -> None:
     rnd = replay(Trace.loads(text), {"roundup_power2_divisions": 4})
     assert rnd.peak_allocated == 1280 * MiB and rnd.device_allocs == 1
     assert parse_policy(["roundup_power2_divisions=4"]) == {"roundup_power2_divisions": 4}
+    assert parse_policy(["max_non_split_rounding_size=64MiB"]) == {"max_non_split_rounding_size": 64 * MiB}
 
 
 def test_replay_with_garbage_collection_threshold() -> None:

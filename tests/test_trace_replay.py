@@ -552,7 +552,7 @@ def test_shipped_synthetic_trace_replays_exactly() -> None:
     # The recording pool had the default policy: the replay reproduces it.
     assert res.reserved_vs_recorded == 1.0
     assert res.peak_reserved == tr.recorded_peak_reserved()
-    assert res.peak_allocated == tr.peak_requested()  # sizes in our traces are block sizes
+    assert res.peak_allocated == tr.peak_requested()  # the demo asks for multiples of 512 bytes: no rounding
     assert res.capacity == 64 << 30
     assert calls[0] == (10_000, len(tr)) and calls[-1] == (len(tr), len(tr))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import pickle
 from pathlib import Path
@@ -577,3 +578,23 @@ def test_parse_policy_and_sizes() -> None:
     for bad in ("limit", "bogus=1", "limit=lots", "expandable=maybe"):
         with pytest.raises(ValueError):
             parse_policy([bad])
+
+
+def test_replay_policies_benchmark_runs(tmp_path: Path) -> None:
+    import runpy
+    import sys
+
+    trace = tmp_path / "tiny.trace"
+    trace.write_text("gmptrace 1\na 1 20971520 0\na 2 20971520 0\nf 1\na 3 31457280 0\nf 2\nf 3\n"
+                     "a 4 41943040 0\nf 4\n")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "replay_policies.py"
+    argv = sys.argv
+    sys.argv = [str(script), str(trace), "--out", str(tmp_path / "res")]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+    res = json.loads((tmp_path / "res" / "replay_policies.json").read_text())
+    rows = res["traces"]["tiny.trace"]["rows"]
+    assert rows[0]["reserved_vs_default"] == 1.0 and len(rows) >= 6
+    assert "| expandable segments |" in (tmp_path / "res" / "replay_policies.md").read_text()

@@ -22,6 +22,15 @@ func newTestPool(t testing.TB, sim SimConfig, cfg Config) (*Pool, *SimBackend) {
 	return p, be
 }
 
+// mustOOM allocates expecting an *OutOfMemoryError, and returns it.
+func mustOOM(t testing.TB, p *Pool, size uint64, dev int) *OutOfMemoryError {
+	t.Helper()
+	_, err := p.Alloc(size, dev, 0)
+	var oom *OutOfMemoryError
+	require.ErrorAs(t, err, &oom)
+	return oom
+}
+
 func mustAlloc(t testing.TB, p *Pool, size uint64, dev int, s Stream) uint64 {
 	t.Helper()
 	addr, err := p.Alloc(size, dev, s)
@@ -367,14 +376,12 @@ func TestLimit(t *testing.T) {
 	mustAlloc(t, p, MiB, 0, 0)
 	mustAlloc(t, p, MiB, 0, 0)
 	mustAlloc(t, p, MiB, 0, 0)
-	_, err := p.Alloc(MiB, 0, 0)
-	var oom *OutOfMemoryError
-	require.ErrorAs(t, err, &oom)
+	oom := mustOOM(t, p, MiB, 0)
 	assert.EqualValues(t, 4*MiB, oom.Limit)
 	assert.EqualValues(t, 4*MiB, oom.Reserved)
 	assert.EqualValues(t, 4*MiB, oom.Allocated)
 	assert.Nil(t, oom.Cause)
-	assert.Contains(t, err.Error(), "limit 4.00 MiB")
+	assert.Contains(t, oom.Error(), "limit 4.00 MiB")
 	require.NoError(t, p.SetLimit(0))
 	mustAlloc(t, p, MiB, 0, 0)
 }
@@ -387,17 +394,13 @@ func TestDeviceLimit(t *testing.T) {
 
 	mustAlloc(t, p, MiB, 1, 0)
 	mustAlloc(t, p, MiB, 1, 0)
-	_, err := p.Alloc(MiB, 1, 0)
-	var oom *OutOfMemoryError
-	require.ErrorAs(t, err, &oom)
+	oom := mustOOM(t, p, MiB, 1)
 	assert.EqualValues(t, 2*MiB, oom.Limit)
 	assert.Equal(t, 1, oom.Device)
 	for range 8 { // device 0 keeps the pool-wide limit
 		mustAlloc(t, p, MiB, 0, 0)
 	}
-	_, err = p.Alloc(MiB, 0, 0)
-	require.ErrorAs(t, err, &oom)
-	assert.EqualValues(t, 8*MiB, oom.Limit)
+	assert.EqualValues(t, 8*MiB, mustOOM(t, p, MiB, 0).Limit)
 
 	require.ErrorIs(t, p.SetDeviceLimit(2, MiB), ErrInvalidDevice)
 	require.ErrorIs(t, p.SetDeviceLimit(-1, MiB), ErrInvalidDevice)
@@ -688,9 +691,7 @@ func TestExpandableRespectsLimitAndSmallPool(t *testing.T) {
 	p, _ := newTestPool(t, SimConfig{Expandable: true}, Config{Limit: 8 * MiB})
 	mustAlloc(t, p, 4*MiB, 0, 0)
 	mustAlloc(t, p, 4*MiB, 0, 0)
-	_, err := p.Alloc(2*MiB, 0, 0)
-	var oom *OutOfMemoryError
-	require.ErrorAs(t, err, &oom)
+	oom := mustOOM(t, p, 2*MiB, 0)
 	assert.EqualValues(t, 8*MiB, oom.Limit)
 	// Small requests keep their fixed 2 MiB segments (size classes stay bounded).
 	q, _ := newTestPool(t, SimConfig{Expandable: true}, Config{})

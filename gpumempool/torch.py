@@ -126,6 +126,7 @@ import inspect
 import re
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -137,6 +138,7 @@ __all__ = [
     "MempoolContext",
     "PoolInUseError",
     "ProcessWideRoutingWarning",
+    "PythonCallbackWarning",
     "TorchCapabilities",
     "TorchIntegrationError",
     "TorchVersionError",
@@ -173,6 +175,30 @@ class PoolInUseError(TorchIntegrationError):
 
 class ProcessWideRoutingWarning(UserWarning):
     """This torch routes every thread's allocations to an entered pool."""
+
+
+class PythonCallbackWarning(RuntimeWarning):
+    """A pool whose alloc/free are Python functions is used by torch: torch
+    calls them holding its allocator lock, and they need the GIL, which a
+    thread freeing a tensor holds while it waits for that lock."""
+
+
+_warned_py_callbacks: "weakref.WeakSet[MemPool]" = weakref.WeakSet()
+
+
+def _warn_python_callbacks(pool: MemPool, where: str) -> None:
+    """Once per pool: torch + Python allocator functions can deadlock."""
+    if not getattr(pool, "_py_callbacks", False) or pool in _warned_py_callbacks:
+        return
+    _warned_py_callbacks.add(pool)
+    warnings.warn(
+        f"pool {pool.name!r} allocates with Python functions and {where} makes torch call them while it "
+        "holds its allocator lock; they need the GIL, and a thread that holds the GIL while freeing a "
+        "tensor waits for that lock: a deadlock. Pass C functions (ctypes, or an address) as alloc/free "
+        "for pools torch uses.",
+        PythonCallbackWarning,
+        stacklevel=3,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -556,6 +582,7 @@ class MempoolContext:
                 ProcessWideRoutingWarning,
                 stacklevel=2,
             )
+        _warn_python_callbacks(self._pool, "gmp.mempool")
         tid = threading.get_ident()
         with _lock:
             self._lane, first = _acquire_lane(torch, caps, self._pool, self.device, self._tag, self._options, tid)
@@ -1100,6 +1127,7 @@ def set_torch_allocator(pool: MemPool) -> tuple[str, ...]:
             )
         if pool.closed:
             raise PoolClosedError(f"pool {pool!r} is closed")
+        _warn_python_callbacks(pool, "gmp.set_torch_allocator")
         if torch.cuda.is_initialized():
             raise AllocatorInitializedError(
                 "gmp.set_torch_allocator(pool) must be called before torch initialises CUDA, and "

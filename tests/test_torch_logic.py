@@ -863,6 +863,36 @@ def test_release_clears_cublas_workspaces_made_inside(monkeypatch, sim):
     assert gtorch.release(sim) == 22 * MiB and allocated(sim) == 0
 
 
+def test_python_callbacks_under_torch_warn_once(monkeypatch, sim):
+    torch = install(monkeypatch)
+    del torch
+    pyfn = gmp.MemPool(alloc=lambda size, dev, stream: None, free=lambda ptr, size, dev, stream: None)
+    try:
+        with pytest.warns(gtorch.PythonCallbackWarning, match="deadlock") as rec:
+            with gmp.mempool(pyfn):
+                pass
+        assert rec[0].filename == __file__  # points at the user's line
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", gtorch.PythonCallbackWarning)
+            with gmp.mempool(pyfn):  # once per pool
+                pass
+            with gmp.mempool(sim):  # native allocator: no warning
+                pass
+    finally:
+        gtorch.release(pyfn)
+        pyfn.close()
+
+
+def test_python_callbacks_as_torchs_allocator_warn(monkeypatch):
+    install(monkeypatch)
+    pyfn = gmp.MemPool(alloc=lambda size, dev, stream: None, free=lambda ptr, size, dev, stream: None)
+    try:
+        with pytest.warns(gtorch.PythonCallbackWarning, match="set_torch_allocator"):
+            gmp.set_torch_allocator(pyfn)
+    finally:
+        pyfn.close()
+
+
 def test_release_while_inside_is_refused(monkeypatch, sim):
     install(monkeypatch)
     entered, leave = threading.Event(), threading.Event()

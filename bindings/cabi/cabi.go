@@ -37,36 +37,39 @@ func ptrOf(addr uint64) unsafe.Pointer {
 	return *(*unsafe.Pointer)(unsafe.Pointer(&addr))
 }
 
-func entryAlloc(e *registry.Entry, where string, size C.size_t, device C.int, stream unsafe.Pointer) (ret unsafe.Pointer) {
+// guarded runs fn for the pool of e at the C boundary: an error or a Go
+// panic (injected with PanicNext, or real) becomes the pool's last error and
+// false, so that nothing unwinds into the C caller.
+func guarded(e *registry.Entry, where string, fn func() error) (ok bool) {
 	defer func() {
 		if r := recover(); r != nil {
 			e.SetError(fmt.Sprintf("%s: Go panic recovered: %v", where, r))
-			ret = nil
+			ok = false
 		}
 	}()
 	if e.PanicNext.Swap(false) {
 		panic("injected by PanicNext")
 	}
-	addr, err := e.Pool.Alloc(uint64(size), int(device), gocore.Stream(uintptr(stream)))
-	if err != nil {
+	if err := fn(); err != nil {
 		e.SetError(where + ": " + err.Error())
+		return false
+	}
+	return true
+}
+
+func entryAlloc(e *registry.Entry, where string, size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+	var addr uint64
+	if !guarded(e, where, func() (err error) {
+		addr, err = e.Pool.Alloc(uint64(size), int(device), gocore.Stream(uintptr(stream)))
+		return err
+	}) {
 		return nil
 	}
 	return ptrOf(addr)
 }
 
-func entryFree(e *registry.Entry, where string, ptr unsafe.Pointer) (rc C.int) {
-	defer func() {
-		if r := recover(); r != nil {
-			e.SetError(fmt.Sprintf("%s: Go panic recovered: %v", where, r))
-			rc = -1
-		}
-	}()
-	if e.PanicNext.Swap(false) {
-		panic("injected by PanicNext")
-	}
-	if err := e.Pool.Free(uint64(uintptr(ptr))); err != nil {
-		e.SetError(where + ": " + err.Error())
+func entryFree(e *registry.Entry, where string, ptr unsafe.Pointer) C.int {
+	if !guarded(e, where, func() error { return e.Pool.Free(uint64(uintptr(ptr))) }) {
 		return -1
 	}
 	return 0

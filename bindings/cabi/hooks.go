@@ -45,17 +45,7 @@ func slotHook(slot int, where string, fn func(e *registry.Entry) error) {
 		registry.SetOrphanError(fmt.Sprintf("%s_%d: no pool holds this slot (closed?)", where, slot))
 		return
 	}
-	defer func() {
-		if r := recover(); r != nil {
-			e.SetError(fmt.Sprintf("%s: Go panic recovered: %v", where, r))
-		}
-	}()
-	if e.PanicNext.Swap(false) {
-		panic("injected by PanicNext")
-	}
-	if err := fn(e); err != nil {
-		e.SetError(where + ": " + err.Error())
-	}
+	guarded(e, where, func() error { return fn(e) })
 }
 
 func slotInit(slot int, deviceCount C.int) {

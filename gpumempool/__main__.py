@@ -91,7 +91,7 @@ def _torch_info() -> Any:
         "mempool": mempool,
         "pluggable": caps.pluggable,
         "nccl_registration": nccl,
-        "capabilities": {k: v for k, v in vars(caps).items()},
+        "capabilities": dict(vars(caps)),
     }
 
 
@@ -145,7 +145,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     import pickle
 
     from ._progress import Progress
-    from .demo import format_bytes
+    from ._units import format_bytes
     from .replay import parse_policy, replay
     from .trace import TraceFormatError
 

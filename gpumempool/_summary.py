@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional
 
+from ._units import format_bytes
+
 __all__ = ["memory_summary"]
 
 #: (title, stat key prefix, is a byte count)
@@ -26,15 +28,6 @@ _COLUMNS = ("current", "peak", "allocated", "freed")
 _WIDTH = 80  # the metric rows: "| " + 25 + 4 columns of " | " + 10 + " |"
 
 
-def _fmt_bytes(n: int) -> str:
-    value, unit = float(n), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024 or unit == "PiB":
-            break
-        value /= 1024
-    return f"{int(value)} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-
-
 def _fmt_count(n: int) -> str:
     return f"{n:,}"
 
@@ -47,7 +40,7 @@ def memory_summary(stats: Mapping[str, int], *, title: str, abbreviated: bool = 
     rows.append(thick)
     parts = ("all",) if abbreviated else ("all", "large_pool", "small_pool")
     for name, key, is_bytes in _METRICS:
-        fmt: Callable[[int], str] = _fmt_bytes if is_bytes else _fmt_count
+        fmt: Callable[[int], str] = format_bytes if is_bytes else _fmt_count
         for part in parts:
             label = name if part == "all" else f"      from {part.replace('_', ' ')}"
             vals = [fmt(int(stats.get(f"{key}.{part}.{col}", 0))) for col in _COLUMNS]

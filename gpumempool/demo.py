@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from ._pool import MemPool
 from ._progress import Progress
+from ._units import format_bytes
 
 COMPUTE_STREAM = 0x1000
 COMM_STREAM = 0x2000
@@ -111,14 +112,6 @@ def run_demo(
         backend_calls=s["num_device_alloc"] + s["num_device_free"],
         backend_calls_without_cache=2 * s["allocation.all.allocated"],
     )
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 def format_summary(r: DemoResult) -> str:

@@ -14,6 +14,7 @@ import heapq
 import os
 from typing import Any, Callable, Optional, Union
 
+from ._units import format_bytes
 from .trace import PathLike, TraceFormatError, load_pickle
 
 __all__ = ["MissingDependencyError", "plot_snapshot", "timeline"]
@@ -135,11 +136,7 @@ def _downsample(values: list[int], points: int) -> tuple[list[int], list[int]]:
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    return format_bytes(n, digits=1)
 
 
 def _byte_step(top: float) -> float:

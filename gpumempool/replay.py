@@ -122,7 +122,7 @@ def _check_policy(policy: Optional[Mapping[str, Any]]) -> dict[str, Any]:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"policy {key} must be a number, got {value!r}")
         elif key == "roundup_power2_divisions" and isinstance(value, (list, tuple, dict)):
-            value = list(value.values()) if isinstance(value, dict) else list(value)  # MemPool checks the counts
+            value = dict(value) if isinstance(value, dict) else list(value)  # MemPool checks the counts
         elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise TypeError(f"policy {key} must be a non-negative int (bytes), got {value!r}")
         out[key] = value

@@ -822,10 +822,14 @@ def torch_allocator_policy(settings: Any) -> dict[str, Any]:
     if isinstance(gc, (int, float)) and not isinstance(gc, bool) and 0 < gc < 1:
         out["garbage_collection_threshold"] = float(gc)
     div = settings.get("roundup_power2_divisions")
-    if isinstance(div, dict) and len(div) == 16:
-        raw = [div.get(str(i), div.get(i)) for i in range(1, 17)]
-        vals = [v for v in raw if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
-        if len(vals) == 16 and any(v > 1 for v in vals):
+    if isinstance(div, dict):
+        from ._pool import _roundup_option
+
+        try:
+            vals = _roundup_option(div)["roundup_power2_divisions_by_size"]
+        except (ValueError, TypeError):  # not torch's 16 intervals of counts
+            vals = []
+        if any(v > 1 for v in vals):
             out["roundup_power2_divisions"] = vals[0] if len(set(vals)) == 1 else vals
     return out
 

@@ -121,3 +121,21 @@ def test_missing_driver_is_a_clear_error() -> None:
 def test_gpu_option_errors(kwargs, exc, match) -> None:
     with pytest.raises(exc, match=match):
         gmp.MemPool(**kwargs)
+
+
+def test_options_a_driver_is_too_old_for_are_refused_by_name(fake_cuda, monkeypatch) -> None:
+    path, fake = fake_cuda
+    monkeypatch.setenv("FAKE_CUDA_DRIVER_VERSION", "12010")
+    fake.fake_cuda_reset()  # re-reads the environment
+    try:
+        with pytest.raises(gmp.BackendError, match=r"max_size|MaxSize.*needs a driver for CUDA 12\.2.*supports CUDA 12\.1"):
+            gmp.MemPool("async", libcuda=path, max_size=64 * MiB)
+        with pytest.raises(gmp.BackendError, match=r"CU_MEM_LOCATION_TYPE_HOST_NUMA\) needs a driver for CUDA 12\.2"):
+            gmp.MemPool("vmm", libcuda=path, location="host_numa", numa_node=0)
+        with gmp.MemPool("async", libcuda=path) as pool:  # without the new option the old driver serves
+            pool.free(pool.alloc(MiB))
+    finally:
+        monkeypatch.delenv("FAKE_CUDA_DRIVER_VERSION")
+        fake.fake_cuda_reset()
+    with gmp.MemPool("async", libcuda=path, max_size=64 * MiB) as pool:
+        pool.free(pool.alloc(MiB))

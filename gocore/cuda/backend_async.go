@@ -33,7 +33,8 @@ type AsyncOptions struct {
 	// ExportPool, ExportPointer and ImportAsyncPool in another process.
 	IPC bool
 	// MaxSize caps the bytes each pool reserves from its device (the
-	// pool's maxSize); 0 lets the driver choose.
+	// pool's maxSize); 0 lets the driver choose. It needs a CUDA 12.2
+	// driver or newer.
 	MaxSize uint64
 }
 
@@ -85,6 +86,13 @@ func NewAsyncBackend(drv *Driver, opts AsyncOptions) (*AsyncBackend, error) {
 	}
 	if err := requireSymbols(drv, "async backend", asyncSymbols); err != nil {
 		return nil, err
+	}
+	if opts.MaxSize > 0 {
+		// Older drivers read CUmemPoolProps.maxSize as reserved bytes and
+		// would refuse every pool with CUDA_ERROR_INVALID_VALUE.
+		if err := requireVersion(drv, "async backend", "MaxSize (CUmemPoolProps.maxSize)", 12020); err != nil {
+			return nil, err
+		}
 	}
 	return &AsyncBackend{
 		cu: cu, drv: drv, opts: opts,

@@ -26,7 +26,8 @@ const (
 type VMMOptions struct {
 	// Location is where the physical memory lives: VMMLocationDevice
 	// (default; the device the engine asks for) or VMMLocationHostNUMA (host
-	// memory of NUMANode, mapped for the device: EGM on Grace systems).
+	// memory of NUMANode, mapped for the device: EGM on Grace systems;
+	// needs a CUDA 12.2 driver or newer).
 	Location string
 	// NUMANode is the host NUMA node of VMMLocationHostNUMA memory (the
 	// device's closest one is CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID). It must be
@@ -146,6 +147,13 @@ func NewVMMBackend(drv *Driver, opts VMMOptions) (*VMMBackend, error) {
 	}
 	if err := requireSymbols(drv, "vmm backend", syms); err != nil {
 		return nil, err
+	}
+	if opts.Location == VMMLocationHostNUMA {
+		// CU_MEM_LOCATION_TYPE_HOST_NUMA is new in CUDA 12.2; an older
+		// driver rejects it as an invalid value, which says nothing useful.
+		if err := requireVersion(drv, "vmm backend", "host NUMA memory (CU_MEM_LOCATION_TYPE_HOST_NUMA)", 12020); err != nil {
+			return nil, err
+		}
 	}
 	b := &VMMBackend{
 		cu: cu, drv: drv, opts: opts, granOption: granOption, handleType: MemHandleTypeNone,

@@ -291,6 +291,42 @@ func (d *Driver) ContextFuncs(dev int) (ctx, push, pop uintptr, err error) {
 		uintptr(C.gmp_addr(d.fns, C.GMP_cuCtxPopCurrent_v2)), nil
 }
 
+// Version returns the latest CUDA version the driver supports, as
+// cuDriverGetVersion reports it: 1000*major + 10*minor (12020 is CUDA 12.2).
+// It is what decides which newer struct fields and enum values the driver
+// understands (see VersionString).
+func (d *Driver) Version() (int, error) {
+	d.closeMu.RLock()
+	defer d.closeMu.RUnlock()
+	if d.closed {
+		return 0, fmt.Errorf("cuda: driver version: %w", ErrDriverClosed)
+	}
+	var v C.int
+	if err := d.errorOf(C.gmp_driver_version(d.fns, &v)); err != nil {
+		return 0, fmt.Errorf("cuda: driver version: %w", err)
+	}
+	return int(v), nil
+}
+
+// VersionString formats a CUDA version number as "major.minor", e.g.
+// VersionString(12020) == "12.2".
+func VersionString(v int) string { return fmt.Sprintf("%d.%d", v/1000, v%1000/10) }
+
+// requireVersion fails with ErrDriverTooOld when drv supports a CUDA version
+// older than min, for the feature named (who is the backend, for the
+// message).
+func requireVersion(drv *Driver, who, feature string, min int) error {
+	v, err := drv.Version()
+	if err != nil {
+		return fmt.Errorf("%s: %w", who, err)
+	}
+	if v < min {
+		return fmt.Errorf("%s: %s needs a driver for CUDA %s or newer; %s supports CUDA %s: %w",
+			who, feature, VersionString(min), drv.Path(), VersionString(v), ErrDriverTooOld)
+	}
+	return nil
+}
+
 // DeviceCount returns the number of devices the driver sees (0 when cuInit
 // found none).
 func (d *Driver) DeviceCount() (int, error) {

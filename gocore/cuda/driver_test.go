@@ -427,3 +427,53 @@ func TestLibraryMissing(t *testing.T) {
 	require.NoError(t, os.WriteFile(existing, nil, 0o644))
 	assert.False(t, libraryMissing(existing), "there, but not loadable")
 }
+
+// Options that older drivers misread are refused up front, naming the CUDA
+// version they need; the same options work with a new enough driver.
+func TestDriverVersionGatesNewOptions(t *testing.T) {
+	f, drv := setup(t, "FAKE_CUDA_DRIVER_VERSION", "12010")
+	v, err := drv.Version()
+	require.NoError(t, err)
+	assert.Equal(t, 12010, v)
+	assert.Equal(t, "12.1", VersionString(v))
+	assert.Equal(t, "13.0", VersionString(13000))
+
+	// What the gate prevents: this driver rejects maxSize as reserved bytes
+	// with an error that says nothing about why.
+	_, err = drv.MemPoolCreate(0, PoolProps{LocationType: MemLocationTypeDevice, MaxSize: 32 << 20})
+	require.ErrorContains(t, err, "CUDA_ERROR_INVALID_VALUE")
+
+	_, err = NewAsyncBackend(drv, AsyncOptions{MaxSize: 32 << 20})
+	require.ErrorIs(t, err, ErrDriverTooOld)
+	require.ErrorIs(t, err, gocore.ErrUnsupported, "callers can fall back")
+	assert.Contains(t, err.Error(), "MaxSize (CUmemPoolProps.maxSize) needs a driver for CUDA 12.2 or newer")
+	assert.Contains(t, err.Error(), "supports CUDA 12.1")
+	be, err := NewAsyncBackend(drv, AsyncOptions{})
+	require.NoError(t, err, "without MaxSize an old driver is fine")
+	require.NoError(t, be.Close())
+
+	_, err = NewVMMBackend(drv, VMMOptions{Location: VMMLocationHostNUMA})
+	require.ErrorIs(t, err, ErrDriverTooOld)
+	assert.Contains(t, err.Error(), "host NUMA memory (CU_MEM_LOCATION_TYPE_HOST_NUMA) needs a driver for CUDA 12.2")
+	vb, err := NewVMMBackend(drv, VMMOptions{})
+	require.NoError(t, err)
+	require.NoError(t, vb.Close())
+
+	t.Setenv("FAKE_CUDA_DRIVER_VERSION", "12020")
+	f.Reset()
+	be, err = NewAsyncBackend(drv, AsyncOptions{MaxSize: 32 << 20})
+	require.NoError(t, err)
+	p := newPool(t, be)
+	a, err := p.Alloc(1<<20, 0, 0)
+	require.NoError(t, err, "a 12.2 driver takes maxSize")
+	require.NoError(t, p.Free(a))
+	closePool(t, p)
+	require.NoError(t, be.Close())
+	vb, err = NewVMMBackend(drv, VMMOptions{Location: VMMLocationHostNUMA})
+	require.NoError(t, err)
+	require.NoError(t, vb.Close())
+
+	require.NoError(t, drv.Close())
+	_, err = drv.Version()
+	require.ErrorIs(t, err, ErrDriverClosed)
+}

@@ -16,7 +16,9 @@ var ErrDriverClosed = errors.New("cuda driver is closed")
 
 // ErrDriverTooOld is wrapped when the loaded driver lacks an entry point:
 // by Load for a required one, and by the stream-ordered allocator and VMM
-// methods for theirs ("driver too old: cuMemPoolCreate missing"). It also
+// methods for theirs ("driver too old: cuMemPoolCreate missing"); and when
+// an option needs a newer CUDA version than the driver supports (see
+// Driver.Version). It also
 // matches gocore.ErrUnsupported, so callers can fall back to another
 // backend with one errors.Is check.
 var ErrDriverTooOld error = driverTooOld{}

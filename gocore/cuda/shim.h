@@ -29,6 +29,7 @@ typedef void *CUmemoryPool;
  * 11.2) only fail the methods that need them. */
 #define GMP_FUNCS(X)                                                             \
 	X(cuInit, 1)                                                                 \
+	X(cuDriverGetVersion, 1)                                                     \
 	X(cuDeviceGet, 1)                                                            \
 	X(cuDeviceGetCount, 1)                                                       \
 	X(cuDevicePrimaryCtxRetain, 1)                                               \
@@ -74,6 +75,7 @@ enum { GMP_FUNCS(GMP_AS_ENUM) GMP_NFUNCS };
 #undef GMP_AS_ENUM
 
 typedef CUresult (*t_cuInit)(unsigned int);
+typedef CUresult (*t_cuDriverGetVersion)(int *);
 typedef CUresult (*t_cuDeviceGet)(CUdevice *, int);
 typedef CUresult (*t_cuDeviceGetCount)(int *);
 typedef CUresult (*t_cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
@@ -193,6 +195,10 @@ static inline gmp_res gmp_res_of(int code, int fn) {
 /* ---------------------------- no context needed ---------------------------- */
 
 static inline gmp_res gmp_init(gmp_drv *d) { return gmp_res_of(GMP_FN(d, cuInit)(0), GMP_cuInit); }
+
+static inline gmp_res gmp_driver_version(gmp_drv *d, int *v) {
+	return gmp_res_of(GMP_FN(d, cuDriverGetVersion)(v), GMP_cuDriverGetVersion);
+}
 
 static inline gmp_res gmp_device_count(gmp_drv *d, int *n) {
 	return gmp_res_of(GMP_FN(d, cuDeviceGetCount)(n), GMP_cuDeviceGetCount);

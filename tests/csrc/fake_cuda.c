@@ -88,7 +88,7 @@ typedef struct fake_pool *CUmemoryPool;
     X(cuMemPoolImportFromShareableHandle) X(cuMemPoolExportPointer) X(cuMemPoolImportPointer) \
     X(cuMemGetAllocationGranularity) X(cuMemCreate) X(cuMemRelease) X(cuMemAddressReserve)   \
     X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)                          \
-    X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle)
+    X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuDriverGetVersion)
 
 #define AS_ENUM(name) F_##name,
 enum { FAKE_FUNCS(AS_ENUM) F_COUNT };
@@ -182,6 +182,7 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int initialized;
 static int n_devices = 2;
 static uint64_t capacity = (uint64_t)1 << 30;
+static int driver_version = 13000; /* CUDA_VERSION encoding: 1000 * major + 10 * minor */
 static uint64_t dev_used[MAX_DEV]; /* bytes charged against capacity */
 static long retained[MAX_DEV];
 static struct fake_ctx ctxs[MAX_DEV];
@@ -234,6 +235,9 @@ static void read_env(void) {
     capacity = (uint64_t)1 << 30;
     s = getenv("FAKE_CUDA_CAPACITY");
     if (s && *s) capacity = strtoull(s, NULL, 10);
+    driver_version = 13000;
+    s = getenv("FAKE_CUDA_DRIVER_VERSION");
+    if (s && *s) driver_version = (int)strtol(s, NULL, 10);
 }
 
 static void sync_tls(void) {
@@ -411,6 +415,15 @@ static const struct {
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN"},
 };
+
+/* Works before cuInit, like the real one. */
+EXPORT CUresult cuDriverGetVersion(int *version) {
+    ENTER(cuDriverGetVersion);
+    if (!version) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (!initialized) read_env();
+    *version = driver_version;
+    RETURN(CUDA_SUCCESS);
+}
 
 /* Works before cuInit, like the real one. */
 EXPORT CUresult cuGetErrorName(CUresult error, const char **pStr) {
@@ -591,6 +604,8 @@ EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props)
     if (!pool || !props || props->allocType != CU_MEM_ALLOCATION_TYPE_PINNED ||
         props->win32SecurityAttributes || !zeroed(props->reserved, sizeof(props->reserved)))
         RETURN(CUDA_ERROR_INVALID_VALUE);
+    /* Before CUDA 12.2, maxSize and usage were reserved bytes that had to be 0. */
+    if (driver_version < 12020 && (props->maxSize || props->usage)) RETURN(CUDA_ERROR_INVALID_VALUE);
     if (props->location.type != CU_MEM_LOCATION_TYPE_DEVICE) RETURN(CUDA_ERROR_NOT_SUPPORTED);
     if (!valid_dev(props->location.id)) RETURN(CUDA_ERROR_INVALID_DEVICE);
     if (props->handleTypes & ~CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) RETURN(CUDA_ERROR_NOT_SUPPORTED);
@@ -829,7 +844,9 @@ static int check_prop(const CUmemAllocationProp *prop) {
         return CUDA_ERROR_INVALID_VALUE;
     if (prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE) {
         if (!valid_dev(prop->location.id)) return CUDA_ERROR_INVALID_DEVICE;
-    } else if (prop->location.type != CU_MEM_LOCATION_TYPE_HOST_NUMA) {
+    } else if (prop->location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA) {
+        if (driver_version < 12020) return CUDA_ERROR_INVALID_VALUE; /* a location type it does not know */
+    } else {
         return CUDA_ERROR_NOT_SUPPORTED;
     }
     if (prop->requestedHandleTypes & ~CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CUDA_ERROR_NOT_SUPPORTED;

@@ -41,9 +41,9 @@ const (
 const (
 	MemLocationTypeInvalid         = 0x0 // CU_MEM_LOCATION_TYPE_INVALID
 	MemLocationTypeDevice          = 0x1 // CU_MEM_LOCATION_TYPE_DEVICE: id is a device ordinal
-	MemLocationTypeHost            = 0x2 // CU_MEM_LOCATION_TYPE_HOST
-	MemLocationTypeHostNUMA        = 0x3 // CU_MEM_LOCATION_TYPE_HOST_NUMA: id is a NUMA node
-	MemLocationTypeHostNUMACurrent = 0x4 // CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT
+	MemLocationTypeHost            = 0x2 // CU_MEM_LOCATION_TYPE_HOST (CUDA 12.2+)
+	MemLocationTypeHostNUMA        = 0x3 // CU_MEM_LOCATION_TYPE_HOST_NUMA (CUDA 12.2+): id is a NUMA node
+	MemLocationTypeHostNUMACurrent = 0x4 // CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT (CUDA 12.2+)
 )
 
 // Shareable handle types (CUmemAllocationHandleType). The wrappers that
@@ -53,12 +53,12 @@ const (
 	MemHandleTypePosixFD  = 0x1 // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 	MemHandleTypeWin32    = 0x2 // CU_MEM_HANDLE_TYPE_WIN32
 	MemHandleTypeWin32KMT = 0x4 // CU_MEM_HANDLE_TYPE_WIN32_KMT
-	MemHandleTypeFabric   = 0x8 // CU_MEM_HANDLE_TYPE_FABRIC
+	MemHandleTypeFabric   = 0x8 // CU_MEM_HANDLE_TYPE_FABRIC (CUDA 12.3+)
 )
 
 // MemAllocationTypePinned is CU_MEM_ALLOCATION_TYPE_PINNED, the only type
 // the pool and VMM wrappers request.
-const MemAllocationTypePinned = 0x1
+const MemAllocationTypePinned = 0x1 // CU_MEM_ALLOCATION_TYPE_PINNED
 
 // Access flags (CUmemAccess_flags).
 const (

@@ -74,15 +74,22 @@ typedef struct {
 	unsigned char reserved[64];
 } CUmemPoolPtrExportData;
 
-_Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation is 8 bytes in cuda.h");
-_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp is 32 bytes in cuda.h");
-_Static_assert(offsetof(CUmemAllocationProp, location) == 8, "CUmemAllocationProp.location");
-_Static_assert(offsetof(CUmemAllocationProp, allocFlags) == 24, "CUmemAllocationProp.allocFlags");
-_Static_assert(sizeof(CUmemPoolProps) == 88, "CUmemPoolProps is 88 bytes in cuda.h");
-_Static_assert(offsetof(CUmemPoolProps, maxSize) == 24, "CUmemPoolProps.maxSize");
-_Static_assert(offsetof(CUmemPoolProps, usage) == 32, "CUmemPoolProps.usage");
-_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc is 12 bytes in cuda.h");
-_Static_assert(sizeof(CUmemPoolPtrExportData) == 64, "CUmemPoolPtrExportData is 64 bytes in cuda.h");
+/* C11 and C++ spell it differently (tests/csrc/cuda_abi_check.cpp includes
+ * this file from C++). */
+#ifdef __cplusplus
+#define GMP_STATIC_ASSERT static_assert
+#else
+#define GMP_STATIC_ASSERT _Static_assert
+#endif
+GMP_STATIC_ASSERT(sizeof(CUmemLocation) == 8, "CUmemLocation is 8 bytes in cuda.h");
+GMP_STATIC_ASSERT(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp is 32 bytes in cuda.h");
+GMP_STATIC_ASSERT(offsetof(CUmemAllocationProp, location) == 8, "CUmemAllocationProp.location");
+GMP_STATIC_ASSERT(offsetof(CUmemAllocationProp, allocFlags) == 24, "CUmemAllocationProp.allocFlags");
+GMP_STATIC_ASSERT(sizeof(CUmemPoolProps) == 88, "CUmemPoolProps is 88 bytes in cuda.h");
+GMP_STATIC_ASSERT(offsetof(CUmemPoolProps, maxSize) == 24, "CUmemPoolProps.maxSize");
+GMP_STATIC_ASSERT(offsetof(CUmemPoolProps, usage) == 32, "CUmemPoolProps.usage");
+GMP_STATIC_ASSERT(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc is 12 bytes in cuda.h");
+GMP_STATIC_ASSERT(sizeof(CUmemPoolPtrExportData) == 64, "CUmemPoolPtrExportData is 64 bytes in cuda.h");
 
 /* cudaError_enum: the codes used here (package cuda's Code* constants in
  * consts.go are the same values for Go). */
@@ -107,10 +114,20 @@ enum {
 };
 
 /* CUmemAllocationType, CUmemLocationType, CUmemAllocationHandleType and
- * CUmemAccess_flags: the values used here. */
-enum { CU_MEM_ALLOCATION_TYPE_PINNED = 1 };
-enum { CU_MEM_LOCATION_TYPE_DEVICE = 1, CU_MEM_LOCATION_TYPE_HOST_NUMA = 3 };
-enum { CU_MEM_HANDLE_TYPE_NONE = 0, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1 };
+ * CUmemAccess_flags: the values used here, one per line, with the CUDA
+ * release that introduced the newer ones (tests/test_cuda_headers.py checks
+ * each against cuda.h). */
+enum {
+	CU_MEM_ALLOCATION_TYPE_PINNED = 1,
+};
+enum {
+	CU_MEM_LOCATION_TYPE_DEVICE = 1,
+	CU_MEM_LOCATION_TYPE_HOST_NUMA = 3, /* CUDA 12.2+ */
+};
+enum {
+	CU_MEM_HANDLE_TYPE_NONE = 0,
+	CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
+};
 enum {
 	CU_MEM_ACCESS_FLAGS_PROT_NONE = 0,
 	CU_MEM_ACCESS_FLAGS_PROT_READ = 1,

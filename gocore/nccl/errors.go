@@ -19,14 +19,14 @@ type Result int
 
 // The ncclResult_t values of nccl.h.
 const (
-	Success            Result = 0
-	UnhandledCudaError Result = 1
-	SystemError        Result = 2
-	InternalError      Result = 3
-	InvalidArgument    Result = 4
-	InvalidUsage       Result = 5
-	RemoteError        Result = 6
-	InProgress         Result = 7
+	Success            Result = 0 // ncclSuccess
+	UnhandledCudaError Result = 1 // ncclUnhandledCudaError
+	SystemError        Result = 2 // ncclSystemError
+	InternalError      Result = 3 // ncclInternalError
+	InvalidArgument    Result = 4 // ncclInvalidArgument
+	InvalidUsage       Result = 5 // ncclInvalidUsage
+	RemoteError        Result = 6 // ncclRemoteError
+	InProgress         Result = 7 // ncclInProgress
 )
 
 var resultNames = [...]string{

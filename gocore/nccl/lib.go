@@ -9,12 +9,7 @@ package nccl
 #include <stdlib.h>
 #include <string.h>
 
-typedef int (*gmp_nccl_version_fn)(int*);
-typedef int (*gmp_nccl_alloc_fn)(void**, size_t);
-typedef int (*gmp_nccl_free_fn)(void*);
-typedef const char* (*gmp_nccl_errstr_fn)(int);
-typedef int (*gmp_cu_push_fn)(void*);
-typedef int (*gmp_cu_pop_fn)(void**);
+#include "nccl_api.h"
 
 static void gmp_copy(char* dst, size_t len, const char* src) {
 	strncpy(dst, src, len - 1);

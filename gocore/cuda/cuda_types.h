@@ -3,20 +3,18 @@
  * build (tests/csrc/fake_cuda.c, which includes this file by its path
  * relative to itself). One copy, so that the two cannot drift apart.
  *
- * No CUDA headers are available where this builds, so the types are
- * declared here. They match cuda.h of CUDA 12.x and 13.x, checked against
- * NVIDIA's CUDA Driver API reference (structCUmemPoolProps__v1,
- * structCUmemAllocationProp__v1, structCUmemLocation__v1,
- * structCUmemAccessDesc__v1 pages of the 13.1 and 13.4 documentation) and
- * the cuda.h text quoted in public repositories (CUmemPoolProps_v1 with
- * maxSize, usage, reserved[54]; CUmemAllocationProp_v1 with allocFlags
- * {compressionType, gpuDirectRDMACapable, usage, reserved[4]}). 13.4 carves
- * gpuDirectRDMACapable out of CUmemPoolProps' reserved bytes and puts a
- * union around CUmemLocation's id; neither changes a size or an offset we
- * use, and we zero every byte we do not set, which is what the driver
- * requires of reserved fields. The _Static_asserts pin the sizes (x86-64
- * and aarch64, LP64). Enum values come from the same sources; the error
- * codes from cuda.h's cudaError_enum.
+ * gpumempool builds without CUDA headers, so the types are declared here.
+ * tests/test_cuda_headers.py compiles them (with shim.h's prototypes and
+ * consts.go's values) against NVIDIA's cuda.h of CUDA 12.0, 12.9, 13.0 and
+ * 13.5 and fails on any difference in a prototype, a struct size or offset,
+ * or a constant. Newer releases add fields in reserved bytes
+ * (CUmemPoolProps.maxSize in 12.2, usage in 12.6, gpuDirectRDMACapable in
+ * 13.x) and put a union around CUmemLocation's id; neither moves anything
+ * we use, and we zero every byte we do not set, which is what the driver
+ * requires of reserved fields. Fields and values newer than 12.0 are marked
+ * with the release that added them; package cuda checks the driver's
+ * version before using them. The static asserts pin the sizes (x86-64 and
+ * aarch64, LP64).
  *
  * The opaque handles (CUcontext, CUevent, CUstream, CUmemoryPool) are left
  * to the includer: the shim passes them around as void *, the fake points
@@ -51,8 +49,8 @@ typedef struct {
 	} allocFlags;
 } CUmemAllocationProp;
 
-/* CUmemPoolProps_v1 (CUDA 12.x layout; 13.4 uses reserved[0] as
- * gpuDirectRDMACapable, which we leave 0). */
+/* CUmemPoolProps_v1 (maxSize: CUDA 12.2+, usage: 12.6+, reserved bytes before;
+ * 13.x uses reserved[0] as gpuDirectRDMACapable, which we leave 0). */
 typedef struct {
 	int allocType;   /* CUmemAllocationType */
 	int handleTypes; /* CUmemAllocationHandleType */

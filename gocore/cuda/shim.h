@@ -4,10 +4,11 @@
  * single C call. It must be one C call: CUDA's current context is per OS
  * thread, and a goroutine may move to another thread between two cgo calls.
  *
- * No CUDA headers are available where this builds: the cuda.h types,
- * constants and error codes are declared in cuda_types.h (shared with the
- * fake driver the tests use, tests/csrc/fake_cuda.c), the opaque handles
- * here. */
+ * No CUDA headers are needed to build: the cuda.h types, constants and
+ * error codes are declared in cuda_types.h (shared with the fake driver the
+ * tests use, tests/csrc/fake_cuda.c), the opaque handles here; the
+ * prototypes below are checked against the real cuda.h by
+ * tests/test_cuda_headers.py. */
 #ifndef GMP_CUDA_SHIM_H
 #define GMP_CUDA_SHIM_H
 

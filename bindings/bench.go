@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/cuda"
 )
 
 // benchRow is one size of BenchBackend's result.
@@ -16,13 +17,51 @@ type benchRow struct {
 	RawNS    float64 `json:"raw_ns"`    // backend Alloc + Free, per pair
 	CachedNS float64 `json:"cached_ns"` // pool Alloc + Free served from the cache, per pair
 	Speedup  float64 `json:"speedup"`   // RawNS / CachedNS
+	// For backends whose driver keeps a cache of its own (async: the CUDA
+	// pool reuses what cuMemFreeAsync gave back, so RawNS is a cache hit
+	// too): alloc+free with that cache emptied before each pair, i.e. what a
+	// miss in both caches costs. Zero for the other backends.
+	RawColdNS     float64 `json:"raw_cold_ns,omitempty"`
+	SpeedupVsCold float64 `json:"speedup_vs_cold,omitempty"` // RawColdNS / CachedNS
+}
+
+// drainable is a backend with a driver-side cache that can be emptied:
+// cuda.AsyncBackend (cuMemPoolTrimTo, after the stream has run the frees).
+type drainable interface {
+	Trim(dev int, keep uint64) error
+	Driver() *cuda.Driver
+}
+
+// timeCold times iters alloc+free pairs of be, emptying its driver-side
+// cache between pairs (outside the timed part).
+func timeCold(be gocore.Backend, d drainable, dev int, size uint64, s gocore.Stream, iters int64) (float64, error) {
+	var total time.Duration
+	for range iters {
+		if err := d.Driver().StreamSynchronize(dev, uint64(s)); err != nil {
+			return 0, fmt.Errorf("cold %s: %w", be.Name(), err)
+		}
+		if err := d.Trim(dev, 0); err != nil {
+			return 0, fmt.Errorf("cold %s: %w", be.Name(), err)
+		}
+		start := time.Now()
+		addr, err := be.Alloc(dev, size, s)
+		if err != nil {
+			return 0, fmt.Errorf("cold %s alloc of %d bytes: %w", be.Name(), size, err)
+		}
+		if err := be.Free(dev, addr, size, s); err != nil {
+			return 0, fmt.Errorf("cold %s free of %d bytes: %w", be.Name(), size, err)
+		}
+		total += time.Since(start)
+	}
+	return float64(total.Nanoseconds()) / float64(iters), nil
 }
 
 // BenchBackend measures, for each size in sizesCSV (bytes), the backend's own
 // alloc+free latency against the engine's cached re-supply of the same size,
 // iters pairs each, on device and stream, with a backend built from the same
-// options as NewPool. It runs entirely in Go, so the numbers carry no Python
-// overhead. Returns a JSON list of rows.
+// options as NewPool; backends with a driver-side cache (async) are also
+// timed with that cache emptied (raw_cold_ns). It runs entirely in Go, so
+// the numbers carry no Python overhead. Returns a JSON list of rows.
 func BenchBackend(optionsJSON, sizesCSV string, iters, device int64, stream uint64) (js string, err error) {
 	defer guard(&err)
 	if iters <= 0 {
@@ -62,6 +101,11 @@ func BenchBackend(optionsJSON, sizesCSV string, iters, device int64, stream uint
 			}
 		}
 		row.RawNS = float64(time.Since(start).Nanoseconds()) / float64(iters)
+		if d, ok := be.(drainable); ok {
+			if row.RawColdNS, err = timeCold(be, d, dev, size, s, iters); err != nil {
+				return "", err
+			}
+		}
 		p, err := gocore.NewPool(gocore.Config{Name: "bench", Backend: be})
 		if err != nil {
 			return "", err
@@ -76,6 +120,7 @@ func BenchBackend(optionsJSON, sizesCSV string, iters, device int64, stream uint
 		row.CachedNS = cached
 		if cached > 0 {
 			row.Speedup = row.RawNS / cached
+			row.SpeedupVsCold = row.RawColdNS / cached
 		}
 		rows = append(rows, row)
 	}

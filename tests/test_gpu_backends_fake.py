@@ -5,6 +5,7 @@ handling, error mapping and the OOM path run here without a GPU."""
 from __future__ import annotations
 
 import ctypes
+import json
 
 import pytest
 
@@ -139,3 +140,60 @@ def test_options_a_driver_is_too_old_for_are_refused_by_name(fake_cuda, monkeypa
         fake.fake_cuda_reset()
     with gmp.MemPool("async", libcuda=path, max_size=64 * MiB) as pool:
         pool.free(pool.alloc(MiB))
+
+
+def test_backend_benchmark_times_the_async_pool_cold_too(fake_cuda) -> None:
+    """The async backend's raw pairs hit the CUDA pool's own cache, so the
+    benchmark also times them with that cache trimmed before every pair."""
+    from gpumempool import _native
+
+    path, fake = fake_cuda
+    iters = 5
+    trims, syncs = fake.fake_cuda_calls(b"cuMemPoolTrimTo"), fake.fake_cuda_calls(b"cuStreamSynchronize")
+    js = _native.bindings.BenchBackend(json.dumps({"backend": "async", "gpu": {"libcuda": path}}), "4096,1048576",
+                                       iters, 0, 0)
+    rows = json.loads(js)
+    assert [r["size"] for r in rows] == [4096, MiB]
+    for r in rows:
+        assert r["raw_cold_ns"] > 0 and r["cached_ns"] > 0
+        assert r["speedup_vs_cold"] == pytest.approx(r["raw_cold_ns"] / r["cached_ns"])
+    assert fake.fake_cuda_calls(b"cuMemPoolTrimTo") - trims == 2 * iters
+    assert fake.fake_cuda_calls(b"cuStreamSynchronize") - syncs == 2 * iters
+    assert fake.fake_cuda_live_bytes(0) == 0
+
+    rows = json.loads(_native.bindings.BenchBackend(json.dumps({"backend": "cuda", "gpu": {"libcuda": path}}),
+                                                    "4096", iters, 0, 0))
+    assert "raw_cold_ns" not in rows[0]  # cuMemAlloc keeps no cache to empty
+
+
+def test_gpu_backends_script_reports_cold_async_numbers(fake_cuda, tmp_path, monkeypatch) -> None:
+    """benchmarks/gpu_backends.py's measuring and report code, run on the fake
+    driver (small sizes: the fake's device memory is host memory)."""
+    import importlib.util
+    from pathlib import Path
+
+    path, _ = fake_cuda
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_backends.py"
+    spec = importlib.util.spec_from_file_location("gmp_test_gpu_backends", script)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "SIZES", [4096, MiB])
+    monkeypatch.setattr(bench, "iters_for", lambda size: 3)
+    result = {"date": "2026-11-22", "device": "fake", "backends": {}}
+    for name in ("cuda", "async"):
+        spec_ = {"gpu": {"libcuda": path}}
+        result["backends"][name] = {"latency": bench.bench_backend(name, spec_),
+                                    "mixed": bench.mixed_workload(name, {"gpu": {"libcuda": path}}, steps=300)}
+    result["backends"]["nccl"] = {"error": "libnccl not found"}
+    bench.write(result, tmp_path)
+    md = (tmp_path / "gpu_backends.md").read_text()
+    rows = [line.split(" | ") for line in md.splitlines() if line.startswith(("| cuda |", "| async |", "| nccl |"))]
+    cuda_rows = [r for r in rows if r[0] == "| cuda" and len(r) == 7]
+    async_rows = [r for r in rows if r[0] == "| async" and len(r) == 7]
+    assert len(cuda_rows) == 2 and all(r[3] == "-" and r[6] == "- |" for r in cuda_rows)
+    assert len(async_rows) == 2 and all(r[3] != "-" and r[6].endswith("x |") for r in async_rows)
+    assert any("error: libnccl not found" in line for line in md.splitlines())
+    assert "reserved / requested" in md
+    saved = json.loads((tmp_path / "gpu_backends.json").read_text())
+    assert saved["backends"]["async"]["latency"][0]["raw_cold_ns"] > 0

@@ -1,9 +1,23 @@
-"""What the GPU benchmark scripts check before they start (shared by
-record_traces.py and suite_gpu.py; imported from the scripts' own folder)."""
+"""What the GPU benchmark scripts share (record_traces.py, suite_gpu.py and
+gpt2_train.py import it from their own folder): the checks made before they
+start, and the options of the small GPT-2 they train."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Optional
+
+
+def add_model_args(ap: argparse.ArgumentParser, *, batch: int, embd: int, heads: int, what: str = "GPT-2") -> None:
+    """The GPT-2 options (transformers config, random weights and tokens):
+    --batch, --seq, --vocab, --embd, --layers, --heads and --seed."""
+    ap.add_argument("--batch", type=int, default=batch, help=f"{what} batch (default {batch})")
+    ap.add_argument("--seq", type=int, default=256, help=f"{what} sequence length (default 256)")
+    ap.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default 8192)")
+    ap.add_argument("--embd", type=int, default=embd, help=f"embedding width (default {embd})")
+    ap.add_argument("--layers", type=int, default=6, help="transformer layers (default 6)")
+    ap.add_argument("--heads", type=int, default=heads, help=f"attention heads (default {heads})")
+    ap.add_argument("--seed", type=int, default=1234, help="random seed (default 1234)")
 
 
 def gpu_problem(need_transformers: bool = False) -> Optional[str]:

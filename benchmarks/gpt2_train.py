@@ -43,6 +43,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _gpu_env  # noqa: E402  (shared GPT-2 options, next to this script)
+
 BANNER = (
     "gpt2_train: GPT-2 training natively and inside gpumempool.mempool (vmm, nccl backends), plus a "
     "full-replacement torch.empty/del loop; needs an NVIDIA GPU, torch with CUDA and transformers"
@@ -245,24 +248,8 @@ def worker_loop(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def gpu_problem() -> Optional[str]:
-    """Why this cannot run here, or None."""
-    try:
-        import gpumempool as gmp
-    except Exception as exc:  # noqa: BLE001
-        return f"gpumempool does not import ({exc})"
-    info = gmp.device_info()
-    if not info.get("devices"):
-        return f"NVML finds no NVIDIA GPU ({info.get('reason') or 'no devices'})"
-    for mod in ("torch", "transformers"):
-        try:
-            __import__(mod)
-        except Exception as exc:  # noqa: BLE001
-            return f"{mod} is not installed ({exc})"
-    import torch
-
-    if not torch.cuda.is_available():
-        return f"torch {torch.__version__} sees no CUDA device (a CPU-only build?)"
-    return None
+    """Why this cannot run here, or None (see _gpu_env.gpu_problem)."""
+    return _gpu_env.gpu_problem(need_transformers=True)
 
 
 def device_slug(name: str) -> str:
@@ -371,21 +358,18 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--embd", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--loop-ops", type=int, default=20000)
-    ap.add_argument("--loop-backend", default="cuda")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=BANNER,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    ap.add_argument("--warmup", type=int, default=20, help="steps not timed (default 20)")
+    _gpu_env.add_model_args(ap, batch=16, embd=512, heads=8)
+    ap.add_argument("--loop-ops", type=int, default=20000, help="torch.empty/del operations of the loop (default 20000)")
+    ap.add_argument("--loop-backend", default="cuda", help="gpumempool backend of the full replacement (default cuda)")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per worker process (default 240)")
-    ap.add_argument("--modes", default=",".join(TRAIN_MODES + LOOP_MODES))
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--modes", default=",".join(TRAIN_MODES + LOOP_MODES),
+                    help="comma-separated subset of " + ",".join(TRAIN_MODES + LOOP_MODES))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+                    help="results folder (default benchmarks/results)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SHELL_SCRIPTS = [ROOT / "tools" / "build-gpu-wheel.sh", ROOT / "tools" / "gpu-check.sh"]
-PY_SCRIPTS = [ROOT / "benchmarks" / "record_traces.py", ROOT / "benchmarks" / "suite_gpu.py"]
+PY_SCRIPTS = [ROOT / "benchmarks" / name for name in ("record_traces.py", "suite_gpu.py", "gpt2_train.py")]
 MiB = 1 << 20
 
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

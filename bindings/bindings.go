@@ -309,6 +309,14 @@ func PoolClose(id int64) (js string, err error) {
 	}
 	registry.Remove(id)
 	rep, err := e.Pool.Close()
+	// Torch's private pools (CUDA graphs, torch.cuda.MemPool) share the
+	// backend: closed before it.
+	prep, perr := cabi.CloseGraphPools(e)
+	err = errors.Join(err, perr)
+	rep.LiveBlocks = append(rep.LiveBlocks, prep.LiveBlocks...)
+	rep.LiveBytes += prep.LiveBytes
+	rep.SegmentsFreed += prep.SegmentsFreed
+	rep.BytesFreed += prep.BytesFreed
 	if c, ok := e.Keep.(io.Closer); ok {
 		// Backend resources beyond segments (CUDA memory pools, ...).
 		err = errors.Join(err, c.Close())
@@ -319,6 +327,22 @@ func PoolClose(id int64) (js string, err error) {
 	out, merr := marshal(map[string]any{"live_blocks": rep.LiveBlocks, "live_bytes": rep.LiveBytes,
 		"segments_freed": rep.SegmentsFreed, "bytes_freed": rep.BytesFreed})
 	return out, errors.Join(err, merr)
+}
+
+// PoolGraphPools lists, as JSON, the private pools torch allocated into
+// through the pool's C hooks (CUDA graphs and torch.cuda.MemPool in
+// full-replacement mode; see cabi.GraphPools).
+func PoolGraphPools(id int64) (js string, err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return "", err
+	}
+	pools, err := cabi.GraphPools(e)
+	if err != nil {
+		return "", err
+	}
+	return marshal(pools)
 }
 
 // PoolSymbols gives the pool a C slot and returns the names of its torch

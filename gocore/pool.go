@@ -51,6 +51,14 @@ type Config struct {
 	// backend until it is under the threshold (like the release threshold of
 	// a CUDA memory pool). 0 means unlimited.
 	ReleaseThreshold uint64
+	// KeepSegments: segments go back to the backend only when the pool is
+	// closed. Freed memory stays cached whatever happens: no release and
+	// retry when the backend runs out (the allocation fails instead), no
+	// ReleaseThreshold or garbage collection, and Trim / EmptyCache release
+	// nothing. For pools whose freed blocks may still be written by work
+	// recorded earlier, such as the private pool of a CUDA graph, which
+	// every replay runs with the addresses it was captured with.
+	KeepSegments bool
 }
 
 // MaxRoundupDivisions bounds Config.RoundupPower2Divisions.

@@ -698,3 +698,31 @@ func TestExpandableRespectsLimitAndSmallPool(t *testing.T) {
 	mustAlloc(t, q, 1000, 0, 0)
 	assert.EqualValues(t, 2*MiB, stats(t, q).ReservedBytes[1].Current)
 }
+
+// A KeepSegments pool (a CUDA graph's private pool) never gives a freed
+// segment back while it is open: not to make room, not by threshold,
+// garbage collection or an explicit empty; Close does.
+func TestKeepSegmentsReleasesOnlyAtClose(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Capacity: 64 * MiB},
+		Config{Name: "graph", KeepSegments: true, ReleaseThreshold: MiB, Limit: 48 * MiB, GarbageCollectionThreshold: 0.5})
+	x := mustAlloc(t, p, 15*MiB, 0, 0)
+	y := mustAlloc(t, p, 15*MiB, 0, 0)
+	require.NoError(t, p.Free(x))
+	require.NoError(t, p.Free(y)) // over the release threshold: kept anyway
+	released, err := p.EmptyCache()
+	require.NoError(t, err)
+	assert.Zero(t, released)
+	// 40 MiB would fit only if the cached 32 MiB went back: it fails instead.
+	oom := mustOOM(t, p, 40*MiB, 0)
+	assert.EqualValues(t, 40*MiB, oom.Requested)
+	s := stats(t, p)
+	assert.EqualValues(t, 32*MiB, s.ReservedBytes[0].Current, "the graph's memory stayed")
+	assert.Zero(t, s.NumGCReleases)
+	// The cached blocks are still served.
+	assert.Equal(t, x, mustAlloc(t, p, 15*MiB, 0, 0))
+	require.NoError(t, p.CheckInvariants())
+	rep, err := p.Close()
+	require.NoError(t, err)
+	assert.EqualValues(t, 32*MiB, rep.BytesFreed)
+	assert.Zero(t, be.UsedBytes(0))
+}

@@ -565,11 +565,23 @@ class MemPool:
 
     def pluggable_hooks(self) -> dict[str, str]:
         """Torch's ``CUDAPluggableAllocator`` hook setters (``set_init_fn``,
-        ``set_reset_fn``, ``set_memory_fraction_fn``, ``set_record_stream_fn``)
-        mapped to this pool's exported C functions in
+        ``set_reset_fn``, ``set_memory_fraction_fn``, ``set_record_stream_fn``,
+        ``set_base_alloc_fn`` and the CUDA-graph ones
+        ``set_begin_allocate_to_pool``, ``set_end_allocate_to_pool_fn``,
+        ``set_release_pool``) mapped to this pool's exported functions in
         :func:`library_path`. Torch calls them directly, without the GIL;
         their failures are kept for :meth:`last_error`."""
         return dict(json.loads(self._native(_b.PoolHookSymbols, self._handle())))
+
+    def graph_pools(self) -> list[dict[str, Any]]:
+        """The private pools torch allocated into through this pool's hooks
+        in full-replacement mode: one per CUDA graph captured (or
+        ``torch.cuda.MemPool`` used), with ``id`` (torch's MempoolId_t),
+        ``device``, ``live_blocks``, ``allocated_bytes``, ``reserved_bytes``,
+        ``released`` (the graph is gone; the segments go back when its last
+        block is freed) and ``capturing``. Their memory is not in
+        :meth:`stats`: a graph's blocks must never be handed to anyone else."""
+        return list(json.loads(self._native(_b.PoolGraphPools, self._handle())))
 
     # -- simulated device controls ----------------------------------------
 

@@ -78,11 +78,17 @@ def _build_so(tmp_path_factory: pytest.TempPathFactory, src: str, name: str, *fl
 
 @pytest.fixture(scope="session")
 def cxx_caller(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    """tests/csrc/throw_caller.cpp: a C++ caller that catches what the
-    throwing alloc entry points throw, as torch does."""
-    lib = ctypes.CDLL(_build_so(tmp_path_factory, "throw_caller.cpp", "throwcaller"))
+    """tests/csrc/torch_caller.cpp: a C++ caller of the entry points that
+    need C++ (the throwing alloc, the CUDA-graph hooks), calling them as
+    torch does."""
+    lib = ctypes.CDLL(_build_so(tmp_path_factory, "torch_caller.cpp", "torchcaller"))
     lib.call_alloc.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
                                ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
+    lib.call_begin.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_ulonglong,
+                               ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_int]
+    lib.call_end.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong]
+    lib.live_filters.restype = ctypes.c_long
+    lib.filter_call_count.restype = ctypes.c_long
     return lib
 
 

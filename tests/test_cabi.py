@@ -116,18 +116,22 @@ def _hooks(pool: gmp.MemPool) -> dict[str, ctypes._CFuncPtr]:
         "set_reset_fn": ctypes.CFUNCTYPE(None),
         "set_memory_fraction_fn": ctypes.CFUNCTYPE(None, ctypes.c_double, ctypes.c_int),
         "set_record_stream_fn": ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p),
+        "set_base_alloc_fn": ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)),
     }
     out = {}
     for setter, sym in pool.pluggable_hooks().items():
         addr = ctypes.cast(getattr(lib, sym), ctypes.c_void_p).value
-        out[setter] = types[setter](addr)
+        if setter in types:  # the others take C++ arguments: see test_graph_capture_*
+            out[setter] = types[setter](addr)
     return out
 
 
 def test_torch_hooks_are_native_functions_that_act_on_the_pool() -> None:
     with gmp.MemPool("sim", devices=2, capacity=64 * MiB) as pool:
         hooks = _hooks(pool)
-        assert set(hooks) == {"set_init_fn", "set_reset_fn", "set_memory_fraction_fn", "set_record_stream_fn"}
+        assert set(pool.pluggable_hooks()) == {
+            "set_init_fn", "set_reset_fn", "set_memory_fraction_fn", "set_record_stream_fn", "set_base_alloc_fn",
+            "set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool"}
         assert pool.pluggable_hooks() == pool.pluggable_hooks()  # the slot is kept
 
         hooks["set_init_fn"](2)
@@ -172,6 +176,25 @@ def test_torch_hooks_are_native_functions_that_act_on_the_pool() -> None:
         assert pool.last_error() is None
         assert pool.stats()["reserved_bytes.all.current"] < reserved
         assert pool.stats()["reserved_bytes.all.current"] == 0
+
+
+def test_base_alloc_hook_gives_the_segment_of_a_block() -> None:
+    """torch.multiprocessing shares a CUDA tensor as an IPC handle of its
+    allocation's base plus an offset: the hook must give the segment."""
+    with gmp.MemPool("sim", capacity=64 * MiB) as pool:
+        base_alloc = _hooks(pool)["set_base_alloc_fn"]
+        a, b = pool.alloc(1000), pool.alloc(3000)  # two blocks of one small segment
+        size = ctypes.c_size_t(0)
+        seg_a = base_alloc(a, ctypes.byref(size))
+        assert seg_a == min(a, b) and size.value == 2 * MiB  # torch's small-segment size
+        assert base_alloc(b, ctypes.byref(size)) == seg_a
+        big = pool.alloc(30 * MiB)
+        assert base_alloc(big, ctypes.byref(size)) == big and size.value >= 30 * MiB
+        assert pool.last_error() is None
+        assert base_alloc(a + 512, ctypes.byref(size)) is None  # not a block: NULL, not a wrong base
+        assert "not" in (pool.last_error() or "")
+        for p in (a, b, big):
+            pool.free(p)
 
 
 def test_torch_hooks_recover_panics_and_closed_slots() -> None:
@@ -257,3 +280,134 @@ def test_torch_pluggable_allocator_accepts_the_symbols(pool: gmp.MemPool) -> Non
     for setter, sym in hooks.items():
         assert hasattr(raw, setter), f"torch {torch.__version__} lost {setter}"
         getattr(raw, setter)(ctypes.cast(getattr(lib, sym), ctypes.c_void_p).value)
+
+
+def test_graph_capture_allocates_from_a_private_pool(cxx_caller) -> None:
+    """torch.cuda.graph in full-replacement mode: between begin and end,
+    allocations on the captured stream come from a private pool whose blocks
+    nobody else gets until the graph is released (a replay writes them)."""
+    S0, S1 = 0x10, 0x11  # the stream outside the capture, the captured one
+    # release_threshold=1: the shared pool gives back every free segment;
+    # the private pool must not (a replay would write released memory).
+    with gmp.MemPool("sim", capacity=256 * MiB, release_threshold=1) as pool:
+        path, a_sym, f_sym = pool.pluggable_symbols()
+        hooks = pool.pluggable_hooks()
+        lib = ctypes.CDLL(path)
+        alloc, free = getattr(lib, a_sym), getattr(lib, f_sym)
+        alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+
+        def hook(name: str, *args: int) -> int:
+            fn = cxx_caller.call_begin if name == "set_begin_allocate_to_pool" else cxx_caller.call_end
+            return fn(path.encode(), hooks[name].encode(), *args)
+
+        keep = alloc(512, 0, S0)  # keeps x's small segment from being released
+        x = alloc(MiB, 0, S0)
+        free(x, MiB, 0, S0)  # cached in the shared pool
+        assert hook("set_begin_allocate_to_pool", 0, 7, 0, S1, 0) == 0
+        a = alloc(MiB, 0, S1)
+        assert a and a != x  # the capture does not get the shared cache's block
+        assert alloc(MiB, 0, S0) == x  # other streams still do
+        free(x, MiB, 0, S0)
+        (gp,) = pool.graph_pools()
+        assert gp["id"] == [7, 0] and gp["live_blocks"] == 1 and gp["capturing"] and not gp["released"]
+        free(a, MiB, 0, S1)  # freed during capture: reusable by the capture only
+        c = alloc(MiB, 0, S1)
+        assert c == a
+        assert hook("set_end_allocate_to_pool_fn", 0, 7, 0) == 0
+        assert not pool.graph_pools()[0]["capturing"]
+        free(c, MiB, 0, S1)
+        after = alloc(MiB, 0, S1)  # capture over: the shared pool serves S1 again ...
+        assert after and after != a  # ... and never with the graph's block
+        free(after, MiB, 0, S1)
+        assert pool.graph_pools()[0]["reserved_bytes"] == 2 * MiB  # kept for the graph's replays
+        assert pool.graph_pools()[0]["live_blocks"] == 0
+        reserved = pool.stats()["reserved_bytes.all.current"]
+        assert hook("set_release_pool", 0, 7, 0) == 0  # the graph is gone
+        assert pool.graph_pools() == []
+        assert pool.stats()["reserved_bytes.all.current"] == reserved  # the private segment went to the backend
+        assert pool.last_error() is None
+
+        # Released while a block lives: the pool goes when the block does.
+        assert hook("set_begin_allocate_to_pool", 0, 8, 1, S1, 0) == 0
+        d = alloc(3 * MiB, 0, S1)
+        assert hook("set_end_allocate_to_pool_fn", 0, 8, 1) == 0
+        assert hook("set_release_pool", 0, 8, 1) == 0
+        (gp,) = pool.graph_pools()
+        assert gp["released"] and gp["live_blocks"] == 1
+        free(d, 3 * MiB, 0, S1)
+        assert pool.graph_pools() == []
+        free(keep, 512, 0, S0)
+        assert cxx_caller.live_filters() == 0  # every copy of torch's filter was deleted
+        pool.check()
+
+
+def test_graph_hooks_survive_bad_calls_and_close(cxx_caller) -> None:
+    S1 = 0x21
+    pool = gmp.MemPool("sim", capacity=64 * MiB)
+    path, a_sym, _ = pool.pluggable_symbols()
+    hooks = pool.pluggable_hooks()
+    alloc = getattr(ctypes.CDLL(path), a_sym)
+    alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    begin, end, release = (hooks[k].encode() for k in (
+        "set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool"))
+    p = path.encode()
+
+    assert cxx_caller.call_end(p, end, 0, 1, 2) == 0  # end without begin: an error kept, not a crash
+    assert "no allocation to this pool was begun" in (pool.last_error() or "")
+    assert cxx_caller.call_end(p, release, 0, 1, 2) == 0  # release of a pool never used: nothing to do
+    assert pool.last_error() is None
+
+    calls = cxx_caller.filter_call_count()
+    assert cxx_caller.call_begin(p, begin, 0, 3, 0, S1, 1) == 0  # a filter that throws ...
+    a = alloc(MiB, 0, S1)
+    assert a and pool.graph_pools() == []  # ... accepts nothing (the exception stays in C++)
+    assert cxx_caller.filter_call_count() > calls
+    assert cxx_caller.call_end(p, end, 0, 3, 0) == 0
+    pool.free(a)
+
+    # Closing the pool mid-capture with a private block alive: reported, filter freed.
+    assert cxx_caller.call_begin(p, begin, 0, 4, 0, S1, 0) == 0
+    b = alloc(2 * MiB, 0, S1)
+    assert b and len(pool.graph_pools()) == 1
+    with pytest.warns(gmp.LeakWarning):
+        report = pool.close()
+    assert any(blk.addr == b for blk in report.live_blocks)
+    assert cxx_caller.live_filters() == 0
+    # The slot's hooks now report that no pool holds them.
+    assert cxx_caller.call_begin(p, begin, 0, 5, 0, S1, 0) == 0
+    assert cxx_caller.live_filters() == 0
+    assert "no pool holds this slot" in _native.bindings.PoolTakeError(0)
+
+
+def test_graph_hook_types_match_torch_headers(tmp_path) -> None:
+    """The C++ hooks of zz_torch.cpp have the function types torch casts
+    their addresses to (Module.cpp's set_begin_allocate_to_pool & co.),
+    with torch's own c10::MempoolId_t: compiled against the headers of the
+    installed torch."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cpp_extension = pytest.importorskip("torch.utils.cpp_extension")
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.fail("no C++ compiler")
+    generated = Path(__file__).resolve().parents[1] / "bindings" / "cabi" / "zz_torch.cpp"
+    check = tmp_path / "check.cpp"
+    check.write_text(f"""
+#include <c10/core/Allocator.h>
+#include <functional>
+#include <type_traits>
+typedef struct CUstream_st* cudaStream_t;
+#include "{generated}"
+using begin_t = void(int, c10::MempoolId_t, std::function<bool(cudaStream_t)>);
+using end_t = void(int, c10::MempoolId_t);
+static_assert(std::is_same_v<decltype(gmp_begin_allocate_to_pool_0), begin_t>, "begin");
+static_assert(std::is_same_v<decltype(gmp_end_allocate_to_pool_0), end_t>, "end");
+static_assert(std::is_same_v<decltype(gmp_release_pool_0), end_t>, "release");
+static_assert(std::is_same_v<decltype(gmp_alloc_or_throw_0), void*(std::size_t, int, void*)>, "alloc");
+""")
+    args = [cxx, "-std=c++17", "-fsyntax-only", *(f"-I{p}" for p in cpp_extension.include_paths()), str(check)]
+    r = subprocess.run(args, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]

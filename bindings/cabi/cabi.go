@@ -60,6 +60,10 @@ func guarded(e *registry.Entry, where string, fn func() error) (ok bool) {
 func entryAlloc(e *registry.Entry, where string, size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	var addr uint64
 	if !guarded(e, where, func() (err error) {
+		var private bool
+		if addr, private, err = privateAlloc(e, uint64(size), int(device), stream); private {
+			return err
+		}
 		addr, err = e.Pool.Alloc(uint64(size), int(device), gocore.Stream(uintptr(stream)))
 		return err
 	}) {
@@ -69,7 +73,13 @@ func entryAlloc(e *registry.Entry, where string, size C.size_t, device C.int, st
 }
 
 func entryFree(e *registry.Entry, where string, ptr unsafe.Pointer) C.int {
-	if !guarded(e, where, func() error { return e.Pool.Free(uint64(uintptr(ptr))) }) {
+	if !guarded(e, where, func() error {
+		addr := uint64(uintptr(ptr))
+		if private, err := privateFree(e, addr); private {
+			return err
+		}
+		return e.Pool.Free(addr)
+	}) {
 		return -1
 	}
 	return 0

@@ -14,26 +14,36 @@ import (
 	"github.com/gpumempool/gpumempool/gocore"
 )
 
-// Torch's CUDAPluggableAllocator takes four optional hooks besides alloc and
-// free (set_init_fn, set_reset_fn, set_memory_fraction_fn,
-// set_record_stream_fn). They are exported per slot like the alloc/free
-// pair, so that torch calls straight into Go: no Python callback, hence no
-// GIL taken under torch's allocator lock (the GIL -> allocator-lock order
-// that deadlocks). Their C signatures return void, so a failure is kept as
-// the pool's last error (gmp_last_error, MemPool.last_error()).
+// Torch's CUDAPluggableAllocator takes optional hooks besides alloc and
+// free. They are exported per slot like the alloc/free pair, so that torch
+// calls straight into Go: no Python callback, hence no GIL taken under
+// torch's allocator lock (the GIL -> allocator-lock order that deadlocks).
+// Most return void, so a failure is kept as the pool's last error
+// (gmp_last_error, MemPool.last_error()).
 //
-//	void gmp_init_<i>(int device_count);
-//	void gmp_empty_cache_<i>(void);
-//	void gmp_memory_fraction_<i>(double fraction, int device);
-//	void gmp_record_stream_<i>(void* ptr, cudaStream_t stream);
+//	void  gmp_init_<i>(int device_count);
+//	void  gmp_empty_cache_<i>(void);
+//	void  gmp_memory_fraction_<i>(double fraction, int device);
+//	void  gmp_record_stream_<i>(void* ptr, cudaStream_t stream);
+//	void* gmp_base_alloc_<i>(void* ptr, size_t* size);
+//
+// and, in C++ (zz_torch.cpp, graphs.go), the CUDA-graph / MemPool hooks
+// gmp_begin_allocate_to_pool_<i>, gmp_end_allocate_to_pool_<i> and
+// gmp_release_pool_<i>.
 
 // HookSymbols returns torch's setter name -> exported function for slot.
+// The setter names are those of torch's Python binding of
+// CUDAPluggableAllocator; each takes the function's address.
 func HookSymbols(slot int) map[string]string {
 	return map[string]string{
-		"set_init_fn":            fmt.Sprintf("gmp_init_%d", slot),
-		"set_reset_fn":           fmt.Sprintf("gmp_empty_cache_%d", slot),
-		"set_memory_fraction_fn": fmt.Sprintf("gmp_memory_fraction_%d", slot),
-		"set_record_stream_fn":   fmt.Sprintf("gmp_record_stream_%d", slot),
+		"set_init_fn":                 fmt.Sprintf("gmp_init_%d", slot),
+		"set_reset_fn":                fmt.Sprintf("gmp_empty_cache_%d", slot),
+		"set_memory_fraction_fn":      fmt.Sprintf("gmp_memory_fraction_%d", slot),
+		"set_record_stream_fn":        fmt.Sprintf("gmp_record_stream_%d", slot),
+		"set_base_alloc_fn":           fmt.Sprintf("gmp_base_alloc_%d", slot),
+		"set_begin_allocate_to_pool":  fmt.Sprintf("gmp_begin_allocate_to_pool_%d", slot),
+		"set_end_allocate_to_pool_fn": fmt.Sprintf("gmp_end_allocate_to_pool_%d", slot),
+		"set_release_pool":            fmt.Sprintf("gmp_release_pool_%d", slot),
 	}
 }
 
@@ -92,6 +102,36 @@ func fractionLimit(p *gocore.Pool, fraction float64, device int) (uint64, error)
 
 func slotRecordStream(slot int, ptr, stream unsafe.Pointer) {
 	slotHook(slot, "gmp_record_stream", func(e *registry.Entry) error {
-		return e.Pool.RecordStream(uint64(uintptr(ptr)), gocore.Stream(uintptr(stream)))
+		addr, s := uint64(uintptr(ptr)), gocore.Stream(uintptr(stream))
+		if ok, err := privateRecordStream(e, addr, s); ok {
+			return err
+		}
+		return e.Pool.RecordStream(addr, s)
 	})
+}
+
+// slotBaseAlloc is torch's getBaseAllocation: the segment (the backend's
+// allocation) holding the block at ptr, and its size. Torch shares a CUDA
+// tensor with another process (torch.multiprocessing) as an IPC handle of
+// that base plus an offset; without this hook it would take the block for
+// the base, and the other process would read the segment's first bytes.
+// NULL (and the pool's last error) when ptr is not a live block.
+func slotBaseAlloc(slot int, ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	var base uint64
+	slotHook(slot, "gmp_base_alloc", func(e *registry.Entry) error {
+		addr := uint64(uintptr(ptr))
+		info, ok, err := privateBlock(e, addr)
+		if !ok {
+			info, err = e.Pool.Lookup(addr)
+		}
+		if err != nil {
+			return err
+		}
+		base = info.SegmentAddr
+		if size != nil {
+			*size = C.size_t(info.SegmentSize)
+		}
+		return nil
+	})
+	return ptrOf(base)
 }

@@ -39,6 +39,11 @@ func gmp_record_stream_0(ptr, stream unsafe.Pointer) {
 	slotRecordStream(0, ptr, stream)
 }
 
+//export gmp_base_alloc_0
+func gmp_base_alloc_0(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(0, ptr, size)
+}
+
 //export gmp_alloc_1
 func gmp_alloc_1(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(1, size, device, stream)
@@ -67,6 +72,11 @@ func gmp_memory_fraction_1(fraction C.double, device C.int) {
 //export gmp_record_stream_1
 func gmp_record_stream_1(ptr, stream unsafe.Pointer) {
 	slotRecordStream(1, ptr, stream)
+}
+
+//export gmp_base_alloc_1
+func gmp_base_alloc_1(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(1, ptr, size)
 }
 
 //export gmp_alloc_2
@@ -99,6 +109,11 @@ func gmp_record_stream_2(ptr, stream unsafe.Pointer) {
 	slotRecordStream(2, ptr, stream)
 }
 
+//export gmp_base_alloc_2
+func gmp_base_alloc_2(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(2, ptr, size)
+}
+
 //export gmp_alloc_3
 func gmp_alloc_3(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(3, size, device, stream)
@@ -127,6 +142,11 @@ func gmp_memory_fraction_3(fraction C.double, device C.int) {
 //export gmp_record_stream_3
 func gmp_record_stream_3(ptr, stream unsafe.Pointer) {
 	slotRecordStream(3, ptr, stream)
+}
+
+//export gmp_base_alloc_3
+func gmp_base_alloc_3(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(3, ptr, size)
 }
 
 //export gmp_alloc_4
@@ -159,6 +179,11 @@ func gmp_record_stream_4(ptr, stream unsafe.Pointer) {
 	slotRecordStream(4, ptr, stream)
 }
 
+//export gmp_base_alloc_4
+func gmp_base_alloc_4(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(4, ptr, size)
+}
+
 //export gmp_alloc_5
 func gmp_alloc_5(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(5, size, device, stream)
@@ -187,6 +212,11 @@ func gmp_memory_fraction_5(fraction C.double, device C.int) {
 //export gmp_record_stream_5
 func gmp_record_stream_5(ptr, stream unsafe.Pointer) {
 	slotRecordStream(5, ptr, stream)
+}
+
+//export gmp_base_alloc_5
+func gmp_base_alloc_5(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(5, ptr, size)
 }
 
 //export gmp_alloc_6
@@ -219,6 +249,11 @@ func gmp_record_stream_6(ptr, stream unsafe.Pointer) {
 	slotRecordStream(6, ptr, stream)
 }
 
+//export gmp_base_alloc_6
+func gmp_base_alloc_6(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(6, ptr, size)
+}
+
 //export gmp_alloc_7
 func gmp_alloc_7(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(7, size, device, stream)
@@ -247,6 +282,11 @@ func gmp_memory_fraction_7(fraction C.double, device C.int) {
 //export gmp_record_stream_7
 func gmp_record_stream_7(ptr, stream unsafe.Pointer) {
 	slotRecordStream(7, ptr, stream)
+}
+
+//export gmp_base_alloc_7
+func gmp_base_alloc_7(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(7, ptr, size)
 }
 
 //export gmp_alloc_8
@@ -279,6 +319,11 @@ func gmp_record_stream_8(ptr, stream unsafe.Pointer) {
 	slotRecordStream(8, ptr, stream)
 }
 
+//export gmp_base_alloc_8
+func gmp_base_alloc_8(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(8, ptr, size)
+}
+
 //export gmp_alloc_9
 func gmp_alloc_9(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(9, size, device, stream)
@@ -307,6 +352,11 @@ func gmp_memory_fraction_9(fraction C.double, device C.int) {
 //export gmp_record_stream_9
 func gmp_record_stream_9(ptr, stream unsafe.Pointer) {
 	slotRecordStream(9, ptr, stream)
+}
+
+//export gmp_base_alloc_9
+func gmp_base_alloc_9(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(9, ptr, size)
 }
 
 //export gmp_alloc_10
@@ -339,6 +389,11 @@ func gmp_record_stream_10(ptr, stream unsafe.Pointer) {
 	slotRecordStream(10, ptr, stream)
 }
 
+//export gmp_base_alloc_10
+func gmp_base_alloc_10(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(10, ptr, size)
+}
+
 //export gmp_alloc_11
 func gmp_alloc_11(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(11, size, device, stream)
@@ -367,6 +422,11 @@ func gmp_memory_fraction_11(fraction C.double, device C.int) {
 //export gmp_record_stream_11
 func gmp_record_stream_11(ptr, stream unsafe.Pointer) {
 	slotRecordStream(11, ptr, stream)
+}
+
+//export gmp_base_alloc_11
+func gmp_base_alloc_11(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(11, ptr, size)
 }
 
 //export gmp_alloc_12
@@ -399,6 +459,11 @@ func gmp_record_stream_12(ptr, stream unsafe.Pointer) {
 	slotRecordStream(12, ptr, stream)
 }
 
+//export gmp_base_alloc_12
+func gmp_base_alloc_12(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(12, ptr, size)
+}
+
 //export gmp_alloc_13
 func gmp_alloc_13(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(13, size, device, stream)
@@ -427,6 +492,11 @@ func gmp_memory_fraction_13(fraction C.double, device C.int) {
 //export gmp_record_stream_13
 func gmp_record_stream_13(ptr, stream unsafe.Pointer) {
 	slotRecordStream(13, ptr, stream)
+}
+
+//export gmp_base_alloc_13
+func gmp_base_alloc_13(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(13, ptr, size)
 }
 
 //export gmp_alloc_14
@@ -459,6 +529,11 @@ func gmp_record_stream_14(ptr, stream unsafe.Pointer) {
 	slotRecordStream(14, ptr, stream)
 }
 
+//export gmp_base_alloc_14
+func gmp_base_alloc_14(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(14, ptr, size)
+}
+
 //export gmp_alloc_15
 func gmp_alloc_15(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(15, size, device, stream)
@@ -487,6 +562,11 @@ func gmp_memory_fraction_15(fraction C.double, device C.int) {
 //export gmp_record_stream_15
 func gmp_record_stream_15(ptr, stream unsafe.Pointer) {
 	slotRecordStream(15, ptr, stream)
+}
+
+//export gmp_base_alloc_15
+func gmp_base_alloc_15(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(15, ptr, size)
 }
 
 //export gmp_alloc_16
@@ -519,6 +599,11 @@ func gmp_record_stream_16(ptr, stream unsafe.Pointer) {
 	slotRecordStream(16, ptr, stream)
 }
 
+//export gmp_base_alloc_16
+func gmp_base_alloc_16(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(16, ptr, size)
+}
+
 //export gmp_alloc_17
 func gmp_alloc_17(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(17, size, device, stream)
@@ -547,6 +632,11 @@ func gmp_memory_fraction_17(fraction C.double, device C.int) {
 //export gmp_record_stream_17
 func gmp_record_stream_17(ptr, stream unsafe.Pointer) {
 	slotRecordStream(17, ptr, stream)
+}
+
+//export gmp_base_alloc_17
+func gmp_base_alloc_17(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(17, ptr, size)
 }
 
 //export gmp_alloc_18
@@ -579,6 +669,11 @@ func gmp_record_stream_18(ptr, stream unsafe.Pointer) {
 	slotRecordStream(18, ptr, stream)
 }
 
+//export gmp_base_alloc_18
+func gmp_base_alloc_18(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(18, ptr, size)
+}
+
 //export gmp_alloc_19
 func gmp_alloc_19(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(19, size, device, stream)
@@ -607,6 +702,11 @@ func gmp_memory_fraction_19(fraction C.double, device C.int) {
 //export gmp_record_stream_19
 func gmp_record_stream_19(ptr, stream unsafe.Pointer) {
 	slotRecordStream(19, ptr, stream)
+}
+
+//export gmp_base_alloc_19
+func gmp_base_alloc_19(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(19, ptr, size)
 }
 
 //export gmp_alloc_20
@@ -639,6 +739,11 @@ func gmp_record_stream_20(ptr, stream unsafe.Pointer) {
 	slotRecordStream(20, ptr, stream)
 }
 
+//export gmp_base_alloc_20
+func gmp_base_alloc_20(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(20, ptr, size)
+}
+
 //export gmp_alloc_21
 func gmp_alloc_21(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(21, size, device, stream)
@@ -667,6 +772,11 @@ func gmp_memory_fraction_21(fraction C.double, device C.int) {
 //export gmp_record_stream_21
 func gmp_record_stream_21(ptr, stream unsafe.Pointer) {
 	slotRecordStream(21, ptr, stream)
+}
+
+//export gmp_base_alloc_21
+func gmp_base_alloc_21(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(21, ptr, size)
 }
 
 //export gmp_alloc_22
@@ -699,6 +809,11 @@ func gmp_record_stream_22(ptr, stream unsafe.Pointer) {
 	slotRecordStream(22, ptr, stream)
 }
 
+//export gmp_base_alloc_22
+func gmp_base_alloc_22(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(22, ptr, size)
+}
+
 //export gmp_alloc_23
 func gmp_alloc_23(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(23, size, device, stream)
@@ -727,6 +842,11 @@ func gmp_memory_fraction_23(fraction C.double, device C.int) {
 //export gmp_record_stream_23
 func gmp_record_stream_23(ptr, stream unsafe.Pointer) {
 	slotRecordStream(23, ptr, stream)
+}
+
+//export gmp_base_alloc_23
+func gmp_base_alloc_23(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(23, ptr, size)
 }
 
 //export gmp_alloc_24
@@ -759,6 +879,11 @@ func gmp_record_stream_24(ptr, stream unsafe.Pointer) {
 	slotRecordStream(24, ptr, stream)
 }
 
+//export gmp_base_alloc_24
+func gmp_base_alloc_24(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(24, ptr, size)
+}
+
 //export gmp_alloc_25
 func gmp_alloc_25(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(25, size, device, stream)
@@ -787,6 +912,11 @@ func gmp_memory_fraction_25(fraction C.double, device C.int) {
 //export gmp_record_stream_25
 func gmp_record_stream_25(ptr, stream unsafe.Pointer) {
 	slotRecordStream(25, ptr, stream)
+}
+
+//export gmp_base_alloc_25
+func gmp_base_alloc_25(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(25, ptr, size)
 }
 
 //export gmp_alloc_26
@@ -819,6 +949,11 @@ func gmp_record_stream_26(ptr, stream unsafe.Pointer) {
 	slotRecordStream(26, ptr, stream)
 }
 
+//export gmp_base_alloc_26
+func gmp_base_alloc_26(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(26, ptr, size)
+}
+
 //export gmp_alloc_27
 func gmp_alloc_27(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(27, size, device, stream)
@@ -847,6 +982,11 @@ func gmp_memory_fraction_27(fraction C.double, device C.int) {
 //export gmp_record_stream_27
 func gmp_record_stream_27(ptr, stream unsafe.Pointer) {
 	slotRecordStream(27, ptr, stream)
+}
+
+//export gmp_base_alloc_27
+func gmp_base_alloc_27(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(27, ptr, size)
 }
 
 //export gmp_alloc_28
@@ -879,6 +1019,11 @@ func gmp_record_stream_28(ptr, stream unsafe.Pointer) {
 	slotRecordStream(28, ptr, stream)
 }
 
+//export gmp_base_alloc_28
+func gmp_base_alloc_28(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(28, ptr, size)
+}
+
 //export gmp_alloc_29
 func gmp_alloc_29(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(29, size, device, stream)
@@ -907,6 +1052,11 @@ func gmp_memory_fraction_29(fraction C.double, device C.int) {
 //export gmp_record_stream_29
 func gmp_record_stream_29(ptr, stream unsafe.Pointer) {
 	slotRecordStream(29, ptr, stream)
+}
+
+//export gmp_base_alloc_29
+func gmp_base_alloc_29(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(29, ptr, size)
 }
 
 //export gmp_alloc_30
@@ -939,6 +1089,11 @@ func gmp_record_stream_30(ptr, stream unsafe.Pointer) {
 	slotRecordStream(30, ptr, stream)
 }
 
+//export gmp_base_alloc_30
+func gmp_base_alloc_30(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(30, ptr, size)
+}
+
 //export gmp_alloc_31
 func gmp_alloc_31(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(31, size, device, stream)
@@ -967,6 +1122,11 @@ func gmp_memory_fraction_31(fraction C.double, device C.int) {
 //export gmp_record_stream_31
 func gmp_record_stream_31(ptr, stream unsafe.Pointer) {
 	slotRecordStream(31, ptr, stream)
+}
+
+//export gmp_base_alloc_31
+func gmp_base_alloc_31(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(31, ptr, size)
 }
 
 //export gmp_alloc_32
@@ -999,6 +1159,11 @@ func gmp_record_stream_32(ptr, stream unsafe.Pointer) {
 	slotRecordStream(32, ptr, stream)
 }
 
+//export gmp_base_alloc_32
+func gmp_base_alloc_32(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(32, ptr, size)
+}
+
 //export gmp_alloc_33
 func gmp_alloc_33(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(33, size, device, stream)
@@ -1027,6 +1192,11 @@ func gmp_memory_fraction_33(fraction C.double, device C.int) {
 //export gmp_record_stream_33
 func gmp_record_stream_33(ptr, stream unsafe.Pointer) {
 	slotRecordStream(33, ptr, stream)
+}
+
+//export gmp_base_alloc_33
+func gmp_base_alloc_33(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(33, ptr, size)
 }
 
 //export gmp_alloc_34
@@ -1059,6 +1229,11 @@ func gmp_record_stream_34(ptr, stream unsafe.Pointer) {
 	slotRecordStream(34, ptr, stream)
 }
 
+//export gmp_base_alloc_34
+func gmp_base_alloc_34(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(34, ptr, size)
+}
+
 //export gmp_alloc_35
 func gmp_alloc_35(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(35, size, device, stream)
@@ -1087,6 +1262,11 @@ func gmp_memory_fraction_35(fraction C.double, device C.int) {
 //export gmp_record_stream_35
 func gmp_record_stream_35(ptr, stream unsafe.Pointer) {
 	slotRecordStream(35, ptr, stream)
+}
+
+//export gmp_base_alloc_35
+func gmp_base_alloc_35(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(35, ptr, size)
 }
 
 //export gmp_alloc_36
@@ -1119,6 +1299,11 @@ func gmp_record_stream_36(ptr, stream unsafe.Pointer) {
 	slotRecordStream(36, ptr, stream)
 }
 
+//export gmp_base_alloc_36
+func gmp_base_alloc_36(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(36, ptr, size)
+}
+
 //export gmp_alloc_37
 func gmp_alloc_37(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(37, size, device, stream)
@@ -1147,6 +1332,11 @@ func gmp_memory_fraction_37(fraction C.double, device C.int) {
 //export gmp_record_stream_37
 func gmp_record_stream_37(ptr, stream unsafe.Pointer) {
 	slotRecordStream(37, ptr, stream)
+}
+
+//export gmp_base_alloc_37
+func gmp_base_alloc_37(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(37, ptr, size)
 }
 
 //export gmp_alloc_38
@@ -1179,6 +1369,11 @@ func gmp_record_stream_38(ptr, stream unsafe.Pointer) {
 	slotRecordStream(38, ptr, stream)
 }
 
+//export gmp_base_alloc_38
+func gmp_base_alloc_38(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(38, ptr, size)
+}
+
 //export gmp_alloc_39
 func gmp_alloc_39(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(39, size, device, stream)
@@ -1207,6 +1402,11 @@ func gmp_memory_fraction_39(fraction C.double, device C.int) {
 //export gmp_record_stream_39
 func gmp_record_stream_39(ptr, stream unsafe.Pointer) {
 	slotRecordStream(39, ptr, stream)
+}
+
+//export gmp_base_alloc_39
+func gmp_base_alloc_39(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(39, ptr, size)
 }
 
 //export gmp_alloc_40
@@ -1239,6 +1439,11 @@ func gmp_record_stream_40(ptr, stream unsafe.Pointer) {
 	slotRecordStream(40, ptr, stream)
 }
 
+//export gmp_base_alloc_40
+func gmp_base_alloc_40(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(40, ptr, size)
+}
+
 //export gmp_alloc_41
 func gmp_alloc_41(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(41, size, device, stream)
@@ -1267,6 +1472,11 @@ func gmp_memory_fraction_41(fraction C.double, device C.int) {
 //export gmp_record_stream_41
 func gmp_record_stream_41(ptr, stream unsafe.Pointer) {
 	slotRecordStream(41, ptr, stream)
+}
+
+//export gmp_base_alloc_41
+func gmp_base_alloc_41(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(41, ptr, size)
 }
 
 //export gmp_alloc_42
@@ -1299,6 +1509,11 @@ func gmp_record_stream_42(ptr, stream unsafe.Pointer) {
 	slotRecordStream(42, ptr, stream)
 }
 
+//export gmp_base_alloc_42
+func gmp_base_alloc_42(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(42, ptr, size)
+}
+
 //export gmp_alloc_43
 func gmp_alloc_43(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(43, size, device, stream)
@@ -1327,6 +1542,11 @@ func gmp_memory_fraction_43(fraction C.double, device C.int) {
 //export gmp_record_stream_43
 func gmp_record_stream_43(ptr, stream unsafe.Pointer) {
 	slotRecordStream(43, ptr, stream)
+}
+
+//export gmp_base_alloc_43
+func gmp_base_alloc_43(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(43, ptr, size)
 }
 
 //export gmp_alloc_44
@@ -1359,6 +1579,11 @@ func gmp_record_stream_44(ptr, stream unsafe.Pointer) {
 	slotRecordStream(44, ptr, stream)
 }
 
+//export gmp_base_alloc_44
+func gmp_base_alloc_44(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(44, ptr, size)
+}
+
 //export gmp_alloc_45
 func gmp_alloc_45(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(45, size, device, stream)
@@ -1387,6 +1612,11 @@ func gmp_memory_fraction_45(fraction C.double, device C.int) {
 //export gmp_record_stream_45
 func gmp_record_stream_45(ptr, stream unsafe.Pointer) {
 	slotRecordStream(45, ptr, stream)
+}
+
+//export gmp_base_alloc_45
+func gmp_base_alloc_45(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(45, ptr, size)
 }
 
 //export gmp_alloc_46
@@ -1419,6 +1649,11 @@ func gmp_record_stream_46(ptr, stream unsafe.Pointer) {
 	slotRecordStream(46, ptr, stream)
 }
 
+//export gmp_base_alloc_46
+func gmp_base_alloc_46(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(46, ptr, size)
+}
+
 //export gmp_alloc_47
 func gmp_alloc_47(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(47, size, device, stream)
@@ -1447,6 +1682,11 @@ func gmp_memory_fraction_47(fraction C.double, device C.int) {
 //export gmp_record_stream_47
 func gmp_record_stream_47(ptr, stream unsafe.Pointer) {
 	slotRecordStream(47, ptr, stream)
+}
+
+//export gmp_base_alloc_47
+func gmp_base_alloc_47(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(47, ptr, size)
 }
 
 //export gmp_alloc_48
@@ -1479,6 +1719,11 @@ func gmp_record_stream_48(ptr, stream unsafe.Pointer) {
 	slotRecordStream(48, ptr, stream)
 }
 
+//export gmp_base_alloc_48
+func gmp_base_alloc_48(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(48, ptr, size)
+}
+
 //export gmp_alloc_49
 func gmp_alloc_49(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(49, size, device, stream)
@@ -1507,6 +1752,11 @@ func gmp_memory_fraction_49(fraction C.double, device C.int) {
 //export gmp_record_stream_49
 func gmp_record_stream_49(ptr, stream unsafe.Pointer) {
 	slotRecordStream(49, ptr, stream)
+}
+
+//export gmp_base_alloc_49
+func gmp_base_alloc_49(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(49, ptr, size)
 }
 
 //export gmp_alloc_50
@@ -1539,6 +1789,11 @@ func gmp_record_stream_50(ptr, stream unsafe.Pointer) {
 	slotRecordStream(50, ptr, stream)
 }
 
+//export gmp_base_alloc_50
+func gmp_base_alloc_50(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(50, ptr, size)
+}
+
 //export gmp_alloc_51
 func gmp_alloc_51(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(51, size, device, stream)
@@ -1567,6 +1822,11 @@ func gmp_memory_fraction_51(fraction C.double, device C.int) {
 //export gmp_record_stream_51
 func gmp_record_stream_51(ptr, stream unsafe.Pointer) {
 	slotRecordStream(51, ptr, stream)
+}
+
+//export gmp_base_alloc_51
+func gmp_base_alloc_51(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(51, ptr, size)
 }
 
 //export gmp_alloc_52
@@ -1599,6 +1859,11 @@ func gmp_record_stream_52(ptr, stream unsafe.Pointer) {
 	slotRecordStream(52, ptr, stream)
 }
 
+//export gmp_base_alloc_52
+func gmp_base_alloc_52(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(52, ptr, size)
+}
+
 //export gmp_alloc_53
 func gmp_alloc_53(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(53, size, device, stream)
@@ -1627,6 +1892,11 @@ func gmp_memory_fraction_53(fraction C.double, device C.int) {
 //export gmp_record_stream_53
 func gmp_record_stream_53(ptr, stream unsafe.Pointer) {
 	slotRecordStream(53, ptr, stream)
+}
+
+//export gmp_base_alloc_53
+func gmp_base_alloc_53(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(53, ptr, size)
 }
 
 //export gmp_alloc_54
@@ -1659,6 +1929,11 @@ func gmp_record_stream_54(ptr, stream unsafe.Pointer) {
 	slotRecordStream(54, ptr, stream)
 }
 
+//export gmp_base_alloc_54
+func gmp_base_alloc_54(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(54, ptr, size)
+}
+
 //export gmp_alloc_55
 func gmp_alloc_55(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(55, size, device, stream)
@@ -1687,6 +1962,11 @@ func gmp_memory_fraction_55(fraction C.double, device C.int) {
 //export gmp_record_stream_55
 func gmp_record_stream_55(ptr, stream unsafe.Pointer) {
 	slotRecordStream(55, ptr, stream)
+}
+
+//export gmp_base_alloc_55
+func gmp_base_alloc_55(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(55, ptr, size)
 }
 
 //export gmp_alloc_56
@@ -1719,6 +1999,11 @@ func gmp_record_stream_56(ptr, stream unsafe.Pointer) {
 	slotRecordStream(56, ptr, stream)
 }
 
+//export gmp_base_alloc_56
+func gmp_base_alloc_56(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(56, ptr, size)
+}
+
 //export gmp_alloc_57
 func gmp_alloc_57(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(57, size, device, stream)
@@ -1747,6 +2032,11 @@ func gmp_memory_fraction_57(fraction C.double, device C.int) {
 //export gmp_record_stream_57
 func gmp_record_stream_57(ptr, stream unsafe.Pointer) {
 	slotRecordStream(57, ptr, stream)
+}
+
+//export gmp_base_alloc_57
+func gmp_base_alloc_57(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(57, ptr, size)
 }
 
 //export gmp_alloc_58
@@ -1779,6 +2069,11 @@ func gmp_record_stream_58(ptr, stream unsafe.Pointer) {
 	slotRecordStream(58, ptr, stream)
 }
 
+//export gmp_base_alloc_58
+func gmp_base_alloc_58(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(58, ptr, size)
+}
+
 //export gmp_alloc_59
 func gmp_alloc_59(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(59, size, device, stream)
@@ -1807,6 +2102,11 @@ func gmp_memory_fraction_59(fraction C.double, device C.int) {
 //export gmp_record_stream_59
 func gmp_record_stream_59(ptr, stream unsafe.Pointer) {
 	slotRecordStream(59, ptr, stream)
+}
+
+//export gmp_base_alloc_59
+func gmp_base_alloc_59(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(59, ptr, size)
 }
 
 //export gmp_alloc_60
@@ -1839,6 +2139,11 @@ func gmp_record_stream_60(ptr, stream unsafe.Pointer) {
 	slotRecordStream(60, ptr, stream)
 }
 
+//export gmp_base_alloc_60
+func gmp_base_alloc_60(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(60, ptr, size)
+}
+
 //export gmp_alloc_61
 func gmp_alloc_61(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(61, size, device, stream)
@@ -1867,6 +2172,11 @@ func gmp_memory_fraction_61(fraction C.double, device C.int) {
 //export gmp_record_stream_61
 func gmp_record_stream_61(ptr, stream unsafe.Pointer) {
 	slotRecordStream(61, ptr, stream)
+}
+
+//export gmp_base_alloc_61
+func gmp_base_alloc_61(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(61, ptr, size)
 }
 
 //export gmp_alloc_62
@@ -1899,6 +2209,11 @@ func gmp_record_stream_62(ptr, stream unsafe.Pointer) {
 	slotRecordStream(62, ptr, stream)
 }
 
+//export gmp_base_alloc_62
+func gmp_base_alloc_62(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(62, ptr, size)
+}
+
 //export gmp_alloc_63
 func gmp_alloc_63(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
 	return slotAlloc(63, size, device, stream)
@@ -1927,4 +2242,9 @@ func gmp_memory_fraction_63(fraction C.double, device C.int) {
 //export gmp_record_stream_63
 func gmp_record_stream_63(ptr, stream unsafe.Pointer) {
 	slotRecordStream(63, ptr, stream)
+}
+
+//export gmp_base_alloc_63
+func gmp_base_alloc_63(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+	return slotBaseAlloc(63, ptr, size)
 }

@@ -1,0 +1,358 @@
+package cabi
+
+/*
+#include <stdint.h>
+
+// filter.cpp: call and delete torch's std::function<bool(cudaStream_t)>.
+int gmp_filter_accepts(void *filter, void *stream);
+void gmp_filter_delete(void *filter);
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/gpumempool/gpumempool/bindings/registry"
+	"github.com/gpumempool/gpumempool/gocore"
+)
+
+// Private pools, for CUDA graphs and torch.cuda.MemPool in full-replacement
+// mode.
+//
+// While torch captures a CUDA graph (or runs `with torch.cuda.use_mem_pool`)
+// it calls beginAllocateToPool(device, id, filter): until the matching
+// endAllocateToPool, allocations on device whose stream passes filter must
+// come from private pool id, and memory freed there must stay in that pool
+// until releasePool(device, id). A graph replays with the addresses it was
+// captured with, so if the blocks it freed during capture went back to the
+// shared cache, tensors allocated later would be overwritten by every
+// replay. Torch's own caching allocator keeps such pools; a pluggable
+// allocator must do it itself, through the three hooks below (C++ wrappers
+// in zz_torch.cpp, because torch passes the filter as a std::function).
+//
+// Each private pool is a gocore.Pool of its own over the slot pool's backend
+// and configuration: its segments are never shared with the slot pool, and
+// releasePool returns them to the backend once its last block is freed.
+
+// graphPoolID is torch's MempoolId_t.
+type graphPoolID [2]uint64
+
+// capture is one beginAllocateToPool not yet ended.
+type capture struct {
+	device int
+	id     graphPoolID
+	filter unsafe.Pointer // a heap copy of torch's filter, owned (filter.cpp)
+}
+
+// privatePool is a pool torch allocated into.
+type privatePool struct {
+	id       graphPoolID
+	device   int
+	pool     *gocore.Pool
+	live     int  // blocks allocated and not freed
+	released bool // releasePool came: close once live is 0
+}
+
+// graphState is the private pools of one registered pool.
+type graphState struct {
+	mu       sync.Mutex
+	captures []capture
+	pools    map[graphPoolID]*privatePool
+	owner    map[uint64]*privatePool // address of a live block -> its pool
+}
+
+var (
+	graphMu sync.RWMutex
+	graphs  = map[*registry.Entry]*graphState{}
+
+	// activeCaptures and privateBlocks let the allocation hot path skip all
+	// of this with one atomic load while no capture runs and no private
+	// block lives.
+	activeCaptures atomic.Int64
+	privateBlocks  atomic.Int64
+)
+
+func graphStateOf(e *registry.Entry, create bool) *graphState {
+	graphMu.RLock()
+	g := graphs[e]
+	graphMu.RUnlock()
+	if g != nil || !create {
+		return g
+	}
+	graphMu.Lock()
+	defer graphMu.Unlock()
+	if g = graphs[e]; g == nil {
+		g = &graphState{pools: map[graphPoolID]*privatePool{}, owner: map[uint64]*privatePool{}}
+		graphs[e] = g
+	}
+	return g
+}
+
+// privateAlloc serves an allocation from a private pool when a capture on
+// device accepts stream; ok is false when none does (the slot pool serves
+// it then).
+func privateAlloc(e *registry.Entry, size uint64, device int, stream unsafe.Pointer) (addr uint64, ok bool, err error) {
+	if activeCaptures.Load() == 0 {
+		return 0, false, nil
+	}
+	g := graphStateOf(e, false)
+	if g == nil {
+		return 0, false, nil
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, c := range g.captures {
+		if c.device != device || C.gmp_filter_accepts(c.filter, stream) == 0 {
+			continue
+		}
+		pp, err := g.poolLocked(e, c.id, device)
+		if err != nil {
+			return 0, true, err
+		}
+		addr, err = pp.pool.Alloc(size, device, gocore.Stream(uintptr(stream)))
+		if err != nil {
+			return 0, true, fmt.Errorf("private pool (%d, %d): %w", c.id[0], c.id[1], err)
+		}
+		g.owner[addr] = pp
+		pp.live++
+		privateBlocks.Add(1)
+		return addr, true, nil
+	}
+	return 0, false, nil
+}
+
+// poolLocked returns private pool id, made on first use.
+func (g *graphState) poolLocked(e *registry.Entry, id graphPoolID, device int) (*privatePool, error) {
+	if pp := g.pools[id]; pp != nil {
+		return pp, nil
+	}
+	cfg := e.Pool.Config()
+	cfg.Name = fmt.Sprintf("%s/private(%d,%d)", cfg.Name, id[0], id[1])
+	// A replay writes the blocks the capture freed: they must stay mapped,
+	// whatever the slot pool's release policy.
+	cfg.KeepSegments = true
+	p, err := gocore.NewPool(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("private pool (%d, %d): %w", id[0], id[1], err)
+	}
+	pp := &privatePool{id: id, device: device, pool: p}
+	g.pools[id] = pp
+	return pp, nil
+}
+
+// ownerOf returns the private pool holding the live block at addr, if any.
+func ownerOf(e *registry.Entry, addr uint64) (*graphState, *privatePool) {
+	if privateBlocks.Load() == 0 {
+		return nil, nil
+	}
+	g := graphStateOf(e, false)
+	if g == nil {
+		return nil, nil
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g, g.owner[addr]
+}
+
+// privateFree frees addr if a private pool holds it; ok is false otherwise.
+func privateFree(e *registry.Entry, addr uint64) (ok bool, err error) {
+	g, pp := ownerOf(e, addr)
+	if pp == nil {
+		return false, nil
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.owner[addr] != pp { // freed by another thread in between
+		return false, nil
+	}
+	if err := pp.pool.Free(addr); err != nil {
+		return true, err
+	}
+	delete(g.owner, addr)
+	pp.live--
+	privateBlocks.Add(-1)
+	if pp.released && pp.live == 0 {
+		return true, g.closeLocked(pp)
+	}
+	return true, nil
+}
+
+// closeLocked returns a private pool's segments to the backend.
+func (g *graphState) closeLocked(pp *privatePool) error {
+	delete(g.pools, pp.id)
+	rep, err := pp.pool.Close()
+	for _, b := range rep.LiveBlocks {
+		if g.owner[b.Addr] == pp {
+			delete(g.owner, b.Addr)
+			privateBlocks.Add(-1)
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("close private pool (%d, %d): %w", pp.id[0], pp.id[1], err)
+	}
+	return nil
+}
+
+// privateBlock describes the live block at addr in a private pool.
+func privateBlock(e *registry.Entry, addr uint64) (gocore.BlockInfo, bool, error) {
+	_, pp := ownerOf(e, addr)
+	if pp == nil {
+		return gocore.BlockInfo{}, false, nil
+	}
+	info, err := pp.pool.Lookup(addr)
+	return info, true, err
+}
+
+// privateRecordStream records stream on a private pool's block at addr.
+func privateRecordStream(e *registry.Entry, addr uint64, stream gocore.Stream) (bool, error) {
+	_, pp := ownerOf(e, addr)
+	if pp == nil {
+		return false, nil
+	}
+	return true, pp.pool.RecordStream(addr, stream)
+}
+
+// gmp_graph_begin is beginAllocateToPool: the C++ wrapper hands over a heap
+// copy of torch's filter, which is owned from here on.
+//
+//export gmp_graph_begin
+func gmp_graph_begin(slot, device C.int, id0, id1 C.uint64_t, filter unsafe.Pointer) {
+	e := registry.BySlot(int(slot))
+	if e == nil {
+		C.gmp_filter_delete(filter)
+		registry.SetOrphanError(fmt.Sprintf("gmp_begin_allocate_to_pool_%d: no pool holds this slot (closed?)", int(slot)))
+		return
+	}
+	guarded(e, "gmp_begin_allocate_to_pool", func() error {
+		g := graphStateOf(e, true)
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		g.captures = append(g.captures, capture{device: int(device), id: graphPoolID{uint64(id0), uint64(id1)}, filter: filter})
+		activeCaptures.Add(1)
+		return nil
+	})
+}
+
+// gmp_graph_end is endAllocateToPool: the capture (or use_mem_pool) begun
+// for (device, id) stops routing allocations.
+//
+//export gmp_graph_end
+func gmp_graph_end(slot, device C.int, id0, id1 C.uint64_t) {
+	slotHook(int(slot), "gmp_end_allocate_to_pool", func(e *registry.Entry) error {
+		g := graphStateOf(e, false)
+		if g == nil {
+			return fmt.Errorf("device %d, pool (%d, %d): no allocation to this pool was begun", device, id0, id1)
+		}
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		id := graphPoolID{uint64(id0), uint64(id1)}
+		for i, c := range g.captures {
+			if c.device == int(device) && c.id == id {
+				C.gmp_filter_delete(c.filter)
+				g.captures = append(g.captures[:i], g.captures[i+1:]...)
+				activeCaptures.Add(-1)
+				return nil
+			}
+		}
+		return fmt.Errorf("device %d, pool (%d, %d): no allocation to this pool was begun", device, id0, id1)
+	})
+}
+
+// gmp_graph_release is releasePool: the graph (or torch.cuda.MemPool) is
+// gone, so the pool's segments go back once its last block is freed.
+//
+//export gmp_graph_release
+func gmp_graph_release(slot, device C.int, id0, id1 C.uint64_t) {
+	slotHook(int(slot), "gmp_release_pool", func(e *registry.Entry) error {
+		g := graphStateOf(e, false)
+		if g == nil {
+			return nil // nothing was ever allocated to it
+		}
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		pp := g.pools[graphPoolID{uint64(id0), uint64(id1)}]
+		if pp == nil {
+			return nil
+		}
+		pp.released = true
+		if pp.live == 0 {
+			return g.closeLocked(pp)
+		}
+		return nil
+	})
+}
+
+// GraphPool describes one private pool (GraphPools).
+type GraphPool struct {
+	ID             [2]uint64 `json:"id"`
+	Device         int       `json:"device"`
+	LiveBlocks     int       `json:"live_blocks"`
+	AllocatedBytes uint64    `json:"allocated_bytes"`
+	ReservedBytes  uint64    `json:"reserved_bytes"`
+	Released       bool      `json:"released"`
+	Capturing      bool      `json:"capturing"` // an allocation to it is begun and not ended
+}
+
+// GraphPools lists the private pools of e, ordered by id.
+func GraphPools(e *registry.Entry) ([]GraphPool, error) {
+	out := []GraphPool{}
+	g := graphStateOf(e, false)
+	if g == nil {
+		return out, nil
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var errs []error
+	for _, pp := range g.pools {
+		s, err := pp.pool.Stats(pp.device)
+		errs = append(errs, err)
+		gp := GraphPool{ID: pp.id, Device: pp.device, LiveBlocks: pp.live, Released: pp.released,
+			AllocatedBytes: uint64(s.AllocatedBytes[0].Current), ReservedBytes: uint64(s.ReservedBytes[0].Current)}
+		for _, c := range g.captures {
+			gp.Capturing = gp.Capturing || c.id == pp.id
+		}
+		out = append(out, gp)
+	}
+	sort.Slice(out, func(i, j int) bool {
+		return out[i].ID[0] < out[j].ID[0] || out[i].ID[0] == out[j].ID[0] && out[i].ID[1] < out[j].ID[1]
+	})
+	return out, errors.Join(errs...)
+}
+
+// CloseGraphPools closes e's private pools and drops its captures (the pool
+// itself is closing), and reports the blocks they still held.
+func CloseGraphPools(e *registry.Entry) (gocore.CloseReport, error) {
+	graphMu.Lock()
+	g := graphs[e]
+	delete(graphs, e)
+	graphMu.Unlock()
+	var total gocore.CloseReport
+	if g == nil {
+		return total, nil
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, c := range g.captures {
+		C.gmp_filter_delete(c.filter)
+		activeCaptures.Add(-1)
+	}
+	g.captures = nil
+	var errs []error
+	for _, pp := range g.pools {
+		rep, err := pp.pool.Close()
+		delete(g.pools, pp.id)
+		errs = append(errs, err)
+		total.LiveBlocks = append(total.LiveBlocks, rep.LiveBlocks...)
+		total.LiveBytes += rep.LiveBytes
+		total.SegmentsFreed += rep.SegmentsFreed
+		total.BytesFreed += rep.BytesFreed
+	}
+	privateBlocks.Add(-int64(len(g.owner)))
+	clear(g.owner)
+	return total, errors.Join(errs...)
+}

@@ -1,0 +1,114 @@
+// A C++ caller of gpumempool's entry points that need C++, standing in for
+// torch's CUDAPluggableAllocator in full-replacement mode:
+//
+//  - the throwing alloc (gmp_alloc_or_throw_<i>): called by pointer, and
+//    what it throws is caught the way torch's Python bindings turn a C++
+//    exception into a RuntimeError;
+//  - the CUDA-graph hooks (gmp_begin_allocate_to_pool_<i>, ...): called
+//    through the function pointer types torch casts their addresses to,
+//    with a std::function stream filter like the one torch.cuda.graph
+//    passes, whose copies are counted so a test can prove none leaks.
+//
+// Called from Python through ctypes; no exception leaves it.
+#include <atomic>
+#include <cstddef>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <stdexcept>
+#include <utility>
+
+#include <dlfcn.h>
+
+using alloc_fn = void* (*)(std::size_t, int, void*);
+
+// torch: c10::MempoolId_t, cudaStream_t, and the hook types of
+// CUDAPluggableAllocator's set_begin_allocate_to_pool /
+// set_end_allocate_to_pool_fn / set_release_pool.
+struct CUstream_st;
+using mempool_id = std::pair<unsigned long long, unsigned long long>;
+using begin_fn = void (*)(int, mempool_id, std::function<bool(CUstream_st*)>);
+using end_fn = void (*)(int, mempool_id);
+
+namespace {
+
+std::atomic<long> filters_alive{0};
+std::atomic<long> filter_calls{0};
+
+// The stream filter: accepts one stream, as torch.cuda.graph's accepts the
+// stream being captured. Every copy is counted.
+struct StreamFilter {
+  void* stream;
+  bool throws;
+  StreamFilter(void* s, bool t) : stream(s), throws(t) { ++filters_alive; }
+  StreamFilter(const StreamFilter& o) : stream(o.stream), throws(o.throws) { ++filters_alive; }
+  StreamFilter(StreamFilter&& o) noexcept : stream(o.stream), throws(o.throws) { ++filters_alive; }
+  ~StreamFilter() { --filters_alive; }
+  bool operator()(CUstream_st* s) const {
+    ++filter_calls;
+    if (throws) throw std::runtime_error("filter failed");
+    return static_cast<void*>(s) == stream;
+  }
+};
+
+void* lookup(const char* path, const char* sym) {
+  void* lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+  if (lib == nullptr) lib = dlopen(path, RTLD_NOW);
+  return lib == nullptr ? nullptr : dlsym(lib, sym);
+}
+
+}  // namespace
+
+extern "C" {
+
+// call_alloc calls sym in the library at path. Returns 0 when it returned
+// (the pointer in *out), 1 when it threw a std::exception (its what() in
+// msg), 2 when it threw something else, -1 when the symbol was not found.
+int call_alloc(const char* path, const char* sym, std::size_t size, int device, void* stream, void** out,
+               char* msg, std::size_t n) {
+  auto fn = reinterpret_cast<alloc_fn>(lookup(path, sym));
+  if (fn == nullptr) return -1;
+  *out = nullptr;
+  try {
+    *out = fn(size, device, stream);
+    return 0;
+  } catch (const std::exception& e) {
+    std::strncpy(msg, e.what(), n - 1);
+    msg[n - 1] = 0;
+    return 1;
+  } catch (...) {
+    return 2;
+  }
+}
+
+// call_begin calls the begin-allocate-to-pool hook sym like torch does when
+// a capture on capture_stream begins (throwing_filter: a filter that
+// throws). Returns 0, 1 when the hook threw, -1 when sym was not found.
+int call_begin(const char* path, const char* sym, int device, unsigned long long id0, unsigned long long id1,
+               void* capture_stream, int throwing_filter) {
+  auto fn = reinterpret_cast<begin_fn>(lookup(path, sym));
+  if (fn == nullptr) return -1;
+  try {
+    fn(device, mempool_id{id0, id1}, StreamFilter(capture_stream, throwing_filter != 0));
+    return 0;
+  } catch (...) {
+    return 1;
+  }
+}
+
+// call_end calls an end-allocate-to-pool or release-pool hook.
+int call_end(const char* path, const char* sym, int device, unsigned long long id0, unsigned long long id1) {
+  auto fn = reinterpret_cast<end_fn>(lookup(path, sym));
+  if (fn == nullptr) return -1;
+  try {
+    fn(device, mempool_id{id0, id1});
+    return 0;
+  } catch (...) {
+    return 1;
+  }
+}
+
+long live_filters() { return filters_alive.load(); }
+long filter_call_count() { return filter_calls.load(); }
+
+}  // extern "C"

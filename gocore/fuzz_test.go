@@ -92,6 +92,9 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 		if flags&64 != 0 && i == 0 { // and one collects garbage against its limit
 			cfg.GarbageCollectionThreshold = 0.5
 		}
+		if flags&128 != 0 && i == 1 { // or keeps its segments, like a CUDA graph's private pool
+			cfg.KeepSegments = true
+		}
 		if pools[i], err = NewPool(cfg); err != nil {
 			t.Fatal(err)
 		}
@@ -174,6 +177,11 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 		for i, q := range pools {
 			if err := q.CheckInvariants(); err != nil {
 				t.Fatalf("step %d: pool %d: %v", step, i, err)
+			}
+			if q.cfg.KeepSegments && !q.Closed() {
+				if s, err := q.Stats(-1); err == nil && s.NumDeviceFree != 0 {
+					t.Fatalf("step %d: pool %d keeps its segments but gave %d back", step, i, s.NumDeviceFree)
+				}
 			}
 		}
 	}

@@ -1,6 +1,9 @@
 package gocore
 
-import "fmt"
+import (
+	"errors"
+	"fmt"
+)
 
 // pendingFree is one event a freed block waits for.
 type pendingFree struct {
@@ -46,8 +49,12 @@ func (p *Pool) eventLocked(d *deviceState) (Event, error) {
 }
 
 // processEventsLocked frees the parked blocks whose events have completed.
-// An event whose query fails is treated as not completed.
+// An event whose query fails is treated as not completed. Nothing is queried
+// while events are paused.
 func (p *Pool) processEventsLocked(d *deviceState) {
+	if p.eventPauses > 0 {
+		return
+	}
 	kept := d.pending[:0]
 	for _, pf := range d.pending {
 		done, err := p.backend.QueryEvent(pf.event)
@@ -83,4 +90,45 @@ func (p *Pool) ProcessEvents() (int, error) {
 		}
 	}
 	return waiting, nil
+}
+
+// PauseEvents stops the pool from recording or querying events until the
+// matching ResumeEvents (calls nest). While a CUDA graph is being captured
+// in the process, recording an event on a captured stream would become part
+// of the graph, and querying one is an error that invalidates the capture;
+// torch's allocator defers its events the same way. Meanwhile a freed
+// block that other streams used waits, unusable, and blocks parked earlier
+// stay parked.
+func (p *Pool) PauseEvents() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.eventPauses++
+}
+
+// ResumeEvents ends one PauseEvents; the last one records the events of the
+// blocks freed in between (see Free). It fails when the pool is not paused,
+// and reports blocks whose events could not be recorded (they stay out of
+// use, as in Free).
+func (p *Pool) ResumeEvents() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.eventPauses == 0 {
+		return fmt.Errorf("resume events of pool %q: not paused: %w", p.name, ErrInvalidArgument)
+	}
+	p.eventPauses--
+	if p.eventPauses > 0 || p.closed {
+		return nil
+	}
+	var errs []error
+	for _, d := range p.devices {
+		if d == nil {
+			continue
+		}
+		for _, b := range d.unrecorded {
+			b.pending = 0
+			errs = append(errs, p.deferFreeLocked(d, b))
+		}
+		d.unrecorded = nil
+	}
+	return errors.Join(errs...)
 }

@@ -31,6 +31,13 @@ func (p *Pool) Free(addr uint64) error {
 	// until the block is free (a pending block still shows it).
 	p.trace(ActionFreeRequested, d.id, b.addr, b.requested, b.seg.stream)
 	if len(b.streamUses) > 0 {
+		if p.eventPauses > 0 {
+			// No event may be recorded now: the block waits, unusable,
+			// for ResumeEvents to record them.
+			b.pending = 1
+			d.unrecorded = append(d.unrecorded, b)
+			return nil
+		}
 		return p.deferFreeLocked(d, b)
 	}
 	p.freeBlockLocked(d, b)

@@ -110,6 +110,8 @@ type Pool struct {
 	// deviceLimit overrides cfg.Limit for single devices (torch's
 	// set_per_process_memory_fraction is per device); 0 there means none.
 	deviceLimit map[int]uint64
+	// eventPauses counts PauseEvents calls not yet resumed.
+	eventPauses int
 }
 
 // deviceState is everything the pool keeps for one device.
@@ -124,6 +126,7 @@ type deviceState struct {
 	// ages cached segments for garbage collection (torch's gc_count).
 	largeLookups uint64
 	pending      []pendingFree       // frees waiting for events
+	unrecorded   []*block            // frees whose events wait for ResumeEvents
 	events       []Event             // idle events kept for reuse
 	growing      map[Stream]*segment // the large segment each stream grows
 	stats        Stats
@@ -357,6 +360,7 @@ func (p *Pool) Close() (CloseReport, error) {
 			d.events = append(d.events, pf.event)
 		}
 		d.pending = nil
+		d.unrecorded = nil
 		for _, ev := range d.events {
 			if err := p.backend.DestroyEvent(ev); err != nil {
 				errs = append(errs, fmt.Errorf("close pool %q: destroy event: %w", p.name, err))

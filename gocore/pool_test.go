@@ -726,3 +726,48 @@ func TestKeepSegmentsReleasesOnlyAtClose(t *testing.T) {
 	assert.EqualValues(t, 32*MiB, rep.BytesFreed)
 	assert.Zero(t, be.UsedBytes(0))
 }
+
+// While events are paused (a CUDA graph capture is under way) the pool
+// records and queries none: a block freed after use on another stream
+// waits, unusable, and gets its events at the last ResumeEvents.
+func TestPausedEventsWaitForResume(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	parked := mustAlloc(t, p, 4096, 0, 1)
+	require.NoError(t, p.RecordStream(parked, 2))
+	require.NoError(t, p.Free(parked)) // an event recorded before the pause
+	assert.EqualValues(t, 1, be.Stats().EventsCreated)
+
+	p.PauseEvents()
+	p.PauseEvents() // nested: two captures
+	a := mustAlloc(t, p, 4096, 0, 1)
+	require.NoError(t, p.RecordStream(a, 3))
+	require.NoError(t, p.Free(a))
+	assert.EqualValues(t, 1, be.Stats().EventsCreated, "no event while paused")
+	s := stats(t, p)
+	assert.EqualValues(t, 2*4096, s.ActiveBytes[0].Current, "both freed blocks wait")
+	require.NoError(t, p.CheckInvariants())
+	be.CompleteAll()
+	assert.NotContains(t, []uint64{parked, a}, mustAlloc(t, p, 4096, 0, 1), "nothing queried, nothing reused")
+	waiting, err := p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Equal(t, 1, waiting, "the parked event is not even queried")
+
+	require.NoError(t, p.ResumeEvents())
+	assert.EqualValues(t, 1, be.Stats().EventsCreated, "still paused once")
+	require.NoError(t, p.ResumeEvents())
+	assert.EqualValues(t, 2, be.Stats().EventsCreated, "a's event recorded at the last resume")
+	require.ErrorIs(t, p.ResumeEvents(), ErrInvalidArgument, "not paused")
+	waiting, err = p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Equal(t, 1, waiting, "a's event was recorded after the streams completed")
+	be.CompleteAll()
+	waiting, err = p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Zero(t, waiting)
+	require.NoError(t, p.CheckInvariants())
+	s = stats(t, p)
+	assert.EqualValues(t, 4096, s.ActiveBytes[0].Current, "only the block allocated while paused")
+	_, err = p.Close()
+	require.NoError(t, err)
+	assert.Zero(t, be.Stats().LiveEvents)
+}

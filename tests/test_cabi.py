@@ -342,6 +342,34 @@ def test_graph_capture_allocates_from_a_private_pool(cxx_caller) -> None:
         pool.check()
 
 
+def test_graph_capture_pauses_events(cxx_caller) -> None:
+    """During a capture no event is recorded or queried (either would break
+    the capture on a GPU): a block freed after use on another stream waits
+    until the capture ends, then gets its events."""
+    with gmp.MemPool("sim", capacity=64 * MiB) as pool:
+        pool.sim_manual_events()
+        path = pool.pluggable_symbols()[0].encode()
+        hooks = {k: v.encode() for k, v in pool.pluggable_hooks().items()}
+        a = pool.alloc(4096, stream=1)
+        pool.record_stream(a, 2)
+        assert cxx_caller.call_begin(path, hooks["set_begin_allocate_to_pool"], 0, 9, 0, 0x99, 0) == 0
+        pool.free(a)
+        pool.sim_complete()  # stream 2 is done, but no event was recorded to say so
+        assert pool.process_events() == 0  # nothing parked on an event either
+        b = pool.alloc(4096, stream=1)
+        assert b != a  # a waits
+        assert cxx_caller.call_end(path, hooks["set_end_allocate_to_pool_fn"], 0, 9, 0) == 0
+        assert pool.last_error() is None
+        assert pool.process_events() == 1  # its event, recorded at the end of the capture
+        pool.sim_complete()
+        assert pool.process_events() == 0
+        c = pool.alloc(4096, stream=1)
+        assert c == a
+        pool.check()
+        pool.free(b)
+        pool.free(c)
+
+
 def test_graph_hooks_survive_bad_calls_and_close(cxx_caller) -> None:
     S1 = 0x21
     pool = gmp.MemPool("sim", capacity=64 * MiB)

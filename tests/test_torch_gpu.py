@@ -21,6 +21,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -94,10 +95,15 @@ def allocated(pool: gmp.MemPool) -> int:
     return pool.stats()["allocated_bytes.all.current"]
 
 
-def run_script(code: str, timeout: int = 300, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run code in a fresh Python; it prints one JSON line last."""
+def run_script(code: str, timeout: int = 300, env: dict[str, str] | None = None,
+               file: Path | None = None) -> dict[str, Any]:
+    """Run code in a fresh Python (from file when given); it prints one JSON
+    line last."""
+    code = textwrap.dedent(code)
+    if file is not None:
+        file.write_text(code)
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, *(["-c", code] if file is None else [str(file)])],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -350,6 +356,91 @@ def test_full_replacement() -> None:
         assert out["over_fraction"] == "raised RuntimeError", out
         assert "gpumempool: cannot allocate" in out["over_fraction_msg"] and "limit" in out["over_fraction_msg"]
         assert out["last_error"]
+
+
+def test_full_replacement_cuda_graph_keeps_its_memory_private() -> None:
+    """A graph captured in full-replacement mode frees its intermediates into
+    a private pool: tensors made after the capture never share memory with
+    it, so replays leave them alone; the pool goes once the graph does."""
+    out = run_script(
+        """
+        import gc, json, torch, gpumempool as gmp
+        pool = gmp.MemPool("cuda")
+        hooks = gmp.set_torch_allocator(pool)
+        n = 1 << 20
+        static_in = torch.randn(n, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on a side stream, as torch's docs ask
+            for _ in range(3):
+                (static_in * 2).sin_().add_(1)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            tmp = static_in * 2          # an intermediate freed inside the capture
+            static_out = tmp.sin() + 1
+            del tmp
+        res = {"hooks": list(hooks), "pools_after_capture": pool.graph_pools()}
+        others = [torch.full((n,), 7.0, device="cuda") for _ in range(16)]
+        static_in.copy_(torch.randn(n, device="cuda"))
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        res["others_intact"] = all(bool((o == 7.0).all()) for o in others)
+        res["graph_correct"] = bool(torch.allclose(static_out, (static_in * 2).sin() + 1))
+        del g, static_out
+        gc.collect()
+        torch.cuda.synchronize()
+        res["pools_after_release"] = pool.graph_pools()
+        res["hook_errors"] = gmp.torch.hook_errors()
+        res["last_error"] = pool.last_error()
+        print(json.dumps(res))
+        """
+    )
+    print("\n", out)
+    assert out["hook_errors"] == [] and out["last_error"] is None
+    if "begin_allocate_to_pool" not in out["hooks"]:
+        pytest.skip("this torch's pluggable allocator has no CUDA-graph hooks")
+    assert len(out["pools_after_capture"]) == 1 and out["pools_after_capture"][0]["reserved_bytes"] > 0
+    assert out["others_intact"], "a replay overwrote a tensor allocated after the capture"
+    assert out["graph_correct"]
+    assert out["pools_after_release"] == []
+
+
+def test_full_replacement_shares_tensors_across_processes(tmp_path: Path) -> None:
+    """torch.multiprocessing sends a CUDA tensor as an IPC handle of its
+    allocation plus an offset (getBaseAllocation -> gmp_base_alloc): the
+    receiver must see this tensor's values, not the segment's first bytes."""
+    out = run_script(
+        """
+        import json, torch, torch.multiprocessing as mp, gpumempool as gmp
+
+        def child(q, r):
+            t = q.get()
+            r.put([float(t[0]), float(t[-1]), int(t.numel())])
+
+        if __name__ == "__main__":
+            pool = gmp.MemPool("cuda")
+            hooks = gmp.set_torch_allocator(pool)
+            ctx = mp.get_context("spawn")
+            first = torch.zeros(1000, device="cuda")       # takes the start of a small segment
+            shared = torch.arange(1000, 2000, dtype=torch.float32, device="cuda")
+            q, r = ctx.Queue(), ctx.Queue()
+            p = ctx.Process(target=child, args=(q, r))
+            p.start()
+            q.put(shared)
+            got = r.get(timeout=120)
+            p.join(60)
+            print(json.dumps({"hooks": list(hooks), "got": got, "exit": p.exitcode,
+                              "offset": shared.data_ptr() - first.data_ptr()}))
+        """,
+        file=tmp_path / "share.py",  # spawn re-imports the main module: it needs a file
+    )
+    print("\n", out)
+    if "base_alloc" not in out["hooks"]:
+        pytest.skip("this torch's pluggable allocator has no base_alloc hook")
+    assert out["offset"] > 0  # the shared tensor does not start its segment
+    assert out["got"] == [1000.0, 1999.0, 1000] and out["exit"] == 0
 
 
 def test_full_replacement_after_cuda_init_is_refused() -> None:

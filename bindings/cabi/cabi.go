@@ -140,7 +140,7 @@ func copyCString(msg string, buf *C.char, n C.size_t) C.size_t {
 }
 
 // gmp_slot_error copies the last error of the pool holding slot into buf
-// without clearing it (the C++ entry points in zz_throw.cpp put it in the
+// without clearing it (the C++ entry points in zz_torch.cpp put it in the
 // exception they throw, and pool.last_error() still shows it). Returns its
 // full length, 0 when there is none.
 //

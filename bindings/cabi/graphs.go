@@ -140,9 +140,33 @@ func (g *graphState) poolLocked(e *registry.Entry, id graphPoolID, device int) (
 	if err != nil {
 		return nil, fmt.Errorf("private pool (%d, %d): %w", id[0], id[1], err)
 	}
+	for range g.captures { // as paused as the pools made before it
+		p.PauseEvents()
+	}
 	pp := &privatePool{id: id, device: device, pool: p}
 	g.pools[id] = pp
 	return pp, nil
+}
+
+// pauseLocked pauses (or resumes) the events of e's pool and of every
+// private pool while a capture runs: recording an event on a captured
+// stream would become part of the graph, and querying one during a capture
+// is an error that invalidates it (torch's allocator defers its events the
+// same way).
+func (g *graphState) pauseLocked(e *registry.Entry, pause bool) error {
+	pools := []*gocore.Pool{e.Pool}
+	for _, pp := range g.pools {
+		pools = append(pools, pp.pool)
+	}
+	var errs []error
+	for _, p := range pools {
+		if pause {
+			p.PauseEvents()
+		} else {
+			errs = append(errs, p.ResumeEvents())
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // ownerOf returns the private pool holding the live block at addr, if any.
@@ -234,7 +258,7 @@ func gmp_graph_begin(slot, device C.int, id0, id1 C.uint64_t, filter unsafe.Poin
 		defer g.mu.Unlock()
 		g.captures = append(g.captures, capture{device: int(device), id: graphPoolID{uint64(id0), uint64(id1)}, filter: filter})
 		activeCaptures.Add(1)
-		return nil
+		return g.pauseLocked(e, true)
 	})
 }
 
@@ -256,7 +280,7 @@ func gmp_graph_end(slot, device C.int, id0, id1 C.uint64_t) {
 				C.gmp_filter_delete(c.filter)
 				g.captures = append(g.captures[:i], g.captures[i+1:]...)
 				activeCaptures.Add(-1)
-				return nil
+				return g.pauseLocked(e, false)
 			}
 		}
 		return fmt.Errorf("device %d, pool (%d, %d): no allocation to this pool was begun", device, id0, id1)

@@ -211,6 +211,10 @@ func PoolStats(id, device int64) (js string, err error) {
 	if err != nil {
 		return "", err
 	}
+	// Torch's CUDA graphs' private pools (full-replacement mode) count too.
+	if err := cabi.AddGraphStats(e, int(device), &s); err != nil {
+		return "", err
+	}
 	return marshal(s.ToMap())
 }
 

@@ -31,11 +31,13 @@ import (
 
 //go:generate go run gen_slots.go
 
-// ptrOf turns a device address into a C pointer without a uintptr ->
-// unsafe.Pointer conversion (the address is not Go memory).
-func ptrOf(addr uint64) unsafe.Pointer {
-	return *(*unsafe.Pointer)(unsafe.Pointer(&addr))
-}
+// Pointers and streams cross the C boundary as uintptr_t, not void*: the Go
+// runtime treats an unsafe.Pointer that holds a small non-zero value as a
+// corrupt pointer and may abort the process when it meets one on a stack,
+// and CUDA's special streams are exactly such values (cudaStreamLegacy is
+// 0x1, cudaStreamPerThread 0x2). uintptr_t and void* are passed and returned
+// in the same registers on every platform we build for, so C callers
+// declaring void* are unaffected.
 
 // guarded runs fn for the pool of e at the C boundary: an error or a Go
 // panic (injected with PanicNext, or real) becomes the pool's last error and
@@ -57,47 +59,55 @@ func guarded(e *registry.Entry, where string, fn func() error) (ok bool) {
 	return true
 }
 
-func entryAlloc(e *registry.Entry, where string, size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
-	var addr uint64
-	if !guarded(e, where, func() (err error) {
-		var private bool
-		if addr, private, err = privateAlloc(e, uint64(size), int(device), stream); private {
-			return err
-		}
-		addr, err = e.Pool.Alloc(uint64(size), int(device), gocore.Stream(uintptr(stream)))
-		return err
-	}) {
-		return nil
+// allocFor serves an allocation of the pool of e: from a CUDA graph's
+// private pool while a capture accepts the stream (graphs.go), else from the
+// pool itself.
+func allocFor(e *registry.Entry, size uint64, device int, stream uintptr) (uint64, error) {
+	if addr, private, err := privateAlloc(e, size, device, stream); private {
+		return addr, err
 	}
-	return ptrOf(addr)
+	return e.Pool.Alloc(size, device, gocore.Stream(stream))
 }
 
-func entryFree(e *registry.Entry, where string, ptr unsafe.Pointer) C.int {
-	if !guarded(e, where, func() error {
-		addr := uint64(uintptr(ptr))
-		if private, err := privateFree(e, addr); private {
-			return err
-		}
-		return e.Pool.Free(addr)
+// freeFor frees a block allocFor gave.
+func freeFor(e *registry.Entry, addr uint64) error {
+	if private, err := privateFree(e, addr); private {
+		return err
+	}
+	return e.Pool.Free(addr)
+}
+
+func entryAlloc(e *registry.Entry, where string, size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	var addr uint64
+	if !guarded(e, where, func() (err error) {
+		addr, err = allocFor(e, uint64(size), int(device), uintptr(stream))
+		return err
 	}) {
+		return 0
+	}
+	return C.uintptr_t(addr)
+}
+
+func entryFree(e *registry.Entry, where string, ptr C.uintptr_t) C.int {
+	if !guarded(e, where, func() error { return freeFor(e, uint64(ptr)) }) {
 		return -1
 	}
 	return 0
 }
 
-func slotAlloc(slot int, size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func slotAlloc(slot int, size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	e := registry.BySlot(slot)
 	if e == nil {
 		registry.SetOrphanError(fmt.Sprintf("gmp_alloc_%d: no pool holds this slot (closed?)", slot))
-		return nil
+		return 0
 	}
 	return entryAlloc(e, "gmp_alloc", size, device, stream)
 }
 
-func slotFree(slot int, ptr unsafe.Pointer) {
+func slotFree(slot int, ptr C.uintptr_t) {
 	e := registry.BySlot(slot)
 	if e == nil {
-		registry.SetOrphanError(fmt.Sprintf("gmp_free_%d(%p): no pool holds this slot (closed?)", slot, ptr))
+		registry.SetOrphanError(fmt.Sprintf("gmp_free_%d(%#x): no pool holds this slot (closed?)", slot, uint64(ptr)))
 		return
 	}
 	entryFree(e, "gmp_free", ptr)
@@ -106,11 +116,11 @@ func slotFree(slot int, ptr unsafe.Pointer) {
 // gmp_pool_alloc allocates from the pool with handle pool; NULL on error.
 //
 //export gmp_pool_alloc
-func gmp_pool_alloc(pool C.int64_t, size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_pool_alloc(pool C.int64_t, size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	e, err := registry.Get(int64(pool))
 	if err != nil {
 		registry.SetOrphanError("gmp_pool_alloc: " + err.Error())
-		return nil
+		return 0
 	}
 	return entryAlloc(e, "gmp_pool_alloc", size, device, stream)
 }
@@ -119,7 +129,7 @@ func gmp_pool_alloc(pool C.int64_t, size C.size_t, device C.int, stream unsafe.P
 // error (see gmp_last_error).
 //
 //export gmp_pool_free
-func gmp_pool_free(pool C.int64_t, ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) C.int {
+func gmp_pool_free(pool C.int64_t, ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) C.int {
 	e, err := registry.Get(int64(pool))
 	if err != nil {
 		registry.SetOrphanError("gmp_pool_free: " + err.Error())

@@ -4,7 +4,7 @@ package cabi
 #include <stdint.h>
 
 // filter.cpp: call and delete torch's std::function<bool(cudaStream_t)>.
-int gmp_filter_accepts(void *filter, void *stream);
+int gmp_filter_accepts(void *filter, uintptr_t stream);
 void gmp_filter_delete(void *filter);
 */
 import "C"
@@ -42,11 +42,26 @@ import (
 // graphPoolID is torch's MempoolId_t.
 type graphPoolID [2]uint64
 
+// streamFilter says which streams allocate into a capture's pool.
+type streamFilter interface {
+	accepts(stream uintptr) bool
+	release()
+}
+
+// cppFilter is torch's filter: a heap copy of its std::function, owned
+// (filter.cpp).
+type cppFilter struct{ p unsafe.Pointer }
+
+func (f cppFilter) accepts(stream uintptr) bool {
+	return C.gmp_filter_accepts(f.p, C.uintptr_t(stream)) != 0
+}
+func (f cppFilter) release() { C.gmp_filter_delete(f.p) }
+
 // capture is one beginAllocateToPool not yet ended.
 type capture struct {
 	device int
 	id     graphPoolID
-	filter unsafe.Pointer // a heap copy of torch's filter, owned (filter.cpp)
+	filter streamFilter
 }
 
 // privatePool is a pool torch allocated into.
@@ -64,6 +79,7 @@ type graphState struct {
 	captures []capture
 	pools    map[graphPoolID]*privatePool
 	owner    map[uint64]*privatePool // address of a live block -> its pool
+	retired  map[int]gocore.Stats    // by device: what closed private pools counted
 }
 
 var (
@@ -87,7 +103,8 @@ func graphStateOf(e *registry.Entry, create bool) *graphState {
 	graphMu.Lock()
 	defer graphMu.Unlock()
 	if g = graphs[e]; g == nil {
-		g = &graphState{pools: map[graphPoolID]*privatePool{}, owner: map[uint64]*privatePool{}}
+		g = &graphState{pools: map[graphPoolID]*privatePool{}, owner: map[uint64]*privatePool{},
+			retired: map[int]gocore.Stats{}}
 		graphs[e] = g
 	}
 	return g
@@ -96,7 +113,7 @@ func graphStateOf(e *registry.Entry, create bool) *graphState {
 // privateAlloc serves an allocation from a private pool when a capture on
 // device accepts stream; ok is false when none does (the slot pool serves
 // it then).
-func privateAlloc(e *registry.Entry, size uint64, device int, stream unsafe.Pointer) (addr uint64, ok bool, err error) {
+func privateAlloc(e *registry.Entry, size uint64, device int, stream uintptr) (addr uint64, ok bool, err error) {
 	if activeCaptures.Load() == 0 {
 		return 0, false, nil
 	}
@@ -107,14 +124,14 @@ func privateAlloc(e *registry.Entry, size uint64, device int, stream unsafe.Poin
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	for _, c := range g.captures {
-		if c.device != device || C.gmp_filter_accepts(c.filter, stream) == 0 {
+		if c.device != device || !c.filter.accepts(stream) {
 			continue
 		}
 		pp, err := g.poolLocked(e, c.id, device)
 		if err != nil {
 			return 0, true, err
 		}
-		addr, err = pp.pool.Alloc(size, device, gocore.Stream(uintptr(stream)))
+		addr, err = pp.pool.Alloc(size, device, gocore.Stream(stream))
 		if err != nil {
 			return 0, true, fmt.Errorf("private pool (%d, %d): %w", c.id[0], c.id[1], err)
 		}
@@ -209,6 +226,12 @@ func privateFree(e *registry.Entry, addr uint64) (ok bool, err error) {
 // closeLocked returns a private pool's segments to the backend.
 func (g *graphState) closeLocked(pp *privatePool) error {
 	delete(g.pools, pp.id)
+	if st, err := pp.pool.Stats(pp.device); err == nil {
+		r := g.retired[pp.device]
+		rs := st.Retired()
+		r.Merge(&rs)
+		g.retired[pp.device] = r
+	}
 	rep, err := pp.pool.Close()
 	for _, b := range rep.LiveBlocks {
 		if g.owner[b.Addr] == pp {
@@ -246,20 +269,22 @@ func privateRecordStream(e *registry.Entry, addr uint64, stream gocore.Stream) (
 //
 //export gmp_graph_begin
 func gmp_graph_begin(slot, device C.int, id0, id1 C.uint64_t, filter unsafe.Pointer) {
+	f := cppFilter{filter}
 	e := registry.BySlot(int(slot))
 	if e == nil {
-		C.gmp_filter_delete(filter)
+		f.release()
 		registry.SetOrphanError(fmt.Sprintf("gmp_begin_allocate_to_pool_%d: no pool holds this slot (closed?)", int(slot)))
 		return
 	}
+	stored := false
 	guarded(e, "gmp_begin_allocate_to_pool", func() error {
-		g := graphStateOf(e, true)
-		g.mu.Lock()
-		defer g.mu.Unlock()
-		g.captures = append(g.captures, capture{device: int(device), id: graphPoolID{uint64(id0), uint64(id1)}, filter: filter})
-		activeCaptures.Add(1)
-		return g.pauseLocked(e, true)
+		err := beginCapture(e, int(device), graphPoolID{uint64(id0), uint64(id1)}, f)
+		stored = true
+		return err
 	})
+	if !stored { // a panic came first (PanicNext): nobody owns the filter
+		f.release()
+	}
 }
 
 // gmp_graph_end is endAllocateToPool: the capture (or use_mem_pool) begun
@@ -268,22 +293,7 @@ func gmp_graph_begin(slot, device C.int, id0, id1 C.uint64_t, filter unsafe.Poin
 //export gmp_graph_end
 func gmp_graph_end(slot, device C.int, id0, id1 C.uint64_t) {
 	slotHook(int(slot), "gmp_end_allocate_to_pool", func(e *registry.Entry) error {
-		g := graphStateOf(e, false)
-		if g == nil {
-			return fmt.Errorf("device %d, pool (%d, %d): no allocation to this pool was begun", device, id0, id1)
-		}
-		g.mu.Lock()
-		defer g.mu.Unlock()
-		id := graphPoolID{uint64(id0), uint64(id1)}
-		for i, c := range g.captures {
-			if c.device == int(device) && c.id == id {
-				C.gmp_filter_delete(c.filter)
-				g.captures = append(g.captures[:i], g.captures[i+1:]...)
-				activeCaptures.Add(-1)
-				return g.pauseLocked(e, false)
-			}
-		}
-		return fmt.Errorf("device %d, pool (%d, %d): no allocation to this pool was begun", device, id0, id1)
+		return endCapture(e, int(device), graphPoolID{uint64(id0), uint64(id1)})
 	})
 }
 
@@ -293,22 +303,57 @@ func gmp_graph_end(slot, device C.int, id0, id1 C.uint64_t) {
 //export gmp_graph_release
 func gmp_graph_release(slot, device C.int, id0, id1 C.uint64_t) {
 	slotHook(int(slot), "gmp_release_pool", func(e *registry.Entry) error {
-		g := graphStateOf(e, false)
-		if g == nil {
-			return nil // nothing was ever allocated to it
-		}
+		return releaseGraphPool(e, graphPoolID{uint64(id0), uint64(id1)})
+	})
+}
+
+// beginCapture routes e's allocations on device whose stream f accepts to
+// private pool id until endCapture; f is owned from here on.
+func beginCapture(e *registry.Entry, device int, id graphPoolID, f streamFilter) error {
+	g := graphStateOf(e, true)
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.captures = append(g.captures, capture{device: device, id: id, filter: f})
+	activeCaptures.Add(1)
+	return g.pauseLocked(e, true)
+}
+
+// endCapture ends the oldest capture begun for (device, id).
+func endCapture(e *registry.Entry, device int, id graphPoolID) error {
+	g := graphStateOf(e, false)
+	if g != nil {
 		g.mu.Lock()
 		defer g.mu.Unlock()
-		pp := g.pools[graphPoolID{uint64(id0), uint64(id1)}]
-		if pp == nil {
-			return nil
+		for i, c := range g.captures {
+			if c.device == device && c.id == id {
+				c.filter.release()
+				g.captures = append(g.captures[:i], g.captures[i+1:]...)
+				activeCaptures.Add(-1)
+				return g.pauseLocked(e, false)
+			}
 		}
-		pp.released = true
-		if pp.live == 0 {
-			return g.closeLocked(pp)
-		}
+	}
+	return fmt.Errorf("device %d, pool (%d, %d): no allocation to this pool was begun", device, id[0], id[1])
+}
+
+// releaseGraphPool marks private pool id released: it is closed now if it
+// holds no block, else when its last block is freed.
+func releaseGraphPool(e *registry.Entry, id graphPoolID) error {
+	g := graphStateOf(e, false)
+	if g == nil {
+		return nil // nothing was ever allocated to it
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	pp := g.pools[id]
+	if pp == nil {
 		return nil
-	})
+	}
+	pp.released = true
+	if pp.live == 0 {
+		return g.closeLocked(pp)
+	}
+	return nil
 }
 
 // GraphPool describes one private pool (GraphPools).
@@ -348,6 +393,36 @@ func GraphPools(e *registry.Entry) ([]GraphPool, error) {
 	return out, errors.Join(errs...)
 }
 
+// AddGraphStats adds the statistics of e's private pools on device dev (all
+// devices when dev < 0) to s: their memory is the pool's too, as torch's
+// memory_stats counts its graphs' private pools.
+func AddGraphStats(e *registry.Entry, dev int, s *gocore.Stats) error {
+	g := graphStateOf(e, false)
+	if g == nil {
+		return nil
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	var errs []error
+	for _, pp := range g.pools {
+		if dev >= 0 && pp.device != dev {
+			continue
+		}
+		ps, err := pp.pool.Stats(pp.device)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		s.Merge(&ps)
+	}
+	for d, r := range g.retired {
+		if dev < 0 || d == dev {
+			s.Merge(&r)
+		}
+	}
+	return errors.Join(errs...)
+}
+
 // CloseGraphPools closes e's private pools and drops its captures (the pool
 // itself is closing), and reports the blocks they still held.
 func CloseGraphPools(e *registry.Entry) (gocore.CloseReport, error) {
@@ -362,7 +437,7 @@ func CloseGraphPools(e *registry.Entry) (gocore.CloseReport, error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	for _, c := range g.captures {
-		C.gmp_filter_delete(c.filter)
+		c.filter.release()
 		activeCaptures.Add(-1)
 	}
 	g.captures = nil

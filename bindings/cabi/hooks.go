@@ -2,13 +2,13 @@ package cabi
 
 /*
 #include <stddef.h>
+#include <stdint.h>
 */
 import "C"
 
 import (
 	"fmt"
 	"math"
-	"unsafe"
 
 	"github.com/gpumempool/gpumempool/bindings/registry"
 	"github.com/gpumempool/gpumempool/gocore"
@@ -100,9 +100,9 @@ func fractionLimit(p *gocore.Pool, fraction float64, device int) (uint64, error)
 	return max(uint64(fraction*float64(total)), 1), nil
 }
 
-func slotRecordStream(slot int, ptr, stream unsafe.Pointer) {
+func slotRecordStream(slot int, ptr, stream C.uintptr_t) {
 	slotHook(slot, "gmp_record_stream", func(e *registry.Entry) error {
-		addr, s := uint64(uintptr(ptr)), gocore.Stream(uintptr(stream))
+		addr, s := uint64(ptr), gocore.Stream(stream)
 		if ok, err := privateRecordStream(e, addr, s); ok {
 			return err
 		}
@@ -116,10 +116,10 @@ func slotRecordStream(slot int, ptr, stream unsafe.Pointer) {
 // that base plus an offset; without this hook it would take the block for
 // the base, and the other process would read the segment's first bytes.
 // NULL (and the pool's last error) when ptr is not a live block.
-func slotBaseAlloc(slot int, ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func slotBaseAlloc(slot int, ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	var base uint64
 	slotHook(slot, "gmp_base_alloc", func(e *registry.Entry) error {
-		addr := uint64(uintptr(ptr))
+		addr := uint64(ptr)
 		info, ok, err := privateBlock(e, addr)
 		if !ok {
 			info, err = e.Pool.Lookup(addr)
@@ -133,5 +133,5 @@ func slotBaseAlloc(slot int, ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer 
 		}
 		return nil
 	})
-	return ptrOf(base)
+	return C.uintptr_t(base)
 }

@@ -4,18 +4,17 @@ package cabi
 
 /*
 #include <stddef.h>
+#include <stdint.h>
 */
 import "C"
 
-import "unsafe"
-
 //export gmp_alloc_0
-func gmp_alloc_0(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_0(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(0, size, device, stream)
 }
 
 //export gmp_free_0
-func gmp_free_0(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_0(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(0, ptr)
 }
 
@@ -35,22 +34,22 @@ func gmp_memory_fraction_0(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_0
-func gmp_record_stream_0(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_0(ptr, stream C.uintptr_t) {
 	slotRecordStream(0, ptr, stream)
 }
 
 //export gmp_base_alloc_0
-func gmp_base_alloc_0(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_0(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(0, ptr, size)
 }
 
 //export gmp_alloc_1
-func gmp_alloc_1(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_1(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(1, size, device, stream)
 }
 
 //export gmp_free_1
-func gmp_free_1(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_1(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(1, ptr)
 }
 
@@ -70,22 +69,22 @@ func gmp_memory_fraction_1(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_1
-func gmp_record_stream_1(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_1(ptr, stream C.uintptr_t) {
 	slotRecordStream(1, ptr, stream)
 }
 
 //export gmp_base_alloc_1
-func gmp_base_alloc_1(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_1(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(1, ptr, size)
 }
 
 //export gmp_alloc_2
-func gmp_alloc_2(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_2(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(2, size, device, stream)
 }
 
 //export gmp_free_2
-func gmp_free_2(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_2(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(2, ptr)
 }
 
@@ -105,22 +104,22 @@ func gmp_memory_fraction_2(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_2
-func gmp_record_stream_2(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_2(ptr, stream C.uintptr_t) {
 	slotRecordStream(2, ptr, stream)
 }
 
 //export gmp_base_alloc_2
-func gmp_base_alloc_2(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_2(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(2, ptr, size)
 }
 
 //export gmp_alloc_3
-func gmp_alloc_3(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_3(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(3, size, device, stream)
 }
 
 //export gmp_free_3
-func gmp_free_3(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_3(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(3, ptr)
 }
 
@@ -140,22 +139,22 @@ func gmp_memory_fraction_3(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_3
-func gmp_record_stream_3(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_3(ptr, stream C.uintptr_t) {
 	slotRecordStream(3, ptr, stream)
 }
 
 //export gmp_base_alloc_3
-func gmp_base_alloc_3(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_3(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(3, ptr, size)
 }
 
 //export gmp_alloc_4
-func gmp_alloc_4(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_4(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(4, size, device, stream)
 }
 
 //export gmp_free_4
-func gmp_free_4(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_4(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(4, ptr)
 }
 
@@ -175,22 +174,22 @@ func gmp_memory_fraction_4(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_4
-func gmp_record_stream_4(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_4(ptr, stream C.uintptr_t) {
 	slotRecordStream(4, ptr, stream)
 }
 
 //export gmp_base_alloc_4
-func gmp_base_alloc_4(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_4(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(4, ptr, size)
 }
 
 //export gmp_alloc_5
-func gmp_alloc_5(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_5(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(5, size, device, stream)
 }
 
 //export gmp_free_5
-func gmp_free_5(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_5(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(5, ptr)
 }
 
@@ -210,22 +209,22 @@ func gmp_memory_fraction_5(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_5
-func gmp_record_stream_5(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_5(ptr, stream C.uintptr_t) {
 	slotRecordStream(5, ptr, stream)
 }
 
 //export gmp_base_alloc_5
-func gmp_base_alloc_5(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_5(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(5, ptr, size)
 }
 
 //export gmp_alloc_6
-func gmp_alloc_6(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_6(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(6, size, device, stream)
 }
 
 //export gmp_free_6
-func gmp_free_6(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_6(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(6, ptr)
 }
 
@@ -245,22 +244,22 @@ func gmp_memory_fraction_6(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_6
-func gmp_record_stream_6(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_6(ptr, stream C.uintptr_t) {
 	slotRecordStream(6, ptr, stream)
 }
 
 //export gmp_base_alloc_6
-func gmp_base_alloc_6(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_6(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(6, ptr, size)
 }
 
 //export gmp_alloc_7
-func gmp_alloc_7(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_7(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(7, size, device, stream)
 }
 
 //export gmp_free_7
-func gmp_free_7(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_7(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(7, ptr)
 }
 
@@ -280,22 +279,22 @@ func gmp_memory_fraction_7(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_7
-func gmp_record_stream_7(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_7(ptr, stream C.uintptr_t) {
 	slotRecordStream(7, ptr, stream)
 }
 
 //export gmp_base_alloc_7
-func gmp_base_alloc_7(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_7(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(7, ptr, size)
 }
 
 //export gmp_alloc_8
-func gmp_alloc_8(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_8(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(8, size, device, stream)
 }
 
 //export gmp_free_8
-func gmp_free_8(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_8(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(8, ptr)
 }
 
@@ -315,22 +314,22 @@ func gmp_memory_fraction_8(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_8
-func gmp_record_stream_8(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_8(ptr, stream C.uintptr_t) {
 	slotRecordStream(8, ptr, stream)
 }
 
 //export gmp_base_alloc_8
-func gmp_base_alloc_8(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_8(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(8, ptr, size)
 }
 
 //export gmp_alloc_9
-func gmp_alloc_9(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_9(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(9, size, device, stream)
 }
 
 //export gmp_free_9
-func gmp_free_9(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_9(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(9, ptr)
 }
 
@@ -350,22 +349,22 @@ func gmp_memory_fraction_9(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_9
-func gmp_record_stream_9(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_9(ptr, stream C.uintptr_t) {
 	slotRecordStream(9, ptr, stream)
 }
 
 //export gmp_base_alloc_9
-func gmp_base_alloc_9(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_9(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(9, ptr, size)
 }
 
 //export gmp_alloc_10
-func gmp_alloc_10(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_10(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(10, size, device, stream)
 }
 
 //export gmp_free_10
-func gmp_free_10(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_10(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(10, ptr)
 }
 
@@ -385,22 +384,22 @@ func gmp_memory_fraction_10(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_10
-func gmp_record_stream_10(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_10(ptr, stream C.uintptr_t) {
 	slotRecordStream(10, ptr, stream)
 }
 
 //export gmp_base_alloc_10
-func gmp_base_alloc_10(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_10(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(10, ptr, size)
 }
 
 //export gmp_alloc_11
-func gmp_alloc_11(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_11(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(11, size, device, stream)
 }
 
 //export gmp_free_11
-func gmp_free_11(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_11(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(11, ptr)
 }
 
@@ -420,22 +419,22 @@ func gmp_memory_fraction_11(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_11
-func gmp_record_stream_11(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_11(ptr, stream C.uintptr_t) {
 	slotRecordStream(11, ptr, stream)
 }
 
 //export gmp_base_alloc_11
-func gmp_base_alloc_11(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_11(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(11, ptr, size)
 }
 
 //export gmp_alloc_12
-func gmp_alloc_12(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_12(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(12, size, device, stream)
 }
 
 //export gmp_free_12
-func gmp_free_12(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_12(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(12, ptr)
 }
 
@@ -455,22 +454,22 @@ func gmp_memory_fraction_12(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_12
-func gmp_record_stream_12(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_12(ptr, stream C.uintptr_t) {
 	slotRecordStream(12, ptr, stream)
 }
 
 //export gmp_base_alloc_12
-func gmp_base_alloc_12(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_12(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(12, ptr, size)
 }
 
 //export gmp_alloc_13
-func gmp_alloc_13(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_13(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(13, size, device, stream)
 }
 
 //export gmp_free_13
-func gmp_free_13(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_13(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(13, ptr)
 }
 
@@ -490,22 +489,22 @@ func gmp_memory_fraction_13(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_13
-func gmp_record_stream_13(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_13(ptr, stream C.uintptr_t) {
 	slotRecordStream(13, ptr, stream)
 }
 
 //export gmp_base_alloc_13
-func gmp_base_alloc_13(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_13(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(13, ptr, size)
 }
 
 //export gmp_alloc_14
-func gmp_alloc_14(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_14(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(14, size, device, stream)
 }
 
 //export gmp_free_14
-func gmp_free_14(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_14(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(14, ptr)
 }
 
@@ -525,22 +524,22 @@ func gmp_memory_fraction_14(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_14
-func gmp_record_stream_14(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_14(ptr, stream C.uintptr_t) {
 	slotRecordStream(14, ptr, stream)
 }
 
 //export gmp_base_alloc_14
-func gmp_base_alloc_14(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_14(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(14, ptr, size)
 }
 
 //export gmp_alloc_15
-func gmp_alloc_15(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_15(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(15, size, device, stream)
 }
 
 //export gmp_free_15
-func gmp_free_15(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_15(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(15, ptr)
 }
 
@@ -560,22 +559,22 @@ func gmp_memory_fraction_15(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_15
-func gmp_record_stream_15(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_15(ptr, stream C.uintptr_t) {
 	slotRecordStream(15, ptr, stream)
 }
 
 //export gmp_base_alloc_15
-func gmp_base_alloc_15(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_15(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(15, ptr, size)
 }
 
 //export gmp_alloc_16
-func gmp_alloc_16(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_16(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(16, size, device, stream)
 }
 
 //export gmp_free_16
-func gmp_free_16(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_16(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(16, ptr)
 }
 
@@ -595,22 +594,22 @@ func gmp_memory_fraction_16(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_16
-func gmp_record_stream_16(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_16(ptr, stream C.uintptr_t) {
 	slotRecordStream(16, ptr, stream)
 }
 
 //export gmp_base_alloc_16
-func gmp_base_alloc_16(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_16(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(16, ptr, size)
 }
 
 //export gmp_alloc_17
-func gmp_alloc_17(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_17(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(17, size, device, stream)
 }
 
 //export gmp_free_17
-func gmp_free_17(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_17(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(17, ptr)
 }
 
@@ -630,22 +629,22 @@ func gmp_memory_fraction_17(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_17
-func gmp_record_stream_17(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_17(ptr, stream C.uintptr_t) {
 	slotRecordStream(17, ptr, stream)
 }
 
 //export gmp_base_alloc_17
-func gmp_base_alloc_17(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_17(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(17, ptr, size)
 }
 
 //export gmp_alloc_18
-func gmp_alloc_18(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_18(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(18, size, device, stream)
 }
 
 //export gmp_free_18
-func gmp_free_18(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_18(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(18, ptr)
 }
 
@@ -665,22 +664,22 @@ func gmp_memory_fraction_18(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_18
-func gmp_record_stream_18(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_18(ptr, stream C.uintptr_t) {
 	slotRecordStream(18, ptr, stream)
 }
 
 //export gmp_base_alloc_18
-func gmp_base_alloc_18(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_18(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(18, ptr, size)
 }
 
 //export gmp_alloc_19
-func gmp_alloc_19(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_19(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(19, size, device, stream)
 }
 
 //export gmp_free_19
-func gmp_free_19(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_19(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(19, ptr)
 }
 
@@ -700,22 +699,22 @@ func gmp_memory_fraction_19(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_19
-func gmp_record_stream_19(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_19(ptr, stream C.uintptr_t) {
 	slotRecordStream(19, ptr, stream)
 }
 
 //export gmp_base_alloc_19
-func gmp_base_alloc_19(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_19(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(19, ptr, size)
 }
 
 //export gmp_alloc_20
-func gmp_alloc_20(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_20(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(20, size, device, stream)
 }
 
 //export gmp_free_20
-func gmp_free_20(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_20(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(20, ptr)
 }
 
@@ -735,22 +734,22 @@ func gmp_memory_fraction_20(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_20
-func gmp_record_stream_20(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_20(ptr, stream C.uintptr_t) {
 	slotRecordStream(20, ptr, stream)
 }
 
 //export gmp_base_alloc_20
-func gmp_base_alloc_20(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_20(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(20, ptr, size)
 }
 
 //export gmp_alloc_21
-func gmp_alloc_21(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_21(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(21, size, device, stream)
 }
 
 //export gmp_free_21
-func gmp_free_21(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_21(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(21, ptr)
 }
 
@@ -770,22 +769,22 @@ func gmp_memory_fraction_21(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_21
-func gmp_record_stream_21(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_21(ptr, stream C.uintptr_t) {
 	slotRecordStream(21, ptr, stream)
 }
 
 //export gmp_base_alloc_21
-func gmp_base_alloc_21(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_21(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(21, ptr, size)
 }
 
 //export gmp_alloc_22
-func gmp_alloc_22(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_22(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(22, size, device, stream)
 }
 
 //export gmp_free_22
-func gmp_free_22(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_22(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(22, ptr)
 }
 
@@ -805,22 +804,22 @@ func gmp_memory_fraction_22(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_22
-func gmp_record_stream_22(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_22(ptr, stream C.uintptr_t) {
 	slotRecordStream(22, ptr, stream)
 }
 
 //export gmp_base_alloc_22
-func gmp_base_alloc_22(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_22(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(22, ptr, size)
 }
 
 //export gmp_alloc_23
-func gmp_alloc_23(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_23(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(23, size, device, stream)
 }
 
 //export gmp_free_23
-func gmp_free_23(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_23(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(23, ptr)
 }
 
@@ -840,22 +839,22 @@ func gmp_memory_fraction_23(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_23
-func gmp_record_stream_23(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_23(ptr, stream C.uintptr_t) {
 	slotRecordStream(23, ptr, stream)
 }
 
 //export gmp_base_alloc_23
-func gmp_base_alloc_23(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_23(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(23, ptr, size)
 }
 
 //export gmp_alloc_24
-func gmp_alloc_24(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_24(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(24, size, device, stream)
 }
 
 //export gmp_free_24
-func gmp_free_24(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_24(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(24, ptr)
 }
 
@@ -875,22 +874,22 @@ func gmp_memory_fraction_24(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_24
-func gmp_record_stream_24(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_24(ptr, stream C.uintptr_t) {
 	slotRecordStream(24, ptr, stream)
 }
 
 //export gmp_base_alloc_24
-func gmp_base_alloc_24(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_24(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(24, ptr, size)
 }
 
 //export gmp_alloc_25
-func gmp_alloc_25(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_25(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(25, size, device, stream)
 }
 
 //export gmp_free_25
-func gmp_free_25(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_25(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(25, ptr)
 }
 
@@ -910,22 +909,22 @@ func gmp_memory_fraction_25(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_25
-func gmp_record_stream_25(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_25(ptr, stream C.uintptr_t) {
 	slotRecordStream(25, ptr, stream)
 }
 
 //export gmp_base_alloc_25
-func gmp_base_alloc_25(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_25(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(25, ptr, size)
 }
 
 //export gmp_alloc_26
-func gmp_alloc_26(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_26(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(26, size, device, stream)
 }
 
 //export gmp_free_26
-func gmp_free_26(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_26(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(26, ptr)
 }
 
@@ -945,22 +944,22 @@ func gmp_memory_fraction_26(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_26
-func gmp_record_stream_26(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_26(ptr, stream C.uintptr_t) {
 	slotRecordStream(26, ptr, stream)
 }
 
 //export gmp_base_alloc_26
-func gmp_base_alloc_26(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_26(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(26, ptr, size)
 }
 
 //export gmp_alloc_27
-func gmp_alloc_27(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_27(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(27, size, device, stream)
 }
 
 //export gmp_free_27
-func gmp_free_27(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_27(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(27, ptr)
 }
 
@@ -980,22 +979,22 @@ func gmp_memory_fraction_27(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_27
-func gmp_record_stream_27(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_27(ptr, stream C.uintptr_t) {
 	slotRecordStream(27, ptr, stream)
 }
 
 //export gmp_base_alloc_27
-func gmp_base_alloc_27(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_27(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(27, ptr, size)
 }
 
 //export gmp_alloc_28
-func gmp_alloc_28(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_28(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(28, size, device, stream)
 }
 
 //export gmp_free_28
-func gmp_free_28(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_28(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(28, ptr)
 }
 
@@ -1015,22 +1014,22 @@ func gmp_memory_fraction_28(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_28
-func gmp_record_stream_28(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_28(ptr, stream C.uintptr_t) {
 	slotRecordStream(28, ptr, stream)
 }
 
 //export gmp_base_alloc_28
-func gmp_base_alloc_28(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_28(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(28, ptr, size)
 }
 
 //export gmp_alloc_29
-func gmp_alloc_29(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_29(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(29, size, device, stream)
 }
 
 //export gmp_free_29
-func gmp_free_29(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_29(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(29, ptr)
 }
 
@@ -1050,22 +1049,22 @@ func gmp_memory_fraction_29(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_29
-func gmp_record_stream_29(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_29(ptr, stream C.uintptr_t) {
 	slotRecordStream(29, ptr, stream)
 }
 
 //export gmp_base_alloc_29
-func gmp_base_alloc_29(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_29(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(29, ptr, size)
 }
 
 //export gmp_alloc_30
-func gmp_alloc_30(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_30(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(30, size, device, stream)
 }
 
 //export gmp_free_30
-func gmp_free_30(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_30(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(30, ptr)
 }
 
@@ -1085,22 +1084,22 @@ func gmp_memory_fraction_30(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_30
-func gmp_record_stream_30(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_30(ptr, stream C.uintptr_t) {
 	slotRecordStream(30, ptr, stream)
 }
 
 //export gmp_base_alloc_30
-func gmp_base_alloc_30(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_30(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(30, ptr, size)
 }
 
 //export gmp_alloc_31
-func gmp_alloc_31(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_31(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(31, size, device, stream)
 }
 
 //export gmp_free_31
-func gmp_free_31(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_31(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(31, ptr)
 }
 
@@ -1120,22 +1119,22 @@ func gmp_memory_fraction_31(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_31
-func gmp_record_stream_31(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_31(ptr, stream C.uintptr_t) {
 	slotRecordStream(31, ptr, stream)
 }
 
 //export gmp_base_alloc_31
-func gmp_base_alloc_31(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_31(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(31, ptr, size)
 }
 
 //export gmp_alloc_32
-func gmp_alloc_32(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_32(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(32, size, device, stream)
 }
 
 //export gmp_free_32
-func gmp_free_32(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_32(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(32, ptr)
 }
 
@@ -1155,22 +1154,22 @@ func gmp_memory_fraction_32(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_32
-func gmp_record_stream_32(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_32(ptr, stream C.uintptr_t) {
 	slotRecordStream(32, ptr, stream)
 }
 
 //export gmp_base_alloc_32
-func gmp_base_alloc_32(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_32(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(32, ptr, size)
 }
 
 //export gmp_alloc_33
-func gmp_alloc_33(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_33(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(33, size, device, stream)
 }
 
 //export gmp_free_33
-func gmp_free_33(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_33(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(33, ptr)
 }
 
@@ -1190,22 +1189,22 @@ func gmp_memory_fraction_33(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_33
-func gmp_record_stream_33(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_33(ptr, stream C.uintptr_t) {
 	slotRecordStream(33, ptr, stream)
 }
 
 //export gmp_base_alloc_33
-func gmp_base_alloc_33(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_33(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(33, ptr, size)
 }
 
 //export gmp_alloc_34
-func gmp_alloc_34(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_34(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(34, size, device, stream)
 }
 
 //export gmp_free_34
-func gmp_free_34(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_34(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(34, ptr)
 }
 
@@ -1225,22 +1224,22 @@ func gmp_memory_fraction_34(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_34
-func gmp_record_stream_34(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_34(ptr, stream C.uintptr_t) {
 	slotRecordStream(34, ptr, stream)
 }
 
 //export gmp_base_alloc_34
-func gmp_base_alloc_34(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_34(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(34, ptr, size)
 }
 
 //export gmp_alloc_35
-func gmp_alloc_35(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_35(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(35, size, device, stream)
 }
 
 //export gmp_free_35
-func gmp_free_35(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_35(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(35, ptr)
 }
 
@@ -1260,22 +1259,22 @@ func gmp_memory_fraction_35(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_35
-func gmp_record_stream_35(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_35(ptr, stream C.uintptr_t) {
 	slotRecordStream(35, ptr, stream)
 }
 
 //export gmp_base_alloc_35
-func gmp_base_alloc_35(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_35(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(35, ptr, size)
 }
 
 //export gmp_alloc_36
-func gmp_alloc_36(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_36(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(36, size, device, stream)
 }
 
 //export gmp_free_36
-func gmp_free_36(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_36(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(36, ptr)
 }
 
@@ -1295,22 +1294,22 @@ func gmp_memory_fraction_36(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_36
-func gmp_record_stream_36(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_36(ptr, stream C.uintptr_t) {
 	slotRecordStream(36, ptr, stream)
 }
 
 //export gmp_base_alloc_36
-func gmp_base_alloc_36(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_36(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(36, ptr, size)
 }
 
 //export gmp_alloc_37
-func gmp_alloc_37(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_37(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(37, size, device, stream)
 }
 
 //export gmp_free_37
-func gmp_free_37(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_37(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(37, ptr)
 }
 
@@ -1330,22 +1329,22 @@ func gmp_memory_fraction_37(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_37
-func gmp_record_stream_37(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_37(ptr, stream C.uintptr_t) {
 	slotRecordStream(37, ptr, stream)
 }
 
 //export gmp_base_alloc_37
-func gmp_base_alloc_37(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_37(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(37, ptr, size)
 }
 
 //export gmp_alloc_38
-func gmp_alloc_38(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_38(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(38, size, device, stream)
 }
 
 //export gmp_free_38
-func gmp_free_38(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_38(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(38, ptr)
 }
 
@@ -1365,22 +1364,22 @@ func gmp_memory_fraction_38(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_38
-func gmp_record_stream_38(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_38(ptr, stream C.uintptr_t) {
 	slotRecordStream(38, ptr, stream)
 }
 
 //export gmp_base_alloc_38
-func gmp_base_alloc_38(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_38(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(38, ptr, size)
 }
 
 //export gmp_alloc_39
-func gmp_alloc_39(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_39(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(39, size, device, stream)
 }
 
 //export gmp_free_39
-func gmp_free_39(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_39(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(39, ptr)
 }
 
@@ -1400,22 +1399,22 @@ func gmp_memory_fraction_39(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_39
-func gmp_record_stream_39(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_39(ptr, stream C.uintptr_t) {
 	slotRecordStream(39, ptr, stream)
 }
 
 //export gmp_base_alloc_39
-func gmp_base_alloc_39(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_39(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(39, ptr, size)
 }
 
 //export gmp_alloc_40
-func gmp_alloc_40(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_40(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(40, size, device, stream)
 }
 
 //export gmp_free_40
-func gmp_free_40(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_40(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(40, ptr)
 }
 
@@ -1435,22 +1434,22 @@ func gmp_memory_fraction_40(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_40
-func gmp_record_stream_40(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_40(ptr, stream C.uintptr_t) {
 	slotRecordStream(40, ptr, stream)
 }
 
 //export gmp_base_alloc_40
-func gmp_base_alloc_40(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_40(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(40, ptr, size)
 }
 
 //export gmp_alloc_41
-func gmp_alloc_41(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_41(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(41, size, device, stream)
 }
 
 //export gmp_free_41
-func gmp_free_41(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_41(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(41, ptr)
 }
 
@@ -1470,22 +1469,22 @@ func gmp_memory_fraction_41(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_41
-func gmp_record_stream_41(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_41(ptr, stream C.uintptr_t) {
 	slotRecordStream(41, ptr, stream)
 }
 
 //export gmp_base_alloc_41
-func gmp_base_alloc_41(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_41(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(41, ptr, size)
 }
 
 //export gmp_alloc_42
-func gmp_alloc_42(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_42(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(42, size, device, stream)
 }
 
 //export gmp_free_42
-func gmp_free_42(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_42(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(42, ptr)
 }
 
@@ -1505,22 +1504,22 @@ func gmp_memory_fraction_42(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_42
-func gmp_record_stream_42(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_42(ptr, stream C.uintptr_t) {
 	slotRecordStream(42, ptr, stream)
 }
 
 //export gmp_base_alloc_42
-func gmp_base_alloc_42(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_42(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(42, ptr, size)
 }
 
 //export gmp_alloc_43
-func gmp_alloc_43(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_43(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(43, size, device, stream)
 }
 
 //export gmp_free_43
-func gmp_free_43(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_43(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(43, ptr)
 }
 
@@ -1540,22 +1539,22 @@ func gmp_memory_fraction_43(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_43
-func gmp_record_stream_43(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_43(ptr, stream C.uintptr_t) {
 	slotRecordStream(43, ptr, stream)
 }
 
 //export gmp_base_alloc_43
-func gmp_base_alloc_43(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_43(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(43, ptr, size)
 }
 
 //export gmp_alloc_44
-func gmp_alloc_44(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_44(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(44, size, device, stream)
 }
 
 //export gmp_free_44
-func gmp_free_44(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_44(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(44, ptr)
 }
 
@@ -1575,22 +1574,22 @@ func gmp_memory_fraction_44(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_44
-func gmp_record_stream_44(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_44(ptr, stream C.uintptr_t) {
 	slotRecordStream(44, ptr, stream)
 }
 
 //export gmp_base_alloc_44
-func gmp_base_alloc_44(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_44(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(44, ptr, size)
 }
 
 //export gmp_alloc_45
-func gmp_alloc_45(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_45(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(45, size, device, stream)
 }
 
 //export gmp_free_45
-func gmp_free_45(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_45(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(45, ptr)
 }
 
@@ -1610,22 +1609,22 @@ func gmp_memory_fraction_45(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_45
-func gmp_record_stream_45(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_45(ptr, stream C.uintptr_t) {
 	slotRecordStream(45, ptr, stream)
 }
 
 //export gmp_base_alloc_45
-func gmp_base_alloc_45(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_45(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(45, ptr, size)
 }
 
 //export gmp_alloc_46
-func gmp_alloc_46(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_46(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(46, size, device, stream)
 }
 
 //export gmp_free_46
-func gmp_free_46(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_46(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(46, ptr)
 }
 
@@ -1645,22 +1644,22 @@ func gmp_memory_fraction_46(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_46
-func gmp_record_stream_46(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_46(ptr, stream C.uintptr_t) {
 	slotRecordStream(46, ptr, stream)
 }
 
 //export gmp_base_alloc_46
-func gmp_base_alloc_46(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_46(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(46, ptr, size)
 }
 
 //export gmp_alloc_47
-func gmp_alloc_47(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_47(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(47, size, device, stream)
 }
 
 //export gmp_free_47
-func gmp_free_47(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_47(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(47, ptr)
 }
 
@@ -1680,22 +1679,22 @@ func gmp_memory_fraction_47(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_47
-func gmp_record_stream_47(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_47(ptr, stream C.uintptr_t) {
 	slotRecordStream(47, ptr, stream)
 }
 
 //export gmp_base_alloc_47
-func gmp_base_alloc_47(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_47(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(47, ptr, size)
 }
 
 //export gmp_alloc_48
-func gmp_alloc_48(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_48(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(48, size, device, stream)
 }
 
 //export gmp_free_48
-func gmp_free_48(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_48(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(48, ptr)
 }
 
@@ -1715,22 +1714,22 @@ func gmp_memory_fraction_48(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_48
-func gmp_record_stream_48(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_48(ptr, stream C.uintptr_t) {
 	slotRecordStream(48, ptr, stream)
 }
 
 //export gmp_base_alloc_48
-func gmp_base_alloc_48(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_48(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(48, ptr, size)
 }
 
 //export gmp_alloc_49
-func gmp_alloc_49(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_49(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(49, size, device, stream)
 }
 
 //export gmp_free_49
-func gmp_free_49(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_49(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(49, ptr)
 }
 
@@ -1750,22 +1749,22 @@ func gmp_memory_fraction_49(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_49
-func gmp_record_stream_49(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_49(ptr, stream C.uintptr_t) {
 	slotRecordStream(49, ptr, stream)
 }
 
 //export gmp_base_alloc_49
-func gmp_base_alloc_49(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_49(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(49, ptr, size)
 }
 
 //export gmp_alloc_50
-func gmp_alloc_50(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_50(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(50, size, device, stream)
 }
 
 //export gmp_free_50
-func gmp_free_50(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_50(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(50, ptr)
 }
 
@@ -1785,22 +1784,22 @@ func gmp_memory_fraction_50(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_50
-func gmp_record_stream_50(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_50(ptr, stream C.uintptr_t) {
 	slotRecordStream(50, ptr, stream)
 }
 
 //export gmp_base_alloc_50
-func gmp_base_alloc_50(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_50(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(50, ptr, size)
 }
 
 //export gmp_alloc_51
-func gmp_alloc_51(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_51(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(51, size, device, stream)
 }
 
 //export gmp_free_51
-func gmp_free_51(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_51(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(51, ptr)
 }
 
@@ -1820,22 +1819,22 @@ func gmp_memory_fraction_51(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_51
-func gmp_record_stream_51(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_51(ptr, stream C.uintptr_t) {
 	slotRecordStream(51, ptr, stream)
 }
 
 //export gmp_base_alloc_51
-func gmp_base_alloc_51(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_51(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(51, ptr, size)
 }
 
 //export gmp_alloc_52
-func gmp_alloc_52(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_52(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(52, size, device, stream)
 }
 
 //export gmp_free_52
-func gmp_free_52(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_52(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(52, ptr)
 }
 
@@ -1855,22 +1854,22 @@ func gmp_memory_fraction_52(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_52
-func gmp_record_stream_52(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_52(ptr, stream C.uintptr_t) {
 	slotRecordStream(52, ptr, stream)
 }
 
 //export gmp_base_alloc_52
-func gmp_base_alloc_52(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_52(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(52, ptr, size)
 }
 
 //export gmp_alloc_53
-func gmp_alloc_53(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_53(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(53, size, device, stream)
 }
 
 //export gmp_free_53
-func gmp_free_53(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_53(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(53, ptr)
 }
 
@@ -1890,22 +1889,22 @@ func gmp_memory_fraction_53(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_53
-func gmp_record_stream_53(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_53(ptr, stream C.uintptr_t) {
 	slotRecordStream(53, ptr, stream)
 }
 
 //export gmp_base_alloc_53
-func gmp_base_alloc_53(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_53(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(53, ptr, size)
 }
 
 //export gmp_alloc_54
-func gmp_alloc_54(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_54(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(54, size, device, stream)
 }
 
 //export gmp_free_54
-func gmp_free_54(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_54(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(54, ptr)
 }
 
@@ -1925,22 +1924,22 @@ func gmp_memory_fraction_54(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_54
-func gmp_record_stream_54(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_54(ptr, stream C.uintptr_t) {
 	slotRecordStream(54, ptr, stream)
 }
 
 //export gmp_base_alloc_54
-func gmp_base_alloc_54(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_54(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(54, ptr, size)
 }
 
 //export gmp_alloc_55
-func gmp_alloc_55(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_55(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(55, size, device, stream)
 }
 
 //export gmp_free_55
-func gmp_free_55(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_55(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(55, ptr)
 }
 
@@ -1960,22 +1959,22 @@ func gmp_memory_fraction_55(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_55
-func gmp_record_stream_55(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_55(ptr, stream C.uintptr_t) {
 	slotRecordStream(55, ptr, stream)
 }
 
 //export gmp_base_alloc_55
-func gmp_base_alloc_55(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_55(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(55, ptr, size)
 }
 
 //export gmp_alloc_56
-func gmp_alloc_56(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_56(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(56, size, device, stream)
 }
 
 //export gmp_free_56
-func gmp_free_56(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_56(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(56, ptr)
 }
 
@@ -1995,22 +1994,22 @@ func gmp_memory_fraction_56(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_56
-func gmp_record_stream_56(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_56(ptr, stream C.uintptr_t) {
 	slotRecordStream(56, ptr, stream)
 }
 
 //export gmp_base_alloc_56
-func gmp_base_alloc_56(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_56(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(56, ptr, size)
 }
 
 //export gmp_alloc_57
-func gmp_alloc_57(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_57(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(57, size, device, stream)
 }
 
 //export gmp_free_57
-func gmp_free_57(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_57(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(57, ptr)
 }
 
@@ -2030,22 +2029,22 @@ func gmp_memory_fraction_57(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_57
-func gmp_record_stream_57(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_57(ptr, stream C.uintptr_t) {
 	slotRecordStream(57, ptr, stream)
 }
 
 //export gmp_base_alloc_57
-func gmp_base_alloc_57(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_57(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(57, ptr, size)
 }
 
 //export gmp_alloc_58
-func gmp_alloc_58(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_58(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(58, size, device, stream)
 }
 
 //export gmp_free_58
-func gmp_free_58(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_58(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(58, ptr)
 }
 
@@ -2065,22 +2064,22 @@ func gmp_memory_fraction_58(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_58
-func gmp_record_stream_58(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_58(ptr, stream C.uintptr_t) {
 	slotRecordStream(58, ptr, stream)
 }
 
 //export gmp_base_alloc_58
-func gmp_base_alloc_58(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_58(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(58, ptr, size)
 }
 
 //export gmp_alloc_59
-func gmp_alloc_59(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_59(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(59, size, device, stream)
 }
 
 //export gmp_free_59
-func gmp_free_59(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_59(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(59, ptr)
 }
 
@@ -2100,22 +2099,22 @@ func gmp_memory_fraction_59(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_59
-func gmp_record_stream_59(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_59(ptr, stream C.uintptr_t) {
 	slotRecordStream(59, ptr, stream)
 }
 
 //export gmp_base_alloc_59
-func gmp_base_alloc_59(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_59(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(59, ptr, size)
 }
 
 //export gmp_alloc_60
-func gmp_alloc_60(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_60(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(60, size, device, stream)
 }
 
 //export gmp_free_60
-func gmp_free_60(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_60(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(60, ptr)
 }
 
@@ -2135,22 +2134,22 @@ func gmp_memory_fraction_60(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_60
-func gmp_record_stream_60(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_60(ptr, stream C.uintptr_t) {
 	slotRecordStream(60, ptr, stream)
 }
 
 //export gmp_base_alloc_60
-func gmp_base_alloc_60(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_60(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(60, ptr, size)
 }
 
 //export gmp_alloc_61
-func gmp_alloc_61(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_61(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(61, size, device, stream)
 }
 
 //export gmp_free_61
-func gmp_free_61(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_61(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(61, ptr)
 }
 
@@ -2170,22 +2169,22 @@ func gmp_memory_fraction_61(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_61
-func gmp_record_stream_61(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_61(ptr, stream C.uintptr_t) {
 	slotRecordStream(61, ptr, stream)
 }
 
 //export gmp_base_alloc_61
-func gmp_base_alloc_61(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_61(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(61, ptr, size)
 }
 
 //export gmp_alloc_62
-func gmp_alloc_62(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_62(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(62, size, device, stream)
 }
 
 //export gmp_free_62
-func gmp_free_62(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_62(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(62, ptr)
 }
 
@@ -2205,22 +2204,22 @@ func gmp_memory_fraction_62(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_62
-func gmp_record_stream_62(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_62(ptr, stream C.uintptr_t) {
 	slotRecordStream(62, ptr, stream)
 }
 
 //export gmp_base_alloc_62
-func gmp_base_alloc_62(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_62(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(62, ptr, size)
 }
 
 //export gmp_alloc_63
-func gmp_alloc_63(size C.size_t, device C.int, stream unsafe.Pointer) unsafe.Pointer {
+func gmp_alloc_63(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return slotAlloc(63, size, device, stream)
 }
 
 //export gmp_free_63
-func gmp_free_63(ptr unsafe.Pointer, size C.size_t, device C.int, stream unsafe.Pointer) {
+func gmp_free_63(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(63, ptr)
 }
 
@@ -2240,11 +2239,11 @@ func gmp_memory_fraction_63(fraction C.double, device C.int) {
 }
 
 //export gmp_record_stream_63
-func gmp_record_stream_63(ptr, stream unsafe.Pointer) {
+func gmp_record_stream_63(ptr, stream C.uintptr_t) {
 	slotRecordStream(63, ptr, stream)
 }
 
 //export gmp_base_alloc_63
-func gmp_base_alloc_63(ptr unsafe.Pointer, size *C.size_t) unsafe.Pointer {
+func gmp_base_alloc_63(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(63, ptr, size)
 }

@@ -18,70 +18,70 @@ extern "C" std::size_t gmp_slot_error(int slot, char* buf, std::size_t n);
 extern "C" void gmp_graph_begin(int slot, int device, std::uint64_t id0, std::uint64_t id1, void* filter);
 extern "C" void gmp_graph_end(int slot, int device, std::uint64_t id0, std::uint64_t id1);
 extern "C" void gmp_graph_release(int slot, int device, std::uint64_t id0, std::uint64_t id1);
-extern "C" void* gmp_alloc_0(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_1(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_2(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_3(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_4(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_5(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_6(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_7(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_8(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_9(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_10(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_11(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_12(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_13(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_14(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_15(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_16(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_17(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_18(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_19(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_20(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_21(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_22(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_23(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_24(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_25(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_26(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_27(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_28(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_29(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_30(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_31(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_32(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_33(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_34(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_35(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_36(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_37(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_38(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_39(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_40(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_41(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_42(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_43(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_44(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_45(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_46(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_47(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_48(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_49(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_50(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_51(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_52(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_53(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_54(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_55(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_56(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_57(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_58(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_59(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_60(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_61(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_62(std::size_t size, int device, void* stream);
-extern "C" void* gmp_alloc_63(std::size_t size, int device, void* stream);
+extern "C" std::uintptr_t gmp_alloc_0(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_1(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_2(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_3(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_4(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_5(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_6(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_7(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_8(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_9(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_10(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_11(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_12(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_13(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_14(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_15(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_16(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_17(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_18(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_19(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_20(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_21(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_22(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_23(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_24(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_25(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_26(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_27(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_28(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_29(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_30(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_31(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_32(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_33(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_34(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_35(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_36(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_37(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_38(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_39(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_40(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_41(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_42(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_43(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_44(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_45(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_46(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_47(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_48(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_49(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_50(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_51(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_52(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_53(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_54(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_55(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_56(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_57(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_58(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_59(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_60(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_61(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_62(std::size_t size, int device, std::uintptr_t stream);
+extern "C" std::uintptr_t gmp_alloc_63(std::size_t size, int device, std::uintptr_t stream);
 
 namespace {
 
@@ -104,7 +104,7 @@ void begin_allocate_to_pool(int slot, int device, gmp_mempool_id id, gmp_stream_
 }  // namespace
 
 extern "C" void* gmp_alloc_or_throw_0(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_0(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_0(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(0, size, device);
   return p;
 }
@@ -122,7 +122,7 @@ extern "C" void gmp_release_pool_0(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_1(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_1(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_1(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(1, size, device);
   return p;
 }
@@ -140,7 +140,7 @@ extern "C" void gmp_release_pool_1(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_2(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_2(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_2(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(2, size, device);
   return p;
 }
@@ -158,7 +158,7 @@ extern "C" void gmp_release_pool_2(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_3(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_3(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_3(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(3, size, device);
   return p;
 }
@@ -176,7 +176,7 @@ extern "C" void gmp_release_pool_3(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_4(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_4(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_4(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(4, size, device);
   return p;
 }
@@ -194,7 +194,7 @@ extern "C" void gmp_release_pool_4(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_5(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_5(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_5(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(5, size, device);
   return p;
 }
@@ -212,7 +212,7 @@ extern "C" void gmp_release_pool_5(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_6(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_6(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_6(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(6, size, device);
   return p;
 }
@@ -230,7 +230,7 @@ extern "C" void gmp_release_pool_6(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_7(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_7(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_7(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(7, size, device);
   return p;
 }
@@ -248,7 +248,7 @@ extern "C" void gmp_release_pool_7(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_8(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_8(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_8(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(8, size, device);
   return p;
 }
@@ -266,7 +266,7 @@ extern "C" void gmp_release_pool_8(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_9(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_9(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_9(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(9, size, device);
   return p;
 }
@@ -284,7 +284,7 @@ extern "C" void gmp_release_pool_9(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_10(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_10(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_10(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(10, size, device);
   return p;
 }
@@ -302,7 +302,7 @@ extern "C" void gmp_release_pool_10(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_11(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_11(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_11(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(11, size, device);
   return p;
 }
@@ -320,7 +320,7 @@ extern "C" void gmp_release_pool_11(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_12(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_12(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_12(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(12, size, device);
   return p;
 }
@@ -338,7 +338,7 @@ extern "C" void gmp_release_pool_12(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_13(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_13(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_13(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(13, size, device);
   return p;
 }
@@ -356,7 +356,7 @@ extern "C" void gmp_release_pool_13(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_14(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_14(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_14(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(14, size, device);
   return p;
 }
@@ -374,7 +374,7 @@ extern "C" void gmp_release_pool_14(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_15(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_15(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_15(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(15, size, device);
   return p;
 }
@@ -392,7 +392,7 @@ extern "C" void gmp_release_pool_15(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_16(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_16(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_16(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(16, size, device);
   return p;
 }
@@ -410,7 +410,7 @@ extern "C" void gmp_release_pool_16(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_17(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_17(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_17(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(17, size, device);
   return p;
 }
@@ -428,7 +428,7 @@ extern "C" void gmp_release_pool_17(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_18(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_18(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_18(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(18, size, device);
   return p;
 }
@@ -446,7 +446,7 @@ extern "C" void gmp_release_pool_18(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_19(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_19(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_19(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(19, size, device);
   return p;
 }
@@ -464,7 +464,7 @@ extern "C" void gmp_release_pool_19(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_20(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_20(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_20(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(20, size, device);
   return p;
 }
@@ -482,7 +482,7 @@ extern "C" void gmp_release_pool_20(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_21(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_21(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_21(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(21, size, device);
   return p;
 }
@@ -500,7 +500,7 @@ extern "C" void gmp_release_pool_21(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_22(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_22(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_22(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(22, size, device);
   return p;
 }
@@ -518,7 +518,7 @@ extern "C" void gmp_release_pool_22(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_23(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_23(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_23(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(23, size, device);
   return p;
 }
@@ -536,7 +536,7 @@ extern "C" void gmp_release_pool_23(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_24(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_24(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_24(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(24, size, device);
   return p;
 }
@@ -554,7 +554,7 @@ extern "C" void gmp_release_pool_24(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_25(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_25(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_25(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(25, size, device);
   return p;
 }
@@ -572,7 +572,7 @@ extern "C" void gmp_release_pool_25(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_26(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_26(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_26(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(26, size, device);
   return p;
 }
@@ -590,7 +590,7 @@ extern "C" void gmp_release_pool_26(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_27(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_27(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_27(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(27, size, device);
   return p;
 }
@@ -608,7 +608,7 @@ extern "C" void gmp_release_pool_27(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_28(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_28(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_28(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(28, size, device);
   return p;
 }
@@ -626,7 +626,7 @@ extern "C" void gmp_release_pool_28(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_29(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_29(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_29(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(29, size, device);
   return p;
 }
@@ -644,7 +644,7 @@ extern "C" void gmp_release_pool_29(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_30(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_30(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_30(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(30, size, device);
   return p;
 }
@@ -662,7 +662,7 @@ extern "C" void gmp_release_pool_30(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_31(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_31(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_31(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(31, size, device);
   return p;
 }
@@ -680,7 +680,7 @@ extern "C" void gmp_release_pool_31(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_32(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_32(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_32(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(32, size, device);
   return p;
 }
@@ -698,7 +698,7 @@ extern "C" void gmp_release_pool_32(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_33(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_33(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_33(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(33, size, device);
   return p;
 }
@@ -716,7 +716,7 @@ extern "C" void gmp_release_pool_33(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_34(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_34(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_34(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(34, size, device);
   return p;
 }
@@ -734,7 +734,7 @@ extern "C" void gmp_release_pool_34(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_35(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_35(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_35(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(35, size, device);
   return p;
 }
@@ -752,7 +752,7 @@ extern "C" void gmp_release_pool_35(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_36(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_36(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_36(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(36, size, device);
   return p;
 }
@@ -770,7 +770,7 @@ extern "C" void gmp_release_pool_36(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_37(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_37(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_37(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(37, size, device);
   return p;
 }
@@ -788,7 +788,7 @@ extern "C" void gmp_release_pool_37(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_38(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_38(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_38(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(38, size, device);
   return p;
 }
@@ -806,7 +806,7 @@ extern "C" void gmp_release_pool_38(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_39(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_39(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_39(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(39, size, device);
   return p;
 }
@@ -824,7 +824,7 @@ extern "C" void gmp_release_pool_39(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_40(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_40(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_40(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(40, size, device);
   return p;
 }
@@ -842,7 +842,7 @@ extern "C" void gmp_release_pool_40(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_41(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_41(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_41(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(41, size, device);
   return p;
 }
@@ -860,7 +860,7 @@ extern "C" void gmp_release_pool_41(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_42(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_42(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_42(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(42, size, device);
   return p;
 }
@@ -878,7 +878,7 @@ extern "C" void gmp_release_pool_42(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_43(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_43(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_43(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(43, size, device);
   return p;
 }
@@ -896,7 +896,7 @@ extern "C" void gmp_release_pool_43(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_44(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_44(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_44(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(44, size, device);
   return p;
 }
@@ -914,7 +914,7 @@ extern "C" void gmp_release_pool_44(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_45(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_45(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_45(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(45, size, device);
   return p;
 }
@@ -932,7 +932,7 @@ extern "C" void gmp_release_pool_45(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_46(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_46(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_46(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(46, size, device);
   return p;
 }
@@ -950,7 +950,7 @@ extern "C" void gmp_release_pool_46(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_47(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_47(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_47(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(47, size, device);
   return p;
 }
@@ -968,7 +968,7 @@ extern "C" void gmp_release_pool_47(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_48(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_48(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_48(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(48, size, device);
   return p;
 }
@@ -986,7 +986,7 @@ extern "C" void gmp_release_pool_48(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_49(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_49(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_49(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(49, size, device);
   return p;
 }
@@ -1004,7 +1004,7 @@ extern "C" void gmp_release_pool_49(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_50(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_50(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_50(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(50, size, device);
   return p;
 }
@@ -1022,7 +1022,7 @@ extern "C" void gmp_release_pool_50(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_51(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_51(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_51(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(51, size, device);
   return p;
 }
@@ -1040,7 +1040,7 @@ extern "C" void gmp_release_pool_51(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_52(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_52(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_52(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(52, size, device);
   return p;
 }
@@ -1058,7 +1058,7 @@ extern "C" void gmp_release_pool_52(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_53(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_53(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_53(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(53, size, device);
   return p;
 }
@@ -1076,7 +1076,7 @@ extern "C" void gmp_release_pool_53(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_54(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_54(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_54(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(54, size, device);
   return p;
 }
@@ -1094,7 +1094,7 @@ extern "C" void gmp_release_pool_54(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_55(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_55(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_55(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(55, size, device);
   return p;
 }
@@ -1112,7 +1112,7 @@ extern "C" void gmp_release_pool_55(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_56(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_56(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_56(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(56, size, device);
   return p;
 }
@@ -1130,7 +1130,7 @@ extern "C" void gmp_release_pool_56(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_57(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_57(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_57(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(57, size, device);
   return p;
 }
@@ -1148,7 +1148,7 @@ extern "C" void gmp_release_pool_57(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_58(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_58(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_58(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(58, size, device);
   return p;
 }
@@ -1166,7 +1166,7 @@ extern "C" void gmp_release_pool_58(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_59(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_59(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_59(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(59, size, device);
   return p;
 }
@@ -1184,7 +1184,7 @@ extern "C" void gmp_release_pool_59(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_60(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_60(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_60(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(60, size, device);
   return p;
 }
@@ -1202,7 +1202,7 @@ extern "C" void gmp_release_pool_60(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_61(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_61(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_61(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(61, size, device);
   return p;
 }
@@ -1220,7 +1220,7 @@ extern "C" void gmp_release_pool_61(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_62(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_62(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_62(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(62, size, device);
   return p;
 }
@@ -1238,7 +1238,7 @@ extern "C" void gmp_release_pool_62(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_63(std::size_t size, int device, void* stream) {
-  void* p = gmp_alloc_63(size, device, stream);
+  void* p = reinterpret_cast<void*>(gmp_alloc_63(size, device, reinterpret_cast<std::uintptr_t>(stream)));
   if (p == nullptr && size != 0) throw_out_of_memory(63, size, device);
   return p;
 }

@@ -1,0 +1,154 @@
+package cabi
+
+import (
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/gpumempool/gpumempool/bindings/registry"
+	"github.com/gpumempool/gpumempool/gocore"
+)
+
+const mib = 1 << 20
+
+// goFilter accepts one stream, like torch.cuda.graph's filter accepts the
+// stream it captures; it counts its releases.
+type goFilter struct {
+	stream   uintptr
+	released *atomic.Int32
+}
+
+func (f goFilter) accepts(s uintptr) bool { return s == f.stream }
+func (f goFilter) release()               { f.released.Add(1) }
+
+func newEntry(t *testing.T, cfg gocore.Config) (*registry.Entry, *gocore.SimBackend) {
+	t.Helper()
+	be, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 30})
+	require.NoError(t, err)
+	cfg.Backend = be
+	p, err := gocore.NewPool(cfg)
+	require.NoError(t, err)
+	e := registry.Add(p, be, nil)
+	t.Cleanup(func() { registry.Remove(e.ID) })
+	return e, be
+}
+
+// Threads allocate and free on captured and uncaptured streams while
+// captures begin and end: no block is ever live twice, blocks allocated on
+// a captured stream come from its private pool, and once every graph is
+// released all memory is back (run with -race).
+func TestGraphRoutingUnderConcurrency(t *testing.T) {
+	e, be := newEntry(t, gocore.Config{Name: "torch"})
+	var released atomic.Int32
+	const workers, rounds = 8, 300
+	var live sync.Map // addr -> worker
+	var wg sync.WaitGroup
+	var violations atomic.Int32
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			stream := uintptr(0x100 + w%2) // streams 0x100 (captured) and 0x101
+			for i := range rounds {
+				size := uint64(512 * (1 + (i*7+w)%64))
+				addr, err := allocFor(e, size, 0, stream)
+				if !assert.NoError(t, err) {
+					return
+				}
+				if _, dup := live.LoadOrStore(addr, w); dup {
+					violations.Add(1)
+				}
+				live.Delete(addr)
+				if !assert.NoError(t, freeFor(e, addr)) {
+					return
+				}
+			}
+		}()
+	}
+	wg.Add(1)
+	go func() { // graphs come and go
+		defer wg.Done()
+		for i := range 50 {
+			id := graphPoolID{uint64(i + 1), 0}
+			assert.NoError(t, beginCapture(e, 0, id, goFilter{stream: 0x100, released: &released}))
+			assert.NoError(t, endCapture(e, 0, id))
+			assert.NoError(t, releaseGraphPool(e, id))
+		}
+	}()
+	wg.Wait()
+	assert.Zero(t, violations.Load(), "a block was handed out while live")
+	assert.EqualValues(t, 50, released.Load(), "every filter released")
+	pools, err := GraphPools(e)
+	require.NoError(t, err)
+	assert.Empty(t, pools, "released pools close once their blocks are freed")
+	assert.Zero(t, privateBlocks.Load())
+	assert.Zero(t, activeCaptures.Load())
+	require.NoError(t, e.Pool.CheckInvariants())
+	st, err := e.Pool.Stats(-1)
+	require.NoError(t, err)
+	assert.EqualValues(t, st.ReservedBytes[0].Current, be.UsedBytes(0), "the backend holds only the pool's own segments")
+	_, err = e.Pool.Close()
+	require.NoError(t, err)
+	rep, err := CloseGraphPools(e)
+	require.NoError(t, err)
+	assert.Empty(t, rep.LiveBlocks)
+	assert.Zero(t, be.UsedBytes(0))
+}
+
+// A capture's blocks stay private until release, across frees, and a
+// capture of one stream leaves other streams and devices alone.
+func TestGraphPrivatePoolLifecycle(t *testing.T) {
+	e, be := newEntry(t, gocore.Config{Name: "torch", ReleaseThreshold: 1})
+	var released atomic.Int32
+	s1, s2 := uintptr(0x1), uintptr(0x2) // cudaStreamLegacy and cudaStreamPerThread
+	id := graphPoolID{7, 1}
+	require.NoError(t, beginCapture(e, 0, id, goFilter{stream: 0x1, released: &released}))
+	a, err := allocFor(e, mib, 0, s1)
+	require.NoError(t, err)
+	b, err := allocFor(e, mib, 0, s2)
+	require.NoError(t, err)
+	_, err = e.Pool.Lookup(a)
+	require.ErrorIs(t, err, gocore.ErrUnknownPointer, "a is the private pool's")
+	_, err = e.Pool.Lookup(b)
+	require.NoError(t, err, "b, on another stream, is the pool's")
+	info, ok, err := privateBlock(e, a)
+	require.NoError(t, err)
+	require.True(t, ok)
+	assert.Equal(t, a, info.Addr)
+
+	require.NoError(t, endCapture(e, 0, id))
+	assert.EqualValues(t, 1, released.Load())
+	require.ErrorContains(t, endCapture(e, 0, id), "no allocation to this pool was begun")
+	require.NoError(t, freeFor(e, a))
+	pools, err := GraphPools(e)
+	require.NoError(t, err)
+	require.Len(t, pools, 1)
+	assert.EqualValues(t, 2*mib, pools[0].ReservedBytes, "kept despite the release threshold: a replay writes it")
+	c, err := allocFor(e, mib, 0, s1)
+	require.NoError(t, err)
+	assert.NotEqual(t, a, c, "after the capture, stream 1 is served by the pool, never with the graph's block")
+
+	var st gocore.Stats
+	require.NoError(t, AddGraphStats(e, 0, &st))
+	assert.EqualValues(t, 2*mib, st.ReservedBytes[0].Current)
+	require.NoError(t, releaseGraphPool(e, id))
+	pools, err = GraphPools(e)
+	require.NoError(t, err)
+	assert.Empty(t, pools)
+	st = gocore.Stats{}
+	require.NoError(t, AddGraphStats(e, -1, &st))
+	assert.Zero(t, st.ReservedBytes[0].Current)
+	assert.EqualValues(t, 2*mib, st.ReservedBytes[0].Peak, "the retired pool's history stays")
+	assert.EqualValues(t, 1, st.NumDeviceFree)
+
+	require.NoError(t, freeFor(e, b))
+	require.NoError(t, freeFor(e, c))
+	_, err = e.Pool.Close()
+	require.NoError(t, err)
+	_, err = CloseGraphPools(e)
+	require.NoError(t, err)
+	assert.Zero(t, be.UsedBytes(0))
+}

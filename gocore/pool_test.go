@@ -771,3 +771,26 @@ func TestPausedEventsWaitForResume(t *testing.T) {
 	require.NoError(t, err)
 	assert.Zero(t, be.Stats().LiveEvents)
 }
+
+// Retired reads like the stats of a pool that gave every segment back: no
+// current counts, the same totals and peaks.
+func TestStatsRetired(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{})
+	a := mustAlloc(t, p, 3*MiB, 0, 0)
+	b := mustAlloc(t, p, 1000, 0, 0)
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(b))
+	s := stats(t, p)
+	r := s.Retired()
+	assert.EqualValues(t, 2, s.Segment[0].Current)
+	for _, st := range []Stat{r.Segment[0], r.ReservedBytes[0], r.ReservedBytes[kindSmall], r.Allocation[0], r.InactiveSplit[0]} {
+		assert.Zero(t, st.Current)
+		assert.Equal(t, st.Allocated, st.Freed, "everything counted in is counted out")
+	}
+	assert.Equal(t, s.ReservedBytes[0].Peak, r.ReservedBytes[0].Peak)
+	assert.Equal(t, s.NumDeviceFree+2, r.NumDeviceFree)
+	assert.Equal(t, s.NumDeviceAlloc, r.NumDeviceAlloc)
+	assert.EqualValues(t, 2, s.Segment[0].Current, "s itself is unchanged")
+	_, err := p.Close()
+	require.NoError(t, err)
+}

@@ -77,6 +77,27 @@ func (s *Stats) Merge(o *Stats) {
 	s.MaxSplitSize = o.MaxSplitSize
 }
 
+// Retired returns s as it reads once the pool has given every segment back
+// (with no block allocated): each current count becomes freed, peaks and
+// totals stay, and the segments count as device frees. Pools that are
+// closed but whose history still counts (a CUDA graph's private pool) keep
+// their counters monotonic this way.
+func (s Stats) Retired() Stats {
+	s.NumDeviceFree += s.Segment[0].Current
+	for _, a := range [...]*StatArray{&s.Allocation, &s.Segment, &s.Active, &s.InactiveSplit,
+		&s.AllocatedBytes, &s.ReservedBytes, &s.ActiveBytes, &s.InactiveSplitBytes, &s.RequestedBytes} {
+		for k := range a {
+			a[k].Freed += a[k].Current
+			a[k].Current = 0
+		}
+	}
+	for _, st := range [...]*Stat{&s.OversizeAllocations, &s.OversizeSegments} {
+		st.Freed += st.Current
+		st.Current = 0
+	}
+	return s
+}
+
 func mergeStat(a, b *Stat) {
 	a.Current += b.Current
 	a.Peak += b.Peak

@@ -579,8 +579,9 @@ class MemPool:
         ``torch.cuda.MemPool`` used), with ``id`` (torch's MempoolId_t),
         ``device``, ``live_blocks``, ``allocated_bytes``, ``reserved_bytes``,
         ``released`` (the graph is gone; the segments go back when its last
-        block is freed) and ``capturing``. Their memory is not in
-        :meth:`stats`: a graph's blocks must never be handed to anyone else."""
+        block is freed) and ``capturing``. Their memory and counters are
+        included in :meth:`stats`, as torch's ``memory_stats`` includes its
+        graphs' pools; their blocks are never handed to anyone else."""
         return list(json.loads(self._native(_b.PoolGraphPools, self._handle())))
 
     # -- simulated device controls ----------------------------------------

@@ -311,6 +311,8 @@ def test_graph_capture_allocates_from_a_private_pool(cxx_caller) -> None:
         free(x, MiB, 0, S0)
         (gp,) = pool.graph_pools()
         assert gp["id"] == [7, 0] and gp["live_blocks"] == 1 and gp["capturing"] and not gp["released"]
+        st = pool.stats()  # the graph's memory is the pool's too (torch's memory_stats counts it)
+        assert st["allocated_bytes.all.current"] == 512 + MiB and st["segment.all.current"] == 2
         free(a, MiB, 0, S1)  # freed during capture: reusable by the capture only
         c = alloc(MiB, 0, S1)
         assert c == a
@@ -322,10 +324,14 @@ def test_graph_capture_allocates_from_a_private_pool(cxx_caller) -> None:
         free(after, MiB, 0, S1)
         assert pool.graph_pools()[0]["reserved_bytes"] == 2 * MiB  # kept for the graph's replays
         assert pool.graph_pools()[0]["live_blocks"] == 0
-        reserved = pool.stats()["reserved_bytes.all.current"]
+        before = pool.stats()
         assert hook("set_release_pool", 0, 7, 0) == 0  # the graph is gone
         assert pool.graph_pools() == []
-        assert pool.stats()["reserved_bytes.all.current"] == reserved  # the private segment went to the backend
+        after_release = pool.stats()  # its segment went back to the backend; the counters stay
+        assert after_release["reserved_bytes.all.current"] == before["reserved_bytes.all.current"] - 2 * MiB
+        assert after_release["num_device_free"] == before["num_device_free"] + 1
+        for key in ("allocation.all.allocated", "segment.all.allocated", "reserved_bytes.all.peak"):
+            assert after_release[key] == before[key], key
         assert pool.last_error() is None
 
         # Released while a block lives: the pool goes when the block does.

@@ -565,6 +565,16 @@ class MempoolContext:
         _require_mem_pool(caps)
         if self._pool.closed:
             raise PoolClosedError(f"pool {self._pool!r} is closed")
+        if _installed is not None:
+            # Torch's pluggable allocator serves a torch.cuda.MemPool from a
+            # private pool of its own (beginAllocateToPool), whatever the
+            # MemPool's allocator: routing to self._pool is impossible.
+            raise TorchIntegrationError(
+                f"gmp.mempool({self._pool.name!r}) cannot route allocations while gmp.set_torch_allocator"
+                f"({_installed.pool.name!r}) replaces torch's allocator: torch would ignore the MemPool's "
+                f"allocator and serve it from a private pool of {_installed.pool.name!r}. Every CUDA "
+                f"allocation of the process already comes from {_installed.pool.name!r}."
+            )
         if not torch.cuda.is_available():
             raise TorchIntegrationError("torch sees no CUDA device (torch.cuda.is_available() is False)")
         self._torch, self._caps = torch, caps

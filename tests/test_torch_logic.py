@@ -976,6 +976,10 @@ def test_set_torch_allocator(monkeypatch, sim):
     other = gmp.MemPool("sim", capacity=1 << 26)
     with pytest.raises(gtorch.AllocatorInitializedError, match="already replaced"):
         gmp.set_torch_allocator(other)
+    # The mempool context cannot work under a replaced allocator: a clear error.
+    with pytest.raises(gtorch.TorchIntegrationError, match="replaces torch's allocator"):
+        with gmp.mempool(other):
+            pass
     other.close()
 
 

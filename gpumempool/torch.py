@@ -1120,8 +1120,11 @@ def set_torch_allocator(pool: MemPool) -> tuple[str, ...]:
     gets, so the alloc function installed is the C++ entry point that throws
     ``std::runtime_error`` when the pool cannot serve a request (after
     releasing its cache and retrying); torch raises it as a ``RuntimeError``
-    ("gpumempool: cannot allocate N bytes on device D: <the pool's reason>"),
-    not ``torch.OutOfMemoryError``, whose C++ type lives in libc10.
+    worded like torch's own ("CUDA out of memory. Tried to allocate 64.00 MiB
+    on device 0. gpumempool: <the pool's reason>", which is what Lightning's
+    and Accelerate's batch-size finders look for), not
+    ``torch.OutOfMemoryError``, whose C++ type lives in libc10. Other
+    failures read "gpumempool: cannot allocate N bytes on device D: ...".
     """
     global _installed
     if not isinstance(pool, MemPool):

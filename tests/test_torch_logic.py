@@ -194,7 +194,7 @@ class World:
         if self.current_allocator is not None:
             ptr = self.current_allocator.malloc(nbytes, dev, stream)
             if not ptr and self.current_allocator.throws:  # torch: C++ exception -> RuntimeError
-                raise RuntimeError(f"gpumempool: cannot allocate {nbytes} bytes on device {dev}")
+                raise RuntimeError(f"CUDA out of memory. Tried to allocate {nbytes} bytes on device {dev}")
             if not ptr:  # what torch's pluggable allocator really does: a tensor at address 0
                 return FakeTensor(self, 0, nbytes, dev, None, "pluggable")
             return FakeTensor(self, ptr, nbytes, dev, None, "pluggable")
@@ -968,7 +968,7 @@ def test_set_torch_allocator(monkeypatch, sim):
     torch.cuda.set_per_process_memory_fraction(0.001, 0)  # 1 GiB sim device -> 1.02 MiB cap on device 0
     assert sim.limit(0) == (1 << 30) // 1000 and sim.limit(1) is None
     assert torch._world.current_allocator.throws  # out of memory is an exception, not a NULL tensor
-    with pytest.raises(RuntimeError, match="cannot allocate"):
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
         torch.empty(64 * MiB)
     (err,) = gtorch.hook_errors()  # the refused allocation, kept for the user
     assert err.startswith("gmp_alloc:") and "limit 1.02 MiB" in err

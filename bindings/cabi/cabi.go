@@ -22,6 +22,7 @@ package cabi
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"unsafe"
 
@@ -53,7 +54,11 @@ func guarded(e *registry.Entry, where string, fn func() error) (ok bool) {
 		panic("injected by PanicNext")
 	}
 	if err := fn(); err != nil {
-		e.SetError(where + ": " + err.Error())
+		if errors.Is(err, gocore.ErrOutOfMemory) {
+			e.SetOutOfMemory(where + ": " + err.Error())
+		} else {
+			e.SetError(where + ": " + err.Error())
+		}
 		return false
 	}
 	return true
@@ -163,6 +168,17 @@ func gmp_slot_error(slot C.int, buf *C.char, n C.size_t) C.size_t {
 		msg = fmt.Sprintf("no pool holds C slot %d (closed?)", int(slot))
 	}
 	return copyCString(msg, buf, n)
+}
+
+// gmp_slot_error_oom is 1 when the last error of the pool holding slot was
+// an out-of-memory one (the pool released its cache and retried), else 0.
+//
+//export gmp_slot_error_oom
+func gmp_slot_error_oom(slot C.int) C.int {
+	if e := registry.BySlot(int(slot)); e != nil && e.LastErrorIsOutOfMemory() {
+		return 1
+	}
+	return 0
 }
 
 // gmp_last_error copies the last error of pool (or, for pool 0, of calls no

@@ -47,7 +47,8 @@ func main() {
 //
 //   - gmp_alloc_or_throw_<i>: alloc for full-replacement mode, where torch
 //     does not check for NULL. It calls gmp_alloc_<i> and turns NULL into a
-//     C++ exception that torch reports as a Python RuntimeError. The
+//     C++ exception that torch reports as a Python RuntimeError (worded
+//     like torch's "CUDA out of memory." when it is one). The
 //     exception is thrown after the Go call has returned, so it unwinds
 //     through C++ frames only, never through Go.
 //   - gmp_begin_allocate_to_pool_<i>, gmp_end_allocate_to_pool_<i>,
@@ -61,6 +62,7 @@ func torchEntryPoints() []byte {
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <new>
 #include <stdexcept>
@@ -74,6 +76,7 @@ using gmp_mempool_id = std::pair<unsigned long long, unsigned long long>;
 using gmp_stream_filter = std::function<bool(CUstream_st*)>;
 
 extern "C" std::size_t gmp_slot_error(int slot, char* buf, std::size_t n);
+extern "C" int gmp_slot_error_oom(int slot);
 extern "C" void gmp_graph_begin(int slot, int device, std::uint64_t id0, std::uint64_t id1, void* filter);
 extern "C" void gmp_graph_end(int slot, int device, std::uint64_t id0, std::uint64_t id1);
 extern "C" void gmp_graph_release(int slot, int device, std::uint64_t id0, std::uint64_t id1);
@@ -84,13 +87,35 @@ extern "C" void gmp_graph_release(int slot, int device, std::uint64_t id0, std::
 	b.WriteString(`
 namespace {
 
-// The pool's error (kept for pool.last_error() too) as the exception's message.
-[[noreturn]] void throw_out_of_memory(int slot, std::size_t size, int device) {
+// Bytes the way torch's OOM message writes them ("64.00 MiB").
+std::string format_size(std::size_t size) {
+  const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(size);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    u++;
+  }
+  if (u == 0) return std::to_string(size) + " bytes";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
+  return buf;
+}
+
+// The pool's error (kept for pool.last_error() too) as the exception's
+// message. Out of memory starts like torch's own ("CUDA out of memory.
+// Tried to allocate ..."), which is what tools that shrink the batch on OOM
+// look for in a RuntimeError (torch's OutOfMemoryError type lives in libc10).
+[[noreturn]] void throw_alloc_failure(int slot, std::size_t size, int device) {
   char buf[1024];
   std::size_t n = gmp_slot_error(slot, buf, sizeof buf);
-  std::string msg = "gpumempool: cannot allocate " + std::to_string(size) + " bytes on device " +
-                    std::to_string(device) + (n ? std::string(": ") + buf : std::string());
-  throw std::runtime_error(msg);
+  std::string why = n ? std::string(buf) : std::string("unknown error");
+  if (gmp_slot_error_oom(slot)) {
+    throw std::runtime_error("CUDA out of memory. Tried to allocate " + format_size(size) + " on device " +
+                             std::to_string(device) + ". gpumempool: " + why);
+  }
+  throw std::runtime_error("gpumempool: cannot allocate " + std::to_string(size) + " bytes on device " +
+                           std::to_string(device) + ": " + why);
 }
 
 // Go owns the copy from here on (gmp_filter_delete frees it).
@@ -106,7 +131,7 @@ void begin_allocate_to_pool(int slot, int device, gmp_mempool_id id, gmp_stream_
 		fmt.Fprintf(&b, `
 extern "C" void* gmp_alloc_or_throw_%[1]d(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_%[1]d(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(%[1]d, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(%[1]d, size, device);
   return p;
 }
 

@@ -2,6 +2,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <new>
 #include <stdexcept>
@@ -15,6 +16,7 @@ using gmp_mempool_id = std::pair<unsigned long long, unsigned long long>;
 using gmp_stream_filter = std::function<bool(CUstream_st*)>;
 
 extern "C" std::size_t gmp_slot_error(int slot, char* buf, std::size_t n);
+extern "C" int gmp_slot_error_oom(int slot);
 extern "C" void gmp_graph_begin(int slot, int device, std::uint64_t id0, std::uint64_t id1, void* filter);
 extern "C" void gmp_graph_end(int slot, int device, std::uint64_t id0, std::uint64_t id1);
 extern "C" void gmp_graph_release(int slot, int device, std::uint64_t id0, std::uint64_t id1);
@@ -85,13 +87,35 @@ extern "C" std::uintptr_t gmp_alloc_63(std::size_t size, int device, std::uintpt
 
 namespace {
 
-// The pool's error (kept for pool.last_error() too) as the exception's message.
-[[noreturn]] void throw_out_of_memory(int slot, std::size_t size, int device) {
+// Bytes the way torch's OOM message writes them ("64.00 MiB").
+std::string format_size(std::size_t size) {
+  const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(size);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    u++;
+  }
+  if (u == 0) return std::to_string(size) + " bytes";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
+  return buf;
+}
+
+// The pool's error (kept for pool.last_error() too) as the exception's
+// message. Out of memory starts like torch's own ("CUDA out of memory.
+// Tried to allocate ..."), which is what tools that shrink the batch on OOM
+// look for in a RuntimeError (torch's OutOfMemoryError type lives in libc10).
+[[noreturn]] void throw_alloc_failure(int slot, std::size_t size, int device) {
   char buf[1024];
   std::size_t n = gmp_slot_error(slot, buf, sizeof buf);
-  std::string msg = "gpumempool: cannot allocate " + std::to_string(size) + " bytes on device " +
-                    std::to_string(device) + (n ? std::string(": ") + buf : std::string());
-  throw std::runtime_error(msg);
+  std::string why = n ? std::string(buf) : std::string("unknown error");
+  if (gmp_slot_error_oom(slot)) {
+    throw std::runtime_error("CUDA out of memory. Tried to allocate " + format_size(size) + " on device " +
+                             std::to_string(device) + ". gpumempool: " + why);
+  }
+  throw std::runtime_error("gpumempool: cannot allocate " + std::to_string(size) + " bytes on device " +
+                           std::to_string(device) + ": " + why);
 }
 
 // Go owns the copy from here on (gmp_filter_delete frees it).
@@ -105,7 +129,7 @@ void begin_allocate_to_pool(int slot, int device, gmp_mempool_id id, gmp_stream_
 
 extern "C" void* gmp_alloc_or_throw_0(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_0(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(0, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(0, size, device);
   return p;
 }
 
@@ -123,7 +147,7 @@ extern "C" void gmp_release_pool_0(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_1(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_1(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(1, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(1, size, device);
   return p;
 }
 
@@ -141,7 +165,7 @@ extern "C" void gmp_release_pool_1(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_2(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_2(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(2, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(2, size, device);
   return p;
 }
 
@@ -159,7 +183,7 @@ extern "C" void gmp_release_pool_2(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_3(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_3(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(3, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(3, size, device);
   return p;
 }
 
@@ -177,7 +201,7 @@ extern "C" void gmp_release_pool_3(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_4(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_4(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(4, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(4, size, device);
   return p;
 }
 
@@ -195,7 +219,7 @@ extern "C" void gmp_release_pool_4(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_5(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_5(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(5, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(5, size, device);
   return p;
 }
 
@@ -213,7 +237,7 @@ extern "C" void gmp_release_pool_5(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_6(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_6(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(6, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(6, size, device);
   return p;
 }
 
@@ -231,7 +255,7 @@ extern "C" void gmp_release_pool_6(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_7(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_7(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(7, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(7, size, device);
   return p;
 }
 
@@ -249,7 +273,7 @@ extern "C" void gmp_release_pool_7(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_8(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_8(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(8, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(8, size, device);
   return p;
 }
 
@@ -267,7 +291,7 @@ extern "C" void gmp_release_pool_8(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_9(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_9(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(9, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(9, size, device);
   return p;
 }
 
@@ -285,7 +309,7 @@ extern "C" void gmp_release_pool_9(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_10(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_10(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(10, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(10, size, device);
   return p;
 }
 
@@ -303,7 +327,7 @@ extern "C" void gmp_release_pool_10(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_11(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_11(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(11, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(11, size, device);
   return p;
 }
 
@@ -321,7 +345,7 @@ extern "C" void gmp_release_pool_11(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_12(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_12(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(12, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(12, size, device);
   return p;
 }
 
@@ -339,7 +363,7 @@ extern "C" void gmp_release_pool_12(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_13(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_13(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(13, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(13, size, device);
   return p;
 }
 
@@ -357,7 +381,7 @@ extern "C" void gmp_release_pool_13(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_14(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_14(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(14, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(14, size, device);
   return p;
 }
 
@@ -375,7 +399,7 @@ extern "C" void gmp_release_pool_14(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_15(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_15(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(15, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(15, size, device);
   return p;
 }
 
@@ -393,7 +417,7 @@ extern "C" void gmp_release_pool_15(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_16(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_16(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(16, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(16, size, device);
   return p;
 }
 
@@ -411,7 +435,7 @@ extern "C" void gmp_release_pool_16(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_17(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_17(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(17, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(17, size, device);
   return p;
 }
 
@@ -429,7 +453,7 @@ extern "C" void gmp_release_pool_17(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_18(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_18(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(18, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(18, size, device);
   return p;
 }
 
@@ -447,7 +471,7 @@ extern "C" void gmp_release_pool_18(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_19(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_19(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(19, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(19, size, device);
   return p;
 }
 
@@ -465,7 +489,7 @@ extern "C" void gmp_release_pool_19(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_20(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_20(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(20, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(20, size, device);
   return p;
 }
 
@@ -483,7 +507,7 @@ extern "C" void gmp_release_pool_20(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_21(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_21(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(21, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(21, size, device);
   return p;
 }
 
@@ -501,7 +525,7 @@ extern "C" void gmp_release_pool_21(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_22(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_22(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(22, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(22, size, device);
   return p;
 }
 
@@ -519,7 +543,7 @@ extern "C" void gmp_release_pool_22(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_23(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_23(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(23, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(23, size, device);
   return p;
 }
 
@@ -537,7 +561,7 @@ extern "C" void gmp_release_pool_23(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_24(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_24(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(24, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(24, size, device);
   return p;
 }
 
@@ -555,7 +579,7 @@ extern "C" void gmp_release_pool_24(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_25(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_25(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(25, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(25, size, device);
   return p;
 }
 
@@ -573,7 +597,7 @@ extern "C" void gmp_release_pool_25(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_26(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_26(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(26, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(26, size, device);
   return p;
 }
 
@@ -591,7 +615,7 @@ extern "C" void gmp_release_pool_26(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_27(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_27(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(27, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(27, size, device);
   return p;
 }
 
@@ -609,7 +633,7 @@ extern "C" void gmp_release_pool_27(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_28(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_28(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(28, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(28, size, device);
   return p;
 }
 
@@ -627,7 +651,7 @@ extern "C" void gmp_release_pool_28(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_29(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_29(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(29, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(29, size, device);
   return p;
 }
 
@@ -645,7 +669,7 @@ extern "C" void gmp_release_pool_29(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_30(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_30(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(30, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(30, size, device);
   return p;
 }
 
@@ -663,7 +687,7 @@ extern "C" void gmp_release_pool_30(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_31(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_31(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(31, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(31, size, device);
   return p;
 }
 
@@ -681,7 +705,7 @@ extern "C" void gmp_release_pool_31(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_32(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_32(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(32, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(32, size, device);
   return p;
 }
 
@@ -699,7 +723,7 @@ extern "C" void gmp_release_pool_32(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_33(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_33(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(33, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(33, size, device);
   return p;
 }
 
@@ -717,7 +741,7 @@ extern "C" void gmp_release_pool_33(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_34(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_34(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(34, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(34, size, device);
   return p;
 }
 
@@ -735,7 +759,7 @@ extern "C" void gmp_release_pool_34(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_35(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_35(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(35, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(35, size, device);
   return p;
 }
 
@@ -753,7 +777,7 @@ extern "C" void gmp_release_pool_35(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_36(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_36(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(36, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(36, size, device);
   return p;
 }
 
@@ -771,7 +795,7 @@ extern "C" void gmp_release_pool_36(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_37(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_37(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(37, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(37, size, device);
   return p;
 }
 
@@ -789,7 +813,7 @@ extern "C" void gmp_release_pool_37(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_38(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_38(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(38, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(38, size, device);
   return p;
 }
 
@@ -807,7 +831,7 @@ extern "C" void gmp_release_pool_38(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_39(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_39(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(39, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(39, size, device);
   return p;
 }
 
@@ -825,7 +849,7 @@ extern "C" void gmp_release_pool_39(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_40(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_40(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(40, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(40, size, device);
   return p;
 }
 
@@ -843,7 +867,7 @@ extern "C" void gmp_release_pool_40(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_41(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_41(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(41, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(41, size, device);
   return p;
 }
 
@@ -861,7 +885,7 @@ extern "C" void gmp_release_pool_41(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_42(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_42(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(42, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(42, size, device);
   return p;
 }
 
@@ -879,7 +903,7 @@ extern "C" void gmp_release_pool_42(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_43(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_43(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(43, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(43, size, device);
   return p;
 }
 
@@ -897,7 +921,7 @@ extern "C" void gmp_release_pool_43(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_44(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_44(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(44, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(44, size, device);
   return p;
 }
 
@@ -915,7 +939,7 @@ extern "C" void gmp_release_pool_44(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_45(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_45(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(45, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(45, size, device);
   return p;
 }
 
@@ -933,7 +957,7 @@ extern "C" void gmp_release_pool_45(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_46(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_46(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(46, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(46, size, device);
   return p;
 }
 
@@ -951,7 +975,7 @@ extern "C" void gmp_release_pool_46(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_47(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_47(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(47, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(47, size, device);
   return p;
 }
 
@@ -969,7 +993,7 @@ extern "C" void gmp_release_pool_47(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_48(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_48(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(48, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(48, size, device);
   return p;
 }
 
@@ -987,7 +1011,7 @@ extern "C" void gmp_release_pool_48(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_49(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_49(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(49, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(49, size, device);
   return p;
 }
 
@@ -1005,7 +1029,7 @@ extern "C" void gmp_release_pool_49(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_50(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_50(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(50, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(50, size, device);
   return p;
 }
 
@@ -1023,7 +1047,7 @@ extern "C" void gmp_release_pool_50(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_51(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_51(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(51, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(51, size, device);
   return p;
 }
 
@@ -1041,7 +1065,7 @@ extern "C" void gmp_release_pool_51(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_52(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_52(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(52, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(52, size, device);
   return p;
 }
 
@@ -1059,7 +1083,7 @@ extern "C" void gmp_release_pool_52(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_53(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_53(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(53, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(53, size, device);
   return p;
 }
 
@@ -1077,7 +1101,7 @@ extern "C" void gmp_release_pool_53(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_54(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_54(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(54, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(54, size, device);
   return p;
 }
 
@@ -1095,7 +1119,7 @@ extern "C" void gmp_release_pool_54(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_55(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_55(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(55, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(55, size, device);
   return p;
 }
 
@@ -1113,7 +1137,7 @@ extern "C" void gmp_release_pool_55(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_56(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_56(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(56, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(56, size, device);
   return p;
 }
 
@@ -1131,7 +1155,7 @@ extern "C" void gmp_release_pool_56(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_57(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_57(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(57, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(57, size, device);
   return p;
 }
 
@@ -1149,7 +1173,7 @@ extern "C" void gmp_release_pool_57(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_58(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_58(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(58, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(58, size, device);
   return p;
 }
 
@@ -1167,7 +1191,7 @@ extern "C" void gmp_release_pool_58(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_59(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_59(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(59, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(59, size, device);
   return p;
 }
 
@@ -1185,7 +1209,7 @@ extern "C" void gmp_release_pool_59(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_60(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_60(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(60, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(60, size, device);
   return p;
 }
 
@@ -1203,7 +1227,7 @@ extern "C" void gmp_release_pool_60(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_61(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_61(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(61, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(61, size, device);
   return p;
 }
 
@@ -1221,7 +1245,7 @@ extern "C" void gmp_release_pool_61(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_62(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_62(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(62, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(62, size, device);
   return p;
 }
 
@@ -1239,7 +1263,7 @@ extern "C" void gmp_release_pool_62(int device, gmp_mempool_id id) {
 
 extern "C" void* gmp_alloc_or_throw_63(std::size_t size, int device, void* stream) {
   void* p = reinterpret_cast<void*>(gmp_alloc_63(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) throw_out_of_memory(63, size, device);
+  if (p == nullptr && size != 0) throw_alloc_failure(63, size, device);
   return p;
 }
 

@@ -39,10 +39,24 @@ type Entry struct {
 
 	slot    atomic.Int32 // -1 when none
 	lastErr atomic.Pointer[string]
+	lastOOM atomic.Bool // the last error was an out-of-memory one
 }
 
 // SetError records the last error seen at the C boundary for this pool.
-func (e *Entry) SetError(msg string) { e.lastErr.Store(&msg) }
+func (e *Entry) SetError(msg string) {
+	e.lastOOM.Store(false)
+	e.lastErr.Store(&msg)
+}
+
+// SetOutOfMemory records msg as the last error, an out-of-memory one.
+func (e *Entry) SetOutOfMemory(msg string) {
+	e.lastOOM.Store(true)
+	e.lastErr.Store(&msg)
+}
+
+// LastErrorIsOutOfMemory reports whether the last error recorded was an
+// out-of-memory one.
+func (e *Entry) LastErrorIsOutOfMemory() bool { return e.lastOOM.Load() }
 
 // TakeError returns and clears the last recorded error ("" when none).
 func (e *Entry) TakeError() string {

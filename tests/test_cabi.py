@@ -449,3 +449,26 @@ static_assert(std::is_same_v<decltype(gmp_alloc_or_throw_0), void*(std::size_t, 
     args = [cxx, "-std=c++17", "-fsyntax-only", *(f"-I{p}" for p in cpp_extension.include_paths()), str(check)]
     r = subprocess.run(args, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_cuda_special_streams_cross_the_c_abi() -> None:
+    """cudaStreamLegacy (0x1) and cudaStreamPerThread (0x2) are handles
+    torch and CuPy may pass; as Go pointers they would be invalid, so the C
+    ABI takes them as integers. Many calls through alloc, free and
+    record_stream."""
+    with gmp.MemPool("sim", capacity=256 * MiB) as pool:
+        path, a_sym, f_sym = pool.pluggable_symbols()
+        lib = ctypes.CDLL(path)
+        alloc, free = getattr(lib, a_sym), getattr(lib, f_sym)
+        alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        record = _hooks(pool)["set_record_stream_fn"]
+        for i in range(2000):
+            stream = 1 + i % 2
+            p = alloc(4096 * (1 + i % 7), 0, stream)
+            assert p
+            record(p, 3 - stream)
+            free(p, 0, 0, stream)
+        assert pool.last_error() is None
+        assert pool.stats()["allocation.all.allocated"] == 2000
+        pool.check()

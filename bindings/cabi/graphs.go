@@ -78,8 +78,11 @@ type graphState struct {
 	mu       sync.Mutex
 	captures []capture
 	pools    map[graphPoolID]*privatePool
-	owner    map[uint64]*privatePool // address of a live block -> its pool
-	retired  map[int]gocore.Stats    // by device: what closed private pools counted
+	// owner maps the address of a live private block to its *privatePool.
+	// Every free of the pool looks here while a graph holds blocks, so
+	// reads take no lock; writes happen under mu.
+	owner   sync.Map
+	retired map[int]gocore.Stats // by device: what closed private pools counted
 }
 
 var (
@@ -103,8 +106,7 @@ func graphStateOf(e *registry.Entry, create bool) *graphState {
 	graphMu.Lock()
 	defer graphMu.Unlock()
 	if g = graphs[e]; g == nil {
-		g = &graphState{pools: map[graphPoolID]*privatePool{}, owner: map[uint64]*privatePool{},
-			retired: map[int]gocore.Stats{}}
+		g = &graphState{pools: map[graphPoolID]*privatePool{}, retired: map[int]gocore.Stats{}}
 		graphs[e] = g
 	}
 	return g
@@ -135,7 +137,7 @@ func privateAlloc(e *registry.Entry, size uint64, device int, stream uintptr) (a
 		if err != nil {
 			return 0, true, fmt.Errorf("private pool (%d, %d): %w", c.id[0], c.id[1], err)
 		}
-		g.owner[addr] = pp
+		g.owner.Store(addr, pp)
 		pp.live++
 		privateBlocks.Add(1)
 		return addr, true, nil
@@ -195,9 +197,10 @@ func ownerOf(e *registry.Entry, addr uint64) (*graphState, *privatePool) {
 	if g == nil {
 		return nil, nil
 	}
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	return g, g.owner[addr]
+	if pp, ok := g.owner.Load(addr); ok {
+		return g, pp.(*privatePool)
+	}
+	return g, nil
 }
 
 // privateFree frees addr if a private pool holds it; ok is false otherwise.
@@ -208,13 +211,13 @@ func privateFree(e *registry.Entry, addr uint64) (ok bool, err error) {
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.owner[addr] != pp { // freed by another thread in between
+	if cur, ok := g.owner.Load(addr); !ok || cur != pp { // freed by another thread in between
 		return false, nil
 	}
 	if err := pp.pool.Free(addr); err != nil {
 		return true, err
 	}
-	delete(g.owner, addr)
+	g.owner.Delete(addr)
 	pp.live--
 	privateBlocks.Add(-1)
 	if pp.released && pp.live == 0 {
@@ -234,8 +237,8 @@ func (g *graphState) closeLocked(pp *privatePool) error {
 	}
 	rep, err := pp.pool.Close()
 	for _, b := range rep.LiveBlocks {
-		if g.owner[b.Addr] == pp {
-			delete(g.owner, b.Addr)
+		if cur, ok := g.owner.Load(b.Addr); ok && cur == pp {
+			g.owner.Delete(b.Addr)
 			privateBlocks.Add(-1)
 		}
 	}
@@ -451,7 +454,10 @@ func CloseGraphPools(e *registry.Entry) (gocore.CloseReport, error) {
 		total.SegmentsFreed += rep.SegmentsFreed
 		total.BytesFreed += rep.BytesFreed
 	}
-	privateBlocks.Add(-int64(len(g.owner)))
-	clear(g.owner)
+	g.owner.Range(func(addr, _ any) bool {
+		g.owner.Delete(addr)
+		privateBlocks.Add(-1)
+		return true
+	})
 	return total, errors.Join(errs...)
 }

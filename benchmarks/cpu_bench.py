@@ -5,7 +5,8 @@
    parallel variants (shared pool / pool per goroutine).
 2. The C ABI: a C caller that dlopens the extension and calls a pool's
    exported gmp_alloc_N / gmp_free_N, as torch does (goal <= 400 ns).
-3. For scale: the same pair through the Python API.
+3. For scale: the same pair through the Python API, by its C fast path
+   (gpumempool._fastcall) and, as the baseline, through gopy's wrappers.
 
 Writes benchmarks/results/cpu.json and cpu.md. Run from the repo root with
 gpumempool installed:  python benchmarks/cpu_bench.py
@@ -63,20 +64,46 @@ def c_abi_benchmark(iters: int, repeats: int) -> float:
             return statistics.median(lib.caller_bench(4096, iters) for _ in range(repeats))
 
 
-def python_benchmark(iters: int) -> float:
+def python_benchmark(iters: int, repeats: int) -> tuple[float, float]:
+    """The pair through the Python API, by its C fast path and (as the
+    baseline, in the same process, interleaved) through gopy's wrappers."""
     import gpumempool as gmp
+    from gpumempool import _pool
 
-    with gmp.MemPool("sim") as pool:
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            pool.free(pool.alloc(4096))
-        return (time.perf_counter() - t0) / iters * 1e9
+    fast = _pool._fast
+
+    def run() -> float:
+        with gmp.MemPool("sim") as pool:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                pool.free(pool.alloc(4096))
+            return (time.perf_counter() - t0) / iters * 1e9
+
+    print(f"running the Python API round trip ({repeats} x {iters}, fast path and gopy) ...", file=sys.stderr, flush=True)
+    fast_ns, gopy_ns = [], []
+    try:
+        for _ in range(repeats):
+            _pool._fast = fast
+            fast_ns.append(run())
+            _pool._fast = None
+            gopy_ns.append(run())
+    finally:
+        _pool._fast = fast
+    if fast is None:
+        raise SystemExit("this build has no gpumempool._fastcall: the Python fast path cannot be measured")
+    return statistics.median(fast_ns), statistics.median(gopy_ns)
 
 
 def main() -> None:
-    go = go_benchmarks(count=int(os.environ.get("GMP_BENCH_COUNT", "5")))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--go-count", type=int, default=int(os.environ.get("GMP_BENCH_COUNT", "5")),
+                    help="runs of each Go benchmark (default 5, or $GMP_BENCH_COUNT)")
+    args = ap.parse_args()
+    go = go_benchmarks(count=args.go_count)
     cabi = c_abi_benchmark(iters=1_000_000, repeats=5)
-    py = python_benchmark(iters=100_000)
+    py, py_gopy = python_benchmark(iters=100_000, repeats=5)
     growth = go["CacheHit/free=100000"] / go["CacheHit/free=10"]
     result = {
         "date": datetime.date.today().isoformat(),
@@ -85,6 +112,7 @@ def main() -> None:
         "growth_10_to_1e5": growth,
         "c_abi_round_trip_ns": cabi,
         "python_api_round_trip_ns": py,
+        "python_api_round_trip_gopy_ns": py_gopy,
         "goals": {"cache_hit_ns": 150, "growth": 2.0, "c_abi_ns": 400},
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -104,6 +132,8 @@ def main() -> None:
         f"| growth free=10 -> free=100000 | {growth:.2f}x | <= 2x |",
         f"| C ABI round trip (C caller -> gmp_alloc_N/gmp_free_N) | {cabi:.1f} | <= 400 |",
         f"| Python API round trip (pool.alloc + pool.free) | {py:.1f} | |",
+        f"| the same through gopy's wrappers (baseline, same run) | {py_gopy:.1f} | |",
+        f"| Python fast path speedup | {py_gopy / py:.2f}x | |",
     ]
     (RESULTS / "cpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

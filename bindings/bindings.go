@@ -164,7 +164,7 @@ func PoolAlloc(id, size, device int64, stream uint64) (addr uint64, err error) {
 	if device < 0 || device > 1<<20 {
 		return 0, fmt.Errorf("alloc on device %d: %w", device, gocore.ErrInvalidDevice)
 	}
-	return e.Pool.Alloc(uint64(size), int(device), gocore.Stream(stream))
+	return cabi.AllocFor(e, uint64(size), int(device), uintptr(stream))
 }
 
 // PoolFree frees the block at addr.
@@ -174,7 +174,7 @@ func PoolFree(id int64, addr uint64) (err error) {
 	if err != nil {
 		return err
 	}
-	return e.Pool.Free(addr)
+	return cabi.FreeFor(e, addr)
 }
 
 // PoolRecordStream marks the block at addr as used on stream.

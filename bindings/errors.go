@@ -6,29 +6,12 @@ import (
 	"runtime/debug"
 
 	"github.com/gpumempool/gpumempool/bindings/registry"
-	"github.com/gpumempool/gpumempool/gocore"
 )
 
 // errorKind names the Python exception for err. gopy raises every Go error
 // as RuntimeError with the error's text; the Python layer reads this prefix
 // to raise the right subclass.
-func errorKind(err error) string {
-	switch {
-	case errors.Is(err, gocore.ErrOutOfMemory):
-		return "OutOfMemoryError"
-	case errors.Is(err, gocore.ErrDoubleFree):
-		return "DoubleFreeError"
-	case errors.Is(err, gocore.ErrUnknownPointer):
-		return "InvalidPointerError"
-	case errors.Is(err, gocore.ErrClosed), errors.Is(err, registry.ErrNoSuchPool):
-		return "PoolClosedError"
-	case errors.Is(err, gocore.ErrInvalidSize), errors.Is(err, gocore.ErrInvalidDevice),
-		errors.Is(err, gocore.ErrInvalidArgument):
-		return "ValueError"
-	default:
-		return "RuntimeError"
-	}
-}
+func errorKind(err error) string { return registry.Kind(err) }
 
 // kindError carries the Python exception name in front of the message.
 type kindError struct{ err error }

@@ -54,6 +54,21 @@ def _report_leaks_at_exit() -> None:
 atexit.register(_report_leaks_at_exit)
 
 _b = _native.bindings
+
+
+def _load_fastcall() -> Any:
+    """gpumempool._fastcall bound to the extension library, or None (a build
+    without it: alloc and free then go through gopy's wrappers)."""
+    try:
+        from . import _fastcall
+
+        _fastcall.bind(_native.library_path())
+    except ImportError:
+        return None
+    return _fastcall
+
+
+_fast = _load_fastcall()
 T = TypeVar("T")
 
 #: Options of the simulated device (``backend="sim"``).
@@ -374,7 +389,14 @@ class MemPool:
             device = _device_index(device)
         if type(stream) is not int or not 0 <= stream < _U64:
             stream = as_stream(stream)
-        ptr = self._native(_b.PoolAlloc, self._id if self._report is None else self._handle(), size, device, stream)
+        handle = self._id if self._report is None else self._handle()
+        if _fast is not None and not self._py_callbacks:
+            try:
+                ptr = _fast.alloc(handle, size, device, stream)
+            except RuntimeError as exc:
+                raise translate(exc) from None
+        else:
+            ptr = self._native(_b.PoolAlloc, handle, size, device, stream)
         if self._frames is not None:
             self._remember_frames(ptr)
         return ptr
@@ -391,7 +413,14 @@ class MemPool:
         """Return the block at ``ptr`` to the pool."""
         if type(ptr) is not int or not 0 <= ptr < _U64:
             ptr = _check_int("ptr", ptr, 0, _U64)
-        self._native(_b.PoolFree, self._id if self._report is None else self._handle(), ptr)
+        handle = self._id if self._report is None else self._handle()
+        if _fast is not None and not self._py_callbacks:
+            try:
+                _fast.free(handle, ptr)
+            except RuntimeError as exc:
+                raise translate(exc) from None
+        else:
+            self._native(_b.PoolFree, handle, ptr)
 
     def record_stream(self, ptr: int, stream: Any) -> None:
         """Mark the block at ``ptr`` as used on ``stream``: after it is freed

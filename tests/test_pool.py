@@ -281,3 +281,32 @@ def test_torch_methods_need_torch_and_say_so() -> None:
         for method in (pool.register, pool.deregister):
             with pytest.raises(gmp.GpuMemPoolError, match="needs torch"):
                 method()
+
+
+def test_alloc_and_free_take_the_fast_path() -> None:
+    """The installed package has its C fast path (gpumempool._fastcall),
+    which gives the same results and errors as gopy's calls."""
+    from gpumempool import _fastcall, _pool
+
+    assert _pool._fast is _fastcall
+    with gmp.MemPool("sim", capacity=64 * 1024 * 1024) as p:
+        handle = p.handle
+        a = _fastcall.alloc(p.handle, 4096, 0, 0)
+        assert p.stats()["allocated_bytes.all.current"] == 4096
+        with pytest.raises(RuntimeError, match=r"^InvalidPointerError: .*0x3039"):
+            _fastcall.free(p.handle, 12345)
+        _fastcall.free(p.handle, a)
+        with pytest.raises(RuntimeError, match=r"^DoubleFreeError: "):
+            _fastcall.free(p.handle, a)
+        with pytest.raises(RuntimeError, match=r"^OutOfMemoryError: "):
+            _fastcall.alloc(p.handle, 1 << 40, 0, 0)
+        with pytest.raises(RuntimeError, match=r"^ValueError: "):
+            _fastcall.alloc(p.handle, 100, 9, 0)
+        with pytest.raises(gmp.InvalidPointerError):  # what MemPool raises (the OOM retry released the segment)
+            p.free(a)
+    with pytest.raises(RuntimeError, match=r"^PoolClosedError: "):
+        _fastcall.alloc(handle, 100, 0, 0)  # the handle of a closed pool
+    with pytest.raises(TypeError):
+        _fastcall.alloc(1, 2, 3)  # type: ignore[call-arg]
+    with pytest.raises(OverflowError):
+        _fastcall.alloc(1, -5, 0, 0)

@@ -64,18 +64,18 @@ func guarded(e *registry.Entry, where string, fn func() error) (ok bool) {
 	return true
 }
 
-// allocFor serves an allocation of the pool of e: from a CUDA graph's
-// private pool while a capture accepts the stream (graphs.go), else from the
-// pool itself.
-func allocFor(e *registry.Entry, size uint64, device int, stream uintptr) (uint64, error) {
+// AllocFor serves an allocation of the pool of e, as every entry point does
+// (C, torch, Python): from a CUDA graph's private pool while a capture
+// accepts the stream (graphs.go), else from the pool itself.
+func AllocFor(e *registry.Entry, size uint64, device int, stream uintptr) (uint64, error) {
 	if addr, private, err := privateAlloc(e, size, device, stream); private {
 		return addr, err
 	}
 	return e.Pool.Alloc(size, device, gocore.Stream(stream))
 }
 
-// freeFor frees a block allocFor gave.
-func freeFor(e *registry.Entry, addr uint64) error {
+// FreeFor frees a block AllocFor gave.
+func FreeFor(e *registry.Entry, addr uint64) error {
 	if private, err := privateFree(e, addr); private {
 		return err
 	}
@@ -85,7 +85,7 @@ func freeFor(e *registry.Entry, addr uint64) error {
 func entryAlloc(e *registry.Entry, where string, size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	var addr uint64
 	if !guarded(e, where, func() (err error) {
-		addr, err = allocFor(e, uint64(size), int(device), uintptr(stream))
+		addr, err = AllocFor(e, uint64(size), int(device), uintptr(stream))
 		return err
 	}) {
 		return 0
@@ -94,7 +94,7 @@ func entryAlloc(e *registry.Entry, where string, size C.size_t, device C.int, st
 }
 
 func entryFree(e *registry.Entry, where string, ptr C.uintptr_t) C.int {
-	if !guarded(e, where, func() error { return freeFor(e, uint64(ptr)) }) {
+	if !guarded(e, where, func() error { return FreeFor(e, uint64(ptr)) }) {
 		return -1
 	}
 	return 0

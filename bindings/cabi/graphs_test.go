@@ -54,7 +54,7 @@ func TestGraphRoutingUnderConcurrency(t *testing.T) {
 			stream := uintptr(0x100 + w%2) // streams 0x100 (captured) and 0x101
 			for i := range rounds {
 				size := uint64(512 * (1 + (i*7+w)%64))
-				addr, err := allocFor(e, size, 0, stream)
+				addr, err := AllocFor(e, size, 0, stream)
 				if !assert.NoError(t, err) {
 					return
 				}
@@ -62,7 +62,7 @@ func TestGraphRoutingUnderConcurrency(t *testing.T) {
 					violations.Add(1)
 				}
 				live.Delete(addr)
-				if !assert.NoError(t, freeFor(e, addr)) {
+				if !assert.NoError(t, FreeFor(e, addr)) {
 					return
 				}
 			}
@@ -106,9 +106,9 @@ func TestGraphPrivatePoolLifecycle(t *testing.T) {
 	s1, s2 := uintptr(0x1), uintptr(0x2) // cudaStreamLegacy and cudaStreamPerThread
 	id := graphPoolID{7, 1}
 	require.NoError(t, beginCapture(e, 0, id, goFilter{stream: 0x1, released: &released}))
-	a, err := allocFor(e, mib, 0, s1)
+	a, err := AllocFor(e, mib, 0, s1)
 	require.NoError(t, err)
-	b, err := allocFor(e, mib, 0, s2)
+	b, err := AllocFor(e, mib, 0, s2)
 	require.NoError(t, err)
 	_, err = e.Pool.Lookup(a)
 	require.ErrorIs(t, err, gocore.ErrUnknownPointer, "a is the private pool's")
@@ -122,12 +122,12 @@ func TestGraphPrivatePoolLifecycle(t *testing.T) {
 	require.NoError(t, endCapture(e, 0, id))
 	assert.EqualValues(t, 1, released.Load())
 	require.ErrorContains(t, endCapture(e, 0, id), "no allocation to this pool was begun")
-	require.NoError(t, freeFor(e, a))
+	require.NoError(t, FreeFor(e, a))
 	pools, err := GraphPools(e)
 	require.NoError(t, err)
 	require.Len(t, pools, 1)
 	assert.EqualValues(t, 2*mib, pools[0].ReservedBytes, "kept despite the release threshold: a replay writes it")
-	c, err := allocFor(e, mib, 0, s1)
+	c, err := AllocFor(e, mib, 0, s1)
 	require.NoError(t, err)
 	assert.NotEqual(t, a, c, "after the capture, stream 1 is served by the pool, never with the graph's block")
 
@@ -144,8 +144,8 @@ func TestGraphPrivatePoolLifecycle(t *testing.T) {
 	assert.EqualValues(t, 2*mib, st.ReservedBytes[0].Peak, "the retired pool's history stays")
 	assert.EqualValues(t, 1, st.NumDeviceFree)
 
-	require.NoError(t, freeFor(e, b))
-	require.NoError(t, freeFor(e, c))
+	require.NoError(t, FreeFor(e, b))
+	require.NoError(t, FreeFor(e, c))
 	_, err = e.Pool.Close()
 	require.NoError(t, err)
 	_, err = CloseGraphPools(e)

@@ -164,6 +164,26 @@ func BySlot(i int) *Entry {
 	return slots[i].Load()
 }
 
+// Kind names the Python exception for err (gpumempool's exception classes,
+// or a builtin): the Python layer raises it for a message "Kind: text".
+func Kind(err error) string {
+	switch {
+	case errors.Is(err, gocore.ErrOutOfMemory):
+		return "OutOfMemoryError"
+	case errors.Is(err, gocore.ErrDoubleFree):
+		return "DoubleFreeError"
+	case errors.Is(err, gocore.ErrUnknownPointer):
+		return "InvalidPointerError"
+	case errors.Is(err, gocore.ErrClosed), errors.Is(err, ErrNoSuchPool):
+		return "PoolClosedError"
+	case errors.Is(err, gocore.ErrInvalidSize), errors.Is(err, gocore.ErrInvalidDevice),
+		errors.Is(err, gocore.ErrInvalidArgument):
+		return "ValueError"
+	default:
+		return "RuntimeError"
+	}
+}
+
 // SetOrphanError records an error from a C call that no pool could own.
 func SetOrphanError(msg string) { orphanErr.Store(&msg) }
 

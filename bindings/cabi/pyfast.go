@@ -1,0 +1,75 @@
+package cabi
+
+/*
+#include <stddef.h>
+#include <stdint.h>
+*/
+import "C"
+
+import (
+	"fmt"
+
+	"github.com/gpumempool/gpumempool/bindings/registry"
+)
+
+// The Python API's hot path. MemPool.alloc / free call these through a small
+// C extension (gpumempool/_fastcall.c) instead of gopy's generated wrappers:
+// a gopy call costs several hundred nanoseconds on its own (it releases and
+// retakes the GIL and converts (value, error) results), more than the
+// engine's cache hit. The error, if any, is written to buf as "Kind: text"
+// (registry.Kind), the form the Python layer turns into its exception, so
+// that concurrent failures in other threads cannot swap messages (the
+// pool's last_error is per pool, not per call).
+
+// pyFailure writes err for Python into buf (n bytes).
+func pyFailure(err error, buf *C.char, n C.size_t) {
+	copyCString(registry.Kind(err)+": "+err.Error(), buf, n)
+}
+
+// pyCall runs fn for pool handle, recovering a panic, and reports a
+// failure through buf; it returns whether fn succeeded.
+func pyCall(handle C.int64_t, buf *C.char, n C.size_t, fn func(e *registry.Entry) error) (ok bool) {
+	defer func() {
+		if r := recover(); r != nil {
+			copyCString(fmt.Sprintf("RuntimeError: gpumempool internal error (Go panic recovered): %v", r), buf, n)
+			ok = false
+		}
+	}()
+	e, err := registry.Get(int64(handle))
+	if err != nil {
+		pyFailure(err, buf, n)
+		return false
+	}
+	if e.PanicNext.Swap(false) {
+		panic("injected by PanicNext")
+	}
+	if err := fn(e); err != nil {
+		pyFailure(err, buf, n)
+		return false
+	}
+	return true
+}
+
+// gmp_py_alloc allocates like MemPool.alloc; 0 on failure, with the error
+// in buf.
+//
+//export gmp_py_alloc
+func gmp_py_alloc(handle C.int64_t, size C.uint64_t, device C.int, stream C.uintptr_t, buf *C.char, n C.size_t) C.uintptr_t {
+	var addr uint64
+	pyCall(handle, buf, n, func(e *registry.Entry) (err error) {
+		addr, err = AllocFor(e, uint64(size), int(device), uintptr(stream))
+		return err
+	})
+	return C.uintptr_t(addr)
+}
+
+// gmp_py_free frees like MemPool.free; 0 on success, -1 with the error in
+// buf.
+//
+//export gmp_py_free
+func gmp_py_free(handle C.int64_t, ptr C.uintptr_t, buf *C.char, n C.size_t) C.int {
+	if !pyCall(handle, buf, n, func(e *registry.Entry) error { return FreeFor(e, uint64(ptr)) }) {
+		return -1
+	}
+	return 0
+}

@@ -1,0 +1,118 @@
+/* gpumempool._fastcall: MemPool.alloc / free without gopy's per-call cost.
+ *
+ * gopy's generated wrappers release and retake the GIL and convert Go's
+ * (value, error) results on every call, which costs more than the engine's
+ * cache hit. This module calls the two C functions the Go extension exports
+ * for the purpose (bindings/cabi/pyfast.go: gmp_py_alloc, gmp_py_free) from
+ * the very library Python imported, found by path with dlopen(RTLD_NOLOAD).
+ *
+ * The GIL stays held during the call, as torch holds it across its own
+ * allocator: a cache hit takes ~100 ns, and a backend call (cuMemAlloc) is
+ * what torch.empty would make too. Pools whose alloc/free are Python
+ * functions do not come here (their callbacks report errors through Python).
+ *
+ * A failure raises RuntimeError("Kind: message"), the form gopy's errors
+ * take, which gpumempool turns into its own exception classes. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <dlfcn.h>
+#include <stdint.h>
+
+typedef uintptr_t (*gmp_py_alloc_fn)(int64_t handle, uint64_t size, int device, uintptr_t stream, char *buf,
+                                     size_t n);
+typedef int (*gmp_py_free_fn)(int64_t handle, uintptr_t ptr, char *buf, size_t n);
+
+static gmp_py_alloc_fn py_alloc;
+static gmp_py_free_fn py_free;
+
+/* bind(path): resolve the entry points in the loaded library at path. */
+static PyObject *fast_bind(PyObject *self, PyObject *arg) {
+    const char *path = PyUnicode_AsUTF8(arg);
+    if (path == NULL) return NULL;
+    /* RTLD_LAZY: the library was loaded lazily (it references NVML symbols
+     * that resolve only once NVML is dlopened); RTLD_NOW would refuse it. */
+    void *lib = dlopen(path, RTLD_LAZY | RTLD_NOLOAD);
+    if (lib == NULL) {
+        const char *err = dlerror();
+        PyErr_Format(PyExc_ImportError, "gpumempool._fastcall: %s is not loaded: %s", path, err ? err : "?");
+        return NULL;
+    }
+    gmp_py_alloc_fn a = (gmp_py_alloc_fn)dlsym(lib, "gmp_py_alloc");
+    gmp_py_free_fn f = (gmp_py_free_fn)dlsym(lib, "gmp_py_free");
+    dlclose(lib); /* drops the reference NOLOAD added; Python's stays */
+    if (a == NULL || f == NULL) {
+        PyErr_Format(PyExc_ImportError, "gpumempool._fastcall: %s lacks gmp_py_alloc / gmp_py_free", path);
+        return NULL;
+    }
+    py_alloc = a;
+    py_free = f;
+    Py_RETURN_NONE;
+}
+
+static int not_bound(void) {
+    if (py_alloc != NULL) return 0;
+    PyErr_SetString(PyExc_RuntimeError, "RuntimeError: gpumempool._fastcall.bind() was not called");
+    return 1;
+}
+
+/* alloc(handle, size, device, stream) -> address */
+static PyObject *fast_alloc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "alloc(handle, size, device, stream) takes 4 arguments");
+        return NULL;
+    }
+    if (not_bound()) return NULL;
+    long long handle = PyLong_AsLongLong(args[0]);
+    unsigned long long size = PyLong_AsUnsignedLongLong(args[1]);
+    long device = PyLong_AsLong(args[2]);
+    unsigned long long stream = PyLong_AsUnsignedLongLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (device < 0 || device > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "device %ld out of range", device);
+        return NULL;
+    }
+    char buf[1024];
+    buf[0] = 0;
+    uintptr_t p = py_alloc((int64_t)handle, (uint64_t)size, (int)device, (uintptr_t)stream, buf, sizeof buf);
+    if (p == 0) {
+        PyErr_SetString(PyExc_RuntimeError, buf[0] ? buf : "RuntimeError: allocation failed");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong((unsigned long long)p);
+}
+
+/* free(handle, address) -> None */
+static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "free(handle, address) takes 2 arguments");
+        return NULL;
+    }
+    if (not_bound()) return NULL;
+    long long handle = PyLong_AsLongLong(args[0]);
+    unsigned long long ptr = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    char buf[1024];
+    buf[0] = 0;
+    if (py_free((int64_t)handle, (uintptr_t)ptr, buf, sizeof buf) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, buf[0] ? buf : "RuntimeError: free failed");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"bind", fast_bind, METH_O, "bind(library_path): resolve gmp_py_alloc / gmp_py_free there."},
+    {"alloc", (PyCFunction)(void (*)(void))fast_alloc, METH_FASTCALL,
+     "alloc(handle, size, device, stream) -> address; RuntimeError('Kind: message') on failure."},
+    {"free", (PyCFunction)(void (*)(void))fast_free, METH_FASTCALL,
+     "free(handle, address); RuntimeError('Kind: message') on failure."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "gpumempool._fastcall", "MemPool.alloc / free without gopy's per-call cost.", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__fastcall(void) { return PyModule_Create(&module); }

@@ -103,6 +103,7 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 		pool int
 		addr uint64
 	}
+	var paused [2]int // PauseEvents not yet resumed, per pool
 	var live []liveBlock
 	// Invariant checks are O(blocks) after every step: cap the steps so that
 	// a long input costs time linear in the cap, not quadratic in its length.
@@ -143,9 +144,20 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 			live[i] = live[len(live)-1]
 			live = live[:len(live)-1]
 		case 6:
-			be.CompleteStream(Stream(arg & 3))
-			if _, err := p.ProcessEvents(); err != nil && !errors.Is(err, ErrClosed) {
-				t.Fatalf("step %d: process events: %v", step, err)
+			switch {
+			case arg&7 == 5: // a CUDA graph capture begins: no events until it ends
+				p.PauseEvents()
+				paused[pi]++
+			case arg&7 == 6 && paused[pi] > 0:
+				paused[pi]--
+				if err := p.ResumeEvents(); err != nil && !errors.Is(err, ErrClosed) {
+					t.Fatalf("step %d: resume events: %v", step, err)
+				}
+			default:
+				be.CompleteStream(Stream(arg & 3))
+				if _, err := p.ProcessEvents(); err != nil && !errors.Is(err, ErrClosed) {
+					t.Fatalf("step %d: process events: %v", step, err)
+				}
 			}
 		case 7:
 			var err error

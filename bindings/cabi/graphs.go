@@ -42,6 +42,13 @@ import (
 // graphPoolID is torch's MempoolId_t.
 type graphPoolID [2]uint64
 
+// poolKey names a private pool: torch begins, ends and releases a pool id
+// per device (one torch.cuda.MemPool may be used on several).
+type poolKey struct {
+	device int
+	id     graphPoolID
+}
+
 // streamFilter says which streams allocate into a capture's pool.
 type streamFilter interface {
 	accepts(stream uintptr) bool
@@ -77,7 +84,7 @@ type privatePool struct {
 type graphState struct {
 	mu       sync.Mutex
 	captures []capture
-	pools    map[graphPoolID]*privatePool
+	pools    map[poolKey]*privatePool
 	// owner maps the address of a live private block to its *privatePool.
 	// Every free of the pool looks here while a graph holds blocks, so
 	// reads take no lock; writes happen under mu.
@@ -106,7 +113,7 @@ func graphStateOf(e *registry.Entry, create bool) *graphState {
 	graphMu.Lock()
 	defer graphMu.Unlock()
 	if g = graphs[e]; g == nil {
-		g = &graphState{pools: map[graphPoolID]*privatePool{}, retired: map[int]gocore.Stats{}}
+		g = &graphState{pools: map[poolKey]*privatePool{}, retired: map[int]gocore.Stats{}}
 		graphs[e] = g
 	}
 	return g
@@ -147,7 +154,7 @@ func privateAlloc(e *registry.Entry, size uint64, device int, stream uintptr) (a
 
 // poolLocked returns private pool id, made on first use.
 func (g *graphState) poolLocked(e *registry.Entry, id graphPoolID, device int) (*privatePool, error) {
-	if pp := g.pools[id]; pp != nil {
+	if pp := g.pools[poolKey{device, id}]; pp != nil {
 		return pp, nil
 	}
 	cfg := e.Pool.Config()
@@ -163,7 +170,7 @@ func (g *graphState) poolLocked(e *registry.Entry, id graphPoolID, device int) (
 		p.PauseEvents()
 	}
 	pp := &privatePool{id: id, device: device, pool: p}
-	g.pools[id] = pp
+	g.pools[poolKey{device, id}] = pp
 	return pp, nil
 }
 
@@ -228,7 +235,7 @@ func privateFree(e *registry.Entry, addr uint64) (ok bool, err error) {
 
 // closeLocked returns a private pool's segments to the backend.
 func (g *graphState) closeLocked(pp *privatePool) error {
-	delete(g.pools, pp.id)
+	delete(g.pools, poolKey{pp.device, pp.id})
 	if st, err := pp.pool.Stats(pp.device); err == nil {
 		r := g.retired[pp.device]
 		rs := st.Retired()
@@ -306,7 +313,7 @@ func gmp_graph_end(slot, device C.int, id0, id1 C.uint64_t) {
 //export gmp_graph_release
 func gmp_graph_release(slot, device C.int, id0, id1 C.uint64_t) {
 	slotHook(int(slot), "gmp_release_pool", func(e *registry.Entry) error {
-		return releaseGraphPool(e, graphPoolID{uint64(id0), uint64(id1)})
+		return releaseGraphPool(e, int(device), graphPoolID{uint64(id0), uint64(id1)})
 	})
 }
 
@@ -341,14 +348,14 @@ func endCapture(e *registry.Entry, device int, id graphPoolID) error {
 
 // releaseGraphPool marks private pool id released: it is closed now if it
 // holds no block, else when its last block is freed.
-func releaseGraphPool(e *registry.Entry, id graphPoolID) error {
+func releaseGraphPool(e *registry.Entry, device int, id graphPoolID) error {
 	g := graphStateOf(e, false)
 	if g == nil {
 		return nil // nothing was ever allocated to it
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	pp := g.pools[id]
+	pp := g.pools[poolKey{device, id}]
 	if pp == nil {
 		return nil
 	}
@@ -370,7 +377,7 @@ type GraphPool struct {
 	Capturing      bool      `json:"capturing"` // an allocation to it is begun and not ended
 }
 
-// GraphPools lists the private pools of e, ordered by id.
+// GraphPools lists the private pools of e, ordered by id and device.
 func GraphPools(e *registry.Entry) ([]GraphPool, error) {
 	out := []GraphPool{}
 	g := graphStateOf(e, false)
@@ -386,12 +393,16 @@ func GraphPools(e *registry.Entry) ([]GraphPool, error) {
 		gp := GraphPool{ID: pp.id, Device: pp.device, LiveBlocks: pp.live, Released: pp.released,
 			AllocatedBytes: uint64(s.AllocatedBytes[0].Current), ReservedBytes: uint64(s.ReservedBytes[0].Current)}
 		for _, c := range g.captures {
-			gp.Capturing = gp.Capturing || c.id == pp.id
+			gp.Capturing = gp.Capturing || c.id == pp.id && c.device == pp.device
 		}
 		out = append(out, gp)
 	}
 	sort.Slice(out, func(i, j int) bool {
-		return out[i].ID[0] < out[j].ID[0] || out[i].ID[0] == out[j].ID[0] && out[i].ID[1] < out[j].ID[1]
+		a, b := out[i], out[j]
+		if a.ID != b.ID {
+			return a.ID[0] < b.ID[0] || a.ID[0] == b.ID[0] && a.ID[1] < b.ID[1]
+		}
+		return a.Device < b.Device
 	})
 	return out, errors.Join(errs...)
 }
@@ -447,7 +458,7 @@ func CloseGraphPools(e *registry.Entry) (gocore.CloseReport, error) {
 	var errs []error
 	for _, pp := range g.pools {
 		rep, err := pp.pool.Close()
-		delete(g.pools, pp.id)
+		delete(g.pools, poolKey{pp.device, pp.id})
 		errs = append(errs, err)
 		total.LiveBlocks = append(total.LiveBlocks, rep.LiveBlocks...)
 		total.LiveBytes += rep.LiveBytes

@@ -75,7 +75,7 @@ func TestGraphRoutingUnderConcurrency(t *testing.T) {
 			id := graphPoolID{uint64(i + 1), 0}
 			assert.NoError(t, beginCapture(e, 0, id, goFilter{stream: 0x100, released: &released}))
 			assert.NoError(t, endCapture(e, 0, id))
-			assert.NoError(t, releaseGraphPool(e, id))
+			assert.NoError(t, releaseGraphPool(e, 0, id))
 		}
 	}()
 	wg.Wait()
@@ -134,7 +134,7 @@ func TestGraphPrivatePoolLifecycle(t *testing.T) {
 	var st gocore.Stats
 	require.NoError(t, AddGraphStats(e, 0, &st))
 	assert.EqualValues(t, 2*mib, st.ReservedBytes[0].Current)
-	require.NoError(t, releaseGraphPool(e, id))
+	require.NoError(t, releaseGraphPool(e, 0, id))
 	pools, err = GraphPools(e)
 	require.NoError(t, err)
 	assert.Empty(t, pools)
@@ -151,4 +151,47 @@ func TestGraphPrivatePoolLifecycle(t *testing.T) {
 	_, err = CloseGraphPools(e)
 	require.NoError(t, err)
 	assert.Zero(t, be.UsedBytes(0))
+}
+
+// One torch pool id used on two devices is two private pools, begun, ended
+// and released per device.
+func TestGraphPoolsArePerDevice(t *testing.T) {
+	be, err := gocore.NewSimBackend(gocore.SimConfig{Devices: 2, Capacity: 1 << 30})
+	require.NoError(t, err)
+	p, err := gocore.NewPool(gocore.Config{Name: "torch", Backend: be})
+	require.NoError(t, err)
+	e := registry.Add(p, be, nil)
+	t.Cleanup(func() { registry.Remove(e.ID) })
+	var released atomic.Int32
+	id := graphPoolID{3, 0}
+	require.NoError(t, beginCapture(e, 0, id, goFilter{stream: 0x5, released: &released}))
+	require.NoError(t, beginCapture(e, 1, id, goFilter{stream: 0x5, released: &released}))
+	a0, err := AllocFor(e, mib, 0, 0x5)
+	require.NoError(t, err)
+	a1, err := AllocFor(e, 3*mib, 1, 0x5)
+	require.NoError(t, err)
+	require.NoError(t, endCapture(e, 1, id))
+	pools, err := GraphPools(e)
+	require.NoError(t, err)
+	require.Len(t, pools, 2)
+	assert.Equal(t, 0, pools[0].Device)
+	assert.True(t, pools[0].Capturing)
+	assert.Equal(t, 1, pools[1].Device)
+	assert.False(t, pools[1].Capturing, "device 1's capture ended")
+	assert.EqualValues(t, 20*mib, pools[1].ReservedBytes) // a 1-10 MiB request gets a 20 MiB segment, as in torch
+	require.NoError(t, FreeFor(e, a1))
+	require.NoError(t, releaseGraphPool(e, 1, id))
+	pools, err = GraphPools(e)
+	require.NoError(t, err)
+	require.Len(t, pools, 1, "device 0's pool stays")
+	assert.Zero(t, be.UsedBytes(1))
+	require.NoError(t, endCapture(e, 0, id))
+	require.NoError(t, FreeFor(e, a0))
+	require.NoError(t, releaseGraphPool(e, 0, id))
+	assert.EqualValues(t, 2, released.Load())
+	_, err = p.Close()
+	require.NoError(t, err)
+	_, err = CloseGraphPools(e)
+	require.NoError(t, err)
+	assert.Zero(t, be.UsedBytes(0)+be.UsedBytes(1))
 }

@@ -99,6 +99,8 @@ say "built $(basename "${built[0]}") in $((SECONDS - t0)) s"
 (cd "$TMP" && PYTHONSAFEPATH=1 "$VENV/bin/python" - <<'EOF') || die "the wheel does not work (see above)"
 import os, subprocess, sys
 import gpumempool as gmp
+from gpumempool import _pool
+assert _pool._fast is not None, "the wheel lacks gpumempool._fastcall (MemPool.alloc/free's C fast path)"
 p = gmp.MemPool()
 p.free(p.alloc(1000))
 p.close()

@@ -238,6 +238,8 @@ class MemPool:
     Thread-safe. Use it as a context manager to close it on exit.
     """
 
+    _fast: Any = None  # gpumempool._fastcall for this pool, or None (see __init__)
+
     def __init__(
         self,
         backend: str = "sim",
@@ -327,6 +329,12 @@ class MemPool:
             self._py_callbacks = py_a or py_f
         self._id = self._native(_b.NewPool, json.dumps(cfg))
         self.backend: str = backend
+        # The C fast path keeps the GIL across the call into Go. A callback
+        # pool's functions could need the GIL themselves (Python functions,
+        # or C ones that call into Python) while another thread that holds
+        # it waits for this pool: those pools go through gopy, which
+        # releases the GIL.
+        self._fast = _fast if backend != "callback" else None
         self._frames: Optional[dict[int, list[dict[str, Any]]]] = None  # addr -> alloc stack
         with _open_lock:
             _open.add(self)
@@ -390,9 +398,9 @@ class MemPool:
         if type(stream) is not int or not 0 <= stream < _U64:
             stream = as_stream(stream)
         handle = self._id if self._report is None else self._handle()
-        if _fast is not None and not self._py_callbacks:
+        if self._fast is not None:
             try:
-                ptr = _fast.alloc(handle, size, device, stream)
+                ptr = self._fast.alloc(handle, size, device, stream)
             except RuntimeError as exc:
                 raise translate(exc) from None
         else:
@@ -414,9 +422,9 @@ class MemPool:
         if type(ptr) is not int or not 0 <= ptr < _U64:
             ptr = _check_int("ptr", ptr, 0, _U64)
         handle = self._id if self._report is None else self._handle()
-        if _fast is not None and not self._py_callbacks:
+        if self._fast is not None:
             try:
-                _fast.free(handle, ptr)
+                self._fast.free(handle, ptr)
             except RuntimeError as exc:
                 raise translate(exc) from None
         else:

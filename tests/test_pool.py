@@ -289,7 +289,10 @@ def test_alloc_and_free_take_the_fast_path() -> None:
     from gpumempool import _fastcall, _pool
 
     assert _pool._fast is _fastcall
+    with gmp.MemPool("callback", alloc=0x1000, free=0x2000) as cb:
+        assert cb._fast is None  # callback pools release the GIL (gopy): their functions may need it
     with gmp.MemPool("sim", capacity=64 * 1024 * 1024) as p:
+        assert p._fast is _fastcall
         handle = p.handle
         a = _fastcall.alloc(p.handle, 4096, 0, 0)
         assert p.stats()["allocated_bytes.all.current"] == 4096

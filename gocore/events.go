@@ -50,9 +50,9 @@ func (p *Pool) eventLocked(d *deviceState) (Event, error) {
 
 // processEventsLocked frees the parked blocks whose events have completed.
 // An event whose query fails is treated as not completed. Nothing is queried
-// while events are paused.
+// during a capture (EnterCapture).
 func (p *Pool) processEventsLocked(d *deviceState) {
-	if p.eventPauses > 0 {
+	if p.captures > 0 {
 		return
 	}
 	kept := d.pending[:0]
@@ -92,31 +92,34 @@ func (p *Pool) ProcessEvents() (int, error) {
 	return waiting, nil
 }
 
-// PauseEvents stops the pool from recording or querying events until the
-// matching ResumeEvents (calls nest). While a CUDA graph is being captured
-// in the process, recording an event on a captured stream would become part
-// of the graph, and querying one is an error that invalidates the capture;
-// torch's allocator defers its events the same way. Meanwhile a freed
-// block that other streams used waits, unusable, and blocks parked earlier
-// stay parked.
-func (p *Pool) PauseEvents() {
+// EnterCapture tells the pool that a stream capture (a CUDA graph being
+// recorded) is under way in the process, until the matching ExitCapture
+// (calls nest). Until then the pool makes none of the driver calls a capture
+// forbids or would swallow: it records and queries no event (a recorded
+// event would become part of the graph, a query is an error that
+// invalidates the capture) and gives no segment back (freeing memory
+// synchronizes the device). Torch's allocator holds back the same way. A
+// block freed meanwhile after use on other streams waits, unusable, for its
+// events; blocks parked earlier stay parked; allocations that need new
+// segments still get them.
+func (p *Pool) EnterCapture() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.eventPauses++
+	p.captures++
 }
 
-// ResumeEvents ends one PauseEvents; the last one records the events of the
-// blocks freed in between (see Free). It fails when the pool is not paused,
+// ExitCapture ends one EnterCapture; the last one records the events of the
+// blocks freed in between (see Free). It fails when no capture was entered,
 // and reports blocks whose events could not be recorded (they stay out of
 // use, as in Free).
-func (p *Pool) ResumeEvents() error {
+func (p *Pool) ExitCapture() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.eventPauses == 0 {
-		return fmt.Errorf("resume events of pool %q: not paused: %w", p.name, ErrInvalidArgument)
+	if p.captures == 0 {
+		return fmt.Errorf("exit capture of pool %q: no capture entered: %w", p.name, ErrInvalidArgument)
 	}
-	p.eventPauses--
-	if p.eventPauses > 0 || p.closed {
+	p.captures--
+	if p.captures > 0 || p.closed {
 		return nil
 	}
 	var errs []error

@@ -31,9 +31,9 @@ func (p *Pool) Free(addr uint64) error {
 	// until the block is free (a pending block still shows it).
 	p.trace(ActionFreeRequested, d.id, b.addr, b.requested, b.seg.stream)
 	if len(b.streamUses) > 0 {
-		if p.eventPauses > 0 {
-			// No event may be recorded now: the block waits, unusable,
-			// for ResumeEvents to record them.
+		if p.captures > 0 {
+			// No event may be recorded during a capture: the block
+			// waits, unusable, for ExitCapture to record them.
 			b.pending = 1
 			d.unrecorded = append(d.unrecorded, b)
 			return nil

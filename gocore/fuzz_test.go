@@ -103,7 +103,7 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 		pool int
 		addr uint64
 	}
-	var paused [2]int // PauseEvents not yet resumed, per pool
+	var paused [2]int // EnterCapture not yet resumed, per pool
 	var live []liveBlock
 	// Invariant checks are O(blocks) after every step: cap the steps so that
 	// a long input costs time linear in the cap, not quadratic in its length.
@@ -146,11 +146,11 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 		case 6:
 			switch {
 			case arg&7 == 5: // a CUDA graph capture begins: no events until it ends
-				p.PauseEvents()
+				p.EnterCapture()
 				paused[pi]++
 			case arg&7 == 6 && paused[pi] > 0:
 				paused[pi]--
-				if err := p.ResumeEvents(); err != nil && !errors.Is(err, ErrClosed) {
+				if err := p.ExitCapture(); err != nil && !errors.Is(err, ErrClosed) {
 					t.Fatalf("step %d: resume events: %v", step, err)
 				}
 			default:

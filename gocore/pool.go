@@ -110,8 +110,8 @@ type Pool struct {
 	// deviceLimit overrides cfg.Limit for single devices (torch's
 	// set_per_process_memory_fraction is per device); 0 there means none.
 	deviceLimit map[int]uint64
-	// eventPauses counts PauseEvents calls not yet resumed.
-	eventPauses int
+	// captures counts EnterCapture calls not yet exited.
+	captures int
 }
 
 // deviceState is everything the pool keeps for one device.
@@ -126,7 +126,7 @@ type deviceState struct {
 	// ages cached segments for garbage collection (torch's gc_count).
 	largeLookups uint64
 	pending      []pendingFree       // frees waiting for events
-	unrecorded   []*block            // frees whose events wait for ResumeEvents
+	unrecorded   []*block            // frees whose events wait for ExitCapture
 	events       []Event             // idle events kept for reuse
 	growing      map[Stream]*segment // the large segment each stream grows
 	stats        Stats

@@ -727,18 +727,19 @@ func TestKeepSegmentsReleasesOnlyAtClose(t *testing.T) {
 	assert.Zero(t, be.UsedBytes(0))
 }
 
-// While events are paused (a CUDA graph capture is under way) the pool
-// records and queries none: a block freed after use on another stream
-// waits, unusable, and gets its events at the last ResumeEvents.
-func TestPausedEventsWaitForResume(t *testing.T) {
+// During a stream capture (a CUDA graph being recorded) the pool records
+// and queries no event and releases no segment: a block freed after use on
+// another stream waits, unusable, and gets its events at the last
+// ExitCapture; cached segments stay until then.
+func TestCaptureDefersEventsAndReleases(t *testing.T) {
 	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
 	parked := mustAlloc(t, p, 4096, 0, 1)
 	require.NoError(t, p.RecordStream(parked, 2))
 	require.NoError(t, p.Free(parked)) // an event recorded before the pause
 	assert.EqualValues(t, 1, be.Stats().EventsCreated)
 
-	p.PauseEvents()
-	p.PauseEvents() // nested: two captures
+	p.EnterCapture()
+	p.EnterCapture() // nested: two captures
 	a := mustAlloc(t, p, 4096, 0, 1)
 	require.NoError(t, p.RecordStream(a, 3))
 	require.NoError(t, p.Free(a))
@@ -752,11 +753,21 @@ func TestPausedEventsWaitForResume(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 1, waiting, "the parked event is not even queried")
 
-	require.NoError(t, p.ResumeEvents())
+	cached := mustAlloc(t, p, 8*MiB, 0, 1)
+	require.NoError(t, p.Free(cached))
+	released, err := p.EmptyCache()
+	require.NoError(t, err)
+	assert.Zero(t, released, "no segment is freed during a capture")
+	assert.NotZero(t, stats(t, p).ReservedBytes[kindLarge].Current)
+
+	require.NoError(t, p.ExitCapture())
 	assert.EqualValues(t, 1, be.Stats().EventsCreated, "still paused once")
-	require.NoError(t, p.ResumeEvents())
+	require.NoError(t, p.ExitCapture())
 	assert.EqualValues(t, 2, be.Stats().EventsCreated, "a's event recorded at the last resume")
-	require.ErrorIs(t, p.ResumeEvents(), ErrInvalidArgument, "not paused")
+	require.ErrorIs(t, p.ExitCapture(), ErrInvalidArgument, "no capture entered")
+	released, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 20*MiB, released, "after the capture the cached segment goes")
 	waiting, err = p.ProcessEvents()
 	require.NoError(t, err)
 	assert.Equal(t, 1, waiting, "a's event was recorded after the streams completed")

@@ -197,3 +197,55 @@ def test_gpu_backends_script_reports_cold_async_numbers(fake_cuda, tmp_path, mon
     assert "reserved / requested" in md
     saved = json.loads((tmp_path / "gpu_backends.json").read_text())
     assert saved["backends"]["async"]["latency"][0]["raw_cold_ns"] > 0
+
+
+def test_graph_capture_on_the_fake_driver_makes_no_forbidden_call(fake_cuda, cxx_caller) -> None:
+    """Full replacement with the cuda backend while "torch" records a CUDA
+    graph in the global capture mode (the fake refuses what the real driver
+    refuses then): the graph's first segment is allocated (relaxed mode),
+    nothing is freed and no event is recorded or queried until the capture
+    ends, and the graph's blocks stay out of everyone else's reach."""
+    path, fake = fake_cuda
+    fake.fake_cuda_capture_violations.restype = ctypes.c_long
+    fake.fake_cuda_set_manual_events(1)
+    S0, S1 = 0x40, 0x41  # a stream outside the capture, the captured one
+    try:
+        with gmp.MemPool("cuda", libcuda=path, release_threshold=1) as pool:
+            lib_path, a_sym, f_sym = pool.pluggable_symbols()
+            hooks = {k: v.encode() for k, v in pool.pluggable_hooks().items()}
+            lib = ctypes.CDLL(lib_path)
+            alloc, free = getattr(lib, a_sym), getattr(lib, f_sym)
+            alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            record = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(
+                ctypes.cast(getattr(lib, pool.pluggable_hooks()["set_record_stream_fn"]), ctypes.c_void_p).value)
+
+            shared = alloc(MiB, 0, S0)
+            record(shared, S1)
+            assert cxx_caller.call_begin(lib_path.encode(), hooks["set_begin_allocate_to_pool"], 0, 5, 0, S1, 0) == 0
+            fake.fake_cuda_set_global_capture(1)  # torch: cudaStreamBeginCapture (global mode)
+            g1 = alloc(2 * MiB, 0, S1)  # a new private segment: cuMemAlloc in relaxed mode
+            assert g1, pool.last_error()
+            free(g1, 2 * MiB, 0, S1)  # freed during the capture: kept for the graph
+            free(shared, MiB, 0, S0)  # used on S1: its event must wait for the end
+            other = alloc(30 * MiB, 0, S0)  # the shared pool keeps serving other streams (a new segment)
+            assert other and other != g1
+            free(other, 30 * MiB, 0, S0)  # release_threshold=1 would free that segment: not now
+            assert fake.fake_cuda_capture_violations() == 0, pool.last_error()
+            fake.fake_cuda_set_global_capture(0)  # torch: cudaStreamEndCapture
+            assert cxx_caller.call_end(lib_path.encode(), hooks["set_end_allocate_to_pool_fn"], 0, 5, 0) == 0
+            assert pool.last_error() is None
+            assert pool.process_events() == 1  # shared's event, recorded at the end
+            fake.fake_cuda_complete_all()
+            assert pool.process_events() == 0
+            pool.empty_cache()  # after the capture, cached segments can go again
+            assert pool.stats()["num_device_free"] >= 1
+            (gp,) = pool.graph_pools()
+            assert gp["reserved_bytes"] == 20 * MiB and gp["live_blocks"] == 0  # a 2 MiB request: a 20 MiB segment
+            assert cxx_caller.call_end(lib_path.encode(), hooks["set_release_pool"], 0, 5, 0) == 0
+            assert pool.graph_pools() == []
+            pool.check()
+        assert fake.fake_cuda_live_bytes(0) == 0
+    finally:
+        fake.fake_cuda_set_global_capture(0)
+        fake.fake_cuda_set_manual_events(0)

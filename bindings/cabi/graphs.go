@@ -136,6 +136,13 @@ func privateAlloc(e *registry.Entry, size uint64, device int, stream uintptr) (a
 		if c.device != device || !c.filter.accepts(stream) {
 			continue
 		}
+		if e.Pool.Backend().Name() == "async" {
+			// cuMemAllocFromPoolAsync on a captured stream is itself
+			// captured: the memory would exist only inside the graph.
+			return 0, true, fmt.Errorf("private pool (%d, %d): CUDA graph capture with the async backend is not "+
+				"supported in full-replacement mode (its allocations would become part of the graph); use the cuda "+
+				"or vmm backend: %w", c.id[0], c.id[1], gocore.ErrUnsupported)
+		}
 		pp, err := g.poolLocked(e, c.id, device)
 		if err != nil {
 			return 0, true, err
@@ -166,30 +173,29 @@ func (g *graphState) poolLocked(e *registry.Entry, id graphPoolID, device int) (
 	if err != nil {
 		return nil, fmt.Errorf("private pool (%d, %d): %w", id[0], id[1], err)
 	}
-	for range g.captures { // as paused as the pools made before it
-		p.PauseEvents()
+	for range g.captures { // in as many captures as the pools made before it
+		p.EnterCapture()
 	}
 	pp := &privatePool{id: id, device: device, pool: p}
 	g.pools[poolKey{device, id}] = pp
 	return pp, nil
 }
 
-// pauseLocked pauses (or resumes) the events of e's pool and of every
-// private pool while a capture runs: recording an event on a captured
-// stream would become part of the graph, and querying one during a capture
-// is an error that invalidates it (torch's allocator defers its events the
-// same way).
-func (g *graphState) pauseLocked(e *registry.Entry, pause bool) error {
+// captureLocked enters (or exits) a capture on e's pool and on every
+// private pool (gocore.Pool.EnterCapture): while torch records a graph, no
+// event may be recorded or queried and no memory freed, in any pool torch
+// allocates from.
+func (g *graphState) captureLocked(e *registry.Entry, enter bool) error {
 	pools := []*gocore.Pool{e.Pool}
 	for _, pp := range g.pools {
 		pools = append(pools, pp.pool)
 	}
 	var errs []error
 	for _, p := range pools {
-		if pause {
-			p.PauseEvents()
+		if enter {
+			p.EnterCapture()
 		} else {
-			errs = append(errs, p.ResumeEvents())
+			errs = append(errs, p.ExitCapture())
 		}
 	}
 	return errors.Join(errs...)
@@ -325,7 +331,7 @@ func beginCapture(e *registry.Entry, device int, id graphPoolID, f streamFilter)
 	defer g.mu.Unlock()
 	g.captures = append(g.captures, capture{device: device, id: id, filter: f})
 	activeCaptures.Add(1)
-	return g.pauseLocked(e, true)
+	return g.captureLocked(e, true)
 }
 
 // endCapture ends the oldest capture begun for (device, id).
@@ -339,7 +345,7 @@ func endCapture(e *registry.Entry, device int, id graphPoolID) error {
 				c.filter.release()
 				g.captures = append(g.captures[:i], g.captures[i+1:]...)
 				activeCaptures.Add(-1)
-				return g.pauseLocked(e, false)
+				return g.captureLocked(e, false)
 			}
 		}
 	}

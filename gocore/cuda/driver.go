@@ -327,6 +327,14 @@ func requireVersion(drv *Driver, who, feature string, min int) error {
 	return nil
 }
 
+// CaptureModeFunc returns the address of cuThreadExchangeStreamCaptureMode,
+// or 0 when the driver lacks it (nccl.CaptureModeSource: code outside this
+// package that calls allocating functions with a context pushed, such as
+// ncclMemAlloc, runs them in the relaxed capture mode too).
+func (d *Driver) CaptureModeFunc() uintptr {
+	return uintptr(C.gmp_addr(d.fns, C.GMP_cuThreadExchangeStreamCaptureMode))
+}
+
 // DeviceCount returns the number of devices the driver sees (0 when cuInit
 // found none).
 func (d *Driver) DeviceCount() (int, error) {

@@ -477,3 +477,26 @@ func TestDriverVersionGatesNewOptions(t *testing.T) {
 	_, err = drv.Version()
 	require.ErrorIs(t, err, ErrDriverClosed)
 }
+
+// While another thread records a CUDA graph in the global capture mode, the
+// driver refuses allocations unless the calling thread is relaxed: every
+// driver call of ours runs relaxed, and the thread's mode is restored.
+// Frees stay refused (the engine makes none during a capture).
+func TestDriverCallsRunInRelaxedCaptureMode(t *testing.T) {
+	f, drv := setup(t)
+	f.SetGlobalCapture(true)
+	defer f.SetGlobalCapture(false)
+	onThread(t, func() {
+		p, err := drv.MemAlloc(0, 4096)
+		require.NoError(t, err, "cuMemAlloc during a global capture")
+		assert.Zero(t, f.CaptureMode(), "the thread's capture mode is restored")
+		h, err := drv.MemHostAlloc(4096, HostAllocPortable)
+		require.NoError(t, err)
+		assert.Zero(t, f.CaptureViolations())
+		err = drv.MemFree(0, p)
+		require.ErrorContains(t, err, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "the fake refuses frees during a capture")
+		f.SetGlobalCapture(false)
+		require.NoError(t, drv.MemFree(0, p))
+		require.NoError(t, drv.MemFreeHost(h))
+	})
+}

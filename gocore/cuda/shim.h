@@ -69,7 +69,8 @@ typedef void *CUmemoryPool;
 	X(cuMemUnmap, 0)                                                             \
 	X(cuMemSetAccess, 0)                                                         \
 	X(cuMemExportToShareableHandle, 0)                                           \
-	X(cuMemImportFromShareableHandle, 0)
+	X(cuMemImportFromShareableHandle, 0)                                         \
+	X(cuThreadExchangeStreamCaptureMode, 0)
 
 #define GMP_AS_ENUM(name, req) GMP_##name,
 enum { GMP_FUNCS(GMP_AS_ENUM) GMP_NFUNCS };
@@ -117,6 +118,7 @@ typedef CUresult (*t_cuMemUnmap)(CUdeviceptr, size_t);
 typedef CUresult (*t_cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
 typedef CUresult (*t_cuMemExportToShareableHandle)(void *, CUmemGenericAllocationHandle, int, unsigned long long);
 typedef CUresult (*t_cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *, int);
+typedef CUresult (*t_cuThreadExchangeStreamCaptureMode)(int *);
 
 /* The resolved entry points, in C memory (calloc'ed by Go). */
 typedef struct {
@@ -177,14 +179,26 @@ static inline gmp_res gmp_res_of(int code, int fn) {
 
 /* Runs CALL with ctx current on this thread and restores the caller's
  * current context (whatever it was) by popping ours. A failed op is
- * reported over a failed pop. */
+ * reported over a failed pop.
+ *
+ * CALL runs in the relaxed stream-capture mode, and the thread's mode is
+ * restored after: while another thread records a CUDA graph in the default
+ * (global) mode, the driver refuses "potentially unsafe" calls such as
+ * cuMemAlloc from every thread, and refusing invalidates the capture.
+ * Allocating a segment is safe during a capture as long as nothing frees it
+ * before the graph is gone (the engine frees nothing during one); torch
+ * wraps its cudaMalloc the same way. */
 #define GMP_IN_CTX(d, ctx, r, FN_ID, CALL)                                  \
 	do {                                                                     \
 		(r).fn = GMP_cuCtxPushCurrent_v2;                                    \
 		(r).code = GMP_FN(d, cuCtxPushCurrent_v2)((CUcontext)(ctx));         \
 		if ((r).code != 0) break;                                            \
+		int mode_ = CU_STREAM_CAPTURE_MODE_RELAXED;                          \
+		int relaxed_ = gmp_has(d, GMP_cuThreadExchangeStreamCaptureMode) &&  \
+		               GMP_FN(d, cuThreadExchangeStreamCaptureMode)(&mode_) == 0; \
 		(r).fn = (FN_ID);                                                    \
 		(r).code = (CALL);                                                   \
+		if (relaxed_) GMP_FN(d, cuThreadExchangeStreamCaptureMode)(&mode_);  \
 		CUcontext popped_ = NULL;                                            \
 		int pop_ = GMP_FN(d, cuCtxPopCurrent_v2)(&popped_);                  \
 		if ((r).code == 0 && pop_ != 0) {                                    \

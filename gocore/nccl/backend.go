@@ -35,6 +35,17 @@ type ContextSource interface {
 	ContextFuncs(dev int) (ctx, push, pop uintptr, err error)
 }
 
+// CaptureModeSource is optionally implemented by a ContextSource (the cuda
+// package's Driver does): the address of cuThreadExchangeStreamCaptureMode,
+// 0 when the driver lacks it, so that ncclMemAlloc runs in the relaxed
+// stream-capture mode and is not refused while another thread records a
+// CUDA graph.
+//
+//	CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode* mode);
+type CaptureModeSource interface {
+	CaptureModeFunc() uintptr
+}
+
 // EventSource provides the device count, capacity and CUDA events of the
 // devices NCCL allocates on. The cuda backend implements it.
 type EventSource interface {
@@ -239,7 +250,11 @@ func (b *Backend) deviceCtx(op string, device int) (devCtx, error) {
 		return devCtx{}, fmt.Errorf("nccl backend: %s on device %d: context source gave ctx=%#x push=%#x pop=%#x: %w",
 			op, device, ctx, push, pop, gocore.ErrInvalidArgument)
 	}
-	return devCtx{ctx: ctx, push: push, pop: pop}, nil
+	c := devCtx{ctx: ctx, push: push, pop: pop}
+	if cm, ok := b.ctx.(CaptureModeSource); ok {
+		c.exchange = cm.CaptureModeFunc()
+	}
+	return c, nil
 }
 
 // callError describes a failed push/NCCL/pop round trip, or returns nil.

@@ -453,3 +453,33 @@ func TestConcurrentPool(t *testing.T) {
 	assert.Zero(t, s.fake.Balance())
 	assert.Greater(t, s.fake.Calls(), 8, "segments came from ncclMemAlloc")
 }
+
+// relaxedCtx is a fakeCtx that also gives the fake's
+// cuThreadExchangeStreamCaptureMode (nccl.CaptureModeSource).
+type relaxedCtx struct{ *fakeCtx }
+
+func (c relaxedCtx) CaptureModeFunc() uintptr { return c.fake.ExchangeCaptureModeFunc() }
+
+// ncclMemAlloc runs in the relaxed stream-capture mode when the context
+// source can switch it (the cuda Driver can), so that it is not refused
+// while another thread records a CUDA graph; the thread's mode is restored.
+func TestNCCLAllocRunsInRelaxedCaptureMode(t *testing.T) {
+	lib, fake := freshLib(t)
+	be, err := nccl.NewBackend(lib, relaxedCtx{&fakeCtx{fake: fake}}, newStubEvents(2))
+	require.NoError(t, err)
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	addr, err := be.Alloc(1, 4096, 0)
+	require.NoError(t, err)
+	assert.Equal(t, 2, fake.LastCaptureMode(), "CU_STREAM_CAPTURE_MODE_RELAXED during ncclMemAlloc")
+	assert.Zero(t, fake.CaptureMode(), "and the thread's mode restored")
+	require.NoError(t, be.Free(1, addr, 4096, 0))
+
+	// Without the optional interface the mode is left alone.
+	plain, err := nccl.NewBackend(lib, &fakeCtx{fake: fake}, newStubEvents(2))
+	require.NoError(t, err)
+	addr, err = plain.Alloc(0, 4096, 0)
+	require.NoError(t, err)
+	assert.Zero(t, fake.LastCaptureMode())
+	require.NoError(t, plain.Free(0, addr, 4096, 0))
+}

@@ -54,13 +54,21 @@ typedef struct {
 // Push ctx, ncclMemAlloc, pop, in one C call so that all three run on one OS
 // thread (CUDA contexts are per thread). push == 0: call NCCL on whatever is
 // current.
+//
+// exchange, when not 0, is cuThreadExchangeStreamCaptureMode: ncclMemAlloc
+// then runs in the relaxed capture mode (and the thread's mode is restored),
+// so that it is not refused while another thread records a CUDA graph in
+// the global mode (see GMP_IN_CTX in package cuda's shim.h).
 static void gmp_nccl_mem_alloc(uintptr_t alloc, uintptr_t free_fn, uintptr_t push, uintptr_t pop,
-		uintptr_t ctx, size_t size, gmp_nccl_result* r) {
+		uintptr_t exchange, uintptr_t ctx, size_t size, gmp_nccl_result* r) {
 	r->nccl = r->push = r->pop = 0;
 	r->ptr = 0;
 	if (push && (r->push = ((gmp_cu_push_fn)push)((void*)ctx)) != 0) return;
 	void* p = NULL;
+	int mode = 2; // CU_STREAM_CAPTURE_MODE_RELAXED
+	int relaxed = exchange && ((gmp_cu_exchange_capture_mode_fn)exchange)(&mode) == 0;
 	r->nccl = ((gmp_nccl_alloc_fn)alloc)(&p, size);
+	if (relaxed) ((gmp_cu_exchange_capture_mode_fn)exchange)(&mode);
 	if (r->nccl == 0) r->ptr = (uintptr_t)p;
 	if (!push) return;
 	void* old = NULL;
@@ -283,12 +291,12 @@ type callResult struct {
 
 // devCtx is what makes a device current around an NCCL call; the zero value
 // leaves the thread's current context alone.
-type devCtx struct{ ctx, push, pop uintptr }
+type devCtx struct{ ctx, push, pop, exchange uintptr }
 
 func (l *Lib) memAllocOn(c devCtx, size uint64) callResult {
 	var r C.gmp_nccl_result
 	C.gmp_nccl_mem_alloc(C.uintptr_t(l.memAlloc), C.uintptr_t(l.memFree), C.uintptr_t(c.push),
-		C.uintptr_t(c.pop), C.uintptr_t(c.ctx), C.size_t(size), &r)
+		C.uintptr_t(c.pop), C.uintptr_t(c.exchange), C.uintptr_t(c.ctx), C.size_t(size), &r)
 	return callResult{nccl: Result(r.nccl), push: int(r.push), pop: int(r.pop), ptr: uint64(r.ptr)}
 }
 

@@ -14,5 +14,6 @@ typedef int (*gmp_nccl_free_fn)(void *);                  /* ncclMemFree */
 typedef const char *(*gmp_nccl_errstr_fn)(int);           /* ncclGetErrorString */
 typedef int (*gmp_cu_push_fn)(void *);                    /* cuCtxPushCurrent_v2 */
 typedef int (*gmp_cu_pop_fn)(void **);                    /* cuCtxPopCurrent_v2 */
+typedef int (*gmp_cu_exchange_capture_mode_fn)(int *);    /* cuThreadExchangeStreamCaptureMode */
 
 #endif

@@ -93,6 +93,7 @@ GMP_FUNCS(GMP_CHECK_FUNC)
 // package nccl pushes and pops the device context itself.
 GMP_SAME_SIGNATURE(cuCtxPushCurrent_v2, ours::gmp_cu_push_fn);
 GMP_SAME_SIGNATURE(cuCtxPopCurrent_v2, ours::gmp_cu_pop_fn);
+GMP_SAME_SIGNATURE(cuThreadExchangeStreamCaptureMode, ours::gmp_cu_exchange_capture_mode_fn);
 
 #ifdef GMP_HAVE_NCCL_H
 GMP_SAME_SIGNATURE(ncclGetVersion, ours::gmp_nccl_version_fn);

@@ -88,7 +88,8 @@ typedef struct fake_pool *CUmemoryPool;
     X(cuMemPoolImportFromShareableHandle) X(cuMemPoolExportPointer) X(cuMemPoolImportPointer) \
     X(cuMemGetAllocationGranularity) X(cuMemCreate) X(cuMemRelease) X(cuMemAddressReserve)   \
     X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)                          \
-    X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuDriverGetVersion)
+    X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuDriverGetVersion)      \
+    X(cuThreadExchangeStreamCaptureMode)
 
 #define AS_ENUM(name) F_##name,
 enum { FAKE_FUNCS(AS_ENUM) F_COUNT };
@@ -224,6 +225,27 @@ static __thread struct {
     int depth;
     int stack[MAX_DEPTH];
 } tls;
+
+/* Stream capture: fake_cuda_set_global_capture(1) plays another thread
+ * recording a CUDA graph in the default (global) mode. Like the real driver,
+ * "potentially unsafe" calls (allocations) are then refused unless the
+ * calling thread switched to the relaxed mode
+ * (cuThreadExchangeStreamCaptureMode), and calls that would synchronize or
+ * be captured (frees, event record/query, stream sync) are refused; each
+ * refusal is counted (fake_cuda_capture_violations). */
+static __thread int tls_capture_mode; /* CU_STREAM_CAPTURE_MODE_*, per thread */
+static int global_capture;
+static long capture_violations;
+#define UNSAFE_IN_CAPTURE()                                                        \
+    if (global_capture && tls_capture_mode != CU_STREAM_CAPTURE_MODE_RELAXED) {     \
+        capture_violations++;                                                      \
+        RETURN(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);                             \
+    }
+#define NEVER_IN_CAPTURE()                                                         \
+    if (global_capture) {                                                          \
+        capture_violations++;                                                      \
+        RETURN(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);                             \
+    }
 
 static void read_env(void) {
     const char *s = getenv("FAKE_CUDA_DEVICES");
@@ -413,8 +435,20 @@ static const struct {
     {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS"},
     {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED"},
+    {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN"},
 };
+
+/* Per thread; works before cuInit, like the real one. */
+EXPORT CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
+    ENTER(cuThreadExchangeStreamCaptureMode);
+    if (!mode || *mode < CU_STREAM_CAPTURE_MODE_GLOBAL || *mode > CU_STREAM_CAPTURE_MODE_RELAXED)
+        RETURN(CUDA_ERROR_INVALID_VALUE);
+    int old = tls_capture_mode;
+    tls_capture_mode = *mode;
+    *mode = old;
+    RETURN(CUDA_SUCCESS);
+}
 
 /* Works before cuInit, like the real one. */
 EXPORT CUresult cuDriverGetVersion(int *version) {
@@ -443,6 +477,7 @@ EXPORT CUresult cuGetErrorName(CUresult error, const char **pStr) {
 
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
     ENTER(cuMemAlloc_v2);
+    UNSAFE_IN_CAPTURE();
     NEED_CTX();
     if (!dptr || bytesize == 0) RETURN(CUDA_ERROR_INVALID_VALUE);
     if (dev_used[cur] + bytesize > capacity || bytesize > capacity) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
@@ -457,6 +492,7 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
 
 EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     ENTER(cuMemFree_v2);
+    NEVER_IN_CAPTURE();
     NEED_CTX();
     /* An importer frees a pointer imported from a pool with cuMemFree: that
      * only drops its mapping (in one process the exporter's allocation stays). */
@@ -486,6 +522,7 @@ EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
 
 EXPORT CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int flags) {
     ENTER(cuMemHostAlloc);
+    UNSAFE_IN_CAPTURE();
     NEED_CTX();
     if (!pp || bytesize == 0 || (flags & ~CU_MEMHOSTALLOC_ALL)) RETURN(CUDA_ERROR_INVALID_VALUE);
     void *p = aligned_alloc(HOST_ALIGN, round_up(bytesize, HOST_ALIGN));
@@ -498,6 +535,7 @@ EXPORT CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int flags) {
 
 EXPORT CUresult cuMemFreeHost(void *p) {
     ENTER(cuMemFreeHost);
+    NEVER_IN_CAPTURE();
     NEED_CTX();
     long i = find_alloc((uintptr_t)p);
     if (i < 0 || allocs.v[i].kind != K_HOST) RETURN(CUDA_ERROR_INVALID_VALUE);
@@ -533,6 +571,7 @@ EXPORT CUresult cuEventCreate(CUevent *phEvent, unsigned int flags) {
 
 EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
     ENTER(cuEventRecord);
+    NEVER_IN_CAPTURE();
     NEED_CTX();
     last_stream[F_cuEventRecord] = (uintptr_t)hStream;
     struct fake_event *e = find_event(hEvent);
@@ -547,6 +586,7 @@ EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
 
 EXPORT CUresult cuEventQuery(CUevent hEvent) {
     ENTER(cuEventQuery);
+    NEVER_IN_CAPTURE();
     NEED_CTX();
     struct fake_event *e = find_event(hEvent);
     if (!e || e->dev != cur) RETURN(CUDA_ERROR_INVALID_HANDLE);
@@ -580,6 +620,7 @@ static void pool_trim(struct fake_pool *p, uint64_t keep) {
 
 EXPORT CUresult cuStreamSynchronize(CUstream hStream) {
     ENTER(cuStreamSynchronize);
+    NEVER_IN_CAPTURE();
     NEED_CTX();
     last_stream[F_cuStreamSynchronize] = (uintptr_t)hStream;
     struct fake_stream *s = stream_of(cur, (uintptr_t)hStream);
@@ -866,6 +907,7 @@ EXPORT CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAl
 EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                             unsigned long long flags) {
     ENTER(cuMemCreate);
+    UNSAFE_IN_CAPTURE();
     NEED_CTX();
     if (prop) last_create_prop = *prop;
     if (!handle || size == 0 || size % gran_min || flags) RETURN(CUDA_ERROR_INVALID_VALUE);
@@ -913,6 +955,7 @@ static void handle_unref(struct fake_handle *h) {
 /* The memory goes once every mapping of it is unmapped, as on a GPU. */
 EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     ENTER(cuMemRelease);
+    NEVER_IN_CAPTURE();
     NEED_CTX();
     struct fake_handle *h = find_handle(handle);
     if (!h || h->refs <= 0) RETURN(CUDA_ERROR_INVALID_VALUE);
@@ -932,6 +975,7 @@ static long find_reservation(uintptr_t p, size_t size) {
 EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
                                     unsigned long long flags) {
     ENTER(cuMemAddressReserve);
+    UNSAFE_IN_CAPTURE();
     NEED_CTX();
     if (!ptr || size == 0 || size % gran_min || flags || (alignment & (alignment - 1)))
         RETURN(CUDA_ERROR_INVALID_VALUE);
@@ -963,6 +1007,7 @@ EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignm
 
 EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
     ENTER(cuMemAddressFree);
+    NEVER_IN_CAPTURE();
     NEED_CTX();
     for (size_t i = 0; i < reservations.n; i++) {
         struct fake_reservation r = reservations.v[i];
@@ -980,6 +1025,7 @@ EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
 EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                          unsigned long long flags) {
     ENTER(cuMemMap);
+    UNSAFE_IN_CAPTURE();
     NEED_CTX();
     struct fake_handle *h = find_handle(handle);
     if (!h || (h->handle_types & 0x40000000) || flags || size == 0 || ptr % gran_min || size % gran_min ||
@@ -1006,6 +1052,7 @@ EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGener
 /* The range must consist of whole mappings. */
 EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     ENTER(cuMemUnmap);
+    NEVER_IN_CAPTURE();
     NEED_CTX();
     if (size == 0) RETURN(CUDA_ERROR_INVALID_VALUE);
     size_t covered = 0;
@@ -1036,6 +1083,7 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
  * device may read it and writable when some device may write it. */
 EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
     ENTER(cuMemSetAccess);
+    UNSAFE_IN_CAPTURE();
     NEED_CTX();
     if (!desc || count == 0 || size == 0) RETURN(CUDA_ERROR_INVALID_VALUE);
     for (size_t k = 0; k < count; k++) {
@@ -1343,6 +1391,24 @@ EXPORT long fake_cuda_imported_ptrs(void) {
     return n;
 }
 
+/* Plays (1) or ends (0) a global-mode stream capture by another thread. */
+EXPORT void fake_cuda_set_global_capture(int on) {
+    pthread_mutex_lock(&mu);
+    global_capture = on != 0;
+    pthread_mutex_unlock(&mu);
+}
+
+/* Calls refused because a capture was under way. */
+EXPORT long fake_cuda_capture_violations(void) {
+    pthread_mutex_lock(&mu);
+    long n = capture_violations;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+/* The calling thread's stream-capture mode (checks that it was restored). */
+EXPORT int fake_cuda_capture_mode(void) { return tls_capture_mode; }
+
 EXPORT void fake_cuda_set_manual_events(int on) {
     pthread_mutex_lock(&mu);
     manual_events = on != 0;
@@ -1395,6 +1461,8 @@ EXPORT void fake_cuda_reset(void) {
     streams.n = 0;
     memset(dev_used, 0, sizeof(dev_used));
     memset(calls, 0, sizeof(calls));
+    global_capture = 0;
+    capture_violations = 0;
     memset(inject, 0, sizeof(inject));
     memset(last_stream, 0, sizeof(last_stream));
     memset(&last_create_prop, 0, sizeof(last_create_prop));

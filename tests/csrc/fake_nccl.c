@@ -40,6 +40,11 @@
  *                                FAKE_NCCL_CAPACITY. Live allocations stay
  *                                (they are real memory someone may still free).
  *   fake_ctx_push/fake_ctx_pop   the fake cuCtxPushCurrent/cuCtxPopCurrent.
+ *   fake_ctx_exchange_capture_mode / fake_ctx_capture_mode
+ *                                a fake cuThreadExchangeStreamCaptureMode and
+ *                                the calling thread's mode.
+ *   fake_nccl_last_capture_mode() the capture mode the last ncclMemAlloc ran
+ *                                in (-1: none ran).
  *   fake_ctx_current/depth()     top and depth of the calling thread's stack.
  *   fake_ctx_balance()           pushes minus pops over all threads.
  *   fake_ctx_fail(push, pop)     make every push/pop return these CUresults
@@ -92,6 +97,10 @@ static struct fake_alloc *live;
 #define FAKE_CTX_MAX 16
 static __thread void *ctx_stack[FAKE_CTX_MAX];
 static __thread int ctx_depth;
+/* The fake cuThreadExchangeStreamCaptureMode's per-thread mode, and the mode
+ * the last ncclMemAlloc ran in (-1 before any). */
+static __thread int capture_mode;
+static int last_capture_mode = -1;
 
 static long env_long(const char *name, long def) {
     const char *s = getenv(name);
@@ -112,6 +121,17 @@ static long capacity_locked(void) {
 #endif
 
 void *fake_ctx_current(void) { return ctx_depth > 0 ? ctx_stack[ctx_depth - 1] : NULL; }
+
+/* A cuThreadExchangeStreamCaptureMode stand-in (0 global, 2 relaxed). */
+int fake_ctx_exchange_capture_mode(int *mode) {
+    if (mode == NULL || *mode < 0 || *mode > 2) return FAKE_CUDA_ERROR_INVALID_VALUE;
+    int old = capture_mode;
+    capture_mode = *mode;
+    *mode = old;
+    return 0;
+}
+
+int fake_ctx_capture_mode(void) { return capture_mode; }
 
 int fake_ctx_depth(void) { return ctx_depth; }
 
@@ -183,6 +203,7 @@ ncclResult_t ncclMemAlloc(void **ptr, size_t size) {
     pthread_mutex_lock(&mu);
     calls++;
     last_ctx = ctx;
+    last_capture_mode = capture_mode;
     ncclResult_t ret = ncclSuccess;
     if (fail_code != 0) {
         if (fail_after > 0) fail_after--;
@@ -270,6 +291,13 @@ long fake_nccl_live_bytes(void) {
     return v;
 }
 
+int fake_nccl_last_capture_mode(void) {
+    pthread_mutex_lock(&mu);
+    int v = last_capture_mode;
+    pthread_mutex_unlock(&mu);
+    return v;
+}
+
 void *fake_nccl_last_ctx(void) {
     pthread_mutex_lock(&mu);
     void *v = last_ctx;
@@ -290,6 +318,7 @@ void fake_nccl_reset(void) {
     fail_code = fail_free_code = 0;
     fail_after = 0;
     last_ctx = last_free_ctx = NULL;
+    last_capture_mode = -1;
     ctx_push_fail = ctx_pop_fail = 0;
     ctx_balance = 0;
     capacity = -1;

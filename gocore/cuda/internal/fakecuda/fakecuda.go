@@ -189,6 +189,7 @@ var controls = []string{
 	"fake_cuda_access", "fake_cuda_vmm_objects", "fake_cuda_live_pools", "fake_cuda_set_manual_events",
 	"fake_cuda_complete_stream", "fake_cuda_complete_all", "fake_cuda_last_stream", "fake_cuda_last_mem_create",
 	"fake_cuda_last_pool_create", "fake_cuda_set_granularity", "fake_cuda_imported_ptrs",
+	"fake_cuda_set_global_capture", "fake_cuda_capture_violations", "fake_cuda_capture_mode",
 }
 
 // Open builds the fake (once per process), loads it and resets it.
@@ -331,6 +332,25 @@ func (f *Fake) SetManualEvents(on bool) {
 	}
 	C.fc_v_i(f.fns["fake_cuda_set_manual_events"], C.int(v))
 }
+
+// SetGlobalCapture plays (true) or ends (false) a CUDA graph capture by
+// another thread in the default, global mode: allocations are refused
+// unless the calling thread is in the relaxed capture mode, and frees,
+// event record/query and stream syncs are refused.
+func (f *Fake) SetGlobalCapture(on bool) {
+	v := 0
+	if on {
+		v = 1
+	}
+	C.fc_v_i(f.fns["fake_cuda_set_global_capture"], C.int(v))
+}
+
+// CaptureViolations counts the calls refused because of a capture.
+func (f *Fake) CaptureViolations() int { return int(C.fc_l(f.fns["fake_cuda_capture_violations"])) }
+
+// CaptureMode is the calling OS thread's stream-capture mode
+// (CU_STREAM_CAPTURE_MODE_*; 0, global, unless changed).
+func (f *Fake) CaptureMode() int { return int(C.fc_i(f.fns["fake_cuda_capture_mode"])) }
 
 // CompleteStream completes the work recorded so far on stream.
 func (f *Fake) CompleteStream(stream uint64) {

@@ -169,7 +169,8 @@ var controls = []string{
 	"fake_nccl_fail", "fake_nccl_fail_free", "fake_nccl_calls", "fake_nccl_frees", "fake_nccl_live_bytes",
 	"fake_nccl_last_ctx", "fake_nccl_last_free_ctx", "fake_nccl_reset",
 	"fake_ctx_push", "fake_ctx_pop", "fake_ctx_current", "fake_ctx_depth",
-	"fake_ctx_balance", "fake_ctx_fail",
+	"fake_ctx_balance", "fake_ctx_fail", "fake_ctx_exchange_capture_mode", "fake_ctx_capture_mode",
+	"fake_nccl_last_capture_mode",
 }
 
 // Open loads the fake at path (RTLD_LOCAL, like a library torch pulled in)
@@ -231,6 +232,16 @@ func (f *Fake) PushFunc() uintptr { return f.fns["fake_ctx_push"] }
 
 // PopFunc: see PushFunc.
 func (f *Fake) PopFunc() uintptr { return f.fns["fake_ctx_pop"] }
+
+// ExchangeCaptureModeFunc is the address of the fake
+// cuThreadExchangeStreamCaptureMode (nccl.CaptureModeSource).
+func (f *Fake) ExchangeCaptureModeFunc() uintptr { return f.fns["fake_ctx_exchange_capture_mode"] }
+
+// CaptureMode is the calling OS thread's mode under that fake.
+func (f *Fake) CaptureMode() int { return int(C.call_i(f.fn("fake_ctx_capture_mode"))) }
+
+// LastCaptureMode is the mode the last ncclMemAlloc ran in (-1: none ran).
+func (f *Fake) LastCaptureMode() int { return int(C.call_i(f.fn("fake_nccl_last_capture_mode"))) }
 
 // Push pushes ctx on the calling OS thread's fake context stack (lock the
 // goroutine to its thread around Push, the code under test and Pop).

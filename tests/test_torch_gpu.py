@@ -408,6 +408,45 @@ def test_full_replacement_cuda_graph_keeps_its_memory_private() -> None:
     assert out["pools_after_release"] == []
 
 
+def test_full_replacement_torch_mempool_is_private() -> None:
+    """torch.cuda.use_mem_pool under full replacement: torch tells the
+    pluggable allocator (begin/end allocate-to-pool), and the MemPool's
+    blocks come from a private pool nobody else gets."""
+    out = run_script(
+        """
+        import gc, json, torch, gpumempool as gmp
+        pool = gmp.MemPool("cuda")
+        hooks = gmp.set_torch_allocator(pool)
+        res = {"hooks": list(hooks)}
+        try:
+            mp = torch.cuda.MemPool()
+        except Exception as exc:  # this torch's pluggable allocator has no pools
+            res["unsupported"] = repr(exc)
+            print(json.dumps(res))
+            raise SystemExit(0)
+        with torch.cuda.use_mem_pool(mp):
+            x = torch.empty(1 << 20, device="cuda")
+        res["private_during"] = [p["live_blocks"] for p in pool.graph_pools()]
+        x_ptr = x.data_ptr()
+        del x
+        y = torch.empty(1 << 20, device="cuda")  # outside the MemPool: never x's block
+        res["y_differs"] = y.data_ptr() != x_ptr
+        del mp
+        gc.collect()
+        torch.cuda.synchronize()
+        res["private_after"] = pool.graph_pools()
+        res["hook_errors"] = gmp.torch.hook_errors()
+        print(json.dumps(res))
+        """
+    )
+    print("\n", out)
+    if "unsupported" in out or "begin_allocate_to_pool" not in out["hooks"]:
+        pytest.skip(f"torch.cuda.MemPool under a pluggable allocator: {out.get('unsupported', 'no hooks')}")
+    assert out["private_during"] == [1]
+    assert out["y_differs"]
+    assert out["private_after"] == [] and out["hook_errors"] == []
+
+
 def test_full_replacement_shares_tensors_across_processes(tmp_path: Path) -> None:
     """torch.multiprocessing sends a CUDA tensor as an IPC handle of its
     allocation plus an offset (getBaseAllocation -> gmp_base_alloc): the

@@ -11,6 +11,10 @@
 // callers may also use gmp_pool_alloc / gmp_pool_free with a pool handle, and
 // gmp_last_error to read why a call returned NULL or -1.
 //
+// Besides: torch's optional hooks per slot (hooks.go), the CUDA-graph hooks
+// and their private pools (graphs.go, zz_torch.cpp), the C++ throwing alloc
+// (zz_torch.cpp), and the Python API's fast path (pyfast.go).
+//
 // Every entry point recovers Go panics: a panic becomes a NULL return (or -1)
 // and an error message kept for Python, never a crash of the host process.
 package cabi

@@ -1108,7 +1108,7 @@ def set_torch_allocator(pool: MemPool) -> tuple[str, ...]:
     (``empty_cache`` -> ``pool.empty_cache()``, ``record_stream`` ->
     ``pool.record_stream``, ``set_per_process_memory_fraction(f, device)``
     -> ``pool.set_limit(f * device total, device)``, init, ``base_alloc``
-    (the segment of a tensor shared with another process), and the CUDA
+    (the segment holding a tensor's block), and the CUDA
     graph ones, ``begin_allocate_to_pool`` / ``end_allocate_to_pool`` /
     ``release_pool``, which give each captured graph a private pool: see
     ``pool.graph_pools()``) and returns the names of the hooks wired. Like alloc and free, the hooks are C functions

@@ -111,10 +111,13 @@ func slotRecordStream(slot int, ptr, stream C.uintptr_t) {
 }
 
 // slotBaseAlloc is torch's getBaseAllocation: the segment (the backend's
-// allocation) holding the block at ptr, and its size. Torch shares a CUDA
-// tensor with another process (torch.multiprocessing) as an IPC handle of
-// that base plus an offset; without this hook it would take the block for
-// the base, and the other process would read the segment's first bytes.
+// allocation) holding the block at ptr, and its size. Without the hook
+// torch takes the block itself for the base of its allocation, which is
+// wrong for any block but a segment's first: torch versions whose CUDA
+// tensor sharing (torch.multiprocessing) was built on getBaseAllocation
+// would have sent the segment's first bytes. (Recent torch shares through
+// shareIpcHandle, which a pluggable allocator cannot provide: sharing CUDA
+// tensors between processes fails there with torch's own error.)
 // NULL (and the pool's last error) when ptr is not a live block.
 func slotBaseAlloc(slot int, ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	var base uint64

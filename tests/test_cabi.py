@@ -419,10 +419,13 @@ def test_graph_hooks_survive_bad_calls_and_close(cxx_caller) -> None:
 
 
 def test_graph_hook_types_match_torch_headers(tmp_path) -> None:
-    """The C++ hooks of zz_torch.cpp have the function types torch casts
-    their addresses to (Module.cpp's set_begin_allocate_to_pool & co.),
-    with torch's own c10::MempoolId_t: compiled against the headers of the
-    installed torch."""
+    """The C++ hooks of zz_torch.cpp have exactly the function types of the
+    installed torch's CUDAPluggableAllocator setters (the std::function
+    arguments of set_begin_allocate_to_pool & co. in its header, which its
+    Python binding casts our addresses to), with torch's MempoolId_t. The
+    types are read from the headers and compiled next to our declarations
+    (torch's own headers would need CUDA's)."""
+    import re
     import shutil
     import subprocess
     from pathlib import Path
@@ -431,24 +434,49 @@ def test_graph_hook_types_match_torch_headers(tmp_path) -> None:
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         pytest.fail("no C++ compiler")
+    include = [Path(p) for p in cpp_extension.include_paths()]
+    header = next((d / "torch/csrc/cuda/CUDAPluggableAllocator.h" for d in include
+                   if (d / "torch/csrc/cuda/CUDAPluggableAllocator.h").is_file()), None)
+    if header is None:
+        pytest.skip("this torch ships no CUDAPluggableAllocator.h")
+    text = header.read_text()
+
+    def function_type(setter: str) -> str:
+        """The template argument of the std::function the setter takes."""
+        at = text.index("std::function<", text.index(f"void {setter}(")) + len("std::function<")
+        depth, k = 1, at
+        while depth:
+            depth += {"<": 1, ">": -1}.get(text[k], 0)
+            k += 1
+        return " ".join(text[at:k - 1].split())
+
+    types = {s: function_type(s) for s in ("set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn",
+                                           "set_release_pool")}
+    # MempoolId_t as torch defines it (c10/core/Allocator.h, or c10/cuda/CUDAGraphsC10Utils.h before 2.8).
+    defs = "".join(p.read_text() for d in include for p in (d / "c10").rglob("*.h")
+                   if "MempoolId_t" in p.read_text(errors="ignore"))
+    assert re.search(r"using CaptureId_t = unsigned long long;", defs)
+    assert re.search(r"using MempoolId_t = std::pair<CaptureId_t, CaptureId_t>;", defs)
     generated = Path(__file__).resolve().parents[1] / "bindings" / "cabi" / "zz_torch.cpp"
     check = tmp_path / "check.cpp"
     check.write_text(f"""
-#include <c10/core/Allocator.h>
 #include <functional>
 #include <type_traits>
+#include <utility>
 typedef struct CUstream_st* cudaStream_t;
+namespace c10 {{
+using CaptureId_t = unsigned long long;
+using MempoolId_t = std::pair<CaptureId_t, CaptureId_t>;
+namespace cuda {{ using c10::MempoolId_t; }}
+}}
 #include "{generated}"
-using begin_t = void(int, c10::MempoolId_t, std::function<bool(cudaStream_t)>);
-using end_t = void(int, c10::MempoolId_t);
-static_assert(std::is_same_v<decltype(gmp_begin_allocate_to_pool_0), begin_t>, "begin");
-static_assert(std::is_same_v<decltype(gmp_end_allocate_to_pool_0), end_t>, "end");
-static_assert(std::is_same_v<decltype(gmp_release_pool_0), end_t>, "release");
+static_assert(std::is_same_v<decltype(gmp_begin_allocate_to_pool_0), {types["set_begin_allocate_to_pool"]}>, "begin");
+static_assert(std::is_same_v<decltype(gmp_end_allocate_to_pool_0), {types["set_end_allocate_to_pool_fn"]}>, "end");
+static_assert(std::is_same_v<decltype(gmp_release_pool_0), {types["set_release_pool"]}>, "release");
 static_assert(std::is_same_v<decltype(gmp_alloc_or_throw_0), void*(std::size_t, int, void*)>, "alloc");
 """)
-    args = [cxx, "-std=c++17", "-fsyntax-only", *(f"-I{p}" for p in cpp_extension.include_paths()), str(check)]
-    r = subprocess.run(args, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", str(check)], capture_output=True, text=True)
+    assert r.returncode == 0, (types, r.stderr[-3000:])
 
 
 def test_cuda_special_streams_cross_the_c_abi() -> None:

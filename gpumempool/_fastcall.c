@@ -50,19 +50,29 @@ static PyObject *fast_bind(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static int not_bound(void) {
-    if (py_alloc != NULL) return 0;
-    PyErr_SetString(PyExc_RuntimeError, "RuntimeError: gpumempool._fastcall.bind() was not called");
-    return 1;
+/* 0 when a call may go ahead: the right number of arguments, and bind()
+ * done; else an exception is set. */
+static int cannot_call(Py_ssize_t nargs, Py_ssize_t want, const char *usage) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", usage, want, nargs);
+        return 1;
+    }
+    if (py_alloc == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "RuntimeError: gpumempool._fastcall.bind() was not called");
+        return 1;
+    }
+    return 0;
+}
+
+/* Raises the "Kind: message" Go wrote into buf (or fallback) and returns NULL. */
+static PyObject *failed(const char *buf, const char *fallback) {
+    PyErr_SetString(PyExc_RuntimeError, buf[0] ? buf : fallback);
+    return NULL;
 }
 
 /* alloc(handle, size, device, stream) -> address */
 static PyObject *fast_alloc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "alloc(handle, size, device, stream) takes 4 arguments");
-        return NULL;
-    }
-    if (not_bound()) return NULL;
+    if (cannot_call(nargs, 4, "alloc(handle, size, device, stream)")) return NULL;
     long long handle = PyLong_AsLongLong(args[0]);
     unsigned long long size = PyLong_AsUnsignedLongLong(args[1]);
     long device = PyLong_AsLong(args[2]);
@@ -75,29 +85,19 @@ static PyObject *fast_alloc(PyObject *self, PyObject *const *args, Py_ssize_t na
     char buf[1024];
     buf[0] = 0;
     uintptr_t p = py_alloc((int64_t)handle, (uint64_t)size, (int)device, (uintptr_t)stream, buf, sizeof buf);
-    if (p == 0) {
-        PyErr_SetString(PyExc_RuntimeError, buf[0] ? buf : "RuntimeError: allocation failed");
-        return NULL;
-    }
+    if (p == 0) return failed(buf, "RuntimeError: allocation failed");
     return PyLong_FromUnsignedLongLong((unsigned long long)p);
 }
 
 /* free(handle, address) -> None */
 static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "free(handle, address) takes 2 arguments");
-        return NULL;
-    }
-    if (not_bound()) return NULL;
+    if (cannot_call(nargs, 2, "free(handle, address)")) return NULL;
     long long handle = PyLong_AsLongLong(args[0]);
     unsigned long long ptr = PyLong_AsUnsignedLongLong(args[1]);
     if (PyErr_Occurred()) return NULL;
     char buf[1024];
     buf[0] = 0;
-    if (py_free((int64_t)handle, (uintptr_t)ptr, buf, sizeof buf) != 0) {
-        PyErr_SetString(PyExc_RuntimeError, buf[0] ? buf : "RuntimeError: free failed");
-        return NULL;
-    }
+    if (py_free((int64_t)handle, (uintptr_t)ptr, buf, sizeof buf) != 0) return failed(buf, "RuntimeError: free failed");
     Py_RETURN_NONE;
 }
 

@@ -3,7 +3,7 @@ package cabi
 /*
 #include <stdint.h>
 
-// filter.cpp: call and delete torch's std::function<bool(cudaStream_t)>.
+// torch_glue.cpp: call and delete torch's std::function<bool(cudaStream_t)>.
 int gmp_filter_accepts(void *filter, uintptr_t stream);
 void gmp_filter_delete(void *filter);
 */
@@ -33,7 +33,8 @@ import (
 // shared cache, tensors allocated later would be overwritten by every
 // replay. Torch's own caching allocator keeps such pools; a pluggable
 // allocator must do it itself, through the three hooks below (C++ wrappers
-// in zz_torch.cpp, because torch passes the filter as a std::function).
+// in zz_torch.cpp and torch_glue.cpp, because torch passes the filter as a
+// std::function).
 //
 // Each private pool is a gocore.Pool of its own over the slot pool's backend
 // and configuration: its segments are never shared with the slot pool, and
@@ -56,7 +57,7 @@ type streamFilter interface {
 }
 
 // cppFilter is torch's filter: a heap copy of its std::function, owned
-// (filter.cpp).
+// (torch_glue.cpp).
 type cppFilter struct{ p unsafe.Pointer }
 
 func (f cppFilter) accepts(stream uintptr) bool {

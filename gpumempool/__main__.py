@@ -53,6 +53,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(f"torch:    {t['version']} ({cuda}, GPU {'visible' if t['cuda_available'] else 'not visible'})")
         print(f"  mempool: {t['mempool']}")
         print(f"  full replacement: {'yes' if t['pluggable'] else 'no'}; NCCL registration: {t['nccl_registration']}")
+        if t["pluggable"]:
+            hooks = t["capabilities"].get("pluggable_hooks") or ()
+            graphs = "private pools" if "begin_allocate_to_pool" in hooks else "not isolated (no hooks in this torch)"
+            print(f"  full-replacement hooks: {', '.join(hooks) or 'none found'}; CUDA graphs: {graphs}")
     return 0
 
 

@@ -244,6 +244,8 @@ class TorchCapabilities:
     pluggable: bool
     #: ProcessGroupNCCL.register_mem_pool registers segments added later (>= 2.8, by version)
     nccl_registers_new_segments: bool
+    #: hooks the pluggable allocator takes besides alloc/free (its set_* methods, "set_" and "_fn" cut)
+    pluggable_hooks: tuple[str, ...] = ()
 
 
 def _mem_pool_class(torch: Any) -> Any:
@@ -310,6 +312,10 @@ def _detect(torch: Any) -> TorchCapabilities:
         pool_snapshot=cls is not None and hasattr(cls, "snapshot"),
         pluggable=hasattr(memory, "CUDAPluggableAllocator") and hasattr(memory, "change_current_allocator"),
         nccl_registers_new_segments=_version_tuple(version) >= (2, 8),
+        pluggable_hooks=tuple(
+            sorted(n[len("set_"):].removesuffix("_fn") for n in dir(getattr(C, "_CUDAPluggableAllocator", None))
+                   if n.startswith("set_"))
+        ) if hasattr(C, "_CUDAPluggableAllocator") else (),
     )
 
 

@@ -41,6 +41,11 @@ def test_info_reports_what_the_torch_integration_will_do(monkeypatch) -> None:
         t = cli._torch_info()
         assert t["version"] == f"{variant}.0+fake" and routing in t["mempool"]
         assert t["pluggable"] is True and t["capabilities"]["mem_pool"] is True
+        # The fake's raw pluggable allocator has the four classic hooks, not torch's graph ones.
+        assert set(t["capabilities"]["pluggable_hooks"]) == {"init", "reset", "memory_fraction", "record_stream"}
+    out = run_cli("info").stdout
+    if "torch:    not installed" not in out and "does not import" not in out:
+        assert "full-replacement hooks:" in out and "CUDA graphs:" in out
 
 
 def test_demo_prints_a_summary() -> None:

@@ -332,6 +332,7 @@ def make_torch(variant: str = "2.11", *, use_mem_pool: bool = True, mem_pool: bo
         C._cuda_endAllocateCurrentStreamToPool = world.end
     C._cuda_beginAllocateToPool = lambda d, pid: world.begin(d, pid, lambda tid: True)
     C._cuda_releasePool = world.release
+    C._CUDAPluggableAllocator = FakeRawPluggable
     torch._C = C
 
     class CUDAPluggableAllocator:

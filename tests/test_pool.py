@@ -204,7 +204,8 @@ def test_close_reports_live_blocks_and_returns_segments() -> None:
     assert rep.segments_freed == 1 and rep.bytes_freed == 2 * MiB
     assert pool.closed
     assert pool.close() is rep  # idempotent
-    for call in (lambda: pool.alloc(1), lambda: pool.free(a), lambda: pool.stats(), lambda: pool.empty_cache()):
+    for call in (lambda: pool.alloc(1), lambda: pool.free(a), lambda: pool.stats(), lambda: pool.empty_cache(),
+                 lambda: pool.graph_pools(), lambda: pool.pluggable_hooks()):
         with pytest.raises(gmp.PoolClosedError):
             call()
 

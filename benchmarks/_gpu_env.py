@@ -1,11 +1,13 @@
 """What the GPU benchmark scripts share (record_traces.py, suite_gpu.py and
 gpt2_train.py import it from their own folder): the checks made before they
-start, and the options of the small GPT-2 they train."""
+start, the options of the small GPT-2 they train, and the timed
+allocation loop."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+import time
+from typing import Any, Callable, Optional
 
 
 def add_model_args(ap: argparse.ArgumentParser, *, batch: int, embd: int, heads: int, what: str = "GPT-2") -> None:
@@ -18,6 +20,44 @@ def add_model_args(ap: argparse.ArgumentParser, *, batch: int, embd: int, heads:
     ap.add_argument("--layers", type=int, default=6, help="transformer layers (default 6)")
     ap.add_argument("--heads", type=int, default=heads, help=f"attention heads (default {heads})")
     ap.add_argument("--seed", type=int, default=1234, help="random seed (default 1234)")
+
+
+def allocator_backend(torch: Any) -> str:
+    """torch's allocator backend ("native", "cudaMallocAsync", ...) or
+    "unknown" where this torch cannot say."""
+    for fn in (getattr(torch.cuda, "get_allocator_backend", None),
+               getattr(getattr(torch.cuda, "memory", None), "get_allocator_backend", None)):
+        if fn is not None:
+            try:
+                return str(fn())
+            except Exception:  # noqa: BLE001
+                pass
+    return "unknown"
+
+
+def time_alloc_loop(make: Callable[[int], Any], sizes: list[int], sync: Callable[[], Any]) -> dict[str, float]:
+    """ns per allocation + free of make(n) over sizes, best of 3 passes (the
+    first warms the caches): "empty_del" frees each at once, "window32"
+    keeps the last 32 alive. sync() waits for the device around each pass."""
+    res = {}
+    for variant, window in (("empty_del", 0), ("window32", 32)):
+        best = float("inf")
+        for _ in range(3):
+            live: list[Any] = []
+            sync()
+            t0 = time.perf_counter()
+            for n in sizes:
+                t = make(n)
+                if window:
+                    live.append(t)
+                    if len(live) > window:
+                        live.pop(0)
+                del t
+            live.clear()
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        res[f"{variant}_ns_per_op"] = best / len(sizes) * 1e9
+    return res
 
 
 def gpu_problem(need_transformers: bool = False) -> Optional[str]:

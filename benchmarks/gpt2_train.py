@@ -219,23 +219,9 @@ def worker_loop(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(2 ** rng.uniform(9, 24)) for _ in range(args.loop_ops)]
     dev = torch.device("cuda", 0)
     res: dict[str, Any] = {"mode": mode, "ops": len(sizes)}
-    for variant, window in (("empty_del", 0), ("window32", 32)):
-        best = float("inf")
-        for _ in range(3):  # the first pass warms the caches
-            live: list[Any] = []
-            torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            for n in sizes:
-                t = torch.empty(n, dtype=torch.uint8, device=dev)
-                if window:
-                    live.append(t)
-                    if len(live) > window:
-                        live.pop(0)
-                del t
-            live.clear()
-            torch.cuda.synchronize(dev)
-            best = min(best, time.perf_counter() - t0)
-        res[f"{variant}_ns_per_op"] = best / len(sizes) * 1e9
+    res.update(_gpu_env.time_alloc_loop(lambda n: torch.empty(n, dtype=torch.uint8, device=dev), sizes,
+                                        lambda: torch.cuda.synchronize(dev)))
+    for variant in ("empty_del", "window32"):
         say(f"  [{mode}] {variant}: {res[f'{variant}_ns_per_op']:.0f} ns per torch.empty + del")
     if pool is not None:
         res["pool_stats"] = {k: v for k, v in gmp.torch_memory_stats(0).items() if k.endswith(".all.peak") or k.startswith("num_")}

@@ -212,7 +212,7 @@ def worker(name: str, args: argparse.Namespace, out_json: Path) -> None:
         "torch_num_alloc_retries": int(stats.get("num_alloc_retries", 0)),
         "torch_num_device_alloc": int(stats.get("num_device_alloc", 0)),
         "torch_num_device_free": int(stats.get("num_device_free", 0)),
-        "allocator_backend": _allocator_backend(torch),
+        "allocator_backend": _gpu_env.allocator_backend(torch),
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or "",
         "device": props.name,
         "device_total_bytes": int(props.total_memory),
@@ -227,17 +227,6 @@ def worker(name: str, args: argparse.Namespace, out_json: Path) -> None:
     except Exception:  # noqa: BLE001
         pass
     out_json.write_text(json.dumps(res))
-
-
-def _allocator_backend(torch: Any) -> str:
-    for fn in (getattr(torch.cuda, "get_allocator_backend", None),
-               getattr(getattr(torch.cuda, "memory", None), "get_allocator_backend", None)):
-        if fn is not None:
-            try:
-                return str(fn())
-            except Exception:  # noqa: BLE001
-                pass
-    return "unknown"
 
 
 # ---------------------------------------------------------------------------

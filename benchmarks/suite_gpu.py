@@ -49,7 +49,6 @@ import argparse
 import datetime
 import importlib.util
 import json
-import math
 import os
 import random
 import re
@@ -111,7 +110,7 @@ class Env:
             self.pool = gmp.MemPool(args.backend, device=0, name="suite-context")
         self.dev = torch.device("cuda", 0)
         self.baseline_free = int(torch.cuda.mem_get_info(0)[0])
-        self.allocator_backend = _allocator_backend(torch)
+        self.allocator_backend = _gpu_env.allocator_backend(torch)
 
     def context(self) -> Any:
         import contextlib
@@ -163,17 +162,6 @@ class Env:
         return d
 
 
-def _allocator_backend(torch: Any) -> str:
-    for fn in (getattr(torch.cuda, "get_allocator_backend", None),
-               getattr(getattr(torch.cuda, "memory", None), "get_allocator_backend", None)):
-        if fn is not None:
-            try:
-                return str(fn())
-            except Exception:  # noqa: BLE001
-                pass
-    return "unknown"
-
-
 def loop_sizes(args: argparse.Namespace) -> list[int]:
     rng = random.Random(args.seed)
     return [int(2 ** rng.uniform(9, 26)) for _ in range(args.loop_ops)]
@@ -199,23 +187,8 @@ def worker_loop(env: Env, args: argparse.Namespace) -> dict[str, Any]:
         reserved_now = None  # type: ignore[assignment]
     res: dict[str, Any] = {**env.describe(), "workload": "loop", "ops": len(sizes)}
     with env.context():
-        for variant, window in (("empty_del", 0), ("window32", 32)):
-            best = math.inf
-            for _ in range(3):  # the first pass warms the caches
-                live: list[Any] = []
-                env.sync()
-                t0 = time.perf_counter()
-                for n in sizes:
-                    t = make(n)
-                    if window:
-                        live.append(t)
-                        if len(live) > window:
-                            live.pop(0)
-                    del t
-                live.clear()
-                env.sync()
-                best = min(best, time.perf_counter() - t0)
-            res[f"{variant}_ns_per_op"] = best / len(sizes) * 1e9
+        res.update(_gpu_env.time_alloc_loop(make, sizes, env.sync))
+        for variant in ("empty_del", "window32"):
             say(f"  [{env.config}] {variant}: {res[f'{variant}_ns_per_op']:.0f} ns per allocation + free")
         # untimed: device memory in use (and CuPy's pool size) after every allocation
         min_free = env.free_bytes()

@@ -23,6 +23,17 @@ def _has_gpu() -> bool:
         return False
 
 
+def nccl_ok() -> bool:
+    """Whether an nccl pool can be made here (a libnccl >= 2.19 is found)."""
+    import gpumempool as gmp
+
+    try:
+        gmp.MemPool("nccl").close()
+        return True
+    except gmp.GpuMemPoolError:
+        return False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _has_gpu():
         return

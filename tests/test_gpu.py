@@ -11,19 +11,12 @@ import sys
 import pytest
 
 import gpumempool as gmp
+from conftest import nccl_ok
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 
 cp = pytest.importorskip("cupy") if gmp.devices() else None
-
-
-def nccl_ok() -> bool:
-    try:
-        gmp.MemPool("nccl").close()
-        return True
-    except gmp.GpuMemPoolError:
-        return False
 
 
 DEVICE_BACKENDS = ["cuda", "async", "vmm", "nccl"]

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import pytest
 
 import gpumempool as gmp
+from conftest import nccl_ok
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -36,14 +37,6 @@ torch: Any = pytest.importorskip("torch") if gmp.devices() else None
 
 def backends_here() -> list[str]:
     return [b for b in ("cuda", "vmm", "nccl", "async") if b in gmp.backends()]
-
-
-def nccl_ok() -> bool:
-    try:
-        gmp.MemPool("nccl").close()
-        return True
-    except gmp.GpuMemPoolError:
-        return False
 
 
 _blas_warm = False

@@ -28,10 +28,15 @@ func (p *Pool) releaseSegmentLocked(d *deviceState, s *segment) error {
 	return nil
 }
 
+// holdingSegmentsLocked reports whether no segment may go back now: the pool
+// keeps its segments (Config.KeepSegments), or a capture is under way
+// (EnterCapture). Close releases them regardless.
+func (p *Pool) holdingSegmentsLocked() bool { return p.cfg.KeepSegments || p.captures > 0 }
+
 // trimLocked releases whole free segments, largest first, until the device's
 // unused reserved bytes are at most keep. It returns the bytes released.
 func (p *Pool) trimLocked(d *deviceState, keep uint64) (uint64, error) {
-	if p.cfg.KeepSegments || p.captures > 0 {
+	if p.holdingSegmentsLocked() {
 		return 0, nil
 	}
 	var released uint64
@@ -66,7 +71,7 @@ func (p *Pool) releaseCachedLocked(d *deviceState, keep uint64) (uint64, error) 
 // more goes. A failed release leaves the segment cached.
 func (p *Pool) collectGarbageLocked(d *deviceState) {
 	limit := p.limitLocked(d.id)
-	if limit == 0 || p.cfg.KeepSegments || p.captures > 0 {
+	if limit == 0 || p.holdingSegmentsLocked() {
 		return
 	}
 	threshold := uint64(p.cfg.GarbageCollectionThreshold * float64(limit))

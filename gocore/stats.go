@@ -52,20 +52,30 @@ type Stats struct {
 	MaxSplitSize    int64 // the pool's option, -1 when unlimited
 }
 
+// statArrays lists the StatArrays of s, in a fixed order.
+func (s *Stats) statArrays() [9]*StatArray {
+	return [...]*StatArray{&s.Allocation, &s.Segment, &s.Active, &s.InactiveSplit,
+		&s.AllocatedBytes, &s.ReservedBytes, &s.ActiveBytes, &s.InactiveSplitBytes, &s.RequestedBytes}
+}
+
+// singleStats lists the Stats of s that are not in a StatArray.
+func (s *Stats) singleStats() [2]*Stat {
+	return [...]*Stat{&s.OversizeAllocations, &s.OversizeSegments}
+}
+
 // Merge adds o into s. Peaks are summed, which bounds the peak of the sum:
 // per-device peaks need not have happened at the same moment.
 func (s *Stats) Merge(o *Stats) {
-	arrays := [...]*StatArray{&s.Allocation, &s.Segment, &s.Active, &s.InactiveSplit,
-		&s.AllocatedBytes, &s.ReservedBytes, &s.ActiveBytes, &s.InactiveSplitBytes, &s.RequestedBytes}
-	others := [...]*StatArray{&o.Allocation, &o.Segment, &o.Active, &o.InactiveSplit,
-		&o.AllocatedBytes, &o.ReservedBytes, &o.ActiveBytes, &o.InactiveSplitBytes, &o.RequestedBytes}
-	for i, a := range arrays {
+	others := o.statArrays()
+	for i, a := range s.statArrays() {
 		for k := range a {
 			mergeStat(&a[k], &others[i][k])
 		}
 	}
-	mergeStat(&s.OversizeAllocations, &o.OversizeAllocations)
-	mergeStat(&s.OversizeSegments, &o.OversizeSegments)
+	otherSingles := o.singleStats()
+	for i, st := range s.singleStats() {
+		mergeStat(st, otherSingles[i])
+	}
 	s.NumAllocRetries += o.NumAllocRetries
 	s.NumOOMs += o.NumOOMs
 	s.NumGCReleases += o.NumGCReleases
@@ -84,16 +94,17 @@ func (s *Stats) Merge(o *Stats) {
 // their counters monotonic this way.
 func (s Stats) Retired() Stats {
 	s.NumDeviceFree += s.Segment[0].Current
-	for _, a := range [...]*StatArray{&s.Allocation, &s.Segment, &s.Active, &s.InactiveSplit,
-		&s.AllocatedBytes, &s.ReservedBytes, &s.ActiveBytes, &s.InactiveSplitBytes, &s.RequestedBytes} {
-		for k := range a {
-			a[k].Freed += a[k].Current
-			a[k].Current = 0
-		}
-	}
-	for _, st := range [...]*Stat{&s.OversizeAllocations, &s.OversizeSegments} {
+	retire := func(st *Stat) {
 		st.Freed += st.Current
 		st.Current = 0
+	}
+	for _, a := range s.statArrays() {
+		for k := range a {
+			retire(&a[k])
+		}
+	}
+	for _, st := range s.singleStats() {
+		retire(st)
 	}
 	return s
 }

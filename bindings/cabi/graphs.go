@@ -240,7 +240,8 @@ func privateFree(e *registry.Entry, addr uint64) (ok bool, err error) {
 	return true, nil
 }
 
-// closeLocked returns a private pool's segments to the backend.
+// closeLocked returns the segments of a released private pool that holds
+// no block any more to the backend, keeping its counters.
 func (g *graphState) closeLocked(pp *privatePool) error {
 	delete(g.pools, poolKey{pp.device, pp.id})
 	if st, err := pp.pool.Stats(pp.device); err == nil {
@@ -249,14 +250,7 @@ func (g *graphState) closeLocked(pp *privatePool) error {
 		r.Merge(&rs)
 		g.retired[pp.device] = r
 	}
-	rep, err := pp.pool.Close()
-	for _, b := range rep.LiveBlocks {
-		if cur, ok := g.owner.Load(b.Addr); ok && cur == pp {
-			g.owner.Delete(b.Addr)
-			privateBlocks.Add(-1)
-		}
-	}
-	if err != nil {
+	if _, err := pp.pool.Close(); err != nil {
 		return fmt.Errorf("close private pool (%d, %d): %w", pp.id[0], pp.id[1], err)
 	}
 	return nil

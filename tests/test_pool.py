@@ -308,6 +308,12 @@ def test_alloc_and_free_take_the_fast_path() -> None:
             _fastcall.alloc(p.handle, 100, 9, 0)
         with pytest.raises(gmp.InvalidPointerError):  # what MemPool raises (the OOM retry released the segment)
             p.free(a)
+        from gpumempool import _native
+
+        _native.bindings.DebugPanicNext(handle)
+        with pytest.raises(RuntimeError, match=r"^RuntimeError: Go panic recovered: injected"):
+            _fastcall.alloc(handle, 100, 0, 0)
+        p.free(p.alloc(100))  # the pool carries on
     with pytest.raises(RuntimeError, match=r"^PoolClosedError: "):
         _fastcall.alloc(handle, 100, 0, 0)  # the handle of a closed pool
     with pytest.raises(TypeError):

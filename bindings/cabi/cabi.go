@@ -44,28 +44,33 @@ import (
 // in the same registers on every platform we build for, so C callers
 // declaring void* are unaffected.
 
-// guarded runs fn for the pool of e at the C boundary: an error or a Go
-// panic (injected with PanicNext, or real) becomes the pool's last error and
-// false, so that nothing unwinds into the C caller.
-func guarded(e *registry.Entry, where string, fn func() error) (ok bool) {
+// recovered runs fn and turns a Go panic in it (real, or injected with
+// e.PanicNext) into an error, so that nothing unwinds into a C caller.
+func recovered(e *registry.Entry, fn func() error) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			e.SetError(fmt.Sprintf("%s: Go panic recovered: %v", where, r))
-			ok = false
+			err = fmt.Errorf("Go panic recovered: %v", r)
 		}
 	}()
 	if e.PanicNext.Swap(false) {
 		panic("injected by PanicNext")
 	}
-	if err := fn(); err != nil {
-		if errors.Is(err, gocore.ErrOutOfMemory) {
-			e.SetOutOfMemory(where + ": " + err.Error())
-		} else {
-			e.SetError(where + ": " + err.Error())
-		}
-		return false
+	return fn()
+}
+
+// guarded runs fn for the pool of e at the C boundary: an error or a Go
+// panic becomes the pool's last error and false.
+func guarded(e *registry.Entry, where string, fn func() error) bool {
+	err := recovered(e, fn)
+	switch {
+	case err == nil:
+		return true
+	case errors.Is(err, gocore.ErrOutOfMemory):
+		e.SetOutOfMemory(where + ": " + err.Error())
+	default:
+		e.SetError(where + ": " + err.Error())
 	}
-	return true
+	return false
 }
 
 // AllocFor serves an allocation of the pool of e, as every entry point does

@@ -6,11 +6,7 @@ package cabi
 */
 import "C"
 
-import (
-	"fmt"
-
-	"github.com/gpumempool/gpumempool/bindings/registry"
-)
+import "github.com/gpumempool/gpumempool/bindings/registry"
 
 // The Python API's hot path. MemPool.alloc / free call these through a small
 // C extension (gpumempool/_fastcall.c) instead of gopy's generated wrappers:
@@ -26,24 +22,14 @@ func pyFailure(err error, buf *C.char, n C.size_t) {
 	copyCString(registry.Kind(err)+": "+err.Error(), buf, n)
 }
 
-// pyCall runs fn for pool handle, recovering a panic, and reports a
-// failure through buf; it returns whether fn succeeded.
-func pyCall(handle C.int64_t, buf *C.char, n C.size_t, fn func(e *registry.Entry) error) (ok bool) {
-	defer func() {
-		if r := recover(); r != nil {
-			copyCString(fmt.Sprintf("RuntimeError: gpumempool internal error (Go panic recovered): %v", r), buf, n)
-			ok = false
-		}
-	}()
+// pyCall runs fn for pool handle, a panic recovered (see recovered), and
+// reports a failure through buf; it returns whether fn succeeded.
+func pyCall(handle C.int64_t, buf *C.char, n C.size_t, fn func(e *registry.Entry) error) bool {
 	e, err := registry.Get(int64(handle))
+	if err == nil {
+		err = recovered(e, func() error { return fn(e) })
+	}
 	if err != nil {
-		pyFailure(err, buf, n)
-		return false
-	}
-	if e.PanicNext.Swap(false) {
-		panic("injected by PanicNext")
-	}
-	if err := fn(e); err != nil {
 		pyFailure(err, buf, n)
 		return false
 	}

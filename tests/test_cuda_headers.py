@@ -38,32 +38,27 @@ def _dirs_from_env(name: str) -> list[Path]:
     return [Path(p) for p in os.environ.get(name, "").split(os.pathsep) if p]
 
 
-def _installed(header: str, patterns: tuple[str, ...]) -> list[Path]:
-    found: list[Path] = []
-    for entry in sys.path:
-        base = Path(entry or ".")
-        for pattern in patterns:
-            found.extend(p.parent for p in base.glob(pattern))
-    return found
+def _installed(pattern: str) -> list[Path]:
+    """Directories of the files matching pattern below an entry of sys.path
+    (the nvidia-* wheels put their headers there)."""
+    return [p.parent for entry in sys.path for p in Path(entry or ".").glob(pattern)]
+
+
+def _dirs_with(header: str, dirs: list[Path]) -> list[Path]:
+    """The directories holding header, each once, in order."""
+    return list({d.resolve(): None for d in dirs if (d / header).is_file()})
 
 
 def _cuda_dirs() -> list[Path]:
     dirs = _dirs_from_env("GMP_CUDA_HEADERS")
     if not dirs:
-        dirs = _installed("cuda.h", ("nvidia/*/include/cuda.h",))
-        for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-            if home and (Path(home) / "include" / "cuda.h").is_file():
-                dirs.append(Path(home) / "include")
-    unique: dict[Path, None] = {}
-    for d in dirs:
-        if (d / "cuda.h").is_file():
-            unique[d.resolve()] = None
-    return list(unique)
+        dirs = _installed("nvidia/*/include/cuda.h")
+        dirs += [Path(home) / "include" for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda") if home]
+    return _dirs_with("cuda.h", dirs)
 
 
 def _nccl_dirs() -> list[Path]:
-    dirs = _dirs_from_env("GMP_NCCL_HEADERS") or _installed("nccl.h", ("nvidia/nccl/include/nccl.h",))
-    return list({d.resolve(): None for d in dirs if (d / "nccl.h").is_file()})
+    return _dirs_with("nccl.h", _dirs_from_env("GMP_NCCL_HEADERS") or _installed("nvidia/nccl/include/nccl.h"))
 
 
 def _cuda_version(d: Path) -> str:

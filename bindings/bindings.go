@@ -218,15 +218,15 @@ func PoolStats(id, device int64) (js string, err error) {
 	return marshal(s.ToMap())
 }
 
-// PoolEmptyCache releases every wholly free segment; it returns the bytes
-// released.
+// PoolEmptyCache releases every wholly free segment, and closes the private
+// pools no CUDA graph uses any more; it returns the bytes the pool released.
 func PoolEmptyCache(id int64) (released uint64, err error) {
 	defer guard(&err)
 	e, err := entry(id)
 	if err != nil {
 		return 0, err
 	}
-	return e.Pool.EmptyCache()
+	return cabi.EmptyCache(e)
 }
 
 // PoolTrim keeps at most keep unused bytes cached on device (all when < 0).
@@ -307,12 +307,17 @@ func PoolCheck(id int64) (err error) {
 // report as JSON (live blocks, bytes freed).
 func PoolClose(id int64) (js string, err error) {
 	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
+	// Only the caller that unregisters the handle closes the pool (two
+	// threads may close it at once).
+	e := registry.Unregister(id)
+	if e == nil {
+		_, err := entry(id)
 		return "", err
 	}
-	registry.Remove(id)
 	rep, err := e.Pool.Close()
+	// A block that outlived the pool may still be freed by torch through
+	// the slot: then the slot must never serve another pool.
+	defer func() { registry.FreeSlot(e, len(rep.LiveBlocks) == 0) }()
 	// Torch's private pools (CUDA graphs, torch.cuda.MemPool) share the
 	// backend: closed before it.
 	prep, perr := cabi.CloseGraphPools(e)
@@ -360,6 +365,13 @@ func PoolSymbols(id int64, throwing bool) (names string, err error) {
 		return "", err
 	}
 	if throwing {
+		// For full replacement: torch calls these for the rest of the
+		// process, so the slot is never handed to another pool.
+		e, err := entry(id)
+		if err != nil {
+			return "", err
+		}
+		e.PinSlot()
 		return fmt.Sprintf("gmp_alloc_or_throw_%d,gmp_free_%d", slot, slot), nil
 	}
 	return fmt.Sprintf("gmp_alloc_%d,gmp_free_%d", slot, slot), nil

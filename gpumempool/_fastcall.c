@@ -18,6 +18,7 @@
 
 #include <dlfcn.h>
 #include <stdint.h>
+#include <string.h>
 
 typedef uintptr_t (*gmp_py_alloc_fn)(int64_t handle, uint64_t size, int device, uintptr_t stream, char *buf,
                                      size_t n);
@@ -64,20 +65,37 @@ static int cannot_call(Py_ssize_t nargs, Py_ssize_t want, const char *usage) {
     return 0;
 }
 
-/* Raises the "Kind: message" Go wrote into buf (or fallback) and returns NULL. */
+/* Raises the "Kind: message" Go wrote into buf (or fallback) and returns NULL.
+ * Undecodable bytes (a pool name that is not valid UTF-8 ...) are replaced,
+ * so the error raised is always this RuntimeError. */
 static PyObject *failed(const char *buf, const char *fallback) {
-    PyErr_SetString(PyExc_RuntimeError, buf[0] ? buf : fallback);
+    const char *text = buf[0] ? buf : fallback;
+    PyObject *msg = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
+    if (msg == NULL) return NULL;
+    PyErr_SetObject(PyExc_RuntimeError, msg);
+    Py_DECREF(msg);
     return NULL;
+}
+
+/* The integer args[i] as unsigned long long (Python ints only: a negative
+ * or oversized one is an OverflowError); -1 with an exception set on error. */
+static int ull_arg(PyObject *const *args, Py_ssize_t i, unsigned long long *out) {
+    *out = PyLong_AsUnsignedLongLong(args[i]);
+    return (*out == (unsigned long long)-1 && PyErr_Occurred()) ? -1 : 0;
 }
 
 /* alloc(handle, size, device, stream) -> address */
 static PyObject *fast_alloc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (cannot_call(nargs, 4, "alloc(handle, size, device, stream)")) return NULL;
+    /* Each conversion is checked before the next: calling into Python
+     * (__index__) with an exception pending is undefined. */
     long long handle = PyLong_AsLongLong(args[0]);
-    unsigned long long size = PyLong_AsUnsignedLongLong(args[1]);
+    if (handle == -1 && PyErr_Occurred()) return NULL;
+    unsigned long long size, stream;
+    if (ull_arg(args, 1, &size)) return NULL;
     long device = PyLong_AsLong(args[2]);
-    unsigned long long stream = PyLong_AsUnsignedLongLong(args[3]);
-    if (PyErr_Occurred()) return NULL;
+    if (device == -1 && PyErr_Occurred()) return NULL;
+    if (ull_arg(args, 3, &stream)) return NULL;
     if (device < 0 || device > INT32_MAX) {
         PyErr_Format(PyExc_ValueError, "device %ld out of range", device);
         return NULL;
@@ -93,8 +111,9 @@ static PyObject *fast_alloc(PyObject *self, PyObject *const *args, Py_ssize_t na
 static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (cannot_call(nargs, 2, "free(handle, address)")) return NULL;
     long long handle = PyLong_AsLongLong(args[0]);
-    unsigned long long ptr = PyLong_AsUnsignedLongLong(args[1]);
-    if (PyErr_Occurred()) return NULL;
+    if (handle == -1 && PyErr_Occurred()) return NULL;
+    unsigned long long ptr;
+    if (ull_arg(args, 1, &ptr)) return NULL;
     char buf[1024];
     buf[0] = 0;
     if (py_free((int64_t)handle, (uintptr_t)ptr, buf, sizeof buf) != 0) return failed(buf, "RuntimeError: free failed");

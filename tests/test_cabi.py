@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -56,7 +58,11 @@ def test_several_pools_have_their_own_entry_points(clib) -> None:
 def test_errors_return_null_and_are_kept_for_python(pool: gmp.MemPool, clib) -> None:
     assert clib.caller_open(*(x.encode() for x in pool.pluggable_symbols())) == 0
     assert pool.last_error() is None
+    # size 0 (torch's empty tensors) is NULL and no error; so is freeing NULL
     assert not clib.caller_alloc(0, 0, None)
+    clib.caller_free(0, 0, 0, None)
+    assert pool.last_error() is None
+    assert not clib.caller_alloc(1 << 63, 0, None)
     assert "size must be in" in (pool.last_error() or "")
     assert pool.last_error() is None  # reading clears it
     assert not clib.caller_alloc(1 << 45, 0, None)
@@ -88,6 +94,76 @@ def test_closed_pool_slot_returns_null(clib) -> None:
     assert clib.caller_open(*(x.encode() for x in syms)) == 0
     assert not clib.caller_alloc(100, 0, None)
     assert "no pool holds this slot" in _native.bindings.PoolTakeError(0)
+
+
+def test_slot_of_a_pool_closed_with_live_blocks_serves_no_other_pool(clib) -> None:
+    # Torch keeps a CUDAPluggableAllocator's function pointers for good: a
+    # tensor that outlived its pool is freed through the old slot later. Had
+    # the slot gone to a new pool, that free would hit the new pool's block
+    # at the same address.
+    a = gmp.MemPool("sim", name="a")
+    syms_a = a.pluggable_symbols()
+    assert clib.caller_open(*(x.encode() for x in syms_a)) == 0
+    stale = clib.caller_alloc(MiB, 0, None)
+    with pytest.warns(gmp.LeakWarning):
+        a.close()
+    others = [gmp.MemPool("sim", name=f"b{i}") for i in range(_native.bindings.NumSlots())]
+    try:
+        slots = set()
+        for b in others:
+            try:
+                slots.add(b.pluggable_symbols()[1])
+            except gmp.BackendError as e:
+                assert "retired" in str(e)
+                break
+        assert syms_a[1] not in slots
+        b = others[0]
+        mine = b.alloc(MiB)
+        assert mine == stale  # the same simulated device: the address came back
+        clib.caller_free(stale, MiB, 0, None)  # torch frees the dead tensor
+        assert b.stats()["allocation.all.current"] == 1, "the new pool's block is untouched"
+        assert "no pool holds this slot" in _native.bindings.PoolTakeError(0)
+        b.free(mine)
+    finally:
+        for b in others:
+            b.close()
+
+
+def test_slots_of_cleanly_closed_pools_are_reused_last() -> None:
+    with gmp.MemPool("sim") as a:
+        first = a.pluggable_symbols()[1]
+    with gmp.MemPool("sim") as b:
+        assert b.pluggable_symbols()[1] != first, "the slot just freed waits behind the others"
+
+
+def test_error_text_is_cut_on_a_character_boundary() -> None:
+    # Go cuts an error at 1023 bytes; a cut inside a UTF-8 sequence would
+    # make the fast path raise UnicodeDecodeError instead of our exception.
+    for pad in range(4):
+        with gmp.MemPool("sim", name="x" * pad + "\u6c60" * 400, capacity=MiB) as p:
+            with pytest.raises(gmp.OutOfMemoryError, match="^pool "):
+                p.alloc(1 << 30)
+
+
+def test_error_buffer_length_is_never_trusted_past_the_message() -> None:
+    # A huge buffer length (size_t -1) with a short message writes only the
+    # message: no Go panic (unsafe.Slice of an impossible length) aborting
+    # the process.
+    code = (
+        "import ctypes\n"
+        "from gpumempool import _native\n"
+        "lib = ctypes.CDLL(_native.library_path())\n"
+        "f = lib.gmp_last_error\n"
+        "f.restype = ctypes.c_size_t\n"
+        "f.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_size_t]\n"
+        "buf = ctypes.create_string_buffer(256)\n"
+        "f(0, buf, len(buf))\n"
+        "print(f(987654, buf, 2**64 - 1), buf.value.decode())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    n, text = r.stdout.split(" ", 1)
+    assert int(n) == len(text.strip()) and "no such pool" in text
 
 
 def test_generic_handle_entry_points(pool: gmp.MemPool) -> None:

@@ -28,6 +28,7 @@ import "C"
 import (
 	"errors"
 	"fmt"
+	"unicode/utf8"
 	"unsafe"
 
 	"github.com/gpumempool/gpumempool/bindings/registry"
@@ -61,16 +62,18 @@ func recovered(e *registry.Entry, fn func() error) (err error) {
 // guarded runs fn for the pool of e at the C boundary: an error or a Go
 // panic becomes the pool's last error and false.
 func guarded(e *registry.Entry, where string, fn func() error) bool {
-	err := recovered(e, fn)
-	switch {
-	case err == nil:
-		return true
-	case errors.Is(err, gocore.ErrOutOfMemory):
-		e.SetOutOfMemory(where + ": " + err.Error())
-	default:
-		e.SetError(where + ": " + err.Error())
+	return guardedErr(e, where, fn) == nil
+}
+
+// guardedErr is guarded returning the error (prefixed with where, as
+// recorded) instead of false.
+func guardedErr(e *registry.Entry, where string, fn func() error) error {
+	if err := recovered(e, fn); err != nil {
+		err = fmt.Errorf("%s: %w", where, err)
+		e.SetError(err.Error())
+		return err
 	}
-	return false
+	return nil
 }
 
 // AllocFor serves an allocation of the pool of e, as every entry point does
@@ -80,7 +83,16 @@ func AllocFor(e *registry.Entry, size uint64, device int, stream uintptr) (uint6
 	if addr, private, err := privateAlloc(e, size, device, stream); private {
 		return addr, err
 	}
-	return e.Pool.Alloc(size, device, gocore.Stream(stream))
+	addr, err := e.Pool.Alloc(size, device, gocore.Stream(stream))
+	if errors.Is(err, gocore.ErrOutOfMemory) {
+		// Private pools no graph uses any more may still hold segments
+		// (they wait for their events, or for a capture to end): torch
+		// frees those before it gives up, and so do we.
+		if n, serr := sweepFreeable(e); n > 0 && serr == nil {
+			addr, err = e.Pool.Alloc(size, device, gocore.Stream(stream))
+		}
+	}
+	return addr, err
 }
 
 // FreeFor frees a block AllocFor gave.
@@ -92,14 +104,17 @@ func FreeFor(e *registry.Entry, addr uint64) error {
 }
 
 func entryAlloc(e *registry.Entry, where string, size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := entryAllocErr(e, where, size, device, stream)
+	return addr
+}
+
+func entryAllocErr(e *registry.Entry, where string, size C.size_t, device C.int, stream C.uintptr_t) (C.uintptr_t, error) {
 	var addr uint64
-	if !guarded(e, where, func() (err error) {
+	err := guardedErr(e, where, func() (err error) {
 		addr, err = AllocFor(e, uint64(size), int(device), uintptr(stream))
 		return err
-	}) {
-		return 0
-	}
-	return C.uintptr_t(addr)
+	})
+	return C.uintptr_t(addr), err
 }
 
 func entryFree(e *registry.Entry, where string, ptr C.uintptr_t) C.int {
@@ -109,22 +124,49 @@ func entryFree(e *registry.Entry, where string, ptr C.uintptr_t) C.int {
 	return 0
 }
 
-func slotAlloc(slot int, size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+// slotAlloc is gmp_alloc_<slot>. Size 0 gets NULL and is no error: torch
+// asks for it for empty tensors, whose pointer is NULL.
+func slotAlloc(slot int, size C.size_t, device C.int, stream C.uintptr_t) (C.uintptr_t, error) {
 	e := registry.BySlot(slot)
 	if e == nil {
-		registry.SetOrphanError(fmt.Sprintf("gmp_alloc_%d: no pool holds this slot (closed?)", slot))
-		return 0
+		err := fmt.Errorf("gmp_alloc_%d: no pool holds this slot (closed?)", slot)
+		registry.SetOrphanError(err.Error())
+		return 0, err
 	}
-	return entryAlloc(e, "gmp_alloc", size, device, stream)
+	if size == 0 {
+		return 0, nil
+	}
+	return entryAllocErr(e, "gmp_alloc", size, device, stream)
 }
 
+// slotFree is gmp_free_<slot>. Freeing NULL (an empty tensor) does nothing.
 func slotFree(slot int, ptr C.uintptr_t) {
+	if ptr == 0 {
+		return
+	}
 	e := registry.BySlot(slot)
 	if e == nil {
 		registry.SetOrphanError(fmt.Sprintf("gmp_free_%d(%#x): no pool holds this slot (closed?)", slot, uint64(ptr)))
 		return
 	}
 	entryFree(e, "gmp_free", ptr)
+}
+
+// gmp_slot_alloc_ex is gmp_alloc_<slot> reporting its own failure: the
+// error into buf (n bytes) and *oom = 1 when it was an out-of-memory one.
+// The C++ entry point of full replacement (zz_torch.cpp) throws it; the
+// pool's last error could meanwhile be another thread's.
+//
+//export gmp_slot_alloc_ex
+func gmp_slot_alloc_ex(slot C.int, size C.size_t, device C.int, stream C.uintptr_t, buf *C.char, n C.size_t, oom *C.int) C.uintptr_t {
+	addr, err := slotAlloc(int(slot), size, device, stream)
+	if err != nil {
+		copyCString(err.Error(), buf, n)
+		if oom != nil && errors.Is(err, gocore.ErrOutOfMemory) {
+			*oom = 1
+		}
+	}
+	return addr
 }
 
 // gmp_pool_alloc allocates from the pool with handle pool; NULL on error.
@@ -153,41 +195,22 @@ func gmp_pool_free(pool C.int64_t, ptr C.uintptr_t, size C.size_t, device C.int,
 }
 
 // copyCString writes msg into buf (n bytes) as a NUL-terminated string,
-// truncated like snprintf, and returns len(msg).
+// truncated like snprintf but never inside a UTF-8 sequence (the text
+// becomes a Python str), and returns len(msg).
 func copyCString(msg string, buf *C.char, n C.size_t) C.size_t {
 	if buf != nil && n > 0 {
-		dst := unsafe.Slice((*byte)(unsafe.Pointer(buf)), int(n))
-		k := copy(dst[:len(dst)-1], msg)
+		k := len(msg)
+		if uint64(k) > uint64(n)-1 {
+			k = int(uint64(n) - 1)
+			for k > 0 && !utf8.RuneStart(msg[k]) {
+				k--
+			}
+		}
+		dst := unsafe.Slice((*byte)(unsafe.Pointer(buf)), k+1)
+		copy(dst, msg[:k])
 		dst[k] = 0
 	}
 	return C.size_t(len(msg))
-}
-
-// gmp_slot_error copies the last error of the pool holding slot into buf
-// without clearing it (the C++ entry points in zz_torch.cpp put it in the
-// exception they throw, and pool.last_error() still shows it). Returns its
-// full length, 0 when there is none.
-//
-//export gmp_slot_error
-func gmp_slot_error(slot C.int, buf *C.char, n C.size_t) C.size_t {
-	var msg string
-	if e := registry.BySlot(int(slot)); e != nil {
-		msg = e.PeekError()
-	} else {
-		msg = fmt.Sprintf("no pool holds C slot %d (closed?)", int(slot))
-	}
-	return copyCString(msg, buf, n)
-}
-
-// gmp_slot_error_oom is 1 when the last error of the pool holding slot was
-// an out-of-memory one (the pool released its cache and retried), else 0.
-//
-//export gmp_slot_error_oom
-func gmp_slot_error_oom(slot C.int) C.int {
-	if e := registry.BySlot(int(slot)); e != nil && e.LastErrorIsOutOfMemory() {
-		return 1
-	}
-	return 0
 }
 
 // gmp_last_error copies the last error of pool (or, for pool 0, of calls no

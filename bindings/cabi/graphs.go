@@ -37,8 +37,14 @@ import (
 // std::function).
 //
 // Each private pool is a gocore.Pool of its own over the slot pool's backend
-// and configuration: its segments are never shared with the slot pool, and
-// releasePool returns them to the backend once its last block is freed.
+// and configuration: its segments are never shared with the slot pool. Like
+// torch's PrivatePool it counts its users: every beginAllocateToPool adds
+// one and every releasePool takes one away (graphs that share a pool, and
+// each `use_mem_pool` block, which releases at exit). Once no user is left
+// and its last block is freed and idle, its segments go back to the backend
+// (closeIfDoneLocked) - but never while a capture is under way, when freeing
+// memory is forbidden: sweepFreeable retries when the last capture ends, at
+// empty_cache and on out-of-memory, as torch frees its freeable graph pools.
 
 // graphPoolID is torch's MempoolId_t.
 type graphPoolID [2]uint64
@@ -78,14 +84,18 @@ type privatePool struct {
 	device   int
 	pool     *gocore.Pool
 	live     int  // blocks allocated and not freed
-	released bool // releasePool came: close once live is 0
+	released bool // no user is left (uses): close once it is idle
 }
 
 // graphState is the private pools of one registered pool.
 type graphState struct {
 	mu       sync.Mutex
+	closed   bool // CloseGraphPools ran: the pool is closing, begin nothing
 	captures []capture
 	pools    map[poolKey]*privatePool
+	// uses counts, per private pool id, beginAllocateToPool calls not yet
+	// matched by a releasePool (torch's PrivatePool::use_count).
+	uses map[poolKey]int
 	// owner maps the address of a live private block to its *privatePool.
 	// Every free of the pool looks here while a graph holds blocks, so
 	// reads take no lock; writes happen under mu.
@@ -114,7 +124,7 @@ func graphStateOf(e *registry.Entry, create bool) *graphState {
 	graphMu.Lock()
 	defer graphMu.Unlock()
 	if g = graphs[e]; g == nil {
-		g = &graphState{pools: map[poolKey]*privatePool{}, retired: map[int]gocore.Stats{}}
+		g = &graphState{pools: map[poolKey]*privatePool{}, uses: map[poolKey]int{}, retired: map[int]gocore.Stats{}}
 		graphs[e] = g
 	}
 	return g
@@ -234,14 +244,63 @@ func privateFree(e *registry.Entry, addr uint64) (ok bool, err error) {
 	g.owner.Delete(addr)
 	pp.live--
 	privateBlocks.Add(-1)
-	if pp.released && pp.live == 0 {
-		return true, g.closeLocked(pp)
-	}
-	return true, nil
+	_, err = g.closeIfDoneLocked(pp)
+	return true, err
 }
 
-// closeLocked returns the segments of a released private pool that holds
-// no block any more to the backend, keeping its counters.
+// closeIfDoneLocked closes pp if it is done: no user is left, it holds no
+// block, no freed block waits for its events (the memory may still be in
+// use on another stream), and no capture is under way anywhere in the
+// process (freeing memory would invalidate it). Otherwise a later
+// sweepFreeable tries again. It reports whether pp was closed.
+func (g *graphState) closeIfDoneLocked(pp *privatePool) (bool, error) {
+	if !pp.released || pp.live > 0 || activeCaptures.Load() > 0 {
+		return false, nil
+	}
+	waiting, err := pp.pool.ProcessEvents()
+	if err != nil {
+		return false, fmt.Errorf("private pool (%d, %d): %w", pp.id[0], pp.id[1], err)
+	}
+	if waiting > 0 {
+		return false, nil
+	}
+	return true, g.closeLocked(pp)
+}
+
+// sweepFreeable closes the private pools of e that are done, or of every
+// pool when e is nil (the last capture of the process ended: pools left
+// open because of it may go now), and returns how many it closed.
+func sweepFreeable(e *registry.Entry) (int, error) {
+	var states []*graphState
+	graphMu.RLock()
+	if e != nil {
+		if g := graphs[e]; g != nil {
+			states = append(states, g)
+		}
+	} else {
+		for _, g := range graphs {
+			states = append(states, g)
+		}
+	}
+	graphMu.RUnlock()
+	n := 0
+	var errs []error
+	for _, g := range states {
+		g.mu.Lock()
+		for _, pp := range g.pools {
+			closed, err := g.closeIfDoneLocked(pp)
+			if closed {
+				n++
+			}
+			errs = append(errs, err)
+		}
+		g.mu.Unlock()
+	}
+	return n, errors.Join(errs...)
+}
+
+// closeLocked returns the segments of a private pool that is done to the
+// backend, keeping its counters.
 func (g *graphState) closeLocked(pp *privatePool) error {
 	delete(g.pools, poolKey{pp.device, pp.id})
 	if st, err := pp.pool.Stats(pp.device); err == nil {
@@ -287,13 +346,12 @@ func gmp_graph_begin(slot, device C.int, id0, id1 C.uint64_t, filter unsafe.Poin
 		registry.SetOrphanError(fmt.Sprintf("gmp_begin_allocate_to_pool_%d: no pool holds this slot (closed?)", int(slot)))
 		return
 	}
-	stored := false
+	passed := false
 	guarded(e, "gmp_begin_allocate_to_pool", func() error {
-		err := beginCapture(e, int(device), graphPoolID{uint64(id0), uint64(id1)}, f)
-		stored = true
-		return err
+		passed = true // beginCapture owns f from here, whatever happens
+		return beginCapture(e, int(device), graphPoolID{uint64(id0), uint64(id1)}, f)
 	})
-	if !stored { // a panic came first (PanicNext): nobody owns the filter
+	if !passed { // a panic came first (PanicNext): nobody owns the filter
 		f.release()
 	}
 }
@@ -319,18 +377,48 @@ func gmp_graph_release(slot, device C.int, id0, id1 C.uint64_t) {
 }
 
 // beginCapture routes e's allocations on device whose stream f accepts to
-// private pool id until endCapture; f is owned from here on.
+// private pool id until endCapture, and counts a user of that pool. f is
+// owned from the call on: kept with the capture, or released on failure.
 func beginCapture(e *registry.Entry, device int, id graphPoolID, f streamFilter) error {
+	stored := false
+	defer func() {
+		if !stored {
+			f.release()
+		}
+	}()
+	if e.Pool.Closed() {
+		return fmt.Errorf("device %d, pool (%d, %d): %w", device, id[0], id[1], gocore.ErrClosed)
+	}
 	g := graphStateOf(e, true)
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	if g.closed { // CloseGraphPools ran between the two checks
+		return fmt.Errorf("device %d, pool (%d, %d): %w", device, id[0], id[1], gocore.ErrClosed)
+	}
+	key := poolKey{device, id}
+	g.uses[key]++
+	if pp := g.pools[key]; pp != nil {
+		pp.released = false // a released pool used again (a torch.cuda.MemPool re-entered)
+	}
 	g.captures = append(g.captures, capture{device: device, id: id, filter: f})
+	stored = true
 	activeCaptures.Add(1)
 	return g.captureLocked(e, true)
 }
 
-// endCapture ends the oldest capture begun for (device, id).
+// endCapture ends the oldest capture begun for (device, id). When it was
+// the last capture of the process, private pools kept open because of it
+// are closed (sweepFreeable).
 func endCapture(e *registry.Entry, device int, id graphPoolID) error {
+	err := endCaptureLocking(e, device, id)
+	if activeCaptures.Load() == 0 {
+		_, serr := sweepFreeable(nil)
+		err = errors.Join(err, serr)
+	}
+	return err
+}
+
+func endCaptureLocking(e *registry.Entry, device int, id graphPoolID) error {
 	g := graphStateOf(e, false)
 	if g != nil {
 		g.mu.Lock()
@@ -347,24 +435,30 @@ func endCapture(e *registry.Entry, device int, id graphPoolID) error {
 	return fmt.Errorf("device %d, pool (%d, %d): no allocation to this pool was begun", device, id[0], id[1])
 }
 
-// releaseGraphPool marks private pool id released: it is closed now if it
-// holds no block, else when its last block is freed.
+// releaseGraphPool takes a user away from private pool id; with none left
+// it is closed as soon as it is done (closeIfDoneLocked). A release with no
+// user left (torch.cuda.MemPool's destructor after its use_mem_pool blocks
+// released theirs) changes nothing.
 func releaseGraphPool(e *registry.Entry, device int, id graphPoolID) error {
 	g := graphStateOf(e, false)
 	if g == nil {
-		return nil // nothing was ever allocated to it
+		return nil // nothing was ever begun for it
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	pp := g.pools[poolKey{device, id}]
+	key := poolKey{device, id}
+	if g.uses[key] > 1 {
+		g.uses[key]--
+		return nil // another graph (or use_mem_pool block) still uses it
+	}
+	delete(g.uses, key)
+	pp := g.pools[key]
 	if pp == nil {
 		return nil
 	}
 	pp.released = true
-	if pp.live == 0 {
-		return g.closeLocked(pp)
-	}
-	return nil
+	_, err := g.closeIfDoneLocked(pp)
+	return err
 }
 
 // GraphPool describes one private pool (GraphPools).
@@ -451,11 +545,13 @@ func CloseGraphPools(e *registry.Entry) (gocore.CloseReport, error) {
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	g.closed = true
 	for _, c := range g.captures {
 		c.filter.release()
 		activeCaptures.Add(-1)
 	}
 	g.captures = nil
+	g.uses = map[poolKey]int{}
 	var errs []error
 	for _, pp := range g.pools {
 		rep, err := pp.pool.Close()

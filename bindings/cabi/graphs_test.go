@@ -26,7 +26,12 @@ func (f goFilter) release()               { f.released.Add(1) }
 
 func newEntry(t *testing.T, cfg gocore.Config) (*registry.Entry, *gocore.SimBackend) {
 	t.Helper()
-	be, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 30})
+	return newSimEntry(t, gocore.SimConfig{Capacity: 1 << 30}, cfg)
+}
+
+func newSimEntry(t *testing.T, sim gocore.SimConfig, cfg gocore.Config) (*registry.Entry, *gocore.SimBackend) {
+	t.Helper()
+	be, err := gocore.NewSimBackend(sim)
 	require.NoError(t, err)
 	cfg.Backend = be
 	p, err := gocore.NewPool(cfg)
@@ -183,9 +188,13 @@ func TestGraphPoolsArePerDevice(t *testing.T) {
 	require.NoError(t, releaseGraphPool(e, 1, id))
 	pools, err = GraphPools(e)
 	require.NoError(t, err)
+	require.Len(t, pools, 2, "device 1's pool waits: device 0 still captures, and freeing memory would break that")
+	assert.True(t, pools[1].Released)
+	require.NoError(t, endCapture(e, 0, id))
+	pools, err = GraphPools(e)
+	require.NoError(t, err)
 	require.Len(t, pools, 1, "device 0's pool stays")
 	assert.Zero(t, be.UsedBytes(1))
-	require.NoError(t, endCapture(e, 0, id))
 	require.NoError(t, FreeFor(e, a0))
 	require.NoError(t, releaseGraphPool(e, 0, id))
 	assert.EqualValues(t, 2, released.Load())
@@ -194,4 +203,172 @@ func TestGraphPoolsArePerDevice(t *testing.T) {
 	_, err = CloseGraphPools(e)
 	require.NoError(t, err)
 	assert.Zero(t, be.UsedBytes(0)+be.UsedBytes(1))
+}
+
+// closeEntry closes e's pool and private pools and checks the backend holds
+// nothing any more.
+func closeEntry(t *testing.T, e *registry.Entry, be *gocore.SimBackend) {
+	t.Helper()
+	_, err := e.Pool.Close()
+	require.NoError(t, err)
+	_, err = CloseGraphPools(e)
+	require.NoError(t, err)
+	for d := range be.Devices() {
+		assert.Zero(t, be.UsedBytes(d))
+	}
+}
+
+// Two graphs captured into one pool (torch.cuda.graph(pool=g1.pool()),
+// graph_pool_handle()) get one releasePool each: the pool lives until the
+// second, and the temporaries the second graph's replay writes are never
+// handed out before.
+func TestGraphSharedPoolLivesUntilLastRelease(t *testing.T) {
+	e, be := newEntry(t, gocore.Config{Name: "torch"})
+	var released atomic.Int32
+	id := graphPoolID{0, 42}
+	capture := func() (out, tmp uint64) {
+		require.NoError(t, beginCapture(e, 0, id, goFilter{stream: 0x10, released: &released}))
+		out, err := AllocFor(e, mib, 0, 0x10)
+		require.NoError(t, err)
+		tmp, err = AllocFor(e, mib, 0, 0x10)
+		require.NoError(t, err)
+		require.NoError(t, FreeFor(e, tmp)) // a temporary of the graph
+		require.NoError(t, endCapture(e, 0, id))
+		return out, tmp
+	}
+	out1, _ := capture()
+	out2, tmp2 := capture()
+	require.NoError(t, releaseGraphPool(e, 0, id)) // g1 reset; g2 lives
+	require.NoError(t, FreeFor(e, out1))
+	require.NoError(t, FreeFor(e, out2))
+	pools, err := GraphPools(e)
+	require.NoError(t, err)
+	require.Len(t, pools, 1, "g2 still uses the pool")
+	assert.False(t, pools[0].Released)
+	x, err := AllocFor(e, mib, 0, 0x99)
+	require.NoError(t, err)
+	assert.NotEqual(t, tmp2, x)
+	require.NoError(t, releaseGraphPool(e, 0, id)) // g2 reset
+	pools, err = GraphPools(e)
+	require.NoError(t, err)
+	assert.Empty(t, pools, "no user and no block left: closed")
+	require.NoError(t, releaseGraphPool(e, 0, id), "a release with no user left (MemPool's destructor) is harmless")
+	require.NoError(t, FreeFor(e, x))
+	closeEntry(t, e, be)
+}
+
+// torch.cuda.use_mem_pool begins and, at exit, releases: a MemPool entered
+// twice keeps its blocks private in between and takes them back on reentry.
+func TestGraphPoolReenteredAfterRelease(t *testing.T) {
+	e, be := newEntry(t, gocore.Config{Name: "torch"})
+	var released atomic.Int32
+	id := graphPoolID{1, 7}
+	enter := func() uint64 {
+		require.NoError(t, beginCapture(e, 0, id, goFilter{stream: 0x10, released: &released}))
+		a, err := AllocFor(e, mib, 0, 0x10)
+		require.NoError(t, err)
+		require.NoError(t, endCapture(e, 0, id))
+		require.NoError(t, releaseGraphPool(e, 0, id))
+		return a
+	}
+	a := enter()
+	pools, err := GraphPools(e)
+	require.NoError(t, err)
+	require.Len(t, pools, 1)
+	assert.True(t, pools[0].Released, "no user, but a live block")
+	b := enter()
+	require.NoError(t, FreeFor(e, a))
+	pools, err = GraphPools(e)
+	require.NoError(t, err)
+	require.Len(t, pools, 1, "b lives")
+	require.NoError(t, FreeFor(e, b))
+	pools, err = GraphPools(e)
+	require.NoError(t, err)
+	assert.Empty(t, pools)
+	closeEntry(t, e, be)
+}
+
+// Freeing memory during a capture invalidates it: a pool no graph uses any
+// more whose last block is freed while another graph is captured is closed
+// only when that capture ends.
+func TestGraphPoolNotClosedDuringCapture(t *testing.T) {
+	e, be := newEntry(t, gocore.Config{Name: "torch"})
+	var released atomic.Int32
+	p1, p2 := graphPoolID{1, 0}, graphPoolID{2, 0}
+	require.NoError(t, beginCapture(e, 0, p1, goFilter{stream: 0x10, released: &released}))
+	x, err := AllocFor(e, mib, 0, 0x10)
+	require.NoError(t, err)
+	require.NoError(t, endCapture(e, 0, p1))
+	require.NoError(t, releaseGraphPool(e, 0, p1)) // g1 gone, its output x lives
+	require.NoError(t, beginCapture(e, 0, p2, goFilter{stream: 0x20, released: &released}))
+	frees := be.Stats().Frees
+	require.NoError(t, FreeFor(e, x))
+	assert.Equal(t, frees, be.Stats().Frees, "no backend free during a capture")
+	require.NoError(t, endCapture(e, 0, p2))
+	assert.Equal(t, frees+1, be.Stats().Frees, "freed when the capture ended")
+	pools, err := GraphPools(e)
+	require.NoError(t, err)
+	assert.Empty(t, pools)
+	require.NoError(t, releaseGraphPool(e, 0, p2))
+	closeEntry(t, e, be)
+}
+
+// A private block used on another stream and freed keeps its segment until
+// that stream's work is done; then empty_cache, or an allocation that would
+// otherwise run out of memory, gives it back.
+func TestGraphPoolWaitsForEvents(t *testing.T) {
+	e, be := newSimEntry(t, gocore.SimConfig{Capacity: 20 * mib, ManualEvents: true}, gocore.Config{Name: "torch"})
+	var released atomic.Int32
+	id := graphPoolID{5, 0}
+	require.NoError(t, beginCapture(e, 0, id, goFilter{stream: 0x10, released: &released}))
+	x, err := AllocFor(e, 12*mib, 0, 0x10)
+	require.NoError(t, err)
+	require.NoError(t, endCapture(e, 0, id))
+	ok, err := privateRecordStream(e, x, 0x30)
+	require.True(t, ok)
+	require.NoError(t, err)
+	require.NoError(t, releaseGraphPool(e, 0, id))
+	require.NoError(t, FreeFor(e, x))
+	assert.EqualValues(t, 12*mib, be.UsedBytes(0), "stream 0x30 may still use x")
+	_, err = EmptyCache(e)
+	require.NoError(t, err)
+	assert.EqualValues(t, 12*mib, be.UsedBytes(0), "still: its event has not completed")
+	_, err = AllocFor(e, 12*mib, 0, 0)
+	require.ErrorIs(t, err, gocore.ErrOutOfMemory, "the private segment is still busy")
+	be.CompleteStream(0x30)
+	y, err := AllocFor(e, 12*mib, 0, 0)
+	require.NoError(t, err, "the out-of-memory path closes the idle private pool first")
+	pools, err := GraphPools(e)
+	require.NoError(t, err)
+	assert.Empty(t, pools)
+	require.NoError(t, FreeFor(e, y))
+	closeEntry(t, e, be)
+}
+
+// A beginAllocateToPool that reaches a pool closed from another thread (torch
+// read the slot just before) is refused: no private pool revives, the
+// filter is released, no capture stays counted.
+func TestGraphBeginAfterClose(t *testing.T) {
+	e, be := newEntry(t, gocore.Config{Name: "torch"})
+	closeEntry(t, e, be)
+	var released atomic.Int32
+	before := activeCaptures.Load()
+	err := beginCapture(e, 0, graphPoolID{9, 0}, goFilter{stream: 0x10, released: &released})
+	require.ErrorIs(t, err, gocore.ErrClosed)
+	assert.EqualValues(t, 1, released.Load())
+	assert.Equal(t, before, activeCaptures.Load())
+	_, err = AllocFor(e, mib, 0, 0x10)
+	require.ErrorIs(t, err, gocore.ErrClosed)
+
+	// The same race, with the pool state existing but closed in between.
+	e2, be2 := newEntry(t, gocore.Config{Name: "torch2"})
+	g := graphStateOf(e2, true)
+	closeEntry(t, e2, be2)
+	graphMu.Lock()
+	graphs[e2] = g // as if torch's thread had looked it up before the close
+	graphMu.Unlock()
+	t.Cleanup(func() { graphMu.Lock(); delete(graphs, e2); graphMu.Unlock() })
+	err = beginCapture(e2, 0, graphPoolID{9, 0}, goFilter{stream: 0x10, released: &released})
+	require.ErrorIs(t, err, gocore.ErrClosed)
+	assert.EqualValues(t, 2, released.Load())
 }

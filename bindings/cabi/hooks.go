@@ -7,6 +7,7 @@ package cabi
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"math"
 
@@ -70,7 +71,7 @@ func slotInit(slot int, deviceCount C.int) {
 
 func slotEmptyCache(slot int) {
 	slotHook(slot, "gmp_empty_cache", func(e *registry.Entry) error {
-		_, err := e.Pool.EmptyCache()
+		_, err := EmptyCache(e)
 		return err
 	})
 }
@@ -83,6 +84,15 @@ func slotMemoryFraction(slot int, fraction C.double, device C.int) {
 		}
 		return e.Pool.SetDeviceLimit(int(device), limit)
 	})
+}
+
+// EmptyCache gives back the cached segments of e's pool and those of its
+// private pools that no graph uses any more (torch's empty_cache frees
+// freeable graph pools too), and returns the bytes the pool released.
+func EmptyCache(e *registry.Entry) (uint64, error) {
+	_, serr := sweepFreeable(e)
+	n, err := e.Pool.EmptyCache()
+	return n, errors.Join(err, serr)
 }
 
 // fractionLimit turns torch's per-process memory fraction of device into a

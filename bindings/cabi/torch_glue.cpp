@@ -29,15 +29,20 @@ std::string format_size(std::size_t size) {
 
 namespace gmp {
 
-// The pool's error (kept for pool.last_error() too) as the exception's
-// message. Out of memory starts like torch's own ("CUDA out of memory.
-// Tried to allocate ..."), which is what tools that shrink the batch on OOM
-// look for in a RuntimeError (torch's OutOfMemoryError type lives in libc10).
-void throw_alloc_failure(int slot, std::size_t size, int device) {
+// The failure of this very call (also kept as the pool's last_error()) is
+// the exception's message. Out of memory starts like torch's own ("CUDA out
+// of memory. Tried to allocate ..."), which is what tools that shrink the
+// batch on OOM look for in a RuntimeError (torch's OutOfMemoryError type
+// lives in libc10).
+void* alloc_or_throw(int slot, std::size_t size, int device, void* stream) {
   char buf[1024];
-  std::size_t n = gmp_slot_error(slot, buf, sizeof buf);
-  std::string why = n ? std::string(buf) : std::string("unknown error");
-  if (gmp_slot_error_oom(slot)) {
+  buf[0] = 0;
+  int oom = 0;
+  std::uintptr_t p =
+      gmp_slot_alloc_ex(slot, size, device, reinterpret_cast<std::uintptr_t>(stream), buf, sizeof buf, &oom);
+  if (p != 0 || size == 0) return reinterpret_cast<void*>(p);
+  std::string why = buf[0] ? std::string(buf) : std::string("unknown error");
+  if (oom) {
     throw std::runtime_error("CUDA out of memory. Tried to allocate " + format_size(size) + " on device " +
                              std::to_string(device) + ". gpumempool: " + why);
   }

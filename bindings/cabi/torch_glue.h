@@ -17,17 +17,17 @@ using gmp_mempool_id = std::pair<unsigned long long, unsigned long long>;
 using gmp_stream_filter = std::function<bool(CUstream_st*)>;
 
 // Exported by Go (cabi.go, graphs.go).
-extern "C" std::size_t gmp_slot_error(int slot, char* buf, std::size_t n);
-extern "C" int gmp_slot_error_oom(int slot);
+extern "C" std::uintptr_t gmp_slot_alloc_ex(int slot, std::size_t size, int device, std::uintptr_t stream, char* buf,
+                                            std::size_t n, int* oom);
 extern "C" void gmp_graph_begin(int slot, int device, std::uint64_t id0, std::uint64_t id1, void* filter);
 extern "C" void gmp_graph_end(int slot, int device, std::uint64_t id0, std::uint64_t id1);
 extern "C" void gmp_graph_release(int slot, int device, std::uint64_t id0, std::uint64_t id1);
 
 namespace gmp {
 
-// Throws the pool's error for a failed allocation as a std::runtime_error
-// (torch turns it into a Python RuntimeError).
-[[noreturn]] void throw_alloc_failure(int slot, std::size_t size, int device);
+// Allocates through slot; a failure (size > 0) is thrown as a
+// std::runtime_error (torch turns it into a Python RuntimeError).
+void* alloc_or_throw(int slot, std::size_t size, int device, void* stream);
 
 // Hands torch's filter to Go (a heap copy Go owns from then on) with the
 // beginning of an allocation to pool id.

@@ -10,7 +10,8 @@ import "C"
 
 //export gmp_alloc_0
 func gmp_alloc_0(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(0, size, device, stream)
+	addr, _ := slotAlloc(0, size, device, stream)
+	return addr
 }
 
 //export gmp_free_0
@@ -45,7 +46,8 @@ func gmp_base_alloc_0(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_1
 func gmp_alloc_1(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(1, size, device, stream)
+	addr, _ := slotAlloc(1, size, device, stream)
+	return addr
 }
 
 //export gmp_free_1
@@ -80,7 +82,8 @@ func gmp_base_alloc_1(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_2
 func gmp_alloc_2(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(2, size, device, stream)
+	addr, _ := slotAlloc(2, size, device, stream)
+	return addr
 }
 
 //export gmp_free_2
@@ -115,7 +118,8 @@ func gmp_base_alloc_2(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_3
 func gmp_alloc_3(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(3, size, device, stream)
+	addr, _ := slotAlloc(3, size, device, stream)
+	return addr
 }
 
 //export gmp_free_3
@@ -150,7 +154,8 @@ func gmp_base_alloc_3(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_4
 func gmp_alloc_4(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(4, size, device, stream)
+	addr, _ := slotAlloc(4, size, device, stream)
+	return addr
 }
 
 //export gmp_free_4
@@ -185,7 +190,8 @@ func gmp_base_alloc_4(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_5
 func gmp_alloc_5(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(5, size, device, stream)
+	addr, _ := slotAlloc(5, size, device, stream)
+	return addr
 }
 
 //export gmp_free_5
@@ -220,7 +226,8 @@ func gmp_base_alloc_5(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_6
 func gmp_alloc_6(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(6, size, device, stream)
+	addr, _ := slotAlloc(6, size, device, stream)
+	return addr
 }
 
 //export gmp_free_6
@@ -255,7 +262,8 @@ func gmp_base_alloc_6(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_7
 func gmp_alloc_7(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(7, size, device, stream)
+	addr, _ := slotAlloc(7, size, device, stream)
+	return addr
 }
 
 //export gmp_free_7
@@ -290,7 +298,8 @@ func gmp_base_alloc_7(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_8
 func gmp_alloc_8(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(8, size, device, stream)
+	addr, _ := slotAlloc(8, size, device, stream)
+	return addr
 }
 
 //export gmp_free_8
@@ -325,7 +334,8 @@ func gmp_base_alloc_8(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_9
 func gmp_alloc_9(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(9, size, device, stream)
+	addr, _ := slotAlloc(9, size, device, stream)
+	return addr
 }
 
 //export gmp_free_9
@@ -360,7 +370,8 @@ func gmp_base_alloc_9(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_10
 func gmp_alloc_10(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(10, size, device, stream)
+	addr, _ := slotAlloc(10, size, device, stream)
+	return addr
 }
 
 //export gmp_free_10
@@ -395,7 +406,8 @@ func gmp_base_alloc_10(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_11
 func gmp_alloc_11(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(11, size, device, stream)
+	addr, _ := slotAlloc(11, size, device, stream)
+	return addr
 }
 
 //export gmp_free_11
@@ -430,7 +442,8 @@ func gmp_base_alloc_11(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_12
 func gmp_alloc_12(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(12, size, device, stream)
+	addr, _ := slotAlloc(12, size, device, stream)
+	return addr
 }
 
 //export gmp_free_12
@@ -465,7 +478,8 @@ func gmp_base_alloc_12(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_13
 func gmp_alloc_13(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(13, size, device, stream)
+	addr, _ := slotAlloc(13, size, device, stream)
+	return addr
 }
 
 //export gmp_free_13
@@ -500,7 +514,8 @@ func gmp_base_alloc_13(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_14
 func gmp_alloc_14(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(14, size, device, stream)
+	addr, _ := slotAlloc(14, size, device, stream)
+	return addr
 }
 
 //export gmp_free_14
@@ -535,7 +550,8 @@ func gmp_base_alloc_14(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_15
 func gmp_alloc_15(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(15, size, device, stream)
+	addr, _ := slotAlloc(15, size, device, stream)
+	return addr
 }
 
 //export gmp_free_15
@@ -570,7 +586,8 @@ func gmp_base_alloc_15(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_16
 func gmp_alloc_16(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(16, size, device, stream)
+	addr, _ := slotAlloc(16, size, device, stream)
+	return addr
 }
 
 //export gmp_free_16
@@ -605,7 +622,8 @@ func gmp_base_alloc_16(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_17
 func gmp_alloc_17(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(17, size, device, stream)
+	addr, _ := slotAlloc(17, size, device, stream)
+	return addr
 }
 
 //export gmp_free_17
@@ -640,7 +658,8 @@ func gmp_base_alloc_17(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_18
 func gmp_alloc_18(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(18, size, device, stream)
+	addr, _ := slotAlloc(18, size, device, stream)
+	return addr
 }
 
 //export gmp_free_18
@@ -675,7 +694,8 @@ func gmp_base_alloc_18(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_19
 func gmp_alloc_19(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(19, size, device, stream)
+	addr, _ := slotAlloc(19, size, device, stream)
+	return addr
 }
 
 //export gmp_free_19
@@ -710,7 +730,8 @@ func gmp_base_alloc_19(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_20
 func gmp_alloc_20(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(20, size, device, stream)
+	addr, _ := slotAlloc(20, size, device, stream)
+	return addr
 }
 
 //export gmp_free_20
@@ -745,7 +766,8 @@ func gmp_base_alloc_20(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_21
 func gmp_alloc_21(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(21, size, device, stream)
+	addr, _ := slotAlloc(21, size, device, stream)
+	return addr
 }
 
 //export gmp_free_21
@@ -780,7 +802,8 @@ func gmp_base_alloc_21(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_22
 func gmp_alloc_22(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(22, size, device, stream)
+	addr, _ := slotAlloc(22, size, device, stream)
+	return addr
 }
 
 //export gmp_free_22
@@ -815,7 +838,8 @@ func gmp_base_alloc_22(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_23
 func gmp_alloc_23(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(23, size, device, stream)
+	addr, _ := slotAlloc(23, size, device, stream)
+	return addr
 }
 
 //export gmp_free_23
@@ -850,7 +874,8 @@ func gmp_base_alloc_23(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_24
 func gmp_alloc_24(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(24, size, device, stream)
+	addr, _ := slotAlloc(24, size, device, stream)
+	return addr
 }
 
 //export gmp_free_24
@@ -885,7 +910,8 @@ func gmp_base_alloc_24(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_25
 func gmp_alloc_25(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(25, size, device, stream)
+	addr, _ := slotAlloc(25, size, device, stream)
+	return addr
 }
 
 //export gmp_free_25
@@ -920,7 +946,8 @@ func gmp_base_alloc_25(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_26
 func gmp_alloc_26(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(26, size, device, stream)
+	addr, _ := slotAlloc(26, size, device, stream)
+	return addr
 }
 
 //export gmp_free_26
@@ -955,7 +982,8 @@ func gmp_base_alloc_26(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_27
 func gmp_alloc_27(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(27, size, device, stream)
+	addr, _ := slotAlloc(27, size, device, stream)
+	return addr
 }
 
 //export gmp_free_27
@@ -990,7 +1018,8 @@ func gmp_base_alloc_27(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_28
 func gmp_alloc_28(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(28, size, device, stream)
+	addr, _ := slotAlloc(28, size, device, stream)
+	return addr
 }
 
 //export gmp_free_28
@@ -1025,7 +1054,8 @@ func gmp_base_alloc_28(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_29
 func gmp_alloc_29(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(29, size, device, stream)
+	addr, _ := slotAlloc(29, size, device, stream)
+	return addr
 }
 
 //export gmp_free_29
@@ -1060,7 +1090,8 @@ func gmp_base_alloc_29(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_30
 func gmp_alloc_30(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(30, size, device, stream)
+	addr, _ := slotAlloc(30, size, device, stream)
+	return addr
 }
 
 //export gmp_free_30
@@ -1095,7 +1126,8 @@ func gmp_base_alloc_30(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_31
 func gmp_alloc_31(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(31, size, device, stream)
+	addr, _ := slotAlloc(31, size, device, stream)
+	return addr
 }
 
 //export gmp_free_31
@@ -1130,7 +1162,8 @@ func gmp_base_alloc_31(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_32
 func gmp_alloc_32(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(32, size, device, stream)
+	addr, _ := slotAlloc(32, size, device, stream)
+	return addr
 }
 
 //export gmp_free_32
@@ -1165,7 +1198,8 @@ func gmp_base_alloc_32(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_33
 func gmp_alloc_33(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(33, size, device, stream)
+	addr, _ := slotAlloc(33, size, device, stream)
+	return addr
 }
 
 //export gmp_free_33
@@ -1200,7 +1234,8 @@ func gmp_base_alloc_33(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_34
 func gmp_alloc_34(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(34, size, device, stream)
+	addr, _ := slotAlloc(34, size, device, stream)
+	return addr
 }
 
 //export gmp_free_34
@@ -1235,7 +1270,8 @@ func gmp_base_alloc_34(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_35
 func gmp_alloc_35(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(35, size, device, stream)
+	addr, _ := slotAlloc(35, size, device, stream)
+	return addr
 }
 
 //export gmp_free_35
@@ -1270,7 +1306,8 @@ func gmp_base_alloc_35(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_36
 func gmp_alloc_36(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(36, size, device, stream)
+	addr, _ := slotAlloc(36, size, device, stream)
+	return addr
 }
 
 //export gmp_free_36
@@ -1305,7 +1342,8 @@ func gmp_base_alloc_36(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_37
 func gmp_alloc_37(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(37, size, device, stream)
+	addr, _ := slotAlloc(37, size, device, stream)
+	return addr
 }
 
 //export gmp_free_37
@@ -1340,7 +1378,8 @@ func gmp_base_alloc_37(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_38
 func gmp_alloc_38(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(38, size, device, stream)
+	addr, _ := slotAlloc(38, size, device, stream)
+	return addr
 }
 
 //export gmp_free_38
@@ -1375,7 +1414,8 @@ func gmp_base_alloc_38(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_39
 func gmp_alloc_39(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(39, size, device, stream)
+	addr, _ := slotAlloc(39, size, device, stream)
+	return addr
 }
 
 //export gmp_free_39
@@ -1410,7 +1450,8 @@ func gmp_base_alloc_39(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_40
 func gmp_alloc_40(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(40, size, device, stream)
+	addr, _ := slotAlloc(40, size, device, stream)
+	return addr
 }
 
 //export gmp_free_40
@@ -1445,7 +1486,8 @@ func gmp_base_alloc_40(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_41
 func gmp_alloc_41(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(41, size, device, stream)
+	addr, _ := slotAlloc(41, size, device, stream)
+	return addr
 }
 
 //export gmp_free_41
@@ -1480,7 +1522,8 @@ func gmp_base_alloc_41(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_42
 func gmp_alloc_42(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(42, size, device, stream)
+	addr, _ := slotAlloc(42, size, device, stream)
+	return addr
 }
 
 //export gmp_free_42
@@ -1515,7 +1558,8 @@ func gmp_base_alloc_42(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_43
 func gmp_alloc_43(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(43, size, device, stream)
+	addr, _ := slotAlloc(43, size, device, stream)
+	return addr
 }
 
 //export gmp_free_43
@@ -1550,7 +1594,8 @@ func gmp_base_alloc_43(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_44
 func gmp_alloc_44(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(44, size, device, stream)
+	addr, _ := slotAlloc(44, size, device, stream)
+	return addr
 }
 
 //export gmp_free_44
@@ -1585,7 +1630,8 @@ func gmp_base_alloc_44(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_45
 func gmp_alloc_45(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(45, size, device, stream)
+	addr, _ := slotAlloc(45, size, device, stream)
+	return addr
 }
 
 //export gmp_free_45
@@ -1620,7 +1666,8 @@ func gmp_base_alloc_45(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_46
 func gmp_alloc_46(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(46, size, device, stream)
+	addr, _ := slotAlloc(46, size, device, stream)
+	return addr
 }
 
 //export gmp_free_46
@@ -1655,7 +1702,8 @@ func gmp_base_alloc_46(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_47
 func gmp_alloc_47(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(47, size, device, stream)
+	addr, _ := slotAlloc(47, size, device, stream)
+	return addr
 }
 
 //export gmp_free_47
@@ -1690,7 +1738,8 @@ func gmp_base_alloc_47(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_48
 func gmp_alloc_48(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(48, size, device, stream)
+	addr, _ := slotAlloc(48, size, device, stream)
+	return addr
 }
 
 //export gmp_free_48
@@ -1725,7 +1774,8 @@ func gmp_base_alloc_48(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_49
 func gmp_alloc_49(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(49, size, device, stream)
+	addr, _ := slotAlloc(49, size, device, stream)
+	return addr
 }
 
 //export gmp_free_49
@@ -1760,7 +1810,8 @@ func gmp_base_alloc_49(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_50
 func gmp_alloc_50(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(50, size, device, stream)
+	addr, _ := slotAlloc(50, size, device, stream)
+	return addr
 }
 
 //export gmp_free_50
@@ -1795,7 +1846,8 @@ func gmp_base_alloc_50(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_51
 func gmp_alloc_51(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(51, size, device, stream)
+	addr, _ := slotAlloc(51, size, device, stream)
+	return addr
 }
 
 //export gmp_free_51
@@ -1830,7 +1882,8 @@ func gmp_base_alloc_51(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_52
 func gmp_alloc_52(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(52, size, device, stream)
+	addr, _ := slotAlloc(52, size, device, stream)
+	return addr
 }
 
 //export gmp_free_52
@@ -1865,7 +1918,8 @@ func gmp_base_alloc_52(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_53
 func gmp_alloc_53(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(53, size, device, stream)
+	addr, _ := slotAlloc(53, size, device, stream)
+	return addr
 }
 
 //export gmp_free_53
@@ -1900,7 +1954,8 @@ func gmp_base_alloc_53(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_54
 func gmp_alloc_54(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(54, size, device, stream)
+	addr, _ := slotAlloc(54, size, device, stream)
+	return addr
 }
 
 //export gmp_free_54
@@ -1935,7 +1990,8 @@ func gmp_base_alloc_54(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_55
 func gmp_alloc_55(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(55, size, device, stream)
+	addr, _ := slotAlloc(55, size, device, stream)
+	return addr
 }
 
 //export gmp_free_55
@@ -1970,7 +2026,8 @@ func gmp_base_alloc_55(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_56
 func gmp_alloc_56(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(56, size, device, stream)
+	addr, _ := slotAlloc(56, size, device, stream)
+	return addr
 }
 
 //export gmp_free_56
@@ -2005,7 +2062,8 @@ func gmp_base_alloc_56(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_57
 func gmp_alloc_57(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(57, size, device, stream)
+	addr, _ := slotAlloc(57, size, device, stream)
+	return addr
 }
 
 //export gmp_free_57
@@ -2040,7 +2098,8 @@ func gmp_base_alloc_57(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_58
 func gmp_alloc_58(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(58, size, device, stream)
+	addr, _ := slotAlloc(58, size, device, stream)
+	return addr
 }
 
 //export gmp_free_58
@@ -2075,7 +2134,8 @@ func gmp_base_alloc_58(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_59
 func gmp_alloc_59(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(59, size, device, stream)
+	addr, _ := slotAlloc(59, size, device, stream)
+	return addr
 }
 
 //export gmp_free_59
@@ -2110,7 +2170,8 @@ func gmp_base_alloc_59(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_60
 func gmp_alloc_60(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(60, size, device, stream)
+	addr, _ := slotAlloc(60, size, device, stream)
+	return addr
 }
 
 //export gmp_free_60
@@ -2145,7 +2206,8 @@ func gmp_base_alloc_60(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_61
 func gmp_alloc_61(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(61, size, device, stream)
+	addr, _ := slotAlloc(61, size, device, stream)
+	return addr
 }
 
 //export gmp_free_61
@@ -2180,7 +2242,8 @@ func gmp_base_alloc_61(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_62
 func gmp_alloc_62(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(62, size, device, stream)
+	addr, _ := slotAlloc(62, size, device, stream)
+	return addr
 }
 
 //export gmp_free_62
@@ -2215,7 +2278,8 @@ func gmp_base_alloc_62(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 
 //export gmp_alloc_63
 func gmp_alloc_63(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	return slotAlloc(63, size, device, stream)
+	addr, _ := slotAlloc(63, size, device, stream)
+	return addr
 }
 
 //export gmp_free_63

@@ -2,75 +2,8 @@
 
 #include "torch_glue.h"
 
-extern "C" std::uintptr_t gmp_alloc_0(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_1(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_2(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_3(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_4(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_5(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_6(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_7(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_8(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_9(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_10(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_11(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_12(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_13(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_14(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_15(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_16(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_17(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_18(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_19(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_20(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_21(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_22(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_23(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_24(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_25(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_26(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_27(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_28(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_29(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_30(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_31(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_32(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_33(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_34(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_35(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_36(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_37(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_38(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_39(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_40(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_41(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_42(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_43(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_44(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_45(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_46(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_47(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_48(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_49(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_50(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_51(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_52(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_53(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_54(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_55(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_56(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_57(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_58(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_59(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_60(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_61(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_62(std::size_t size, int device, std::uintptr_t stream);
-extern "C" std::uintptr_t gmp_alloc_63(std::size_t size, int device, std::uintptr_t stream);
-
 extern "C" void* gmp_alloc_or_throw_0(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_0(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(0, size, device);
-  return p;
+  return gmp::alloc_or_throw(0, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_0(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -86,9 +19,7 @@ extern "C" void gmp_release_pool_0(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_1(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_1(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(1, size, device);
-  return p;
+  return gmp::alloc_or_throw(1, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_1(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -104,9 +35,7 @@ extern "C" void gmp_release_pool_1(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_2(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_2(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(2, size, device);
-  return p;
+  return gmp::alloc_or_throw(2, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_2(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -122,9 +51,7 @@ extern "C" void gmp_release_pool_2(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_3(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_3(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(3, size, device);
-  return p;
+  return gmp::alloc_or_throw(3, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_3(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -140,9 +67,7 @@ extern "C" void gmp_release_pool_3(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_4(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_4(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(4, size, device);
-  return p;
+  return gmp::alloc_or_throw(4, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_4(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -158,9 +83,7 @@ extern "C" void gmp_release_pool_4(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_5(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_5(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(5, size, device);
-  return p;
+  return gmp::alloc_or_throw(5, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_5(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -176,9 +99,7 @@ extern "C" void gmp_release_pool_5(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_6(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_6(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(6, size, device);
-  return p;
+  return gmp::alloc_or_throw(6, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_6(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -194,9 +115,7 @@ extern "C" void gmp_release_pool_6(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_7(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_7(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(7, size, device);
-  return p;
+  return gmp::alloc_or_throw(7, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_7(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -212,9 +131,7 @@ extern "C" void gmp_release_pool_7(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_8(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_8(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(8, size, device);
-  return p;
+  return gmp::alloc_or_throw(8, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_8(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -230,9 +147,7 @@ extern "C" void gmp_release_pool_8(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_9(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_9(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(9, size, device);
-  return p;
+  return gmp::alloc_or_throw(9, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_9(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -248,9 +163,7 @@ extern "C" void gmp_release_pool_9(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_10(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_10(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(10, size, device);
-  return p;
+  return gmp::alloc_or_throw(10, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_10(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -266,9 +179,7 @@ extern "C" void gmp_release_pool_10(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_11(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_11(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(11, size, device);
-  return p;
+  return gmp::alloc_or_throw(11, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_11(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -284,9 +195,7 @@ extern "C" void gmp_release_pool_11(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_12(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_12(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(12, size, device);
-  return p;
+  return gmp::alloc_or_throw(12, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_12(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -302,9 +211,7 @@ extern "C" void gmp_release_pool_12(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_13(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_13(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(13, size, device);
-  return p;
+  return gmp::alloc_or_throw(13, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_13(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -320,9 +227,7 @@ extern "C" void gmp_release_pool_13(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_14(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_14(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(14, size, device);
-  return p;
+  return gmp::alloc_or_throw(14, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_14(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -338,9 +243,7 @@ extern "C" void gmp_release_pool_14(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_15(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_15(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(15, size, device);
-  return p;
+  return gmp::alloc_or_throw(15, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_15(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -356,9 +259,7 @@ extern "C" void gmp_release_pool_15(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_16(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_16(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(16, size, device);
-  return p;
+  return gmp::alloc_or_throw(16, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_16(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -374,9 +275,7 @@ extern "C" void gmp_release_pool_16(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_17(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_17(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(17, size, device);
-  return p;
+  return gmp::alloc_or_throw(17, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_17(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -392,9 +291,7 @@ extern "C" void gmp_release_pool_17(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_18(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_18(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(18, size, device);
-  return p;
+  return gmp::alloc_or_throw(18, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_18(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -410,9 +307,7 @@ extern "C" void gmp_release_pool_18(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_19(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_19(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(19, size, device);
-  return p;
+  return gmp::alloc_or_throw(19, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_19(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -428,9 +323,7 @@ extern "C" void gmp_release_pool_19(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_20(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_20(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(20, size, device);
-  return p;
+  return gmp::alloc_or_throw(20, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_20(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -446,9 +339,7 @@ extern "C" void gmp_release_pool_20(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_21(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_21(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(21, size, device);
-  return p;
+  return gmp::alloc_or_throw(21, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_21(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -464,9 +355,7 @@ extern "C" void gmp_release_pool_21(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_22(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_22(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(22, size, device);
-  return p;
+  return gmp::alloc_or_throw(22, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_22(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -482,9 +371,7 @@ extern "C" void gmp_release_pool_22(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_23(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_23(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(23, size, device);
-  return p;
+  return gmp::alloc_or_throw(23, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_23(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -500,9 +387,7 @@ extern "C" void gmp_release_pool_23(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_24(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_24(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(24, size, device);
-  return p;
+  return gmp::alloc_or_throw(24, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_24(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -518,9 +403,7 @@ extern "C" void gmp_release_pool_24(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_25(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_25(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(25, size, device);
-  return p;
+  return gmp::alloc_or_throw(25, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_25(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -536,9 +419,7 @@ extern "C" void gmp_release_pool_25(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_26(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_26(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(26, size, device);
-  return p;
+  return gmp::alloc_or_throw(26, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_26(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -554,9 +435,7 @@ extern "C" void gmp_release_pool_26(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_27(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_27(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(27, size, device);
-  return p;
+  return gmp::alloc_or_throw(27, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_27(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -572,9 +451,7 @@ extern "C" void gmp_release_pool_27(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_28(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_28(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(28, size, device);
-  return p;
+  return gmp::alloc_or_throw(28, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_28(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -590,9 +467,7 @@ extern "C" void gmp_release_pool_28(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_29(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_29(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(29, size, device);
-  return p;
+  return gmp::alloc_or_throw(29, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_29(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -608,9 +483,7 @@ extern "C" void gmp_release_pool_29(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_30(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_30(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(30, size, device);
-  return p;
+  return gmp::alloc_or_throw(30, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_30(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -626,9 +499,7 @@ extern "C" void gmp_release_pool_30(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_31(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_31(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(31, size, device);
-  return p;
+  return gmp::alloc_or_throw(31, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_31(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -644,9 +515,7 @@ extern "C" void gmp_release_pool_31(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_32(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_32(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(32, size, device);
-  return p;
+  return gmp::alloc_or_throw(32, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_32(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -662,9 +531,7 @@ extern "C" void gmp_release_pool_32(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_33(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_33(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(33, size, device);
-  return p;
+  return gmp::alloc_or_throw(33, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_33(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -680,9 +547,7 @@ extern "C" void gmp_release_pool_33(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_34(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_34(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(34, size, device);
-  return p;
+  return gmp::alloc_or_throw(34, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_34(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -698,9 +563,7 @@ extern "C" void gmp_release_pool_34(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_35(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_35(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(35, size, device);
-  return p;
+  return gmp::alloc_or_throw(35, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_35(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -716,9 +579,7 @@ extern "C" void gmp_release_pool_35(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_36(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_36(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(36, size, device);
-  return p;
+  return gmp::alloc_or_throw(36, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_36(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -734,9 +595,7 @@ extern "C" void gmp_release_pool_36(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_37(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_37(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(37, size, device);
-  return p;
+  return gmp::alloc_or_throw(37, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_37(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -752,9 +611,7 @@ extern "C" void gmp_release_pool_37(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_38(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_38(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(38, size, device);
-  return p;
+  return gmp::alloc_or_throw(38, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_38(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -770,9 +627,7 @@ extern "C" void gmp_release_pool_38(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_39(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_39(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(39, size, device);
-  return p;
+  return gmp::alloc_or_throw(39, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_39(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -788,9 +643,7 @@ extern "C" void gmp_release_pool_39(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_40(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_40(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(40, size, device);
-  return p;
+  return gmp::alloc_or_throw(40, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_40(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -806,9 +659,7 @@ extern "C" void gmp_release_pool_40(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_41(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_41(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(41, size, device);
-  return p;
+  return gmp::alloc_or_throw(41, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_41(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -824,9 +675,7 @@ extern "C" void gmp_release_pool_41(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_42(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_42(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(42, size, device);
-  return p;
+  return gmp::alloc_or_throw(42, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_42(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -842,9 +691,7 @@ extern "C" void gmp_release_pool_42(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_43(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_43(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(43, size, device);
-  return p;
+  return gmp::alloc_or_throw(43, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_43(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -860,9 +707,7 @@ extern "C" void gmp_release_pool_43(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_44(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_44(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(44, size, device);
-  return p;
+  return gmp::alloc_or_throw(44, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_44(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -878,9 +723,7 @@ extern "C" void gmp_release_pool_44(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_45(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_45(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(45, size, device);
-  return p;
+  return gmp::alloc_or_throw(45, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_45(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -896,9 +739,7 @@ extern "C" void gmp_release_pool_45(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_46(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_46(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(46, size, device);
-  return p;
+  return gmp::alloc_or_throw(46, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_46(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -914,9 +755,7 @@ extern "C" void gmp_release_pool_46(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_47(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_47(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(47, size, device);
-  return p;
+  return gmp::alloc_or_throw(47, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_47(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -932,9 +771,7 @@ extern "C" void gmp_release_pool_47(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_48(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_48(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(48, size, device);
-  return p;
+  return gmp::alloc_or_throw(48, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_48(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -950,9 +787,7 @@ extern "C" void gmp_release_pool_48(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_49(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_49(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(49, size, device);
-  return p;
+  return gmp::alloc_or_throw(49, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_49(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -968,9 +803,7 @@ extern "C" void gmp_release_pool_49(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_50(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_50(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(50, size, device);
-  return p;
+  return gmp::alloc_or_throw(50, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_50(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -986,9 +819,7 @@ extern "C" void gmp_release_pool_50(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_51(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_51(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(51, size, device);
-  return p;
+  return gmp::alloc_or_throw(51, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_51(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -1004,9 +835,7 @@ extern "C" void gmp_release_pool_51(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_52(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_52(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(52, size, device);
-  return p;
+  return gmp::alloc_or_throw(52, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_52(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -1022,9 +851,7 @@ extern "C" void gmp_release_pool_52(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_53(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_53(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(53, size, device);
-  return p;
+  return gmp::alloc_or_throw(53, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_53(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -1040,9 +867,7 @@ extern "C" void gmp_release_pool_53(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_54(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_54(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(54, size, device);
-  return p;
+  return gmp::alloc_or_throw(54, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_54(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -1058,9 +883,7 @@ extern "C" void gmp_release_pool_54(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_55(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_55(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(55, size, device);
-  return p;
+  return gmp::alloc_or_throw(55, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_55(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -1076,9 +899,7 @@ extern "C" void gmp_release_pool_55(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_56(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_56(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(56, size, device);
-  return p;
+  return gmp::alloc_or_throw(56, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_56(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -1094,9 +915,7 @@ extern "C" void gmp_release_pool_56(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_57(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_57(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(57, size, device);
-  return p;
+  return gmp::alloc_or_throw(57, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_57(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -1112,9 +931,7 @@ extern "C" void gmp_release_pool_57(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_58(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_58(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(58, size, device);
-  return p;
+  return gmp::alloc_or_throw(58, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_58(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -1130,9 +947,7 @@ extern "C" void gmp_release_pool_58(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_59(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_59(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(59, size, device);
-  return p;
+  return gmp::alloc_or_throw(59, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_59(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -1148,9 +963,7 @@ extern "C" void gmp_release_pool_59(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_60(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_60(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(60, size, device);
-  return p;
+  return gmp::alloc_or_throw(60, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_60(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -1166,9 +979,7 @@ extern "C" void gmp_release_pool_60(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_61(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_61(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(61, size, device);
-  return p;
+  return gmp::alloc_or_throw(61, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_61(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -1184,9 +995,7 @@ extern "C" void gmp_release_pool_61(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_62(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_62(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(62, size, device);
-  return p;
+  return gmp::alloc_or_throw(62, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_62(int device, gmp_mempool_id id, gmp_stream_filter filter) {
@@ -1202,9 +1011,7 @@ extern "C" void gmp_release_pool_62(int device, gmp_mempool_id id) {
 }
 
 extern "C" void* gmp_alloc_or_throw_63(std::size_t size, int device, void* stream) {
-  void* p = reinterpret_cast<void*>(gmp_alloc_63(size, device, reinterpret_cast<std::uintptr_t>(stream)));
-  if (p == nullptr && size != 0) gmp::throw_alloc_failure(63, size, device);
-  return p;
+  return gmp::alloc_or_throw(63, size, device, stream);
 }
 
 extern "C" void gmp_begin_allocate_to_pool_63(int device, gmp_mempool_id id, gmp_stream_filter filter) {

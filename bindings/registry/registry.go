@@ -20,7 +20,8 @@ const NumSlots = 64
 // ErrNoSuchPool: the handle was never issued or its pool was closed.
 var ErrNoSuchPool = errors.New("no such pool")
 
-// ErrNoFreeSlot: all NumSlots C entry points are taken by open pools.
+// ErrNoFreeSlot: all NumSlots C entry points are taken by open pools or
+// retired (see FreeSlot).
 var ErrNoFreeSlot = errors.New("all C entry points are in use")
 
 // Entry is a registered pool.
@@ -38,25 +39,12 @@ type Entry struct {
 	PanicNext atomic.Bool
 
 	slot    atomic.Int32 // -1 when none
+	pinned  atomic.Bool  // the slot is never reused (PinSlot)
 	lastErr atomic.Pointer[string]
-	lastOOM atomic.Bool // the last error was an out-of-memory one
 }
 
 // SetError records the last error seen at the C boundary for this pool.
-func (e *Entry) SetError(msg string) {
-	e.lastOOM.Store(false)
-	e.lastErr.Store(&msg)
-}
-
-// SetOutOfMemory records msg as the last error, an out-of-memory one.
-func (e *Entry) SetOutOfMemory(msg string) {
-	e.lastOOM.Store(true)
-	e.lastErr.Store(&msg)
-}
-
-// LastErrorIsOutOfMemory reports whether the last error recorded was an
-// out-of-memory one.
-func (e *Entry) LastErrorIsOutOfMemory() bool { return e.lastOOM.Load() }
+func (e *Entry) SetError(msg string) { e.lastErr.Store(&msg) }
 
 // TakeError returns and clears the last recorded error ("" when none).
 func (e *Entry) TakeError() string {
@@ -66,22 +54,34 @@ func (e *Entry) TakeError() string {
 	return ""
 }
 
-// PeekError returns the last recorded error without clearing it.
-func (e *Entry) PeekError() string {
-	if p := e.lastErr.Load(); p != nil {
-		return *p
-	}
-	return ""
-}
-
 // Slot returns the entry's C slot, or -1.
 func (e *Entry) Slot() int { return int(e.slot.Load()) }
 
+// PinSlot keeps the entry's slot from ever serving another pool, even after
+// this one is closed: for entry points torch calls for the rest of the
+// process (full replacement).
+func (e *Entry) PinSlot() { e.pinned.Store(true) }
+
+// Slots are handed out least recently used first, and a slot is reused
+// only when nothing can call it for the pool that held it: torch keeps the
+// function pointers of a CUDAPluggableAllocator for the life of the process,
+// so a free of a block of a closed pool, or any call of a pinned slot, would
+// otherwise reach the next pool to get the slot - and free one of its live
+// blocks that happens to have the same address.
 var (
 	mu     sync.Mutex
 	nextID int64
 	pools  = map[int64]*Entry{}
 	slots  [NumSlots]atomic.Pointer[Entry]
+	// freeSlots queues the slots no pool holds, least recently freed first.
+	freeSlots = func() []int {
+		s := make([]int, NumSlots)
+		for i := range s {
+			s[i] = i
+		}
+		return s
+	}()
+	retiredSlots int
 	// orphanErr holds errors from C calls on slots with no pool.
 	orphanErr atomic.Pointer[string]
 )
@@ -108,16 +108,48 @@ func Get(id int64) (*Entry, error) {
 	return e, nil
 }
 
-// Remove unregisters a handle and frees its slot. The pool itself is not
-// closed here.
+// Remove unregisters a handle and frees its slot for reuse (unless pinned).
+// The pool itself is not closed here.
 func Remove(id int64) {
+	if e := Unregister(id); e != nil {
+		FreeSlot(e, true)
+	}
+}
+
+// Unregister removes a handle, so that no call finds its pool any more
+// (calls through its slot find none either), and returns its entry, or nil.
+// The slot stays out of use until FreeSlot.
+func Unregister(id int64) *Entry {
 	mu.Lock()
 	defer mu.Unlock()
-	if e := pools[id]; e != nil {
-		if s := e.slot.Load(); s >= 0 {
-			slots[s].Store(nil)
-		}
-		delete(pools, id)
+	e := pools[id]
+	if e == nil {
+		return nil
+	}
+	if s := e.slot.Load(); s >= 0 {
+		slots[s].Store(nil)
+	}
+	delete(pools, id)
+	return e
+}
+
+// FreeSlot ends the hold of an unregistered entry on its slot. With
+// reusable (no block of the pool outlived it, so torch holds none of its
+// pointers) and unless the slot is pinned, the slot goes to the back of the
+// queue; otherwise it is retired for the life of the process, and calls of
+// it keep failing cleanly.
+func FreeSlot(e *Entry, reusable bool) {
+	mu.Lock()
+	defer mu.Unlock()
+	s := e.slot.Load()
+	if s < 0 || pools[e.ID] == e {
+		return // no slot, already freed, or still registered
+	}
+	e.slot.Store(-1)
+	if reusable && !e.pinned.Load() {
+		freeSlots = append(freeSlots, int(s))
+	} else {
+		retiredSlots++
 	}
 }
 
@@ -138,21 +170,22 @@ func All() []*Entry {
 func AssignSlot(e *Entry) (int, error) {
 	mu.Lock()
 	defer mu.Unlock()
-	if s := e.slot.Load(); s >= 0 {
-		return int(s), nil
-	}
 	if pools[e.ID] != e {
 		return -1, fmt.Errorf("assign C entry points to pool handle %d: %w", e.ID, ErrNoSuchPool)
 	}
-	for i := range slots {
-		if slots[i].Load() == nil {
-			slots[i].Store(e)
-			e.slot.Store(int32(i))
-			return i, nil
-		}
+	if s := e.slot.Load(); s >= 0 {
+		return int(s), nil
 	}
-	return -1, fmt.Errorf("pool %q needs C entry points but %d pools hold them; close one: %w",
-		e.Pool.Name(), NumSlots, ErrNoFreeSlot)
+	if len(freeSlots) == 0 {
+		return -1, fmt.Errorf("pool %q needs C entry points but %d pools hold them and %d are retired "+
+			"(their pools were closed while torch could still call them); close a pool: %w",
+			e.Pool.Name(), NumSlots-retiredSlots, retiredSlots, ErrNoFreeSlot)
+	}
+	i := freeSlots[0]
+	freeSlots = freeSlots[1:]
+	slots[i].Store(e)
+	e.slot.Store(int32(i))
+	return i, nil
 }
 
 // BySlot returns the entry behind a C slot, or nil. It takes no lock: the C

@@ -125,6 +125,52 @@ def test_gpu_check_several_wheels_fail_clearly(tmp_path: Path) -> None:
     assert r.returncode == 3 and "several gpumempool cp312 wheels" in r.stderr
 
 
+def source_digest(root: Path, tmp_path: Path) -> str:
+    r = run(["bash", "-c", f'ROOT={str(root)!r}; . {str(ROOT / "tools" / "source-digest.sh")!r}; source_digest'],
+            tmp_path, GIT_CEILING_DIRECTORIES=str(tmp_path))
+    assert r.returncode == 0 and len(r.stdout.strip()) == 16, r.stderr
+    return r.stdout.strip()
+
+
+@needs_bash
+def test_gpu_check_refuses_a_wheel_built_from_other_sources(tmp_path: Path) -> None:
+    # wheelhouse/ is git-ignored and outlives commits: a wheel built before
+    # the last edits would spend device time testing old code.
+    wh = tmp_path / "wheelhouse"
+    wh.mkdir()
+    (wh / "gpumempool-0.1.0-cp312-cp312-linux_x86_64.whl").write_bytes(b"")
+    (wh / "BUILD-INFO").write_text("wheel: x\nsources: 0123456789abcdef\n")
+    r = gpu_check(tmp_path, "info")
+    assert r.returncode == 3, (r.stdout, r.stderr)
+    assert "built from other sources (0123456789abcdef)" in r.stderr and "tools/build-gpu-wheel.sh" in r.stderr
+    (wh / "BUILD-INFO").write_text(f"sources: {source_digest(ROOT, tmp_path)}\n")
+    r = gpu_check(tmp_path, "info", PYTHON="/nonexistent/python3.12")
+    assert "other sources" not in r.stderr  # the next check (the interpreter) speaks now
+
+
+@needs_bash
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout")
+def test_source_digest_is_the_same_on_the_device(tmp_path: Path) -> None:
+    # The device gets the files git lists (tracked, or untracked and not
+    # ignored) and no .git: the digest must not tell the two apart, and must
+    # change with any source byte.
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "--", "bindings", "gocore", "gpumempool",
+                            "setup.py", "pyproject.toml", "go.mod", "go.sum", "MANIFEST.in"],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    copy = tmp_path / "device"
+    for f in files:
+        if (ROOT / f).is_file():
+            (copy / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(ROOT / f, copy / f)
+    (copy / "gpumempool" / "__pycache__").mkdir(exist_ok=True)
+    (copy / "gpumempool" / "__pycache__" / "x.pyc").write_bytes(b"ignored")
+    here = source_digest(ROOT, tmp_path)
+    assert source_digest(copy, tmp_path) == here
+    with open(copy / "gocore" / "pool.go", "a") as f:
+        f.write("// edited\n")
+    assert source_digest(copy, tmp_path) != here
+
+
 @needs_bash
 def test_gpu_check_arguments(tmp_path: Path) -> None:
     r = gpu_check(tmp_path, "bogus")

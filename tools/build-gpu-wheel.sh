@@ -25,6 +25,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 WHEELHOUSE=$ROOT/wheelhouse
+# shellcheck source=tools/source-digest.sh
+. "$ROOT/tools/source-digest.sh"
 
 say() { echo "build-gpu-wheel: $*" >&2; }
 die() { echo "build-gpu-wheel: error: $*" >&2; exit 1; }
@@ -144,6 +146,7 @@ fi
 {
   echo "wheel: $(basename "$WHEEL")"
   echo "sha256: $(sha256sum "$WHEEL" | cut -d' ' -f1)"
+  echo "sources: $(source_digest)"
   echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) with $("$PY" -c 'import sys; print(sys.version.split()[0])') and $(go version | cut -d' ' -f3)"
   if git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1; then
     echo "commit: $(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo none)"

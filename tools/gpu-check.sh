@@ -41,7 +41,9 @@
 # GMP_WORK (default /tmp/gmp-check: logs/results/traces, kept between calls on
 # a warm machine), GMP_CHECK_DEADLINE, GMP_T_<STAGE> (a stage's time budget in
 # seconds, e.g. GMP_T_SUITE=400), GMP_GPT2_ARGS / GMP_TRACES_ARGS /
-# GMP_SUITE_ARGS / GMP_BENCH_ARGS / GMP_PYTEST_ARGS (extra arguments).
+# GMP_SUITE_ARGS / GMP_BENCH_ARGS / GMP_PYTEST_ARGS (extra arguments),
+# GMP_ALLOW_STALE_WHEEL=1 (run a wheel built from other sources than the
+# checkout's; refused otherwise, see tools/source-digest.sh).
 # Exit status: 0 every stage of this call ok; 1 some stage failed, timed out,
 # was skipped or (pytest) skipped every test; 2 bad arguments; 3 no usable
 # wheel or Python (summary.md says which).
@@ -49,6 +51,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 T_START=$SECONDS
+# shellcheck source=tools/source-digest.sh
+. "$ROOT/tools/source-digest.sh"
 
 ALL_STAGES=(info gputests cputests tests bench gpt2 traces suite sanitizer)
 declare -A BUDGET=([info]=60 [gputests]=300 [cputests]=180 [tests]=420 [bench]=300 [gpt2]=360
@@ -197,6 +201,16 @@ if [[ ${#WHEELS[@]} -gt 1 ]]; then
   fail_early "several gpumempool cp312 wheels in $WHEELHOUSE (${WHEELS[*]}); keep one (tools/build-gpu-wheel.sh does)"
 fi
 WHEEL=${WHEELS[0]}
+built_from=$(sed -n 's/^sources: //p' "$WHEELHOUSE/BUILD-INFO" 2>/dev/null)
+checkout=$(source_digest)
+if [[ "$built_from" != "$checkout" ]]; then
+  stale_msg="the wheel was built from other sources (${built_from:-unknown: no 'sources:' in $WHEELHOUSE/BUILD-INFO}) than the checkout's ($checkout): its Go, C and Python code is not what would be tested. Rebuild it with \`bash tools/build-gpu-wheel.sh\` (or set GMP_ALLOW_STALE_WHEEL=1)"
+  if [[ "${GMP_ALLOW_STALE_WHEEL:-}" == 1 ]]; then
+    note "WARNING: $stale_msg"
+  else
+    fail_early "$stale_msg"
+  fi
+fi
 
 if ! "$BASE_PY" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else 1)' 2>/dev/null; then
   fail_early "$BASE_PY is not a CPython 3.12 ($("$BASE_PY" --version 2>&1)); the wheel is cp312. Set PYTHON=..."

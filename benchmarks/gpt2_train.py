@@ -306,6 +306,7 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
         "deterministic kernels. Median step time after "
         f"{cfg['warmup']} warm-up steps. Pools are entered with `gmp.mempool(pool, all_threads=True)`.",
         "",
+        *([f"**Partial results**: {doc['partial']} ran (the run was cut short).", ""] if doc.get("partial") else []),
         "| mode | median step (ms) | vs native (goal <= 1.02) | peak reserved (MiB) | vs native (goal <= 1.0) | losses identical | raw allocs on re-entry |",
         "|---|---:|---:|---:|---:|---|---:|",
     ]
@@ -341,6 +342,22 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
         else:
             lines.append(f"| {label} | not run | | |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def write_results(results: dict[str, Any], skipped: dict[str, str], args: argparse.Namespace, dev: dict[str, Any],
+                  versions: dict[str, str], caps: Any, partial: str = "") -> tuple[dict[str, Any], Path, str]:
+    doc = summarize(results, args, {"name": dev["name"], "uuid": dev.get("uuid"), "total_bytes": dev.get("total_bytes")},
+                    versions)
+    doc["skipped"] = skipped
+    doc["torch_capabilities"] = caps.__dict__
+    if partial:
+        doc["partial"] = partial
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"gpt2_{device_slug(dev['name'])}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    write_markdown(doc, out_dir / f"{stem}.md")
+    return doc, out_dir, stem
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -408,17 +425,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             skipped[mode] = "worker failed (see its output above)"
         else:
             results[mode] = r
+        if len(results) + len(skipped) < len(wanted) and "native" in results:
+            # what has run so far, in case the caller's time limit kills the rest
+            write_results(results, skipped, args, dev, versions, caps,
+                          partial=f"{len(results) + len(skipped)} of {len(wanted)} modes")
     for mode, why in skipped.items():
         say(f"skipped {mode}: {why}")
 
-    doc = summarize(results, args, {"name": dev["name"], "uuid": dev.get("uuid"), "total_bytes": dev.get("total_bytes")}, versions)
-    doc["skipped"] = skipped
-    doc["torch_capabilities"] = caps.__dict__
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"gpt2_{device_slug(dev['name'])}"
-    (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    write_markdown(doc, out_dir / f"{stem}.md")
+    doc, out_dir, stem = write_results(results, skipped, args, dev, versions, caps)
     print((out_dir / f"{stem}.md").read_text())
     say(f"wrote {out_dir / (stem + '.json')} and {out_dir / (stem + '.md')}")
     identical = all(s["losses_identical"] for s in doc["summary"]["train"].values())

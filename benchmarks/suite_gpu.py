@@ -440,6 +440,8 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
         f"gpumempool pools use the `{cfg['backend']}` backend. Each configuration ran in its own process; "
         "ratios are to native torch in this run (< 1: less time or memory).",
     ]
+    if doc.get("partial"):
+        lines += ["", f"**Partial results**: {doc['partial']} (the run was cut short; these are the runs that ended)."]
     has = {w: any(k.endswith(":" + w) for k in res) for w in ("loop", "gpt2")}
     if has["loop"]:
         lines += [
@@ -612,11 +614,11 @@ def build_doc(args: argparse.Namespace, configs: list[str], device: str, results
     }
 
 
-def write_outputs(doc: dict[str, Any], out: Path) -> list[Path]:
+def write_outputs(doc: dict[str, Any], out: Path, chart: bool = True) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"suite_gpu_{device_slug(doc.get('device') or 'cpu')}"
     paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png"]
-    err = write_chart(doc, paths[2])
+    err = write_chart(doc, paths[2]) if chart else "no chart for partial results"
     if err:
         doc["chart_error"] = err
         paths.pop()
@@ -685,12 +687,16 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     results: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
-    for workload in gpu_work:
-        for config in configs:
-            if workload == "gpt2" and config == "cupy":
-                skipped["cupy:gpt2"] = "torch workload; not applicable to CuPy"
-                continue
-            results[f"{config}:{workload}"] = run_worker(config, workload, args)
+    runs = [(c, w) for w in gpu_work for c in configs]
+    for i, (config, workload) in enumerate(runs, 1):
+        if workload == "gpt2" and config == "cupy":
+            skipped["cupy:gpt2"] = "torch workload; not applicable to CuPy"
+            continue
+        results[f"{config}:{workload}"] = run_worker(config, workload, args)
+        # what has run so far, in case the caller's time limit kills the rest
+        doc = build_doc(args, configs, device, results, [], skipped, vers)
+        doc["partial"] = f"{i} of {len(runs)} GPU runs" + (" (trace replays not run yet)" if "replay" in workloads else "")
+        write_outputs(doc, Path(args.out), chart=False)
     replays: list[dict[str, Any]] = []
     if "replay" in workloads:
         dirs = args.traces or [str(HERE / "traces")]

@@ -290,6 +290,37 @@ def test_suite_report_and_chart_from_results(tmp_path: Path) -> None:
     assert json.loads(paths[0].read_text())["skipped"] == {"cupy:gpt2": "n/a"}
     if importlib.util.find_spec("matplotlib") is not None:
         assert paths[2].name == "suite_gpu_h200.png" and paths[2].stat().st_size > 1000
+    # written after every run, so a run cut short by the caller's time limit leaves what it measured
+    doc["partial"] = "3 of 10 GPU runs"
+    paths = sg.write_outputs(doc, tmp_path / "partial", chart=False)
+    assert len(paths) == 2 and "**Partial results**: 3 of 10 GPU runs" in paths[1].read_text()
+
+
+def test_gpt2_report_partial_and_complete(tmp_path: Path) -> None:
+    g2 = load(PY_SCRIPTS[2])
+    args = g2.argparse.Namespace(steps=20, warmup=5, batch=4, seq=64, vocab=512, embd=64, layers=2, heads=2, seed=1,
+                                 loop_ops=100, loop_backend="cuda", out=str(tmp_path))
+    run = lambda s, r, losses: {"median_step_s": s, "peak_reserved": r, "losses": losses,  # noqa: E731
+                                "reentry_device_allocs": 0}
+    dev = {"name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-x", "total_bytes": 80 << 30}
+    caps = g2.argparse.Namespace(begin_fn="x")
+    results = {"native": run(0.020, 1000 * MiB, [2.0, 1.5])}
+    doc, out, stem = g2.write_results(results, {}, args, dev, {"torch": "2.11"}, caps, partial="1 of 5 modes")
+    md = (out / f"{stem}.md").read_text()
+    assert stem == "gpt2_h100" and "**Partial results**: 1 of 5 modes ran" in md
+    assert "| loop | native (ns/op)" in md and "| empty then del | not run | | |" in md
+    results["mempool-vmm"] = run(0.0203, 990 * MiB, [2.0, 1.5])
+    results["mempool-nccl"] = run(0.021, 1010 * MiB, [2.0, 1.4])
+    results["loop-native"] = {"empty_del_ns_per_op": 1000.0, "window32_ns_per_op": 2000.0}
+    results["loop-replacement"] = {"empty_del_ns_per_op": 1200.0, "window32_ns_per_op": 2800.0}
+    doc, out, stem = g2.write_results(results, {}, args, dev, {"torch": "2.11"}, caps)
+    md = (out / f"{stem}.md").read_text()
+    assert "Partial" not in md and "partial" not in json.loads((out / f"{stem}.json").read_text())
+    train = doc["summary"]["train"]
+    assert train["mempool-vmm"]["losses_identical"] is True and train["mempool-nccl"]["losses_identical"] is False
+    assert train["mempool-vmm"]["step_time_ratio"] == pytest.approx(1.015)
+    assert "1.015 (yes)" in md and "1.050 (**no**)" in md and "1.010 (**no**)" in md  # nccl misses both goals
+    assert "| 32 tensors alive | 2000 | 2800 | 1.40 (**no**) |" in md
 
 
 def test_suite_replays_the_shipped_traces_on_cpu(tmp_path: Path) -> None:

@@ -15,6 +15,9 @@ type gpuOptions struct {
 	Libcuda   string `json:"libcuda"`    // path of libcuda.so.1 (default: the loader's, or $GMP_LIBCUDA)
 	Libnccl   string `json:"libnccl"`    // path of libnccl.so.2 (default: the one loaded, $GMP_LIBNCCL, the loader's)
 	HostFlags uint32 `json:"host_flags"` // cuMemHostAlloc flags (0: portable)
+	// HostDevice is the CUDA device whose context the host backend works
+	// under and whose streams record its events (default 0).
+	HostDevice int `json:"host_device"`
 
 	// async
 	PoolReleaseThreshold           uint64 `json:"pool_release_threshold"`
@@ -45,7 +48,7 @@ func gpuBackend(name string, o gpuOptions) (gocore.Backend, error) {
 	case "cuda":
 		return cuda.NewBackend(drv)
 	case "host":
-		return cuda.NewHostBackend(drv, o.HostFlags)
+		return cuda.NewHostBackendOn(drv, o.HostFlags, o.HostDevice)
 	case "nccl":
 		lib, err := nccl.Load(o.Libnccl)
 		if err != nil {

@@ -147,13 +147,6 @@ func privateAlloc(e *registry.Entry, size uint64, device int, stream uintptr) (a
 		if c.device != device || !c.filter.accepts(stream) {
 			continue
 		}
-		if e.Pool.Backend().Name() == "async" {
-			// cuMemAllocFromPoolAsync on a captured stream is itself
-			// captured: the memory would exist only inside the graph.
-			return 0, true, fmt.Errorf("private pool (%d, %d): CUDA graph capture with the async backend is not "+
-				"supported in full-replacement mode (its allocations would become part of the graph); use the cuda "+
-				"or vmm backend: %w", c.id[0], c.id[1], gocore.ErrUnsupported)
-		}
 		pp, err := g.poolLocked(e, c.id, device)
 		if err != nil {
 			return 0, true, err

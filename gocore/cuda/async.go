@@ -133,6 +133,45 @@ func (d *Driver) MemPoolTrimTo(dev int, pool, keep uint64) error {
 	return nil
 }
 
+// MemPoolSetAccess gives each device in accessDevices read/write access to
+// pool's memory (cuMemPoolSetAccess).
+func (d *Driver) MemPoolSetAccess(dev int, pool uint64, accessDevices []int) error {
+	if len(accessDevices) == 0 || len(accessDevices) > maxAccessDevices {
+		return fmt.Errorf("cuda: set access of memory pool %#x: %d devices, want 1 to %d: %w",
+			pool, len(accessDevices), maxAccessDevices, gocore.ErrInvalidArgument)
+	}
+	if err := d.require(C.GMP_cuMemPoolSetAccess); err != nil {
+		return err
+	}
+	devs := make([]C.int, len(accessDevices))
+	for i, a := range accessDevices {
+		devs[i] = C.int(a)
+	}
+	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res {
+		return C.gmp_pool_set_access(d.fns, ctx, C.uint64_t(pool), &devs[0], C.int(len(devs)))
+	})
+	if err != nil {
+		return fmt.Errorf("cuda: set read/write access of memory pool %#x for devices %v: %w", pool, accessDevices, err)
+	}
+	return nil
+}
+
+// MemPoolGetAccess returns the access flags (MemAccessProt*) device
+// accessor has to pool's memory (cuMemPoolGetAccess).
+func (d *Driver) MemPoolGetAccess(dev int, pool uint64, accessor int) (int, error) {
+	if err := d.require(C.GMP_cuMemPoolGetAccess); err != nil {
+		return 0, err
+	}
+	var f C.int
+	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res {
+		return C.gmp_pool_get_access(d.fns, ctx, C.uint64_t(pool), C.int(accessor), &f)
+	})
+	if err != nil {
+		return 0, fmt.Errorf("cuda: access of device %d to memory pool %#x: %w", accessor, pool, err)
+	}
+	return int(f), nil
+}
+
 // posixFDOnly rejects handle types whose handles are not file descriptors
 // (the wrappers pass and return an int).
 func posixFDOnly(op string, handleType int) error {

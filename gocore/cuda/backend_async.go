@@ -47,9 +47,17 @@ type AsyncOptions struct {
 // gives back reusable without a device synchronization and shareable
 // between processes (IPC).
 //
+// During a CUDA graph capture, a segment is never allocated on the
+// capturing stream: there cuMemAllocFromPoolAsync would add an allocation
+// node to the graph, memory the graph owns and frees, not the pool. Alloc
+// asks the driver (cuStreamIsCapturing) and, when the stream captures, or
+// is the legacy default stream while a blocking stream captures, allocates
+// on a private non-blocking stream of the device instead and waits for that
+// stream before returning; see Alloc.
+//
 // Events, devices and capacity are those of the cuda backend (Backend). It
 // is safe for concurrent use; driver calls run without the backend's lock
-// except the creation of a pool.
+// except the creation of a pool or of a private stream.
 type AsyncBackend struct {
 	cu   *Backend
 	drv  *Driver
@@ -57,9 +65,14 @@ type AsyncBackend struct {
 
 	live *segtrack.Table // the segments allocated and not freed
 
-	mu     sync.Mutex
-	pools  []uint64 // by device; 0 until created
-	closed bool
+	// sideMu is held shared while a private stream is used and exclusively
+	// by Close, which destroys them.
+	sideMu sync.RWMutex
+
+	mu      sync.Mutex
+	pools   []uint64 // by device; 0 until created
+	streams []uint64 // private streams, by device; 0 until created
+	closed  bool
 }
 
 var (
@@ -71,14 +84,19 @@ var (
 // up front turns an old driver into one clear error at construction
 // (matching ErrDriverTooOld and gocore.ErrUnsupported) instead of one on
 // the first allocation.
+//
+// The stream entry points (CUDA 10.0 and older) are in every driver that
+// has the stream-ordered allocator; requiring them means that a capture is
+// always detected, never silently turned into graph-owned allocations.
 var asyncSymbols = []string{
 	"cuMemPoolCreate", "cuMemPoolDestroy", "cuMemAllocFromPoolAsync", "cuMemFreeAsync",
 	"cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemPoolTrimTo",
+	"cuStreamIsCapturing", "cuStreamCreate", "cuStreamDestroy_v2",
 }
 
 // NewAsyncBackend returns an AsyncBackend over drv's devices. It fails when
 // drv is nil, sees no device or lacks the stream-ordered allocator (CUDA
-// 11.2+). No pool is created until a device is used.
+// 11.2+) or cuStreamIsCapturing. No pool is created until a device is used.
 func NewAsyncBackend(drv *Driver, opts AsyncOptions) (*AsyncBackend, error) {
 	cu, err := NewBackend(drv)
 	if err != nil {
@@ -96,8 +114,9 @@ func NewAsyncBackend(drv *Driver, opts AsyncOptions) (*AsyncBackend, error) {
 	}
 	return &AsyncBackend{
 		cu: cu, drv: drv, opts: opts,
-		pools: make([]uint64, cu.Devices()),
-		live:  segtrack.New("async backend"),
+		pools:   make([]uint64, cu.Devices()),
+		streams: make([]uint64, cu.Devices()),
+		live:    segtrack.New("async backend"),
 	}, nil
 }
 
@@ -223,22 +242,92 @@ func boolValue(on bool) uint64 {
 // for it, which the engine's events take care of). Running out of memory
 // (CUDA_ERROR_OUT_OF_MEMORY, also when MaxSize is reached) matches
 // gocore.ErrBackendOutOfMemory.
+//
+// When stream is capturing a CUDA graph (cuStreamIsCapturing: active or
+// invalidated), or is the legacy default stream while a blocking stream of
+// the device captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: using it would
+// break that capture), the memory is taken on a private non-blocking stream
+// of dev instead, created on first need, and Alloc waits for that stream
+// (cuStreamSynchronize, allowed during a capture in the relaxed mode every
+// driver call of the package runs in): the segment is then the pool's, as
+// outside a capture, and usable on every stream, the captured one included.
+// A stream that does not capture, the default streams included when no
+// blocking stream captures, is used as it is.
 func (b *AsyncBackend) Alloc(dev int, size uint64, stream gocore.Stream) (uint64, error) {
 	p, err := b.pool("alloc", dev)
 	if err != nil {
 		return 0, err
 	}
-	addr, err := b.drv.MemAllocFromPoolAsync(dev, size, p, uint64(stream))
+	capturing, err := b.capturing(dev, uint64(stream))
+	if err != nil {
+		return 0, err
+	}
+	if !capturing {
+		return b.allocOn(dev, size, p, uint64(stream), false)
+	}
+	b.sideMu.RLock()
+	defer b.sideMu.RUnlock()
+	side, err := b.privateStream(dev)
+	if err != nil {
+		return 0, err
+	}
+	return b.allocOn(dev, size, p, side, true)
+}
+
+// capturing reports whether allocating on stream would be captured into a
+// CUDA graph, or break a capture.
+func (b *AsyncBackend) capturing(dev int, stream uint64) (bool, error) {
+	status, err := b.drv.StreamIsCapturing(dev, stream)
+	var cerr *Error
+	if errors.As(err, &cerr) && cerr.Code == CodeStreamCaptureImplicit && cerr.Op == "cuStreamIsCapturing" {
+		return true, nil // the legacy default stream while a blocking stream captures
+	}
+	if err != nil {
+		return false, fmt.Errorf("async backend: alloc on device %d: %w", dev, err)
+	}
+	return status != StreamCaptureStatusNone, nil
+}
+
+// privateStream returns dev's private stream, creating it on first use;
+// the caller holds b.sideMu shared.
+func (b *AsyncBackend) privateStream(dev int) (uint64, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return 0, fmt.Errorf("async backend: alloc on device %d: %w", dev, ErrBackendClosed)
+	}
+	if s := b.streams[dev]; s != 0 {
+		return s, nil
+	}
+	s, err := b.drv.StreamCreate(dev, StreamNonBlocking)
+	if err != nil {
+		return 0, fmt.Errorf("async backend: private stream for allocations during a graph capture: %w", err)
+	}
+	b.streams[dev] = s
+	return s, nil
+}
+
+// allocOn allocates on stream on; private says it is dev's private stream,
+// which is waited for.
+func (b *AsyncBackend) allocOn(dev int, size, pool, on uint64, private bool) (uint64, error) {
+	addr, err := b.drv.MemAllocFromPoolAsync(dev, size, pool, on)
 	if err != nil {
 		return 0, fmt.Errorf("async backend: %w", err)
 	}
+	if private {
+		if err := b.drv.StreamSynchronize(dev, on); err != nil {
+			return 0, errors.Join(fmt.Errorf("async backend: %w", err), b.drv.MemFreeAsync(dev, addr, on))
+		}
+	}
 	if addr%Alignment != 0 {
 		// Not ours to keep: hand it back rather than break the promise.
-		_ = b.drv.MemFreeAsync(dev, addr, uint64(stream))
+		_ = b.drv.MemFreeAsync(dev, addr, on)
 		return 0, fmt.Errorf("async backend: cuMemAllocFromPoolAsync returned %#x, not aligned to %d bytes", addr, Alignment)
 	}
 	// An address whose Free is in flight may come back at once; only a live
-	// one is a driver bug.
+	// one is a driver bug. That allocation is not freed: the driver frees by
+	// address, and the address is a live segment's, which the engine still
+	// uses (the nccl backend leaves such an allocation alone too). It leaks.
 	if !b.live.Add(segtrack.Segment{Device: dev, Addr: addr, Size: size}) {
 		return 0, fmt.Errorf("async backend: cuMemAllocFromPoolAsync returned %#x, which is still allocated", addr)
 	}
@@ -250,7 +339,9 @@ func (b *AsyncBackend) Alloc(dev int, size uint64, stream gocore.Stream) (uint64
 // work queued there, so it neither waits nor races with kernels still using
 // the memory (work on other streams was waited for by the engine's
 // events). It works after Close too: a destroyed pool's allocations stay
-// valid until freed. On error the segment stays allocated.
+// valid until freed. On error the segment stays allocated. The engine frees
+// no segment during a capture; a free on a capturing stream would become a
+// node of the graph.
 func (b *AsyncBackend) Free(dev int, addr, size uint64, stream gocore.Stream) error {
 	return b.live.Free(dev, addr, size, func() error {
 		if err := b.drv.MemFreeAsync(dev, addr, uint64(stream)); err != nil {
@@ -339,9 +430,10 @@ func (b *AsyncBackend) ExportPointer(dev int, ptr uint64) ([64]byte, error) {
 }
 
 // Close destroys the CUDA pools (cuMemPoolDestroy, which gives their
-// cached memory back). Segments still allocated are reported as an error;
-// the driver keeps them valid until they are freed, and Free still works.
-// Every other method fails afterwards; closing twice is an error.
+// cached memory back) and the private streams. Segments still allocated
+// are reported as an error; the driver keeps them valid until they are
+// freed, and Free still works. Every other method fails afterwards;
+// closing twice is an error.
 func (b *AsyncBackend) Close() error {
 	b.mu.Lock()
 	if b.closed {
@@ -350,6 +442,7 @@ func (b *AsyncBackend) Close() error {
 	}
 	b.closed = true
 	pools := append([]uint64(nil), b.pools...)
+	streams := append([]uint64(nil), b.streams...)
 	b.mu.Unlock()
 	var leaked []string
 	for _, s := range b.live.Segments() {
@@ -357,6 +450,15 @@ func (b *AsyncBackend) Close() error {
 	}
 
 	var errs []error
+	b.sideMu.Lock() // no Alloc is using a private stream any more
+	for dev, s := range streams {
+		if s != 0 {
+			if err := b.drv.StreamDestroy(dev, s); err != nil {
+				errs = append(errs, fmt.Errorf("async backend: close: %w", err))
+			}
+		}
+	}
+	b.sideMu.Unlock()
 	for dev, p := range pools {
 		if p == 0 {
 			continue

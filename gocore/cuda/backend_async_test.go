@@ -246,6 +246,19 @@ func TestGPUBackendsNeedTheirEntryPoints(t *testing.T) {
 	assert.Contains(t, err.Error(), "cuMemMap missing")
 }
 
+// Without cuStreamIsCapturing a capture could not be told from ordinary
+// use, and allocations would silently become graph-owned: refused.
+func TestAsyncBackendNeedsCaptureStatus(t *testing.T) {
+	lib := fakecuda.BuildHiding(t, "cuStreamIsCapturing")
+	fakecuda.OpenPath(t, lib)
+	drv, err := Load(lib)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, drv.Close()) }()
+	_, err = NewAsyncBackend(drv, AsyncOptions{})
+	require.ErrorIs(t, err, ErrDriverTooOld)
+	assert.Contains(t, err.Error(), "cuStreamIsCapturing missing")
+}
+
 // Pools on many goroutines share one backend, as the Backend contract
 // allows; run with -race.
 func testConcurrentPools(t *testing.T, be gocore.Backend, sizes []uint64) {
@@ -311,4 +324,195 @@ func TestAsyncBackendConcurrentPools(t *testing.T) {
 	require.NoError(t, be.Close())
 	assert.Zero(t, f.LiveAllocs(0)+f.LiveAllocs(1))
 	assert.Zero(t, f.LivePools())
+}
+
+// A segment wanted during a CUDA graph capture is never allocated on the
+// capturing stream (the driver would make it a graph-owned allocation
+// node): Alloc takes it on a private non-blocking stream of the device and
+// waits for that stream. The fake refuses stream-ordered calls on a
+// capturing stream, so succeeding proves the private stream was used.
+func TestAsyncBackendAllocDuringCaptureUsesPrivateStream(t *testing.T) {
+	f, drv := setup(t)
+	be := newAsync(t, drv, AsyncOptions{})
+	const captured, other = 0x41, 0x40
+
+	// No capture: the caller's stream, no private stream.
+	a, err := be.Alloc(1, 4*mib, other)
+	require.NoError(t, err)
+	assert.EqualValues(t, other, f.LastStream("cuMemAllocFromPoolAsync"))
+	assert.Zero(t, f.Calls("cuStreamCreate"))
+	assert.Zero(t, f.Calls("cuStreamSynchronize"), "nothing to wait for outside a capture")
+
+	f.SetStreamCapturing(captured, true)
+	b, err := be.Alloc(1, 8*mib, captured)
+	require.NoError(t, err)
+	side := f.LastStream("cuMemAllocFromPoolAsync")
+	assert.NotEqualValues(t, captured, side, "not on the capturing stream")
+	dev, flags, ok := f.StreamInfo(side)
+	require.True(t, ok, "a stream the backend created")
+	assert.Equal(t, 1, dev, "of the segment's device")
+	assert.Equal(t, StreamNonBlocking, flags, "no implicit synchronization with the legacy stream")
+	assert.Equal(t, side, f.LastStream("cuStreamSynchronize"), "waited for the private stream")
+	assert.Equal(t, 1, f.PtrDevice(b))
+	assert.Zero(t, f.CaptureViolations())
+	assert.Zero(t, f.CaptureMode(), "the thread's capture mode is restored")
+
+	// The legacy default stream while a blocking stream captures: using it
+	// would join the capture (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT).
+	c, err := be.Alloc(1, 2*mib, 0)
+	require.NoError(t, err)
+	assert.Equal(t, side, f.LastStream("cuMemAllocFromPoolAsync"), "the same private stream, made once")
+	assert.Equal(t, 1, f.Calls("cuStreamCreate"))
+	// Another stream that does not capture is used as it is.
+	d, err := be.Alloc(1, 2*mib, other)
+	require.NoError(t, err)
+	assert.EqualValues(t, other, f.LastStream("cuMemAllocFromPoolAsync"))
+	// Device 0 gets its own private stream.
+	e, err := be.Alloc(0, 2*mib, captured)
+	require.NoError(t, err)
+	side0 := f.LastStream("cuMemAllocFromPoolAsync")
+	dev, _, ok = f.StreamInfo(side0)
+	require.True(t, ok)
+	assert.Equal(t, 0, dev)
+	assert.Equal(t, 2, f.LiveStreams())
+	assert.Zero(t, f.CaptureViolations())
+
+	f.SetStreamCapturing(captured, false)
+	// Segments are freed on their stream once the capture is over.
+	require.NoError(t, be.Free(1, b, 8*mib, captured))
+	assert.EqualValues(t, captured, f.LastStream("cuMemFreeAsync"))
+	for _, s := range []struct {
+		dev  int
+		addr uint64
+		size uint64
+	}{{1, a, 4 * mib}, {1, c, 2 * mib}, {1, d, 2 * mib}, {0, e, 2 * mib}} {
+		require.NoError(t, be.Free(s.dev, s.addr, s.size, other))
+	}
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.LiveStreams(), "Close destroys the private streams")
+	assert.Zero(t, f.LivePools())
+
+	_, err = be.Alloc(1, 2*mib, captured)
+	require.ErrorIs(t, err, ErrBackendClosed)
+}
+
+// Through a pool: a new segment for an allocation on the capturing stream
+// comes from the private stream, and nothing the capture forbids is done.
+func TestAsyncBackendPoolDuringCapture(t *testing.T) {
+	f, drv := setup(t)
+	be := newAsync(t, drv, AsyncOptions{})
+	p := newPool(t, be)
+	const captured = 0x51
+	f.SetStreamCapturing(captured, true)
+	p.EnterCapture()
+	a, err := p.Alloc(3*mib, 0, captured)
+	require.NoError(t, err)
+	assert.NotEqualValues(t, captured, f.LastStream("cuMemAllocFromPoolAsync"))
+	require.NoError(t, p.Free(a))
+	assert.Zero(t, f.CaptureViolations())
+	f.SetStreamCapturing(captured, false)
+	require.NoError(t, p.ExitCapture())
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, captured, f.LastStream("cuMemFreeAsync"), "freed on the segment's stream")
+	closePool(t, p)
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.LiveAllocs(0))
+	assert.Zero(t, f.LiveStreams())
+}
+
+// The fake refuses stream-ordered calls on a capturing stream (and on the
+// legacy one while a blocking stream captures), and the capture path's
+// failures are reported without leaving anything allocated.
+func TestAsyncBackendCaptureFailures(t *testing.T) {
+	f, drv := setup(t)
+	be := newAsync(t, drv, AsyncOptions{})
+	const captured = 0x61
+	f.SetStreamCapturing(captured, true)
+
+	// The fake refuses what the real driver would turn into graph nodes.
+	pool, err := be.pool("test", 0)
+	require.NoError(t, err)
+	_, err = drv.MemAllocFromPoolAsync(0, 2*mib, pool, captured)
+	require.ErrorContains(t, err, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
+	_, err = drv.MemAllocFromPoolAsync(0, 2*mib, pool, 0)
+	require.ErrorContains(t, err, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT")
+	assert.Equal(t, 2, f.CaptureViolations())
+
+	// Failures on the way are reported, and leave nothing behind.
+	f.Fail("cuStreamIsCapturing", CodeInvalidValue, 0)
+	_, err = be.Alloc(0, 2*mib, captured)
+	require.ErrorContains(t, err, "cuStreamIsCapturing: CUDA_ERROR_INVALID_VALUE")
+	f.Fail("cuStreamIsCapturing", 0, 0)
+	f.Fail("cuStreamCreate", CodeOutOfMemory, 0)
+	_, err = be.Alloc(0, 2*mib, captured)
+	require.ErrorContains(t, err, "private stream")
+	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory)
+	f.Fail("cuStreamCreate", 0, 0)
+	f.Fail("cuStreamSynchronize", CodeIllegalAddress, 0)
+	_, err = be.Alloc(0, 2*mib, captured)
+	require.ErrorContains(t, err, "cuStreamSynchronize: CUDA_ERROR_ILLEGAL_ADDRESS")
+	f.Fail("cuStreamSynchronize", 0, 0)
+	assert.Zero(t, f.LiveAllocs(0), "the allocation was given back")
+	assert.Equal(t, 2, f.CaptureViolations(), "no refused call by the backend")
+	f.SetStreamCapturing(captured, false)
+
+	f.Fail("cuStreamDestroy_v2", CodeInvalidContext, 0)
+	require.ErrorContains(t, be.Close(), "cuStreamDestroy_v2")
+}
+
+// Close waits for allocations using a private stream before destroying it
+// (the fake fails a use of a destroyed stream); run with -race.
+func TestAsyncBackendCloseDuringCaptureAllocs(t *testing.T) {
+	f, drv := setup(t)
+	be := newAsync(t, drv, AsyncOptions{})
+	const captured = 0x71
+	f.SetStreamCapturing(captured, true)
+	type seg struct {
+		dev  int
+		addr uint64
+	}
+	var (
+		mu   sync.Mutex
+		segs []seg
+		errs []error
+		wg   sync.WaitGroup
+	)
+	started := make(chan struct{}, 4)
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 100 { // within the fake's 1 GiB per device
+				a, err := be.Alloc(g%2, 2*mib, captured)
+				if i == 0 {
+					started <- struct{}{}
+				}
+				mu.Lock()
+				if err != nil {
+					if !errors.Is(err, ErrBackendClosed) {
+						errs = append(errs, err)
+					}
+					mu.Unlock()
+					return
+				}
+				segs = append(segs, seg{g % 2, a})
+				mu.Unlock()
+			}
+		}()
+	}
+	for range 4 {
+		<-started
+	}
+	closeErr := be.Close()
+	wg.Wait()
+	require.NoError(t, errors.Join(errs...))
+	require.ErrorContains(t, closeErr, "segments never freed", "the loops' segments")
+	assert.Zero(t, f.LiveStreams())
+	assert.Zero(t, f.CaptureViolations())
+	f.SetStreamCapturing(captured, false)
+	for _, s := range segs {
+		require.NoError(t, be.Free(s.dev, s.addr, 2*mib, 0x72), "Free works after Close")
+	}
+	assert.Zero(t, f.LiveAllocs(0)+f.LiveAllocs(1))
 }

@@ -345,6 +345,48 @@ func TestHostBackendPinsMemory(t *testing.T) {
 	require.Error(t, err, "freed memory is no longer pinned")
 }
 
+// A host backend on device 1 (a process using only that GPU) does
+// everything under device 1's context and never creates one on device 0.
+func TestHostBackendOnAnotherDevice(t *testing.T) {
+	f, drv := setup(t)
+	hb, err := NewHostBackendOn(drv, 0, 1)
+	require.NoError(t, err)
+	assert.Equal(t, 1, hb.CUDADevice())
+	assert.Equal(t, 1, hb.Devices(), "still one device: the host")
+	p := newPool(t, hb)
+	f.SetManualEvents(true)
+	a, err := p.Alloc(1000, 0, 0x21)
+	require.NoError(t, err)
+	flags, err := hb.Flags(a)
+	require.NoError(t, err)
+	assert.EqualValues(t, HostAllocPortable, flags)
+	require.NoError(t, p.RecordStream(a, 0x22))
+	require.NoError(t, p.Free(a))
+	assert.Equal(t, 1, f.LiveEvents(1), "device 1's event")
+	f.CompleteAll()
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	closePool(t, p)
+	assert.Zero(t, f.LiveBytes(-1))
+	assert.Zero(t, f.LiveEvents(1))
+	assert.Zero(t, f.Retained(0), "device 0's context was never created")
+	assert.Equal(t, 1, f.Retained(1))
+
+	// Its events cannot be recorded on another device's stream.
+	s0, err := drv.StreamCreate(0, StreamDefault)
+	require.NoError(t, err)
+	ev, err := hb.NewEvent(0)
+	require.NoError(t, err)
+	require.ErrorContains(t, hb.RecordEvent(ev, gocore.Stream(s0)), "CUDA_ERROR_INVALID_HANDLE")
+	require.NoError(t, hb.DestroyEvent(ev))
+	require.NoError(t, drv.StreamDestroy(0, s0))
+
+	for _, dev := range []int{-1, 2} {
+		_, err = NewHostBackendOn(drv, 0, dev)
+		require.ErrorIs(t, err, gocore.ErrInvalidDevice)
+	}
+}
+
 func TestParseMeminfo(t *testing.T) {
 	total, avail, ok := parseMeminfo([]byte("MemTotal:       16384 kB\nMemFree:  1 kB\nMemAvailable:    8192 kB\n"))
 	require.True(t, ok)

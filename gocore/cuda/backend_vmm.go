@@ -76,15 +76,27 @@ type VMMBackend struct {
 	opts       VMMOptions // normalized: defaults filled in, AccessDevices deduplicated
 	granOption int
 	handleType int
-	gran       uint64 // Granularity(): device 0's
 
-	mu     sync.Mutex
-	grans  []uint64               // by device; 0 until queried
-	totals []uint64               // by device: total memory, for the default ReserveBytes
-	segs   map[uint64]*vmmSegment // by base address (UVA: unique across devices)
-	lost   []error                // teardown failures after the point of no return, for Close
-	closed bool
+	mu        sync.Mutex
+	devs      []vmmDevice            // by device; filled in on first use
+	gran      uint64                 // Granularity(): the coarsest of devs, DefaultVMMGranularity before any
+	granKnown bool                   // some device's granularity is in gran
+	totals    []uint64               // by device: total memory, for the default ReserveBytes
+	segs      map[uint64]*vmmSegment // by base address (UVA: unique across devices)
+	lost      []error                // teardown failures after the point of no return, for Close
+	closed    bool
 }
+
+// vmmDevice is what VMMBackend learns about a device on first use.
+type vmmDevice struct {
+	gran uint64 // 0 until queried
+	rdma bool   // allocFlags.gpuDirectRDMACapable is set
+}
+
+// DefaultVMMGranularity is what VMMBackend.Granularity reports before any
+// device was used: 2 MiB, what current GPUs report for both options, and
+// the unit of the engine's segment sizes.
+const DefaultVMMGranularity = 2 << 20
 
 // vmmSegment is one live segment: a reservation with physical chunks mapped
 // back to back from its base.
@@ -128,10 +140,18 @@ var vmmSymbols = []string{
 // gocore.ErrInvalidArgument; a driver without the VMM API one matching
 // ErrDriverTooOld.
 //
-// It queries device 0's granularity for Granularity, so device 0's primary
-// context is retained from here on; a failure there (e.g. host NUMA memory
-// on a system without it) is reported now rather than at the first
-// allocation.
+// No device is touched here: each device's granularity (and whether it
+// takes GPUDirect RDMA memory) is queried on its first use, so that a
+// process using one GPU never creates a context on another (torchrun
+// ranks on cuda:LOCAL_RANK would otherwise all retain GPU 0). A failure of
+// that query (e.g. host NUMA memory on a system without it) is reported
+// by the first allocation.
+//
+// On devices whose CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+// is 1, device memory is created with allocFlags.gpuDirectRDMACapable, as
+// torch's expandable segments do, so that NICs can read and write it
+// (GPUDirect RDMA, e.g. NCCL over InfiniBand). Host NUMA memory is created
+// without it.
 func NewVMMBackend(drv *Driver, opts VMMOptions) (*VMMBackend, error) {
 	cu, err := NewBackend(drv)
 	if err != nil {
@@ -157,15 +177,13 @@ func NewVMMBackend(drv *Driver, opts VMMOptions) (*VMMBackend, error) {
 	}
 	b := &VMMBackend{
 		cu: cu, drv: drv, opts: opts, granOption: granOption, handleType: MemHandleTypeNone,
-		grans:  make([]uint64, cu.Devices()),
+		devs:   make([]vmmDevice, cu.Devices()),
+		gran:   DefaultVMMGranularity,
 		totals: make([]uint64, cu.Devices()),
 		segs:   make(map[uint64]*vmmSegment),
 	}
 	if opts.IPC {
 		b.handleType = MemHandleTypePosixFD
-	}
-	if b.gran, err = b.granularity(0); err != nil {
-		return nil, err
 	}
 	return b, nil
 }
@@ -268,19 +286,27 @@ func (b *VMMBackend) LiveEvents() int { return b.cu.LiveEvents() }
 // Expandable reports VMMOptions.Expandable.
 func (b *VMMBackend) Expandable() bool { return b.opts.Expandable }
 
-// Granularity is device 0's granularity for the configured memory (the
-// option's kind), the unit the engine creates and grows expandable
-// segments in. It is the same on every device of a kind in practice;
-// should another device's be coarser, its segments are mapped in its own,
-// rounded up, and the surplus is used by the next growth.
-func (b *VMMBackend) Granularity() uint64 { return b.gran }
+// Granularity is the unit the engine creates and grows expandable segments
+// in: the coarsest granularity (of the option's kind, for the configured
+// memory) among the devices used so far, and DefaultVMMGranularity (2 MiB)
+// before any was, since asking a device would create a context on it. It
+// is the same on every device of a kind in practice; a device whose
+// granularity is coarser than the unit the engine used maps its segments
+// in its own, rounded up, and the surplus is used by the next growth.
+func (b *VMMBackend) Granularity() uint64 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.gran
+}
 
-// prop describes the physical memory of a segment of dev.
-func (b *VMMBackend) prop(dev int) AllocProp {
+// prop describes the physical memory of a segment of dev; rdma sets
+// GPUDirectRDMACapable (device memory only).
+func (b *VMMBackend) prop(dev int, rdma bool) AllocProp {
 	if b.opts.Location == VMMLocationHostNUMA {
 		return AllocProp{LocationType: MemLocationTypeHostNUMA, LocationID: b.opts.NUMANode, HandleType: b.handleType}
 	}
-	return AllocProp{LocationType: MemLocationTypeDevice, LocationID: dev, HandleType: b.handleType}
+	return AllocProp{LocationType: MemLocationTypeDevice, LocationID: dev, HandleType: b.handleType,
+		GPUDirectRDMACapable: rdma}
 }
 
 // access lists the devices that get read/write access to dev's segments:
@@ -301,26 +327,46 @@ func (b *VMMBackend) access(dev int) []int {
 	return out
 }
 
-// granularity returns dev's granularity, queried once. The query runs
-// without the lock; two first users may both ask, which is harmless.
-func (b *VMMBackend) granularity(dev int) (uint64, error) {
+// device returns dev's granularity and the properties of its physical
+// memory, queried on first use. The queries run without the lock; two
+// first users may both ask, which is harmless.
+func (b *VMMBackend) device(dev int) (uint64, AllocProp, error) {
 	b.mu.Lock()
-	g := b.grans[dev]
+	d := b.devs[dev]
 	b.mu.Unlock()
-	if g != 0 {
-		return g, nil
+	if d.gran != 0 {
+		return d.gran, b.prop(dev, d.rdma), nil
 	}
-	g, err := b.drv.MemGetAllocationGranularity(dev, b.prop(dev), b.granOption)
+	if b.opts.Location == VMMLocationDevice && b.drv.HasSymbol("cuDeviceGetAttribute") {
+		v, err := b.drv.DeviceAttribute(dev, DeviceAttrGPUDirectRDMAWithCUDAVMMSupported)
+		var cerr *Error
+		switch {
+		case errors.As(err, &cerr) && cerr.Code == CodeInvalidValue && cerr.Op == "cuDeviceGetAttribute":
+			// A driver older than the attribute: no RDMA flag.
+		case err != nil:
+			return 0, AllocProp{}, fmt.Errorf("vmm backend: %w", err)
+		default:
+			d.rdma = v == 1
+		}
+	}
+	prop := b.prop(dev, d.rdma)
+	g, err := b.drv.MemGetAllocationGranularity(dev, prop, b.granOption)
 	if err != nil {
-		return 0, fmt.Errorf("vmm backend: %w", err)
+		return 0, AllocProp{}, fmt.Errorf("vmm backend: %w", err)
 	}
 	if g == 0 || g&(g-1) != 0 || g%Alignment != 0 {
-		return 0, fmt.Errorf("vmm backend: device %d reports granularity %d, not a power of two multiple of %d", dev, g, Alignment)
+		return 0, AllocProp{}, fmt.Errorf("vmm backend: device %d reports granularity %d, not a power of two multiple of %d",
+			dev, g, Alignment)
 	}
+	d.gran = g
 	b.mu.Lock()
-	b.grans[dev] = g
+	b.devs[dev] = d
+	if b.gran < g || !b.granKnown {
+		b.gran = g
+		b.granKnown = true
+	}
 	b.mu.Unlock()
-	return g, nil
+	return g, prop, nil
 }
 
 // reserveSize is how much address space a new segment of mapped bytes on
@@ -363,7 +409,7 @@ func (b *VMMBackend) Alloc(dev int, size uint64, stream gocore.Stream) (uint64, 
 	if size == 0 {
 		return 0, fmt.Errorf("vmm backend: alloc 0 bytes on device %d: %w", dev, gocore.ErrInvalidArgument)
 	}
-	gran, err := b.granularity(dev)
+	gran, prop, err := b.device(dev)
 	if err != nil {
 		return 0, err
 	}
@@ -374,7 +420,7 @@ func (b *VMMBackend) Alloc(dev int, size uint64, stream gocore.Stream) (uint64, 
 	}
 	// Physical memory first: running out of it, the common failure, then
 	// leaves nothing to undo.
-	h, err := b.drv.MemCreate(dev, mapped, b.prop(dev))
+	h, err := b.drv.MemCreate(dev, mapped, prop)
 	if err != nil {
 		return 0, fmt.Errorf("vmm backend: alloc %d bytes on device %d: %w", size, dev, err)
 	}
@@ -500,7 +546,7 @@ func (b *VMMBackend) Expand(dev int, addr, size, extra uint64, stream gocore.Str
 	if extra == 0 {
 		return fmt.Errorf("vmm backend: expand %#x on device %d by 0 bytes: %w", addr, dev, gocore.ErrInvalidArgument)
 	}
-	gran, err := b.granularity(dev)
+	gran, prop, err := b.device(dev)
 	if err != nil {
 		return err
 	}
@@ -518,7 +564,7 @@ func (b *VMMBackend) Expand(dev int, addr, size, extra uint64, stream gocore.Str
 	var chunk *vmmChunk
 	if need > s.mapped { // else a coarser granularity already mapped enough
 		n := need - s.mapped
-		h, err := b.drv.MemCreate(dev, n, b.prop(dev))
+		h, err := b.drv.MemCreate(dev, n, prop)
 		if err != nil {
 			return fmt.Errorf("vmm backend: expand %#x on device %d by %d bytes: %w", addr, dev, extra, err)
 		}

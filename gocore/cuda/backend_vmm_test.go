@@ -83,9 +83,10 @@ func TestVMMBackendGranularityRounding(t *testing.T) {
 	f.SetGranularity(2*mib, 8*mib)
 
 	rec := newVMM(t, drv, VMMOptions{})
-	assert.EqualValues(t, 8*mib, rec.Granularity())
+	assert.EqualValues(t, DefaultVMMGranularity, rec.Granularity(), "no device asked yet")
 	a, err := rec.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)
+	assert.EqualValues(t, 8*mib, rec.Granularity(), "device 0's, once used")
 	assert.EqualValues(t, 8*mib, f.LiveBytes(0), "mapped in the recommended granularity")
 	assert.Zero(t, a%(8*mib), "the reservation is aligned to the granularity we use, not the driver's default")
 	fakecuda.Write(a+8*mib-4, []byte("tail"))
@@ -408,6 +409,84 @@ func TestVMMBackendConcurrentPools(t *testing.T) {
 	f, drv := setup(t)
 	be := newVMM(t, drv, VMMOptions{Expandable: true, AccessDevices: []int{0, 1}})
 	testConcurrentPools(t, be, []uint64{1000, 3 * mib, 12 * mib})
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.VMMObjects())
+}
+
+// A process that uses one GPU creates no context on another: the backend
+// asks each device for its granularity (and RDMA support) on first use,
+// once.
+func TestVMMBackendTouchesOnlyDevicesItUses(t *testing.T) {
+	f, drv := setup(t)
+	f.SetGranularity(2*mib, 4*mib)
+	be := newVMM(t, drv, VMMOptions{Expandable: true, ReserveBytes: 64 * mib})
+	assert.Zero(t, f.Retained(0)+f.Retained(1), "no context made by the constructor")
+	assert.EqualValues(t, DefaultVMMGranularity, be.Granularity())
+	p := newPool(t, be)
+	a, err := p.Alloc(3*mib, 1, 0x7)
+	require.NoError(t, err)
+	b, err := p.Alloc(30*mib, 1, 0x7)
+	require.NoError(t, err)
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(b))
+	closePool(t, p)
+	assert.Zero(t, f.Retained(0), "device 0 was never touched")
+	assert.Equal(t, 1, f.Retained(1))
+	assert.EqualValues(t, 4*mib, be.Granularity(), "device 1's")
+	assert.Equal(t, 1, f.Calls("cuMemGetAllocationGranularity"), "asked once")
+	assert.Equal(t, 1, f.Calls("cuDeviceGetAttribute"), "asked once")
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.VMMObjects())
+}
+
+// Device memory is created GPUDirect-RDMA capable on devices that support
+// it (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED), as
+// torch's expandable segments do; the fake refuses the flag elsewhere.
+func TestVMMBackendGPUDirectRDMA(t *testing.T) {
+	f, drv := setup(t)
+	f.SetDeviceAttribute(1, DeviceAttrGPUDirectRDMAWithCUDAVMMSupported, 1)
+	be := newVMM(t, drv, VMMOptions{Expandable: true, ReserveBytes: 8 * mib})
+	a, err := be.Alloc(1, 2*mib, 0)
+	require.NoError(t, err)
+	assert.Equal(t, 1, f.LastMemCreateRDMA(), "device 1 supports it")
+	require.NoError(t, be.Expand(1, a, 2*mib, 2*mib, 0))
+	assert.Equal(t, 1, f.LastMemCreateRDMA(), "growth too")
+	b, err := be.Alloc(0, 2*mib, 0)
+	require.NoError(t, err)
+	assert.Zero(t, f.LastMemCreateRDMA(), "device 0 does not")
+	require.NoError(t, be.Free(1, a, 4*mib, 0))
+	require.NoError(t, be.Free(0, b, 2*mib, 0))
+	require.NoError(t, be.Close())
+
+	// A driver that does not know the attribute: no flag.
+	f.Reset()
+	f.SetDeviceAttribute(0, DeviceAttrGPUDirectRDMAWithCUDAVMMSupported, 1)
+	f.Fail("cuDeviceGetAttribute", CodeInvalidValue, 0)
+	be = newVMM(t, drv, VMMOptions{})
+	a, err = be.Alloc(0, 2*mib, 0)
+	require.NoError(t, err)
+	assert.Zero(t, f.LastMemCreateRDMA())
+	require.NoError(t, be.Free(0, a, 2*mib, 0))
+	require.NoError(t, be.Close())
+
+	// Another failure of the query fails the allocation.
+	f.Reset()
+	f.Fail("cuDeviceGetAttribute", CodeUnknown, 0)
+	be = newVMM(t, drv, VMMOptions{})
+	_, err = be.Alloc(0, 2*mib, 0)
+	require.ErrorContains(t, err, "cuDeviceGetAttribute: CUDA_ERROR_UNKNOWN")
+	f.Fail("cuDeviceGetAttribute", 0, 0)
+	require.NoError(t, be.Close())
+
+	// Host NUMA memory is not asked about nor flagged.
+	f.Reset()
+	f.SetDeviceAttribute(0, DeviceAttrGPUDirectRDMAWithCUDAVMMSupported, 1)
+	be = newVMM(t, drv, VMMOptions{Location: VMMLocationHostNUMA})
+	a, err = be.Alloc(0, 2*mib, 0)
+	require.NoError(t, err)
+	assert.Zero(t, f.LastMemCreateRDMA())
+	assert.Zero(t, f.Calls("cuDeviceGetAttribute"))
+	require.NoError(t, be.Free(0, a, 2*mib, 0))
 	require.NoError(t, be.Close())
 	assert.Zero(t, f.VMMObjects())
 }

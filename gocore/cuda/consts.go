@@ -19,7 +19,36 @@ const (
 	CodeIllegalAddress = 700 // CUDA_ERROR_ILLEGAL_ADDRESS
 	CodeNotPermitted   = 800 // CUDA_ERROR_NOT_PERMITTED
 	CodeNotSupported   = 801 // CUDA_ERROR_NOT_SUPPORTED
-	CodeUnknown        = 999 // CUDA_ERROR_UNKNOWN
+	// CodeStreamCaptureUnsupported is what a call that would break a CUDA
+	// graph capture returns (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED).
+	CodeStreamCaptureUnsupported = 900 // CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+	// CodeStreamCaptureImplicit is cuStreamIsCapturing's answer for the
+	// legacy default stream while a blocking stream of its context captures
+	// (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT).
+	CodeStreamCaptureImplicit = 906 // CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+	CodeUnknown               = 999 // CUDA_ERROR_UNKNOWN
+)
+
+// Stream capture statuses (CUstreamCaptureStatus), from
+// Driver.StreamIsCapturing.
+const (
+	StreamCaptureStatusNone        = 0 // CU_STREAM_CAPTURE_STATUS_NONE
+	StreamCaptureStatusActive      = 1 // CU_STREAM_CAPTURE_STATUS_ACTIVE
+	StreamCaptureStatusInvalidated = 2 // CU_STREAM_CAPTURE_STATUS_INVALIDATED
+)
+
+// Stream creation flags (CUstream_flags).
+const (
+	StreamDefault     = 0x0 // CU_STREAM_DEFAULT
+	StreamNonBlocking = 0x1 // CU_STREAM_NON_BLOCKING: no implicit synchronization with the legacy default stream
+)
+
+// Device attributes (CUdevice_attribute) for Driver.DeviceAttribute: the
+// ones the package uses.
+const (
+	// DeviceAttrGPUDirectRDMAWithCUDAVMMSupported is 1 when cuMemCreate
+	// accepts allocFlags.gpuDirectRDMACapable on the device.
+	DeviceAttrGPUDirectRDMAWithCUDAVMMSupported = 110 // CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
 )
 
 // Event creation flags (CUevent_flags).

@@ -83,6 +83,8 @@ GMP_STATIC_ASSERT(sizeof(CUmemLocation) == 8, "CUmemLocation is 8 bytes in cuda.
 GMP_STATIC_ASSERT(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp is 32 bytes in cuda.h");
 GMP_STATIC_ASSERT(offsetof(CUmemAllocationProp, location) == 8, "CUmemAllocationProp.location");
 GMP_STATIC_ASSERT(offsetof(CUmemAllocationProp, allocFlags) == 24, "CUmemAllocationProp.allocFlags");
+GMP_STATIC_ASSERT(offsetof(CUmemAllocationProp, allocFlags.gpuDirectRDMACapable) == 25,
+                  "CUmemAllocationProp.allocFlags.gpuDirectRDMACapable");
 GMP_STATIC_ASSERT(sizeof(CUmemPoolProps) == 88, "CUmemPoolProps is 88 bytes in cuda.h");
 GMP_STATIC_ASSERT(offsetof(CUmemPoolProps, maxSize) == 24, "CUmemPoolProps.maxSize");
 GMP_STATIC_ASSERT(offsetof(CUmemPoolProps, usage) == 32, "CUmemPoolProps.usage");
@@ -109,6 +111,7 @@ enum {
 	CUDA_ERROR_NOT_PERMITTED = 800,
 	CUDA_ERROR_NOT_SUPPORTED = 801,
 	CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
+	CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906,
 	CUDA_ERROR_UNKNOWN = 999,
 };
 
@@ -138,6 +141,24 @@ enum {
 	CU_STREAM_CAPTURE_MODE_GLOBAL = 0,
 	CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1,
 	CU_STREAM_CAPTURE_MODE_RELAXED = 2,
+};
+
+/* CUstreamCaptureStatus (cuStreamIsCapturing) */
+enum {
+	CU_STREAM_CAPTURE_STATUS_NONE = 0,
+	CU_STREAM_CAPTURE_STATUS_ACTIVE = 1,
+	CU_STREAM_CAPTURE_STATUS_INVALIDATED = 2,
+};
+
+/* CUstream_flags (cuStreamCreate) */
+enum {
+	CU_STREAM_DEFAULT = 0x0,
+	CU_STREAM_NON_BLOCKING = 0x1,
+};
+
+/* CUdevice_attribute: the ones used here. */
+enum {
+	CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED = 110,
 };
 
 /* CUmemPool_attribute: the REUSE_* ones are ints, the others cuuint64_t. */

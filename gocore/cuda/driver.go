@@ -440,17 +440,103 @@ func (d *Driver) StreamSynchronize(dev int, stream uint64) error {
 	return nil
 }
 
-// hostDevice is the device whose context pinned host memory is allocated
-// and freed under: cuMemHostAlloc needs a context, any one will do, and
-// with HostAllocPortable the memory is pinned for all of them.
+// StreamCreate creates a stream on dev (cuStreamCreate) with flags
+// (StreamDefault or StreamNonBlocking).
+func (d *Driver) StreamCreate(dev int, flags uint32) (uint64, error) {
+	if err := d.require(C.GMP_cuStreamCreate); err != nil {
+		return 0, err
+	}
+	var s C.uint64_t
+	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res { return C.gmp_stream_create(d.fns, ctx, C.uint(flags), &s) })
+	if err != nil {
+		return 0, fmt.Errorf("cuda: create stream (flags %#x) on device %d: %w", flags, dev, err)
+	}
+	return uint64(s), nil
+}
+
+// StreamDestroy destroys a stream from StreamCreate (cuStreamDestroy_v2);
+// work still queued on it completes first, without blocking the caller.
+func (d *Driver) StreamDestroy(dev int, stream uint64) error {
+	if err := d.require(C.GMP_cuStreamDestroy_v2); err != nil {
+		return err
+	}
+	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res { return C.gmp_stream_destroy(d.fns, ctx, C.uint64_t(stream)) })
+	if err != nil {
+		return fmt.Errorf("cuda: destroy stream %#x of device %d: %w", stream, dev, err)
+	}
+	return nil
+}
+
+// StreamIsCapturing returns the capture status (StreamCaptureStatus*) of
+// stream, a stream of dev (cuStreamIsCapturing). For the legacy default
+// stream while a blocking stream of the context captures, the driver
+// answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: the error is an *Error with
+// Code CodeStreamCaptureImplicit.
+func (d *Driver) StreamIsCapturing(dev int, stream uint64) (int, error) {
+	if err := d.require(C.GMP_cuStreamIsCapturing); err != nil {
+		return 0, err
+	}
+	var st C.int
+	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res {
+		return C.gmp_stream_is_capturing(d.fns, ctx, C.uint64_t(stream), &st)
+	})
+	if err != nil {
+		return 0, fmt.Errorf("cuda: capture status of stream %#x of device %d: %w", stream, dev, err)
+	}
+	return int(st), nil
+}
+
+// DeviceAttribute returns an attribute of dev (cuDeviceGetAttribute, one
+// of the DeviceAttr* constants). It needs no context, so it retains none.
+func (d *Driver) DeviceAttribute(dev, attr int) (int, error) {
+	if err := d.require(C.GMP_cuDeviceGetAttribute); err != nil {
+		return 0, err
+	}
+	if dev < 0 {
+		return 0, fmt.Errorf("cuda: attribute %d of device %d: %w", attr, dev, gocore.ErrInvalidDevice)
+	}
+	d.closeMu.RLock()
+	defer d.closeMu.RUnlock()
+	if d.closed {
+		return 0, fmt.Errorf("cuda: attribute %d of device %d: %w", attr, dev, ErrDriverClosed)
+	}
+	if d.noDevice != nil {
+		return 0, fmt.Errorf("cuda: attribute %d of device %d: %w: the driver found no device (%v)",
+			attr, dev, gocore.ErrInvalidDevice, d.noDevice)
+	}
+	var v C.int
+	if err := d.errorOf(C.gmp_device_attribute(d.fns, C.int(dev), C.int(attr), &v)); err != nil {
+		return 0, fmt.Errorf("cuda: attribute %d of device %d: %w", attr, dev, err)
+	}
+	return int(v), nil
+}
+
+// hostDevice is the device whose context MemHostAlloc, MemFreeHost and
+// MemHostGetFlags work under: cuMemHostAlloc needs a context, any one will
+// do, and with HostAllocPortable the memory is pinned for all of them.
+// HostBackend picks its own (NewHostBackendOn).
 const hostDevice = 0
 
 // MemHostAlloc allocates size bytes of page-locked host memory
 // (cuMemHostAlloc) with flags (HostAllocPortable, ...), under device 0's
 // context.
 func (d *Driver) MemHostAlloc(size uint64, flags uint32) (uint64, error) {
+	return d.memHostAlloc(hostDevice, size, flags)
+}
+
+// MemFreeHost frees memory from MemHostAlloc.
+func (d *Driver) MemFreeHost(ptr uint64) error { return d.memFreeHost(hostDevice, ptr) }
+
+// MemHostGetFlags returns the flags ptr's pinned allocation was made with;
+// it fails for memory that is not from MemHostAlloc.
+func (d *Driver) MemHostGetFlags(ptr uint64) (uint32, error) {
+	return d.memHostGetFlags(hostDevice, ptr)
+}
+
+// memHostAlloc is MemHostAlloc under dev's context.
+func (d *Driver) memHostAlloc(dev int, size uint64, flags uint32) (uint64, error) {
 	var p C.uint64_t
-	err := d.withCtx(hostDevice, func(ctx C.uintptr_t) C.gmp_res {
+	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res {
 		return C.gmp_host_alloc(d.fns, ctx, C.size_t(size), C.uint(flags), &p)
 	})
 	if err != nil {
@@ -459,20 +545,19 @@ func (d *Driver) MemHostAlloc(size uint64, flags uint32) (uint64, error) {
 	return uint64(p), nil
 }
 
-// MemFreeHost frees memory from MemHostAlloc.
-func (d *Driver) MemFreeHost(ptr uint64) error {
-	err := d.withCtx(hostDevice, func(ctx C.uintptr_t) C.gmp_res { return C.gmp_host_free(d.fns, ctx, C.uint64_t(ptr)) })
+// memFreeHost is MemFreeHost under dev's context.
+func (d *Driver) memFreeHost(dev int, ptr uint64) error {
+	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res { return C.gmp_host_free(d.fns, ctx, C.uint64_t(ptr)) })
 	if err != nil {
 		return fmt.Errorf("cuda: free pinned host memory %#x: %w", ptr, err)
 	}
 	return nil
 }
 
-// MemHostGetFlags returns the flags ptr's pinned allocation was made with;
-// it fails for memory that is not from MemHostAlloc.
-func (d *Driver) MemHostGetFlags(ptr uint64) (uint32, error) {
+// memHostGetFlags is MemHostGetFlags under dev's context.
+func (d *Driver) memHostGetFlags(dev int, ptr uint64) (uint32, error) {
 	var f C.uint
-	err := d.withCtx(hostDevice, func(ctx C.uintptr_t) C.gmp_res {
+	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res {
 		return C.gmp_host_get_flags(d.fns, ctx, C.uint64_t(ptr), &f)
 	})
 	if err != nil {

@@ -58,6 +58,8 @@ var optionalSymbols = []string{
 	"cuMemPoolImportFromShareableHandle", "cuMemPoolExportPointer", "cuMemPoolImportPointer",
 	"cuMemGetAllocationGranularity", "cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree",
 	"cuMemMap", "cuMemUnmap", "cuMemSetAccess", "cuMemExportToShareableHandle", "cuMemImportFromShareableHandle",
+	"cuStreamCreate", "cuStreamDestroy_v2", "cuStreamIsCapturing", "cuDeviceGetAttribute", "cuMemPoolSetAccess",
+	"cuMemPoolGetAccess",
 }
 
 func TestOldDriverLoadsWithoutOptionalSymbols(t *testing.T) {
@@ -77,6 +79,10 @@ func TestOldDriverLoadsWithoutOptionalSymbols(t *testing.T) {
 	_, err = drv.MemCreate(0, 2<<20, AllocProp{LocationType: MemLocationTypeDevice})
 	assert.Contains(t, err.Error(), "driver too old: cuMemCreate missing")
 	assert.ErrorIs(t, drv.MemSetAccess(0, 0, 2<<20, []int{0}), ErrDriverTooOld)
+	_, err = drv.StreamIsCapturing(0, 0)
+	assert.ErrorIs(t, err, ErrDriverTooOld)
+	_, err = drv.DeviceAttribute(0, DeviceAttrGPUDirectRDMAWithCUDAVMMSupported)
+	assert.ErrorIs(t, err, ErrDriverTooOld)
 
 	// The required part works.
 	be := newBackend(t, drv)

@@ -14,14 +14,17 @@ import (
 
 // HostBackend is a gocore.Backend over page-locked (pinned) host memory
 // from cuMemHostAlloc, for staging buffers and torch's pinned-memory
-// allocator. It serves one device, ordinal 0: the host. The memory is
-// allocated under CUDA device 0's context and its events are CUDA events of
-// device 0, so the streams passed to it must be device 0's streams (a
-// stream of another device cannot record device 0's events). It is safe for
-// concurrent use.
+// allocator. It serves one device, ordinal 0: the host. Everything runs
+// under the context of one CUDA device, 0 unless NewHostBackendOn picks
+// another: the memory is allocated and freed there (with HostAllocPortable
+// it is pinned for every context), and its events are that device's CUDA
+// events, so the streams passed to it must be that device's streams:
+// recording an event on a stream of another device fails. No other
+// device's context is created. It is safe for concurrent use.
 type HostBackend struct {
-	drv   *Driver
-	flags uint32
+	drv    *Driver
+	flags  uint32
+	device int // the CUDA device whose context is used
 
 	mu     sync.Mutex
 	events map[gocore.Event]struct{}
@@ -33,8 +36,18 @@ var _ gocore.Backend = (*HostBackend)(nil)
 // cuMemHostAlloc flags (HostAllocPortable, HostAllocDeviceMap,
 // HostAllocWriteCombined); 0 means HostAllocPortable, so that the memory is
 // pinned for every context, as torch's host allocator does. The driver must
-// see at least one device, whose context holds the allocations.
+// see at least one device; device 0's context holds the allocations and
+// events (see NewHostBackendOn).
 func NewHostBackend(drv *Driver, flags uint32) (*HostBackend, error) {
+	return NewHostBackendOn(drv, flags, 0)
+}
+
+// NewHostBackendOn is NewHostBackend working under CUDA device device's
+// context instead of device 0's: the device a process uses (e.g. a torchrun
+// rank's cuda:LOCAL_RANK), so that no context is created on another GPU,
+// and whose streams record the backend's events. An ordinal the driver does
+// not see fails with an error wrapping gocore.ErrInvalidDevice.
+func NewHostBackendOn(drv *Driver, flags uint32, device int) (*HostBackend, error) {
 	if drv == nil {
 		return nil, fmt.Errorf("host backend: nil driver: %w", gocore.ErrInvalidArgument)
 	}
@@ -52,8 +65,14 @@ func NewHostBackend(drv *Driver, flags uint32) (*HostBackend, error) {
 		return nil, fmt.Errorf("host backend: pinned memory needs a CUDA context and the driver (%s) sees no device: %w",
 			drv.Path(), gocore.ErrInvalidDevice)
 	}
-	return &HostBackend{drv: drv, flags: flags, events: make(map[gocore.Event]struct{})}, nil
+	if device < 0 || device >= n {
+		return nil, fmt.Errorf("host backend: CUDA device %d out of range [0, %d): %w", device, n, gocore.ErrInvalidDevice)
+	}
+	return &HostBackend{drv: drv, flags: flags, device: device, events: make(map[gocore.Event]struct{})}, nil
 }
+
+// CUDADevice returns the CUDA device whose context b works under.
+func (b *HostBackend) CUDADevice() int { return b.device }
 
 // Name returns "host".
 func (b *HostBackend) Name() string { return "host" }
@@ -68,7 +87,7 @@ func (b *HostBackend) Alignment() uint64 { return Alignment }
 // Flags returns the flags ptr's pinned allocation was made with
 // (cuMemHostGetFlags); it fails for memory that is not pinned by the
 // driver, so tests can prove that a pool's blocks are.
-func (b *HostBackend) Flags(ptr uint64) (uint32, error) { return b.drv.MemHostGetFlags(ptr) }
+func (b *HostBackend) Flags(ptr uint64) (uint32, error) { return b.drv.memHostGetFlags(b.device, ptr) }
 
 func (b *HostBackend) checkDevice(op string, dev int) error {
 	if dev != 0 {
@@ -128,12 +147,12 @@ func (b *HostBackend) Alloc(dev int, size uint64, stream gocore.Stream) (uint64,
 	if err := b.checkDevice("alloc", dev); err != nil {
 		return 0, err
 	}
-	addr, err := b.drv.MemHostAlloc(size, b.flags)
+	addr, err := b.drv.memHostAlloc(b.device, size, b.flags)
 	if err != nil {
 		return 0, err
 	}
 	if addr%Alignment != 0 {
-		_ = b.drv.MemFreeHost(addr)
+		_ = b.drv.memFreeHost(b.device, addr)
 		return 0, fmt.Errorf("host backend: cuMemHostAlloc returned %#x, not aligned to %d bytes", addr, Alignment)
 	}
 	return addr, nil
@@ -144,15 +163,15 @@ func (b *HostBackend) Free(dev int, addr, size uint64, stream gocore.Stream) err
 	if err := b.checkDevice("free", dev); err != nil {
 		return err
 	}
-	return b.drv.MemFreeHost(addr)
+	return b.drv.memFreeHost(b.device, addr)
 }
 
-// NewEvent creates an event on CUDA device 0.
+// NewEvent creates an event on b's CUDA device.
 func (b *HostBackend) NewEvent(dev int) (gocore.Event, error) {
 	if err := b.checkDevice("new event", dev); err != nil {
 		return 0, err
 	}
-	ev, err := b.drv.EventCreate(hostDevice)
+	ev, err := b.drv.EventCreate(b.device)
 	if err != nil {
 		return 0, err
 	}
@@ -171,12 +190,12 @@ func (b *HostBackend) checkEvent(op string, ev gocore.Event) error {
 	return nil
 }
 
-// RecordEvent records ev on stream, a stream of CUDA device 0.
+// RecordEvent records ev on stream, a stream of b's CUDA device.
 func (b *HostBackend) RecordEvent(ev gocore.Event, stream gocore.Stream) error {
 	if err := b.checkEvent("record", ev); err != nil {
 		return err
 	}
-	return b.drv.EventRecord(hostDevice, uint64(ev), uint64(stream))
+	return b.drv.EventRecord(b.device, uint64(ev), uint64(stream))
 }
 
 // QueryEvent reports whether the work captured by ev has completed.
@@ -184,7 +203,7 @@ func (b *HostBackend) QueryEvent(ev gocore.Event) (bool, error) {
 	if err := b.checkEvent("query", ev); err != nil {
 		return false, err
 	}
-	return b.drv.EventQuery(hostDevice, uint64(ev))
+	return b.drv.EventQuery(b.device, uint64(ev))
 }
 
 // DestroyEvent destroys ev.
@@ -192,7 +211,7 @@ func (b *HostBackend) DestroyEvent(ev gocore.Event) error {
 	if err := b.checkEvent("destroy", ev); err != nil {
 		return err
 	}
-	if err := b.drv.EventDestroy(hostDevice, uint64(ev)); err != nil {
+	if err := b.drv.EventDestroy(b.device, uint64(ev)); err != nil {
 		return err
 	}
 	b.mu.Lock()

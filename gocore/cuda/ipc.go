@@ -158,18 +158,32 @@ type ImportedPool struct {
 // on device dev (cuMemPoolImportFromShareableHandle). fd stays the caller's
 // to close. An imported pool cannot allocate; it maps what the exporter
 // exports (ImportPointer).
+//
+// An imported pool's memory is accessible from its resident device (the
+// exporter's pool's device) only, whatever the exporter granted. When dev
+// is another device, ImportAsyncPool gives dev read/write access
+// (cuMemPoolSetAccess), which needs peer access between the two devices;
+// failing that, the import fails.
 func ImportAsyncPool(drv *Driver, dev int, fd int) (*ImportedPool, error) {
 	if drv == nil {
 		return nil, fmt.Errorf("cuda: import memory pool: nil driver: %w", gocore.ErrInvalidArgument)
 	}
 	if err := requireSymbols(drv, "cuda: import memory pool", []string{
 		"cuMemPoolImportFromShareableHandle", "cuMemPoolImportPointer", "cuMemPoolDestroy",
+		"cuMemPoolGetAccess", "cuMemPoolSetAccess",
 	}); err != nil {
 		return nil, err
 	}
 	p, err := drv.MemPoolImportFromShareableHandle(dev, fd, MemHandleTypePosixFD)
 	if err != nil {
 		return nil, err
+	}
+	access, err := drv.MemPoolGetAccess(dev, p, dev)
+	if err == nil && access != MemAccessProtReadWrite {
+		err = drv.MemPoolSetAccess(dev, p, []int{dev}) // dev is not the pool's resident device
+	}
+	if err != nil {
+		return nil, errors.Join(fmt.Errorf("cuda: import memory pool for device %d: %w", dev, err), drv.MemPoolDestroy(dev, p))
 	}
 	return &ImportedPool{drv: drv, dev: dev, pool: p, ptrs: make(map[uint64]int)}, nil
 }

@@ -228,3 +228,50 @@ func TestAsyncPoolExportImport(t *testing.T) {
 	assert.Zero(t, f.LivePools())
 	assert.Zero(t, f.LiveBytes(0))
 }
+
+// An imported pool is accessible from its resident device only: importing
+// it for another device grants that device access (cuMemPoolSetAccess);
+// for the resident device nothing is changed. The fake refuses to import a
+// pointer for a device without access.
+func TestAsyncPoolImportOnAnotherDevice(t *testing.T) {
+	f, drv := setup(t)
+	be := newAsync(t, drv, AsyncOptions{IPC: true})
+	a, err := be.Alloc(0, 4*mib, 0x7)
+	require.NoError(t, err)
+	data, err := be.ExportPointer(0, a)
+	require.NoError(t, err)
+	fd, err := be.ExportPool(0)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, syscall.Close(fd)) }()
+
+	same, err := ImportAsyncPool(drv, 0, fd)
+	require.NoError(t, err)
+	assert.Zero(t, f.Calls("cuMemPoolSetAccess"), "the resident device has access")
+	assert.Equal(t, MemAccessProtNone, f.PoolAccess(same.pool, 1))
+
+	other, err := ImportAsyncPool(drv, 1, fd)
+	require.NoError(t, err)
+	assert.Equal(t, 1, f.Calls("cuMemPoolSetAccess"))
+	assert.Equal(t, MemAccessProtReadWrite, f.PoolAccess(other.pool, 1), "device 1 was given access")
+	assert.Equal(t, MemAccessProtNone, f.PoolAccess(same.pool, 1), "per imported pool")
+	ptr, err := other.ImportPointer(data)
+	require.NoError(t, err)
+	_, err = drv.MemPoolImportPointer(1, same.pool, data)
+	require.ErrorContains(t, err, "CUDA_ERROR_INVALID_DEVICE", "the fake checks the access")
+	require.NoError(t, other.FreePointer(ptr))
+	require.NoError(t, other.Close())
+	require.NoError(t, same.Close())
+
+	// Failing to grant access (no peer access) fails the import and
+	// destroys the imported pool.
+	pools := f.LivePools()
+	f.Fail("cuMemPoolSetAccess", CodeNotSupported, 0)
+	_, err = ImportAsyncPool(drv, 1, fd)
+	require.ErrorIs(t, err, gocore.ErrUnsupported)
+	assert.Contains(t, err.Error(), "import memory pool for device 1")
+	assert.Equal(t, pools, f.LivePools(), "nothing left imported")
+	f.Fail("cuMemPoolSetAccess", 0, 0)
+
+	require.NoError(t, be.Free(0, a, 4*mib, 0x7))
+	require.NoError(t, be.Close())
+}

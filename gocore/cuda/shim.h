@@ -27,7 +27,15 @@ typedef void *CUmemoryPool;
 
 /* Every entry point: X(name, required). Missing required ones fail Load;
  * missing optional ones (the stream-ordered allocator and VMM, CUDA 10.2 to
- * 11.2) only fail the methods that need them. */
+ * 11.2, and the ones only their backends use) only fail the methods that
+ * need them.
+ *
+ * cuStreamIsCapturing is resolved rather than cuStreamGetCaptureInfo: its
+ * name and prototype have not changed since CUDA 10.0, while cuda.h maps
+ * cuStreamGetCaptureInfo to _v2 in 12.x and _v3 in 13.x, with different
+ * prototypes. Neither is resolved as _ptsz: the stream handles we are given
+ * are explicit (0 is the legacy default stream, CU_STREAM_PER_THREAD names
+ * the per-thread one), as for every other stream-taking call here. */
 #define GMP_FUNCS(X)                                                             \
 	X(cuInit, 1)                                                                 \
 	X(cuDriverGetVersion, 1)                                                     \
@@ -70,7 +78,13 @@ typedef void *CUmemoryPool;
 	X(cuMemSetAccess, 0)                                                         \
 	X(cuMemExportToShareableHandle, 0)                                           \
 	X(cuMemImportFromShareableHandle, 0)                                         \
-	X(cuThreadExchangeStreamCaptureMode, 0)
+	X(cuThreadExchangeStreamCaptureMode, 0)                                      \
+	X(cuStreamCreate, 0)                                                         \
+	X(cuStreamDestroy_v2, 0)                                                     \
+	X(cuStreamIsCapturing, 0)                                                    \
+	X(cuDeviceGetAttribute, 0)                                                   \
+	X(cuMemPoolSetAccess, 0)                                                     \
+	X(cuMemPoolGetAccess, 0)
 
 #define GMP_AS_ENUM(name, req) GMP_##name,
 enum { GMP_FUNCS(GMP_AS_ENUM) GMP_NFUNCS };
@@ -119,6 +133,12 @@ typedef CUresult (*t_cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc 
 typedef CUresult (*t_cuMemExportToShareableHandle)(void *, CUmemGenericAllocationHandle, int, unsigned long long);
 typedef CUresult (*t_cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *, int);
 typedef CUresult (*t_cuThreadExchangeStreamCaptureMode)(int *);
+typedef CUresult (*t_cuStreamCreate)(CUstream *, unsigned int);
+typedef CUresult (*t_cuStreamDestroy_v2)(CUstream);
+typedef CUresult (*t_cuStreamIsCapturing)(CUstream, int *);
+typedef CUresult (*t_cuDeviceGetAttribute)(int *, int, CUdevice);
+typedef CUresult (*t_cuMemPoolSetAccess)(CUmemoryPool, const CUmemAccessDesc *, size_t);
+typedef CUresult (*t_cuMemPoolGetAccess)(int *, CUmemoryPool, CUmemLocation *);
 
 /* The resolved entry points, in C memory (calloc'ed by Go). */
 typedef struct {
@@ -236,6 +256,18 @@ static inline gmp_res gmp_release(gmp_drv *d, int ordinal) {
 	return gmp_res_of(GMP_FN(d, cuDevicePrimaryCtxRelease_v2)(dev), GMP_cuDevicePrimaryCtxRelease_v2);
 }
 
+/* A device attribute needs no context: cuDeviceGetAttribute takes the
+ * device. */
+static inline gmp_res gmp_device_attribute(gmp_drv *d, int ordinal, int attr, int *out) {
+	CUdevice dev = 0;
+	int rc = GMP_FN(d, cuDeviceGet)(&dev, ordinal);
+	if (rc != 0) return gmp_res_of(rc, GMP_cuDeviceGet);
+	int v = 0;
+	rc = GMP_FN(d, cuDeviceGetAttribute)(&v, attr, dev);
+	*out = v;
+	return gmp_res_of(rc, GMP_cuDeviceGetAttribute);
+}
+
 /* NULL when the driver does not know the code. */
 static inline const char *gmp_error_name(gmp_drv *d, int code) {
 	const char *s = NULL;
@@ -321,6 +353,28 @@ static inline gmp_res gmp_stream_sync(gmp_drv *d, uintptr_t ctx, uint64_t stream
 	return r;
 }
 
+static inline gmp_res gmp_stream_create(gmp_drv *d, uintptr_t ctx, unsigned flags, uint64_t *out) {
+	gmp_res r;
+	CUstream s = NULL;
+	GMP_IN_CTX(d, ctx, r, GMP_cuStreamCreate, GMP_FN(d, cuStreamCreate)(&s, flags));
+	*out = (uint64_t)(uintptr_t)s;
+	return r;
+}
+
+static inline gmp_res gmp_stream_destroy(gmp_drv *d, uintptr_t ctx, uint64_t stream) {
+	gmp_res r;
+	GMP_IN_CTX(d, ctx, r, GMP_cuStreamDestroy_v2, GMP_FN(d, cuStreamDestroy_v2)((CUstream)(uintptr_t)stream));
+	return r;
+}
+
+static inline gmp_res gmp_stream_is_capturing(gmp_drv *d, uintptr_t ctx, uint64_t stream, int *status) {
+	gmp_res r;
+	int st = CU_STREAM_CAPTURE_STATUS_NONE;
+	GMP_IN_CTX(d, ctx, r, GMP_cuStreamIsCapturing, GMP_FN(d, cuStreamIsCapturing)((CUstream)(uintptr_t)stream, &st));
+	*status = st;
+	return r;
+}
+
 /* ------------------------- stream-ordered allocator ------------------------- */
 
 static inline gmp_res gmp_pool_create(gmp_drv *d, uintptr_t ctx, int handle_types, int loc_type, int loc_id,
@@ -390,6 +444,35 @@ static inline gmp_res gmp_pool_trim(gmp_drv *d, uintptr_t ctx, uint64_t pool, ui
 	return r;
 }
 
+/* Read/write access to pool for each device ordinal in devs (at most 64). */
+static inline gmp_res gmp_pool_set_access(gmp_drv *d, uintptr_t ctx, uint64_t pool, const int *devs, int n) {
+	gmp_res r;
+	CUmemAccessDesc desc[64];
+	if (n <= 0 || n > 64) return gmp_res_of(CUDA_ERROR_INVALID_VALUE, GMP_cuMemPoolSetAccess);
+	memset(desc, 0, sizeof(desc));
+	for (int i = 0; i < n; i++) {
+		desc[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+		desc[i].location.id = devs[i];
+		desc[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+	}
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemPoolSetAccess,
+	           GMP_FN(d, cuMemPoolSetAccess)((CUmemoryPool)(uintptr_t)pool, desc, (size_t)n));
+	return r;
+}
+
+/* The access flags (CUmemAccess_flags) device dev has to pool. */
+static inline gmp_res gmp_pool_get_access(gmp_drv *d, uintptr_t ctx, uint64_t pool, int dev, int *flags) {
+	gmp_res r;
+	CUmemLocation loc;
+	memset(&loc, 0, sizeof(loc));
+	loc.type = CU_MEM_LOCATION_TYPE_DEVICE;
+	loc.id = dev;
+	int f = CU_MEM_ACCESS_FLAGS_PROT_NONE;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemPoolGetAccess, GMP_FN(d, cuMemPoolGetAccess)(&f, (CUmemoryPool)(uintptr_t)pool, &loc));
+	*flags = f;
+	return r;
+}
+
 /* POSIX file descriptors only: the handle is an int. */
 static inline gmp_res gmp_pool_export(gmp_drv *d, uintptr_t ctx, uint64_t pool, int type, int *fd) {
 	gmp_res r;
@@ -433,19 +516,22 @@ static inline gmp_res gmp_pool_import_ptr(gmp_drv *d, uintptr_t ctx, uint64_t po
 
 /* ------------------------ virtual memory management ------------------------ */
 
-static inline void gmp_alloc_prop(CUmemAllocationProp *prop, int loc_type, int loc_id, int handle_types) {
+/* rdma sets allocFlags.gpuDirectRDMACapable, which the driver accepts on
+ * devices with CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED. */
+static inline void gmp_alloc_prop(CUmemAllocationProp *prop, int loc_type, int loc_id, int handle_types, int rdma) {
 	memset(prop, 0, sizeof(*prop));
 	prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
 	prop->requestedHandleTypes = handle_types;
 	prop->location.type = loc_type;
 	prop->location.id = loc_id;
+	prop->allocFlags.gpuDirectRDMACapable = rdma ? 1 : 0;
 }
 
 static inline gmp_res gmp_granularity(gmp_drv *d, uintptr_t ctx, int loc_type, int loc_id, int handle_types,
-                                      int option, uint64_t *out) {
+                                      int rdma, int option, uint64_t *out) {
 	gmp_res r;
 	CUmemAllocationProp prop;
-	gmp_alloc_prop(&prop, loc_type, loc_id, handle_types);
+	gmp_alloc_prop(&prop, loc_type, loc_id, handle_types, rdma);
 	size_t g = 0;
 	GMP_IN_CTX(d, ctx, r, GMP_cuMemGetAllocationGranularity,
 	           GMP_FN(d, cuMemGetAllocationGranularity)(&g, &prop, option));
@@ -454,10 +540,10 @@ static inline gmp_res gmp_granularity(gmp_drv *d, uintptr_t ctx, int loc_type, i
 }
 
 static inline gmp_res gmp_mem_create(gmp_drv *d, uintptr_t ctx, size_t size, int loc_type, int loc_id,
-                                     int handle_types, uint64_t *out) {
+                                     int handle_types, int rdma, uint64_t *out) {
 	gmp_res r;
 	CUmemAllocationProp prop;
-	gmp_alloc_prop(&prop, loc_type, loc_id, handle_types);
+	gmp_alloc_prop(&prop, loc_type, loc_id, handle_types, rdma);
 	CUmemGenericAllocationHandle h = 0;
 	GMP_IN_CTX(d, ctx, r, GMP_cuMemCreate, GMP_FN(d, cuMemCreate)(&h, size, &prop, 0));
 	*out = h;

@@ -23,6 +23,18 @@ type AllocProp struct {
 	// HandleType is the shareable handle type the memory may be exported
 	// with (MemHandleTypeNone or MemHandleTypePosixFD).
 	HandleType int
+	// GPUDirectRDMACapable sets allocFlags.gpuDirectRDMACapable: the memory
+	// will be used for GPUDirect RDMA (NICs reading and writing it). Only
+	// devices whose DeviceAttrGPUDirectRDMAWithCUDAVMMSupported is 1 accept
+	// it.
+	GPUDirectRDMACapable bool
+}
+
+func cbool(b bool) C.int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // maxAccessDevices bounds MemSetAccess's device list (the C helper builds
@@ -39,7 +51,7 @@ func (d *Driver) MemGetAllocationGranularity(dev int, prop AllocProp, option int
 	var g C.uint64_t
 	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res {
 		return C.gmp_granularity(d.fns, ctx, C.int(prop.LocationType), C.int(prop.LocationID),
-			C.int(prop.HandleType), C.int(option), &g)
+			C.int(prop.HandleType), cbool(prop.GPUDirectRDMACapable), C.int(option), &g)
 	})
 	if err != nil {
 		return 0, fmt.Errorf("cuda: allocation granularity of %+v (option %d): %w", prop, option, err)
@@ -57,7 +69,7 @@ func (d *Driver) MemCreate(dev int, size uint64, prop AllocProp) (uint64, error)
 	var h C.uint64_t
 	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res {
 		return C.gmp_mem_create(d.fns, ctx, C.size_t(size), C.int(prop.LocationType), C.int(prop.LocationID),
-			C.int(prop.HandleType), &h)
+			C.int(prop.HandleType), cbool(prop.GPUDirectRDMACapable), &h)
 	})
 	if err != nil {
 		return 0, fmt.Errorf("cuda: create %d bytes of %+v: %w", size, prop, err)

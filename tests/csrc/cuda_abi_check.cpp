@@ -86,6 +86,11 @@ constexpr bool same_signature(RR (*)(RA...), OR (*)(OA...)) {
 // Every entry point shim.h resolves (its GMP_FUNCS list, so a new one cannot
 // be forgotten): t_<name> has the prototype cuda.h declares for <name>. A
 // name cuda.h does not declare fails to compile here.
+// (cuStreamIsCapturing, cuStreamCreate, cuStreamDestroy_v2,
+// cuDeviceGetAttribute, cuMemPoolSetAccess and cuMemPoolGetAccess included;
+// the CUstreamCaptureStatus, CUstream_flags, CUdevice_attribute and
+// CUDA_ERROR_STREAM_CAPTURE_IMPLICIT values they use are checked with the
+// other constants.)
 #define GMP_CHECK_FUNC(name, required) GMP_SAME_SIGNATURE(name, ours::t_##name);
 GMP_FUNCS(GMP_CHECK_FUNC)
 #undef GMP_CHECK_FUNC
@@ -130,6 +135,11 @@ static_assert(offsetof(::CUmemAllocationProp, allocFlags.compressionType) ==
 static_assert(offsetof(::CUmemAllocationProp, allocFlags.gpuDirectRDMACapable) ==
                   offsetof(ours::CUmemAllocationProp, allocFlags.gpuDirectRDMACapable),
               "offset of CUmemAllocationProp.allocFlags.gpuDirectRDMACapable");
+// The VMM backend sets it (devices with
+// CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED).
+static_assert(sizeof(::CUmemAllocationProp{}.allocFlags.gpuDirectRDMACapable) ==
+                  sizeof(ours::CUmemAllocationProp{}.allocFlags.gpuDirectRDMACapable),
+              "size of CUmemAllocationProp.allocFlags.gpuDirectRDMACapable");
 static_assert(offsetof(::CUmemAllocationProp, allocFlags.usage) ==
                   offsetof(ours::CUmemAllocationProp, allocFlags.usage),
               "offset of CUmemAllocationProp.allocFlags.usage");

@@ -26,7 +26,21 @@
  *    complete. In manual mode (fake_cuda_set_manual_events(1)) an event
  *    recorded on stream S completes when S does: fake_cuda_complete_stream,
  *    fake_cuda_complete_all or cuStreamSynchronize(S). Stream handles are
- *    any values the caller makes up (0 is the default stream).
+ *    any values the caller makes up (0 and 1 are the legacy default stream,
+ *    2 the per-thread one), or streams from cuStreamCreate, which belong to
+ *    the device they were created on (using one under another device's
+ *    context, or after cuStreamDestroy_v2, fails with
+ *    CUDA_ERROR_INVALID_HANDLE).
+ *  - Graph capture: fake_cuda_set_global_capture plays a capture by another
+ *    thread; fake_cuda_set_stream_capturing marks a stream as capturing
+ *    (a made-up handle counts as a blocking stream, like torch's). While
+ *    either is on, allocations are refused unless the calling thread is in
+ *    the relaxed capture mode; cuStreamIsCapturing reports the capturing
+ *    streams, and CUDA_ERROR_STREAM_CAPTURE_IMPLICIT for the legacy stream
+ *    while a blocking stream captures; cuMemAllocFromPoolAsync,
+ *    cuMemFreeAsync and cuStreamSynchronize on a capturing stream (or on the
+ *    legacy one then) are refused and counted, where the real driver would
+ *    add graph nodes or break the capture.
  *  - Memory is real: device allocations are aligned_alloc(512) blocks, pinned
  *    host allocations page-aligned ones. VMM reservations are PROT_NONE
  *    address ranges; cuMemCreate backs a handle with a memfd, cuMemMap maps
@@ -89,7 +103,8 @@ typedef struct fake_pool *CUmemoryPool;
     X(cuMemGetAllocationGranularity) X(cuMemCreate) X(cuMemRelease) X(cuMemAddressReserve)   \
     X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)                          \
     X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuDriverGetVersion)      \
-    X(cuThreadExchangeStreamCaptureMode)
+    X(cuThreadExchangeStreamCaptureMode) X(cuStreamCreate) X(cuStreamDestroy_v2)              \
+    X(cuStreamIsCapturing) X(cuDeviceGetAttribute) X(cuMemPoolSetAccess) X(cuMemPoolGetAccess)
 
 #define AS_ENUM(name) F_##name,
 enum { FAKE_FUNCS(AS_ENUM) F_COUNT };
@@ -137,6 +152,15 @@ struct fake_pool {
     size_t max_size;
     uint64_t threshold, used, used_high, cached, reserved_high;
     int reuse[3];
+    int access[MAX_DEV]; /* CUmemAccess_flags per device: the resident one's is read/write */
+};
+
+/* A stream from cuStreamCreate; kept (dead) after cuStreamDestroy_v2 so that
+ * a use after destruction is caught and the handle is never reused. */
+struct fake_created_stream {
+    int dev;
+    unsigned flags;
+    int dead;
 };
 
 struct fake_handle {
@@ -203,7 +227,11 @@ static VEC(struct fake_pool *) pools;
 static VEC(struct fake_handle *) handles;
 static VEC(struct fake_reservation) reservations;
 static VEC(struct fake_mapping *) mappings;
+static VEC(struct fake_created_stream *) created_streams;
+static VEC(uintptr_t) capturing; /* streams marked with fake_cuda_set_stream_capturing */
 static struct fake_event *events;
+/* CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED per device (0 until set). */
+static int attr_rdma_vmm[MAX_DEV];
 
 /* VMM granularities (fake_cuda_set_granularity); the minimum is enforced. */
 static size_t gran_min = GRANULARITY, gran_rec = GRANULARITY;
@@ -236,13 +264,14 @@ static __thread struct {
 static __thread int tls_capture_mode; /* CU_STREAM_CAPTURE_MODE_*, per thread */
 static int global_capture;
 static long capture_violations;
+#define ANY_CAPTURE() (global_capture || capturing.n > 0)
 #define UNSAFE_IN_CAPTURE()                                                        \
-    if (global_capture && tls_capture_mode != CU_STREAM_CAPTURE_MODE_RELAXED) {     \
+    if (ANY_CAPTURE() && tls_capture_mode != CU_STREAM_CAPTURE_MODE_RELAXED) {      \
         capture_violations++;                                                      \
         RETURN(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);                             \
     }
 #define NEVER_IN_CAPTURE()                                                         \
-    if (global_capture) {                                                          \
+    if (ANY_CAPTURE()) {                                                           \
         capture_violations++;                                                      \
         RETURN(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);                             \
     }
@@ -343,6 +372,50 @@ static struct fake_handle *find_handle(CUmemGenericAllocationHandle h) {
     return NULL;
 }
 
+static int is_capturing(uintptr_t stream) {
+    for (size_t i = 0; i < capturing.n; i++)
+        if (capturing.v[i] == stream) return 1;
+    return 0;
+}
+
+static struct fake_created_stream *find_created(uintptr_t stream) {
+    for (size_t i = 0; i < created_streams.n; i++)
+        if ((uintptr_t)created_streams.v[i] == stream) return created_streams.v[i];
+    return NULL;
+}
+
+/* 0 and CU_STREAM_LEGACY (1) are the legacy default stream. */
+static int is_legacy(uintptr_t stream) { return stream == 0 || stream == 1; }
+
+/* A blocking stream captures: the legacy stream would join the capture. */
+static int blocking_capture(void) {
+    for (size_t i = 0; i < capturing.n; i++) {
+        struct fake_created_stream *c = find_created(capturing.v[i]);
+        if (!c || !(c->flags & CU_STREAM_NON_BLOCKING)) return 1;
+    }
+    return 0;
+}
+
+/* A stream from cuStreamCreate must be alive and the current device's. */
+static int check_stream(int cur, uintptr_t stream) {
+    struct fake_created_stream *c = find_created(stream);
+    if (c && (c->dead || c->dev != cur)) return CUDA_ERROR_INVALID_HANDLE;
+    return CUDA_SUCCESS;
+}
+
+/* Refuses (and counts) a stream-ordered call on a capturing stream, which
+ * the real driver would turn into a graph node, or on the legacy stream while
+ * a blocking stream captures, which would break that capture. */
+#define NOT_ON_CAPTURING_STREAM(stream)                                   \
+    if (is_capturing((uintptr_t)(stream))) {                              \
+        capture_violations++;                                             \
+        RETURN(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);                    \
+    }                                                                     \
+    if (is_legacy((uintptr_t)(stream)) && blocking_capture()) {           \
+        capture_violations++;                                             \
+        RETURN(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);                       \
+    }
+
 /* ======================= initialisation and devices ======================= */
 
 EXPORT CUresult cuInit(unsigned int flags) {
@@ -368,6 +441,16 @@ EXPORT CUresult cuDeviceGetCount(int *count) {
     NEED_INIT();
     if (!count) RETURN(CUDA_ERROR_INVALID_VALUE);
     *count = n_devices;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev) {
+    ENTER(cuDeviceGetAttribute);
+    NEED_INIT();
+    if (!pi) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (!valid_dev(dev)) RETURN(CUDA_ERROR_INVALID_DEVICE);
+    if (attrib != CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED) RETURN(CUDA_ERROR_INVALID_VALUE);
+    *pi = attr_rdma_vmm[dev];
     RETURN(CUDA_SUCCESS);
 }
 
@@ -436,6 +519,7 @@ static const struct {
     {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED"},
     {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"},
+    {CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN"},
 };
 
@@ -574,6 +658,7 @@ EXPORT CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
     NEVER_IN_CAPTURE();
     NEED_CTX();
     last_stream[F_cuEventRecord] = (uintptr_t)hStream;
+    if (check_stream(cur, (uintptr_t)hStream)) RETURN(CUDA_ERROR_INVALID_HANDLE);
     struct fake_event *e = find_event(hEvent);
     if (!e) RETURN(CUDA_ERROR_INVALID_HANDLE);
     if (e->dev != cur) RETURN(CUDA_ERROR_INVALID_HANDLE); /* event and stream in other contexts */
@@ -618,15 +703,53 @@ static void pool_trim(struct fake_pool *p, uint64_t keep) {
     }
 }
 
+/* During a capture: refused on a capturing stream and on the legacy stream
+ * (whichever stream captures), allowed on others in the relaxed mode. */
 EXPORT CUresult cuStreamSynchronize(CUstream hStream) {
     ENTER(cuStreamSynchronize);
-    NEVER_IN_CAPTURE();
+    if (is_legacy((uintptr_t)hStream)) NEVER_IN_CAPTURE();
+    NOT_ON_CAPTURING_STREAM(hStream);
+    UNSAFE_IN_CAPTURE();
     NEED_CTX();
     last_stream[F_cuStreamSynchronize] = (uintptr_t)hStream;
+    if (check_stream(cur, (uintptr_t)hStream)) RETURN(CUDA_ERROR_INVALID_HANDLE);
     struct fake_stream *s = stream_of(cur, (uintptr_t)hStream);
     s->completed = s->submitted;
     for (size_t i = 0; i < pools.n; i++)
         if (!pools.v[i]->origin && pools.v[i]->dev == cur) pool_trim(pools.v[i], pools.v[i]->threshold);
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuStreamCreate(CUstream *phStream, unsigned int flags) {
+    ENTER(cuStreamCreate);
+    NEED_CTX();
+    if (!phStream || (flags & ~(unsigned)CU_STREAM_NON_BLOCKING)) RETURN(CUDA_ERROR_INVALID_VALUE);
+    struct fake_created_stream *c = calloc(1, sizeof(*c));
+    if (!c) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    c->dev = cur;
+    c->flags = flags;
+    VEC_PUSH(created_streams, c);
+    *phStream = c;
+    RETURN(CUDA_SUCCESS);
+}
+
+/* Stricter than the real driver: under the stream's own device's context. */
+EXPORT CUresult cuStreamDestroy_v2(CUstream hStream) {
+    ENTER(cuStreamDestroy_v2);
+    NEED_CTX();
+    struct fake_created_stream *c = find_created((uintptr_t)hStream);
+    if (!c || c->dead || c->dev != cur) RETURN(CUDA_ERROR_INVALID_HANDLE);
+    c->dead = 1;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuStreamIsCapturing(CUstream hStream, int *captureStatus) {
+    ENTER(cuStreamIsCapturing);
+    NEED_CTX();
+    if (!captureStatus) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (check_stream(cur, (uintptr_t)hStream)) RETURN(CUDA_ERROR_INVALID_HANDLE);
+    if (is_legacy((uintptr_t)hStream) && blocking_capture()) RETURN(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+    *captureStatus = is_capturing((uintptr_t)hStream) ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
     RETURN(CUDA_SUCCESS);
 }
 
@@ -657,6 +780,7 @@ EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props)
     p->handle_types = props->handleTypes;
     p->max_size = props->maxSize;
     p->reuse[0] = p->reuse[1] = p->reuse[2] = 1;
+    p->access[p->dev] = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     VEC_PUSH(pools, p);
     *pool = p;
     RETURN(CUDA_SUCCESS);
@@ -676,8 +800,11 @@ EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool) {
 
 EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream) {
     ENTER(cuMemAllocFromPoolAsync);
-    NEED_CTX();
     last_stream[F_cuMemAllocFromPoolAsync] = (uintptr_t)hStream;
+    NOT_ON_CAPTURING_STREAM(hStream);
+    UNSAFE_IN_CAPTURE();
+    NEED_CTX();
+    if (check_stream(cur, (uintptr_t)hStream)) RETURN(CUDA_ERROR_INVALID_HANDLE);
     struct fake_pool *p = find_pool(pool);
     if (!dptr || bytesize == 0 || !p || p->destroyed) RETURN(CUDA_ERROR_INVALID_VALUE);
     if (p->origin) RETURN(CUDA_ERROR_INVALID_VALUE); /* imported pools cannot allocate */
@@ -700,8 +827,10 @@ EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUme
 
 EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
     ENTER(cuMemFreeAsync);
-    NEED_CTX();
     last_stream[F_cuMemFreeAsync] = (uintptr_t)hStream;
+    NOT_ON_CAPTURING_STREAM(hStream);
+    NEED_CTX();
+    if (check_stream(cur, (uintptr_t)hStream)) RETURN(CUDA_ERROR_INVALID_HANDLE);
     long i = find_alloc((uintptr_t)dptr);
     if (i < 0 || allocs.v[i].kind != K_POOL) RETURN(CUDA_ERROR_INVALID_VALUE);
     struct fake_pool *p = allocs.v[i].pool;
@@ -759,6 +888,36 @@ EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value) 
     case CU_MEMPOOL_ATTR_USED_MEM_HIGH: *(uint64_t *)value = p->used_high; break;
     default: RETURN(CUDA_ERROR_INVALID_VALUE);
     }
+    RETURN(CUDA_SUCCESS);
+}
+
+/* The resident device's access cannot be changed (the real driver refuses
+ * revoking it). */
+EXPORT CUresult cuMemPoolSetAccess(CUmemoryPool pool, const CUmemAccessDesc *map, size_t count) {
+    ENTER(cuMemPoolSetAccess);
+    NEED_CTX();
+    struct fake_pool *p = find_pool(pool);
+    if (!p || p->destroyed || !map || count == 0) RETURN(CUDA_ERROR_INVALID_VALUE);
+    for (size_t k = 0; k < count; k++) {
+        if (map[k].location.type != CU_MEM_LOCATION_TYPE_DEVICE) RETURN(CUDA_ERROR_NOT_SUPPORTED);
+        if (!valid_dev(map[k].location.id)) RETURN(CUDA_ERROR_INVALID_DEVICE);
+        int f = map[k].flags;
+        if (f != CU_MEM_ACCESS_FLAGS_PROT_NONE && f != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+            RETURN(CUDA_ERROR_INVALID_VALUE);
+        if (map[k].location.id == p->dev && f != CU_MEM_ACCESS_FLAGS_PROT_READWRITE) RETURN(CUDA_ERROR_INVALID_VALUE);
+    }
+    for (size_t k = 0; k < count; k++) p->access[map[k].location.id] = map[k].flags;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuMemPoolGetAccess(int *flags, CUmemoryPool memPool, CUmemLocation *location) {
+    ENTER(cuMemPoolGetAccess);
+    NEED_CTX();
+    struct fake_pool *p = find_pool(memPool);
+    if (!flags || !location || !p || p->destroyed) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (location->type != CU_MEM_LOCATION_TYPE_DEVICE) RETURN(CUDA_ERROR_NOT_SUPPORTED);
+    if (!valid_dev(location->id)) RETURN(CUDA_ERROR_INVALID_DEVICE);
+    *flags = p->access[location->id];
     RETURN(CUDA_SUCCESS);
 }
 
@@ -828,6 +987,9 @@ EXPORT CUresult cuMemPoolImportFromShareableHandle(CUmemoryPool *pool_out, void 
     p->id = next_id++;
     p->origin = origin;
     p->used = p->cached = p->used_high = p->reserved_high = 0;
+    /* Only the resident device, whatever the exporter granted. */
+    memset(p->access, 0, sizeof(p->access));
+    p->access[p->dev] = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     VEC_PUSH(pools, p);
     *pool_out = p;
     RETURN(CUDA_SUCCESS);
@@ -871,6 +1033,9 @@ EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *ptr_out, CUmemoryPool pool, 
     if (memcmp(e.tag, "fakeptr", 8) != 0 || e.pool_id != p->origin->id) RETURN(CUDA_ERROR_INVALID_VALUE);
     long i = find_alloc((uintptr_t)e.ptr);
     if (i < 0 || allocs.v[i].pool != p->origin) RETURN(CUDA_ERROR_INVALID_VALUE);
+    /* Stricter than the real driver, which maps it and lets kernels fault:
+     * the importing device must have been given access to the pool. */
+    if (p->access[cur] != CU_MEM_ACCESS_FLAGS_PROT_READWRITE) RETURN(CUDA_ERROR_INVALID_DEVICE);
     struct fake_import imp = {(uintptr_t)e.ptr, cur, p};
     VEC_PUSH(imports, imp);
     *ptr_out = e.ptr;
@@ -879,9 +1044,16 @@ EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *ptr_out, CUmemoryPool pool, 
 
 /* ========================= virtual memory management ========================= */
 
+/* gpuDirectRDMACapable is accepted on devices with
+ * CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED only. */
 static int check_prop(const CUmemAllocationProp *prop) {
     if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED || prop->win32HandleMetaData ||
-        !zeroed(prop->allocFlags.reserved, sizeof(prop->allocFlags.reserved)))
+        !zeroed(prop->allocFlags.reserved, sizeof(prop->allocFlags.reserved)) ||
+        prop->allocFlags.gpuDirectRDMACapable > 1)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (prop->allocFlags.gpuDirectRDMACapable &&
+        (prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || !valid_dev(prop->location.id) ||
+         !attr_rdma_vmm[prop->location.id]))
         return CUDA_ERROR_INVALID_VALUE;
     if (prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE) {
         if (!valid_dev(prop->location.id)) return CUDA_ERROR_INVALID_DEVICE;
@@ -1382,6 +1554,67 @@ EXPORT int fake_cuda_set_granularity(unsigned long long minimum, unsigned long l
     return 0;
 }
 
+/* allocFlags.gpuDirectRDMACapable of the last cuMemCreate call (0 before any). */
+EXPORT int fake_cuda_last_mem_create_rdma(void) {
+    pthread_mutex_lock(&mu);
+    int v = last_create_prop.allocFlags.gpuDirectRDMACapable;
+    pthread_mutex_unlock(&mu);
+    return v;
+}
+
+/* Sets a device attribute cuDeviceGetAttribute reports; only
+ * CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED (0 until set,
+ * and after a reset). Returns 0, or -1 for an unknown device or attribute. */
+EXPORT int fake_cuda_set_device_attribute(int dev, int attr, int value) {
+    if (dev < 0 || dev >= MAX_DEV || attr != CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED) return -1;
+    pthread_mutex_lock(&mu);
+    attr_rdma_vmm[dev] = value;
+    pthread_mutex_unlock(&mu);
+    return 0;
+}
+
+/* Marks stream as capturing a graph (on != 0) or not. */
+EXPORT void fake_cuda_set_stream_capturing(uintptr_t stream, int on) {
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < capturing.n; i++) {
+        if (capturing.v[i] == stream) {
+            VEC_DEL(capturing, i);
+            break;
+        }
+    }
+    if (on) VEC_PUSH(capturing, stream);
+    pthread_mutex_unlock(&mu);
+}
+
+/* Streams from cuStreamCreate not destroyed. */
+EXPORT long fake_cuda_live_streams(void) {
+    long n = 0;
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < created_streams.n; i++)
+        if (!created_streams.v[i]->dead) n++;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+/* The flags a live stream from cuStreamCreate was created with and its
+ * device (flags | dev << 8), or -1 for any other handle. */
+EXPORT int fake_cuda_stream_info(uintptr_t stream) {
+    pthread_mutex_lock(&mu);
+    struct fake_created_stream *c = find_created(stream);
+    int v = c && !c->dead ? (int)c->flags | c->dev << 8 : -1;
+    pthread_mutex_unlock(&mu);
+    return v;
+}
+
+/* The access flags dev has to pool, or -1 for an unknown pool or device. */
+EXPORT int fake_cuda_pool_access(uintptr_t pool, int dev) {
+    pthread_mutex_lock(&mu);
+    struct fake_pool *p = find_pool((CUmemoryPool)pool);
+    int v = p && dev >= 0 && dev < MAX_DEV ? p->access[dev] : -1;
+    pthread_mutex_unlock(&mu);
+    return v;
+}
+
 /* Pointers imported with cuMemPoolImportPointer and not yet freed with
  * cuMemFree_v2. */
 EXPORT long fake_cuda_imported_ptrs(void) {
@@ -1459,6 +1692,10 @@ EXPORT void fake_cuda_reset(void) {
         free(e);
     }
     streams.n = 0;
+    for (size_t i = 0; i < created_streams.n; i++) free(created_streams.v[i]);
+    created_streams.n = 0;
+    capturing.n = 0;
+    memset(attr_rdma_vmm, 0, sizeof(attr_rdma_vmm));
     memset(dev_used, 0, sizeof(dev_used));
     memset(calls, 0, sizeof(calls));
     global_capture = 0;

@@ -24,6 +24,8 @@ static int fc_i(uintptr_t f) { return ((int (*)(void))f)(); }
 static int fc_i_i(uintptr_t f, int a) { return ((int (*)(int))f)(a); }
 static int fc_i_p(uintptr_t f, uintptr_t p) { return ((int (*)(uintptr_t))f)(p); }
 static int fc_i_pi(uintptr_t f, uintptr_t p, int a) { return ((int (*)(uintptr_t, int))f)(p, a); }
+static void fc_v_pi(uintptr_t f, uintptr_t p, int a) { ((void (*)(uintptr_t, int))f)(p, a); }
+static int fc_i_iii(uintptr_t f, int a, int b, int c) { return ((int (*)(int, int, int))f)(a, b, c); }
 static long fc_l(uintptr_t f) { return ((long (*)(void))f)(); }
 static long fc_l_i(uintptr_t f, int a) { return ((long (*)(int))f)(a); }
 static long fc_l_s(uintptr_t f, const char *s) { return ((long (*)(const char *))f)(s); }
@@ -190,6 +192,8 @@ var controls = []string{
 	"fake_cuda_complete_stream", "fake_cuda_complete_all", "fake_cuda_last_stream", "fake_cuda_last_mem_create",
 	"fake_cuda_last_pool_create", "fake_cuda_set_granularity", "fake_cuda_imported_ptrs",
 	"fake_cuda_set_global_capture", "fake_cuda_capture_violations", "fake_cuda_capture_mode",
+	"fake_cuda_set_stream_capturing", "fake_cuda_live_streams", "fake_cuda_stream_info", "fake_cuda_pool_access",
+	"fake_cuda_set_device_attribute", "fake_cuda_last_mem_create_rdma",
 }
 
 // Open builds the fake (once per process), loads it and resets it.
@@ -227,8 +231,9 @@ func OpenPath(t testing.TB, path string) *Fake {
 func (f *Fake) Path() string { return f.path }
 
 // Reset frees everything the fake holds, clears counters, injected
-// failures, manual events, recorded streams and properties, and the VMM
-// granularities (back to 2 MiB), drops every thread's context stack and
+// failures, manual events, recorded and created streams, captures, device
+// attributes and properties, and the VMM granularities (back to 2 MiB),
+// drops every thread's context stack and
 // re-reads FAKE_CUDA_DEVICES and FAKE_CUDA_CAPACITY. Retained primary
 // contexts survive (a loaded Driver keeps its own).
 func (f *Fake) Reset() { C.fc_v(f.fns["fake_cuda_reset"]) }
@@ -351,6 +356,52 @@ func (f *Fake) CaptureViolations() int { return int(C.fc_l(f.fns["fake_cuda_capt
 // CaptureMode is the calling OS thread's stream-capture mode
 // (CU_STREAM_CAPTURE_MODE_*; 0, global, unless changed).
 func (f *Fake) CaptureMode() int { return int(C.fc_i(f.fns["fake_cuda_capture_mode"])) }
+
+// SetStreamCapturing marks stream as capturing a CUDA graph (or no longer).
+// A capturing stream counts as a capture for the rules of SetGlobalCapture;
+// cuStreamIsCapturing reports it; cuMemAllocFromPoolAsync, cuMemFreeAsync
+// and cuStreamSynchronize refuse it (and the legacy stream, 0 or 1, while a
+// stream not created non-blocking captures) and count a violation.
+func (f *Fake) SetStreamCapturing(stream uint64, on bool) {
+	v := 0
+	if on {
+		v = 1
+	}
+	C.fc_v_pi(f.fns["fake_cuda_set_stream_capturing"], C.uintptr_t(stream), C.int(v))
+}
+
+// LiveStreams counts the streams made with cuStreamCreate and not destroyed.
+func (f *Fake) LiveStreams() int { return int(C.fc_l(f.fns["fake_cuda_live_streams"])) }
+
+// StreamInfo returns the device and the flags of a live stream made with
+// cuStreamCreate; ok is false for any other handle.
+func (f *Fake) StreamInfo(stream uint64) (dev int, flags int, ok bool) {
+	v := int(C.fc_i_p(f.fns["fake_cuda_stream_info"], C.uintptr_t(stream)))
+	if v < 0 {
+		return 0, 0, false
+	}
+	return v >> 8, v & 0xff, true
+}
+
+// PoolAccess returns the access flags (CUmemAccess_flags) dev has to pool,
+// or -1 for an unknown pool.
+func (f *Fake) PoolAccess(pool uint64, dev int) int {
+	return int(C.fc_i_pi(f.fns["fake_cuda_pool_access"], C.uintptr_t(pool), C.int(dev)))
+}
+
+// SetDeviceAttribute sets what cuDeviceGetAttribute reports for attr on
+// dev; only CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+// (110) is known, 0 until set. cuMemCreate accepts
+// allocFlags.gpuDirectRDMACapable only on devices where it is 1.
+func (f *Fake) SetDeviceAttribute(dev, attr, value int) {
+	if C.fc_i_iii(f.fns["fake_cuda_set_device_attribute"], C.int(dev), C.int(attr), C.int(value)) != 0 {
+		panic(fmt.Sprintf("fakecuda: SetDeviceAttribute(%d, %d): unknown device or attribute", dev, attr))
+	}
+}
+
+// LastMemCreateRDMA returns allocFlags.gpuDirectRDMACapable of the last
+// cuMemCreate call (0 before any).
+func (f *Fake) LastMemCreateRDMA() int { return int(C.fc_i(f.fns["fake_cuda_last_mem_create_rdma"])) }
 
 // CompleteStream completes the work recorded so far on stream.
 func (f *Fake) CompleteStream(stream uint64) {

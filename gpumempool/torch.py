@@ -139,6 +139,7 @@ __all__ = [
     "PoolInUseError",
     "ProcessWideRoutingWarning",
     "PythonCallbackWarning",
+    "RoutingConflictWarning",
     "TorchCapabilities",
     "TorchIntegrationError",
     "TorchVersionError",
@@ -175,6 +176,12 @@ class PoolInUseError(TorchIntegrationError):
 
 class ProcessWideRoutingWarning(UserWarning):
     """This torch routes every thread's allocations to an entered pool."""
+
+
+class RoutingConflictWarning(UserWarning):
+    """A ``mempool(..., all_threads=True)`` context and another thread's own
+    ``mempool`` context route the same device at once: torch sends that
+    thread's allocations to whichever of the two routes it checks first."""
 
 
 class PythonCallbackWarning(RuntimeWarning):
@@ -546,10 +553,13 @@ class MempoolContext:
         cm = _route(self._torch, self._caps, self._lane.torch_pool, self.device, self._all_threads)
         cm.__enter__()
         self._route = cm
+        if self._caps.thread_local_routing:
+            _route_started(self)
 
     def _stop(self) -> None:
         cm, self._route = self._route, None
         if cm is not None:
+            _route_stopped(self)
             cm.__exit__(None, None, None)
 
     @property
@@ -673,6 +683,43 @@ class MempoolContext:
             raise TorchIntegrationError("; ".join(problems))
 
 
+# Routes started on torch >= 2.8 (thread-local routing), by device: the
+# context, its thread and whether it takes all threads. Torch keeps every
+# route in one list per device and gives an allocation to the first route
+# whose filter accepts it (the newest first since torch 2.10, the oldest
+# before). An all_threads route accepts every thread, so it and another
+# thread's own route conflict: which one gets that thread's allocations
+# depends on the order, and no order is right for both versions.
+_routes_lock = threading.Lock()
+_active_routes: dict[int, list[tuple["MempoolContext", int, bool]]] = {}
+
+
+def _route_started(ctx: "MempoolContext") -> None:
+    assert ctx.device is not None
+    tid = threading.get_ident()
+    with _routes_lock:
+        routes = _active_routes.setdefault(ctx.device, [])
+        conflicts = [(c, t) for c, t, every in routes
+                     if t != tid and (every or ctx._all_threads) and every != ctx._all_threads]
+        routes.append((ctx, tid, ctx._all_threads))
+    for other, t in conflicts:
+        wide, own = (ctx, other) if ctx._all_threads else (other, ctx)
+        warnings.warn(
+            f"gmp.mempool({wide._pool.name!r}, all_threads=True) and a gmp.mempool({own._pool.name!r}) of "
+            f"another thread route cuda:{ctx.device} at once (threads {tid} and {t}): torch gives that "
+            f"thread's allocations to the route it checks first, so they may land in {wide._pool.name!r}. "
+            "Do not combine all_threads=True with other threads' gmp.mempool contexts on one device.",
+            RoutingConflictWarning,
+            stacklevel=4,
+        )
+
+
+def _route_stopped(ctx: "MempoolContext") -> None:
+    with _routes_lock:
+        routes = _active_routes.get(ctx.device if ctx.device is not None else -1, [])
+        routes[:] = [r for r in routes if r[0] is not ctx]
+
+
 def mempool(
     pool: MemPool,
     device: Any = None,
@@ -690,6 +737,10 @@ def mempool(
     inside (``torch._C._cuda_beginAllocateToPool``), e.g. to catch those of
     autograd's backward threads, which thread-local routing (torch >= 2.8)
     leaves to torch's allocator; torch 2.5-2.7 route every thread anyway.
+    Torch checks an all_threads route and the routes other threads entered
+    on the device in an order that depends on its version, so combining
+    them is unreliable: a :class:`RoutingConflictWarning` says when it
+    happens.
     ``use_on_oom`` / ``no_split``: torch.cuda.MemPool's options (torch
     versions whose MemPool has them); fixed when the torch pool is created.
     Entering yields the torch.cuda.MemPool. See the module docstring.

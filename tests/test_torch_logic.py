@@ -672,6 +672,41 @@ def test_all_threads_routes_other_threads_too(monkeypatch, sim):
             pass
 
 
+def test_all_threads_and_another_threads_route_conflict_is_warned(monkeypatch, sim):
+    # torch checks the newest route first (2.10+): an all_threads route
+    # entered after another thread's own route takes that thread's
+    # allocations too - the conflict the warning names.
+    torch = install(monkeypatch, "2.11")
+    other = gmp.MemPool("sim", name="theirs")
+    entered, leave, got = threading.Event(), threading.Event(), {}
+
+    def worker() -> None:
+        with gmp.mempool(other) as tp:
+            got["tp"] = tp
+            entered.set()
+            leave.wait(10)
+            got["t"] = torch.empty(1000)
+
+    th = threading.Thread(target=worker)
+    th.start()
+    try:
+        assert entered.wait(10)
+        with pytest.warns(gtorch.RoutingConflictWarning, match="'theirs'"):
+            with gmp.mempool(sim, all_threads=True) as mine:
+                leave.set()
+                th.join(10)
+    finally:
+        leave.set()
+        th.join(10)
+        other.close()
+    assert got["t"].pid == mine.id != got["tp"].id  # what the warning was about
+    assert gtorch._active_routes.get(0) == []
+    with warnings.catch_warnings():  # one thread alone: no conflict
+        warnings.simplefilter("error", gtorch.RoutingConflictWarning)
+        with gmp.mempool(sim, all_threads=True), gmp.mempool(sim):
+            pass
+
+
 def test_process_wide_routing_is_warned_once(monkeypatch, sim):
     torch = install(monkeypatch, "2.5")
     got: dict[str, Any] = {}

@@ -9,7 +9,8 @@ import (
 // for work ordered on stream. It reuses a cached block of that stream when one
 // fits (best fit by size, then address), else obtains a new segment from the
 // backend; if that fails for lack of memory it releases the pool's cached
-// segments and retries once before returning an *OutOfMemoryError.
+// segments and retries once before returning an *OutOfMemoryError (no
+// retry while the pool holds its segments: KeepSegments or a capture).
 func (p *Pool) Alloc(size uint64, dev int, stream Stream) (uint64, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -47,6 +48,8 @@ func (p *Pool) Alloc(size uint64, dev int, stream Stream) (uint64, error) {
 		if b, err = p.newSegmentBlock(d, size, rounded, kind, stream); err != nil {
 			return 0, err
 		}
+		// Releasing cached segments may have dropped the stream's lists.
+		f = d.freeList(stream)
 	}
 	if p.shouldSplit(b, rounded) {
 		rest := p.newBlock()
@@ -108,7 +111,8 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 		segSize = roundUp(rounded, p.expander.Granularity())
 	}
 	addr, err := p.backendAlloc(d, segSize, stream)
-	if err != nil && errors.Is(err, ErrBackendOutOfMemory) {
+	// A pool that holds its segments has nothing to release: no retry.
+	if err != nil && errors.Is(err, ErrBackendOutOfMemory) && !p.holdingSegmentsLocked() {
 		d.stats.NumAllocRetries++
 		// Events may have completed since; then everything cached can go.
 		p.processEventsLocked(d)
@@ -149,9 +153,7 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 	d.stats.NumDeviceAlloc++
 	d.stats.Segment.add(kind, 1)
 	d.stats.ReservedBytes.add(kind, int64(segSize))
-	if p.isOversize(segSize) {
-		d.stats.OversizeSegments.add(1)
-	}
+	p.syncOversize(d, seg)
 	return b, nil
 }
 
@@ -223,6 +225,7 @@ func (p *Pool) growLocked(d *deviceState, rounded uint64, stream Stream) (*block
 	d.stats.NumDeviceAlloc++
 	d.stats.NumExpansions++
 	d.stats.ReservedBytes.add(kindLarge, int64(extra))
+	p.syncOversize(d, seg) // growing may make it oversize
 	if last.inFree {
 		d.removeFree(d.freeList(stream), last)
 		last.size += extra

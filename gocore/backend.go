@@ -66,6 +66,25 @@ type Expander interface {
 	Expand(device int, addr, size, extra uint64, stream Stream) error
 }
 
+// Shrinker is implemented by Expander backends that can also give back the
+// end of a segment (with CUDA virtual memory management: unmap and release
+// its last physical chunks, keeping the address range reserved). With one,
+// the engine gives back the free tail of its expandable segments whenever it
+// releases cached memory (the out-of-memory retry, EmptyCache, Trim and the
+// release threshold), as torch unmaps the free pages of its expandable
+// segments; without one, only wholly free segments go back.
+type Shrinker interface {
+	// Shrink gives back at most less bytes from the end of the segment
+	// [addr, addr+size), which may later grow again with Expand; less is a
+	// positive multiple of Granularity smaller than size, and no block in
+	// that range is in use. It returns how many bytes it gave back: a
+	// multiple of Granularity, at most less, 0 when it can give back
+	// nothing there (its mappings need not end on the boundary asked); the
+	// segment is then [addr, addr+size-released). On an error nothing was
+	// given back.
+	Shrink(device int, addr, size, less uint64, stream Stream) (released uint64, err error)
+}
+
 // ErrUnsupported is wrapped by backend methods that a backend cannot serve.
 var ErrUnsupported = errors.New("not supported by this backend")
 

@@ -59,6 +59,10 @@ type segment struct {
 	first      *block // lowest-address block
 	last       *block // highest-address block
 	expandable bool   // may grow in place (Expander backends, large pool)
+	// oversize: the segment is counted in Stats.OversizeSegments (its size
+	// is at least MaxSplitSize). Kept with the segment so that the count
+	// follows it as it grows or shrinks and is taken back exactly once.
+	oversize bool
 }
 
 // roundSize rounds a request up to MinBlockSize.

@@ -13,7 +13,11 @@ func (p *Pool) releaseSegmentLocked(d *deviceState, s *segment) error {
 		return fmt.Errorf("pool %q: release %d-byte segment %#x on device %d: %w",
 			p.name, s.size, s.addr, d.id, err)
 	}
-	d.removeFree(d.freeList(s.stream), s.first)
+	f := d.freeList(s.stream)
+	d.removeFree(f, s.first)
+	if f.empty() {
+		d.dropFreeList(s.stream)
+	}
 	delete(d.segments, s.addr)
 	if d.growing[s.stream] == s {
 		delete(d.growing, s.stream)
@@ -22,10 +26,30 @@ func (p *Pool) releaseSegmentLocked(d *deviceState, s *segment) error {
 	d.stats.NumDeviceFree++
 	d.stats.Segment.add(s.kind, -1)
 	d.stats.ReservedBytes.add(s.kind, -int64(s.size))
-	if p.isOversize(s.size) {
+	p.uncountOversize(d, s)
+	return nil
+}
+
+// syncOversize keeps Stats.OversizeSegments in step with the size of s,
+// after s was created, grew or shrank.
+func (p *Pool) syncOversize(d *deviceState, s *segment) {
+	if o := p.isOversize(s.size); o != s.oversize {
+		s.oversize = o
+		if o {
+			d.stats.OversizeSegments.add(1)
+		} else {
+			d.stats.OversizeSegments.add(-1)
+		}
+	}
+}
+
+// uncountOversize takes a segment that goes back out of
+// Stats.OversizeSegments.
+func (p *Pool) uncountOversize(d *deviceState, s *segment) {
+	if s.oversize {
+		s.oversize = false
 		d.stats.OversizeSegments.add(-1)
 	}
-	return nil
 }
 
 // holdingSegmentsLocked reports whether no segment may go back now: the pool
@@ -33,8 +57,10 @@ func (p *Pool) releaseSegmentLocked(d *deviceState, s *segment) error {
 // (EnterCapture). Close releases them regardless.
 func (p *Pool) holdingSegmentsLocked() bool { return p.cfg.KeepSegments || p.captures > 0 }
 
-// trimLocked releases whole free segments, largest first, until the device's
-// unused reserved bytes are at most keep. It returns the bytes released.
+// trimLocked releases whole free segments, largest first, then (with a
+// Shrinker backend) the free tails of expandable segments, largest first,
+// until the device's unused reserved bytes are at most keep. It returns the
+// bytes released.
 func (p *Pool) trimLocked(d *deviceState, keep uint64) (uint64, error) {
 	if p.holdingSegmentsLocked() {
 		return 0, nil
@@ -51,7 +77,88 @@ func (p *Pool) trimLocked(d *deviceState, keep uint64) (uint64, error) {
 		}
 		released += s.size
 	}
+	if p.shrinker != nil && d.unusedBytes() > keep {
+		for _, s := range p.shrinkableSegments(d) {
+			if d.unusedBytes() <= keep {
+				break
+			}
+			n, err := p.shrinkTailLocked(d, s)
+			errs = append(errs, err)
+			released += n
+		}
+	}
 	return released, errors.Join(errs...)
+}
+
+// shrinkable is how many bytes at the end of s are free whole granules: an
+// expandable segment, partly in use, whose last block is free.
+func (p *Pool) shrinkable(s *segment) uint64 {
+	last := s.last
+	if !s.expandable || !last.inFree || last.prev == nil {
+		return 0 // wholly free segments are released whole
+	}
+	return s.size - roundUp(last.addr-s.addr, p.expander.Granularity())
+}
+
+// shrinkableSegments lists the segments of d with a free tail to give back,
+// the largest tail first, then by address. O(segments): for the release
+// paths, not the hot path.
+func (p *Pool) shrinkableSegments(d *deviceState) []*segment {
+	var segs []*segment
+	for _, s := range d.segments {
+		if p.shrinkable(s) > 0 {
+			segs = append(segs, s)
+		}
+	}
+	sort.Slice(segs, func(i, j int) bool {
+		if a, b := p.shrinkable(segs[i]), p.shrinkable(segs[j]); a != b {
+			return a > b
+		}
+		return segs[i].addr < segs[j].addr
+	})
+	return segs
+}
+
+// shrinkTailLocked gives the free tail of expandable segment s back to the
+// backend (Shrinker), as torch unmaps the free pages of its expandable
+// segments, and returns the bytes given back. On a backend error s stays
+// as it was.
+func (p *Pool) shrinkTailLocked(d *deviceState, s *segment) (uint64, error) {
+	less := p.shrinkable(s)
+	if less == 0 {
+		return 0, nil
+	}
+	released, err := p.shrinker.Shrink(d.id, s.addr, s.size, less, s.stream)
+	if err != nil {
+		return 0, fmt.Errorf("pool %q: give back the %d-byte free tail of segment %#x on device %d: %w",
+			p.name, less, s.addr, d.id, err)
+	}
+	if released == 0 {
+		return 0, nil
+	}
+	if released > less || released%p.expander.Granularity() != 0 {
+		// The backend broke the Shrinker contract: the segment no longer
+		// matches its blocks, so say so rather than guess.
+		return 0, fmt.Errorf("pool %q: backend %s shrank segment %#x on device %d by %d bytes, asked for at most %d in granules of %d: %w",
+			p.name, p.backend.Name(), s.addr, d.id, released, less, p.expander.Granularity(), ErrInvariant)
+	}
+	last := s.last
+	f := d.freeList(s.stream)
+	d.removeFree(f, last)
+	s.size -= released
+	last.size -= released
+	if last.size == 0 { // the tail started on a granule: its block goes
+		s.last = last.prev
+		s.last.next = nil
+		p.dropBlock(last)
+	} else {
+		d.insertFree(f, last)
+	}
+	p.trace(ActionSegmentUnmap, d.id, s.addr+s.size, released, s.stream)
+	d.stats.NumDeviceFree++
+	d.stats.ReservedBytes.add(s.kind, -int64(released))
+	p.syncOversize(d, s)
+	return released, nil
 }
 
 // releaseCachedLocked is trimLocked after freeing parked blocks whose events
@@ -117,14 +224,17 @@ func (p *Pool) collectGarbageLocked(d *deviceState) {
 
 // EmptyCache returns every wholly free segment on every device to the
 // backend, like torch.cuda.empty_cache(), and reports the bytes released.
-// Segments that still hold a live block stay.
+// Segments that still hold a live block stay; with a Shrinker backend the
+// free tails of expandable ones go back (whole granules). It also forgets
+// the free lists of streams that have nothing cached.
 func (p *Pool) EmptyCache() (uint64, error) {
 	return p.Trim(-1, 0)
 }
 
 // Trim shrinks the cache of device dev (every device when dev < 0) until at
 // most keep unused reserved bytes remain, releasing whole free segments
-// largest first, like cudaMemPoolTrimTo. The pool stays usable.
+// largest first, then (with a Shrinker backend) the free tails of
+// expandable segments, like cudaMemPoolTrimTo. The pool stays usable.
 func (p *Pool) Trim(dev int, keep uint64) (uint64, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -140,6 +250,7 @@ func (p *Pool) Trim(dev int, keep uint64) (uint64, error) {
 		n, err := p.releaseCachedLocked(d, keep)
 		total += n
 		errs = append(errs, err)
+		d.dropEmptyFreeLists()
 	}
 	if dev >= len(p.devices) {
 		return 0, fmt.Errorf("trim pool %q: device %d out of range [0, %d): %w", p.name, dev, len(p.devices), ErrInvalidDevice)

@@ -34,6 +34,12 @@ func (p *Pool) CheckInvariants() error {
 		for _, s := range d.segments {
 			want.Segment.add(s.kind, 1)
 			want.ReservedBytes.add(s.kind, int64(s.size))
+			if s.oversize != p.isOversize(s.size) {
+				bad("segment %#x (%d bytes): counted as oversize %v", s.addr, s.size, s.oversize)
+			}
+			if s.oversize {
+				want.OversizeSegments.add(1)
+			}
 			if s.first == nil || s.first.prev != nil || s.first.addr != s.addr {
 				bad("segment %#x: first block does not start it", s.addr)
 				continue
@@ -61,11 +67,14 @@ func (p *Pool) CheckInvariants() error {
 					}
 					want.Allocation.add(s.kind, 1)
 					want.AllocatedBytes.add(s.kind, int64(b.size))
-					want.RequestedBytes.add(s.kind, int64(b.requested))
+					if p.isOversize(b.size) {
+						want.OversizeAllocations.add(1)
+					}
 				}
 				if active {
 					want.Active.add(s.kind, 1)
 					want.ActiveBytes.add(s.kind, int64(b.size))
+					want.RequestedBytes.add(s.kind, int64(b.requested))
 					if b.inFree {
 						bad("active block %#x is in a free list", b.addr)
 					}
@@ -84,8 +93,10 @@ func (p *Pool) CheckInvariants() error {
 				}
 				_, whole := d.wholeFree[s]
 				if b.isSplit() {
-					want.InactiveSplit.add(s.kind, 1)
-					want.InactiveSplitBytes.add(s.kind, int64(b.size))
+					if !s.expandable {
+						want.InactiveSplit.add(s.kind, 1)
+						want.InactiveSplitBytes.add(s.kind, int64(b.size))
+					}
 					if whole {
 						bad("split segment %#x is listed as wholly free", s.addr)
 					}
@@ -130,6 +141,20 @@ func (p *Pool) CheckInvariants() error {
 					bad("device %d: stat %s[%d].current = %d, recount %d", d.id, pr.name, k, pr.got[k].Current, pr.want[k].Current)
 				}
 			}
+		}
+		for _, pr := range []struct {
+			name      string
+			got, want *Stat
+		}{
+			{"oversize_allocations", &got.OversizeAllocations, &want.OversizeAllocations},
+			{"oversize_segments", &got.OversizeSegments, &want.OversizeSegments},
+		} {
+			if pr.got.Current != pr.want.Current {
+				bad("device %d: stat %s.current = %d, recount %d", d.id, pr.name, pr.got.Current, pr.want.Current)
+			}
+		}
+		if d.lastFree != nil && d.streams[d.lastStream] != d.lastFree {
+			bad("device %d: cached free lists of stream %#x are not its lists", d.id, uint64(d.lastStream))
 		}
 	}
 	if allocatedSeen != len(p.allocated) {

@@ -22,13 +22,13 @@ func (p *Pool) Free(addr uint64) error {
 	st := &d.stats
 	st.Allocation.add(kind, -1)
 	st.AllocatedBytes.add(kind, -int64(b.size))
-	st.RequestedBytes.add(kind, -int64(b.requested))
 	if p.isOversize(b.size) {
 		st.OversizeAllocations.add(-1)
 	}
 	b.allocated = false
-	// Like torch, history carries the caller's size; b.requested is kept
-	// until the block is free (a pending block still shows it).
+	// Like torch, history carries the caller's size; b.requested, and
+	// Stats.RequestedBytes with it, are kept until the block is inactive
+	// (a pending block still counts, as in active_bytes).
 	p.trace(ActionFreeRequested, d.id, b.addr, b.requested, b.seg.stream)
 	if len(b.streamUses) > 0 {
 		if p.captures > 0 {
@@ -111,6 +111,7 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 	kind := b.seg.kind
 	d.stats.Active.add(kind, -1)
 	d.stats.ActiveBytes.add(kind, -int64(b.size))
+	d.stats.RequestedBytes.add(kind, -int64(b.requested))
 	p.trace(ActionFreeCompleted, d.id, b.addr, b.requested, b.seg.stream)
 	b.requested = 0
 	b.streamUses = b.streamUses[:0]
@@ -147,24 +148,26 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 }
 
 // insertFree indexes a free block and keeps the split and whole-segment
-// accounting that depends on it.
+// accounting that depends on it. Like torch, inactive_split leaves out
+// expandable segments: their free pages can always be given back, which is
+// what the stat is meant to exclude.
 func (d *deviceState) insertFree(f *streamFree, b *block) {
 	f.insert(b)
-	if b.isSplit() {
+	if !b.isSplit() {
+		d.wholeFree[b.seg] = d.largeLookups
+	} else if !b.seg.expandable {
 		d.stats.InactiveSplit.add(b.seg.kind, 1)
 		d.stats.InactiveSplitBytes.add(b.seg.kind, int64(b.size))
-	} else {
-		d.wholeFree[b.seg] = d.largeLookups
 	}
 }
 
 func (d *deviceState) removeFree(f *streamFree, b *block) {
 	f.remove(b)
-	if b.isSplit() {
+	if !b.isSplit() {
+		delete(d.wholeFree, b.seg)
+	} else if !b.seg.expandable {
 		d.stats.InactiveSplit.add(b.seg.kind, -1)
 		d.stats.InactiveSplitBytes.add(b.seg.kind, -int64(b.size))
-	} else {
-		delete(d.wholeFree, b.seg)
 	}
 }
 

@@ -122,6 +122,19 @@ func newStreamFree() *streamFree {
 	return &streamFree{large: btree.NewG(16, largeLess)}
 }
 
+// empty reports whether the lists hold no block.
+func (f *streamFree) empty() bool {
+	if f.large.Len() != 0 {
+		return false
+	}
+	for _, w := range f.small.nonEmpty {
+		if w != 0 {
+			return false
+		}
+	}
+	return true
+}
+
 func (f *streamFree) insert(b *block) {
 	if b.seg.kind == kindSmall {
 		f.small.insert(b)

@@ -9,7 +9,8 @@ const (
 	ActionFreeCompleted = "free_completed"
 	ActionSegmentAlloc  = "segment_alloc"
 	ActionSegmentFree   = "segment_free"
-	ActionSegmentMap    = "segment_map" // an expandable segment grew
+	ActionSegmentMap    = "segment_map"   // an expandable segment grew
+	ActionSegmentUnmap  = "segment_unmap" // an expandable segment gave its free tail back
 	ActionOOM           = "oom"
 	ActionRecordStream  = "record_stream" // ours: a block used on another stream
 )

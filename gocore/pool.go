@@ -1,6 +1,7 @@
 package gocore
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"slices"
@@ -21,12 +22,16 @@ type Config struct {
 	Limit uint64
 	// MaxSplitSize: blocks of at least this size are never split, and
 	// requests below it never take them (torch's max_split_size_mb). 0
-	// means unlimited. Must be > SmallSize when set.
+	// means unlimited. When set it must be at least LargeBuffer (20 MiB), as
+	// torch requires: below that every LargeBuffer segment would be
+	// oversize, and each small large request would cost a segment of its
+	// own.
 	MaxSplitSize uint64
 	// MaxNonSplitRoundingSize: a request of at least MaxSplitSize takes a
 	// cached block (unsplit) only if the block is less than this much larger
 	// (torch's max_non_split_rounding_mb). 0 means torch's default,
-	// LargeBuffer (20 MiB).
+	// LargeBuffer (20 MiB); when set it must be at least LargeBuffer, as
+	// torch requires.
 	MaxNonSplitRoundingSize uint64
 	// RoundupPower2Divisions, when at least 2, rounds requests up to one of
 	// this many equal steps between consecutive powers of two (torch's
@@ -105,6 +110,7 @@ type Pool struct {
 	allocated map[uint64]*block // live blocks by address
 	spare     []*block          // block structs kept for reuse
 	expander  Expander          // non-nil when the backend grows segments in place
+	shrinker  Shrinker          // non-nil when it can also give their free tails back
 	hist      *history          // recorded events; nil when recording is off
 	histMax   int
 	// deviceLimit overrides cfg.Limit for single devices (torch's
@@ -112,6 +118,9 @@ type Pool struct {
 	deviceLimit map[int]uint64
 	// captures counts EnterCapture calls not yet exited.
 	captures int
+	// unreleased holds, once the pool is closed, the segments whose backend
+	// Free failed: still reserved, retried by the next Close.
+	unreleased []*segment
 }
 
 // deviceState is everything the pool keeps for one device.
@@ -137,9 +146,13 @@ func NewPool(cfg Config) (*Pool, error) {
 	if cfg.Backend == nil {
 		return nil, fmt.Errorf("new pool: no backend: %w", ErrInvalidArgument)
 	}
-	if cfg.MaxSplitSize != 0 && cfg.MaxSplitSize <= SmallSize {
-		return nil, fmt.Errorf("new pool: max split size %d must exceed %d bytes: %w",
-			cfg.MaxSplitSize, SmallSize, ErrInvalidArgument)
+	if cfg.MaxSplitSize != 0 && cfg.MaxSplitSize < LargeBuffer {
+		return nil, fmt.Errorf("new pool: max split size %d must be at least %d bytes (20 MiB, torch's minimum max_split_size_mb), or 0 for none: %w",
+			cfg.MaxSplitSize, uint64(LargeBuffer), ErrInvalidArgument)
+	}
+	if cfg.MaxNonSplitRoundingSize != 0 && cfg.MaxNonSplitRoundingSize < LargeBuffer {
+		return nil, fmt.Errorf("new pool: max non-split rounding size %d must be at least %d bytes (20 MiB, torch's minimum max_non_split_rounding_mb), or 0 for the default: %w",
+			cfg.MaxNonSplitRoundingSize, uint64(LargeBuffer), ErrInvalidArgument)
 	}
 	if err := checkDivisions(cfg); err != nil {
 		return nil, fmt.Errorf("new pool: %w", err)
@@ -167,8 +180,13 @@ func NewPool(cfg Config) (*Pool, error) {
 		}
 		ex = e
 	}
+	var sh Shrinker
+	if s, ok := cfg.Backend.(Shrinker); ok && ex != nil {
+		sh = s
+	}
 	return &Pool{
 		expander:  ex,
+		shrinker:  sh,
 		cfg:       cfg,
 		name:      cfg.Name,
 		backend:   cfg.Backend,
@@ -316,6 +334,25 @@ func (d *deviceState) freeList(s Stream) *streamFree {
 	return f
 }
 
+// dropFreeList forgets the (empty) free lists of stream s, so that a pool
+// used by many short-lived streams does not keep a free list for each.
+func (d *deviceState) dropFreeList(s Stream) {
+	if d.lastFree != nil && d.lastStream == s {
+		d.lastFree = nil
+	}
+	delete(d.streams, s)
+}
+
+// dropEmptyFreeLists forgets the free lists that hold no block, such as
+// those of streams whose allocations all failed; O(streams).
+func (d *deviceState) dropEmptyFreeLists() {
+	for s, f := range d.streams {
+		if f.empty() {
+			d.dropFreeList(s)
+		}
+	}
+}
+
 // LiveBlock describes a block still allocated, as Close reports it.
 type LiveBlock struct {
 	Device    int    `json:"device"`
@@ -336,13 +373,25 @@ type CloseReport struct {
 // Close returns every segment to the backend, including segments that still
 // hold live blocks (their addresses become invalid), destroys the pool's
 // events, and reports the blocks callers never freed. Every later call on
-// the pool fails with ErrClosed; closing twice is an error too.
+// the pool fails with ErrClosed.
+//
+// The pool is closed even when Close fails. A segment the backend refuses to
+// free is not forgotten: the pool keeps it (Stats still counts it as
+// reserved) and Close returns the backend's error. Calling Close again
+// retries exactly those segments, reporting only what it frees this time
+// (the live blocks were reported by the first Close), and returns nil once
+// the backend took them all back. When nothing is left to give back, Close
+// fails with ErrClosed, so closing a cleanly closed pool twice is an error.
+// Events whose destruction fails are reported but not retried.
 func (p *Pool) Close() (CloseReport, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	var rep CloseReport
 	if p.closed {
-		return rep, fmt.Errorf("close pool %q: %w", p.name, ErrClosed)
+		if len(p.unreleased) == 0 {
+			return rep, fmt.Errorf("close pool %q: %w", p.name, ErrClosed)
+		}
+		return rep, p.freeUnreleasedLocked(&rep)
 	}
 	p.closed = true
 	for _, b := range p.allocated {
@@ -367,25 +416,50 @@ func (p *Pool) Close() (CloseReport, error) {
 			}
 		}
 		d.events = nil
+		first := len(p.unreleased)
 		for _, s := range d.segments {
-			if err := p.backend.Free(d.id, s.addr, s.size, s.stream); err != nil {
-				errs = append(errs, fmt.Errorf("close pool %q: free segment %#x (%d bytes) on device %d: %w",
-					p.name, s.addr, s.size, d.id, err))
-				continue
-			}
-			rep.SegmentsFreed++
-			rep.BytesFreed += s.size
-			d.stats.NumDeviceFree++
-			d.stats.Segment.add(s.kind, -1)
-			d.stats.ReservedBytes.add(s.kind, -int64(s.size))
+			s.first, s.last = nil, nil // the blocks die with the pool
+			p.unreleased = append(p.unreleased, s)
 		}
+		slices.SortFunc(p.unreleased[first:], func(a, b *segment) int { return cmp.Compare(a.addr, b.addr) })
 		d.segments = nil
 		d.streams = nil
 		d.wholeFree = nil
+		d.growing = nil
 		d.lastFree = nil
 	}
 	p.allocated = nil
+	p.spare = nil
+	errs = append(errs, p.freeUnreleasedLocked(&rep))
 	return rep, errors.Join(errs...)
+}
+
+// freeUnreleasedLocked gives the segments of a closed pool back to the
+// backend, keeping those whose Free fails for a later Close.
+func (p *Pool) freeUnreleasedLocked(rep *CloseReport) error {
+	var errs []error
+	kept := p.unreleased[:0]
+	for _, s := range p.unreleased {
+		d := p.devices[s.device]
+		if err := p.backend.Free(d.id, s.addr, s.size, s.stream); err != nil {
+			errs = append(errs, fmt.Errorf("close pool %q: free segment %#x (%d bytes) on device %d: %w",
+				p.name, s.addr, s.size, d.id, err))
+			kept = append(kept, s)
+			continue
+		}
+		rep.SegmentsFreed++
+		rep.BytesFreed += s.size
+		d.stats.NumDeviceFree++
+		d.stats.Segment.add(s.kind, -1)
+		d.stats.ReservedBytes.add(s.kind, -int64(s.size))
+		p.uncountOversize(d, s)
+	}
+	clear(p.unreleased[len(kept):])
+	p.unreleased = kept
+	if len(kept) == 0 {
+		p.unreleased = nil
+	}
+	return errors.Join(errs...)
 }
 
 func sortLiveBlocks(bs []LiveBlock) {

@@ -1,6 +1,7 @@
 package gocore
 
 import (
+	"errors"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -649,7 +650,8 @@ func TestExpandableSegmentGrowsInPlace(t *testing.T) {
 	a := mustAlloc(t, p, 3*MiB, 0, 0)
 	s := stats(t, p)
 	assert.EqualValues(t, 4*MiB, s.ReservedBytes[0].Current, "first segment: the request rounded to the granularity")
-	assert.EqualValues(t, MiB, s.InactiveSplitBytes[0].Current, "the tail is kept")
+	assert.EqualValues(t, MiB, s.ReservedBytes[0].Current-s.AllocatedBytes[0].Current, "the tail is kept")
+	assert.Zero(t, s.InactiveSplitBytes[0].Current, "expandable segments are not in inactive_split (torch)")
 	b := mustAlloc(t, p, 3*MiB, 0, 0)
 	assert.Equal(t, a+3*MiB, b, "grown in place, right after the first block")
 	s = stats(t, p)
@@ -804,4 +806,375 @@ func TestStatsRetired(t *testing.T) {
 	assert.EqualValues(t, 2, s.Segment[0].Current, "s itself is unchanged")
 	_, err := p.Close()
 	require.NoError(t, err)
+}
+
+// torch rejects max_split_size_mb and max_non_split_rounding_mb below
+// LargeBuffer (20 MiB): with a smaller MaxSplitSize every LargeBuffer
+// segment would be oversize and each 2 MiB request would cost 20 MiB.
+func TestMaxSplitAndNonSplitRoundingMinimum(t *testing.T) {
+	be, err := NewSimBackend(SimConfig{})
+	require.NoError(t, err)
+	for _, c := range []struct {
+		cfg  Config
+		what string
+	}{
+		{Config{MaxSplitSize: 4 * MiB}, "max split size"},
+		{Config{MaxSplitSize: LargeBuffer - 512}, "max split size"},
+		{Config{MaxSplitSize: 32 * MiB, MaxNonSplitRoundingSize: MiB}, "max non-split rounding size"},
+		{Config{MaxSplitSize: 32 * MiB, MaxNonSplitRoundingSize: LargeBuffer - 1}, "max non-split rounding size"},
+	} {
+		c.cfg.Backend = be
+		_, err := NewPool(c.cfg)
+		require.ErrorIs(t, err, ErrInvalidArgument, "%+v", c.cfg)
+		assert.Contains(t, err.Error(), c.what)
+		assert.Contains(t, err.Error(), "20971520 bytes")
+	}
+	p, err := NewPool(Config{Backend: be, MaxSplitSize: LargeBuffer, MaxNonSplitRoundingSize: LargeBuffer})
+	require.NoError(t, err, "exactly 20 MiB is allowed, as in torch")
+	assert.EqualValues(t, LargeBuffer, p.Config().MaxSplitSize)
+	// At the minimum, LargeBuffer segments are oversize but each serves one
+	// request below 10 MiB only if nothing smaller is cached: 10 blocks of
+	// 2 MiB share one segment when MaxSplitSize is above LargeBuffer.
+	q, _ := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 24 * MiB})
+	for range 10 {
+		mustAlloc(t, q, 2*MiB, 0, 0)
+	}
+	s := stats(t, q)
+	assert.EqualValues(t, 1, s.Segment[0].Current)
+	assert.Zero(t, s.OversizeSegments.Current)
+}
+
+// An expandable segment that grows past MaxSplitSize becomes oversize; the
+// count follows it and goes back to 0 when it is released.
+func TestOversizeSegmentsFollowExpandableGrowth(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Expandable: true}, Config{MaxSplitSize: 20 * MiB})
+	a := mustAlloc(t, p, 3*MiB, 0, 0) // a new 4 MiB segment: not oversize
+	assert.Zero(t, stats(t, p).OversizeSegments.Current)
+	b := mustAlloc(t, p, 30*MiB, 0, 0) // grows it in place to 34 MiB
+	s := stats(t, p)
+	assert.EqualValues(t, 1, s.Segment[0].Current)
+	assert.EqualValues(t, 34*MiB, s.ReservedBytes[0].Current)
+	assert.EqualValues(t, 1, s.OversizeSegments.Current)
+	assert.EqualValues(t, 1, s.OversizeAllocations.Current)
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(b))
+	_, err := p.EmptyCache()
+	require.NoError(t, err)
+	s = stats(t, p)
+	assert.Zero(t, s.Segment[0].Current)
+	assert.Zero(t, s.OversizeSegments.Current)
+	assert.EqualValues(t, 1, s.OversizeSegments.Freed)
+	assert.Zero(t, s.OversizeAllocations.Current)
+}
+
+// Close gives every segment back, oversize ones included, and counts them
+// out of oversize_segments.
+func TestCloseTakesBackOversizeSegments(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 24 * MiB})
+	a := mustAlloc(t, p, 40*MiB, 0, 0)
+	mustAlloc(t, p, 30*MiB, 0, 0) // still live at Close
+	require.NoError(t, p.Free(a))
+	assert.EqualValues(t, 2, stats(t, p).OversizeSegments.Current)
+	_, err := p.Close()
+	require.NoError(t, err)
+	s, err := p.Stats(-1)
+	require.NoError(t, err)
+	assert.Zero(t, s.Segment[0].Current)
+	assert.Zero(t, s.ReservedBytes[0].Current)
+	assert.Zero(t, s.OversizeSegments.Current)
+	assert.EqualValues(t, 2, s.OversizeSegments.Freed)
+}
+
+// The expandable sim reserves the device's capacity per segment in a range
+// sized for many segments: hundreds of segments, small and large, on a
+// default (80 GiB) device.
+func TestExpandableSimHoldsManySegments(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Expandable: true}, Config{})
+	const streams = 200
+	var addrs []uint64
+	for s := range streams {
+		addrs = append(addrs, mustAlloc(t, p, 512, 0, Stream(s)))   // a 2 MiB small segment each
+		addrs = append(addrs, mustAlloc(t, p, 3*MiB, 0, Stream(s))) // and a growing large one
+	}
+	for range 40 { // one stream, 20 small segments
+		addrs = append(addrs, mustAlloc(t, p, MiB, 0, streams))
+	}
+	s := stats(t, p)
+	assert.EqualValues(t, 2*streams+20, s.Segment[0].Current)
+	assert.Equal(t, 2*streams+20, be.Stats().LiveSegments)
+	// Every large segment can still grow to what the device can back.
+	mustAlloc(t, p, 40<<30, 0, 0)
+	assert.EqualValues(t, 1, stats(t, p).NumExpansions)
+	for _, a := range addrs {
+		require.NoError(t, p.Free(a))
+	}
+}
+
+// torch keeps requested_bytes, and a segment's requested_size in snapshots,
+// for a freed block until it becomes inactive (free_block), like
+// active_bytes.
+func TestRequestedBytesOfPendingFree(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	a := mustAlloc(t, p, 1000, 0, 1)
+	require.NoError(t, p.RecordStream(a, 2))
+	require.NoError(t, p.Free(a))
+	s := stats(t, p) // CheckInvariants recounts requested_bytes over active blocks
+	assert.Zero(t, s.AllocatedBytes[0].Current)
+	assert.EqualValues(t, 1024, s.ActiveBytes[0].Current)
+	assert.EqualValues(t, 1000, s.RequestedBytes[0].Current)
+	assert.EqualValues(t, 1000, s.RequestedBytes[kindSmall].Current)
+	seg := p.Snapshot()[0]
+	assert.Equal(t, StatePendingFree, seg.Blocks[0].State)
+	assert.EqualValues(t, 1000, seg.Blocks[0].RequestedSize)
+	assert.EqualValues(t, 1000, seg.RequestedSize)
+
+	be.CompleteAll()
+	waiting, err := p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Zero(t, waiting)
+	s = stats(t, p)
+	assert.Zero(t, s.ActiveBytes[0].Current)
+	assert.Zero(t, s.RequestedBytes[0].Current)
+	assert.EqualValues(t, 1000, s.RequestedBytes[0].Freed)
+	assert.Zero(t, p.Snapshot()[0].RequestedSize)
+}
+
+// A segment whose backend Free fails during Close is kept, still counted as
+// reserved, and a later Close retries it.
+func TestCloseRetriesSegmentsTheBackendKept(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 24 * MiB})
+	a := mustAlloc(t, p, 4096, 0, 0)
+	mustAlloc(t, p, 30*MiB, 0, 1)
+	be.cfg.FreeFailRate = 1 // every Free fails (a test hook on the sim)
+	rep, err := p.Close()
+	require.Error(t, err)
+	assert.NotErrorIs(t, err, ErrClosed)
+	assert.Len(t, rep.LiveBlocks, 2)
+	assert.Zero(t, rep.SegmentsFreed)
+	assert.True(t, p.Closed())
+	assert.ErrorIs(t, p.Free(a), ErrClosed, "the pool is closed all the same")
+	s, err := p.Stats(-1)
+	require.NoError(t, err)
+	assert.EqualValues(t, 2, s.Segment[0].Current, "what the backend kept is still reserved")
+	assert.EqualValues(t, 2*MiB+30*MiB, s.ReservedBytes[0].Current)
+	assert.EqualValues(t, 1, s.OversizeSegments.Current)
+	assert.Empty(t, p.Snapshot())
+	assert.Equal(t, 2, be.Stats().LiveSegments)
+
+	rep, err = p.Close() // still failing: the same segments, the same error
+	require.Error(t, err)
+	assert.NotErrorIs(t, err, ErrClosed)
+	assert.Empty(t, rep.LiveBlocks, "reported by the first Close")
+
+	be.cfg.FreeFailRate = 0
+	rep, err = p.Close()
+	require.NoError(t, err)
+	assert.Equal(t, 2, rep.SegmentsFreed)
+	assert.EqualValues(t, 2*MiB+30*MiB, rep.BytesFreed)
+	assert.Empty(t, rep.LiveBlocks)
+	assert.Zero(t, be.Stats().LiveSegments)
+	s, err = p.Stats(-1)
+	require.NoError(t, err)
+	assert.Zero(t, s.Segment[0].Current)
+	assert.Zero(t, s.ReservedBytes[0].Current)
+	assert.Zero(t, s.OversizeSegments.Current)
+	assert.EqualValues(t, 2, s.NumDeviceFree)
+
+	_, err = p.Close() // nothing left: closing again is an error
+	assert.ErrorIs(t, err, ErrClosed)
+}
+
+// A pool that holds its segments (KeepSegments, or during a capture) has
+// nothing to release when the backend runs out: it fails at once, without
+// counting a retry or asking the backend twice.
+func TestHoldingSegmentsSkipsReleaseAndRetry(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Capacity: 8 * MiB}, Config{KeepSegments: true})
+	mustOOM(t, p, 9*MiB, 0)
+	s := stats(t, p)
+	assert.Zero(t, s.NumAllocRetries)
+	assert.EqualValues(t, 1, s.NumOOMs)
+	assert.EqualValues(t, 1, be.Stats().FailedAllocs)
+
+	q, qbe := newTestPool(t, SimConfig{Capacity: 8 * MiB}, Config{})
+	q.EnterCapture()
+	mustOOM(t, q, 9*MiB, 0)
+	s = stats(t, q)
+	assert.Zero(t, s.NumAllocRetries)
+	assert.EqualValues(t, 1, qbe.Stats().FailedAllocs)
+	require.NoError(t, q.ExitCapture())
+	mustOOM(t, q, 9*MiB, 0) // outside the capture: release and retry
+	s = stats(t, q)
+	assert.EqualValues(t, 1, s.NumAllocRetries)
+	assert.EqualValues(t, 3, qbe.Stats().FailedAllocs)
+}
+
+// The free lists of a stream are dropped when its last cached segment goes
+// back, and EmptyCache drops those of streams that never got one, so many
+// short-lived streams do not leave a free list each behind.
+func TestEmptyStreamFreeListsAreDropped(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Capacity: 64 * MiB}, Config{})
+	var addrs []uint64
+	for s := range 20 {
+		addrs = append(addrs, mustAlloc(t, p, 4096, 0, Stream(s)))
+	}
+	for _, a := range addrs {
+		require.NoError(t, p.Free(a))
+	}
+	d := p.devices[0]
+	assert.Len(t, d.streams, 20)
+	_, err := p.Alloc(100*MiB, 0, 99) // fails, but the stream got (empty) lists
+	require.ErrorIs(t, err, ErrOutOfMemory)
+	assert.Len(t, d.streams, 1, "the OOM path released the 20 cached segments and their lists")
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.Empty(t, d.streams)
+	// A stream whose lists were dropped works as before (and the cached
+	// lookup of the last stream was reset).
+	a := mustAlloc(t, p, 4096, 0, 99)
+	require.NoError(t, p.Free(a))
+	assert.Equal(t, a, mustAlloc(t, p, 4096, 0, 99))
+	stats(t, p)
+	// Segments with live blocks keep their stream's lists.
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.Len(t, d.streams, 1)
+}
+
+// When the release-and-retry path gives back the stream's only cached
+// segment (dropping its lists), the remainder of the new segment still goes
+// into the stream's lists.
+func TestOOMRetryThatDropsTheStreamsLists(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Capacity: 50 * MiB}, Config{MaxSplitSize: 24 * MiB})
+	big := mustAlloc(t, p, 40*MiB, 0, 0)
+	require.NoError(t, p.Free(big)) // cached, oversize: 2 MiB requests may not take it
+	a := mustAlloc(t, p, 2*MiB, 0, 0)
+	s := stats(t, p) // the 18 MiB remainder is indexed under stream 0
+	assert.EqualValues(t, 1, s.NumAllocRetries)
+	assert.EqualValues(t, 20*MiB, s.ReservedBytes[0].Current)
+	assert.EqualValues(t, 18*MiB, s.InactiveSplitBytes[0].Current)
+	assert.Equal(t, a+2*MiB, mustAlloc(t, p, 2*MiB, 0, 0), "the remainder serves the stream")
+}
+
+// With a Shrinker backend the free tail of a partly used expandable segment
+// goes back when the pool releases cached memory, as torch unmaps the free
+// pages of its expandable segments: on the OOM retry and on EmptyCache.
+func TestExpandableFreeTailGoesBack(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 64 * MiB}, Config{MaxSplitSize: 20 * MiB})
+	p.RecordHistory(true, 100)
+	a := mustAlloc(t, p, 4*MiB, 0, 0)
+	b := mustAlloc(t, p, 40*MiB, 0, 0) // grows stream 0's segment to 44 MiB
+	require.NoError(t, p.Free(b))      // a 40 MiB free tail, cached
+	assert.EqualValues(t, 1, stats(t, p).OversizeSegments.Current)
+	c := mustAlloc(t, p, 40*MiB, 0, 1) // another stream: the tail must go back first
+	s := stats(t, p)
+	assert.EqualValues(t, 1, s.NumAllocRetries)
+	assert.Zero(t, s.NumOOMs)
+	assert.EqualValues(t, 44*MiB, s.ReservedBytes[0].Current)
+	assert.EqualValues(t, 1, s.OversizeSegments.Current, "stream 0's segment is 4 MiB again, stream 1's is 40")
+	assert.EqualValues(t, 1, be.Stats().Shrinks)
+	assert.EqualValues(t, 44*MiB, be.UsedBytes(0))
+	seg := p.Snapshot()[0]
+	assert.EqualValues(t, 4*MiB, seg.TotalSize)
+	require.Len(t, seg.Blocks, 1, "the tail started on a granule: its block is gone")
+	var unmapped []TraceEntry
+	for _, e := range p.History() {
+		if e.Action == ActionSegmentUnmap {
+			unmapped = append(unmapped, e)
+		}
+	}
+	require.Len(t, unmapped, 1)
+	assert.Equal(t, TraceEntry{Action: ActionSegmentUnmap, Addr: a + 4*MiB, Size: 40 * MiB, TimeUS: unmapped[0].TimeUS}, unmapped[0])
+	// The shrunk segment grows again.
+	d := mustAlloc(t, p, 3*MiB, 0, 0)
+	assert.Equal(t, a+4*MiB, d)
+
+	// EmptyCache gives back a free tail that does not start on a granule:
+	// the part from the next granule on.
+	require.NoError(t, p.Free(c))
+	e := mustAlloc(t, p, 25*MiB, 0, 1) // stream 1: 25 MiB of its 40, a 15 MiB free tail
+	require.NoError(t, p.Free(d))      // stream 0: a 4 MiB free tail from offset 4 MiB
+	released, err := p.EmptyCache()
+	require.NoError(t, err)
+	s = stats(t, p)
+	assert.EqualValues(t, 14*MiB+4*MiB, released, "from 26 MiB on in stream 1's segment, from 4 MiB on in stream 0's")
+	assert.EqualValues(t, 4*MiB+26*MiB, s.ReservedBytes[0].Current)
+	assert.EqualValues(t, MiB, s.ReservedBytes[0].Current-s.ActiveBytes[0].Current, "the part of a granule in use stays")
+	assert.EqualValues(t, 1, s.OversizeSegments.Current)
+	assert.EqualValues(t, 30*MiB, be.UsedBytes(0))
+	assert.EqualValues(t, 3, be.Stats().Shrinks)
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(e))
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.Zero(t, be.Stats().LiveSegments)
+	assert.Zero(t, stats(t, p).ReservedBytes[0].Current)
+}
+
+// stingyShrinker gives back at most granules granules per Shrink, or fails.
+type stingyShrinker struct {
+	*SimBackend
+	granules uint64
+	err      error
+}
+
+func (s *stingyShrinker) Shrink(dev int, addr, size, less uint64, st Stream) (uint64, error) {
+	if s.err != nil {
+		return 0, s.err
+	}
+	if s.granules == 0 {
+		return 0, nil
+	}
+	return s.SimBackend.Shrink(dev, addr, size, min(less, s.granules*s.Granularity()), st)
+}
+
+// A Shrinker may give back less than asked, nothing, or fail: the segment
+// then matches what the backend kept; KeepSegments and captures shrink
+// nothing.
+func TestExpandableShrinkPartialAndFailing(t *testing.T) {
+	sim, err := NewSimBackend(SimConfig{Expandable: true})
+	require.NoError(t, err)
+	be := &stingyShrinker{SimBackend: sim, granules: 1}
+	p, err := NewPool(Config{Backend: be})
+	require.NoError(t, err)
+	a := mustAlloc(t, p, 2*MiB, 0, 0)
+	b := mustAlloc(t, p, 8*MiB, 0, 0)
+	require.NoError(t, p.Free(b))
+	released, err := p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 2*MiB, released, "one granule")
+	assert.EqualValues(t, 8*MiB, stats(t, p).ReservedBytes[0].Current)
+	assert.EqualValues(t, 8*MiB, sim.UsedBytes(0))
+
+	be.granules = 0
+	released, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.Zero(t, released)
+
+	be.err = errors.New("unmap failed")
+	_, err = p.EmptyCache()
+	require.ErrorIs(t, err, be.err)
+	assert.EqualValues(t, 8*MiB, stats(t, p).ReservedBytes[0].Current, "unchanged")
+
+	be.err = nil
+	be.granules = 100
+	p.EnterCapture()
+	released, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.Zero(t, released, "no release during a capture")
+	require.NoError(t, p.ExitCapture())
+	released, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 6*MiB, released)
+	require.NoError(t, p.Free(a))
+	_, err = p.Close()
+	require.NoError(t, err)
+	assert.Zero(t, sim.Stats().LiveSegments)
+
+	// A pool over a backend that cannot shrink keeps the tail.
+	q, _ := newTestPool(t, SimConfig{Expandable: true}, Config{KeepSegments: true})
+	mustAlloc(t, q, 2*MiB, 0, 0)
+	require.NoError(t, q.Free(mustAlloc(t, q, 8*MiB, 0, 0)))
+	released, err = q.EmptyCache()
+	require.NoError(t, err)
+	assert.Zero(t, released)
 }

@@ -50,7 +50,8 @@ type SimConfig struct {
 	// Base is the first address of device 0's range (DefaultSimBase when 0).
 	// It must be a multiple of Alignment. Device d's range starts at
 	// Base + d*stride, where the stride is at least 1 TiB and at least twice
-	// the rounded capacity, so device ranges never overlap.
+	// the rounded capacity (with Expandable, at least SimExpandableSegments
+	// reservations), so device ranges never overlap.
 	Base uint64
 	// Latency is added to every Alloc and Free call (time.Sleep above 50µs,
 	// a busy-wait below). It is never spent while holding the backend's lock.
@@ -73,8 +74,11 @@ type SimConfig struct {
 	// soon as it is recorded.
 	ManualEvents bool
 	// Expandable makes the backend an Expander: every segment reserves
-	// address space (a sixteenth of the device's range) so that the engine
-	// can grow it in place by Granularity-sized steps, like CUDA VMM.
+	// address space for the device's whole capacity (rounded up to
+	// Granularity), as a CUDA VMM segment reserves the device's memory, so
+	// that the engine can grow it in place by Granularity-sized steps up to
+	// anything the device can back. A device's range holds
+	// SimExpandableSegments such reservations.
 	Expandable bool
 	// Granularity is the growth unit of expandable segments
 	// (DefaultSimGranularity, or Alignment if larger, when 0; a multiple of
@@ -85,6 +89,13 @@ type SimConfig struct {
 // DefaultSimGranularity is the growth unit of expandable sim segments, the
 // usual CUDA VMM granularity.
 const DefaultSimGranularity uint64 = 2 << 20
+
+// SimExpandableSegments is how many segments an expandable SimBackend can
+// at least hold on one device at once: its address range is sized for that
+// many reservations of the device's capacity (rounded up to a whole number
+// of TiB). Beyond what fits, Alloc fails with an error wrapping
+// ErrBackendOutOfMemory, like an exhausted address space.
+const SimExpandableSegments = 4096
 
 // SimStats is a snapshot of a SimBackend's counters.
 type SimStats struct {
@@ -110,6 +121,8 @@ type SimStats struct {
 	LiveEvents int
 	// Expansions counts successful Expand calls.
 	Expansions uint64
+	// Shrinks counts successful Shrink calls.
+	Shrinks uint64
 }
 
 // SimSegment describes one live segment of a SimBackend.
@@ -164,6 +177,9 @@ type simEvent struct {
 type SimBackend struct {
 	cfg    SimConfig // normalized
 	stride uint64
+	// reserve is the address space each expandable segment reserves: the
+	// capacity rounded up to the granularity.
+	reserve uint64
 
 	mu        sync.Mutex
 	rng       *rand.Rand
@@ -176,7 +192,11 @@ type SimBackend struct {
 	stats     SimStats // counters only; live fields are computed
 }
 
-var _ Backend = (*SimBackend)(nil)
+var (
+	_ Backend  = (*SimBackend)(nil)
+	_ Expander = (*SimBackend)(nil)
+	_ Shrinker = (*SimBackend)(nil)
+)
 
 // simValidRate reports whether r is a probability.
 func simValidRate(r float64) bool {
@@ -250,7 +270,26 @@ func NewSimBackend(cfg SimConfig) (*SimBackend, error) {
 	if !ok || hi != 0 {
 		return nil, fmt.Errorf("sim: invalid config: Capacity %d too large for the address space", cfg.Capacity)
 	}
-	stride, ok := simAlignUp(max(twice, simDeviceStride), max(simDeviceStride, cfg.Alignment))
+	minStride := max(twice, simDeviceStride)
+	var reserve uint64
+	if cfg.Expandable {
+		// Every segment reserves the whole capacity, rounded up to the
+		// granularity (a multiple of the alignment, not necessarily a
+		// power of two), and the range holds SimExpandableSegments of them.
+		granules := capRounded / cfg.Granularity
+		if capRounded%cfg.Granularity != 0 {
+			granules++
+		}
+		hi, r := bits.Mul64(granules, cfg.Granularity)
+		hi2, all := bits.Mul64(r, SimExpandableSegments)
+		if hi != 0 || hi2 != 0 {
+			return nil, fmt.Errorf("sim: invalid config: Capacity %d too large for the address space of %d expandable segments",
+				cfg.Capacity, SimExpandableSegments)
+		}
+		reserve = r
+		minStride = max(minStride, all)
+	}
+	stride, ok := simAlignUp(minStride, max(simDeviceStride, cfg.Alignment))
 	if !ok {
 		return nil, fmt.Errorf("sim: invalid config: Capacity %d too large for the address space", cfg.Capacity)
 	}
@@ -264,6 +303,7 @@ func NewSimBackend(cfg SimConfig) (*SimBackend, error) {
 	b := &SimBackend{
 		cfg:       cfg,
 		stride:    stride,
+		reserve:   reserve,
 		rng:       rand.New(rand.NewPCG(uint64(cfg.Seed), uint64(cfg.Seed)^0x9e3779b97f4a7c15)),
 		devices:   make([]simDevice, cfg.Devices),
 		streams:   make(map[simStreamKey]*simStream),
@@ -382,7 +422,7 @@ func (b *SimBackend) allocLocked(device int, size uint64) (uint64, error) {
 	rounded, _ := simAlignUp(size, b.cfg.Alignment)
 	span := rounded
 	if b.cfg.Expandable {
-		span = max(rounded, b.stride/16)
+		span = max(rounded, b.reserve)
 	}
 	for i := range dev.free {
 		r := &dev.free[i]
@@ -495,6 +535,34 @@ func (b *SimBackend) Expand(device int, addr, size, extra uint64, stream Stream)
 	dev.used += extra
 	b.stats.Expansions++
 	return nil
+}
+
+// Shrink gives back the last less bytes of the live segment
+// [addr, addr+size) (a Shrinker): the segment keeps its reserved address
+// space and may grow again. less must be a positive multiple of the
+// granularity smaller than size; the sim always gives back all of it.
+func (b *SimBackend) Shrink(device int, addr, size, less uint64, stream Stream) (uint64, error) {
+	b.delay()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if err := b.checkDevice("shrink", device); err != nil {
+		return 0, err
+	}
+	dev := &b.devices[device]
+	if !b.cfg.Expandable {
+		return 0, fmt.Errorf("sim: shrink %#x on device %d: backend is not expandable: %w", addr, device, ErrUnsupported)
+	}
+	if got, ok := dev.live[addr]; !ok || got != size {
+		return 0, fmt.Errorf("sim: shrink %#x on device %d: not a live segment of %d bytes", addr, device, size)
+	}
+	if less == 0 || less%b.cfg.Granularity != 0 || less >= size {
+		return 0, fmt.Errorf("sim: shrink %#x (%d bytes) on device %d by %d bytes: not a positive multiple of the granularity %d below the size",
+			addr, size, device, less, b.cfg.Granularity)
+	}
+	dev.live[addr] = size - less
+	dev.used -= less
+	b.stats.Shrinks++
+	return less, nil
 }
 
 // release returns [start, end) to the device's free list, coalescing it with

@@ -724,3 +724,64 @@ func TestSimLatencyNotUnderLock(t *testing.T) {
 	assert.Less(t, elapsed, 6*lat, "latency appears to be spent under the lock")
 	assert.Equal(t, 8, b.Stats().LiveSegments)
 }
+
+// An expandable sim segment reserves the device's capacity (rounded up to
+// the granularity), so it can grow to anything the device can back, and a
+// device's range holds SimExpandableSegments of them.
+func TestSimExpandableReservations(t *testing.T) {
+	b := newSim(t, SimConfig{Expandable: true, Capacity: 3*MiB + 512})
+	assert.EqualValues(t, 4*MiB, b.reserve, "capacity rounded up to the 2 MiB granularity")
+	x, err := b.Alloc(0, 512, 0)
+	require.NoError(t, err)
+	y, err := b.Alloc(0, 512, 0)
+	require.NoError(t, err)
+	assert.Equal(t, x+4*MiB, y)
+
+	const capacity = 256 << 30 // 4096 reservations of it fill a whole number of TiB
+	b = newSim(t, SimConfig{Expandable: true, Capacity: capacity})
+	lo, hi := simDeviceRange(b, 0)
+	assert.EqualValues(t, SimExpandableSegments*capacity, hi-lo)
+	want := map[SimSegment]bool{}
+	var prev uint64
+	for i := range SimExpandableSegments {
+		addr, err := b.Alloc(0, 512, 0)
+		require.NoError(t, err, "segment %d", i+1)
+		if i > 0 {
+			require.Equal(t, prev+capacity, addr)
+		}
+		prev = addr
+		want[SimSegment{Addr: addr, Size: 512}] = true
+	}
+	_, err = b.Alloc(0, 512, 0)
+	require.ErrorIs(t, err, ErrBackendOutOfMemory, "the address range is full")
+	assert.Contains(t, err.Error(), "no contiguous free address range")
+	checkSimInvariants(t, b, want)
+	for s := range want {
+		require.NoError(t, b.Free(0, s.Addr, s.Size, 0))
+	}
+	checkSimInvariants(t, b, nil)
+
+	// One segment grows to the whole capacity.
+	b = newSim(t, SimConfig{Expandable: true, Capacity: 64 * MiB})
+	addr, err := b.Alloc(0, 2*MiB, 0)
+	require.NoError(t, err)
+	require.NoError(t, b.Expand(0, addr, 2*MiB, 62*MiB, 0))
+	require.ErrorIs(t, b.Expand(0, addr, 64*MiB, 2*MiB, 0), ErrBackendOutOfMemory, "beyond the capacity")
+	checkSimInvariants(t, b, map[SimSegment]bool{{Addr: addr, Size: 64 * MiB}: true})
+
+	// Shrink gives the end back, keeping the reservation: it grows again.
+	for _, bad := range []struct{ size, less uint64 }{{64 * MiB, 0}, {64 * MiB, MiB}, {64 * MiB, 64 * MiB}, {62 * MiB, 2 * MiB}} {
+		_, err := b.Shrink(0, addr, bad.size, bad.less, 0)
+		require.Error(t, err, "%+v", bad)
+	}
+	n, err := b.Shrink(0, addr, 64*MiB, 60*MiB, 0)
+	require.NoError(t, err)
+	assert.EqualValues(t, 60*MiB, n)
+	checkSimInvariants(t, b, map[SimSegment]bool{{Addr: addr, Size: 4 * MiB}: true})
+	assert.EqualValues(t, 1, b.Stats().Shrinks)
+	require.NoError(t, b.Expand(0, addr, 4*MiB, 60*MiB, 0))
+	require.NoError(t, b.Free(0, addr, 64*MiB, 0))
+	checkSimInvariants(t, b, nil)
+	_, err = newSim(t, SimConfig{}).Shrink(0, addr, 4*MiB, 2*MiB, 0)
+	require.ErrorIs(t, err, ErrUnsupported)
+}

@@ -59,6 +59,7 @@ func (p *Pool) Snapshot() []SnapshotSegment {
 				case b.pending > 0:
 					sb.State = StatePendingFree
 					seg.ActiveSize += b.size
+					seg.RequestedSize += b.requested // as torch: until inactive
 				}
 				seg.Blocks = append(seg.Blocks, sb)
 			}

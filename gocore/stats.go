@@ -32,19 +32,19 @@ type Stats struct {
 	Allocation          StatArray // blocks handed to callers
 	Segment             StatArray // segments obtained from the backend
 	Active              StatArray // allocated blocks plus freed ones awaiting events
-	InactiveSplit       StatArray // free blocks inside partly used segments
+	InactiveSplit       StatArray // free blocks inside partly used segments (not expandable ones, as torch)
 	AllocatedBytes      StatArray
 	ReservedBytes       StatArray
 	ActiveBytes         StatArray
 	InactiveSplitBytes  StatArray
-	RequestedBytes      StatArray // callers' sizes before rounding
+	RequestedBytes      StatArray // callers' sizes before rounding, of active blocks (as ActiveBytes)
 	OversizeAllocations Stat      // allocations of blocks >= MaxSplitSize
 	OversizeSegments    Stat      // segments >= MaxSplitSize
 
 	NumAllocRetries int64 // allocations that released the cache and retried
 	NumOOMs         int64 // allocations that failed with OutOfMemoryError
-	NumDeviceAlloc  int64 // Backend.Alloc calls that succeeded
-	NumDeviceFree   int64 // Backend.Free calls that succeeded
+	NumDeviceAlloc  int64 // Backend.Alloc and Expander.Expand calls that succeeded
+	NumDeviceFree   int64 // Backend.Free calls that succeeded, and Shrinker.Shrink calls that gave memory back
 	NumCacheHits    int64 // allocations served without a Backend.Alloc
 	NumRecordStream int64 // RecordStream calls that added a stream use
 	NumExpansions   int64 // segments grown in place (Expander backends)

@@ -1,6 +1,7 @@
 package bindings
 
 import (
+	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -15,15 +16,27 @@ import (
 
 // ipcHandle is what PoolExport returns and ImportMemory takes: everything but
 // the file descriptors, which travel separately (SCM_RIGHTS over a UNIX
-// socket) and arrive as new numbers in the other process.
+// socket) and arrive as new numbers in the other process. Handles are made
+// and read by the same gpumempool version.
 type ipcHandle struct {
-	Kind   string     `json:"kind"` // "async" or "vmm"
+	Kind string `json:"kind"` // "async" or "vmm"
+	// Device is the exporter's device ordinal, UUID its UUID (hex,
+	// cuDeviceGetUuid_v2): the importer maps the UUID to its own ordinal,
+	// which differs when the processes see different CUDA_VISIBLE_DEVICES.
+	// An exporter whose driver lacks cuDeviceGetUuid_v2 (older than CUDA
+	// 11.4) sends no UUID, and the importer then uses the ordinal as is.
 	Device int        `json:"device"`
+	UUID   string     `json:"uuid,omitempty"`
 	FDs    []int      `json:"fds"`
 	Chunks []ipcChunk `json:"chunks,omitempty"` // vmm: one per fd
 	Data   string     `json:"data,omitempty"`   // async: cuMemPoolExportPointer data, hex
-	Offset uint64     `json:"offset"`           // of the block within what is imported
-	Size   uint64     `json:"size"`             // of the block
+	// async: the exporter's CUDA pool, unique among processes (the
+	// importer imports it once however many blocks come from it), and the
+	// size of the exported segment, which holds the block.
+	Pool        string `json:"pool,omitempty"`
+	SegmentSize uint64 `json:"segment_size,omitempty"`
+	Offset      uint64 `json:"offset"` // of the block within what is imported
+	Size        uint64 `json:"size"`   // of the block
 }
 
 type ipcChunk struct {
@@ -31,11 +44,22 @@ type ipcChunk struct {
 	Offset uint64 `json:"offset"`
 }
 
+// processTag tells this process's exported pools from every other
+// process's (a pid can be reused; 128 random bits are not).
+var processTag = sync.OnceValue(func() string {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		panic(fmt.Sprintf("gpumempool: no randomness for the IPC process tag: %v", err))
+	}
+	return hex.EncodeToString(b[:])
+})
+
 // PoolExport makes the block at addr shareable with another process: for an
 // async pool the CUDA pool's file descriptor and the pointer's export data,
 // for a vmm pool a file descriptor per physical chunk of its segment. The
 // pool must have been created with ipc=True. Returns the handle as JSON; the
-// caller owns (and must close) the descriptors listed in "fds".
+// caller owns (and must close) the descriptors listed in "fds". On error no
+// descriptor is left open.
 func PoolExport(id int64, addr uint64) (js string, err error) {
 	defer guard(&err)
 	e, err := entry(id)
@@ -47,37 +71,73 @@ func PoolExport(id int64, addr uint64) (js string, err error) {
 		return "", err
 	}
 	h := ipcHandle{Device: info.Device, Size: info.Size}
+	defer func() {
+		if err != nil {
+			closeFDs(h.FDs)
+		}
+	}()
+	var drv *cuda.Driver
 	switch be := e.Keep.(type) {
 	case *cuda.AsyncBackend:
+		drv = be.Driver()
 		fd, err := be.ExportPool(info.Device)
 		if err != nil {
 			return "", err
 		}
+		h.FDs = []int{fd}
 		data, err := be.ExportPointer(info.Device, info.SegmentAddr)
 		if err != nil {
-			closeFDs([]int{fd})
 			return "", err
 		}
-		h.Kind, h.FDs, h.Data, h.Offset = "async", []int{fd}, hex.EncodeToString(data[:]), addr-info.SegmentAddr
+		h.Kind, h.Data, h.Offset, h.SegmentSize = "async", hex.EncodeToString(data[:]), addr-info.SegmentAddr, info.SegmentSize
+		h.Pool = fmt.Sprintf("%s:%d:%d", processTag(), id, info.Device)
 	case *cuda.VMMBackend:
-		chunks, err := be.ExportSegment(info.Device, addr)
-		if err != nil {
+		drv = be.Driver()
+		if err := exportVMM(be, info.Device, addr, &h); err != nil {
 			return "", err
-		}
-		base, err := be.SegmentBase(info.Device, addr)
-		if err != nil {
-			return "", err
-		}
-		h.Kind, h.Offset = "vmm", addr-base
-		for _, c := range chunks {
-			h.FDs = append(h.FDs, c.FD)
-			h.Chunks = append(h.Chunks, ipcChunk{Size: c.Size, Offset: c.Offset})
 		}
 	default:
 		return "", fmt.Errorf("export from the %s backend: only async and vmm pools can be shared: %w",
 			e.Pool.Backend().Name(), gocore.ErrUnsupported)
 	}
+	uuid, err := drv.DeviceUUID(info.Device)
+	switch {
+	case err == nil:
+		h.UUID = hex.EncodeToString(uuid[:])
+	case errors.Is(err, cuda.ErrDriverTooOld): // no cuDeviceGetUuid_v2: the importer uses the ordinal
+	default:
+		return "", err
+	}
 	return marshal(h)
+}
+
+// segmentExporter is what exportVMM needs of a *cuda.VMMBackend.
+type segmentExporter interface {
+	ExportSegment(dev int, addr uint64) ([]cuda.Chunk, error)
+	SegmentBase(dev int, addr uint64) (uint64, error)
+}
+
+// exportVMM fills in h for the block at addr of a vmm pool: the chunks of
+// its segment, their descriptors and the block's offset. On error it closes
+// the descriptors it exported and leaves h as it was.
+func exportVMM(be segmentExporter, dev int, addr uint64, h *ipcHandle) error {
+	chunks, err := be.ExportSegment(dev, addr)
+	if err != nil {
+		return err
+	}
+	base, err := be.SegmentBase(dev, addr)
+	if err != nil {
+		for _, c := range chunks {
+			_ = syscall.Close(c.FD)
+		}
+		return err
+	}
+	h.Kind, h.Offset = "vmm", addr-base
+	for _, c := range chunks {
+		h.FDs = append(h.FDs, c.FD)
+		h.Chunks = append(h.Chunks, ipcChunk{Size: c.Size, Offset: c.Offset})
+	}
+	return nil
 }
 
 var (
@@ -86,27 +146,79 @@ var (
 	imports    = map[int64]io.Closer{}
 )
 
-// importedAsync keeps an imported async pool and the pointer taken from it.
-type importedAsync struct {
-	pool *cuda.ImportedPool
-	ptr  uint64
-}
+// within reports whether [off, off+size) lies in [0, total), without
+// overflowing.
+func within(off, size, total uint64) bool { return size <= total && off <= total-size }
 
-func (i *importedAsync) Close() error {
-	return errors.Join(i.pool.FreePointer(i.ptr), i.pool.Close())
+// importDevice returns this process's ordinal of the exporter's device: the
+// one with the handle's UUID, or the exporter's ordinal for a handle
+// without one (or a driver here without cuDeviceGetUuid_v2).
+func importDevice(drv *cuda.Driver, h *ipcHandle) (int, error) {
+	if h.UUID == "" {
+		return h.Device, nil
+	}
+	var u cuda.UUID
+	if n, err := hex.Decode(u[:], []byte(h.UUID)); err != nil || n != len(u) || len(h.UUID) != 2*len(u) {
+		return 0, fmt.Errorf("IPC handle uuid %q: want %d hex digits: %w", h.UUID, 2*len(u), gocore.ErrInvalidArgument)
+	}
+	dev, ok, err := drv.DeviceByUUID(u)
+	switch {
+	case errors.Is(err, cuda.ErrDriverTooOld):
+		return h.Device, nil
+	case err != nil:
+		return 0, fmt.Errorf("IPC handle: find the exporting GPU %s: %w", u, err)
+	case !ok:
+		return 0, fmt.Errorf("IPC handle: the exporting GPU %s is not visible in this process (CUDA_VISIBLE_DEVICES?): %w",
+			u, gocore.ErrInvalidDevice)
+	}
+	return dev, nil
 }
 
 // ImportMemory maps a block exported by another process. handleJSON is
 // PoolExport's JSON with "fds" replaced by this process's descriptors (the
 // caller closes them afterwards); libcuda is the driver path ("" for the
-// default). Returns JSON {"id": import handle, "ptr": address of the block}.
+// default). The block is mapped for this process's ordinal of the
+// exporter's device (found by its UUID). Returns JSON {"id": import handle,
+// "ptr": address of the block, "size": its size, "device": that ordinal}.
+//
+// Async blocks share their imports: the exporter's pool is imported once
+// and each of its segments once, however many blocks of it are imported
+// (cuda.ImportAsyncSegment).
 func ImportMemory(handleJSON, libcuda string) (js string, err error) {
 	defer guard(&err)
 	var h ipcHandle
 	if err := json.Unmarshal([]byte(handleJSON), &h); err != nil {
 		return "", fmt.Errorf("IPC handle: %v: %w", err, gocore.ErrInvalidArgument)
 	}
+	var data [64]byte
+	switch h.Kind {
+	case "async":
+		if len(h.FDs) != 1 || len(h.Data) != 2*len(data) {
+			return "", fmt.Errorf("async IPC handle needs one fd and 64 bytes of data: %w", gocore.ErrInvalidArgument)
+		}
+		if _, err := hex.Decode(data[:], []byte(h.Data)); err != nil {
+			return "", fmt.Errorf("async IPC handle data: %v: %w", err, gocore.ErrInvalidArgument)
+		}
+		if h.Pool == "" || h.SegmentSize == 0 {
+			return "", fmt.Errorf("async IPC handle needs pool and segment_size (from another gpumempool version?): %w",
+				gocore.ErrInvalidArgument)
+		}
+		if !within(h.Offset, h.Size, h.SegmentSize) {
+			return "", fmt.Errorf("IPC handle block [%d, +%d) is outside the %d-byte segment: %w",
+				h.Offset, h.Size, h.SegmentSize, gocore.ErrInvalidArgument)
+		}
+	case "vmm":
+		if len(h.FDs) == 0 || len(h.FDs) != len(h.Chunks) {
+			return "", fmt.Errorf("vmm IPC handle needs one fd per chunk: %w", gocore.ErrInvalidArgument)
+		}
+	default:
+		return "", fmt.Errorf("IPC handle kind %q (want async or vmm): %w", h.Kind, gocore.ErrInvalidArgument)
+	}
 	drv, err := cuda.Load(libcuda)
+	if err != nil {
+		return "", err
+	}
+	dev, err := importDevice(drv, &h)
 	if err != nil {
 		return "", err
 	}
@@ -114,48 +226,32 @@ func ImportMemory(handleJSON, libcuda string) (js string, err error) {
 	var ptr uint64
 	switch h.Kind {
 	case "async":
-		if len(h.FDs) != 1 || len(h.Data) != 128 {
-			return "", fmt.Errorf("async IPC handle needs one fd and 64 bytes of data: %w", gocore.ErrInvalidArgument)
-		}
-		var data [64]byte
-		if _, err := hex.Decode(data[:], []byte(h.Data)); err != nil {
-			return "", fmt.Errorf("async IPC handle data: %v: %w", err, gocore.ErrInvalidArgument)
-		}
-		pool, err := cuda.ImportAsyncPool(drv, h.Device, h.FDs[0])
+		seg, err := cuda.ImportAsyncSegment(drv, dev, h.Pool, h.FDs[0], data)
 		if err != nil {
 			return "", err
 		}
-		seg, err := pool.ImportPointer(data)
-		if err != nil {
-			return "", errors.Join(err, pool.Close())
-		}
-		closer, ptr = &importedAsync{pool: pool, ptr: seg}, seg+h.Offset
+		closer, ptr = seg, seg.Addr()+h.Offset
 	case "vmm":
-		if len(h.FDs) == 0 || len(h.FDs) != len(h.Chunks) {
-			return "", fmt.Errorf("vmm IPC handle needs one fd per chunk: %w", gocore.ErrInvalidArgument)
-		}
 		chunks := make([]cuda.Chunk, len(h.FDs))
 		for i, fd := range h.FDs {
 			chunks[i] = cuda.Chunk{FD: fd, Size: h.Chunks[i].Size, Offset: h.Chunks[i].Offset}
 		}
-		r, err := cuda.ImportVMM(drv, h.Device, chunks, nil)
+		r, err := cuda.ImportVMM(drv, dev, chunks, nil)
 		if err != nil {
 			return "", err
 		}
-		if h.Offset+h.Size > r.Size() {
+		if !within(h.Offset, h.Size, r.Size()) {
 			return "", errors.Join(fmt.Errorf("IPC handle block [%d, +%d) is outside the %d imported bytes: %w",
 				h.Offset, h.Size, r.Size(), gocore.ErrInvalidArgument), r.Close())
 		}
 		closer, ptr = r, r.Addr()+h.Offset
-	default:
-		return "", fmt.Errorf("IPC handle kind %q (want async or vmm): %w", h.Kind, gocore.ErrInvalidArgument)
 	}
 	importsMu.Lock()
 	importNext++
 	id := importNext
 	imports[id] = closer
 	importsMu.Unlock()
-	return marshal(map[string]any{"id": id, "ptr": ptr, "size": h.Size})
+	return marshal(map[string]any{"id": id, "ptr": ptr, "size": h.Size, "device": dev})
 }
 
 // CloseImport unmaps what ImportMemory mapped.

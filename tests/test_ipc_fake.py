@@ -110,3 +110,81 @@ def test_async_and_vmm_pools_on_the_fake(fake_cuda) -> None:
         assert fake.fake_cuda_access(a, 1) == 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE for the peer
     with pytest.raises(ValueError, match="location"):
         gmp.MemPool("vmm", libcuda=path, location="moon")
+
+
+def test_import_finds_the_exporting_gpu_by_uuid(fake_cuda) -> None:
+    """The importer maps the exporter's GPU by UUID, not by ordinal: a
+    process that sees GPU 1 as its device 0 (CUDA_VISIBLE_DEVICES=1, played
+    by FAKE_CUDA_VISIBLE_ORDER) maps the block for its device 0, and one that
+    does not see GPU 1 at all is told so."""
+    path, _ = fake_cuda
+    child = textwrap.dedent(
+        f"""
+        import ctypes, socket, sys
+        import gpumempool as gmp
+        fake = ctypes.CDLL({path!r})
+        fake.fake_cuda_access.argtypes = [ctypes.c_size_t, ctypes.c_int]
+        sock = socket.socket(fileno=int(sys.argv[1]))
+        with gmp.IpcHandle.recv(sock) as h:
+            try:
+                mem = gmp.import_pool(h, libcuda={path!r})
+            except ValueError as exc:
+                sock.sendall(("error: " + str(exc)).encode())
+                sys.exit(0)
+            with mem:
+                seen = ctypes.string_at(mem.ptr, 4).hex()
+                sock.sendall(f"{{seen}} {{fake.fake_cuda_access(mem.ptr, 0)}}".encode())
+        """
+    )
+
+    def run_child(visible: str, h: gmp.IpcHandle) -> str:
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with parent_sock:
+            env = dict(os.environ, FAKE_CUDA_VISIBLE_ORDER=visible)
+            proc = subprocess.Popen([sys.executable, "-c", child, str(child_sock.fileno())],
+                                    pass_fds=[child_sock.fileno()], cwd="/", env=env)
+            child_sock.close()
+            h.send(parent_sock)
+            reply = parent_sock.recv(4096).decode()
+            assert proc.wait(timeout=60) == 0
+            return reply
+
+    with gmp.MemPool("vmm", libcuda=path, ipc=True) as pool:
+        ptr = pool.alloc(MiB, device=1)
+        ctypes.memset(ptr, 0x6B, MiB)
+        with pool.export(ptr) as h:
+            assert h.meta["device"] == 1 and h.meta["uuid"] == "fa4ec0da000040008000000000000001"
+            # GPU 1 is the child's device 0: mapped and accessible there.
+            assert run_child("1", h) == "6b6b6b6b 3"
+            # GPU 1 is not visible in the child.
+            reply = run_child("0", h)
+            assert reply.startswith("error: ") and "the exporting GPU GPU-fa4ec0da-0000-4000-8000-000000000001 " \
+                "is not visible in this process (CUDA_VISIBLE_DEVICES?)" in reply, reply
+
+
+def test_async_blocks_of_one_segment_share_one_import(fake_cuda) -> None:
+    """Each exported async block imports its whole segment; two blocks of one
+    segment must not import it twice (real drivers refuse, or map it once
+    and unmap it for both at the first free): the second shares the first's
+    import, and the segment is freed here with the last of them."""
+    path, fake = fake_cuda
+    with gmp.MemPool("async", libcuda=path, ipc=True) as pool:
+        a, b = pool.alloc(4096), pool.alloc(4096)
+        with pool.export(a) as ha, pool.export(b) as hb, dup_handle(ha) as ra, dup_handle(hb) as rb:
+            assert ha.meta["data"] == hb.meta["data"], "one segment"
+            assert ha.meta["segment_size"] >= 8192
+            imports = fake.fake_cuda_calls(b"cuMemPoolImportPointer")
+            with gmp.import_pool(ra, libcuda=path) as ma:
+                with gmp.import_pool(rb, libcuda=path) as mb:
+                    assert (ma.ptr, mb.ptr) == (a, b)  # one process: the exporter's addresses
+                    assert fake.fake_cuda_calls(b"cuMemPoolImportPointer") == imports + 1
+                assert fake.fake_cuda_imported_ptrs() == 1, "still used by the first block"
+            assert fake.fake_cuda_imported_ptrs() == 0
+            bad = gmp.IpcHandle(dict(ra.meta, offset=ha.meta["segment_size"]), ra.fds)
+            with pytest.raises(ValueError, match="outside the .*-byte segment"):
+                gmp.import_pool(bad, libcuda=path)
+            old = gmp.IpcHandle({k: v for k, v in ra.meta.items() if k != "segment_size"}, ra.fds)
+            with pytest.raises(ValueError, match="segment_size"):
+                gmp.import_pool(old, libcuda=path)
+        pool.free(a)
+        pool.free(b)

@@ -72,6 +72,11 @@ typedef struct {
 	unsigned char reserved[64];
 } CUmemPoolPtrExportData;
 
+/* CUuuid (cuDeviceGetUuid_v2) */
+typedef struct {
+	char bytes[16];
+} CUuuid;
+
 /* C11 and C++ spell it differently (tests/csrc/cuda_abi_check.cpp includes
  * this file from C++). */
 #ifdef __cplusplus
@@ -90,6 +95,7 @@ GMP_STATIC_ASSERT(offsetof(CUmemPoolProps, maxSize) == 24, "CUmemPoolProps.maxSi
 GMP_STATIC_ASSERT(offsetof(CUmemPoolProps, usage) == 32, "CUmemPoolProps.usage");
 GMP_STATIC_ASSERT(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc is 12 bytes in cuda.h");
 GMP_STATIC_ASSERT(sizeof(CUmemPoolPtrExportData) == 64, "CUmemPoolPtrExportData is 64 bytes in cuda.h");
+GMP_STATIC_ASSERT(sizeof(CUuuid) == 16, "CUuuid is 16 bytes in cuda.h");
 
 /* cudaError_enum: the codes used here (package cuda's Code* constants in
  * consts.go are the same values for Go). */

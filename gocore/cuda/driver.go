@@ -24,6 +24,7 @@ package cuda
 import "C"
 
 import (
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"maps"
@@ -509,6 +510,65 @@ func (d *Driver) DeviceAttribute(dev, attr int) (int, error) {
 		return 0, fmt.Errorf("cuda: attribute %d of device %d: %w", attr, dev, err)
 	}
 	return int(v), nil
+}
+
+// UUID is a device's UUID as cuDeviceGetUuid_v2 returns it: the same
+// device has the same UUID in every process, whatever ordinal
+// CUDA_VISIBLE_DEVICES gives it there (for a MIG instance, the instance's
+// own UUID).
+type UUID [16]byte
+
+// String formats u the way nvidia-smi does:
+// GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.
+func (u UUID) String() string {
+	h := hex.EncodeToString(u[:])
+	return "GPU-" + h[:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:]
+}
+
+// DeviceUUID returns dev's UUID (cuDeviceGetUuid_v2). It needs no context,
+// so it retains none. A driver older than CUDA 11.4 lacks the entry point:
+// the error wraps ErrDriverTooOld.
+func (d *Driver) DeviceUUID(dev int) (UUID, error) {
+	if err := d.require(C.GMP_cuDeviceGetUuid_v2); err != nil {
+		return UUID{}, err
+	}
+	if dev < 0 {
+		return UUID{}, fmt.Errorf("cuda: UUID of device %d: %w", dev, gocore.ErrInvalidDevice)
+	}
+	d.closeMu.RLock()
+	defer d.closeMu.RUnlock()
+	if d.closed {
+		return UUID{}, fmt.Errorf("cuda: UUID of device %d: %w", dev, ErrDriverClosed)
+	}
+	if d.noDevice != nil {
+		return UUID{}, fmt.Errorf("cuda: UUID of device %d: %w: the driver found no device (%v)",
+			dev, gocore.ErrInvalidDevice, d.noDevice)
+	}
+	var u UUID
+	if err := d.errorOf(C.gmp_device_uuid(d.fns, C.int(dev), (*C.uchar)(unsafe.Pointer(&u[0])))); err != nil {
+		return UUID{}, fmt.Errorf("cuda: UUID of device %d: %w", dev, err)
+	}
+	return u, nil
+}
+
+// DeviceByUUID returns the ordinal under which this process sees the
+// device with UUID u; ok is false when none of its devices has it (another
+// CUDA_VISIBLE_DEVICES hides it).
+func (d *Driver) DeviceByUUID(u UUID) (dev int, ok bool, err error) {
+	n, err := d.DeviceCount()
+	if err != nil {
+		return 0, false, err
+	}
+	for i := 0; i < n; i++ {
+		got, err := d.DeviceUUID(i)
+		if err != nil {
+			return 0, false, err
+		}
+		if got == u {
+			return i, true, nil
+		}
+	}
+	return 0, false, nil
 }
 
 // hostDevice is the device whose context MemHostAlloc, MemFreeHost and

@@ -59,7 +59,7 @@ var optionalSymbols = []string{
 	"cuMemGetAllocationGranularity", "cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree",
 	"cuMemMap", "cuMemUnmap", "cuMemSetAccess", "cuMemExportToShareableHandle", "cuMemImportFromShareableHandle",
 	"cuStreamCreate", "cuStreamDestroy_v2", "cuStreamIsCapturing", "cuDeviceGetAttribute", "cuMemPoolSetAccess",
-	"cuMemPoolGetAccess",
+	"cuMemPoolGetAccess", "cuDeviceGetUuid_v2",
 }
 
 func TestOldDriverLoadsWithoutOptionalSymbols(t *testing.T) {
@@ -82,6 +82,8 @@ func TestOldDriverLoadsWithoutOptionalSymbols(t *testing.T) {
 	_, err = drv.StreamIsCapturing(0, 0)
 	assert.ErrorIs(t, err, ErrDriverTooOld)
 	_, err = drv.DeviceAttribute(0, DeviceAttrGPUDirectRDMAWithCUDAVMMSupported)
+	assert.ErrorIs(t, err, ErrDriverTooOld)
+	_, err = drv.DeviceUUID(0)
 	assert.ErrorIs(t, err, ErrDriverTooOld)
 
 	// The required part works.

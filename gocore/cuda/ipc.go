@@ -144,13 +144,20 @@ func (r *ImportedRange) teardown() error {
 // ImportedPool is another process's CUDA memory pool (exported by
 // AsyncBackend.ExportPool), from which that process's allocations are
 // imported. It is safe for concurrent use.
+//
+// Several blocks of one exported segment, or one block exported twice,
+// import the same allocation: ImportPointer imports each allocation once
+// and counts references, since the driver must not import it twice (see
+// ImportPointer). Across ImportedPools, ImportAsyncSegment shares them.
 type ImportedPool struct {
 	drv  *Driver
 	dev  int
 	pool uint64
 
 	mu     sync.Mutex
-	ptrs   map[uint64]int // imported pointer -> imports not yet freed
+	byData map[[64]byte]uint64 // export data -> pointer imported with it
+	refs   map[uint64]int      // imported pointer -> ImportPointer calls not yet freed
+	data   map[uint64][64]byte // imported pointer -> its export data
 	closed bool
 }
 
@@ -185,7 +192,25 @@ func ImportAsyncPool(drv *Driver, dev int, fd int) (*ImportedPool, error) {
 	if err != nil {
 		return nil, errors.Join(fmt.Errorf("cuda: import memory pool for device %d: %w", dev, err), drv.MemPoolDestroy(dev, p))
 	}
-	return &ImportedPool{drv: drv, dev: dev, pool: p, ptrs: make(map[uint64]int)}, nil
+	return &ImportedPool{drv: drv, dev: dev, pool: p,
+		byData: make(map[[64]byte]uint64), refs: make(map[uint64]int), data: make(map[uint64][64]byte)}, nil
+}
+
+// grant gives dev read/write access to the imported pool, unless it has.
+func (p *ImportedPool) grant(dev int) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return fmt.Errorf("cuda: imported pool %#x is closed: %w", p.pool, gocore.ErrInvalidArgument)
+	}
+	access, err := p.drv.MemPoolGetAccess(p.dev, p.pool, dev)
+	if err == nil && access != MemAccessProtReadWrite {
+		err = p.drv.MemPoolSetAccess(p.dev, p.pool, []int{dev})
+	}
+	if err != nil {
+		return fmt.Errorf("cuda: give device %d access to imported pool %#x: %w", dev, p.pool, err)
+	}
+	return nil
 }
 
 // ImportPointer maps the allocation described by data (from
@@ -193,44 +218,63 @@ func ImportAsyncPool(drv *Driver, dev int, fd int) (*ImportedPool, error) {
 // (cuMemPoolImportPointer). The driver's rules: the memory must not be
 // accessed before the exporter's allocation completed on its stream, and
 // it must be freed here (FreePointer) before the exporter frees it.
+//
+// Data imported already (and not freed) is not imported again: its address
+// is returned and one more reference counted, each to be dropped with
+// FreePointer. A second cuMemPoolImportPointer of one allocation in a
+// process fails with CUDA_ERROR_ALREADY_MAPPED for some memory, and for
+// device pools returns the same address, which the first cuMemFree then
+// unmaps for both (NVIDIA's cuda-python works around it the same way).
 func (p *ImportedPool) ImportPointer(data [64]byte) (uint64, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
 		return 0, fmt.Errorf("cuda: import pointer: imported pool %#x is closed: %w", p.pool, gocore.ErrInvalidArgument)
 	}
+	if ptr, ok := p.byData[data]; ok {
+		p.refs[ptr]++
+		return ptr, nil
+	}
 	ptr, err := p.drv.MemPoolImportPointer(p.dev, p.pool, data)
 	if err != nil {
 		return 0, err
 	}
-	p.ptrs[ptr]++
+	p.byData[data] = ptr
+	p.refs[ptr] = 1
+	p.data[ptr] = data
 	return ptr, nil
 }
 
-// FreePointer frees an imported pointer with cuMemFree (cuMemFree_v2).
-// CUDA's cuMemPoolImportPointer documentation allows cuMemFree or
-// cuMemFreeAsync and requires the importer's free to have completed before
-// the exporter frees; cuMemFree is complete when it returns, so the
-// exporter may free as soon as it is told, with no stream or event shared
-// between the processes. It does not wait for this process's work on the
-// memory (cuMemFree synchronizes nothing for stream-ordered allocations):
-// the caller makes sure that is done.
+// FreePointer drops a reference to an imported pointer; the last one frees
+// it with cuMemFree (cuMemFree_v2). CUDA's cuMemPoolImportPointer
+// documentation allows cuMemFree or cuMemFreeAsync and requires the
+// importer's free to have completed before the exporter frees; cuMemFree
+// is complete when it returns, so the exporter may free as soon as it is
+// told, with no stream or event shared between the processes. It does not
+// wait for this process's work on the memory (cuMemFree synchronizes
+// nothing for stream-ordered allocations): the caller makes sure that is
+// done.
 func (p *ImportedPool) FreePointer(ptr uint64) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if p.refs[ptr] == 0 {
+		return fmt.Errorf("cuda: free imported pointer %#x: not imported from pool %#x: %w", ptr, p.pool, gocore.ErrInvalidArgument)
+	}
+	if p.refs[ptr] > 1 {
+		p.refs[ptr]--
+		return nil
+	}
 	return p.freeLocked(ptr)
 }
 
+// freeLocked frees ptr with the driver, whatever its references.
 func (p *ImportedPool) freeLocked(ptr uint64) error {
-	if p.ptrs[ptr] == 0 {
-		return fmt.Errorf("cuda: free imported pointer %#x: not imported from pool %#x: %w", ptr, p.pool, gocore.ErrInvalidArgument)
-	}
 	if err := p.drv.MemFree(p.dev, ptr); err != nil {
 		return fmt.Errorf("cuda: free imported pointer: %w", err)
 	}
-	if p.ptrs[ptr]--; p.ptrs[ptr] == 0 {
-		delete(p.ptrs, ptr)
-	}
+	delete(p.byData, p.data[ptr])
+	delete(p.data, ptr)
+	delete(p.refs, ptr)
 	return nil
 }
 
@@ -243,22 +287,120 @@ func (p *ImportedPool) Close() error {
 		return fmt.Errorf("cuda: close imported pool %#x: already closed: %w", p.pool, gocore.ErrInvalidArgument)
 	}
 	p.closed = true
-	ptrs := make([]uint64, 0, len(p.ptrs))
-	for ptr := range p.ptrs {
+	ptrs := make([]uint64, 0, len(p.refs))
+	for ptr := range p.refs {
 		ptrs = append(ptrs, ptr)
 	}
 	slices.Sort(ptrs)
 	var errs []error
 	for _, ptr := range ptrs {
-		for p.ptrs[ptr] > 0 {
-			if err := p.freeLocked(ptr); err != nil {
-				errs = append(errs, err)
-				break
-			}
+		if err := p.freeLocked(ptr); err != nil {
+			errs = append(errs, err)
 		}
 	}
 	if err := p.drv.MemPoolDestroy(p.dev, p.pool); err != nil {
 		errs = append(errs, fmt.Errorf("cuda: close imported pool: %w", err))
 	}
 	return errors.Join(errs...)
+}
+
+// ImportedSegment is one reference to an allocation of another process's
+// pool, imported by ImportAsyncSegment. It is safe for concurrent use.
+type ImportedSegment struct {
+	key    sharedKey
+	shared *sharedPool
+	addr   uint64
+	closed bool // guarded by sharedMu
+}
+
+// sharedKey names an imported pool in this process: the driver it was
+// imported with and the exporter's pool identity.
+type sharedKey struct {
+	drv  *Driver
+	pool string
+}
+
+// sharedPool is an imported pool, the ImportedSegments using it and the
+// devices it was made accessible to.
+type sharedPool struct {
+	pool *ImportedPool
+	refs int
+	devs map[int]bool
+}
+
+var (
+	// sharedMu guards sharedPools and is held across the driver calls that
+	// import and free, so that no import races the last Close of its pool.
+	sharedMu    sync.Mutex
+	sharedPools = map[sharedKey]*sharedPool{}
+)
+
+// ImportAsyncSegment imports, for device dev, the allocation described by
+// data (AsyncBackend.ExportPointer) of the exporter's pool named poolID,
+// exported as file descriptor fd (AsyncBackend.ExportPool; fd stays the
+// caller's to close). poolID must name that exporter pool uniquely among
+// all processes (the exporter's choice; gpumempool's bindings use a random
+// per-process prefix).
+//
+// Imports share: the pool is imported once per (driver, poolID) and each
+// allocation once per pool (ImportedPool.ImportPointer), both counted, until
+// the last ImportedSegment using them is closed. Importing one pool twice
+// is allowed by the driver but costly, and one allocation must not be
+// imported twice in a process (see ImportPointer), while each exported
+// block of a segment imports the whole segment. An allocation has one
+// address in a process, whatever the device: importing it for another
+// device gives that device access to the imported pool
+// (cuMemPoolSetAccess, which needs peer access), as ImportAsyncPool does.
+func ImportAsyncSegment(drv *Driver, dev int, poolID string, fd int, data [64]byte) (*ImportedSegment, error) {
+	if poolID == "" {
+		return nil, fmt.Errorf("cuda: import pool allocation: no pool identity: %w", gocore.ErrInvalidArgument)
+	}
+	sharedMu.Lock()
+	defer sharedMu.Unlock()
+	k := sharedKey{drv: drv, pool: poolID}
+	sp := sharedPools[k]
+	if sp == nil {
+		p, err := ImportAsyncPool(drv, dev, fd)
+		if err != nil {
+			return nil, err
+		}
+		sp = &sharedPool{pool: p, devs: map[int]bool{dev: true}}
+		sharedPools[k] = sp
+	} else if !sp.devs[dev] {
+		if err := sp.pool.grant(dev); err != nil {
+			return nil, err
+		}
+		sp.devs[dev] = true
+	}
+	ptr, err := sp.pool.ImportPointer(data)
+	if err != nil {
+		if sp.refs == 0 {
+			delete(sharedPools, k)
+			return nil, errors.Join(err, sp.pool.Close())
+		}
+		return nil, err
+	}
+	sp.refs++
+	return &ImportedSegment{key: k, shared: sp, addr: ptr}, nil
+}
+
+// Addr is where the allocation is mapped in this process.
+func (s *ImportedSegment) Addr() uint64 { return s.addr }
+
+// Close drops this reference: the last one to the allocation frees it here
+// (ImportedPool.FreePointer), the last one to the pool destroys the
+// imported pool. Closing twice is an error.
+func (s *ImportedSegment) Close() error {
+	sharedMu.Lock()
+	defer sharedMu.Unlock()
+	if s.closed {
+		return fmt.Errorf("cuda: close imported allocation %#x: already closed: %w", s.addr, gocore.ErrInvalidArgument)
+	}
+	s.closed = true
+	err := s.shared.pool.FreePointer(s.addr)
+	if s.shared.refs--; s.shared.refs == 0 {
+		delete(sharedPools, s.key)
+		err = errors.Join(err, s.shared.pool.Close()) // frees it if FreePointer could not
+	}
+	return err
 }

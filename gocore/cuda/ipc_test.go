@@ -201,13 +201,25 @@ func TestAsyncPoolExportImport(t *testing.T) {
 	require.ErrorIs(t, ip.FreePointer(ptr), gocore.ErrInvalidArgument, "freed already")
 	assert.EqualValues(t, 4*mib, f.LiveBytes(0), "the exporter's allocation stays")
 
-	// Close frees what is still imported before destroying the pool.
+	// The same data again is the same import, counted: the driver imports
+	// it once, and the last FreePointer frees it. Close frees what is still
+	// imported before destroying the pool.
+	imports := f.Calls("cuMemPoolImportPointer")
+	p1, err := ip.ImportPointer(data)
+	require.NoError(t, err)
+	p2, err := ip.ImportPointer(data)
+	require.NoError(t, err)
+	assert.Equal(t, p1, p2)
+	assert.Equal(t, imports+1, f.Calls("cuMemPoolImportPointer"), "imported once")
+	assert.Equal(t, 1, f.ImportedPointers())
+	frees = f.Calls("cuMemFree_v2")
+	require.NoError(t, ip.FreePointer(p1))
+	assert.Equal(t, frees, f.Calls("cuMemFree_v2"), "one reference is left")
+	assert.Equal(t, 1, f.ImportedPointers())
 	_, err = ip.ImportPointer(data)
 	require.NoError(t, err)
-	_, err = ip.ImportPointer(data)
-	require.NoError(t, err)
-	assert.Equal(t, 2, f.ImportedPointers())
 	require.NoError(t, ip.Close())
+	assert.Equal(t, frees+1, f.Calls("cuMemFree_v2"), "freed once for its two references")
 	assert.Zero(t, f.ImportedPointers())
 	assert.Equal(t, 1, f.LivePools())
 	require.ErrorIs(t, ip.Close(), gocore.ErrInvalidArgument, "closed twice")

@@ -35,7 +35,13 @@ typedef void *CUmemoryPool;
  * cuStreamGetCaptureInfo to _v2 in 12.x and _v3 in 13.x, with different
  * prototypes. Neither is resolved as _ptsz: the stream handles we are given
  * are explicit (0 is the legacy default stream, CU_STREAM_PER_THREAD names
- * the per-thread one), as for every other stream-taking call here. */
+ * the per-thread one), as for every other stream-taking call here.
+ *
+ * cuDeviceGetUuid_v2 (CUDA 11.4+) rather than cuDeviceGetUuid: for a MIG
+ * instance the first returns the instance's own UUID, the second its GPU's;
+ * cuda.h maps the plain name to _v2 from CUDA 13.0 on. IPC handles carry it
+ * so that the importer finds the exporter's device whatever ordinal
+ * CUDA_VISIBLE_DEVICES gives it there. */
 #define GMP_FUNCS(X)                                                             \
 	X(cuInit, 1)                                                                 \
 	X(cuDriverGetVersion, 1)                                                     \
@@ -84,7 +90,8 @@ typedef void *CUmemoryPool;
 	X(cuStreamIsCapturing, 0)                                                    \
 	X(cuDeviceGetAttribute, 0)                                                   \
 	X(cuMemPoolSetAccess, 0)                                                     \
-	X(cuMemPoolGetAccess, 0)
+	X(cuMemPoolGetAccess, 0)                                                     \
+	X(cuDeviceGetUuid_v2, 0)
 
 #define GMP_AS_ENUM(name, req) GMP_##name,
 enum { GMP_FUNCS(GMP_AS_ENUM) GMP_NFUNCS };
@@ -139,6 +146,7 @@ typedef CUresult (*t_cuStreamIsCapturing)(CUstream, int *);
 typedef CUresult (*t_cuDeviceGetAttribute)(int *, int, CUdevice);
 typedef CUresult (*t_cuMemPoolSetAccess)(CUmemoryPool, const CUmemAccessDesc *, size_t);
 typedef CUresult (*t_cuMemPoolGetAccess)(int *, CUmemoryPool, CUmemLocation *);
+typedef CUresult (*t_cuDeviceGetUuid_v2)(CUuuid *, CUdevice);
 
 /* The resolved entry points, in C memory (calloc'ed by Go). */
 typedef struct {
@@ -266,6 +274,19 @@ static inline gmp_res gmp_device_attribute(gmp_drv *d, int ordinal, int attr, in
 	rc = GMP_FN(d, cuDeviceGetAttribute)(&v, attr, dev);
 	*out = v;
 	return gmp_res_of(rc, GMP_cuDeviceGetAttribute);
+}
+
+/* The device's UUID (cuDeviceGetUuid_v2: a MIG instance's own UUID, where
+ * cuDeviceGetUuid would name its GPU). No context needed either. */
+static inline gmp_res gmp_device_uuid(gmp_drv *d, int ordinal, unsigned char out[16]) {
+	CUdevice dev = 0;
+	int rc = GMP_FN(d, cuDeviceGet)(&dev, ordinal);
+	if (rc != 0) return gmp_res_of(rc, GMP_cuDeviceGet);
+	CUuuid u;
+	memset(&u, 0, sizeof(u));
+	rc = GMP_FN(d, cuDeviceGetUuid_v2)(&u, dev);
+	memcpy(out, u.bytes, sizeof(u.bytes));
+	return gmp_res_of(rc, GMP_cuDeviceGetUuid_v2);
 }
 
 /* NULL when the driver does not know the code. */

@@ -87,7 +87,8 @@ constexpr bool same_signature(RR (*)(RA...), OR (*)(OA...)) {
 // be forgotten): t_<name> has the prototype cuda.h declares for <name>. A
 // name cuda.h does not declare fails to compile here.
 // (cuStreamIsCapturing, cuStreamCreate, cuStreamDestroy_v2,
-// cuDeviceGetAttribute, cuMemPoolSetAccess and cuMemPoolGetAccess included;
+// cuDeviceGetAttribute, cuMemPoolSetAccess, cuMemPoolGetAccess and
+// cuDeviceGetUuid_v2 included;
 // the CUstreamCaptureStatus, CUstream_flags, CUdevice_attribute and
 // CUDA_ERROR_STREAM_CAPTURE_IMPLICIT values they use are checked with the
 // other constants.)
@@ -164,6 +165,10 @@ GMP_SAME_FIELD(CUmemAccessDesc, location);
 GMP_SAME_FIELD(CUmemAccessDesc, flags);
 
 GMP_SAME_SIZE(CUmemPoolPtrExportData);
+
+// cuDeviceGetUuid_v2 fills it in; IPC handles carry its bytes.
+GMP_SAME_SIZE(CUuuid);
+GMP_SAME_FIELD(CUuuid, bytes);
 
 static_assert(sizeof(::CUdeviceptr) == sizeof(ours::CUdeviceptr), "CUdeviceptr");
 static_assert(sizeof(::CUmemGenericAllocationHandle) == sizeof(ours::CUmemGenericAllocationHandle),

@@ -13,6 +13,15 @@
  *    FAKE_CUDA_CAPACITY bytes (default 1 GiB). Allocations past capacity fail
  *    with CUDA_ERROR_OUT_OF_MEMORY; cuMemGetInfo_v2 reports what is left.
  *    Both variables are read by cuInit and by fake_cuda_reset.
+ *  - Device identity: the machine has 16 fake GPUs, GPU g with UUID
+ *    fa4ec0da-0000-4000-8000-0000000000gg (cuDeviceGetUuid_v2). Ordinal i is
+ *    GPU i, unless FAKE_CUDA_VISIBLE_ORDER lists the GPUs this process sees,
+ *    in order, like CUDA_VISIBLE_DEVICES ("1" or "1,0": ordinal 0 is GPU 1);
+ *    the list then also sets the device count. Read with the variables
+ *    above; fake_cuda_set_visible_order changes it in a running process, so
+ *    that one process can play an importer that sees the GPUs differently.
+ *    Only the UUIDs and the count follow it: memory, contexts and pools
+ *    stay keyed by ordinal.
  *  - Contexts: each thread has a context stack (cuCtxPushCurrent_v2 /
  *    cuCtxPopCurrent_v2); cuDevicePrimaryCtxRetain hands out one distinct
  *    context per device. Every memory, event, stream, pool and VMM call
@@ -54,6 +63,9 @@
  *    the end of this file (call counts, the last stream a stream-ordered
  *    call was given, the last CUmemAllocationProp / CUmemPoolProps seen,
  *    pointers imported from pools). Everything is guarded by one mutex.
+ *  - Pool IPC: a pointer imported with cuMemPoolImportPointer and not freed
+ *    cannot be imported again in the same process (CUDA_ERROR_ALREADY_MAPPED),
+ *    see cuMemPoolImportPointer below.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -104,7 +116,8 @@ typedef struct fake_pool *CUmemoryPool;
     X(cuMemAddressFree) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)                          \
     X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuDriverGetVersion)      \
     X(cuThreadExchangeStreamCaptureMode) X(cuStreamCreate) X(cuStreamDestroy_v2)              \
-    X(cuStreamIsCapturing) X(cuDeviceGetAttribute) X(cuMemPoolSetAccess) X(cuMemPoolGetAccess)
+    X(cuStreamIsCapturing) X(cuDeviceGetAttribute) X(cuMemPoolSetAccess) X(cuMemPoolGetAccess) \
+    X(cuDeviceGetUuid_v2)
 
 #define AS_ENUM(name) F_##name,
 enum { FAKE_FUNCS(AS_ENUM) F_COUNT };
@@ -206,6 +219,10 @@ struct fake_mapping {
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static int initialized;
 static int n_devices = 2;
+/* The "physical" GPU each ordinal names (FAKE_CUDA_VISIBLE_ORDER), which
+ * decides its UUID. */
+static int visible[MAX_DEV];
+static const char *visible_override; /* fake_cuda_set_visible_order; NULL: the environment */
 static uint64_t capacity = (uint64_t)1 << 30;
 static int driver_version = 13000; /* CUDA_VERSION encoding: 1000 * major + 10 * minor */
 static uint64_t dev_used[MAX_DEV]; /* bytes charged against capacity */
@@ -276,6 +293,8 @@ static long capture_violations;
         RETURN(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);                             \
     }
 
+static void read_visible(void);
+
 static void read_env(void) {
     const char *s = getenv("FAKE_CUDA_DEVICES");
     n_devices = 2;
@@ -289,6 +308,31 @@ static void read_env(void) {
     driver_version = 13000;
     s = getenv("FAKE_CUDA_DRIVER_VERSION");
     if (s && *s) driver_version = (int)strtol(s, NULL, 10);
+    read_visible();
+}
+
+/* FAKE_CUDA_VISIBLE_ORDER (or fake_cuda_set_visible_order's list), when
+ * set, decides the device count and each ordinal's GPU. */
+static void read_visible(void) {
+    for (int i = 0; i < MAX_DEV; i++) visible[i] = i;
+    const char *s = visible_override ? visible_override : getenv("FAKE_CUDA_VISIBLE_ORDER");
+    if (s && *s) {
+        /* Like CUDA_VISIBLE_DEVICES: the list ends at the first entry that
+         * is not a GPU index (0..15) or repeats one. */
+        int n = 0;
+        while (n < MAX_DEV) {
+            char *end;
+            long g = strtol(s, &end, 10);
+            if (end == s || g < 0 || g >= MAX_DEV) break;
+            int dup = 0;
+            for (int j = 0; j < n; j++) dup |= visible[j] == g;
+            if (dup) break;
+            visible[n++] = (int)g;
+            if (*end != ',') break;
+            s = end + 1;
+        }
+        n_devices = n;
+    }
 }
 
 static void sync_tls(void) {
@@ -451,6 +495,19 @@ EXPORT CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev) {
     if (!valid_dev(dev)) RETURN(CUDA_ERROR_INVALID_DEVICE);
     if (attrib != CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED) RETURN(CUDA_ERROR_INVALID_VALUE);
     *pi = attr_rdma_vmm[dev];
+    RETURN(CUDA_SUCCESS);
+}
+
+/* Each physical GPU g has the UUID fa4ec0da-0000-4000-8000-0000000000gg
+ * (hex); ordinal dev names GPU visible[dev]. */
+EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) {
+    ENTER(cuDeviceGetUuid_v2);
+    NEED_INIT();
+    if (!uuid) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (!valid_dev(dev)) RETURN(CUDA_ERROR_INVALID_DEVICE);
+    static const unsigned char base[16] = {0xfa, 0x4e, 0xc0, 0xda, 0, 0, 0x40, 0, 0x80, 0, 0, 0, 0, 0, 0, 0};
+    memcpy(uuid->bytes, base, sizeof(base));
+    uuid->bytes[15] = (char)visible[dev];
     RETURN(CUDA_SUCCESS);
 }
 
@@ -1036,6 +1093,15 @@ EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *ptr_out, CUmemoryPool pool, 
     /* Stricter than the real driver, which maps it and lets kernels fault:
      * the importing device must have been given access to the pool. */
     if (p->access[cur] != CU_MEM_ACCESS_FLAGS_PROT_READWRITE) RETURN(CUDA_ERROR_INVALID_DEVICE);
+    /* Importing an allocation that this process imported already (from any
+     * imported pool) and has not freed is refused. Real drivers either
+     * refuse it (CUDA_ERROR_ALREADY_MAPPED, pinned host pools) or return the
+     * same address again, and then the first cuMemFree(Async) unmaps it for
+     * both imports (nvbug 5570902, see NVIDIA cuda-python's
+     * cuda_core/cuda/core/_cpp/resource_handles.cpp); a caller must share
+     * one import instead. */
+    for (size_t k = 0; k < imports.n; k++)
+        if (imports.v[k].ptr == (uintptr_t)e.ptr) RETURN(CUDA_ERROR_ALREADY_MAPPED);
     struct fake_import imp = {(uintptr_t)e.ptr, cur, p};
     VEC_PUSH(imports, imp);
     *ptr_out = e.ptr;
@@ -1624,6 +1690,32 @@ EXPORT long fake_cuda_imported_ptrs(void) {
     return n;
 }
 
+/* Makes this process see the fake GPUs listed in order (a comma-separated
+ * list of GPU indices, like CUDA_VISIBLE_DEVICES) from now on: the device
+ * count and each ordinal's UUID change, nothing else. NULL goes back to
+ * FAKE_CUDA_VISIBLE_ORDER. fake_cuda_reset clears it. Returns the new
+ * device count. */
+EXPORT int fake_cuda_set_visible_order(const char *order) {
+    pthread_mutex_lock(&mu);
+    static char buf[256];
+    if (order) {
+        snprintf(buf, sizeof(buf), "%s", order);
+        visible_override = buf;
+    } else {
+        visible_override = NULL;
+    }
+    const char *s = getenv("FAKE_CUDA_DEVICES");
+    n_devices = 2;
+    if (s && *s) {
+        long n = strtol(s, NULL, 10);
+        n_devices = n < 0 ? 0 : n > MAX_DEV ? MAX_DEV : (int)n;
+    }
+    read_visible();
+    int n = n_devices;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
 /* Plays (1) or ends (0) a global-mode stream capture by another thread. */
 EXPORT void fake_cuda_set_global_capture(int on) {
     pthread_mutex_lock(&mu);
@@ -1662,9 +1754,10 @@ EXPORT void fake_cuda_complete_all(void) {
     pthread_mutex_unlock(&mu);
 }
 
-/* Frees everything, clears counters, injections and manual events, drops
- * every thread's context stack and re-reads FAKE_CUDA_DEVICES and
- * FAKE_CUDA_CAPACITY. Primary context retain counts and cuInit survive: a
+/* Frees everything, clears counters, injections, manual events and the
+ * visible order set by fake_cuda_set_visible_order, drops every thread's
+ * context stack and re-reads FAKE_CUDA_DEVICES, FAKE_CUDA_CAPACITY and
+ * FAKE_CUDA_VISIBLE_ORDER. Primary context retain counts and cuInit survive: a
  * loaded driver keeps its contexts. */
 EXPORT void fake_cuda_reset(void) {
     pthread_mutex_lock(&mu);
@@ -1705,6 +1798,7 @@ EXPORT void fake_cuda_reset(void) {
     memset(&last_create_prop, 0, sizeof(last_create_prop));
     memset(&last_pool_props, 0, sizeof(last_pool_props));
     imports.n = 0;
+    visible_override = NULL;
     gran_min = gran_rec = GRANULARITY;
     manual_events = 0;
     pushes = pops = 0;

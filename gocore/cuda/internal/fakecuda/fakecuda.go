@@ -29,6 +29,7 @@ static int fc_i_iii(uintptr_t f, int a, int b, int c) { return ((int (*)(int, in
 static long fc_l(uintptr_t f) { return ((long (*)(void))f)(); }
 static long fc_l_i(uintptr_t f, int a) { return ((long (*)(int))f)(a); }
 static long fc_l_s(uintptr_t f, const char *s) { return ((long (*)(const char *))f)(s); }
+static int fc_i_s(uintptr_t f, const char *s) { return ((int (*)(const char *))f)(s); }
 static long long fc_ll(uintptr_t f) { return ((long long (*)(void))f)(); }
 static unsigned long long fc_ull_i(uintptr_t f, int a) { return ((unsigned long long (*)(int))f)(a); }
 static unsigned long long fc_ull_s(uintptr_t f, const char *s) {
@@ -193,7 +194,7 @@ var controls = []string{
 	"fake_cuda_last_pool_create", "fake_cuda_set_granularity", "fake_cuda_imported_ptrs",
 	"fake_cuda_set_global_capture", "fake_cuda_capture_violations", "fake_cuda_capture_mode",
 	"fake_cuda_set_stream_capturing", "fake_cuda_live_streams", "fake_cuda_stream_info", "fake_cuda_pool_access",
-	"fake_cuda_set_device_attribute", "fake_cuda_last_mem_create_rdma",
+	"fake_cuda_set_device_attribute", "fake_cuda_last_mem_create_rdma", "fake_cuda_set_visible_order",
 }
 
 // Open builds the fake (once per process), loads it and resets it.
@@ -232,9 +233,9 @@ func (f *Fake) Path() string { return f.path }
 
 // Reset frees everything the fake holds, clears counters, injected
 // failures, manual events, recorded and created streams, captures, device
-// attributes and properties, and the VMM granularities (back to 2 MiB),
-// drops every thread's context stack and
-// re-reads FAKE_CUDA_DEVICES and FAKE_CUDA_CAPACITY. Retained primary
+// attributes and properties, the VMM granularities (back to 2 MiB) and
+// SetVisibleOrder, drops every thread's context stack and re-reads
+// FAKE_CUDA_DEVICES, FAKE_CUDA_CAPACITY and FAKE_CUDA_VISIBLE_ORDER. Retained primary
 // contexts survive (a loaded Driver keeps its own).
 func (f *Fake) Reset() { C.fc_v(f.fns["fake_cuda_reset"]) }
 
@@ -397,6 +398,21 @@ func (f *Fake) SetDeviceAttribute(dev, attr, value int) {
 	if C.fc_i_iii(f.fns["fake_cuda_set_device_attribute"], C.int(dev), C.int(attr), C.int(value)) != 0 {
 		panic(fmt.Sprintf("fakecuda: SetDeviceAttribute(%d, %d): unknown device or attribute", dev, attr))
 	}
+}
+
+// SetVisibleOrder makes this process see the fake GPUs listed in order
+// (GPU indices separated by commas, like CUDA_VISIBLE_DEVICES: "1,0" makes
+// ordinal 0 GPU 1) and returns the new device count. Only the device count
+// and each ordinal's UUID (cuDeviceGetUuid_v2) change; GPU g's UUID is
+// fa4ec0da-0000-4000-8000-0000000000gg. "" goes back to
+// $FAKE_CUDA_VISIBLE_ORDER (unset: ordinal i is GPU i); Reset does too.
+func (f *Fake) SetVisibleOrder(order string) int {
+	if order == "" {
+		return int(C.fc_i_s(f.fns["fake_cuda_set_visible_order"], nil))
+	}
+	corder := C.CString(order)
+	defer C.free(unsafe.Pointer(corder))
+	return int(C.fc_i_s(f.fns["fake_cuda_set_visible_order"], corder))
 }
 
 // LastMemCreateRDMA returns allocFlags.gpuDirectRDMACapable of the last

@@ -1,0 +1,253 @@
+package bindings
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/gpumempool/gpumempool/gocore/cuda"
+)
+
+// buildFake compiles the fake libcuda (tests/csrc/fake_cuda.c) into a
+// library of its own: each copy has its own state, so two copies play two
+// processes (their VMM memory is memfds, which both can map). A copy reads
+// FAKE_CUDA_* when it is first loaded.
+func buildFake(t *testing.T) string {
+	t.Helper()
+	cc := strings.Fields(os.Getenv("CC"))
+	if len(cc) == 0 {
+		cc = []string{"cc"}
+	}
+	out := filepath.Join(t.TempDir(), "libcuda.so.1")
+	args := append(cc[1:], "-shared", "-fPIC", "-O1", "-o", out, filepath.Join("..", "tests", "csrc", "fake_cuda.c"))
+	if msg, err := exec.Command(cc[0], args...).CombinedOutput(); err != nil {
+		t.Fatalf("build the fake libcuda: %v\n%s", err, msg)
+	}
+	return out
+}
+
+func newGPUPool(t *testing.T, backend, lib string) int64 {
+	t.Helper()
+	id, err := NewPool(fmt.Sprintf(`{"backend":%q,"gpu":{"libcuda":%q,"ipc":true}}`, backend, lib))
+	require.NoError(t, err)
+	return id
+}
+
+// export returns the handle of the block at addr, decoded, and closes its
+// descriptors at the end of the test.
+func export(t *testing.T, id int64, addr uint64) map[string]any {
+	t.Helper()
+	js, err := PoolExport(id, addr)
+	require.NoError(t, err)
+	var h map[string]any
+	require.NoError(t, json.Unmarshal([]byte(js), &h))
+	t.Cleanup(func() {
+		for _, fd := range h["fds"].([]any) {
+			_ = syscall.Close(int(fd.(float64)))
+		}
+	})
+	return h
+}
+
+// importHandle imports h (with changes) and returns the result, decoded.
+func importHandle(h map[string]any, lib string, change map[string]any) (map[string]any, error) {
+	m := map[string]any{}
+	for k, v := range h {
+		m[k] = v
+	}
+	for k, v := range change {
+		if v == nil {
+			delete(m, k)
+		} else {
+			m[k] = v
+		}
+	}
+	js, err := json.Marshal(m)
+	if err != nil {
+		return nil, err
+	}
+	out, err := ImportMemory(string(js), lib)
+	if err != nil {
+		return nil, err
+	}
+	var r map[string]any
+	return r, json.Unmarshal([]byte(out), &r)
+}
+
+func closeImport(t *testing.T, r map[string]any) {
+	t.Helper()
+	require.NoError(t, CloseImport(int64(r["id"].(float64))))
+}
+
+// The handle names the exporting GPU by UUID, and the importer maps it to
+// its own ordinal: torchrun ranks each see their GPU as device 0.
+func TestImportMemoryFindsTheExportersGPUByUUID(t *testing.T) {
+	exporter := buildFake(t)
+	id := newGPUPool(t, "vmm", exporter)
+	a, err := PoolAlloc(id, 1<<20, 1, 0)
+	require.NoError(t, err)
+	h := export(t, id, a)
+	assert.EqualValues(t, 1, h["device"])
+	assert.Equal(t, "fa4ec0da000040008000000000000001", h["uuid"])
+
+	// A process that sees GPU 1 only, as its device 0.
+	t.Setenv("FAKE_CUDA_VISIBLE_ORDER", "1")
+	r, err := importHandle(h, buildFake(t), nil)
+	require.NoError(t, err)
+	assert.EqualValues(t, 0, r["device"])
+	assert.EqualValues(t, 1<<20, r["size"])
+	closeImport(t, r)
+
+	// One that sees GPU 1 second.
+	t.Setenv("FAKE_CUDA_VISIBLE_ORDER", "0,1")
+	r, err = importHandle(h, buildFake(t), nil)
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, r["device"])
+	closeImport(t, r)
+
+	// One that does not see it.
+	t.Setenv("FAKE_CUDA_VISIBLE_ORDER", "0")
+	blind := buildFake(t)
+	_, err = importHandle(h, blind, nil)
+	require.Error(t, err)
+	assert.True(t, strings.HasPrefix(err.Error(), "ValueError: "), err.Error())
+	assert.Contains(t, err.Error(),
+		"the exporting GPU GPU-fa4ec0da-0000-4000-8000-000000000001 is not visible in this process (CUDA_VISIBLE_DEVICES?)")
+
+	// Without a UUID (an exporter without cuDeviceGetUuid_v2) the ordinal
+	// is used as is: device 1 does not exist there.
+	_, err = importHandle(h, blind, map[string]any{"uuid": nil})
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "device 1")
+	_, err = importHandle(h, blind, map[string]any{"uuid": "fa4e"})
+	require.Error(t, err)
+	assert.True(t, strings.HasPrefix(err.Error(), "ValueError: IPC handle uuid"), err.Error())
+
+	require.NoError(t, PoolFree(id, a))
+	_, err = PoolClose(id)
+	require.NoError(t, err)
+}
+
+// A crafted vmm handle whose offset + size wraps around is refused.
+func TestImportMemoryVMMBlockBoundsDoNotOverflow(t *testing.T) {
+	lib := buildFake(t)
+	id := newGPUPool(t, "vmm", lib)
+	_, err := PoolAlloc(id, 5000, 0, 0)
+	require.NoError(t, err)
+	a, err := PoolAlloc(id, 1<<20, 0, 0)
+	require.NoError(t, err)
+	h := export(t, id, a)
+	require.NotZero(t, h["offset"], "the block is not at the segment's start")
+
+	r, err := importHandle(h, lib, nil)
+	require.NoError(t, err)
+	closeImport(t, r)
+	for _, c := range []map[string]any{
+		{"offset": uint64(math.MaxUint64 - 100), "size": 200},
+		{"offset": 0, "size": uint64(math.MaxUint64)},
+		{"offset": 2 << 20, "size": 1},
+	} {
+		_, err = importHandle(h, lib, c)
+		require.Error(t, err, "%v", c)
+		assert.True(t, strings.HasPrefix(err.Error(), "ValueError: IPC handle block"), err.Error())
+		assert.Contains(t, err.Error(), "outside the 2097152 imported bytes")
+	}
+	_, err = PoolClose(id)
+	require.NoError(t, err)
+}
+
+// An async handle carries its segment's size; the block must lie in it.
+// Blocks of one segment share one import of it.
+func TestImportMemoryAsync(t *testing.T) {
+	lib := buildFake(t)
+	id := newGPUPool(t, "async", lib)
+	a, err := PoolAlloc(id, 4096, 0, 0)
+	require.NoError(t, err)
+	b, err := PoolAlloc(id, 4096, 0, 0)
+	require.NoError(t, err)
+	ha, hb := export(t, id, a), export(t, id, b)
+	require.Equal(t, ha["data"], hb["data"], "one segment")
+	require.Equal(t, ha["pool"], hb["pool"])
+	assert.NotZero(t, ha["segment_size"])
+	assert.Equal(t, "fa4ec0da000040008000000000000000", ha["uuid"])
+
+	ra, err := importHandle(ha, lib, nil)
+	require.NoError(t, err)
+	rb, err := importHandle(hb, lib, nil)
+	require.NoError(t, err, "the segment is imported once for both blocks")
+	// In one process the fake maps the import at the exporter's address.
+	assert.EqualValues(t, a, ra["ptr"])
+	assert.EqualValues(t, b, rb["ptr"])
+	closeImport(t, ra)
+	closeImport(t, rb)
+
+	seg := ha["segment_size"].(float64)
+	for _, c := range []map[string]any{
+		{"offset": seg, "size": 1},
+		{"offset": uint64(math.MaxUint64 - 100), "size": 4096},
+		{"size": seg + 1, "offset": 0},
+	} {
+		_, err = importHandle(ha, lib, c)
+		require.Error(t, err, "%v", c)
+		assert.True(t, strings.HasPrefix(err.Error(), "ValueError: IPC handle block"), err.Error())
+	}
+	for _, missing := range []string{"segment_size", "pool"} {
+		_, err = importHandle(ha, lib, map[string]any{missing: nil})
+		require.Error(t, err)
+		assert.Contains(t, err.Error(), "needs pool and segment_size")
+	}
+
+	require.NoError(t, PoolFree(id, a))
+	require.NoError(t, PoolFree(id, b))
+	_, err = PoolClose(id)
+	require.NoError(t, err)
+}
+
+type failingBase struct{ chunks []cuda.Chunk }
+
+func (f failingBase) ExportSegment(int, uint64) ([]cuda.Chunk, error) { return f.chunks, nil }
+func (f failingBase) SegmentBase(int, uint64) (uint64, error) {
+	return 0, errors.New("segment gone")
+}
+
+// The descriptors ExportSegment made are closed when SegmentBase fails.
+func TestExportVMMClosesDescriptorsOnError(t *testing.T) {
+	var p [2]int
+	require.NoError(t, syscall.Pipe(p[:]))
+	be := failingBase{chunks: []cuda.Chunk{{FD: p[0], Size: 2 << 20}, {FD: p[1], Size: 2 << 20, Offset: 2 << 20}}}
+	var h ipcHandle
+	err := exportVMM(be, 0, 0x1000, &h)
+	require.ErrorContains(t, err, "segment gone")
+	assert.Empty(t, h.FDs)
+	for _, fd := range p {
+		_, err := fcntl(fd, syscall.F_GETFD)
+		assert.ErrorIs(t, err, syscall.EBADF, "fd %d was closed", fd)
+	}
+}
+
+func fcntl(fd, cmd int) (int, error) {
+	r, _, e := syscall.Syscall(syscall.SYS_FCNTL, uintptr(fd), uintptr(cmd), 0)
+	if e != 0 {
+		return -1, e
+	}
+	return int(r), nil
+}
+
+func TestWithin(t *testing.T) {
+	assert.True(t, within(0, 10, 10))
+	assert.True(t, within(10, 0, 10))
+	assert.False(t, within(1, 10, 10))
+	assert.False(t, within(math.MaxUint64, 2, 10))
+	assert.False(t, within(2, math.MaxUint64, 10))
+	assert.True(t, within(math.MaxUint64-1, 1, math.MaxUint64))
+}

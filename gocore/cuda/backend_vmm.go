@@ -38,7 +38,8 @@ type VMMOptions struct {
 	AccessDevices []int
 	// Expandable makes the backend a gocore.Expander: each segment reserves
 	// ReserveBytes of address space and the engine grows it in place, like
-	// torch's expandable_segments.
+	// torch's expandable_segments, and (gocore.Shrinker) gives the chunks
+	// at its free end back when it releases cached memory.
 	Expandable bool
 	// ReserveBytes is the address space reserved per expandable segment (at
 	// least the segment's size); 0 means the device's total memory. Unused
@@ -59,7 +60,8 @@ type VMMOptions struct {
 // with cuMemSetAccess for the segment's device and VMMOptions.AccessDevices.
 // That gives control the other backends lack: peer access per allocation,
 // host NUMA (EGM) memory, exportable memory, and segments that grow in place
-// (gocore.Expander, when VMMOptions.Expandable).
+// and give their free end back (gocore.Expander and gocore.Shrinker, when
+// VMMOptions.Expandable).
 //
 // Sizes are rounded up to the device's granularity (2 MiB on current GPUs).
 // The engine's segment sizes are multiples of 2 MiB (gocore.SmallBuffer,
@@ -107,11 +109,13 @@ type vmmSegment struct {
 	mapped   uint64 // bytes mapped from base: the chunks' sizes summed
 	reserved uint64 // the reservation's size
 	chunks   []vmmChunk
-	// What is in flight on the segment. A Free excludes everything else;
-	// an Expand excludes another Expand; exports may overlap an Expand,
-	// which only appends a chunk once it is mapped, but not a Free, which
-	// releases the handles they export.
+	// What is in flight on the segment. A Free or a Shrink excludes
+	// everything else (both unmap and release chunks, whose handles exports
+	// read and whose tail an Expand extends); an Expand excludes another
+	// Expand; exports may overlap an Expand, which only appends a chunk once
+	// it is mapped, and each other.
 	freeing   bool
+	shrinking bool
 	expanding bool
 	exporting int
 }
@@ -124,6 +128,7 @@ type vmmChunk struct {
 var (
 	_ gocore.Backend  = (*VMMBackend)(nil)
 	_ gocore.Expander = (*VMMBackend)(nil)
+	_ gocore.Shrinker = (*VMMBackend)(nil)
 	_ io.Closer       = (*VMMBackend)(nil)
 )
 
@@ -482,6 +487,7 @@ func (b *VMMBackend) usable(op string, dev int) error {
 // for it leaves the segment cached for a later try.
 const (
 	opFree   = "free"
+	opShrink = "shrink"
 	opExpand = "expand"
 	opExport = "export segment"
 )
@@ -496,7 +502,8 @@ func (b *VMMBackend) claim(op string, dev int, base, size uint64) (*vmmSegment, 
 		return nil, fmt.Errorf("vmm backend: %s %#x (%d bytes) on device %d: not a live segment of that size and device: %w",
 			op, base, size, dev, gocore.ErrInvalidArgument)
 	}
-	busy := s.freeing || (op == opFree && (s.expanding || s.exporting > 0)) || (op == opExpand && s.expanding)
+	exclusive := op == opFree || op == opShrink
+	busy := s.freeing || s.shrinking || (exclusive && (s.expanding || s.exporting > 0)) || (op == opExpand && s.expanding)
 	if busy {
 		return nil, fmt.Errorf("vmm backend: %s %#x: a conflicting operation on the segment is in flight: %w",
 			op, base, gocore.ErrInvalidArgument)
@@ -504,6 +511,8 @@ func (b *VMMBackend) claim(op string, dev int, base, size uint64) (*vmmSegment, 
 	switch op {
 	case opFree:
 		s.freeing = true
+	case opShrink:
+		s.shrinking = true
 	case opExpand:
 		s.expanding = true
 	default:
@@ -519,6 +528,8 @@ func (b *VMMBackend) release(s *vmmSegment, op string) {
 	switch op {
 	case opFree:
 		s.freeing = false
+	case opShrink:
+		s.shrinking = false
 	case opExpand:
 		s.expanding = false
 	default:
@@ -582,6 +593,108 @@ func (b *VMMBackend) Expand(dev int, addr, size, extra uint64, stream gocore.Str
 	}
 	b.mu.Unlock()
 	return nil
+}
+
+// Shrink gives back the end of the expandable segment [addr, addr+size) on
+// dev (a gocore.Shrinker), as torch unmaps the free pages of its expandable
+// segments: it waits for the work queued on stream (the segment's stream,
+// as the engine passes it; cuMemUnmap does not wait for kernels, see Free),
+// then unmaps and releases the segment's trailing chunks that lie wholly in
+// the last less bytes, last first, and keeps the address reservation so
+// that Expand can grow the segment there again. It returns the bytes the
+// segment shrank by: the released chunks rounded up to Granularity (more
+// than what they mapped only where a device's granularity is finer than
+// Granularity, like Alloc's rounding), at most less, and 0 when no whole
+// chunk fits, which is common: a chunk is what one Alloc or Expand mapped,
+// so a tail that ends inside a growth gives back nothing of it.
+//
+// If the wait or the first unmap fails, nothing has changed and the error
+// is returned. If a later unmap fails, the chunks unmapped so far are gone
+// and the failing one and those before it stay mapped in the segment: the
+// segment shrinks by what went, Shrink returns that with no error (the
+// engine must not keep using unmapped memory) and Close reports the
+// failure; a failed cuMemRelease likewise leaks the chunk's memory, reported
+// by Close. (Should what went round to 0 bytes of the segment, the error is
+// returned instead.) An importer of the segment (ExportSegment) keeps its
+// own reference to the memory, which the driver frees once both let go.
+// Shrink works after Close, like Free. Without VMMOptions.Expandable it
+// fails with gocore.ErrUnsupported (the engine then never calls it).
+func (b *VMMBackend) Shrink(dev int, addr, size, less uint64, stream gocore.Stream) (uint64, error) {
+	if !b.opts.Expandable {
+		return 0, fmt.Errorf("vmm backend: shrink %#x on device %d: not expandable (VMMOptions.Expandable): %w",
+			addr, dev, gocore.ErrUnsupported)
+	}
+	if err := b.cu.checkDevice("shrink", dev); err != nil {
+		return 0, fmt.Errorf("vmm backend: %w", err)
+	}
+	unit := b.Granularity()
+	if less == 0 || less >= size || less%unit != 0 {
+		return 0, fmt.Errorf("vmm backend: shrink %#x (%d bytes) on device %d by %d bytes: not a positive multiple of the granularity %d below the size: %w",
+			addr, size, dev, less, unit, gocore.ErrInvalidArgument)
+	}
+	s, err := b.claim(opShrink, dev, addr, size)
+	if err != nil {
+		return 0, err
+	}
+	defer b.release(s, opShrink)
+	// The claim excludes every other writer of s.chunks and s.mapped.
+	keep := size - less // the chunks from here on may go
+	first := len(s.chunks)
+	for first > 0 && s.chunks[first-1].offset >= keep {
+		first--
+	}
+	if first == len(s.chunks) {
+		return 0, nil
+	}
+	if err := b.drv.StreamSynchronize(dev, uint64(stream)); err != nil {
+		return 0, fmt.Errorf("vmm backend: shrink %#x on device %d: %w", addr, dev, err)
+	}
+	// Last chunk first, so that what stays mapped is always a prefix.
+	gone := len(s.chunks)
+	var unmapErr error
+	for gone > first {
+		c := s.chunks[gone-1]
+		// cuMemUnmap takes whole mappings only, so one call per chunk.
+		if err := b.drv.MemUnmap(dev, s.base+c.offset, c.size); err != nil {
+			unmapErr = fmt.Errorf("vmm backend: shrink %#x on device %d by %d bytes: chunk at +%#x kept mapped: %w",
+				addr, dev, less, c.offset, err)
+			break
+		}
+		gone--
+	}
+	if gone == len(s.chunks) {
+		return 0, unmapErr // nothing changed
+	}
+	var lost []error
+	if unmapErr != nil {
+		lost = append(lost, unmapErr)
+	}
+	for _, c := range s.chunks[gone:] {
+		if err := b.drv.MemRelease(dev, c.handle); err != nil {
+			lost = append(lost, fmt.Errorf("vmm backend: shrink %#x on device %d: chunk at +%#x (%d bytes) leaked: %w",
+				addr, dev, c.offset, c.size, err))
+		}
+	}
+	mapped := s.chunks[gone].offset
+	var released uint64
+	if mapped < size {
+		released = roundUpTo(size-mapped, unit) // <= less, as mapped >= keep
+	}
+	b.mu.Lock()
+	s.chunks = slices.Clip(s.chunks[:gone])
+	s.mapped = mapped
+	s.size = size - released
+	if released == 0 && unmapErr != nil {
+		// The segment is as the engine knows it: say so now.
+		lost = lost[1:]
+	} else {
+		unmapErr = nil
+	}
+	if len(lost) > 0 {
+		b.lost = append(b.lost, errors.Join(lost...))
+	}
+	b.mu.Unlock()
+	return released, unmapErr
 }
 
 // Free destroys a segment: it waits for the work queued on stream (the

@@ -1,0 +1,440 @@
+package cuda
+
+import (
+	"errors"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/cuda/internal/fakecuda"
+)
+
+// newGrown makes an expandable segment of three chunks on device 0:
+// 2 MiB from Alloc, then 2 and 2 more from Expand.
+func newGrown(t *testing.T, be *VMMBackend) uint64 {
+	t.Helper()
+	a, err := be.Alloc(0, 2*mib, 0)
+	require.NoError(t, err)
+	require.NoError(t, be.Expand(0, a, 2*mib, 2*mib, 0))
+	require.NoError(t, be.Expand(0, a, 4*mib, 2*mib, 0))
+	return a
+}
+
+// The engine gives the free end of a grown segment back, chunk by chunk,
+// keeping the reservation: the segment grows there again.
+func TestVMMBackendShrinkThroughPool(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true, AccessDevices: []int{1}})
+	p := newPool(t, be)
+	const stream = 0x31
+
+	a, err := p.Alloc(4*mib, 0, stream)
+	require.NoError(t, err)
+	fakecuda.Write(a, []byte("head"))
+	b, err := p.Alloc(4*mib, 0, stream)
+	require.NoError(t, err)
+	c, err := p.Alloc(6*mib, 0, stream)
+	require.NoError(t, err)
+	require.Equal(t, []uint64{a + 4*mib, a + 8*mib}, []uint64{b, c}, "one segment, grown twice")
+	require.EqualValues(t, 14*mib, f.LiveBytes(0))
+	require.Equal(t, 7, f.VMMObjects(), "3 handles, 3 mappings, 1 reservation")
+
+	require.NoError(t, p.Free(c))
+	released, err := p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 6*mib, released, "the last chunk")
+	assert.EqualValues(t, 8*mib, f.LiveBytes(0), "its physical memory went")
+	assert.Equal(t, 5, f.VMMObjects(), "its handle and mapping went, the reservation stayed")
+	assert.Equal(t, 1, f.Calls("cuMemUnmap"))
+	assert.Equal(t, 1, f.Calls("cuMemRelease"))
+	assert.Zero(t, f.Calls("cuMemAddressFree"))
+	assert.EqualValues(t, stream, f.LastStream("cuStreamSynchronize"), "waited for the segment's stream before unmapping")
+	assert.Equal(t, -1, f.Access(a+8*mib, 0), "no longer mapped")
+	st := poolStats(t, p, 0)
+	assert.EqualValues(t, 8*mib, st.ReservedBytes[0].Current)
+	assert.EqualValues(t, 1, st.Segment[0].Current)
+	assert.Equal(t, []byte("head"), fakecuda.Read(a, 4))
+	base, err := be.SegmentBase(0, b)
+	require.NoError(t, err)
+	assert.Equal(t, a, base)
+	_, err = be.SegmentBase(0, a+8*mib)
+	require.ErrorIs(t, err, gocore.ErrInvalidArgument, "beyond the shrunk segment")
+
+	require.NoError(t, p.Free(b))
+	released, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 4*mib, released)
+	assert.EqualValues(t, 4*mib, f.LiveBytes(0))
+	assert.Equal(t, 3, f.VMMObjects(), "down to the first chunk")
+
+	// Growing again maps right after it, in the same reservation.
+	d, err := p.Alloc(6*mib, 0, stream)
+	require.NoError(t, err)
+	assert.Equal(t, a+4*mib, d)
+	assert.Equal(t, 1, f.Calls("cuMemAddressReserve"), "the reservation was kept")
+	assert.EqualValues(t, 10*mib, f.LiveBytes(0))
+	assert.Equal(t, MemAccessProtReadWrite, f.Access(a+4*mib, 1), "the peer got the regrown chunk too")
+	fakecuda.Write(d+6*mib-4, []byte("tail"))
+	assert.Equal(t, []byte("tail"), fakecuda.Read(d+6*mib-4, 4))
+
+	// A free tail that ends inside a chunk: only whole chunks go, so
+	// nothing here (the block at a+4 MiB holds the regrown chunk).
+	require.NoError(t, p.Free(d))
+	e, err := p.Alloc(2*mib, 0, stream)
+	require.NoError(t, err)
+	require.Equal(t, a+4*mib, e)
+	unmaps := f.Calls("cuMemUnmap")
+	released, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.Zero(t, released)
+	assert.Equal(t, unmaps, f.Calls("cuMemUnmap"))
+	assert.EqualValues(t, 10*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
+
+	require.NoError(t, p.Free(e))
+	require.NoError(t, p.Free(a))
+	released, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 10*mib, released, "wholly free: the segment goes")
+	assert.Zero(t, f.VMMObjects())
+	closePool(t, p)
+	require.NoError(t, be.Close())
+}
+
+// Out of memory, the engine gives back free tails before it retries.
+func TestVMMBackendShrinkOnOutOfMemory(t *testing.T) {
+	f, drv := setup(t, "FAKE_CUDA_CAPACITY", "16777216") // 16 MiB
+	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	p := newPool(t, be)
+	a, err := p.Alloc(4*mib, 0, 1)
+	require.NoError(t, err)
+	b, err := p.Alloc(8*mib, 0, 1)
+	require.NoError(t, err)
+	require.NoError(t, p.Free(b))
+	c, err := p.Alloc(10*mib, 0, 2) // another stream: a new segment
+	require.NoError(t, err)
+	st := poolStats(t, p, 0)
+	assert.EqualValues(t, 1, st.NumAllocRetries)
+	assert.EqualValues(t, 14*mib, st.ReservedBytes[0].Current)
+	assert.EqualValues(t, 14*mib, f.LiveBytes(0))
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(c))
+	closePool(t, p)
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.VMMObjects())
+}
+
+// So does setting a release threshold.
+func TestVMMBackendShrinkOnReleaseThreshold(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	p := newPool(t, be)
+	a, err := p.Alloc(4*mib, 0, 0)
+	require.NoError(t, err)
+	b, err := p.Alloc(8*mib, 0, 0)
+	require.NoError(t, err)
+	require.NoError(t, p.Free(b))
+	require.NoError(t, p.SetReleaseThreshold(2*mib))
+	assert.EqualValues(t, 4*mib, f.LiveBytes(0), "the tail went")
+	assert.EqualValues(t, 4*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
+	require.NoError(t, p.Free(a))
+	closePool(t, p)
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.VMMObjects())
+}
+
+// The Shrinker contract, directly.
+func TestVMMBackendShrinkContract(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	a := newGrown(t, be)
+	for _, less := range []uint64{0, mib, 6 * mib, 8 * mib} {
+		_, err := be.Shrink(0, a, 6*mib, less, 0)
+		require.ErrorIs(t, err, gocore.ErrInvalidArgument, "less %d", less)
+	}
+	_, err := be.Shrink(0, a, 4*mib, 2*mib, 0)
+	require.ErrorIs(t, err, gocore.ErrInvalidArgument, "not the segment's size")
+	_, err = be.Shrink(1, a, 6*mib, 2*mib, 0)
+	require.ErrorIs(t, err, gocore.ErrInvalidArgument, "another device's")
+	_, err = be.Shrink(2, a, 6*mib, 2*mib, 0)
+	require.ErrorIs(t, err, gocore.ErrInvalidDevice)
+	assert.Equal(t, 7, f.VMMObjects())
+
+	n, err := be.Shrink(0, a, 6*mib, 4*mib, 0x5)
+	require.NoError(t, err)
+	assert.EqualValues(t, 4*mib, n, "two chunks")
+	assert.EqualValues(t, 0x5, f.LastStream("cuStreamSynchronize"))
+	assert.Equal(t, 3, f.VMMObjects())
+	require.ErrorIs(t, be.Free(0, a, 6*mib, 0), gocore.ErrInvalidArgument, "the segment is 2 MiB now")
+
+	// One chunk of 4 MiB cannot go in 2 MiB steps.
+	require.NoError(t, be.Expand(0, a, 2*mib, 4*mib, 0))
+	syncs := f.Calls("cuStreamSynchronize")
+	n, err = be.Shrink(0, a, 6*mib, 2*mib, 0)
+	require.NoError(t, err)
+	assert.Zero(t, n)
+	assert.Equal(t, syncs, f.Calls("cuStreamSynchronize"), "nothing to unmap: no wait")
+	n, err = be.Shrink(0, a, 6*mib, 4*mib, 0)
+	require.NoError(t, err)
+	assert.EqualValues(t, 4*mib, n)
+	require.NoError(t, be.Free(0, a, 2*mib, 0))
+
+	// An engine size off the device's granularity (like Alloc's rounding):
+	// 3 MiB mapped as 4, grown to 5 with a chunk at 4 MiB; giving that
+	// chunk back leaves 3 MiB, still mapped as 4.
+	b, err := be.Alloc(0, 3*mib, 0)
+	require.NoError(t, err)
+	require.NoError(t, be.Expand(0, b, 3*mib, 2*mib, 0))
+	assert.EqualValues(t, 6*mib, f.LiveBytes(0))
+	n, err = be.Shrink(0, b, 5*mib, 2*mib, 0)
+	require.NoError(t, err)
+	assert.EqualValues(t, 2*mib, n)
+	assert.EqualValues(t, 4*mib, f.LiveBytes(0))
+	require.NoError(t, be.Expand(0, b, 3*mib, 2*mib, 0), "grows into the surplus and a new chunk")
+	assert.EqualValues(t, 6*mib, f.LiveBytes(0))
+	require.NoError(t, be.Free(0, b, 5*mib, 0))
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.VMMObjects())
+
+	// Without Expandable the backend is no Shrinker for the engine.
+	plain := newVMM(t, drv, VMMOptions{})
+	c, err := plain.Alloc(0, 4*mib, 0)
+	require.NoError(t, err)
+	_, err = plain.Shrink(0, c, 4*mib, 2*mib, 0)
+	require.ErrorIs(t, err, gocore.ErrUnsupported)
+	require.NoError(t, plain.Free(0, c, 4*mib, 0))
+	require.NoError(t, plain.Close())
+}
+
+// A Shrink excludes Free, Expand, exports and another Shrink of the same
+// segment, and is refused while an export is in flight.
+func TestVMMBackendShrinkClaims(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true, IPC: true})
+	a := newGrown(t, be)
+	s, err := be.claim(opExport, 0, a, 0)
+	require.NoError(t, err)
+	_, err = be.Shrink(0, a, 6*mib, 2*mib, 0)
+	require.ErrorIs(t, err, gocore.ErrInvalidArgument, "exporting")
+	assert.Equal(t, 7, f.VMMObjects(), "the refused Shrink changed nothing")
+	be.release(s, opExport)
+
+	s, err = be.claim(opShrink, 0, a, 6*mib)
+	require.NoError(t, err)
+	require.ErrorIs(t, be.Free(0, a, 6*mib, 0), gocore.ErrInvalidArgument, "shrinking")
+	require.ErrorIs(t, be.Expand(0, a, 6*mib, 2*mib, 0), gocore.ErrInvalidArgument, "shrinking")
+	_, err = be.ExportSegment(0, a)
+	require.ErrorIs(t, err, gocore.ErrInvalidArgument, "shrinking")
+	_, err = be.Shrink(0, a, 6*mib, 2*mib, 0)
+	require.ErrorIs(t, err, gocore.ErrInvalidArgument, "shrinking")
+	be.release(s, opShrink)
+
+	s, err = be.claim(opExpand, 0, a, 6*mib)
+	require.NoError(t, err)
+	_, err = be.Shrink(0, a, 6*mib, 2*mib, 0)
+	require.ErrorIs(t, err, gocore.ErrInvalidArgument, "expanding")
+	be.release(s, opExpand)
+	assert.Equal(t, 7, f.VMMObjects())
+
+	n, err := be.Shrink(0, a, 6*mib, 2*mib, 0)
+	require.NoError(t, err)
+	assert.EqualValues(t, 2*mib, n)
+	chunks, err := be.ExportSegment(0, a)
+	require.NoError(t, err)
+	assert.Len(t, chunks, 2, "the released chunk is no longer exported")
+	for _, c := range chunks {
+		require.NoError(t, syscall.Close(c.FD))
+	}
+	require.NoError(t, be.Free(0, a, 4*mib, 0))
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.VMMObjects())
+}
+
+// Driver failures leave the backend's bookkeeping truthful.
+func TestVMMBackendShrinkFailures(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	a := newGrown(t, be)
+	fakecuda.Write(a+6*mib-4, []byte("last"))
+
+	// A failed wait or first unmap changes nothing.
+	for _, fn := range []string{"cuStreamSynchronize", "cuMemUnmap"} {
+		f.Fail(fn, CodeIllegalAddress, 0)
+		n, err := be.Shrink(0, a, 6*mib, 4*mib, 0)
+		require.ErrorContains(t, err, fn)
+		assert.Zero(t, n)
+		f.Fail(fn, 0, 0)
+		assert.Equal(t, 7, f.VMMObjects(), fn)
+		assert.EqualValues(t, 6*mib, f.LiveBytes(0), fn)
+	}
+	assert.Equal(t, []byte("last"), fakecuda.Read(a+6*mib-4, 4))
+
+	// The second unmap fails: the last chunk went, the middle one stays.
+	f.Fail("cuMemUnmap", CodeIllegalAddress, 1)
+	n, err := be.Shrink(0, a, 6*mib, 4*mib, 0)
+	f.Fail("cuMemUnmap", 0, 0)
+	require.NoError(t, err, "memory went: the engine must learn it")
+	assert.EqualValues(t, 2*mib, n)
+	assert.Equal(t, 5, f.VMMObjects())
+	assert.EqualValues(t, 4*mib, f.LiveBytes(0))
+
+	// A failed release leaks that chunk's memory; the segment shrinks.
+	f.Fail("cuMemRelease", CodeIllegalAddress, 0)
+	n, err = be.Shrink(0, a, 4*mib, 2*mib, 0)
+	f.Fail("cuMemRelease", 0, 0)
+	require.NoError(t, err)
+	assert.EqualValues(t, 2*mib, n)
+	assert.EqualValues(t, 4*mib, f.LiveBytes(0), "the leaked handle")
+	assert.Equal(t, 4, f.VMMObjects(), "the leaked handle, the first chunk's handle and mapping, the reservation")
+
+	require.NoError(t, be.Free(0, a, 2*mib, 0))
+	assert.Zero(t, be.LiveSegments())
+	err = be.Close()
+	require.Error(t, err)
+	assert.ErrorContains(t, err, "kept mapped")
+	assert.ErrorContains(t, err, "leaked")
+	assert.ErrorContains(t, err, "cuMemRelease")
+}
+
+// Through the pool, a failed unmap is an error of EmptyCache and leaves the
+// pool as it was; the next EmptyCache gives the tail back.
+func TestVMMBackendShrinkFailureThroughPool(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	p := newPool(t, be)
+	a, err := p.Alloc(4*mib, 0, 0)
+	require.NoError(t, err)
+	b, err := p.Alloc(8*mib, 0, 0)
+	require.NoError(t, err)
+	require.NoError(t, p.Free(b))
+
+	f.Fail("cuMemUnmap", CodeIllegalAddress, 0)
+	released, err := p.EmptyCache()
+	f.Fail("cuMemUnmap", 0, 0)
+	require.ErrorContains(t, err, "cuMemUnmap")
+	assert.Zero(t, released)
+	assert.EqualValues(t, 12*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
+	assert.EqualValues(t, 12*mib, f.LiveBytes(0))
+	require.NoError(t, p.CheckInvariants())
+
+	released, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 8*mib, released)
+	assert.EqualValues(t, 4*mib, f.LiveBytes(0))
+	c, err := p.Alloc(8*mib, 0, 0)
+	require.NoError(t, err)
+	assert.Equal(t, b, c, "grown again where it was")
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(c))
+	closePool(t, p)
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.VMMObjects())
+}
+
+// A Shrink racing a Free and exports of its segment: each either goes
+// through or is refused, and nothing leaks.
+func TestVMMBackendShrinkRacesFreeAndExport(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true, IPC: true})
+	var shrunk, refused atomic.Int32
+	for round := 0; round < 50; round++ {
+		a := newGrown(t, be)
+		var wg sync.WaitGroup
+		wg.Add(3)
+		go func() {
+			defer wg.Done()
+			n, err := be.Shrink(0, a, 6*mib, 2*mib, 0)
+			if err != nil {
+				assert.ErrorIs(t, err, gocore.ErrInvalidArgument)
+				assert.Zero(t, n)
+				refused.Add(1)
+			} else {
+				assert.EqualValues(t, 2*mib, n)
+				shrunk.Add(1)
+			}
+		}()
+		go func() {
+			defer wg.Done()
+			for i := 0; i < 5; i++ {
+				chunks, err := be.ExportSegment(0, a)
+				if err != nil {
+					assert.ErrorIs(t, err, gocore.ErrInvalidArgument)
+					continue
+				}
+				assert.NotEmpty(t, chunks)
+				for _, c := range chunks {
+					assert.NoError(t, syscall.Close(c.FD))
+				}
+			}
+		}()
+		go func() {
+			defer wg.Done()
+			for { // the engine's size: 6 MiB, or 4 once shrunk
+				if be.Free(0, a, 6*mib, 0) == nil || be.Free(0, a, 4*mib, 0) == nil {
+					return
+				}
+				runtime.Gosched()
+			}
+		}()
+		wg.Wait()
+		require.Zero(t, be.LiveSegments())
+		require.Zero(t, f.VMMObjects(), "round %d", round)
+	}
+	t.Logf("%d shrinks went through, %d were refused", shrunk.Load(), refused.Load())
+	require.NoError(t, be.Close())
+}
+
+// Pools over one backend churn while another goroutine exports their
+// segments: EmptyCache may be refused for a segment being exported, and
+// nothing is lost.
+func TestVMMBackendShrinkRacesExportsThroughPool(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true, IPC: true})
+	p := newPool(t, be)
+	head, err := p.Alloc(2*mib, 0, 0)
+	require.NoError(t, err)
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			chunks, err := be.ExportSegment(0, head)
+			if err != nil {
+				assert.ErrorIs(t, err, gocore.ErrInvalidArgument)
+				continue
+			}
+			for _, c := range chunks {
+				assert.NoError(t, syscall.Close(c.FD))
+			}
+		}
+	}()
+	for i := 0; i < 200; i++ {
+		b, err := p.Alloc(uint64(2+i%5)*mib, 0, 0)
+		require.NoError(t, err)
+		require.NoError(t, p.Free(b))
+		if _, err := p.EmptyCache(); err != nil && !errors.Is(err, gocore.ErrInvalidArgument) {
+			t.Fatalf("EmptyCache: %v", err)
+		}
+	}
+	close(done)
+	wg.Wait()
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 2*mib, f.LiveBytes(0), "only the head's chunk is left")
+	assert.EqualValues(t, 2*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
+	require.NoError(t, p.Free(head))
+	closePool(t, p)
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.VMMObjects())
+}

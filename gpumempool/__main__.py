@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import pickle
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -133,9 +136,32 @@ def _load_trace(path: str, args: argparse.Namespace) -> Any:
     return from_torch_snapshot(path, infer_empty_cache=not args.no_infer_empty_cache)
 
 
-def _fail(message: str, code: int = 1) -> int:
+def _fail(message: str, code: int = 1, *, json_out: bool = False) -> int:
+    """Report an error the usual way (stderr, exit status ``code``); with
+    ``json_out``, also print ``{"error": message}`` on stdout, so that a
+    ``--json`` caller always gets JSON."""
     print(f"python -m gpumempool: error: {message}", file=sys.stderr)
+    if json_out:
+        print(json.dumps({"error": message, "exit_code": code}, indent=2))
     return code
+
+
+def _finite(obj: Any, depth: int = 0) -> Any:
+    """``obj`` with non-finite floats (NaN, infinities: not JSON) as None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if depth > 64:
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v, depth + 1) for v in obj]
+    return obj
+
+
+def _print_json(obj: Any) -> None:
+    """Standard JSON only (``json.dumps`` would write NaN and Infinity)."""
+    print(json.dumps(_finite(obj), indent=2, allow_nan=False))
 
 
 def _table(rows: list[tuple[str, str]]) -> str:
@@ -162,7 +188,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError) as exc:
         return _fail(str(exc))
     if args.save_trace:
-        trace.save(args.save_trace)
+        try:
+            trace.save(args.save_trace)
+        except OSError as exc:
+            return _fail(f"--save-trace: {exc}")
     with Progress("replay", unit="ev", enabled=not (args.json or args.no_progress), total=len(trace)) as bar:
         try:
             result = replay(trace, policy, progress=bar, recorded_policy=not args.no_recorded_policy)
@@ -171,7 +200,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if args.json:
         out = result.as_dict()
         out["trace"] = {"path": args.trace, "meta": trace.meta, "counts": trace.counts()}
-        print(json.dumps(out, indent=2))
+        _print_json(out)
         return 0
     pol = ", ".join(f"{k}={v}" + ("" if k in policy else " (recorded)") for k, v in result.policy.items()) or "defaults"
     rows = [
@@ -215,7 +244,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError) as exc:
             return _fail(str(exc))
     if args.json:
-        print(json.dumps(summary, indent=2))
+        _print_json(summary)
     else:
         print(f"wrote {summary['output']}: {summary['events']:,} history events, {summary['segments']:,} segments, "
               f"{summary['blocks']:,} blocks")
@@ -265,7 +294,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if root is None:
         where = args.root or "the current directory or its parents"
         return _fail(f"bench runs the benchmarks of a source checkout, and none was found in {where} "
-                     "(benchmarks/cpu_bench.py); run it from the repository root or pass --root", 2)
+                     "(benchmarks/cpu_bench.py); run it from the repository root or pass --root", 2,
+                     json_out=args.json)
     run, skip = _bench_plan(root)
     if not args.json:
         print(f"gpumempool bench in {root}")
@@ -280,7 +310,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(json.dumps(report, indent=2))
         return 0
     if not run:
-        return _fail("nothing this machine can run (see above)")
+        if args.json:
+            report["error"] = "nothing this machine can run (see not_run)"
+            print(json.dumps(report, indent=2))
+        return _fail("nothing this machine can run (see above)" if not args.json else "nothing this machine can run")
     env = dict(os.environ, PYTHONSAFEPATH="1")
     if args.count:
         env["GMP_BENCH_COUNT"] = str(args.count)
@@ -294,7 +327,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         stem = Path(script).stem.replace("_bench", "")
         result_file = root / "benchmarks" / "results" / f"{stem}.json"
         if proc.returncode == 0 and result_file.is_file():
-            report["results"][stem] = json.loads(result_file.read_text())
+            try:
+                report["results"][stem] = json.loads(result_file.read_text())
+            except (OSError, ValueError) as exc:
+                r["error"] = f"cannot read {result_file}: {exc}"
+                rc = rc or 1
+        elif proc.returncode != 0:
+            r["error"] = f"{script} exited with status {proc.returncode}"
     if args.json:
         print(json.dumps(report, indent=2))
     return rc
@@ -381,7 +420,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except (OSError, ValueError, ArithmeticError, RecursionError, EOFError, pickle.PickleError, zlib.error) as exc:
+        # Bad input the command did not report itself: an error, not a traceback.
+        return _fail(f"{type(exc).__name__}: {str(exc)[:500]}", json_out=bool(getattr(args, "json", False)))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 from . import _native
 from ._callbacks import ALLOC_FN, FREE_FN
@@ -23,7 +24,14 @@ from .scope import cache_scope, invalidate
 from .torch import mempool, set_torch_allocator, torch_memory_stats, torch_memory_summary  # imports torch lazily
 from ._snapshot import dump_snapshot, record_history, snapshot
 from .ipc import ImportedMemory, IpcHandle, import_pool
-from .replay import ReplayResult, replay
+from .replay import ReplayResult
+if TYPE_CHECKING:
+    from .replay import replay
+else:
+    # The submodule itself, which is callable as the function: the package
+    # attribute gpumempool.replay must be the module for
+    # `import gpumempool.replay as r` to give the module.
+    replay = sys.modules[f"{__package__}.replay"]
 from .trace import Trace, TraceRecorder, from_history, from_torch_snapshot, load_trace
 
 __all__ = [

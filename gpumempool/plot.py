@@ -11,6 +11,7 @@ refuses anything but plain data.
 from __future__ import annotations
 
 import heapq
+import math
 import os
 from typing import Any, Callable, Optional, Union
 
@@ -54,11 +55,29 @@ def _load(snapshot: Union[PathLike, dict[str, Any]]) -> dict[str, Any]:
     traces = snap.get("device_traces", [])
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
         raise TraceFormatError("snapshot device_traces must be a list of lists")
+    # A crafted pickle repeats one list or entry to multiply the work.
+    seen: set[int] = set()
+    for d, t in enumerate(traces):
+        for obj in (t, *(e for e in t if isinstance(e, dict))):
+            if id(obj) in seen:
+                raise TraceFormatError(f"device_traces[{d}] repeats an object shared with an earlier entry")
+            seen.add(id(obj))
     return snap
 
 
 def _int(v: Any) -> int:
-    return v if type(v) is int else 0
+    """A 64-bit unsigned int field, 0 when missing or out of range."""
+    return v if type(v) is int and 0 <= v < 1 << 64 else 0
+
+
+def _time(e: Any) -> int:
+    """An entry's time_us, 0 when missing or not a finite number."""
+    t = e.get("time_us", 0) if isinstance(e, dict) else 0
+    if type(t) is int:
+        return t
+    if type(t) is float and math.isfinite(t):
+        return int(t)
+    return 0
 
 
 def timeline(snapshot: Union[PathLike, dict[str, Any]],
@@ -70,7 +89,7 @@ def timeline(snapshot: Union[PathLike, dict[str, Any]],
     to ``free_completed``."""
     snap = _load(snapshot)
     traces = snap.get("device_traces", [])
-    merged = list(heapq.merge(*[[(e.get("time_us", 0) if isinstance(e, dict) else 0, d, i, e)
+    merged = list(heapq.merge(*[[(_time(e), d, i, e)
                                  for i, e in enumerate(t)] for d, t in enumerate(traces)], key=lambda x: x[0]))
     entries = [(t, d, e) for t, d, _, e in merged if isinstance(e, dict)]
     sizes: dict[tuple[int, int], int] = {}
@@ -210,7 +229,8 @@ def plot_snapshot(
                 continue
             size = _int(b.get("size"))
             spans.append((off, size))
-            colors.append(STATE_COLORS.get(str(b.get("state")), "#9467bd"))
+            state = b.get("state")
+            colors.append(STATE_COLORS.get(state if isinstance(state, str) else "", "#9467bd"))
             off += size
             blocks += 1
         total = _int(s.get("total_size"))

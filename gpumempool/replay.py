@@ -10,6 +10,10 @@ with the policy you choose, and compare with what the recording allocator
     r = replay(from_torch_snapshot("snapshot.pickle"), {"max_split_size": 64 << 20})
     print(r.peak_reserved, r.recorded_peak_reserved, r.reserved_vs_recorded)
 
+``gpumempool.replay`` is this module, and calling it calls :func:`replay`
+(so ``gmp.replay(trace, policy)`` and ``import gpumempool.replay`` both
+work).
+
 The sim pool uses manual events, so ``record_stream`` in the trace is
 honoured: a block freed after ``r ID STREAM`` comes back only after an
 ``s STREAM`` (or ``s``) event; at the end every stream completes.
@@ -17,7 +21,11 @@ honoured: a block freed after ``r ID STREAM`` comes back only after an
 
 from __future__ import annotations
 
+import inspect
+import math
+import sys
 import time
+import types
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Optional
@@ -59,19 +67,37 @@ _UNITS = {
 }
 
 
+#: Sizes are 64-bit.
+MAX_SIZE = 1 << 64
+
+
 def parse_size(text: str) -> int:
     """``"512"``, ``"64MiB"``, ``"64M"`` (binary), ``"2GB"`` (decimal), ``"0x1000"``."""
     t = text.strip().lower().replace("_", "")
+    shown = repr(text[:40])
     if t.startswith("0x"):
-        return int(t, 16)
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num):].strip()
-    if unit not in _UNITS or not num:
-        raise ValueError(f"not a size: {text!r} (examples: 1048576, 512MiB, 2GiB, 1GB)")
-    value = float(num) * _UNITS[unit]
-    if value < 0 or value != int(value):
-        raise ValueError(f"not a whole, non-negative number of bytes: {text!r}")
-    return int(value)
+        try:
+            value = int(t, 16)
+        except ValueError:
+            raise ValueError(f"not a size: {shown} (examples: 1048576, 512MiB, 2GiB, 1GB)") from None
+    else:
+        num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = t[len(num):].strip()
+        if unit not in _UNITS or not num:
+            raise ValueError(f"not a size: {shown} (examples: 1048576, 512MiB, 2GiB, 1GB)")
+        if num.isascii() and num.isdigit():
+            value = int(num) * _UNITS[unit]  # exact, however large
+        else:
+            try:
+                f = float(num) * _UNITS[unit]
+            except ValueError:
+                raise ValueError(f"not a size: {shown} (examples: 1048576, 512MiB, 2GiB, 1GB)") from None
+            if not math.isfinite(f) or f < 0 or f != int(f):
+                raise ValueError(f"not a whole, non-negative number of bytes: {shown}")
+            value = int(f)
+    if value >= MAX_SIZE:
+        raise ValueError(f"size {shown} is too large (at most 2**64 - 1 bytes)")
+    return value
 
 
 def _parse_bool(text: str) -> bool:
@@ -102,7 +128,12 @@ def parse_policy(items: Any) -> dict[str, Any]:
             if key in _BOOL_KEYS:
                 policy[key] = _parse_bool(value)
             elif key in _FRACTION_KEYS:
-                policy[key] = float(value)
+                try:
+                    policy[key] = float(value)
+                except ValueError:
+                    raise ValueError(f"{key} must be a number, got {value.strip()[:40]!r}") from None
+                if not math.isfinite(policy[key]):
+                    raise ValueError(f"{key} must be a finite number, got {value.strip()[:40]!r}")
             else:
                 policy[key] = parse_size(value)
     return policy
@@ -127,6 +158,23 @@ def _check_policy(policy: Optional[Mapping[str, Any]]) -> dict[str, Any]:
             raise TypeError(f"policy {key} must be a non-negative int (bytes), got {value!r}")
         out[key] = value
     return out
+
+
+def _meta_devices(value: Any) -> int:
+    """The trace metadata's ``devices``: a positive whole number."""
+    if value is None or value == 0:
+        return 1
+    if isinstance(value, float) and math.isfinite(value) and value == int(value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX_DEVICES:
+        shown = value if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e20 \
+            else type(value).__name__
+        raise InvalidArgumentError(f"trace metadata 'devices' must be a whole number in [1, {_MAX_DEVICES}], "
+                                   f"got {shown}")
+    return value
+
+
+_MAX_DEVICES = 1 << 20
 
 
 @dataclass
@@ -202,7 +250,7 @@ def replay(
         pol = {**_check_policy({k: v for k, v in recorded.items() if k in POLICY_KEYS}), **pol}
     events = trace.events
     total = len(events)
-    devices = max([int(trace.meta.get("devices", 1) or 1)] + [e.device + 1 for e in events if type(e) is Alloc])
+    devices = max([_meta_devices(trace.meta.get("devices", 1))] + [e.device + 1 for e in events if type(e) is Alloc])
     capacity = pol.get("capacity") or trace.meta.get("capacity")
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
         capacity = DEFAULT_CAPACITY
@@ -305,3 +353,18 @@ def replay(
         reserved_vs_recorded=(peak_res / recorded) if recorded else None,
         stats=stats,
     )
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as :func:`replay`: ``gpumempool.replay`` is
+    both the public function (``gmp.replay(trace, policy)``) and this
+    module (``import gpumempool.replay as r``, ``from gpumempool.replay
+    import parse_policy``), so the package attribute and the submodule can
+    be one object."""
+
+    def __call__(self, trace: Trace, policy: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> ReplayResult:
+        return replay(trace, policy, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+__signature__ = inspect.signature(replay)  # inspect.signature(gpumempool.replay): the function's

@@ -78,7 +78,10 @@ its dict). Both read the same torch-format ``device_traces``:
 
 Torch pickles may come from anyone: :func:`load_pickle` reads them with an
 unpickler that refuses every global (so only plain dict/list/tuple/str/int/
-float/bool/None/bytes survive) and with size limits.
+float/bool/None/bytes survive), with size limits, and after a scan of the
+opcodes and a walk of the result that refuse what is crafted to cost far
+more than its size (huge memo indexes, deep nesting, cycles, shared
+references that multiply the work).
 """
 
 from __future__ import annotations
@@ -86,13 +89,16 @@ from __future__ import annotations
 import gzip
 import heapq
 import io
+import itertools
 import json
 import os
 import pickle
+import pickletools
 import time
 import warnings
+import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeGuard, Union
 
 if TYPE_CHECKING:
     from ._pool import MemPool
@@ -129,8 +135,10 @@ class TraceFormatError(ValueError):
     """A trace file (or history) that cannot be read."""
 
 
-class UnsafePickleError(pickle.UnpicklingError):
-    """A pickle that holds more than plain data (or is too large) was refused."""
+class UnsafePickleError(pickle.UnpicklingError, ValueError):
+    """A pickle that holds more than plain data (or is too large, or crafted
+    to be costly to load) was refused. A ValueError too, as every bad input
+    of this module is."""
 
 
 # -- events ---------------------------------------------------------------
@@ -346,8 +354,9 @@ class Trace:
             try:
                 with io.TextIOWrapper(stream, encoding="utf-8", newline="\n") as f:
                     return cls._read(f, p, max_events)
-            except (OSError, EOFError, UnicodeDecodeError) as exc:
-                raise TraceFormatError(f"{p}: not a readable {FORMAT} file: {exc}") from exc
+            except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:  # corrupt gzip or text
+                what = "corrupt gzip data: " if isinstance(exc, (zlib.error, EOFError, gzip.BadGzipFile)) else ""
+                raise TraceFormatError(f"{p}: not a readable {FORMAT} file: {what}{str(exc)[:200] or type(exc).__name__}") from None
 
     @classmethod
     def loads(cls, text: str, *, max_events: int = 100_000_000) -> "Trace":
@@ -355,20 +364,19 @@ class Trace:
         return cls._read(io.StringIO(text), "<string>", max_events)
 
     @classmethod
-    def _read(cls, f: Iterable[str], name: str, max_events: int) -> "Trace":
-        it = iter(f)
+    def _read(cls, f: Any, name: str, max_events: int) -> "Trace":
+        it = _lines(f, name)
         header = next(it, "").rstrip("\n").split()
         if len(header) != 2 or header[0] != FORMAT:
             raise TraceFormatError(f"{name}: not a {FORMAT} file (first line must be '{FORMAT} {VERSION}')")
         if header[1] != str(VERSION):
-            raise TraceFormatError(f"{name}: {FORMAT} version {header[1]} is not supported (this reader: {VERSION})")
+            raise TraceFormatError(f"{name}: {FORMAT} version {header[1][:20]} is not supported "
+                                   f"(this reader: {VERSION})")
         tr = cls()
         events = tr.events
         append = events.append
         lineno = 1
         for lineno, line in enumerate(it, start=2):
-            if len(line) > 1 << 20:
-                raise TraceFormatError(f"{name}:{lineno}: line longer than 1 MiB")
             parts = line.split()
             if not parts:
                 continue
@@ -391,10 +399,7 @@ class Trace:
                     tr.reserved.append((_u64(parts[1]), _dev(parts[3]) if n == 4 else 0, _u64(parts[2])))
                     continue
                 elif op == "@":
-                    meta = json.loads(line[1:])
-                    if not isinstance(meta, dict):
-                        raise ValueError("metadata must be a JSON object")
-                    tr.meta.update(meta)
+                    tr.meta.update(_parse_meta(line[1:]))
                     continue
                 elif op.startswith("#"):
                     continue
@@ -406,6 +411,64 @@ class Trace:
             if len(events) > max_events:
                 raise TraceFormatError(f"{name}: more than {max_events} events (raise max_events)")
         return tr
+
+
+#: Longest line a trace file may have.
+MAX_LINE = 1 << 20
+#: Deepest nesting of the JSON of an ``@`` metadata line.
+MAX_META_DEPTH = 32
+
+
+def _lines(f: Any, name: str) -> Iterator[str]:
+    """The lines of ``f``, each read with a bounded ``readline`` (a file
+    without newlines, or a gzip bomb of one line, is refused after
+    :data:`MAX_LINE` characters instead of being read whole)."""
+    lineno = 0
+    while True:
+        line = f.readline(MAX_LINE + 1)
+        if not line:
+            return
+        lineno += 1
+        if len(line) > MAX_LINE:
+            raise TraceFormatError(f"{name}:{lineno}: line longer than {MAX_LINE >> 20} MiB")
+        yield line
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise ValueError(f"metadata number {text[:30]} is out of range")
+    return v
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"metadata must be standard JSON ({text} is not)")
+
+
+def _depth_within(obj: Any, limit: int) -> bool:
+    """Whether lists and dicts in ``obj`` nest at most ``limit`` deep."""
+    todo = [(obj, 1)]
+    while todo:
+        o, d = todo.pop()
+        if isinstance(o, (dict, list)):
+            if d > limit:
+                return False
+            todo.extend((c, d + 1) for c in (o.values() if isinstance(o, dict) else o))
+    return True
+
+
+def _parse_meta(text: str) -> dict[str, Any]:
+    """An ``@`` line's JSON object: standard JSON (no NaN or infinities,
+    which JSON writers refuse), nested at most :data:`MAX_META_DEPTH` deep."""
+    try:
+        meta = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError(f"metadata nested deeper than {MAX_META_DEPTH}") from None
+    if not isinstance(meta, dict):
+        raise ValueError("metadata must be a JSON object")
+    if not _depth_within(meta, MAX_META_DEPTH):
+        raise ValueError(f"metadata nested deeper than {MAX_META_DEPTH}")
+    return meta
 
 
 def _ref_line(r: tuple[int, int, int]) -> str:
@@ -465,7 +528,7 @@ def is_trace_file(path: PathLike) -> bool:
                     head = gz.read(len(FORMAT))
             else:
                 head = raw.read(len(FORMAT))
-    except (OSError, EOFError):
+    except (OSError, EOFError, zlib.error):  # unreadable, or a corrupt gzip stream
         return False
     return head == FORMAT.encode()
 
@@ -474,6 +537,17 @@ def is_trace_file(path: PathLike) -> bool:
 
 #: Default limit on a pickle's size (compressed and uncompressed).
 MAX_PICKLE_BYTES = 4 << 30
+#: Deepest nesting of containers a loaded pickle may have (torch's snapshots
+#: nest 7 deep).
+MAX_PICKLE_DEPTH = 100
+#: Size budget of a loaded pickle, counting every container once per
+#: reference (1 + its length): at least this many, else
+#: :data:`PICKLE_NODES_PER_BYTE` per byte of (decompressed) pickle. Shared
+#: references make a small pickle decode to a structure that is huge when
+#: walked (``[[e] * 1000] * 1000``, or exponentially so); torch's snapshots
+#: share their stack frames, which stays far below this.
+MIN_PICKLE_NODES = 1 << 20
+PICKLE_NODES_PER_BYTE = 64
 
 
 class _PlainDataUnpickler(pickle.Unpickler):
@@ -483,7 +557,7 @@ class _PlainDataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         raise UnsafePickleError(
-            f"refused to load {module}.{name}: a memory snapshot may only contain plain data "
+            f"refused to load {module[:100]}.{name[:100]}: a memory snapshot may only contain plain data "
             "(dict, list, tuple, str, int, float, bool, None); this pickle tries to import or call "
             "code, so it is not one (it may be malicious)"
         )
@@ -492,11 +566,277 @@ class _PlainDataUnpickler(pickle.Unpickler):
         raise UnsafePickleError("refused a persistent id: a memory snapshot holds plain data only")
 
 
+# What the scanner does per opcode (see _scan_pickle). It models the
+# unpickler's stack only as far as the nesting of tuples goes: hashing a
+# dict key or set element recurses in C through nested tuples, and a deep
+# enough one crashes the interpreter.
+_PUSH_FIXED, _PUSH_COUNT1, _MEMOIZE, _BINGET, _SKIP_FIXED, _POP1, _SETITEM, _TO_MARK, _MARK, _SLOW = range(10)
+
+
+def _opcode_tables() -> tuple[list[int], list[int]]:
+    """(action, argument) per opcode byte. Argument: n >= 0 fixed bytes; -1,
+    -4, -8: a length of that many bytes, then the data; -10: up to a
+    newline; -20: two lines (GLOBAL, INST); -99: not an opcode."""
+    arg = [-99] * 256
+    for op in pickletools.opcodes:
+        code, a = ord(op.code), op.arg
+        if a is None:
+            arg[code] = 0
+        elif a.n >= 0:
+            arg[code] = a.n
+        elif a.n == pickletools.UP_TO_NEWLINE:
+            arg[code] = -10
+        elif a.n == pickletools.TAKEN_FROM_ARGUMENT1:
+            arg[code] = -1
+        elif a.n in (pickletools.TAKEN_FROM_ARGUMENT4, pickletools.TAKEN_FROM_ARGUMENT4U):
+            arg[code] = -4
+        elif a.n == pickletools.TAKEN_FROM_ARGUMENT8U:
+            arg[code] = -8
+        else:  # GLOBAL and INST: two lines
+            arg[code] = -20
+    arg[ord("c")] = arg[ord("i")] = -20
+    act = [_SLOW] * 256
+    for c in b"IJKMLSTUBCVXFGN\x88\x89\x8a\x8b\x8c\x8d\x8e\x96\x97]}\x8f":  # push a scalar or empty container
+        act[c] = _PUSH_FIXED if arg[c] >= 0 else _PUSH_COUNT1 if arg[c] == -1 else _SLOW
+    act[0x94] = _MEMOIZE
+    act[0x68] = _BINGET
+    for c in b"\x80\x95\x98":  # PROTO, FRAME, READONLY_BUFFER
+        act[c] = _SKIP_FIXED
+    act[ord("a")] = _POP1  # APPEND
+    act[ord("s")] = _SETITEM
+    for c in b"eu\x90":  # APPENDS, SETITEMS, ADDITEMS
+        act[c] = _TO_MARK
+    act[ord("(")] = _MARK
+    return act, arg
+
+
+_OPCODE_ACTION, _OPCODE_ARG = _opcode_tables()
+_CODE_OPS = frozenset(b"PQci\x93o\x81\x92Rb\x82\x83\x84")  # globals, reducers, persistent ids
+
+
+def _scan_pickle(data: bytes, name: str) -> None:
+    """Walk the opcodes of ``data`` without running them and refuse what
+    would make the unpickler itself use much more memory or stack than the
+    data's size: memo indexes beyond the number of opcodes (the C unpickler
+    sizes its memo by the largest index: 9 bytes could ask for GBs), counted
+    lengths beyond the data, and tuples nested deeper than
+    :data:`MAX_PICKLE_DEPTH` (hashed recursively in C). Opcodes that import
+    or call code end the scan: the unpickler refuses them when it gets
+    there, before anything after them."""
+    action, args = _OPCODE_ACTION, _OPCODE_ARG
+    frombytes = int.from_bytes
+    stack: list[int] = []  # tuple nesting of each stack item (0: not a tuple)
+    push = stack.append
+    marks: list[int] = []
+    memo: dict[int, int] = {}
+    pos = ops = 0
+    max_depth = MAX_PICKLE_DEPTH
+
+    def bad(why: str) -> UnsafePickleError:
+        return UnsafePickleError(f"{name}: refused a crafted or corrupt pickle: {why} (opcode {ops} at byte {pos})")
+
+    try:
+        while True:
+            op = data[pos]
+            pos += 1
+            ops += 1
+            a = action[op]
+            if a == 0:  # _PUSH_FIXED
+                push(0)
+                pos += args[op]
+            elif a == 1:  # _PUSH_COUNT1
+                push(0)
+                pos += 1 + data[pos]
+            elif a == 2:  # _MEMOIZE
+                memo[len(memo)] = stack[-1] if stack else 0
+            elif a == 3:  # _BINGET
+                push(memo.get(data[pos], 0))
+                pos += 1
+            elif a == 4:  # _SKIP_FIXED
+                pos += args[op]
+            elif a == 5:  # _POP1
+                if stack:
+                    stack.pop()
+            elif a == 6:  # _SETITEM
+                del stack[-2:]
+            elif a == 7:  # _TO_MARK
+                if marks:
+                    del stack[marks.pop():]
+            elif a == 8:  # _MARK
+                marks.append(len(stack))
+            else:
+                pos = _scan_slow(data, pos, op, ops, stack, marks, memo, bad, max_depth)
+                if pos < 0:
+                    return
+            _ = data[pos - 1]  # IndexError when a skip ran past the end
+    except (IndexError, ValueError) as exc:  # ran off the end; no newline
+        if isinstance(exc, UnsafePickleError):
+            raise
+        raise UnsafePickleError(f"{name}: not a readable pickle: truncated (opcode {ops} at byte {pos})") from None
+
+
+def _scan_slow(data: bytes, pos: int, op: int, ops: int, stack: list[int], marks: list[int],
+               memo: dict[int, int], bad: Callable[[str], UnsafePickleError], max_depth: int) -> int:
+    """The rarer opcodes of :func:`_scan_pickle`; returns the next position,
+    or -1 at the end of what is to be scanned."""
+    frombytes = int.from_bytes
+    k = _OPCODE_ARG[op]
+    put = -1
+    if op == 0x2E:  # STOP
+        return -1
+    if op in _CODE_OPS:
+        return -1  # refused by find_class (or failing) when the unpickler gets there
+    if k == -99:
+        raise bad(f"unknown opcode {op:#04x}")
+    if _OPCODE_ACTION[op] != _SLOW or op in b"IJKMLSTUBCVXFGN\x88\x89\x8a\x8b\x8c\x8d\x8e\x96\x97]}\x8f":
+        stack.append(0)  # a push with a 4-, 8-byte or text argument
+    elif op == 0x30:  # POP
+        if marks and marks[-1] == len(stack):
+            marks.pop()
+        elif stack:
+            stack.pop()
+    elif op == 0x31:  # POP_MARK
+        if marks:
+            del stack[marks.pop():]
+    elif op in b"ld\x91":  # LIST, DICT, FROZENSET
+        if marks:
+            del stack[marks.pop():]
+        stack.append(0)
+    elif op == 0x29:  # EMPTY_TUPLE
+        stack.append(1)
+    elif op == 0x74 or 0x85 <= op <= 0x87:  # TUPLE, TUPLE1..3
+        if op == 0x74:
+            lo = marks.pop() if marks else len(stack)
+        else:
+            lo = max(0, len(stack) - (op - 0x84))
+        depth = 1 + max(stack[lo:], default=0)
+        if depth > max_depth:
+            raise bad(f"tuples nested deeper than {max_depth}")
+        del stack[lo:]
+        stack.append(depth)
+    elif op == 0x32:  # DUP
+        stack.append(stack[-1] if stack else 0)
+    elif op == 0x6A:  # LONG_BINGET
+        stack.append(memo.get(frombytes(data[pos:pos + 4], "little"), 0))
+    elif op == 0x67:  # GET (text)
+        text = data[pos:data.index(b"\n", pos)]
+        stack.append(memo.get(int(text), 0) if len(text) <= 20 and text.isdigit() else 0)
+    elif op == 0x71:  # BINPUT
+        put = data[pos]
+    elif op == 0x72:  # LONG_BINPUT
+        put = frombytes(data[pos:pos + 4], "little")
+    elif op == 0x70:  # PUT (text)
+        text = data[pos:data.index(b"\n", pos)]
+        if len(text) > 20 or not text.isdigit():
+            raise bad("a PUT index that is not a small decimal number")
+        put = int(text)
+    if put >= 0:
+        if put > ops:
+            raise bad(f"memo index {put} with only {ops} opcodes before it")
+        memo[put] = stack[-1] if stack else 0
+    if k >= 0:
+        return pos + k
+    if k == -1:
+        return pos + 1 + data[pos]
+    if k == -4:
+        return pos + 4 + frombytes(data[pos:pos + 4], "little")
+    if k == -8:
+        return pos + 8 + frombytes(data[pos:pos + 8], "little")
+    if k == -10:
+        return data.index(b"\n", pos) + 1
+    return data.index(b"\n", data.index(b"\n", pos) + 1) + 1
+
+
+_CONTAINERS = frozenset((dict, list, tuple, set, frozenset))
+
+
+def _check_structure(root: Any, name: str, max_nodes: int) -> None:
+    """Refuse a loaded pickle whose structure is cyclic, nested deeper than
+    :data:`MAX_PICKLE_DEPTH` or, counted with every shared reference
+    expanded, larger than ``max_nodes`` (each container 1 + its length).
+    Linear in the number of distinct containers."""
+    containers = _CONTAINERS
+    if type(root) not in containers:
+        return
+    done: dict[int, int] = {}  # id -> expanded size of a finished container
+    open_ids: set[int] = set()
+    path: list[tuple[Any, Iterator[Any]]] = []
+    sizes: list[int] = []
+    max_depth = MAX_PICKLE_DEPTH
+
+    def children(obj: Any) -> Iterator[Any]:
+        if type(obj) is dict:
+            return itertools.chain(obj.keys(), obj.values())
+        return iter(obj)
+
+    def refuse(why: str) -> UnsafePickleError:
+        return UnsafePickleError(f"{name}: refused a crafted pickle: {why}")
+
+    path.append((root, children(root)))
+    sizes.append(1 + len(root))
+    open_ids.add(id(root))
+    while path:
+        obj, it = path[-1]
+        for child in it:
+            if type(child) not in containers:
+                continue
+            cid = id(child)
+            known = done.get(cid)
+            if known is not None:
+                sizes[-1] += known
+                if sizes[-1] > max_nodes:
+                    raise refuse(f"shared references expand it to more than {max_nodes} nodes "
+                                 "(raise max_bytes if it is genuine)")
+                continue
+            if cid in open_ids:
+                raise refuse("it contains itself (a cycle), which plain snapshot data never does")
+            if len(path) >= max_depth:
+                raise refuse(f"containers nested deeper than {max_depth}")
+            open_ids.add(cid)
+            path.append((child, children(child)))
+            sizes.append(1 + len(child))
+            break
+        else:
+            path.pop()
+            size = sizes.pop()
+            open_ids.discard(id(obj))
+            done[id(obj)] = size
+            if sizes:
+                sizes[-1] += size
+                if sizes[-1] > max_nodes:
+                    raise refuse(f"shared references expand it to more than {max_nodes} nodes "
+                                 "(raise max_bytes if it is genuine)")
+
+
+def _gunzip(data: bytes, name: str, max_bytes: int) -> bytes:
+    """Decompress in chunks, refusing more than ``max_bytes`` of output."""
+    out = bytearray()
+    chunk = 1 << 20
+    try:
+        with gzip.GzipFile(fileobj=io.BytesIO(data), mode="rb") as gz:
+            while True:
+                part = gz.read(chunk)
+                if not part:
+                    break
+                out += part
+                if len(out) > max_bytes:
+                    raise UnsafePickleError(f"{name}: decompresses to more than {max_bytes} bytes (raise max_bytes)")
+    except (OSError, EOFError, zlib.error) as exc:
+        raise UnsafePickleError(f"{name}: bad gzip data: {str(exc)[:200] or type(exc).__name__}") from None
+    return bytes(out)
+
+
 def load_pickle(source: Union[PathLike, bytes], *, max_bytes: int = MAX_PICKLE_BYTES) -> Any:
     """Load a pickle of plain data from a path or bytes, refusing anything
     else with :class:`UnsafePickleError` before any of it runs. Files ending
     in ``.gz`` (or starting with gzip's magic) are decompressed, at most
-    ``max_bytes`` of them."""
+    ``max_bytes`` of them.
+
+    Pickles that would make loading or walking the result cost far more
+    than their size are refused too (before unpickling where possible):
+    memo indexes beyond the opcodes, containers nested deeper than
+    :data:`MAX_PICKLE_DEPTH`, cycles, and shared references that expand the
+    structure beyond :data:`PICKLE_NODES_PER_BYTE` nodes per byte."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         name = "<bytes>"
@@ -506,28 +846,26 @@ def load_pickle(source: Union[PathLike, bytes], *, max_bytes: int = MAX_PICKLE_B
         if size > max_bytes:
             raise UnsafePickleError(f"{name}: {size} bytes is over the limit of {max_bytes} (raise max_bytes)")
         with open(name, "rb") as f:
-            data = f.read()
+            data = f.read()  # sized by the file (read(n) would allocate n bytes first)
     if len(data) > max_bytes:
         raise UnsafePickleError(f"{name}: {len(data)} bytes is over the limit of {max_bytes} (raise max_bytes)")
     if data[:2] == b"\x1f\x8b":
-        with gzip.GzipFile(fileobj=io.BytesIO(data), mode="rb") as gz:
-            try:
-                data = gz.read(max_bytes + 1)
-            except (OSError, EOFError) as exc:
-                raise UnsafePickleError(f"{name}: bad gzip data: {exc}") from exc
-        if len(data) > max_bytes:
-            raise UnsafePickleError(f"{name}: decompresses to more than {max_bytes} bytes (raise max_bytes)")
+        data = _gunzip(data, name, max_bytes)
+    _scan_pickle(data, name)
     try:
-        return _PlainDataUnpickler(io.BytesIO(data)).load()
+        obj = _PlainDataUnpickler(io.BytesIO(data)).load()
     except UnsafePickleError:
         raise
     except Exception as exc:  # truncated or corrupt data raise all sorts
-        raise UnsafePickleError(f"{name}: not a readable pickle: {type(exc).__name__}: {exc}") from None
+        raise UnsafePickleError(f"{name}: not a readable pickle: {type(exc).__name__}: {str(exc)[:200]}") from None
+    _check_structure(obj, name, max(MIN_PICKLE_NODES, PICKLE_NODES_PER_BYTE * len(data)))
+    return obj
 
 
 # -- importing torch-format device_traces ---------------------------------
 
-_ENTRY_INTS = ("addr", "size", "stream")
+_ENTRY_INTS = {"addr": _U64, "size": 1 << 63, "stream": _U64}  # key -> bound (as _u64, _size)
+_MAX_DEVICES = 1 << 20  # as _dev
 _IMPORTED = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
              "segment_unmap", "oom", "record_stream")
 
@@ -546,26 +884,53 @@ def _check_snapshot(snap: Any) -> tuple[list[list[dict[str, Any]]], list[dict[st
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
         raise TraceFormatError("snapshot has no device_traces (a list per device): record history first "
                                "(torch.cuda.memory._record_memory_history() / pool.record_history())")
+    if len(traces) > _MAX_DEVICES:
+        raise TraceFormatError(f"snapshot has {len(traces)} device_traces, more than devices can be ({_MAX_DEVICES})")
+    seen: set[int] = set()  # a crafted pickle repeats one entry object to multiply the work
     for d, tr in enumerate(traces):
+        if id(tr) in seen:
+            raise TraceFormatError(f"device_traces[{d}] is the same list as an earlier device's")
+        seen.add(id(tr))
         for i, e in enumerate(tr):
             if not isinstance(e, dict) or not isinstance(e.get("action"), str):
                 raise TraceFormatError(f"device_traces[{d}][{i}] is not an entry with an 'action'")
+            if id(e) in seen:
+                raise TraceFormatError(f"device_traces[{d}][{i}] is the same object as an earlier entry")
+            seen.add(id(e))
             if e["action"] in _IMPORTED:
-                for k in _ENTRY_INTS:
+                for k, hi in _ENTRY_INTS.items():
                     v = e.get(k, 0)
-                    if type(v) is not int or v < 0:
-                        raise TraceFormatError(f"device_traces[{d}][{i}] ({e['action']}): {k} must be a non-negative int, got {v!r}")
-                tu = e.get("time_us", 0)
-                if type(tu) not in (int, float):
-                    raise TraceFormatError(f"device_traces[{d}][{i}]: time_us must be a number, got {tu!r}")
+                    if type(v) is not int or not 0 <= v < hi:
+                        raise TraceFormatError(f"device_traces[{d}][{i}] ({e['action']}): {k} must be a non-negative "
+                                               f"int below 2**{hi.bit_length() - 1}, got {_show(v)}")
+            tu = e.get("time_us", 0)
+            if type(tu) not in (int, float):
+                raise TraceFormatError(f"device_traces[{d}][{i}]: time_us must be a number, got {_show(tu)}")
     segments = snap.get("segments", [])
     if not isinstance(segments, list):
         raise TraceFormatError("snapshot segments must be a list")
     good = []
     for s in segments:
-        if isinstance(s, dict) and type(s.get("total_size", None)) is int:
+        # Segments we cannot use (wrong types, out of range) are left out, as
+        # before; an imported trace must stay readable (see _dev, _size, _u64).
+        if isinstance(s, dict) and _in_range(s.get("total_size", None), 0, 1 << 63) \
+                and _in_range(s.get("device", 0), 0, _MAX_DEVICES):
             good.append(s)
     return traces, good
+
+
+def _in_range(v: Any, lo: int, hi: int) -> TypeGuard[int]:
+    return type(v) is int and lo <= v < hi
+
+
+def _show(v: Any) -> str:
+    """A value of untrusted data for an error message: a short int as is,
+    anything else by its type (never its repr, which can be huge)."""
+    if type(v) is int and -(10**20) < v < 10**20:
+        return str(v)
+    if type(v) is int:
+        return f"an int of {v.bit_length()} bits"
+    return type(v).__name__
 
 
 def _flavor(snap: dict[str, Any], traces: list[list[dict[str, Any]]]) -> str:
@@ -634,22 +999,25 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
             live[k] = (e["size"], e.get("stream", 0))
             seen.add(k)
         elif a == "free_requested":
-            if k not in live and k not in seen:
+            if k not in live and k not in seen and e["size"] > 0:
                 pre.append((d, k[1], e["size"], e.get("stream", 0)))
                 seen.add(k)
             live.pop(k, None)
     for s in segments:
         d = s.get("device", 0)
+        stream = s.get("stream", 0)
+        if not _in_range(stream, 0, _U64):
+            stream = 0
         for b in s.get("blocks", []) if isinstance(s.get("blocks"), list) else []:
             if not isinstance(b, dict) or b.get("state") != "active_allocated":
                 continue
             addr = b.get("address")
             size = b.get("requested_size") or b.get("size")
-            if type(addr) is not int or type(size) is not int or size <= 0 or type(d) is not int:
+            if not _in_range(addr, 0, _U64) or not _in_range(size, 1, 1 << 63):
                 continue
             k = (d, addr)
             if k not in live and k not in seen:
-                pre.append((d, addr, size, s.get("stream", 0) if type(s.get("stream", 0)) is int else 0))
+                pre.append((d, addr, size, stream))
                 seen.add(k)
 
     # Reserved bytes at the start: the segments at the end minus the trace's changes.
@@ -663,8 +1031,7 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
     reserved_now: dict[int, int] = {}
     for s in segments:
         d = s.get("device", 0)
-        if type(d) is int:
-            reserved_now[d] = reserved_now.get(d, 0) + s["total_size"]
+        reserved_now[d] = reserved_now.get(d, 0) + s["total_size"]
     has_segment_events = bool(delta) or any(e["action"].startswith("segment_") for _, _, e in imported)
     reserved: dict[int, int] = {}
     for d in set(delta) | set(reserved_now):
@@ -675,7 +1042,7 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
     series = tr_out.reserved
     for d in sorted(reserved):
         if has_segment_events or segments:
-            series.append((0, d, reserved[d]))
+            series.append((0, d, min(reserved[d], _U64 - 1)))
 
     next_id = 0
     ids: dict[tuple[int, int], int] = {}
@@ -777,7 +1144,7 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                         out.append(EmptyCache())
                         counts["inferred_empty_cache"] += 1
             reserved[d] = reserved.get(d, 0) + (e["size"] if grow else -e["size"])
-            series.append((len(out), d, max(0, reserved[d])))
+            series.append((len(out), d, min(max(0, reserved[d]), _U64 - 1)))
         elif a == "oom":
             counts["recorded_ooms"] += 1
     while mi < len(marks):
@@ -846,6 +1213,11 @@ def from_history(pool_or_snapshot: Any, *, infer_empty_cache: bool = False) -> T
     return _convert(pool_or_snapshot, source="gpumempool", infer_empty_cache=infer_empty_cache)
 
 
+#: The engine's default max_non_split_rounding_size (torch's 20 MiB), left
+#: out of recorded policies like the other defaults.
+_DEFAULT_MAX_NON_SPLIT_ROUNDING = 20 << 20
+
+
 def _describe_pool(tr: Trace, pool: Any) -> None:
     """Name and policy of the recording pool, for the reader of the trace."""
     try:
@@ -855,6 +1227,8 @@ def _describe_pool(tr: Trace, pool: Any) -> None:
     tr.meta["pool"] = cfg.get("name")
     pol = {k: cfg[k] for k in ("backend", "limit", "max_split_size", "release_threshold", "roundup_power2_divisions",
                                "garbage_collection_threshold") if cfg.get(k)}
+    if cfg.get("max_non_split_rounding_size") not in (None, 0, _DEFAULT_MAX_NON_SPLIT_ROUNDING):
+        pol["max_non_split_rounding_size"] = cfg["max_non_split_rounding_size"]
     if cfg.get("roundup_power2_divisions_by_size"):
         pol["roundup_power2_divisions"] = cfg["roundup_power2_divisions_by_size"]
     tr.meta["recorded_policy"] = pol

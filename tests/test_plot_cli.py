@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import pickle
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -278,3 +280,90 @@ def test_bench_runs_the_cpu_script_of_a_checkout(tmp_path: Path) -> None:
         assert r.returncode == 1 and "needs" in report["not_run"][0]["reason"]
     r = run_cli("bench", "--root", str(tmp_path), "--count", "1")
     assert "| stub | 1 |" in r.stdout or r.returncode == 1
+
+
+# -- bad input: clean errors, never a traceback (review regressions) ----------------
+
+
+def _clean_error(capsys, argv: list[str], code: Optional[int] = None) -> str:
+    """main(argv) fails the CLI's usual way: an exit status, one message."""
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc != 0 and (code is None or rc == code), (rc, out, err)
+    assert "Traceback" not in err and err.startswith("python -m gpumempool: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("body, match", [
+    ('@ {"x": NaN}\n', "standard JSON"),
+    ('@ {"devices": 1e400}\n', "out of range"),
+    ('@ {"devices": 100000000}\n', "'devices'"),
+    ("@ " + '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}\n", "nested deeper"),
+])
+def test_replay_bad_metadata_is_a_clean_error(tmp_path: Path, capsys, body: str, match: str) -> None:
+    path = tmp_path / "bad.trace"
+    path.write_text("gmptrace 1\n" + body + "a 1 512 0\nf 1\n")
+    assert match in _clean_error(capsys, ["replay", str(path), "--json"])
+
+
+def test_replay_json_is_standard_json(tmp_path: Path, capsys, monkeypatch) -> None:
+    from gpumempool import __main__ as cli
+
+    tr = Trace.loads("gmptrace 1\na 1 512 0\nf 1\n")
+    tr.meta["ratio"] = float("nan")  # a metadata value JSON cannot hold, set through the API
+    monkeypatch.setattr(cli, "_load_trace", lambda path, args: tr)
+    assert main(["replay", "x.trace", "--json", "--save-trace", str(tmp_path / "out.trace")]) == 0
+    out = capsys.readouterr().out
+    assert "NaN" not in out and json.loads(out)["trace"]["meta"]["ratio"] is None
+
+
+def test_replay_bad_policy_and_save_path_are_clean_errors(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "ok.trace"
+    path.write_text("gmptrace 1\na 1 512 0\nf 1\n")
+    assert "not a whole" in _clean_error(capsys, ["replay", str(path), "--policy", "limit=1e400"], 2)
+    assert "too large" in _clean_error(capsys, ["replay", str(path), "--policy", "limit=1" + "0" * 30], 2)
+    assert "--save-trace" in _clean_error(capsys, ["replay", str(path), "--save-trace", "/nonexistent/dir/x.trace"])
+
+
+def test_non_numeric_time_of_an_unknown_action(tmp_path: Path, capsys) -> None:
+    snap = {"segments": [], "device_traces": [
+        [{"action": "alloc", "addr": 1, "size": 512, "stream": 0, "time_us": 1}],
+        [{"action": "snapshot", "time_us": "x"}, {"action": "alloc", "addr": 2, "size": 512, "time_us": None}],
+    ]}
+    path = tmp_path / "mixed.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert "time_us must be a number" in _clean_error(capsys, ["replay", str(path), "--no-progress"])
+    from gpumempool.plot import timeline
+
+    tl = timeline(snap)  # the plot takes what it can: unusable times count as 0
+    assert tl["allocated"][-1] == 1024 and tl["time_us"] == [0, 0, 0, 1]
+
+
+def test_corrupt_gzip_inputs_are_clean_errors(tmp_path: Path, capsys) -> None:
+    good = gzip.compress(b"gmptrace 1\n" + b"a 1 512 0\n" * 1000)
+    bad = bytearray(good)
+    for i in range(20, 60):
+        bad[i] ^= 0xFF
+    for name in ("bad.trace.gz", "bad.pickle.gz"):
+        path = tmp_path / name
+        path.write_bytes(bytes(bad))
+        assert "gzip" in _clean_error(capsys, ["replay", str(path), "--no-progress"])
+        assert "gzip" in _clean_error(capsys, ["plot", str(path), "-o", str(tmp_path / "x.png"), "--no-progress"])
+
+
+def test_crafted_pickles_are_clean_errors(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "shared.pickle"
+    e = {"action": "alloc", "addr": 1, "size": 512, "stream": 0, "time_us": 0}
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[e] * 1000] * 1000}))
+    assert "shared references" in _clean_error(capsys, ["replay", str(path), "--no-progress"])
+    assert "shared references" in _clean_error(capsys, ["plot", str(path), "-o", str(tmp_path / "x.png"),
+                                                        "--no-progress"])
+    memo = tmp_path / "memo.pickle"
+    memo.write_bytes(b"\x80\x04}r\x40\x42\x0f\x00.")
+    assert "memo index" in _clean_error(capsys, ["replay", str(memo), "--no-progress"])
+
+
+def test_bench_json_without_a_checkout_prints_a_json_error(tmp_path: Path, capsys) -> None:
+    rc = main(["bench", "--json", "--root", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "error" in json.loads(out) and "no" in err

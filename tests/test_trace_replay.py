@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -598,3 +599,233 @@ def test_replay_policies_benchmark_runs(tmp_path: Path) -> None:
     rows = res["traces"]["tiny.trace"]["rows"]
     assert rows[0]["reserved_vs_default"] == 1.0 and len(rows) >= 6
     assert "| expandable segments |" in (tmp_path / "res" / "replay_policies.md").read_text()
+
+
+# -- crafted and corrupt inputs (review regressions) -------------------------------
+
+
+def _entry(t: int = 0, **kw) -> dict:
+    return {"action": "alloc", "addr": 1, "size": 512, "stream": 0, "time_us": t, **kw}
+
+
+def test_shared_references_do_not_multiply_the_work() -> None:
+    """4 KB of pickle naming one entry a million times (shared references)
+    is refused at once, not imported as a million events."""
+    t = [_entry()] * 1000
+    data = pickle.dumps({"segments": [], "device_traces": [t] * 1000}, protocol=4)
+    assert len(data) < 5000
+    t0 = time.perf_counter()
+    with pytest.raises(UnsafePickleError, match="shared references expand it"):
+        from_torch_snapshot(data)
+    # Below the pickle budget, the importer still refuses repeated entries.
+    with pytest.raises(TraceFormatError, match="same object as an earlier entry"):
+        from_torch_snapshot(pickle.dumps({"segments": [], "device_traces": [[_entry()] * 3]}))
+    with pytest.raises(TraceFormatError, match="same list"):
+        from_torch_snapshot({"segments": [], "device_traces": [[_entry()]] * 2})
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_exponential_structures_are_refused_without_repr() -> None:
+    x: object = 1
+    for _ in range(22):
+        x = [x, x]  # 2**22 leaves when walked (kept small: the unfixed repr of it took seconds)
+    snap = {"device_traces": [[{"action": "alloc", "addr": 1, "size": x, "stream": 0}]], "segments": []}
+    t0 = time.perf_counter()
+    with pytest.raises(UnsafePickleError, match="shared references"):
+        from_torch_snapshot(pickle.dumps(snap, protocol=4))
+    # A dict given directly: the error names the type, never the value.
+    with pytest.raises(TraceFormatError, match="size must be a non-negative int below 2\\*\\*63, got list"):
+        from_torch_snapshot(snap)
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_deep_nesting_is_the_modules_error() -> None:
+    n = 200_000
+    deep = b"]" * n + b"a" * (n - 1)  # EMPTY_LIST x n, APPEND x (n - 1): [[[...]]]
+    p = pickle.dumps({"device_traces": [[{"action": "alloc", "size": None}]], "segments": []}, protocol=2)
+    i = p.index(b"N")
+    with pytest.raises(UnsafePickleError, match="nested deeper than") as ei:
+        from_torch_snapshot(p[:i] + deep + p[i + 1:])
+    assert isinstance(ei.value, ValueError)
+    # Nested tuples as a dict key are hashed recursively in C while unpickling
+    # (deep enough, that crashes the interpreter): refused before unpickling.
+    with pytest.raises(UnsafePickleError, match="tuples nested deeper than"):
+        load_pickle(b"\x80\x02}" + b")" + b"\x85" * 1000 + b"Ns.")
+    with pytest.raises(UnsafePickleError, match="cycle"):
+        a: list = []
+        a.append(a)
+        load_pickle(pickle.dumps({"device_traces": a}))
+    # From a dict, too deep to repr: a clean error.
+    v: object = 1
+    for _ in range(100_000):
+        v = [v]
+    with pytest.raises(TraceFormatError, match="got list"):
+        from_torch_snapshot({"device_traces": [[{"action": "alloc", "addr": 1, "size": v}]]})
+
+
+@pytest.mark.parametrize("op", [b"r\x40\x42\x0f\x00", b"p1000000\n"], ids=["binary", "text"])
+def test_memo_index_bomb_is_refused_before_unpickling(op: bytes) -> None:
+    """9 bytes whose memo index makes the C unpickler allocate 16 bytes per
+    index (GBs for a larger one; this one, 16 MB, shows it without harm if
+    the check regresses)."""
+    import tracemalloc
+
+    data = b"\x80\x04}" + op + b"."
+    tracemalloc.start()
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(UnsafePickleError, match="memo index"):
+            load_pickle(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20 and time.perf_counter() - t0 < 0.5
+
+
+def test_ordinary_pickles_still_load() -> None:
+    """Torch shares stack frames between entries, and protocols 0-5 all work."""
+    frames = [{"filename": f"f{i}.py", "line": i, "name": "fn"} for i in range(40)]
+    stacks = [frames[i:] + frames[:i] for i in range(10)]
+    snap = torch_snapshot()
+    for i, e in enumerate(snap["device_traces"][0]):
+        e["frames"] = stacks[i % 10]
+    snap["segment_ids"] = ((1, 2), ((3, 4), (5, 6)), 1.5, None, True, 1 << 100, "text")
+    for proto in range(pickle.HIGHEST_PROTOCOL + 1):
+        assert load_pickle(pickle.dumps(snap, protocol=proto)) == snap
+        if proto >= 4:  # sets and bytes have opcodes of their own from protocol 4 (before: globals)
+            other: dict = {"sets": [frozenset({(3, 4)}), {5}], "raw": b"raw"}
+            if proto >= 5:
+                other["buf"] = bytearray(b"x")
+            assert load_pickle(pickle.dumps(other, protocol=proto)) == other
+        assert len(from_torch_snapshot(pickle.dumps(snap, protocol=proto))) == len(from_torch_snapshot(snap))
+    with pytest.raises(UnsafePickleError, match="not a readable pickle"):
+        load_pickle(b"\x80\x04\x8c\xff")  # a length beyond the data
+
+
+def _bomb_gz(path: Path, body: bytes, repeat: int) -> None:
+    import zlib
+
+    c = zlib.compressobj(9, zlib.DEFLATED, 31)
+    with open(path, "wb") as f:
+        f.write(c.compress(body))
+        chunk = b"x" * MiB
+        for _ in range(repeat):
+            f.write(c.compress(chunk))
+        f.write(c.flush())
+
+
+def test_gzip_line_bomb_is_refused_without_reading_it_whole(tmp_path: Path) -> None:
+    import tracemalloc
+
+    bomb = tmp_path / "bomb.trace.gz"
+    _bomb_gz(bomb, b"gmptrace 1\n# ", 24)  # a 24 MiB comment line, 24 KiB on disk
+    tracemalloc.start()
+    try:
+        with pytest.raises(TraceFormatError, match="longer than 1 MiB"):
+            Trace.load(bomb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * MiB
+
+
+def test_gzip_pickle_is_decompressed_in_chunks(tmp_path: Path) -> None:
+    """gz.read(max_bytes + 1) allocated max_bytes (4 GiB by default) up front."""
+    import tracemalloc
+
+    bomb = tmp_path / "bomb.pickle.gz"
+    _bomb_gz(bomb, b"", 6)
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnsafePickleError):
+            load_pickle(bomb)
+        with pytest.raises(UnsafePickleError, match="decompresses to more than"):
+            load_pickle(bomb, max_bytes=3 * MiB)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * MiB
+
+
+def test_corrupt_gzip_is_the_modules_error(tmp_path: Path) -> None:
+    good = gzip.compress(b"gmptrace 1\n" + b"a 1 512 0\n" * 1000)
+    bad = bytearray(good)
+    for i in range(20, 60):
+        bad[i] ^= 0xFF
+    path = tmp_path / "bad.trace.gz"
+    path.write_bytes(bytes(bad))
+    with pytest.raises(TraceFormatError, match="corrupt gzip data"):
+        Trace.load(path)
+    assert is_trace_file(path) is False
+    with pytest.raises(UnsafePickleError, match="bad gzip data"):
+        load_pickle(bytes(bad))
+    truncated = tmp_path / "cut.trace.gz"
+    truncated.write_bytes(good[: len(good) // 2])
+    with pytest.raises(TraceFormatError):
+        Trace.load(truncated)
+
+
+@pytest.mark.parametrize("line, match", [
+    ('@ {"x": NaN}', "standard JSON"),
+    ('@ {"devices": 1e400}', "out of range"),
+    ("@ " + '{"a": ' + "[" * 100 + "]" * 100 + "}", "nested deeper than"),
+    ("@ " + '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested deeper than"),
+])
+def test_metadata_must_be_plain_json(line: str, match: str) -> None:
+    with pytest.raises(TraceFormatError, match=match):
+        Trace.loads(f"gmptrace 1\n{line}\na 1 512 0\n")
+
+
+def test_imported_traces_stay_readable() -> None:
+    """Out-of-range values from a snapshot never reach the trace (which
+    could then not be read back): entries are refused, segments left out."""
+    with pytest.raises(TraceFormatError, match="size must be a non-negative int below 2\\*\\*63, got an int of 71 bits"):
+        from_torch_snapshot({"device_traces": [[_entry(size=1 << 70)]]})
+    with pytest.raises(TraceFormatError, match="stream must be"):
+        from_torch_snapshot({"device_traces": [[_entry(stream=1 << 64)]]})
+    with pytest.raises(TraceFormatError, match="time_us must be a number, got str"):
+        from_torch_snapshot({"device_traces": [[_entry()], [{"action": "snapshot", "time_us": "x"}]]})
+    seg = {"address": 0x1000, "total_size": 4 * MiB, "stream": 0, "device": 0,
+           "blocks": [{"address": 0x1000, "size": 1 << 70, "state": "active_allocated"},
+                      {"address": 0x2000, "size": 512, "state": "active_allocated"}]}
+    snap = {"device_traces": [[_entry(addr=0x9000, t=1)]],
+            "segments": [seg, dict(seg, device=-1), dict(seg, device=1 << 40), dict(seg, stream=-5, address=0x8000,
+                                                                                      blocks=[dict(seg["blocks"][1], address=0x8000)])]}
+    tr = from_torch_snapshot(snap)
+    again = Trace.loads(tr.dumps())
+    assert again.events == tr.events and again.reserved == tr.reserved
+    allocs = [e for e in tr.events if isinstance(e, Alloc)]
+    assert {(e.size, e.device, e.stream) for e in allocs} == {(512, 0, 0)}
+    assert len(allocs) == 3  # the trace's own, the 512-byte block, and the one of the stream -5 segment
+
+
+def test_history_trace_records_max_non_split_rounding_size() -> None:
+    with gmp.MemPool("sim", max_non_split_rounding_size=64 * MiB, capacity=64 * MiB) as pool:
+        with TraceRecorder(pool) as rec:
+            pool.free(pool.alloc(1000))
+    assert rec.trace is not None
+    assert rec.trace.meta["recorded_policy"]["max_non_split_rounding_size"] == 64 * MiB
+    assert replay(rec.trace).policy["max_non_split_rounding_size"] == 64 * MiB
+
+
+def test_replay_refuses_bad_devices_metadata() -> None:
+    tr = Trace.loads("gmptrace 1\na 1 512 0\n")
+    for bad in (float("inf"), "2", [1], 1 << 40):
+        tr.meta["devices"] = bad
+        with pytest.raises(gmp.InvalidArgumentError, match="'devices'"):
+            replay(tr)
+    tr.meta["devices"] = 2.0
+    assert replay(tr).allocations == 1
+
+
+@pytest.mark.parametrize("text", ["1e400", "inf", "nan", "-1", "1e30", "0x1" + "0" * 20, "18446744073709551616"])
+def test_parse_size_refuses_what_does_not_fit(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_parse_size_is_exact_up_to_64_bits() -> None:
+    assert parse_size("18446744073709551615") == (1 << 64) - 1  # float() would round it up
+    assert parse_size("1.5KiB") == 1536
+    with pytest.raises(ValueError, match="finite"):
+        parse_policy("garbage_collection_threshold=nan")

@@ -486,7 +486,8 @@ func SimStats(id int64) (js string, err error) {
 	st := s.Stats()
 	return marshal(map[string]any{"allocs": st.Allocs, "frees": st.Frees, "failed_allocs": st.FailedAllocs,
 		"failed_frees": st.FailedFrees, "live_segments": st.LiveSegments, "live_bytes": st.LiveBytes,
-		"events_created": st.EventsCreated, "live_events": st.LiveEvents, "expansions": st.Expansions})
+		"events_created": st.EventsCreated, "live_events": st.LiveEvents, "expansions": st.Expansions,
+		"shrinks": st.Shrinks})
 }
 
 // Devices lists the machine's NVIDIA devices as JSON

@@ -35,21 +35,59 @@ AllocatorFunction = Union[int, Callable[..., Any], Any]
 
 
 class CallbackErrors:
-    """Exceptions raised inside Python callbacks, kept until the pool
-    method that triggered them can re-raise them in the caller's thread."""
+    """Exceptions raised inside Python callbacks, attributed to the pool
+    method that triggered them.
+
+    The engine calls a callback on the thread that called into it (it starts
+    no threads of its own), so a pool method brackets its native call with
+    :meth:`begin` / :meth:`end`, and the exceptions raised in between, on
+    that thread, are that call's. Exceptions raised while no pool method is
+    running on the thread (torch calling the C ABI) are *orphans*: kept (at
+    most :attr:`MAX_ORPHANS`) for :meth:`take_orphans`, never raised from
+    another call."""
+
+    MAX_ORPHANS = 16
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._errors: list[BaseException] = []
+        self._tls = threading.local()
+        self._orphans: list[BaseException] = []
+        self.dropped = 0
 
-    def add(self, exc: BaseException) -> None:
-        with self._lock:
-            self._errors.append(exc)
-
-    def take(self) -> list[BaseException]:
-        with self._lock:
-            errs, self._errors = self._errors, []
+    def begin(self) -> list[tuple[str, BaseException]]:
+        """Start collecting this thread's callback exceptions as ``(kind,
+        exception)`` pairs, kind ``"alloc"`` or ``"free"`` (nests)."""
+        calls = self._tls.__dict__.setdefault("calls", [])
+        errs: list[tuple[str, BaseException]] = []
+        calls.append(errs)
         return errs
+
+    def end(self, errs: list[tuple[str, BaseException]]) -> None:
+        """Stop collecting into ``errs`` (from :meth:`begin`)."""
+        calls = self._tls.__dict__.get("calls")
+        if calls and calls[-1] is errs:
+            calls.pop()
+        elif calls and errs in calls:
+            calls.remove(errs)
+
+    def add(self, exc: BaseException, kind: str = "alloc") -> None:
+        calls = self._tls.__dict__.get("calls")
+        if calls:
+            calls[-1].append((kind, exc))
+            return
+        with self._lock:
+            if len(self._orphans) < self.MAX_ORPHANS:
+                self._orphans.append(exc)
+            else:
+                self.dropped += 1
+
+    def take_orphans(self) -> list[BaseException]:
+        """The exceptions raised outside any pool method (cleared)."""
+        with self._lock:
+            errs, self._orphans = self._orphans, []
+        return errs
+
+    take = take_orphans
 
 
 def _positional_arity(fn: Callable[..., Any], full: int) -> int:
@@ -103,7 +141,7 @@ def function_address(fn: AllocatorFunction, kind: str, errors: CallbackErrors) -
             try:
                 return _as_int_pointer(fn(*(size, device, stream or 0)[:arity])) or None
             except BaseException as exc:  # must not unwind into Go
-                errors.add(exc)
+                errors.add(exc, "alloc")
                 return None
 
         cfn = ALLOC_FN(alloc_trampoline)
@@ -114,7 +152,7 @@ def function_address(fn: AllocatorFunction, kind: str, errors: CallbackErrors) -
             try:
                 fn(*(ptr or 0, size, device, stream or 0)[:arity])
             except BaseException as exc:
-                errors.add(exc)
+                errors.add(exc, "free")
 
         cfn = FREE_FN(free_trampoline)
     return ctypes.cast(cfn, ctypes.c_void_p).value or 0, cfn, True

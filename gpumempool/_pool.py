@@ -24,6 +24,14 @@ __all__ = ["CloseReport", "LiveBlock", "MemPool", "as_stream", "open_pools"]
 _open: "weakref.WeakSet[MemPool]" = weakref.WeakSet()
 _open_lock = threading.Lock()
 
+#: Native handle -> the objects a callback pool's C function pointers need
+#: (ctypes trampolines of Python callables, ctypes function objects). They
+#: live as long as the native pool, not as the MemPool object: a pool that
+#: is dropped without close() stays open in the engine (its C symbols may
+#: still be called, e.g. by torch), so its callbacks must stay callable.
+#: close() drops the entry.
+_callback_refs: dict[int, tuple[Any, ...]] = {}
+
 
 def open_pools() -> list["MemPool"]:
     """The MemPool objects of this process that are not closed, oldest first."""
@@ -132,6 +140,17 @@ class CloseReport:
     bytes_freed: int = 0
 
 
+def _describe_exc(exc: BaseException, limit: int = 200) -> str:
+    """``TypeName: message`` of a callback's exception, bounded."""
+    try:
+        text = str(exc)
+    except Exception:  # a broken __str__
+        text = "<unprintable>"
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -177,11 +196,15 @@ def _device_index(device: Any) -> int:
     """0, 1, ... or "cuda:1" / torch.device("cuda", 1)."""
     if isinstance(device, str):
         head, _, idx = device.partition(":")
-        if head not in ("cuda", "sim", "") or (idx and not idx.isdigit()):
-            raise InvalidArgumentError(f"device must be an int or 'cuda:N', got {device!r}")
-        return int(idx) if idx else 0
+        if head not in ("cuda", "sim", "") or (idx and not (idx.isascii() and idx.isdigit())) or len(idx) > 7:
+            raise InvalidArgumentError(f"device must be an int or 'cuda:N', got {device[:40]!r}")
+        return _check_int("device", int(idx), 0, _MAX_DEVICE) if idx else 0
     if hasattr(device, "index") and hasattr(device, "type"):
-        return device.index or 0
+        kind = device.type
+        if not isinstance(kind, str) or kind not in ("cuda", "sim"):
+            shown = kind[:40] if isinstance(kind, str) else type(kind).__name__
+            raise InvalidArgumentError(f"device must be a CUDA device, got a device of type {shown!r}")
+        return 0 if device.index is None else _check_int("device.index", device.index, 0, _MAX_DEVICE)
     return _check_int("device", device, 0, _MAX_DEVICE)
 
 
@@ -263,7 +286,10 @@ class MemPool:
         self._callback_errors = CallbackErrors()
         self._keep: list[Any] = []
         self._py_callbacks = False  # errors of Python callbacks need checking
-        self._pending_cause: Optional[BaseException] = None
+        self._frames: Optional[dict[int, list[dict[str, Any]]]] = None  # addr -> alloc stack
+        self._frames_max = 0
+        self._frames_lock = threading.Lock()
+        self._cached_name: Optional[str] = None
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
         if alloc is not None or free is not None:
@@ -325,9 +351,11 @@ class MemPool:
             assert alloc is not None and free is not None
             cfg["alloc_fn"], keep_a, py_a = function_address(alloc, "alloc", self._callback_errors)
             cfg["free_fn"], keep_f, py_f = function_address(free, "free", self._callback_errors)
-            self._keep += [keep_a, keep_f]
+            self._keep += [k for k in (keep_a, keep_f) if k is not None]
             self._py_callbacks = py_a or py_f
         self._id = self._native(_b.NewPool, json.dumps(cfg))
+        if self._keep:
+            _callback_refs[self._id] = tuple(self._keep)
         self.backend: str = backend
         # The C fast path keeps the GIL across the call into Go. A callback
         # pool's functions could need the GIL themselves (Python functions,
@@ -335,7 +363,6 @@ class MemPool:
         # it waits for this pool: those pools go through gopy, which
         # releases the GIL.
         self._fast = _fast if backend != "callback" else None
-        self._frames: Optional[dict[int, list[dict[str, Any]]]] = None  # addr -> alloc stack
         with _open_lock:
             _open.add(self)
         settings = _snapshot.history_settings()
@@ -345,33 +372,34 @@ class MemPool:
     # -- plumbing -------------------------------------------------------
 
     def _native(self, fn: Callable[..., T], *args: Any) -> T:
+        if not self._py_callbacks:
+            try:
+                return fn(*args)
+            except RuntimeError as exc:
+                raise translate(exc) from None
+        result, errs = self._native_collect(fn, *args)
+        if errs:
+            kind, first = errs[0]
+            raise BackendError(f"the Python {kind} function raised {_describe_exc(first)}") from first
+        return result
+
+    def _native_collect(self, fn: Callable[..., T], *args: Any) -> tuple[T, list[tuple[str, BaseException]]]:
+        """Call ``fn`` and return its result with the exceptions the pool's
+        Python callbacks raised during the call, on this thread (see
+        :class:`CallbackErrors`); a native error is raised, chained to the
+        first of them."""
+        errs = self._callback_errors.begin()
         try:
             result = fn(*args)
         except RuntimeError as exc:
-            raise self._error(exc) from self._error_cause()
-        if self._py_callbacks:
-            self._raise_callback_errors()
-        return result
-
-    def _error(self, exc: RuntimeError) -> BaseException:
-        """Our exception for a native error, naming a Python callback that
-        caused it (the callback's exception becomes the cause)."""
-        err = translate(exc)
-        if self._py_callbacks and self._pending_cause is None:
-            errs = self._callback_errors.take()
+            err = translate(exc)
             if errs:
-                self._pending_cause = errs[0]
-                return BackendError(f"{err} (raised by the Python {self.backend} function)")
-        return err
-
-    def _error_cause(self) -> Optional[BaseException]:
-        cause, self._pending_cause = self._pending_cause, None
-        return cause
-
-    def _raise_callback_errors(self) -> None:
-        errs = self._callback_errors.take()
-        if errs:
-            raise BackendError(f"a Python allocator callback raised {errs[0]!r}") from errs[0]
+                kind, first = errs[0]
+                raise BackendError(f"{err} (raised by the Python {kind} function: {_describe_exc(first)})") from first
+            raise err from None
+        finally:
+            self._callback_errors.end(errs)
+        return result, errs
 
     def _handle(self) -> int:
         if self._report is not None or not self._id:
@@ -379,7 +407,13 @@ class MemPool:
         return self._id
 
     def _name_or_id(self) -> str:
-        return repr(getattr(self, "_cached_name", None) or f"#{self._id}")
+        name = getattr(self, "_cached_name", None)
+        if name is None and self._report is None and self._id:
+            try:
+                name = self.name
+            except Exception:  # noqa: BLE001 - closed meanwhile: the handle will do
+                name = None
+        return repr(name or f"#{self._id}")
 
     # -- allocation -----------------------------------------------------
 
@@ -403,19 +437,60 @@ class MemPool:
                 ptr = self._fast.alloc(handle, size, device, stream)
             except RuntimeError as exc:
                 raise translate(exc) from None
+        elif self._py_callbacks:
+            ptr = self._alloc_with_callbacks(handle, size, device, stream)
         else:
             ptr = self._native(_b.PoolAlloc, handle, size, device, stream)
         if self._frames is not None:
-            self._remember_frames(ptr)
+            try:
+                self._remember_frames(ptr)
+            except BaseException:
+                self._free_quietly(ptr)  # never leak the block for bookkeeping
+                raise
         return ptr
 
+    def _alloc_with_callbacks(self, handle: int, size: int, device: int, stream: int) -> int:
+        """PoolAlloc on a pool with Python callbacks. The call succeeded, so
+        a callback's exception was dealt with by the engine (an alloc
+        function's error reads as out of memory: the pool released its cache
+        and retried; a free function's error cannot be undone): the block is
+        returned, and the exception reported as a warning, not raised, which
+        would leak the block."""
+        ptr, errs = self._native_collect(_b.PoolAlloc, handle, size, device, stream)
+        if errs:
+            try:
+                for kind, exc in errs:
+                    warnings.warn(
+                        f"pool {self._name_or_id()}: the Python {kind} function raised {_describe_exc(exc)}"
+                        + ("; the pool released its cache and retried, and the allocation succeeded"
+                           if kind == "alloc" else "while the pool released cached segments"),
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+            except BaseException:  # warnings turned into errors: give the block back first
+                self._free_quietly(ptr)
+                raise
+        return ptr
+
+    def _free_quietly(self, ptr: int) -> None:
+        try:
+            if self._py_callbacks:
+                self._native_collect(_b.PoolFree, self._id, ptr)
+            else:
+                _b.PoolFree(self._id, ptr)
+        except Exception:  # the pool may be closed; nothing more to do
+            pass
+
     def _remember_frames(self, ptr: int) -> None:
-        frames = self._frames
-        assert frames is not None
-        frames.pop(ptr, None)  # re-insert: the dict stays ordered by recency
-        frames[ptr] = _snapshot.capture_frames(skip=3)
-        if len(frames) > self._frames_max:
-            del frames[next(iter(frames))]
+        captured = _snapshot.capture_frames(skip=3)
+        with self._frames_lock:
+            frames = self._frames
+            if frames is None:  # history turned off meanwhile
+                return
+            frames.pop(ptr, None)  # re-insert: the dict stays ordered by recency
+            frames[ptr] = captured
+            while len(frames) > self._frames_max:
+                del frames[next(iter(frames))]
 
     def free(self, ptr: int) -> None:
         """Return the block at ``ptr`` to the pool."""
@@ -493,9 +568,10 @@ class MemPool:
     @property
     def name(self) -> str:
         """The pool's name."""
-        if not hasattr(self, "_cached_name"):
-            self._cached_name = self.config()["name"]
-        return self._cached_name
+        name = getattr(self, "_cached_name", None)
+        if name is None:
+            name = self._cached_name = str(self.config()["name"])
+        return name
 
     @property
     def device(self) -> int:
@@ -542,8 +618,16 @@ class MemPool:
 
     def last_error(self) -> Optional[str]:
         """The last error recorded by a C-ABI call on this pool (they return
-        NULL instead of raising), cleared by reading; None when none."""
-        return self._native(_b.PoolTakeError, self._handle()) or None
+        NULL instead of raising), cleared by reading; None when none. The
+        exceptions Python callbacks raised while called through the C ABI
+        are appended."""
+        msg = self._native(_b.PoolTakeError, self._handle()) or None
+        orphans = self._callback_errors.take_orphans()
+        if orphans:
+            raised = "; ".join(_describe_exc(e) for e in orphans)
+            msg = f"{msg} (a Python allocator function raised {raised})" if msg else \
+                f"a Python allocator function raised {raised}"
+        return msg
 
     # -- snapshots and history ----------------------------------------------
 
@@ -555,7 +639,9 @@ class MemPool:
         fragmentation)."""
         raw = json.loads(self._native(_b.PoolSnapshot, self._handle()))
         history = json.loads(self._native(_b.PoolHistory, self._handle()))
-        return _snapshot.pool_snapshot(self, raw, history, dict(self._frames or {}))
+        with self._frames_lock:
+            frames = dict(self._frames or {})
+        return _snapshot.pool_snapshot(self, raw, history, frames)
 
     def segments(self) -> list[dict[str, int]]:
         """The pool's segments: device, address, size, stream."""
@@ -566,8 +652,9 @@ class MemPool:
     def record_history(self, enabled: bool = True, max_entries: int = 100_000, stacks: bool = False) -> None:
         """Record this pool's allocator events (see :func:`gpumempool.record_history`)."""
         self._native(_b.PoolRecordHistory, self._handle(), bool(enabled), _check_int("max_entries", max_entries, 1, 1 << 31))
-        self._frames = {} if enabled and stacks else None
-        self._frames_max = max_entries
+        with self._frames_lock:
+            self._frames = {} if enabled and stacks else None
+            self._frames_max = max_entries
 
     # -- IPC ----------------------------------------------------------------
 
@@ -647,34 +734,54 @@ class MemPool:
         pool, its NCCL registrations are dropped and torch's segments given
         back. Torch tensors from the pool that are still alive lose their
         memory: that is reported with a :class:`LeakWarning` (closing must
-        work in ``__exit__`` and at shutdown, so it does not raise)."""
+        work in ``__exit__`` and at shutdown, so it does not raise). So are
+        cache scopes still entered (they are invalidated anyway) and errors
+        of the backend or of a Python ``free`` function while the segments
+        go back: the pool ends closed whatever happens."""
         if self._report is None and self._id:
             from . import scope as _scope
             from . import torch as _torch
 
-            problem = _torch.forget_pool(self)
-            if problem:
-                warnings.warn(f"closing pool anyway: {problem}", LeakWarning, stacklevel=2)
-            _scope.forget_pool(self)
+            for forget in (_torch.forget_pool, _scope.forget_pool):
+                try:
+                    problem = forget(self)
+                except Exception as exc:  # noqa: BLE001 - closing must not raise
+                    problem = _describe_exc(exc)
+                if isinstance(problem, str) and problem:
+                    warnings.warn(f"closing pool anyway: {problem}", LeakWarning, stacklevel=2)
+        problems: list[str] = []
         with self._lock:
             if self._report is not None:
                 return self._report
             if not self._id:
                 raise PoolClosedError("pool was never opened")
-            self._cached_name = getattr(self, "_cached_name", None) or self.config()["name"]
+            if getattr(self, "_cached_name", None) is None:
+                try:
+                    self._cached_name = self.config()["name"]
+                except Exception:  # noqa: BLE001 - closed through another object
+                    self._cached_name = None
+            raw: dict[str, Any] = {"live_blocks": []}
             try:
-                raw = json.loads(self._native(_b.PoolClose, self._id))
+                out, errs = self._native_collect(_b.PoolClose, self._id)
+                raw = json.loads(out)
             except PoolClosedError:
-                raw = {"live_blocks": []}  # closed through another object or thread
+                errs = []  # closed through another object or thread
+            except Exception as exc:  # noqa: BLE001 - the engine closed the pool anyway
+                errs = []
+                problems.append(_describe_exc(exc))
+            problems += [f"the Python {kind} function raised {_describe_exc(e)}" for kind, e in errs]
+            _callback_refs.pop(self._id, None)
             self._report = CloseReport(
                 live_blocks=[LiveBlock(**b) for b in raw.get("live_blocks", [])],
                 live_bytes=raw.get("live_bytes", 0),
                 segments_freed=raw.get("segments_freed", 0),
                 bytes_freed=raw.get("bytes_freed", 0),
             )
+        for problem in problems:
+            warnings.warn(f"pool {self._name_or_id()} closed, but {problem}", LeakWarning, stacklevel=2)
         if self._report.live_blocks:
             warnings.warn(
-                f"pool {self._cached_name!r} closed with {len(self._report.live_blocks)} live block(s), "
+                f"pool {self._name_or_id()} closed with {len(self._report.live_blocks)} live block(s), "
                 f"{self._report.live_bytes} bytes",
                 LeakWarning,
                 stacklevel=2,

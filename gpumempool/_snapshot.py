@@ -106,9 +106,16 @@ def merge(snaps: list[dict[str, Any]]) -> dict[str, Any]:
 
 def snapshot() -> dict[str, Any]:
     """A snapshot of every open pool of this process, in torch's format."""
+    from ._errors import PoolClosedError
     from ._pool import open_pools
 
-    return merge([p.snapshot() for p in open_pools()])
+    snaps = []
+    for p in open_pools():
+        try:
+            snaps.append(p.snapshot())
+        except PoolClosedError:  # closed by another thread meanwhile
+            continue
+    return merge(snaps)
 
 
 def dump_snapshot(path: str, snap: Optional[dict[str, Any]] = None) -> None:
@@ -124,6 +131,7 @@ def record_history(enabled: bool = True, max_entries: int = 100_000, stacks: boo
     from now on (``stacks``: with the Python stack of allocations made
     through the Python API). Off by default; when off it costs one check."""
     global _history_settings
+    from ._errors import PoolClosedError
     from ._pool import open_pools
 
     if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0:
@@ -131,7 +139,10 @@ def record_history(enabled: bool = True, max_entries: int = 100_000, stacks: boo
     with _settings_lock:
         _history_settings = (max_entries, bool(stacks)) if enabled else None
     for p in open_pools():
-        p.record_history(enabled, max_entries=max_entries, stacks=stacks)
+        try:
+            p.record_history(enabled, max_entries=max_entries, stacks=stacks)
+        except PoolClosedError:  # closed by another thread meanwhile
+            continue
 
 
 def history_settings() -> Optional[tuple[int, bool]]:

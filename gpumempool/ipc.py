@@ -54,13 +54,27 @@ class IpcHandle:
     def recv(cls, sock: socket.socket, max_fds: int = 256) -> "IpcHandle":
         """Receive what :meth:`send` sent (new descriptor numbers here)."""
         msg, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MESSAGE, max_fds)
-        if not msg:
-            raise ConnectionError("the peer closed the socket before sending an IPC handle")
-        meta = json.loads(msg)
-        if len(fds) != len(meta.get("fds", [])):
+        try:
+            if not msg:
+                raise ConnectionError("the peer closed the socket before sending an IPC handle")
+            try:
+                meta = json.loads(msg)
+            except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, deep nesting
+                raise ValueError(f"not an IPC handle: the message is not JSON ({type(exc).__name__})") from None
+            if not isinstance(meta, dict):
+                raise ValueError(f"not an IPC handle: the message is a JSON {type(meta).__name__}, not an object")
+            listed = meta.get("fds", [])
+            if not isinstance(listed, list):
+                raise ValueError("not an IPC handle: 'fds' is not a list")
+            if len(fds) != len(listed):
+                raise ValueError(f"IPC handle lists {len(listed)} descriptors, {len(fds)} arrived")
+        except BaseException:
             for fd in fds:
-                os.close(fd)
-            raise ValueError(f"IPC handle lists {len(meta.get('fds', []))} descriptors, {len(fds)} arrived")
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            raise
         return cls(meta, list(fds))
 
     def close(self) -> None:

@@ -111,23 +111,29 @@ class CacheScope:
             ptr = self.pool.alloc(size, key[1], key[2])
             with self._lock:
                 self.misses += 1
+        owners = _owners_of(self.pool)
         with self._lock:
             self._live[ptr] = key
             self._order.setdefault(key, []).append(ptr)
-        _owners_of(self.pool)[ptr] = self
+            owners[ptr] = self
         return ptr
 
     def free(self, ptr: int) -> None:
         """Give back a block of this scope: it is cached for the scope's next
         allocation of that size (freed to the pool once invalidated)."""
+        with _lock:
+            ps = _registry.get(id(self.pool))
         with self._lock:
             key = self._live.pop(ptr, None)
             if key is None:
                 raise InvalidPointerError(f"{ptr:#x} is not a live block of cache scope {self.name!r}")
+            # Drop the owner entry before the block can be handed out again
+            # (by another thread's alloc, which records itself as owner).
+            if ps is not None and ps.owners.get(ptr) is self:
+                del ps.owners[ptr]
             to_pool = self.invalidated
             if not to_pool:
                 self._free.setdefault(key, {})[ptr] = None
-        _owners_of(self.pool).pop(ptr, None)
         if to_pool:
             self.pool.free(ptr)
 
@@ -153,13 +159,28 @@ class CacheScope:
             "live_bytes": self.live_bytes,
         }
 
-    def invalidate(self) -> int:
+    def invalidate(self, *, _closing: bool = False) -> int:
         """Free every cached block to the pool (and release the scope's torch
         pool); return the bytes freed. The scope cannot be used afterwards;
         its blocks still live go to the pool when freed."""
         with self._lock:
-            if self._active:
+            if self._active and not _closing:
                 raise ScopeError(f"cache scope {self.name!r} is entered; invalidate it after the with block")
+        if _closing:
+            # MemPool.close: torch's pools were released already
+            # (gpumempool.torch.forget_pool), the pool goes away next.
+            with self._lock:
+                blocks = [(ptr, key[0]) for key, ptrs in self._free.items() for ptr in ptrs]
+                self._free.clear()
+                self._order.clear()
+                self._prev.clear()
+                self.invalidated = True
+            for ptr, _ in blocks:
+                try:
+                    self.pool.free(ptr)
+                except Exception:  # noqa: BLE001 - the pool is closing; its close reports the rest
+                    pass
+            return sum(size for _, size in blocks)
         if self._torch_tag is not None:
             # raises PoolInUseError, touching nothing, while its tensors are alive
             _gmp_torch.release(self.pool, tag=self._torch_tag)
@@ -325,11 +346,21 @@ def _reset_for_tests() -> None:
     _tls.stack = []
 
 
-def forget_pool(pool: MemPool) -> int:
-    """Invalidate every cache scope of ``pool`` and drop the pool from the
-    registry (MemPool.close calls this); return the bytes freed."""
+def forget_pool(pool: MemPool) -> Optional[str]:
+    """Invalidate every cache scope of ``pool``, entered ones too, and drop
+    the pool from the registry (MemPool.close calls this; it must not
+    raise). Returns what the caller should warn about (scopes still
+    entered), or None."""
     with _lock:
         ps = _registry.pop(id(pool), None)
     if ps is None or ps.pool is not pool:
-        return 0
-    return sum(scope.invalidate() for scope in list(ps.scopes.values()))
+        return None
+    entered = []
+    for scope in list(ps.scopes.values()):
+        with scope._lock:
+            if scope._active:
+                entered.append(scope.name)
+        scope.invalidate(_closing=True)
+    if entered:
+        return f"cache scope(s) {', '.join(repr(n[:80]) for n in entered)} of the pool are entered"
+    return None

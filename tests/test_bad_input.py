@@ -127,3 +127,33 @@ def test_pool_closed_from_another_thread() -> None:
     t.join()
     with pytest.raises(gmp.PoolClosedError):
         pool.alloc(1)
+
+
+class _Device:
+    def __init__(self, type: object, index: object) -> None:
+        self.type, self.index = type, index
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cuda:99999999999999999999", "cuda:1048576", "cuda:²", _Device("cpu", None), _Device("cpu", 0),
+     _Device("meta", 1), _Device("cuda", -1), _Device("cuda", 1 << 40), _Device(None, 0)],
+    ids=["huge-string", "over-max", "unicode-digit", "cpu", "cpu0", "meta", "negative", "huge-index", "no-type"],
+)
+def test_device_objects_and_strings_out_of_range_are_value_errors(pool: gmp.MemPool, device: object) -> None:
+    """Not OverflowError for a huge 'cuda:N', and no silent device 0 for a
+    device object of another type (torch.device('cpu'))."""
+    from gpumempool._pool import _device_index
+
+    with pytest.raises(gmp.InvalidArgumentError):
+        _device_index(device)
+    with pytest.raises(ValueError):
+        pool.alloc(10, device=device)
+
+
+def test_cuda_device_objects_and_strings_still_work() -> None:
+    from gpumempool._pool import _device_index
+
+    assert _device_index(_Device("cuda", None)) == 0
+    assert _device_index(_Device("cuda", 3)) == 3
+    assert _device_index("cuda:7") == 7 and _device_index("cuda") == 0

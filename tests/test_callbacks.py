@@ -4,7 +4,11 @@ with torch's pluggable-allocator signatures."""
 from __future__ import annotations
 
 import ctypes
+import subprocess
+import sys
+import textwrap
 import threading
+import warnings
 
 import pytest
 
@@ -168,3 +172,186 @@ def test_python_callbacks_from_many_threads() -> None:
         assert not any(t.is_alive() for t in threads), "deadlock"
         assert not errors
         assert not pa.buffers
+
+
+# -- review regressions --------------------------------------------------------
+
+
+def test_callback_pool_dropped_without_close_stays_callable() -> None:
+    """The ctypes trampolines of Python callables live as long as the native
+    pool (and its exported C functions), not as the MemPool object: a pool
+    dropped without close() used to free them while the engine kept their
+    addresses, and the next call through the C ABI crashed the process.
+    (In a child process: the unfixed bug is a segfault.)"""
+    script = textwrap.dedent(
+        """
+        import ctypes, gc, gpumempool as gmp
+        from gpumempool import _native, _pool
+        keep = {}
+        def alloc(size, dev, stream):
+            b = ctypes.create_string_buffer(size + 4096)
+            a = (ctypes.addressof(b) + 4095) & ~4095
+            keep[a] = b
+            return a
+        def free(ptr, size, dev, stream):
+            keep.pop(ptr, None)
+        pool = gmp.MemPool(alloc=alloc, free=free)
+        path, asym, fsym = pool.pluggable_symbols()
+        h = pool.handle
+        del pool
+        gc.collect()
+        assert [p["id"] for p in gmp.pools()] == [h]
+        lib = ctypes.CDLL(path)
+        f = getattr(lib, asym)
+        f.restype, f.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        g = getattr(lib, fsym)
+        g.restype, g.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        ptr = f(3 << 20, 0, None)
+        assert ptr and len(keep) == 1, (ptr, keep)
+        ctypes.memset(ptr, 7, 3 << 20)
+        g(ptr, 3 << 20, 0, None)
+        _native.bindings.PoolClose(h)  # what close() does, by handle
+        _pool._callback_refs.pop(h)
+        assert not keep and gmp.pools() == []
+        print("ok")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+def test_close_drops_the_callbacks_of_the_pool() -> None:
+    from gpumempool import _pool
+
+    pa = PyAllocator()
+    pool = gmp.MemPool(alloc=pa.alloc, free=pa.free)
+    h = pool.handle
+    assert len(_pool._callback_refs[h]) == 2
+    pool.close()
+    assert h not in _pool._callback_refs
+
+
+class FlakyAllocator(PyAllocator):
+    """Raises on the n-th alloc call."""
+
+    def __init__(self, fail_on: int) -> None:
+        super().__init__()
+        self.n = 0
+        self.fail_on = fail_on
+
+    def alloc(self, size: int, device: int, stream: int) -> int:
+        self.n += 1
+        if self.n == self.fail_on:
+            raise RuntimeError("transient")
+        return super().alloc(size, device, stream)
+
+
+def test_alloc_callback_error_then_a_successful_retry_returns_the_block() -> None:
+    """The alloc function raises once; the engine takes that as out of
+    memory, releases the cache and retries, which succeeds: the caller gets
+    the block (and a warning), not a stale error with the block leaked."""
+    fa = FlakyAllocator(fail_on=2)
+    with gmp.MemPool(alloc=fa.alloc, free=fa.free) as pool:
+        pool.free(pool.alloc(64 * MiB))  # one cached segment
+        with pytest.warns(RuntimeWarning, match="alloc function raised RuntimeError: transient.*retried"):
+            p = pool.alloc(128 * MiB)
+        assert fa.n == 3 and pool.stats()["allocation.all.current"] == 1
+        ctypes.memset(p, 1, 128 * MiB)
+        pool.free(p)
+        assert pool.stats()["allocation.all.current"] == 0
+        pool.stats()  # nothing stale left to raise
+    assert pool.close().live_blocks == []
+
+
+def test_alloc_callback_warning_as_error_gives_the_block_back() -> None:
+    fa = FlakyAllocator(fail_on=2)
+    with gmp.MemPool(alloc=fa.alloc, free=fa.free) as pool:
+        pool.free(pool.alloc(64 * MiB))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            with pytest.raises(RuntimeWarning):
+                pool.alloc(128 * MiB)
+        assert pool.stats()["allocation.all.current"] == 0
+
+
+def test_callback_error_outside_a_python_call_is_not_raised_by_another_call() -> None:
+    """A callback that raises while torch (here: ctypes) calls the C ABI has
+    no Python caller to raise in: it must not surface in the next, unrelated
+    pool call (on any thread); last_error() reports it."""
+    def bad_alloc(size, device, stream):
+        raise KeyError("boom")
+
+    with gmp.MemPool(alloc=bad_alloc, free=lambda *a: None) as pool:
+        path, asym, _ = pool.pluggable_symbols()
+        f = getattr(ctypes.CDLL(path), asym)
+        f.restype, f.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        assert f(4096, 0, None) is None
+        pool.stats()
+        pool.check()
+        errs: list[BaseException] = []
+        t = threading.Thread(target=lambda: errs.extend(_collect(pool.stats)))
+        t.start()
+        t.join()
+        assert errs == []
+        msg = pool.last_error()
+        assert msg is not None and "KeyError" in msg and "boom" in msg
+        assert pool.last_error() is None
+
+
+def _collect(fn) -> list[BaseException]:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001
+        return [exc]
+    return []
+
+
+def test_callback_errors_stay_with_the_call_of_their_thread() -> None:
+    """Each pool call collects the exceptions its own callbacks raise on its
+    thread: another thread's call, running meanwhile, never takes them (the
+    pool used to keep one shared list, so a concurrent call could raise
+    another thread's error, or a stale one after a success)."""
+    from gpumempool._callbacks import CallbackErrors
+
+    errors = CallbackErrors()
+    in_a, b_done = threading.Event(), threading.Event()
+    seen: dict[str, list] = {}
+
+    def call_a() -> None:
+        mine = errors.begin()
+        try:
+            in_a.set()
+            assert b_done.wait(5)
+            errors.add(ValueError("from A"), "alloc")  # A's callback raises
+        finally:
+            errors.end(mine)
+        seen["A"] = mine
+
+    a = threading.Thread(target=call_a)
+    a.start()
+    assert in_a.wait(5)
+    mine = errors.begin()  # B's call, overlapping A's
+    errors.end(mine)
+    b_done.set()
+    a.join(5)
+    seen["B"] = mine
+    assert seen["B"] == [] and [(k, str(e)) for k, e in seen["A"]] == [("alloc", "from A")]
+    errors.add(KeyError("no call on this thread"), "free")  # through the C ABI: an orphan
+    assert [type(e) for e in errors.take_orphans()] == [KeyError] and errors.take_orphans() == []
+
+
+def test_close_with_a_raising_free_function_warns_and_closes() -> None:
+    pa = PyAllocator()
+
+    def bad_free(ptr, size, device, stream):
+        raise OSError("device gone")
+
+    pool = gmp.MemPool(alloc=pa.alloc, free=bad_free, name="gone")
+    pool.free(pool.alloc(MiB))
+    with pytest.warns(gmp.LeakWarning, match="'gone' closed, but the Python free function raised OSError: device gone"):
+        with pool:
+            pass
+    assert pool.closed and all(p["name"] != "gone" for p in gmp.pools())
+    with pytest.raises(gmp.PoolClosedError):
+        pool.alloc(512)
+    assert pool.close() is pool.close()  # closing again: the same report, no error

@@ -188,3 +188,20 @@ def test_async_blocks_of_one_segment_share_one_import(fake_cuda) -> None:
                 gmp.import_pool(old, libcuda=path)
         pool.free(a)
         pool.free(b)
+
+
+@pytest.mark.parametrize("message", [b"not json", b"[1, 2]", b'{"fds": 3}', b'{"fds": [null]}', b"\xff\xfe"])
+def test_recv_of_a_bad_message_closes_the_descriptors(message: bytes) -> None:
+    a, b = socket.socketpair(socket.AF_UNIX)
+    r, w = os.pipe()
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        socket.send_fds(a, [message], [r, w])
+        with pytest.raises(ValueError):
+            gmp.IpcHandle.recv(b)
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        for s in (a, b):
+            s.close()
+        os.close(r)
+        os.close(w)

@@ -4,6 +4,7 @@ limits, OOM, trim, close."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -268,7 +269,17 @@ def test_expandable_sim_segments_grow_in_place() -> None:
         assert pool.sim_stats()["expansions"] == 1
         pool.free(a)
         pool.free(b)
-        assert pool.alloc(6 * MiB) == a  # served from the two freed pieces
+        c = pool.alloc(6 * MiB)
+        assert c == a  # served from the two freed pieces
+        # the free end of an expandable segment goes back with the cache, as
+        # torch unmaps the free pages of its expandable segments
+        d = pool.alloc(2 * MiB)
+        pool.free(d)
+        assert pool.stats()["reserved_bytes.all.current"] == 8 * MiB
+        assert pool.empty_cache() == 2 * MiB
+        assert pool.stats()["reserved_bytes.all.current"] == 6 * MiB
+        assert pool.sim_stats()["shrinks"] == 1
+        assert pool.alloc(2 * MiB) == d  # grows in place again
 
 
 def test_torch_methods_need_torch_and_say_so() -> None:
@@ -320,3 +331,85 @@ def test_alloc_and_free_take_the_fast_path() -> None:
         _fastcall.alloc(1, 2, 3)  # type: ignore[call-arg]
     with pytest.raises(OverflowError):
         _fastcall.alloc(1, -5, 0, 0)
+
+
+# -- cache scopes -------------------------------------------------------------
+
+
+def test_close_inside_an_entered_cache_scope_warns_and_closes() -> None:
+    from gpumempool import scope
+
+    pool = gmp.MemPool("sim", name="scoped", capacity=64 * MiB)
+    with pytest.warns(gmp.LeakWarning, match="cache scope.*'body'.*entered"):
+        with gmp.cache_scope(pool, "body") as s:
+            s.free(s.alloc(1000))  # one cached block
+            s.alloc(1000)  # one live block
+            pool.close()  # e.g. an error path; must not raise
+    assert pool.closed and all(p["name"] != "scoped" for p in gmp.pools())
+    assert id(pool) not in scope._registry and s.invalidated
+    with pytest.raises(scope.ScopeError):
+        s.alloc(1000)
+    # The cached block went back before the close: only the live one is reported.
+    assert len(pool.close().live_blocks) == 1
+
+
+def test_cache_scope_owner_entries_survive_concurrent_alloc_and_free() -> None:
+    """A block freed to a scope could be handed to another thread before its
+    owner entry was dropped, which then dropped the new owner's entry: the
+    module-level free (gpumempool.cupy's) sent the block to the pool while
+    the scope still counted it live."""
+    import sys
+
+    from gpumempool import scope as sc
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with gmp.MemPool("sim", capacity=64 * MiB) as pool:
+            s = sc.CacheScope(pool, "shared")
+            bad: list[int] = []
+
+            deadline = time.monotonic() + 1.0  # the race needs many tries; bounded in time
+
+            def work() -> None:
+                i = 0
+                while time.monotonic() < deadline:
+                    i += 1
+                    p = s.alloc(1024)
+                    with sc._lock:
+                        owner = sc._registry[id(pool)].owners.get(p)
+                    if owner is not s:
+                        bad.append(p)
+                    if i % 2:
+                        s.free(p)
+                    else:
+                        sc.free(pool, p)
+
+            threads = [threading.Thread(target=work) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert bad == []
+            assert s.live_bytes == 0
+            # Every block came back to the scope, none to the pool behind its back.
+            assert pool.stats()["allocation.all.current"] * 1024 == s.cached_bytes
+            s.invalidate()
+            assert pool.stats()["allocation.all.current"] == 0
+    finally:
+        sys.setswitchinterval(old)
+
+
+def test_replay_is_the_function_and_the_module() -> None:
+    import importlib
+    import inspect
+    import types
+
+    import gpumempool.replay as r
+
+    assert isinstance(r, types.ModuleType) and r is importlib.import_module("gpumempool.replay")
+    assert r.parse_size("2KiB") == 2048 and gmp.replay is r
+    tr = gmp.Trace.loads("gmptrace 1\na 1 1000 0\nf 1\n")
+    assert isinstance(gmp.replay(tr), gmp.ReplayResult)
+    assert isinstance(r.replay(tr, {"limit": 0}), gmp.ReplayResult)
+    assert list(inspect.signature(gmp.replay).parameters)[:2] == ["trace", "policy"]

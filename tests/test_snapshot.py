@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import sys
+import threading
 
 import pytest
 
@@ -102,3 +104,72 @@ def test_torch_memory_viz_renders_our_snapshot(tmp_path) -> None:
     html = memory_viz.trace_plot(snap)
     assert "<html" in html.lower() or "script" in html
     assert "<html" in memory_viz.segment_plot(snap).lower()
+
+
+def test_python_stacks_from_many_threads() -> None:
+    """record_history(stacks=True) keeps one dict of stacks per pool: threads
+    allocating at once must not corrupt it (KeyError, RuntimeError) or leak
+    the blocks whose bookkeeping failed."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    errors: list[BaseException] = []
+    try:
+        with gmp.MemPool("sim", capacity=64 * MiB) as pool:
+            pool.record_history(True, max_entries=4, stacks=True)
+
+            def work() -> None:
+                try:
+                    for _ in range(150):
+                        ptrs = [pool.alloc(512) for _ in range(8)]
+                        for p in ptrs:
+                            pool.free(p)
+                except BaseException as exc:  # noqa: BLE001
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=work) for _ in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert errors == []
+            assert pool.stats()["allocation.all.current"] == 0
+            assert len(pool._frames or {}) <= 4
+    finally:
+        sys.setswitchinterval(old)
+
+
+def test_stack_bookkeeping_never_leaks_the_block(monkeypatch) -> None:
+    from gpumempool import _snapshot
+
+    with gmp.MemPool("sim", capacity=64 * MiB) as pool:
+        pool.record_history(True, stacks=True)
+
+        def history_off_meanwhile(skip: int = 2, limit: int = 32) -> list:
+            pool.record_history(False)  # another thread turns history off mid-alloc
+            return []
+
+        monkeypatch.setattr(_snapshot, "capture_frames", history_off_meanwhile)
+        pool.free(pool.alloc(1000))  # used to fail an assert
+
+        pool.record_history(True, stacks=True)
+
+        def broken(skip: int = 2, limit: int = 32) -> list:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(_snapshot, "capture_frames", broken)
+        with pytest.raises(KeyboardInterrupt):
+            pool.alloc(1000)
+        assert pool.stats()["allocation.all.current"] == 0
+
+
+def test_global_snapshot_skips_a_pool_closed_meanwhile(monkeypatch) -> None:
+    from gpumempool import _pool
+
+    with gmp.MemPool("sim", name="open") as alive:
+        alive.alloc(100)
+        gone = gmp.MemPool("sim", name="gone")
+        gone.close()
+        monkeypatch.setattr(_pool, "open_pools", lambda: [gone, alive])  # closed between listing and use
+        assert {s["pool"] for s in gmp.snapshot()["segments"]} == {"open"}
+        gmp.record_history(True, max_entries=10)
+        gmp.record_history(False)

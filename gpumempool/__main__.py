@@ -42,9 +42,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(f"devices:  none ({info['reason']})")
     for d in info["devices"]:
         gib = 1 << 30
+        # numa_node is the GPU's own NUMA node (its memory is one on Grace
+        # Hopper / Blackwell), not the host node nearest a PCIe GPU: -1 there.
+        numa = f", GPU is NUMA node {d['numa_node']}" if d["numa_node"] >= 0 else ""
         print(
             f"  [{d['index']}] {d['name']}  {d['uuid']}  {d['total_bytes'] / gib:.1f} GiB total, "
-            f"{d['free_bytes'] / gib:.1f} GiB free, NUMA {d['numa_node']}, cc {d['compute_capability']}"
+            f"{d['free_bytes'] / gib:.1f} GiB free{numa}, cc {d['compute_capability']}"
         )
     t = out["torch"]
     if t is None:

@@ -9,7 +9,8 @@
 // ctypes callback). cgo is used only for the two trampolines that call the
 // function pointers.
 //
-// The functions may be called from any OS thread, with the pool's lock held.
+// The functions may be called from any OS thread, with the pool's lock held
+// (never with the backend's own): they must not call into their own pool.
 // A Python callback (ctypes) takes the GIL on entry; see the package README
 // for the deadlock this can cause under torch's allocator lock.
 package callback
@@ -115,13 +116,14 @@ func (b *Backend) Alloc(device int, size uint64, stream gocore.Stream) (uint64, 
 	if addr == 0 {
 		return 0, fmt.Errorf("callback backend %q: alloc(%d, device %d) returned NULL: %w", b.cfg.Name, size, device, gocore.ErrBackendOutOfMemory)
 	}
-	b.mu.Lock()
-	defer b.mu.Unlock()
 	if addr%b.cfg.Alignment != 0 {
-		// Not ours to keep: hand it back so that nothing leaks.
+		// Not ours to keep: hand it back so that nothing leaks (without
+		// b.mu: the user's function runs unlocked, as in Free).
 		C.gmp_call_free(C.uintptr_t(b.cfg.Free), C.uintptr_t(addr), C.size_t(size), C.int(device), C.uintptr_t(stream))
 		return 0, fmt.Errorf("callback backend %q: alloc(%d) returned %#x, not aligned to %d bytes", b.cfg.Name, size, addr, b.cfg.Alignment)
 	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
 	if _, dup := b.live[addr]; dup {
 		// The function handed out memory that is still in use: never free
 		// it twice, report the broken allocator.

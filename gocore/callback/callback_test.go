@@ -90,3 +90,27 @@ func TestConfigErrors(t *testing.T) {
 	assert.ErrorIs(t, err, gocore.ErrInvalidArgument)
 	assert.ErrorIs(t, be.Free(0, 4096, 1, 0), gocore.ErrInvalidArgument)
 }
+
+// TestMisalignedAddressIsFreedWithoutTheBackendLock: the user's free runs
+// without b.mu on the misaligned path too (it was called with b.mu held, so
+// a free function that asked the backend anything would deadlock).
+func TestMisalignedAddressIsFreedWithoutTheBackendLock(t *testing.T) {
+	be, err := New(Config{Alloc: testalloc.MisalignedAlloc(), Free: testalloc.HookFree(), Alignment: 512})
+	require.NoError(t, err)
+	var freed uintptr
+	unlocked := false
+	testalloc.SetFreeHook(func(ptr uintptr) {
+		freed = ptr
+		if be.mu.TryLock() {
+			unlocked = true
+			be.mu.Unlock()
+		}
+	})
+	defer testalloc.SetFreeHook(nil)
+	_, err = be.Alloc(0, 4096, 0)
+	require.ErrorContains(t, err, "not aligned to 512 bytes")
+	assert.NotZero(t, freed, "the misaligned memory is handed back")
+	assert.Equal(t, uintptr(8), freed%512)
+	assert.True(t, unlocked, "free called with the backend's lock held")
+	assert.Zero(t, be.LiveSegments())
+}

@@ -474,6 +474,22 @@ func TestNCCLAllocRunsInRelaxedCaptureMode(t *testing.T) {
 	assert.Equal(t, 2, fake.LastCaptureMode(), "CU_STREAM_CAPTURE_MODE_RELAXED during ncclMemAlloc")
 	assert.Zero(t, fake.CaptureMode(), "and the thread's mode restored")
 	require.NoError(t, be.Free(1, addr, 4096, 0))
+	assert.Equal(t, 2, fake.LastFreeCaptureMode(), "ncclMemFree relaxed too, like cuMemFree in package cuda")
+	assert.Zero(t, fake.CaptureMode())
+
+	// The free that hands back the memory of an alloc whose pop failed.
+	depth, frees := fake.Depth(), fake.Frees()
+	fake.CtxFail(0, 201)
+	_, err = be.Alloc(0, 4096, 0)
+	require.ErrorContains(t, err, "cuCtxPopCurrent failed")
+	assert.Equal(t, frees+1, fake.Frees())
+	assert.Zero(t, fake.LiveBytes())
+	assert.Equal(t, 2, fake.LastFreeCaptureMode(), "the fallback ncclMemFree runs relaxed")
+	assert.Zero(t, fake.CaptureMode())
+	fake.CtxFail(0, 0)
+	require.Equal(t, depth+1, fake.Depth())
+	_, r := fake.Pop()
+	require.Zero(t, r)
 
 	// Without the optional interface the mode is left alone.
 	plain, err := nccl.NewBackend(lib, &fakeCtx{fake: fake}, newStubEvents(2))
@@ -482,4 +498,5 @@ func TestNCCLAllocRunsInRelaxedCaptureMode(t *testing.T) {
 	require.NoError(t, err)
 	assert.Zero(t, fake.LastCaptureMode())
 	require.NoError(t, plain.Free(0, addr, 4096, 0))
+	assert.Zero(t, fake.LastFreeCaptureMode())
 }

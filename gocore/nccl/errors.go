@@ -12,6 +12,10 @@ var (
 	// ErrTooOld is wrapped when the NCCL found has no ncclMemAlloc
 	// (NCCL < 2.19).
 	ErrTooOld = errors.New("NCCL too old")
+	// ErrConflict is wrapped when the library asked for ($GMP_LIBNCCL or a
+	// path) is not the NCCL the process has loaded already: a second copy of
+	// NCCL is not loaded next to it.
+	ErrConflict = errors.New("another NCCL is already loaded in this process")
 )
 
 // Result is an ncclResult_t.

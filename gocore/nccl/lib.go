@@ -55,39 +55,55 @@ typedef struct {
 // thread (CUDA contexts are per thread). push == 0: call NCCL on whatever is
 // current.
 //
-// exchange, when not 0, is cuThreadExchangeStreamCaptureMode: ncclMemAlloc
-// then runs in the relaxed capture mode (and the thread's mode is restored),
-// so that it is not refused while another thread records a CUDA graph in
-// the global mode (see GMP_IN_CTX in package cuda's shim.h).
+// exchange, when not 0, is cuThreadExchangeStreamCaptureMode: the NCCL calls
+// then run in the relaxed capture mode (and the thread's mode is restored
+// after them), so that they are not refused while another thread records a
+// CUDA graph in the global mode (see GMP_IN_CTX in package cuda's shim.h).
+// The mode is per thread, not per context, so it may span the pop.
+static int gmp_relax(uintptr_t exchange, int* mode) {
+	*mode = 2; // CU_STREAM_CAPTURE_MODE_RELAXED
+	return exchange && ((gmp_cu_exchange_capture_mode_fn)exchange)(mode) == 0;
+}
+
+static void gmp_unrelax(uintptr_t exchange, int relaxed, int* mode) {
+	if (relaxed) ((gmp_cu_exchange_capture_mode_fn)exchange)(mode);
+}
+
 static void gmp_nccl_mem_alloc(uintptr_t alloc, uintptr_t free_fn, uintptr_t push, uintptr_t pop,
 		uintptr_t exchange, uintptr_t ctx, size_t size, gmp_nccl_result* r) {
 	r->nccl = r->push = r->pop = 0;
 	r->ptr = 0;
 	if (push && (r->push = ((gmp_cu_push_fn)push)((void*)ctx)) != 0) return;
 	void* p = NULL;
-	int mode = 2; // CU_STREAM_CAPTURE_MODE_RELAXED
-	int relaxed = exchange && ((gmp_cu_exchange_capture_mode_fn)exchange)(&mode) == 0;
+	int mode;
+	int relaxed = gmp_relax(exchange, &mode);
 	r->nccl = ((gmp_nccl_alloc_fn)alloc)(&p, size);
-	if (relaxed) ((gmp_cu_exchange_capture_mode_fn)exchange)(&mode);
 	if (r->nccl == 0) r->ptr = (uintptr_t)p;
-	if (!push) return;
-	void* old = NULL;
-	r->pop = ((gmp_cu_pop_fn)pop)(&old);
-	if (r->pop != 0 && r->ptr != 0) {
-		// The call is reported as failed, so nobody would ever free the
-		// memory: hand it back while our context is (still) current.
-		((gmp_nccl_free_fn)free_fn)((void*)r->ptr);
-		r->ptr = 0;
+	if (push) {
+		void* old = NULL;
+		r->pop = ((gmp_cu_pop_fn)pop)(&old);
+		if (r->pop != 0 && r->ptr != 0) {
+			// The call is reported as failed, so nobody would ever free
+			// the memory: hand it back while our context is (still)
+			// current, in the relaxed mode like the alloc.
+			((gmp_nccl_free_fn)free_fn)((void*)r->ptr);
+			r->ptr = 0;
+		}
 	}
+	gmp_unrelax(exchange, relaxed, &mode);
 }
 
-// Push ctx, ncclMemFree, pop (see gmp_nccl_mem_alloc).
-static void gmp_nccl_mem_free(uintptr_t free_fn, uintptr_t push, uintptr_t pop, uintptr_t ctx,
-		uintptr_t ptr, gmp_nccl_result* r) {
+// Push ctx, ncclMemFree, pop (see gmp_nccl_mem_alloc), in the relaxed
+// capture mode too: like cuMemFree in package cuda.
+static void gmp_nccl_mem_free(uintptr_t free_fn, uintptr_t push, uintptr_t pop, uintptr_t exchange,
+		uintptr_t ctx, uintptr_t ptr, gmp_nccl_result* r) {
 	r->nccl = r->push = r->pop = 0;
 	r->ptr = 0;
 	if (push && (r->push = ((gmp_cu_push_fn)push)((void*)ctx)) != 0) return;
+	int mode;
+	int relaxed = gmp_relax(exchange, &mode);
 	r->nccl = ((gmp_nccl_free_fn)free_fn)((void*)ptr);
+	gmp_unrelax(exchange, relaxed, &mode);
 	if (!push) return;
 	void* old = NULL;
 	r->pop = ((gmp_cu_pop_fn)pop)(&old);
@@ -100,6 +116,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"unsafe"
 )
@@ -128,12 +145,16 @@ var libs struct {
 
 // Load opens libnccl and checks that it has ncclMemAlloc (NCCL >= 2.19).
 //
-// With a path, that file is opened. With "", the first of these wins:
-//  1. a libnccl.so.2 or libnccl.so already loaded in the process (torch's),
-//     found with RTLD_NOLOAD so that the backend shares its copy of NCCL;
-//  2. the file named by $GMP_LIBNCCL (an error if it cannot be opened:
-//     the user asked for that file);
-//  3. libnccl.so.2 on the dynamic loader's search path.
+// An NCCL already loaded in the process (a libnccl.so.2 or libnccl.so that
+// torch loaded, found with RTLD_NOLOAD) comes first: the backend shares that
+// copy, and no second NCCL is loaded next to it. Then:
+//   - path, else $GMP_LIBNCCL, names the library wanted. With an NCCL
+//     already loaded it must be that very file (by name or inode): anything
+//     else is an error wrapping ErrConflict, not a silent choice of one of
+//     the two. With none loaded, that file is opened (an error if it cannot
+//     be: the user asked for it).
+//   - with neither, the loaded NCCL, else libnccl.so.2 on the dynamic
+//     loader's search path.
 //
 // A library that cannot be found or is not NCCL gives an error wrapping
 // ErrNoNCCL; an NCCL without ncclMemAlloc one wrapping ErrTooOld. Libraries
@@ -142,11 +163,11 @@ var libs struct {
 func Load(path string) (*Lib, error) {
 	libs.Lock()
 	defer libs.Unlock()
-	h, name, err := open(path)
+	h, name, preloaded, err := open(path)
 	if err != nil {
 		return nil, err
 	}
-	lib, err := fromHandle(h, name)
+	lib, err := fromHandle(h, name, preloaded)
 	if err != nil {
 		// Drop our reference; a copy someone else loaded stays loaded.
 		C.gmp_dlclose(h)
@@ -157,34 +178,71 @@ func Load(path string) (*Lib, error) {
 
 const hint = "point " + EnvLibrary + ` (or the "path" option) at libnccl.so.2 (NCCL >= 2.19)`
 
-// open finds the library as Load documents and returns its handle and the
-// name it was opened by.
-func open(path string) (C.uintptr_t, string, error) {
-	if path != "" {
-		h, err := dlopen(path, false)
-		if err != nil {
-			return 0, "", fmt.Errorf("nccl: load %s: %w: %s; %s", path, ErrNoNCCL, err, hint)
+// hintLoaded is the advice for an NCCL that was in the process before us:
+// neither GMP_LIBNCCL nor a path can replace it.
+const hintLoaded = "it was loaded before gpumempool (by torch?), and " + EnvLibrary + ` or the "path" option cannot ` +
+	"replace an NCCL already in the process (two NCCLs do not mix): make the process load NCCL >= 2.19 " +
+	"first (a newer NCCL for torch, e.g. its nvidia-nccl package, or LD_PRELOAD of a newer libnccl.so.2)"
+
+// open finds the library as Load documents and returns its handle, the name
+// it was opened by and whether it was in the process already.
+func open(path string) (C.uintptr_t, string, bool, error) {
+	want, what, undo := path, "the path "+path, "leave the path (libnccl=) out"
+	if want == "" {
+		if env := os.Getenv(EnvLibrary); env != "" {
+			want, what, undo = env, EnvLibrary+"="+env, "unset "+EnvLibrary
 		}
-		return h, path, nil
 	}
 	for _, name := range sonames {
-		if h, err := dlopen(name, true); err == nil {
-			return h, name, nil
-		}
-	}
-	if env := os.Getenv(EnvLibrary); env != "" {
-		h, err := dlopen(env, false)
+		loaded, err := dlopen(name, true)
 		if err != nil {
-			return 0, "", fmt.Errorf("nccl: load %s=%s: %w: %s; %s", EnvLibrary, env, ErrNoNCCL, err, hint)
+			continue
 		}
-		return h, env, nil
+		if want == "" {
+			return loaded, name, true, nil
+		}
+		// The file wanted, if the process has it loaded: the same handle
+		// when it is the loaded NCCL.
+		if h, err := dlopen(want, true); err == nil {
+			C.gmp_dlclose(h)
+			if h == loaded {
+				return loaded, name, true, nil
+			}
+		}
+		desc := describe(loaded, name)
+		C.gmp_dlclose(loaded)
+		return 0, "", false, fmt.Errorf("nccl: %s names another library than the NCCL this process has already loaded, %s: %w; "+
+			"it was loaded first (by torch?), and a second NCCL is not loaded next to it (two NCCLs do not mix): "+
+			"%s to use the loaded one, or make the process load the one you want "+
+			"before anything loads NCCL (LD_PRELOAD)", what, desc, ErrConflict, undo)
+	}
+	if want != "" {
+		h, err := dlopen(want, false)
+		if err != nil {
+			return 0, "", false, fmt.Errorf("nccl: load %s: %w: %s; %s", strings.TrimPrefix(what, "the path "), ErrNoNCCL, err, hint)
+		}
+		return h, want, false, nil
 	}
 	h, err := dlopen(sonames[0], false)
 	if err != nil {
-		return 0, "", fmt.Errorf("nccl: %w: none loaded in this process, %s is unset, and %s; %s",
+		return 0, "", false, fmt.Errorf("nccl: %w: none loaded in this process, %s is unset, and %s; %s",
 			ErrNoNCCL, EnvLibrary, err, hint)
 	}
-	return h, sonames[0], nil
+	return h, sonames[0], false, nil
+}
+
+// describe names a loaded library for a message: "path (NCCL x.y.z)".
+func describe(h C.uintptr_t, name string) string {
+	getVersion := dlsym(h, "ncclGetVersion")
+	if getVersion == 0 {
+		return name
+	}
+	var code C.int
+	if C.gmp_nccl_version(C.uintptr_t(getVersion), &code) != 0 {
+		return resolve(getVersion, name)
+	}
+	major, minor, patch := DecodeVersion(int(code))
+	return fmt.Sprintf("%s (NCCL %d.%d.%d)", resolve(getVersion, name), major, minor, patch)
 }
 
 func dlopen(name string, noload bool) (C.uintptr_t, error) {
@@ -208,12 +266,17 @@ func dlsym(h C.uintptr_t, sym string) uintptr {
 	return uintptr(C.gmp_dlsym(h, csym))
 }
 
-// fromHandle checks an opened library and returns its (cached) Lib. Called
-// with libs locked.
-func fromHandle(h C.uintptr_t, name string) (*Lib, error) {
+// fromHandle checks an opened library and returns its (cached) Lib;
+// preloaded: it was in the process before Load (which changes the advice).
+// Called with libs locked.
+func fromHandle(h C.uintptr_t, name string, preloaded bool) (*Lib, error) {
+	advice := hint
+	if preloaded {
+		advice = hintLoaded
+	}
 	getVersion := dlsym(h, "ncclGetVersion")
 	if getVersion == 0 {
-		return nil, fmt.Errorf("nccl: %s has no ncclGetVersion, so it is not libnccl: %w; %s", name, ErrNoNCCL, hint)
+		return nil, fmt.Errorf("nccl: %s has no ncclGetVersion, so it is not libnccl: %w; %s", name, ErrNoNCCL, advice)
 	}
 	path := resolve(getVersion, name)
 	if lib := libs.byPath[path]; lib != nil {
@@ -229,13 +292,13 @@ func fromHandle(h C.uintptr_t, name string) (*Lib, error) {
 	lib := &Lib{path: path, code: int(code)}
 	lib.major, lib.minor, lib.patch = DecodeVersion(lib.code)
 	if lib.major < 2 || (lib.major == 2 && lib.minor < 19) {
-		return nil, fmt.Errorf("nccl: %s is NCCL %d.%d.%d (version code %d); ncclMemAlloc needs NCCL >= 2.19: %w",
-			path, lib.major, lib.minor, lib.patch, lib.code, ErrTooOld)
+		return nil, fmt.Errorf("nccl: %s is NCCL %d.%d.%d (version code %d); ncclMemAlloc needs NCCL >= 2.19: %w; %s",
+			path, lib.major, lib.minor, lib.patch, lib.code, ErrTooOld, advice)
 	}
 	lib.memAlloc, lib.memFree = dlsym(h, "ncclMemAlloc"), dlsym(h, "ncclMemFree")
 	if lib.memAlloc == 0 || lib.memFree == 0 {
-		return nil, fmt.Errorf("nccl: %s (NCCL %d.%d.%d) does not export ncclMemAlloc/ncclMemFree; ncclMemAlloc needs NCCL >= 2.19: %w",
-			path, lib.major, lib.minor, lib.patch, ErrTooOld)
+		return nil, fmt.Errorf("nccl: %s (NCCL %d.%d.%d) does not export ncclMemAlloc/ncclMemFree; ncclMemAlloc needs NCCL >= 2.19: %w; %s",
+			path, lib.major, lib.minor, lib.patch, ErrTooOld, advice)
 	}
 	if lib.errorString = dlsym(h, "ncclGetErrorString"); lib.errorString == 0 {
 		return nil, fmt.Errorf("nccl: %s has no ncclGetErrorString, so it is not libnccl: %w", path, ErrNoNCCL)
@@ -303,6 +366,6 @@ func (l *Lib) memAllocOn(c devCtx, size uint64) callResult {
 func (l *Lib) memFreeOn(c devCtx, addr uint64) callResult {
 	var r C.gmp_nccl_result
 	C.gmp_nccl_mem_free(C.uintptr_t(l.memFree), C.uintptr_t(c.push), C.uintptr_t(c.pop),
-		C.uintptr_t(c.ctx), C.uintptr_t(addr), &r)
+		C.uintptr_t(c.exchange), C.uintptr_t(c.ctx), C.uintptr_t(addr), &r)
 	return callResult{nccl: Result(r.nccl), push: int(r.push), pop: int(r.pop)}
 }

@@ -114,9 +114,16 @@ func TestLoadSearchOrder(t *testing.T) {
 		mode string
 		env  []string
 	}{
-		// torch loaded libnccl.so.2: it wins over GMP_LIBNCCL (which here
-		// names a library Load would reject).
-		{"preloaded", []string{nccl.EnvLibrary + "=" + libs.Old}},
+		// torch loaded libnccl.so.2: Load("") shares it.
+		{"preloaded", nil},
+		// ... and GMP_LIBNCCL naming that very file (through a symlink) is fine.
+		{"preloaded-env-same", nil},
+		// GMP_LIBNCCL or a path naming another file: no second NCCL, an
+		// error saying which was loaded first (it used to be ignored).
+		{"preloaded-env-other", []string{nccl.EnvLibrary + "=" + libs.Old}},
+		{"preloaded-path-other", nil},
+		// The loaded NCCL is too old: the advice is not "set GMP_LIBNCCL".
+		{"preloaded-too-old", []string{"FAKE_NCCL_VERSION=21805"}},
 		// Nothing loaded, no GMP_LIBNCCL: dlopen("libnccl.so.2").
 		{"loaderpath", []string{"LD_LIBRARY_PATH=" + libs.SonameDir}},
 		// Nothing anywhere.
@@ -129,7 +136,8 @@ func TestLoadSearchOrder(t *testing.T) {
 					cmd.Env = append(cmd.Env, kv)
 				}
 			}
-			cmd.Env = append(cmd.Env, childEnv+"="+c.mode, "GMP_NCCL_TEST_SONAME="+libs.Soname)
+			cmd.Env = append(cmd.Env, childEnv+"="+c.mode, "GMP_NCCL_TEST_SONAME="+libs.Soname,
+				"GMP_NCCL_TEST_OTHER="+libs.Fake)
 			cmd.Env = append(cmd.Env, c.env...)
 			out, err := cmd.CombinedOutput()
 			require.NoError(t, err, "child output:\n%s", out)
@@ -154,6 +162,51 @@ func TestChildProcess(t *testing.T) {
 		lib, err := nccl.Load("")
 		require.NoError(t, err)
 		assert.Equal(t, realPath(t, soname), lib.Path())
+	case "preloaded-env-same":
+		_, err := fakenccl.Open(soname)
+		require.NoError(t, err)
+		link := filepath.Join(t.TempDir(), "mynccl.so")
+		require.NoError(t, os.Symlink(soname, link))
+		t.Setenv(nccl.EnvLibrary, link)
+		lib, err := nccl.Load("")
+		require.NoError(t, err)
+		assert.Equal(t, realPath(t, soname), lib.Path())
+		again, err := nccl.Load(soname) // the path option naming it
+		require.NoError(t, err)
+		assert.Same(t, lib, again)
+	case "preloaded-env-other", "preloaded-path-other":
+		_, err := fakenccl.Open(soname)
+		require.NoError(t, err)
+		var want, what, undo string
+		if mode == "preloaded-env-other" {
+			want, what, undo = os.Getenv(nccl.EnvLibrary), nccl.EnvLibrary+"=", "unset "+nccl.EnvLibrary
+			_, err = nccl.Load("")
+		} else {
+			want, what, undo = os.Getenv("GMP_NCCL_TEST_OTHER"), "the path ", "leave the path (libnccl=) out"
+			_, err = nccl.Load(want)
+		}
+		require.ErrorIs(t, err, nccl.ErrConflict)
+		msg := err.Error()
+		t.Log(msg)
+		assert.Contains(t, msg, what+want)
+		assert.Contains(t, msg, realPath(t, soname)+" (NCCL 2.23.4)", "names the loaded NCCL")
+		assert.Contains(t, msg, "loaded first")
+		assert.Contains(t, msg, undo+" to use the loaded one")
+		// Nothing was loaded next to it.
+		maps, err := os.ReadFile("/proc/self/maps")
+		require.NoError(t, err)
+		assert.NotContains(t, string(maps), want)
+	case "preloaded-too-old":
+		_, err := fakenccl.Open(soname)
+		require.NoError(t, err)
+		_, err = nccl.Load("")
+		require.ErrorIs(t, err, nccl.ErrTooOld)
+		msg := err.Error()
+		t.Log(msg)
+		assert.Contains(t, msg, "NCCL 2.18.5")
+		assert.Contains(t, msg, "loaded before gpumempool")
+		assert.Contains(t, msg, "cannot replace an NCCL already in the process")
+		assert.NotContains(t, msg, "point "+nccl.EnvLibrary, "setting GMP_LIBNCCL would not help")
 	case "loaderpath":
 		lib, err := nccl.Load("")
 		require.NoError(t, err)

@@ -1,33 +1,65 @@
 // Package nvmldev lists NVIDIA devices through NVML (github.com/NVIDIA/go-nvml,
 // which dlopens libnvidia-ml at run time). On a machine without a driver it
 // returns an error that says so; it never fails to load.
+//
+// go-nvml binds every NVML function lazily: calling one the installed
+// libnvidia-ml lacks kills the process ("symbol lookup error"), so functions
+// newer than the oldest driver supported (R525, the CUDA 12.0 era) are looked
+// up first (see optional). And go-nvml keeps the library's state in package
+// variables that each instance's Init rewrites, so every List is serialised.
 package nvmldev
 
 import (
 	"errors"
 	"fmt"
+	"sync"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 )
 
 // Info describes one device.
 type Info struct {
-	Index             int    `json:"index"`
-	Name              string `json:"name"`
-	UUID              string `json:"uuid"`
-	TotalBytes        uint64 `json:"total_bytes"`
-	FreeBytes         uint64 `json:"free_bytes"`
-	UsedBytes         uint64 `json:"used_bytes"`
-	NUMANode          int    `json:"numa_node"`          // -1 when NVML cannot tell
+	Index      int    `json:"index"`
+	Name       string `json:"name"`
+	UUID       string `json:"uuid"`
+	TotalBytes uint64 `json:"total_bytes"`
+	FreeBytes  uint64 `json:"free_bytes"`
+	UsedBytes  uint64 `json:"used_bytes"`
+	// NUMANode is the NUMA node of the GPU itself (nvmlDeviceGetNumaNodeId):
+	// on systems whose GPU memory is a NUMA node of the host (Grace Hopper /
+	// Grace Blackwell, coherent memory), that node. It is not the host
+	// (CPU) NUMA node closest to a PCIe GPU: there, and with drivers older
+	// than the function, it is -1.
+	NUMANode          int    `json:"numa_node"`
 	ComputeCapability string `json:"compute_capability"` // "9.0"; "" when unknown
 }
 
 // ErrUnavailable is wrapped when NVML cannot be initialised (no driver).
 var ErrUnavailable = errors.New("NVML is not available")
 
-// List queries every device through lib (nvml.New() for the real library,
-// a go-nvml mock in tests).
+// symGetNumaNodeId is newer than R525: looked up before it is called.
+const symGetNumaNodeId = "nvmlDeviceGetNumaNodeId"
+
+var (
+	// mu serialises List: go-nvml's Init (load) and Shutdown rewrite package
+	// variables shared by every nvml.Interface, whichever instance runs them.
+	mu sync.Mutex
+	// system is the one instance for this machine's library.
+	system = nvml.New()
+)
+
+// optional reports whether the loaded library exports the NVML function
+// name (lib must be initialised).
+func optional(lib nvml.Interface, name string) bool {
+	return lib.Extensions().LookupSymbol(name) == nil
+}
+
+// List queries every device through lib (the real library for ListSystem,
+// a go-nvml mock in tests, which must set ExtensionsFunc). Calls are
+// serialised with every other List and ListSystem of the process.
 func List(lib nvml.Interface) ([]Info, error) {
+	mu.Lock()
+	defer mu.Unlock()
 	if ret := lib.Init(); ret != nvml.SUCCESS {
 		return nil, fmt.Errorf("%w: nvmlInit: %s (no NVIDIA driver on this machine?)", ErrUnavailable, lib.ErrorString(ret))
 	}
@@ -36,6 +68,7 @@ func List(lib nvml.Interface) ([]Info, error) {
 	if ret != nvml.SUCCESS {
 		return nil, fmt.Errorf("nvmlDeviceGetCount: %s", lib.ErrorString(ret))
 	}
+	hasNuma := optional(lib, symGetNumaNodeId)
 	out := make([]Info, 0, n)
 	for i := range n {
 		dev, ret := lib.DeviceGetHandleByIndex(i)
@@ -52,8 +85,10 @@ func List(lib nvml.Interface) ([]Info, error) {
 		if m, ret := dev.GetMemoryInfo(); ret == nvml.SUCCESS {
 			info.TotalBytes, info.FreeBytes, info.UsedBytes = m.Total, m.Free, m.Used
 		}
-		if node, ret := dev.GetNumaNodeId(); ret == nvml.SUCCESS {
-			info.NUMANode = node
+		if hasNuma {
+			if node, ret := dev.GetNumaNodeId(); ret == nvml.SUCCESS {
+				info.NUMANode = node
+			}
 		}
 		if major, minor, ret := dev.GetCudaComputeCapability(); ret == nvml.SUCCESS {
 			info.ComputeCapability = fmt.Sprintf("%d.%d", major, minor)
@@ -64,4 +99,4 @@ func List(lib nvml.Interface) ([]Info, error) {
 }
 
 // ListSystem lists the devices of this machine.
-func ListSystem() ([]Info, error) { return List(nvml.New()) }
+func ListSystem() ([]Info, error) { return List(system) }

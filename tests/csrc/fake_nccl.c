@@ -45,6 +45,7 @@
  *                                the calling thread's mode.
  *   fake_nccl_last_capture_mode() the capture mode the last ncclMemAlloc ran
  *                                in (-1: none ran).
+ *   fake_nccl_last_free_capture_mode() the same for ncclMemFree.
  *   fake_ctx_current/depth()     top and depth of the calling thread's stack.
  *   fake_ctx_balance()           pushes minus pops over all threads.
  *   fake_ctx_fail(push, pop)     make every push/pop return these CUresults
@@ -98,9 +99,10 @@ static struct fake_alloc *live;
 static __thread void *ctx_stack[FAKE_CTX_MAX];
 static __thread int ctx_depth;
 /* The fake cuThreadExchangeStreamCaptureMode's per-thread mode, and the mode
- * the last ncclMemAlloc ran in (-1 before any). */
+ * the last ncclMemAlloc / ncclMemFree ran in (-1 before any). */
 static __thread int capture_mode;
 static int last_capture_mode = -1;
+static int last_free_capture_mode = -1;
 
 static long env_long(const char *name, long def) {
     const char *s = getenv(name);
@@ -236,6 +238,7 @@ ncclResult_t ncclMemFree(void *ptr) {
     void *ctx = fake_ctx_current();
     pthread_mutex_lock(&mu);
     last_free_ctx = ctx;
+    last_free_capture_mode = capture_mode;
     if (fail_free_code != 0) {
         pthread_mutex_unlock(&mu);
         return (ncclResult_t)fail_free_code;
@@ -298,6 +301,13 @@ int fake_nccl_last_capture_mode(void) {
     return v;
 }
 
+int fake_nccl_last_free_capture_mode(void) {
+    pthread_mutex_lock(&mu);
+    int v = last_free_capture_mode;
+    pthread_mutex_unlock(&mu);
+    return v;
+}
+
 void *fake_nccl_last_ctx(void) {
     pthread_mutex_lock(&mu);
     void *v = last_ctx;
@@ -318,7 +328,7 @@ void fake_nccl_reset(void) {
     fail_code = fail_free_code = 0;
     fail_after = 0;
     last_ctx = last_free_ctx = NULL;
-    last_capture_mode = -1;
+    last_capture_mode = last_free_capture_mode = -1;
     ctx_push_fail = ctx_pop_fail = 0;
     ctx_balance = 0;
     capacity = -1;

@@ -170,7 +170,7 @@ var controls = []string{
 	"fake_nccl_last_ctx", "fake_nccl_last_free_ctx", "fake_nccl_reset",
 	"fake_ctx_push", "fake_ctx_pop", "fake_ctx_current", "fake_ctx_depth",
 	"fake_ctx_balance", "fake_ctx_fail", "fake_ctx_exchange_capture_mode", "fake_ctx_capture_mode",
-	"fake_nccl_last_capture_mode",
+	"fake_nccl_last_capture_mode", "fake_nccl_last_free_capture_mode",
 }
 
 // Open loads the fake at path (RTLD_LOCAL, like a library torch pulled in)
@@ -242,6 +242,11 @@ func (f *Fake) CaptureMode() int { return int(C.call_i(f.fn("fake_ctx_capture_mo
 
 // LastCaptureMode is the mode the last ncclMemAlloc ran in (-1: none ran).
 func (f *Fake) LastCaptureMode() int { return int(C.call_i(f.fn("fake_nccl_last_capture_mode"))) }
+
+// LastFreeCaptureMode is the mode the last ncclMemFree ran in (-1: none ran).
+func (f *Fake) LastFreeCaptureMode() int {
+	return int(C.call_i(f.fn("fake_nccl_last_free_capture_mode")))
+}
 
 // Push pushes ctx on the calling OS thread's fake context stack (lock the
 // goroutine to its thread around Push, the code under test and Pop).

@@ -10,6 +10,7 @@ from . import _native
 from ._callbacks import ALLOC_FN, FREE_FN
 from ._errors import (
     BackendError,
+    CallbackReentryError,
     DoubleFreeError,
     GpuMemPoolError,
     InvalidArgumentError,
@@ -38,6 +39,7 @@ __all__ = [
     "ALLOC_FN",
     "FREE_FN",
     "BackendError",
+    "CallbackReentryError",
     "CloseReport",
     "DoubleFreeError",
     "GpuMemPoolError",
@@ -95,8 +97,14 @@ def device_info() -> dict[str, Any]:
 
 
 def devices() -> list[dict[str, Any]]:
-    """NVIDIA devices (name, uuid, total/free/used bytes, NUMA node, compute
-    capability); an empty list on a machine without a driver."""
+    """NVIDIA devices (name, uuid, total/free/used bytes, numa_node, compute
+    capability); an empty list on a machine without a driver.
+
+    ``numa_node`` is the GPU's own NUMA node (NVML's
+    ``nvmlDeviceGetNumaNodeId``): on systems whose GPU memory is a NUMA node
+    of the host (Grace Hopper / Grace Blackwell), that node. It is not the
+    host NUMA node nearest to a PCIe GPU: there, and with drivers older than
+    that NVML function, it is -1."""
     return device_info()["devices"]
 
 

@@ -13,14 +13,25 @@ call. Inside torch's allocator (``mempool()`` or ``set_torch_allocator``)
 that can deadlock: torch holds its allocator lock while calling us, and a
 Python thread that holds the GIL and waits for that lock never lets the
 callback run. Prefer native functions there.
+
+A Python function must not call into its own pool (``pool.stats()``,
+``pool.free()``, ...): the engine holds the pool's lock while it calls the
+function. Such a call raises :class:`CallbackReentryError` instead of
+waiting forever.
+
+A ctypes function that wraps a Python function (``ALLOC_FN(pyfunc)``) is
+treated as that Python function: called through ctypes itself, an exception
+it raised would only be printed, and the pool would get whatever value
+ctypes made up as the result.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import inspect
 import threading
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 __all__ = ["ALLOC_FN", "FREE_FN", "AllocatorFunction", "CallbackErrors", "function_address"]
 
@@ -50,7 +61,10 @@ class CallbackErrors:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._tls = threading.local()
+        #: Per thread: ``calls`` (see :meth:`begin`) and ``depth``, how many
+        #: of the pool's Python functions are running on the thread (the
+        #: engine holds the pool's lock meanwhile: see :meth:`inside`).
+        self._tls = _CallbackState()
         self._orphans: list[BaseException] = []
         self.dropped = 0
 
@@ -88,6 +102,15 @@ class CallbackErrors:
         return errs
 
     take = take_orphans
+
+    def inside(self) -> bool:
+        """Whether one of the pool's Python functions is running on this
+        thread (the pool must not be called: its lock is held)."""
+        return self._tls.depth > 0
+
+
+class _CallbackState(threading.local):
+    depth = 0  # class default: a thread that never ran a callback reads 0
 
 
 def _positional_arity(fn: Callable[..., Any], full: int) -> int:
@@ -128,31 +151,85 @@ def function_address(fn: AllocatorFunction, kind: str, errors: CallbackErrors) -
             raise ValueError(f"{kind} address {fn:#x} is not a valid C function pointer")
         return fn, None, False
     if isinstance(fn, ctypes._CFuncPtr):  # type: ignore[attr-defined]
-        addr = ctypes.cast(fn, ctypes.c_void_p).value
-        if not addr:
-            raise ValueError(f"{kind} is a NULL ctypes function pointer")
-        return addr, fn, False
+        wrapped = _python_callable_of(fn, kind)
+        if wrapped is None:  # a C function: from a library, or made from an address
+            addr = ctypes.cast(fn, ctypes.c_void_p).value
+            if not addr:
+                raise ValueError(f"{kind} is a NULL ctypes function pointer")
+            return addr, fn, False
+        fn = wrapped  # ALLOC_FN(pyfunc): the Python function, through our trampoline
     if not callable(fn):
         raise TypeError(f"{kind} must be callable or a C function address, got {type(fn).__name__}")
+    state = errors._tls
     if kind == "alloc":
         arity = _positional_arity(fn, 3)
 
         def alloc_trampoline(size: int, device: int, stream: int | None) -> int | None:
+            state.depth += 1
             try:
                 return _as_int_pointer(fn(*(size, device, stream or 0)[:arity])) or None
             except BaseException as exc:  # must not unwind into Go
                 errors.add(exc, "alloc")
                 return None
+            finally:
+                state.depth -= 1
 
         cfn = ALLOC_FN(alloc_trampoline)
     else:
         arity = _positional_arity(fn, 4)
 
         def free_trampoline(ptr: int | None, size: int, device: int, stream: int | None) -> None:
+            state.depth += 1
             try:
                 fn(*(ptr or 0, size, device, stream or 0)[:arity])
             except BaseException as exc:
                 errors.add(exc, "free")
+            finally:
+                state.depth -= 1
 
         cfn = FREE_FN(free_trampoline)
     return ctypes.cast(cfn, ctypes.c_void_p).value or 0, cfn, True
+
+
+def _is_thunk(obj: Any) -> bool:
+    """Whether obj is ctypes' CThunkObject: the C entry point ctypes made for
+    a Python function (``CFUNCTYPE(...)(pyfunc)``). Functions from a library
+    or made from an address keep none."""
+    t = type(obj)
+    return t.__name__ == "CThunkObject" and t.__module__ == "_ctypes"
+
+
+def _python_callable_of(fn: Any, kind: str) -> Optional[Callable[..., Any]]:
+    """The Python function a ctypes function object runs, or None when it
+    runs C code.
+
+    ctypes keeps the CThunkObject of ``PROTO(pyfunc)`` in the function's
+    ``_objects`` (under ``"0"``; a ``ctypes.cast`` of it shares that dict),
+    and the thunk references the Python callable (CPython 3.6-3.13: the
+    thunk's GC referents are its argument converters, the callable, the
+    result type and, from 3.12, its own type). Raises TypeError when a thunk
+    is found but its callable cannot be told apart."""
+    thunks: list[Any] = []
+    seen: set[int] = set()
+    stack: list[Any] = [fn]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if _is_thunk(obj):
+            thunks.append(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, ctypes._CFuncPtr):  # type: ignore[attr-defined]
+            if obj._objects is not None:
+                stack.append(obj._objects)
+    if not thunks:
+        return None
+    found = {id(c): c for t in thunks for c in gc.get_referents(t) if callable(c) and not isinstance(c, type)}
+    if len(found) != 1:
+        raise TypeError(
+            f"{kind} is a ctypes function that wraps Python code whose Python function cannot be "
+            "recovered; pass the Python function itself"
+        )
+    return next(iter(found.values()))

@@ -8,6 +8,7 @@ import re
 
 __all__ = [
     "BackendError",
+    "CallbackReentryError",
     "DoubleFreeError",
     "GpuMemPoolError",
     "InvalidArgumentError",
@@ -48,6 +49,15 @@ class PoolClosedError(GpuMemPoolError, RuntimeError):
 
 class BackendError(GpuMemPoolError, RuntimeError):
     """The backend (or a user allocator callback) failed."""
+
+
+class CallbackReentryError(GpuMemPoolError, RuntimeError):
+    """A pool's own Python ``alloc`` / ``free`` function called back into
+    that pool (``pool.stats()``, ``pool.free()``, ...). The engine holds the
+    pool's lock while it calls the function, so the call would wait for
+    itself forever; it is refused instead. The function sees this exception;
+    the pool call that ran the function then fails with a
+    :class:`BackendError` chained to it (unless the function caught it)."""
 
 
 class LeakWarning(UserWarning):

@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Ty
 from . import _native
 from . import _snapshot, _summary
 from ._callbacks import AllocatorFunction, CallbackErrors, function_address
-from ._errors import BackendError, InvalidArgumentError, LeakWarning, PoolClosedError, translate
+from ._errors import (
+    BackendError,
+    CallbackReentryError,
+    InvalidArgumentError,
+    LeakWarning,
+    PoolClosedError,
+    translate,
+)
 
 if TYPE_CHECKING:
     from .ipc import IpcHandle
@@ -50,10 +57,15 @@ def _report_leaks_at_exit() -> None:
         except Exception:  # a pool closed concurrently: nothing to report
             continue
         live, nbytes = s["allocation.all.current"], s["allocated_bytes.all.current"]
+        from . import torch as _torch  # does not import torch
+
+        # Segments torch keeps cached in gmp.mempool's torch pools are
+        # allocated blocks to the engine but hold no tensor: no leak.
+        live, nbytes, note = _torch.exit_leaks(pool, live, nbytes)
         if live:
             warnings.warn(
                 f"gpumempool: pool {pool.name!r} ({pool.backend}) still holds {live} allocated block(s), "
-                f"{nbytes} bytes, at exit",
+                f"{nbytes} bytes, at exit{note}",
                 LeakWarning,
                 stacklevel=1,
             )
@@ -241,6 +253,12 @@ class MemPool:
     (ncclMemAlloc) load libcuda / libnccl at run time; their options are in
     :data:`GPU_OPTIONS`.
 
+    Allocator functions must not call into their own pool (``stats()``,
+    ``free()``, ``empty_cache()``, ...): the engine holds the pool's lock
+    while it calls them. From a Python function such a call raises
+    :class:`CallbackReentryError` (instead of waiting forever); from a C
+    function it deadlocks.
+
     Common options: ``name``; ``device`` (default device of :meth:`alloc`);
     ``limit`` (bytes the pool may reserve per device); ``max_split_size``
     (torch's max_split_size_mb, in bytes); ``max_non_split_rounding_size``
@@ -280,15 +298,16 @@ class MemPool:
         **options: Any,
     ) -> None:
         self._id = 0
+        self._callback_errors = CallbackErrors()
         self._device = _device_index(device)
         self._lock = threading.Lock()
         self._report: Optional[CloseReport] = None
-        self._callback_errors = CallbackErrors()
         self._keep: list[Any] = []
         self._py_callbacks = False  # errors of Python callbacks need checking
         self._frames: Optional[dict[int, list[dict[str, Any]]]] = None  # addr -> alloc stack
         self._frames_max = 0
-        self._frames_lock = threading.Lock()
+        # reentrant: a finalizer freeing a block may run (GC) while alloc holds it
+        self._frames_lock = threading.RLock()
         self._cached_name: Optional[str] = None
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
@@ -356,6 +375,11 @@ class MemPool:
         self._id = self._native(_b.NewPool, json.dumps(cfg))
         if self._keep:
             _callback_refs[self._id] = tuple(self._keep)
+        if self._py_callbacks:  # named in CallbackReentryError, which cannot ask the pool
+            try:
+                self._cached_name = str(self.config()["name"])
+            except Exception:  # noqa: BLE001 - the handle will do
+                pass
         self.backend: str = backend
         # The C fast path keeps the GIL across the call into Go. A callback
         # pool's functions could need the GIL themselves (Python functions,
@@ -387,7 +411,11 @@ class MemPool:
         """Call ``fn`` and return its result with the exceptions the pool's
         Python callbacks raised during the call, on this thread (see
         :class:`CallbackErrors`); a native error is raised, chained to the
-        first of them."""
+        first of them. Every call of a pool with Python callbacks comes
+        here: called from one of those callbacks (the engine holds the
+        pool's lock), it raises CallbackReentryError instead of deadlocking."""
+        if self._callback_errors._tls.depth:
+            self._refuse_reentry()
         errs = self._callback_errors.begin()
         try:
             result = fn(*args)
@@ -400,6 +428,13 @@ class MemPool:
         finally:
             self._callback_errors.end(errs)
         return result, errs
+
+    def _refuse_reentry(self) -> None:
+        name = repr(getattr(self, "_cached_name", None) or f"#{self._id}")  # not self.name: that calls the pool
+        raise CallbackReentryError(
+            f"pool {name} was called from inside its own Python allocator function; the engine holds the "
+            "pool's lock while it runs the function, so allocator functions must not call into their own pool"
+        )
 
     def _handle(self) -> int:
         if self._report is not None or not self._id:
@@ -738,6 +773,8 @@ class MemPool:
         cache scopes still entered (they are invalidated anyway) and errors
         of the backend or of a Python ``free`` function while the segments
         go back: the pool ends closed whatever happens."""
+        if self._callback_errors._tls.depth:  # before self._lock, which the outer call may hold
+            self._refuse_reentry()
         if self._report is None and self._id:
             from . import scope as _scope
             from . import torch as _torch

@@ -31,7 +31,7 @@ import threading
 from typing import Any, Callable, Iterator, Optional
 
 from . import scope as _scope
-from ._errors import GpuMemPoolError
+from ._errors import GpuMemPoolError, PoolClosedError
 from ._pool import MemPool, _device_index
 
 __all__ = ["CupyIntegrationError", "allocator", "reset_allocator", "set_allocator", "using"]
@@ -62,9 +62,16 @@ class _Block:
         if not ptr:
             return
         try:
-            _scope.free(self.pool, ptr)
-        except Exception:  # noqa: BLE001 - pool closed, or interpreter shutdown
+            # The cyclic GC may run this inside a locked region of
+            # gpumempool.scope on this very thread: the free then waits for
+            # the end of that region instead of deadlocking.
+            _scope.free_from_finalizer(self.pool, ptr, _count_dropped)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
             _dropped[0] += 1
+
+
+def _count_dropped(exc: BaseException) -> None:
+    _dropped[0] += 1
 
 
 _dropped = [0]  # frees that failed inside __del__ (closed pool, shutdown)
@@ -97,38 +104,101 @@ def allocator(pool: MemPool, device: Any = None) -> Callable[[int], Any]:
     return gmp_cupy_alloc
 
 
-_lock = threading.Lock()
-_saved: list[Any] = []  # allocators replaced by set_allocator, innermost last
+class _Entry:
+    """An allocator installed process-wide by set_allocator or using(...,
+    process_wide=True), and the one it replaced."""
+
+    __slots__ = ("fn", "previous", "pool")
+
+    def __init__(self, fn: Any, previous: Any, pool: MemPool) -> None:
+        self.fn, self.previous, self.pool = fn, previous, pool
+
+
+_lock = threading.RLock()
+#: The process-wide allocators installed, oldest first; each one's previous
+#: is the allocator below it (or CuPy's, for the first).
+_stack: list[_Entry] = []
+_set_calls: list[_Entry] = []  # set_allocator's entries, for reset_allocator (innermost last)
+
+
+def _install(cp: Any, fn: Any, pool: MemPool) -> _Entry:
+    with _lock:
+        entry = _Entry(fn, cp.cuda.get_allocator(), pool)
+        cp.cuda.set_allocator(fn)
+        _stack.append(entry)
+    return entry
+
+
+def _uninstall(cp: Any, entry: _Entry) -> None:
+    """Take ``entry`` out, in any order: the allocator installed after it
+    now restores what it replaced; the newest one puts back its previous
+    allocator, but only if CuPy's is still its own (code that set another
+    allocator meanwhile keeps it). Again, or after close: nothing."""
+    with _lock:
+        if entry not in _stack:
+            return
+        i = _stack.index(entry)
+        del _stack[i]
+        if i < len(_stack):
+            _stack[i].previous = entry.previous
+        elif cp.cuda.get_allocator() is entry.fn:
+            cp.cuda.set_allocator(entry.previous)
+
+
+def _forget_pool(pool: MemPool) -> Optional[str]:
+    """MemPool.close (through gpumempool.scope.on_close): no CuPy allocator
+    installed process-wide stays on the closed pool."""
+    with _lock:
+        entries = [e for e in _stack if e.pool is pool]
+        if not entries:
+            return None
+        try:
+            cp = _import_cupy()
+        except CupyIntegrationError:  # CuPy gone (shutdown): nothing to restore there
+            _stack[:] = [e for e in _stack if e.pool is not pool]
+            return None
+        for entry in reversed(entries):
+            _uninstall(cp, entry)
+    return None
+
+
+_scope.on_close(_forget_pool)
 
 
 def set_allocator(pool: MemPool, device: Any = None) -> Any:
     """Make CuPy allocate from ``pool`` in every thread (that has no
     thread-local allocator); return the allocator it replaced, which
-    :func:`reset_allocator` restores."""
+    :func:`reset_allocator` restores. Closing the pool undoes it (CuPy then
+    gets the allocator it had before)."""
     cp = _import_cupy()
+    if pool.closed:
+        raise PoolClosedError(f"pool {pool!r} is closed")
     fn = allocator(pool, device)
     with _lock:
-        previous = cp.cuda.get_allocator()
-        cp.cuda.set_allocator(fn)
-        _saved.append(previous)
-    return previous
+        entry = _install(cp, fn, pool)
+        _set_calls.append(entry)
+    return entry.previous
 
 
 def reset_allocator() -> None:
-    """Restore the CuPy allocator the last :func:`set_allocator` replaced."""
+    """Undo the last :func:`set_allocator`: CuPy gets back the allocator it
+    replaced, unless another one was installed since (then that one, when
+    it goes, restores the allocator from before this set_allocator). Nothing
+    to do when the pool was closed meanwhile (closing undid it)."""
     cp = _import_cupy()
     with _lock:
-        if not _saved:
+        if not _set_calls:
             raise CupyIntegrationError("gmp.cupy.set_allocator was not called (nothing to restore)")
-        cp.cuda.set_allocator(_saved.pop())
+        _uninstall(cp, _set_calls.pop())
 
 
 @contextlib.contextmanager
 def using(pool: MemPool, device: Any = None, *, process_wide: bool = False) -> Iterator[Callable[[int], Any]]:
     """CuPy allocates from ``pool`` inside the block: in this thread
     (``cupy.cuda.using_allocator``), or in every thread with
-    ``process_wide=True`` (set_allocator, then the previous one is restored).
-    Arrays made inside keep their memory after the block."""
+    ``process_wide=True`` (set_allocator, then the previous one is restored
+    at exit, in any order of the blocks of several threads; closing the pool
+    restores it too). Arrays made inside keep their memory after the block."""
     cp = _import_cupy()
     fn = allocator(pool, device)
     if not process_wide:
@@ -138,11 +208,10 @@ def using(pool: MemPool, device: Any = None, *, process_wide: bool = False) -> I
         with using_allocator(fn):
             yield fn
         return
-    with _lock:
-        previous = cp.cuda.get_allocator()
-        cp.cuda.set_allocator(fn)
+    if pool.closed:
+        raise PoolClosedError(f"pool {pool!r} is closed")
+    entry = _install(cp, fn, pool)
     try:
         yield fn
     finally:
-        with _lock:
-            cp.cuda.set_allocator(previous)
+        _uninstall(cp, entry)

@@ -44,9 +44,10 @@ release`), returning its segments to the engine; it raises
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from . import torch as _gmp_torch
 from ._errors import GpuMemPoolError, InvalidArgumentError, InvalidPointerError
@@ -63,6 +64,78 @@ class ScopeError(GpuMemPoolError, RuntimeError):
     """A cache scope was used after invalidation, or invalidated while entered."""
 
 
+# A finalizer (gpumempool.cupy's block owner) frees through this module, and
+# the cyclic GC can run it on any allocation: also on a thread inside one of
+# this module's locked regions. It must neither wait for a lock that thread
+# holds nor change the dicts that thread is in the middle of: such frees
+# are deferred to the end of the thread's outermost locked region.
+_held = threading.local()  # .depth: this module's locks the thread holds
+_deferred: "collections.deque[tuple[MemPool, int, Optional[Callable[[BaseException], None]]]]" = collections.deque()
+
+
+class _Lock:
+    """A reentrant lock that counts, per thread, the regions of this module
+    being run (see :func:`free_from_finalizer`)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> None:
+        _held.depth = getattr(_held, "depth", 0) + 1  # before: a finalizer meanwhile defers
+        try:
+            self._lock.acquire()
+        except BaseException:
+            _held.depth -= 1
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()
+        _held.depth -= 1  # after: likewise
+        if not _held.depth and _deferred:
+            _run_deferred()
+
+
+def _run_deferred() -> None:
+    if getattr(_held, "draining", False):
+        return
+    _held.draining = True
+    try:
+        while True:
+            try:
+                pool, ptr, on_error = _deferred.popleft()
+            except IndexError:
+                return
+            try:
+                free(pool, ptr)
+            except Exception as exc:  # noqa: BLE001 - a finalizer's free: reported to it
+                if on_error is not None:
+                    with contextlib.suppress(Exception):
+                        on_error(exc)
+    finally:
+        _held.draining = False
+
+
+def free_from_finalizer(
+    pool: MemPool, ptr: int, on_error: Optional[Callable[[BaseException], None]] = None
+) -> None:
+    """:func:`free` for a ``__del__``: done now, or, when the calling thread
+    is inside this module's locks (the cyclic GC ran the finalizer there), as
+    soon as it leaves them. Never raises: a failed free calls ``on_error``."""
+    if getattr(_held, "depth", 0):
+        _deferred.append((pool, ptr, on_error))
+        return
+    try:
+        free(pool, ptr)
+    except Exception as exc:  # noqa: BLE001
+        if on_error is not None:
+            with contextlib.suppress(Exception):
+                on_error(exc)
+    if _deferred:
+        _run_deferred()
+
+
 class CacheScope:
     """A named cache of freed blocks over one pool (see the module docstring).
     Made by :func:`cache_scope`; thread-safe."""
@@ -70,7 +143,7 @@ class CacheScope:
     def __init__(self, pool: MemPool, name: str) -> None:
         self.pool = pool
         self.name = name
-        self._lock = threading.Lock()
+        self._lock = _Lock()
         self._free: dict[Key, dict[int, None]] = {}  # insertion-ordered sets of cached blocks
         self._live: dict[int, Key] = {}
         self._order: dict[Key, list[int]] = {}  # blocks in allocation order, this entry
@@ -219,7 +292,7 @@ class _PoolScopes:
         self.owners: dict[int, CacheScope] = {}  # live block -> its scope
 
 
-_lock = threading.Lock()
+_lock = _Lock()
 _registry: dict[int, _PoolScopes] = {}  # id(pool) -> its scopes (keeps the pool alive)
 _tls = threading.local()
 
@@ -343,14 +416,43 @@ def invalidate(name: str, pool: Optional[MemPool] = None) -> int:
 def _reset_for_tests() -> None:
     with _lock:
         _registry.clear()
+    _deferred.clear()
     _tls.stack = []
 
 
+#: Functions MemPool.close runs (through :func:`forget_pool`) before the pool
+#: goes: ``hook(pool)`` returns what to warn about, or None.
+_close_hooks: list[Callable[[MemPool], Optional[str]]] = []
+
+
+def on_close(hook: Callable[[MemPool], Optional[str]]) -> None:
+    """Run ``hook(pool)`` whenever a pool is closed, before its segments go
+    back (gpumempool.cupy resets a CuPy allocator that allocates from it).
+    The hook must not raise; it may return a problem to warn about."""
+    if hook not in _close_hooks:
+        _close_hooks.append(hook)
+
+
 def forget_pool(pool: MemPool) -> Optional[str]:
-    """Invalidate every cache scope of ``pool``, entered ones too, and drop
-    the pool from the registry (MemPool.close calls this; it must not
-    raise). Returns what the caller should warn about (scopes still
-    entered), or None."""
+    """Run the close hooks (:func:`on_close`), invalidate every cache scope
+    of ``pool``, entered ones too, and drop the pool from the registry
+    (MemPool.close calls this; it must not raise). Returns what the caller
+    should warn about (scopes still entered, problems of a hook), or None."""
+    problems: list[str] = []
+    for hook in list(_close_hooks):
+        try:
+            problem = hook(pool)
+        except Exception as exc:  # noqa: BLE001 - closing must not raise
+            problem = f"{getattr(hook, '__qualname__', hook)} raised {exc!r}"
+        if problem:
+            problems.append(problem)
+    rest = _forget_scopes(pool)
+    if rest:
+        problems.append(rest)
+    return "; ".join(problems) or None
+
+
+def _forget_scopes(pool: MemPool) -> Optional[str]:
     with _lock:
         ps = _registry.pop(id(pool), None)
     if ps is None or ps.pool is not pool:

@@ -379,6 +379,9 @@ class _Lane:
     options: dict[str, bool]
     holder: Optional[int] = None  # thread ident of the thread inside
     holds: int = 0  # frames of that thread using the lane
+    #: ending a route to it failed: torch may still route to it, so no thread
+    #: is given it again (release() still gives back its segments)
+    broken: bool = False
 
 
 @dataclass(eq=False)
@@ -390,8 +393,9 @@ class _Registration:
     backend: Any
     mode: str  # "mem_pool" (backend.register_mem_pool) or "comm_register" (ncclCommRegister)
     comm: int = 0
-    # per lane (by id): "registered"/"suspended" (mem_pool), {address: (handle, size)} (comm_register)
-    lanes: dict[int, Any] = field(default_factory=dict)
+    # per lane (the object: an id could be reused by a later lane):
+    # "registered"/"suspended" (mem_pool), {address: (handle, size)} (comm_register)
+    lanes: dict[_Lane, Any] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -404,6 +408,8 @@ class _PoolState:
 
 _lock = threading.RLock()
 _states: dict[int, _PoolState] = {}  # id(pool) -> state; the state keeps the pool alive
+#: pools whose close() has begun (forget_pool): no new state, lane or registration
+_closing: "weakref.WeakSet[MemPool]" = weakref.WeakSet()
 _tls = threading.local()
 _warned_process_wide = False
 
@@ -415,10 +421,18 @@ def _frames() -> list["MempoolContext"]:
     return frames
 
 
+def _check_open(pool: MemPool) -> None:
+    """PoolClosedError for a pool closed or being closed (call under _lock)."""
+    if pool.closed or pool in _closing:
+        raise PoolClosedError(f"pool {pool!r} is closed" if pool.closed else f"pool {pool.name!r} is being closed")
+
+
 def _state(pool: MemPool, create: bool = True) -> Optional[_PoolState]:
     st = _states.get(id(pool))
-    if st is None and create:
-        st = _states[id(pool)] = _PoolState(pool)
+    if create:
+        _check_open(pool)  # (under _lock) never a new lane over a closing pool
+        if st is None:
+            st = _states[id(pool)] = _PoolState(pool)
     return st
 
 
@@ -441,11 +455,17 @@ def _new_lane(torch: Any, caps: TorchCapabilities, st: _PoolState, device: int, 
         tp = _mem_pool_class(torch)(raw, **kwargs)
     lane = _Lane(tp, device, tag, dict(options))
     st.lanes.append(lane)
+    regs = [reg for reg in st.registrations if reg.device == device]
     try:
-        for reg in st.registrations:
-            if reg.device == device:
-                _register_lane(torch, caps, reg, lane)
+        for reg in regs:
+            _register_lane(torch, caps, reg, lane)
     except BaseException:
+        # Undo the registrations made (and what a failed one recorded): the
+        # torch pool is dropped, it must not stay registered with NCCL.
+        for reg in regs:
+            with contextlib.suppress(Exception):
+                _deregister_lane(reg, lane)
+            reg.lanes.pop(lane, None)
         st.lanes.remove(lane)
         raise
     return lane
@@ -459,7 +479,7 @@ def _acquire_lane(
     assert st is not None
     free: Optional[_Lane] = None
     for lane in st.lanes:
-        if lane.device != device or lane.tag != tag:
+        if lane.device != device or lane.tag != tag or lane.broken:
             continue
         if lane.options != options:
             raise InvalidArgumentError(
@@ -602,9 +622,12 @@ class MempoolContext:
         if not caps.thread_local_routing and not _warned_process_wide:
             _warned_process_wide = True
             warnings.warn(
-                f"torch {caps.version} routes the allocations of every thread to a pool entered with "
-                "gmp.mempool (torch >= 2.8 routes only the entering thread's); allocations of other "
-                "threads land in the pool's torch pool but are made with cudaMalloc",
+                f"torch {caps.version} routes the allocations of every thread on the device to a pool "
+                "entered with gmp.mempool (torch >= 2.8 routes only the entering thread's): while a thread "
+                "is inside, a segment another thread's allocation adds to that torch pool is made with the "
+                "other thread's allocator (cudaMalloc, or the pool of the gmp.mempool it is in: torch 2.5-2.7 "
+                "take the allocator from a thread-local MemPoolContext) and later freed through this pool's "
+                "free function, a cross-pool free; keep other threads from allocating on the device meanwhile",
                 ProcessWideRoutingWarning,
                 stacklevel=2,
             )
@@ -632,13 +655,15 @@ class MempoolContext:
                 self._stream_cm = torch.cuda.stream(self._stream)
                 self._stream_cm.__enter__()
         except BaseException:
-            with contextlib.suppress(Exception):
+            try:
                 self._stop()
+            except Exception:  # noqa: BLE001 - torch may still route to it: never hand it out again
+                self._lane.broken = True
             for f in reversed(stopped):
                 with contextlib.suppress(Exception):
                     f._start()
             with _lock:
-                if _release_lane(self._lane):
+                if _release_lane(self._lane) and not self._lane.broken:
                     with contextlib.suppress(Exception):
                         _lane_freed(torch, caps, self._pool, self._lane)
             raise
@@ -665,7 +690,11 @@ class MempoolContext:
         try:
             self._stop()
         except Exception as e:  # noqa: BLE001
-            problems.append(f"ending the routing to the torch pool failed: {e!r}")
+            # Torch may still route to that torch pool (or hold it in a bad
+            # state): it is never handed to a thread again; release() still
+            # gives back its segments.
+            self._lane.broken = True
+            problems.append(f"ending the routing to the torch pool failed (it will not be used again): {e!r}")
         for f in self._suspended:
             if f in frames and not f.active:
                 try:
@@ -674,7 +703,7 @@ class MempoolContext:
                     problems.append(f"resuming the enclosing gmp.mempool context failed: {e!r}")
         self._suspended = []
         with _lock:
-            if _release_lane(self._lane):
+            if _release_lane(self._lane) and not self._lane.broken:
                 try:
                     _lane_freed(self._torch, self._caps, self._pool, self._lane)
                 except Exception as e:  # noqa: BLE001
@@ -885,8 +914,9 @@ def release(pool: MemPool, device: Any = None, *, to_backend: bool = False, tag:
             f"of pool {pool.name!r} after release: a torch.cuda.MemPool object gmp.mempool yielded is still "
             "referenced somewhere, or a CUDA graph retains it; they are freed when it goes"
         )
-    if to_backend:
-        pool.empty_cache()
+    if to_backend and not pool.closed:
+        with contextlib.suppress(PoolClosedError):  # closed meanwhile by another thread
+            pool.empty_cache()
     return total
 
 
@@ -955,13 +985,13 @@ def _legacy_registration(caps: Optional[TorchCapabilities]) -> bool:
 
 
 def _register_lane(torch: Any, caps: Optional[TorchCapabilities], reg: _Registration, lane: _Lane) -> None:
-    """Register a lane's torch pool. State kept in reg.lanes[id(lane)]:
+    """Register a lane's torch pool. State kept in reg.lanes[lane]:
     "registered" / "suspended" (register_mem_pool), or {address: (handle,
     size)} (ncclCommRegister)."""
     tp = lane.torch_pool
     if reg.mode == "mem_pool":
         if lane.holder is not None and _legacy_registration(caps):
-            reg.lanes[id(lane)] = "suspended"  # registered when its thread leaves mempool
+            reg.lanes[lane] = "suspended"  # registered when its thread leaves mempool
             return
         try:
             reg.backend.register_mem_pool(tp)
@@ -973,7 +1003,7 @@ def _register_lane(torch: Any, caps: Optional[TorchCapabilities], reg: _Registra
                     "init_process_group, or run one collective, before registering)"
                 )
             raise TorchIntegrationError(f"register_mem_pool failed: {exc}{hint}") from exc
-        reg.lanes[id(lane)] = "registered"
+        reg.lanes[lane] = "registered"
     else:
         _sync_handles(torch, caps, reg, lane)
 
@@ -981,7 +1011,7 @@ def _register_lane(torch: Any, caps: Optional[TorchCapabilities], reg: _Registra
 def _sync_handles(torch: Any, caps: Optional[TorchCapabilities], reg: _Registration, lane: _Lane) -> None:
     """ncclCommRegister the lane's new segments, deregister vanished ones."""
     nccl = _nccl_lib()
-    handles: dict[int, tuple[int, int]] = reg.lanes.setdefault(id(lane), {})
+    handles: dict[int, tuple[int, int]] = reg.lanes.setdefault(lane, {})
     present = {int(s["address"]): int(s["total_size"]) for s in _segments(torch, caps, lane.torch_pool)}
     for addr in [a for a in handles if a not in present]:
         nccl.deregister(reg.comm, handles.pop(addr)[0])
@@ -991,7 +1021,7 @@ def _sync_handles(torch: Any, caps: Optional[TorchCapabilities], reg: _Registrat
 
 
 def _deregister_lane(reg: _Registration, lane: _Lane) -> None:
-    state = reg.lanes.pop(id(lane), None)
+    state = reg.lanes.pop(lane, None)
     if state is None:
         return
     if reg.mode == "mem_pool":
@@ -1005,7 +1035,7 @@ def _deregister_lane(reg: _Registration, lane: _Lane) -> None:
 
 def _registrations_of(pool: MemPool, lane: _Lane) -> list[_Registration]:
     st = _state(pool, create=False)
-    return [r for r in st.registrations if r.device == lane.device and id(lane) in r.lanes] if st is not None else []
+    return [r for r in st.registrations if r.device == lane.device and lane in r.lanes] if st is not None else []
 
 
 def _lane_taken(torch: Any, caps: Optional[TorchCapabilities], pool: MemPool, lane: _Lane) -> None:
@@ -1015,18 +1045,18 @@ def _lane_taken(torch: Any, caps: Optional[TorchCapabilities], pool: MemPool, la
     lifted while the pool may grow and renewed on leaving (as NVIDIA apex's
     nccl_mem does): collectives inside stay correct, without zero-copy."""
     for reg in _registrations_of(pool, lane):
-        if reg.mode == "mem_pool" and _legacy_registration(caps) and reg.lanes[id(lane)] == "registered":
+        if reg.mode == "mem_pool" and _legacy_registration(caps) and reg.lanes[lane] == "registered":
             reg.backend.deregister_mem_pool(lane.torch_pool)
-            reg.lanes[id(lane)] = "suspended"
+            reg.lanes[lane] = "suspended"
 
 
 def _lane_freed(torch: Any, caps: Optional[TorchCapabilities], pool: MemPool, lane: _Lane) -> None:
     """No thread routes to the lane any more: bring registrations up to date."""
     for reg in _registrations_of(pool, lane):
         if reg.mode == "mem_pool":
-            if reg.lanes[id(lane)] == "suspended":
+            if reg.lanes[lane] == "suspended":
                 reg.backend.register_mem_pool(lane.torch_pool)
-                reg.lanes[id(lane)] = "registered"
+                reg.lanes[lane] = "registered"
         else:
             _sync_handles(torch, caps, reg, lane)
 
@@ -1193,13 +1223,13 @@ def set_torch_allocator(pool: MemPool) -> tuple[str, ...]:
     with _lock:
         if _installed is not None:
             if _installed.pool is pool:
+                _check_open(pool)
                 return _installed.hooks
             raise AllocatorInitializedError(
                 f"torch's CUDA allocator was already replaced by pool {_installed.pool.name!r}; "
                 "torch cannot swap its allocator twice in one process"
             )
-        if pool.closed:
-            raise PoolClosedError(f"pool {pool!r} is closed")
+        _check_open(pool)
         _warn_python_callbacks(pool, "gmp.set_torch_allocator")
         if torch.cuda.is_initialized():
             raise AllocatorInitializedError(
@@ -1236,25 +1266,41 @@ def torch_allocator_pool() -> Optional[MemPool]:
     return None if _installed is None else _installed.pool
 
 
+_ALL_DEVICES = "all"
+
+
+def _stats_device(device: Any) -> Optional[int]:
+    """torch.cuda.memory_stats()'s device argument: None, "cuda" and
+    torch.device("cuda") are the current device; ``"all"`` sums the devices."""
+    if isinstance(device, str) and device == _ALL_DEVICES:
+        return None
+    return _cuda_index(_import_torch(), device)
+
+
 def torch_memory_stats(device: Any = None) -> dict[str, int]:
-    """``pool.stats(device)`` of the pool installed with
-    :func:`set_torch_allocator`: torch.cuda.memory_stats()'s key names,
-    for one device or summed over all (device None)."""
+    """``torch.cuda.memory_stats(device)`` for the pool installed with
+    :func:`set_torch_allocator` (torch's own stops working in that mode):
+    its key names, from ``pool.stats``. ``device`` as torch takes it: None,
+    "cuda" or ``torch.device("cuda")`` mean the current device, "cuda:N",
+    N or ``torch.device("cuda", N)`` device N; ``"all"`` sums over every
+    device (peaks are then summed per-device peaks)."""
     if _installed is None:
         raise TorchIntegrationError(
             "no pool is torch's allocator (gmp.set_torch_allocator was not called); use torch.cuda.memory_stats()"
         )
-    return _installed.pool.stats(device)
+    return _installed.pool.stats(_stats_device(device))
 
 
 def torch_memory_summary(device: Any = None, abbreviated: bool = False) -> str:
-    """``torch.cuda.memory_summary()`` for the pool installed with
-    :func:`set_torch_allocator` (torch's own stops working in that mode)."""
+    """``torch.cuda.memory_summary(device)`` for the pool installed with
+    :func:`set_torch_allocator` (torch's own stops working in that mode);
+    ``device`` as in :func:`torch_memory_stats` (the current device by
+    default, ``"all"`` for every device)."""
     if _installed is None:
         raise TorchIntegrationError(
             "no pool is torch's allocator (gmp.set_torch_allocator was not called); use torch.cuda.memory_summary()"
         )
-    return _installed.pool.memory_summary(device, abbreviated=abbreviated)
+    return _installed.pool.memory_summary(_stats_device(device), abbreviated=abbreviated)
 
 
 def _reset_for_tests() -> None:
@@ -1262,6 +1308,7 @@ def _reset_for_tests() -> None:
     global _installed, _warned_process_wide, _nccl
     with _lock:
         _states.clear()
+        _closing.clear()
         _caps_cache.clear()
         _installed = None
         _warned_process_wide = False
@@ -1271,23 +1318,73 @@ def _reset_for_tests() -> None:
 
 
 def forget_pool(pool: MemPool) -> Optional[str]:
-    """Called by MemPool.close: deregister the pool's NCCL registrations,
-    give back torch's segments and drop the pool's state. Touches torch only
-    when the pool was used with it. Returns why torch's segments could not
-    be given back (tensors from the pool still alive), or None."""
+    """Called by MemPool.close: mark the pool closing (no thread can make a
+    torch pool or registration over it from now on), drop every NCCL
+    registration of every torch pool over it with every process group, give
+    back torch's segments and drop the pool's state. Touches torch only
+    when the pool was used with it; never raises. Returns what could not be
+    done (tensors from the pool still alive, a failed deregistration), or
+    None."""
+    problems: list[str] = []
     with _lock:
+        _closing.add(pool)
         st = _state(pool, create=False)
         if st is None:
             return None
-        registered = bool(st.registrations)
-    problem = None
+        # First, and whatever release() says: registrations left behind would
+        # make NCCL use memory the engine is about to give back.
+        for reg in list(st.registrations):
+            for ln in list(reg.lanes):
+                try:
+                    _deregister_lane(reg, ln)
+                except Exception as exc:  # noqa: BLE001 - closing must go on
+                    problems.append(f"deregistering a torch pool on cuda:{reg.device} from NCCL failed: {exc}")
+            st.registrations.remove(reg)
     try:
-        if registered:
-            deregister(pool)
         release(pool)
-    except PoolInUseError as exc:
-        problem = str(exc)
+    except TorchIntegrationError as exc:  # PoolInUseError, segments torch still holds
+        problems.append(str(exc))
+    except Exception as exc:  # noqa: BLE001 - closing must not raise
+        problems.append(f"releasing torch's pools failed: {exc!r}")
     finally:
         with _lock:
             _states.pop(id(pool), None)
-    return problem
+    return "; ".join(problems) or None
+
+
+def exit_leaks(pool: MemPool, blocks: int, nbytes: int) -> tuple[int, int, str]:
+    """For the leak report at interpreter exit (gpumempool._pool): the
+    engine's ``blocks`` and ``nbytes`` still allocated, less the segments
+    torch keeps cached in the pool's torch pools (``gmp.mempool``) with no
+    tensor in them, which are not leaks; plus a note for the message. Pools
+    torch never used are returned as they are without touching torch.
+    Reads torch's snapshot of those torch pools only; never raises."""
+    try:
+        if not _lock.acquire(timeout=5):  # a thread stuck holding it must not hang the exit
+            return blocks, nbytes, ""
+        try:
+            st = _states.get(id(pool))
+            lanes = [ln for ln in st.lanes if ln.torch_pool is not None] if st is not None else []
+        finally:
+            _lock.release()
+        if not lanes:
+            return blocks, nbytes, ""
+        hint = "gmp.torch.release(pool) gives them back to the pool"
+        try:
+            torch = _import_torch()
+            caps = capabilities(torch)
+            segs = [s for ln in lanes for s in _segments(torch, caps, ln.torch_pool)]
+        except Exception:  # noqa: BLE001 - torch half torn down: say what it may be
+            return blocks, nbytes, (
+                f"; torch's pools over it (gmp.mempool) keep freed blocks cached and count here: {hint}")
+        cached = [s for s in segs if not int(s.get("allocated_size", 0) or 0)]
+        blocks = max(0, blocks - len(cached))
+        nbytes = max(0, nbytes - sum(int(s.get("total_size", 0) or 0) for s in cached))
+        used = [s for s in segs if int(s.get("allocated_size", 0) or 0)]
+        note = ""
+        if used:
+            note = (f"; {len(used)} of them, {sum(int(s.get('total_size', 0) or 0) for s in used)} bytes, are "
+                    "segments of torch pools over it (gmp.mempool) holding tensors still alive")
+        return blocks, nbytes, note
+    except Exception:  # noqa: BLE001 - an exit report must not fail
+        return blocks, nbytes, ""

@@ -355,3 +355,182 @@ def test_close_with_a_raising_free_function_warns_and_closes() -> None:
     with pytest.raises(gmp.PoolClosedError):
         pool.alloc(512)
     assert pool.close() is pool.close()  # closing again: the same report, no error
+
+
+_REENTRY_SCRIPT = textwrap.dedent(
+    """
+    import ctypes, faulthandler, warnings
+    import gpumempool as gmp
+
+    faulthandler.dump_traceback_later(30, exit=True)  # a deadlock fails the test instead of hanging it
+    live = {}
+    seen = []
+
+    def raw_alloc(size):
+        buf = ctypes.create_string_buffer(size + 512)
+        addr = (ctypes.addressof(buf) + 511) & ~511
+        live[addr] = buf
+        return addr
+
+    def call(action):
+        try:
+            action()
+        except gmp.CallbackReentryError as exc:
+            seen.append("refused")
+            assert isinstance(exc, RuntimeError) and "must not call into their own pool" in str(exc), exc
+        else:
+            seen.append("ran")
+
+    calls = {}
+
+    def alloc(size, device, stream):
+        action = calls.pop("alloc", None)
+        if action is not None:
+            call(action)
+        return raw_alloc(size)
+
+    def free(ptr, size, device, stream):
+        action = calls.pop("free", None)
+        if action is not None:
+            call(action)
+        live.pop(ptr)
+
+    other = gmp.MemPool(name="other")
+    pool = gmp.MemPool(alloc=alloc, free=free, name="reent")
+    for kind, action in [
+        ("alloc", lambda: pool.stats()),
+        ("alloc", lambda: pool.free(pool.alloc(10))),
+        ("alloc", lambda: pool.config()),
+        ("alloc", lambda: pool.last_error()),
+        ("alloc", lambda: pool.close()),
+        ("free", lambda: pool.empty_cache()),
+        ("free", lambda: pool.snapshot()),
+    ]:
+        calls[kind] = action
+        pool.free(pool.alloc(3 << 20))  # a new segment: alloc runs
+        pool.empty_cache()  # free runs
+    assert seen == ["refused"] * 7, seen
+    assert pool.name == "reent" and not pool.closed
+
+    # Another pool may be used from the callback.
+    calls["alloc"] = lambda: other.free(other.alloc(10))
+    pool.free(pool.alloc(3 << 20))
+    assert seen[-1] == "ran", seen
+
+    # A refusal that escapes the function is that function's error.
+    def greedy_alloc(size, device, stream):
+        greedy.stats()
+        return raw_alloc(size)
+
+    greedy = gmp.MemPool(alloc=greedy_alloc, free=free, name="greedy")
+    try:
+        greedy.alloc(10)
+    except gmp.BackendError as exc:
+        assert isinstance(exc.__cause__, gmp.CallbackReentryError), repr(exc.__cause__)
+    else:
+        raise AssertionError("no error")
+
+    # Through the C ABI (torch calling the pool): refused too, kept for last_error().
+    path, asym, fsym = greedy.pluggable_symbols()
+    f = getattr(ctypes.CDLL(path), asym)
+    f.restype, f.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    assert f(4096, 0, None) is None
+    assert "CallbackReentryError" in greedy.last_error()
+
+    # Close while a free function calls back: refused, and the pool still closes.
+    calls["free"] = lambda: pool.stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pool.close()
+        greedy.close()
+    assert seen[-1] == "refused" and pool.closed and not live
+    other.close()
+    print("ok")
+    """
+)
+
+
+def test_python_callback_calling_its_own_pool_is_refused_not_deadlocked() -> None:
+    """The engine holds the pool's lock while it runs the pool's alloc/free
+    functions: a Python function calling back into that pool would wait for
+    itself forever. Such calls raise CallbackReentryError; other pools stay
+    usable from the function. (A subprocess: a regression would hang.)"""
+    r = subprocess.run([sys.executable, "-c", _REENTRY_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr[-3000:])
+
+
+def test_reentry_marker_is_per_pool_and_per_thread() -> None:
+    pa = PyAllocator()
+    inner: list[bool] = []
+
+    def alloc(size, device, stream):
+        inner.append(pool._callback_errors.inside())
+        t = threading.Thread(target=lambda: inner.append(pool._callback_errors.inside()))
+        t.start()
+        t.join()
+        return pa.alloc(size, device, stream)
+
+    with gmp.MemPool(alloc=alloc, free=pa.free) as pool:
+        assert not pool._callback_errors.inside()
+        pool.free(pool.alloc(10))
+        assert inner == [True, False]  # set on the callback's thread only
+        assert not pool._callback_errors.inside()  # and cleared after it
+
+
+# ctypes functions that wrap Python functions -------------------------------
+
+
+def test_ctypes_wrapped_python_function_is_a_python_callback() -> None:
+    """ALLOC_FN(pyfunc) runs Python code: called through ctypes, an exception
+    it raised was printed ("Exception ignored") and the pool handed out
+    whatever ctypes returned (0xfffffffffffffe00). It is routed as the Python
+    function it wraps: errors are caught and the pool counts as having
+    Python callbacks (torch's GIL warning applies)."""
+    calls: list = []
+
+    def alloc(size, device, stream):
+        calls.append(size)
+        raise ValueError("boom")
+
+    pool = gmp.MemPool(alloc=gmp.ALLOC_FN(alloc), free=gmp.FREE_FN(lambda *a: calls.append(a)))
+    with pool:
+        assert pool._py_callbacks
+        with pytest.raises(gmp.BackendError) as ei:
+            pool.alloc(1024)
+        assert isinstance(ei.value.__cause__, ValueError)
+        assert pool.stats()["allocation.all.current"] == 0
+
+
+def test_ctypes_wrapped_python_functions_allocate() -> None:
+    pa = PyAllocator()
+    a_fn, f_fn = gmp.ALLOC_FN(pa.alloc), gmp.FREE_FN(pa.free)
+    # a cast of one keeps the thunk in the shared _objects: still Python
+    cast_a = ctypes.cast(a_fn, gmp.ALLOC_FN)
+    with gmp.MemPool(alloc=cast_a, free=f_fn) as pool:
+        assert pool._py_callbacks
+        a = pool.alloc(5000, stream=7)
+        pool.free(a)
+        pool.empty_cache()
+    assert pa.calls == [("alloc", 2 * MiB, 0, 7), ("free", a, 2 * MiB, 0, 7)]
+
+
+def test_ctypes_functions_of_c_code_stay_native(clib) -> None:
+    from gpumempool._callbacks import _python_callable_of
+
+    addr = ctypes.cast(clib.test_alloc, ctypes.c_void_p).value
+    for fn in (clib.test_alloc, gmp.ALLOC_FN(addr), ctypes.cast(clib.test_alloc, gmp.ALLOC_FN)):
+        assert _python_callable_of(fn, "alloc") is None
+    clib.test_reset(-1)
+    with gmp.MemPool(alloc=gmp.ALLOC_FN(addr), free=clib.test_free) as pool:
+        assert not pool._py_callbacks
+        pool.free(pool.alloc(10))
+
+
+def test_ctypes_wrapped_python_function_that_cannot_be_unwrapped_is_refused(monkeypatch) -> None:
+    """Should a future CPython hide the thunk's callable, such a function is
+    refused with a clear TypeError, never passed to the engine as C code."""
+    from gpumempool import _callbacks
+
+    monkeypatch.setattr(_callbacks.gc, "get_referents", lambda *objs: [])
+    with pytest.raises(TypeError, match="pass the Python function itself"):
+        gmp.MemPool(alloc=gmp.ALLOC_FN(lambda s, d, st: None), free=gmp.FREE_FN(lambda *a: None))

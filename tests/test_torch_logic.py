@@ -992,8 +992,9 @@ def test_set_torch_allocator(monkeypatch, sim):
     x = torch.empty(1000)
     assert x.kind == "pluggable" and allocated(sim) == 1024
     assert gtorch.hook_errors() == []  # init hook at torch's lazy init: 2 devices, as the pool
-    assert gmp.torch_memory_stats() == sim.stats()
-    assert gmp.torch_memory_summary() == sim.memory_summary()
+    assert gmp.torch_memory_stats() == sim.stats(0)  # torch's default: the current device
+    assert gmp.torch_memory_summary() == sim.memory_summary(0)
+    assert gmp.torch_memory_stats("all") == sim.stats() and gmp.torch_memory_summary("all") == sim.memory_summary()
     assert gmp.torch_memory_stats(0)["allocated_bytes.all.current"] == 1024
     x.record_stream(torch.cuda.Stream(0x77))
     assert sim.stats()["num_record_stream"] == 1
@@ -1428,6 +1429,122 @@ def test_cupy_free_after_close_is_swallowed(monkeypatch):
     assert gmp.cupy._dropped[0] == before + 1
 
 
+def test_cupy_process_wide_blocks_ending_out_of_order(monkeypatch):
+    cp = make_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    a = gmp.MemPool("sim", name="A", capacity=1 << 26)
+    b = gmp.MemPool("sim", name="B", capacity=1 << 26)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def ta() -> None:
+        with gmp.cupy.using(a, process_wide=True):
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def tb() -> None:
+        a_in.wait(10)
+        with gmp.cupy.using(b, process_wide=True):
+            b_in.set()
+            assert a_out.wait(10)
+            assert cp.cuda.get_allocator().pool is b  # a's block ended: b's stays in force
+
+    threads = [threading.Thread(target=ta), threading.Thread(target=tb)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(10)
+    assert cp.cuda.get_allocator() == "cupy-default"  # not a's, stale
+    a.close()
+    b.close()
+
+
+def test_cupy_set_reset_and_using_mixed(monkeypatch, sim):
+    cp = make_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    other = gmp.MemPool("sim", name="other", capacity=1 << 26)
+    try:
+        cm = gmp.cupy.using(other, process_wide=True)
+        gmp.cupy.set_allocator(sim)
+        cm.__enter__()
+        gmp.cupy.reset_allocator()  # set_allocator's block is not the newest: other's stays
+        assert cp.cuda.get_allocator().pool is other
+        cm.__exit__(None, None, None)
+        assert cp.cuda.get_allocator() == "cupy-default"  # what was there before set_allocator
+        # code that replaced the allocator meanwhile keeps its own
+        gmp.cupy.set_allocator(sim)
+        cp.cuda.set_allocator("theirs")
+        gmp.cupy.reset_allocator()
+        assert cp.cuda.get_allocator() == "theirs"
+    finally:
+        other.close()
+
+
+def test_closing_a_pool_resets_the_cupy_allocator_over_it(monkeypatch):
+    cp = make_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    a = gmp.MemPool("sim", name="A", capacity=1 << 26)
+    b = gmp.MemPool("sim", name="B", capacity=1 << 26)
+    gmp.cupy.set_allocator(b)
+    with gmp.cupy.using(a, process_wide=True):
+        gmp.cupy.set_allocator(a)
+        a.close()
+        assert cp.cuda.get_allocator().pool is b  # no allocator over the closed pool
+        gmp.cupy.reset_allocator()  # closing undid it already: nothing to do
+    assert cp.cuda.get_allocator().pool is b
+    b.close()
+    assert cp.cuda.get_allocator() == "cupy-default"
+    gmp.cupy.reset_allocator()  # the set_allocator(b), undone by closing b
+    assert cp.cuda.get_allocator() == "cupy-default"
+    with pytest.raises(gmp.cupy.CupyIntegrationError, match="nothing to restore"):
+        gmp.cupy.reset_allocator()
+    with pytest.raises(gmp.PoolClosedError):
+        gmp.cupy.set_allocator(a)
+
+
+GC_IN_LOCKED_REGION = r"""
+import gc, sys
+sys.path.insert(0, sys.argv[1])
+from test_torch_logic import make_cupy
+cp = make_cupy(); sys.modules["cupy"] = cp
+import gpumempool as gmp
+from gpumempool import scope as gscope
+
+def garbage(n):
+    a = cp.cuda.alloc(n)
+    cycle = [a]
+    cycle.append(cycle)  # only the cyclic GC frees it, on whatever allocation triggers it
+
+pool = gmp.MemPool("sim", capacity=1 << 26)
+gc.disable()
+with gmp.cupy.using(pool):
+    with gmp.cache_scope(pool, "s") as scope:
+        garbage(1000)
+        with scope._lock:  # the GC runs the array's finalizer here, on this thread
+            gc.collect()
+            assert scope.cached_bytes == 0  # deferred...
+        assert scope.cached_bytes == 1024  # ...to the end of the region
+    garbage(4096)
+    with gscope._lock:
+        gc.collect()
+assert pool.stats()["allocated_bytes.all.current"] == 1024  # the scope's cached block only
+gmp.invalidate("s")
+assert pool.stats()["allocated_bytes.all.current"] == 0 and gmp.cupy._dropped[0] == 0
+print("ok")
+"""
+
+
+def test_cupy_finalizer_inside_a_locked_region_of_scope(tmp_path):
+    import os
+    import subprocess
+
+    r = subprocess.run(
+        [sys.executable, "-c", GC_IN_LOCKED_REGION, os.path.dirname(os.path.abspath(__file__))],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
 def test_close_invalidates_the_pools_cache_scopes() -> None:
     import gpumempool as gmp
     from gpumempool import scope
@@ -1442,3 +1559,200 @@ def test_close_invalidates_the_pools_cache_scopes() -> None:
     # ...and close hands it back before returning the segments: no leak.
     assert rep.live_blocks == []
     assert gmp.invalidate("loop", pool) == 0
+
+
+# ---------------------------------------------------------------------------
+# close, NCCL registrations and lanes (review fixes)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["2.7", "2.11"])
+def test_close_with_live_tensors_deregisters_every_group(monkeypatch, variant):
+    torch = install(monkeypatch, variant)
+    warnings.simplefilter("ignore", gtorch.ProcessWideRoutingWarning)
+    pool = gmp.MemPool("sim", name="regs", capacity=1 << 30)
+    other = FakeBackend(torch._world, "mem_pool")
+    gtorch.register(pool)  # the default group
+    gtorch.register(pool, FakeGroup(other))  # a second group (tensor parallel, say)
+    with gmp.mempool(pool):
+        x = torch.empty(3 * MiB)  # alive at close: release() refuses
+    with pytest.warns(gmp.LeakWarning, match="cannot release"):
+        pool.close()
+    assert torch._backend.pools == set() and torch._backend.segments == set()
+    assert other.pools == set() and other.segments == set()  # not only the default group's
+    assert id(pool) not in gtorch._states
+    del x
+
+
+def test_entering_or_registering_while_close_runs_is_refused(monkeypatch):
+    torch = install(monkeypatch, "2.11")
+    pool = gmp.MemPool("sim", name="closing", capacity=1 << 30)
+    with gmp.mempool(pool):
+        pass
+    seen: list[BaseException] = []
+    real = gtorch.forget_pool
+
+    def forget_then_another_thread_comes(p: gmp.MemPool) -> Optional[str]:
+        problem = real(p)
+        assert not p.closed  # the window: forgotten, not closed yet in the engine
+        for attempt in (lambda: gmp.mempool(p).__enter__(), lambda: gtorch.register(p)):
+            try:
+                attempt()
+            except BaseException as exc:  # noqa: BLE001
+                seen.append(exc)
+        return problem
+
+    monkeypatch.setattr(gtorch, "forget_pool", forget_then_another_thread_comes)
+    pool.close()
+    assert [type(e) for e in seen] == [gmp.PoolClosedError, gmp.PoolClosedError]
+    assert id(pool) not in gtorch._states and torch._world.captures.get(0) == []
+
+
+def test_a_failed_registration_of_a_new_torch_pool_undoes_the_others(monkeypatch, sim):
+    torch = install(monkeypatch, "2.11")
+    a = torch._backend
+    b = FakeBackend(torch._world, "mem_pool")
+    gtorch.register(sim)
+    gtorch.register(sim, FakeGroup(b))
+    gc.collect()
+    gtorch.release(sim)  # the torch pools go, the registrations stay
+    assert a.pools == set() == b.pools
+    b.comm_error = True
+    for _ in range(3):
+        with pytest.raises(gtorch.TorchIntegrationError):
+            with gmp.mempool(sim):
+                pass
+    st = gtorch._states[id(sim)]
+    assert st.lanes == [] and a.pools == set()  # the torch pools dropped are not left registered with a
+    assert all(r.lanes == {} for r in st.registrations)
+    b.comm_error = False
+    with gmp.mempool(sim) as tp:
+        x = torch.empty(1000)
+    assert a.pools == {tp.id} == b.pools and a.registered(tp.id) == {x.ptr} == b.registered(tp.id)
+
+
+def test_a_torch_pool_whose_route_did_not_end_is_not_reused(monkeypatch, sim):
+    torch = install(monkeypatch, "2.11")
+    real = torch._C._cuda_endAllocateToPool
+    calls = {"n": 0}
+
+    def end_fails_once(d: int, pid: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("endAllocatePool: boom")
+        real(d, pid)
+
+    torch._C._cuda_endAllocateToPool = end_fails_once
+    with pytest.raises(gtorch.TorchIntegrationError, match="ending the routing"):
+        with gmp.mempool(sim) as bad:
+            pass
+    with gmp.mempool(sim) as good:  # torch still records to `bad`: a new torch pool
+        x = torch.empty(1000)
+    assert good is not bad and x.pid == good.id
+    assert len(gtorch.torch_pools(sim)) == 2
+    del x, good, bad
+    gc.collect()
+    gtorch.release(sim)  # the unusable one's segments go back too
+    assert gtorch.torch_pools(sim) == []
+
+
+def test_set_torch_allocator_again_on_the_closed_installed_pool(monkeypatch):
+    install(monkeypatch)
+    p = gmp.MemPool("sim", capacity=1 << 26)
+    gmp.set_torch_allocator(p)
+    p.close()
+    with pytest.raises(gmp.PoolClosedError):
+        gmp.set_torch_allocator(p)
+
+
+def test_release_to_backend_of_a_pool_closed_meanwhile(monkeypatch):
+    torch = install(monkeypatch)
+    p = gmp.MemPool("sim", capacity=1 << 30)
+    with gmp.mempool(p):
+        torch.empty(1000)
+    real_gc = gtorch.gc
+
+    def collect_and_close() -> int:  # another thread closes the pool at this point
+        n = real_gc.collect()
+        p.close()
+        return n
+
+    monkeypatch.setattr(gtorch, "gc", types.SimpleNamespace(collect=collect_and_close))
+    assert gtorch.release(p, to_backend=True) == 2 * MiB
+    assert p.closed
+
+
+def test_torch_memory_stats_take_torchs_device_argument(monkeypatch):
+    torch = install(monkeypatch)
+    p = gmp.MemPool("sim", name="devs", devices=2, capacity=1 << 30)
+    gmp.set_torch_allocator(p)
+    key = "allocated_bytes.all.current"
+    with torch.cuda.device(1):
+        x = torch.empty(MiB)  # this rank works on cuda:1
+        for dev in (None, "cuda", torch.device("cuda"), 1, "cuda:1", torch.device("cuda", 1)):
+            assert gmp.torch_memory_stats(dev)[key] == MiB, dev  # torch: the current device
+        assert gmp.torch_memory_stats(0)[key] == 0
+        y = torch.empty(MiB, device=0)
+        assert gmp.torch_memory_stats()[key] == MiB and gmp.torch_memory_stats("all")[key] == 2 * MiB
+        assert "device 1" in gmp.torch_memory_summary() and "all devices" in gmp.torch_memory_summary("all")
+    with pytest.raises(gmp.InvalidArgumentError):
+        gmp.torch_memory_stats("cpu")
+    del x, y
+
+
+def test_exit_report_leaves_out_what_torch_caches(monkeypatch):
+    torch = install(monkeypatch)
+    p = gmp.MemPool("sim", name="exit-report", capacity=1 << 30)
+    plain = gmp.MemPool("sim", name="exit-plain", capacity=1 << 30)
+    try:
+        with gmp.mempool(p):
+            x = torch.empty(1000)
+            y = torch.empty(3 * MiB)
+        del x
+        s = p.stats()
+        assert s["allocation.all.current"] == 2  # two torch segments, one of them free in torch's cache
+        assert gtorch.exit_leaks(p, 2, s["allocated_bytes.all.current"]) == (
+            1, 20 * MiB, "; 1 of them, 20971520 bytes, are segments of torch pools over it (gmp.mempool) "
+            "holding tensors still alive")
+        assert gtorch.exit_leaks(plain, 3, 100) == (3, 100, "")  # torch never used it
+        del y
+        assert gtorch.exit_leaks(p, 2, 22 * MiB) == (0, 0, "")
+        # what the interpreter's exit does (gpumempool._pool._report_leaks_at_exit)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            gmp._pool._report_leaks_at_exit()
+        assert not [w for w in rec if "exit-report" in str(w.message)]
+    finally:
+        gc.collect()
+        gtorch.release(p)
+        p.close()
+        plain.close()
+
+
+def test_process_wide_routing_warning_names_the_cross_pool_free(monkeypatch, sim):
+    torch = install(monkeypatch, "2.5")
+    other = gmp.MemPool("sim", name="theirs", capacity=1 << 30)
+    entered, done = threading.Event(), threading.Event()
+    got: dict[str, Any] = {}
+
+    def worker() -> None:  # another thread, inside a gmp.mempool of its own
+        with gmp.mempool(other):
+            entered.set()
+            done.wait(10)
+            got["t"] = torch.empty(1000)
+
+    try:
+        with pytest.warns(gtorch.ProcessWideRoutingWarning, match=r"freed through this pool's free function, a cross-pool"):
+            with gmp.mempool(sim) as mine:
+                th = threading.Thread(target=worker)
+                th.start()
+                entered.wait(10)
+                done.set()
+                th.join(10)
+        # what the warning says: the segment lands in sim's torch pool, made by another pool's allocator
+        assert got["t"].pid == mine.id and torch._world.misroutes
+    finally:
+        done.set()
+        got.clear()
+        gc.collect()
+        other.close()

@@ -110,7 +110,7 @@ CALLBACK_OPTIONS = ("devices", "alignment")
 #: Options of the GPU backends, which load libcuda (and libnccl) at run time.
 GPU_OPTIONS: dict[str, tuple[str, ...]] = {
     "cuda": ("libcuda",),
-    "host": ("libcuda", "host_flags"),
+    "host": ("libcuda", "host_flags", "host_device"),
     "nccl": ("libcuda", "libnccl"),
     "async": (
         "libcuda",
@@ -235,6 +235,9 @@ def _gpu_options(options: dict[str, Any]) -> dict[str, Any]:
             if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
                 raise TypeError("access_devices must be a list of device indices")
             out[key] = [_device_index(d) for d in value]
+        elif key == "host_device":
+            # the CUDA device whose context holds pinned memory and events
+            out[key] = _device_index(value)
         else:
             out[key] = _check_int(key, value, 0, _U64 if key not in ("numa_node", "host_flags") else 1 << 31)
     return out

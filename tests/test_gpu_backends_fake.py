@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -77,6 +80,30 @@ def test_host_pool_gives_pinned_host_memory(fake_cuda) -> None:
         pool.free(a)
         with pytest.raises(ValueError):
             pool.alloc(10, device=1)  # the host is device 0 only
+
+
+def test_host_pool_on_another_device_never_touches_device_0(fake_cuda) -> None:
+    # a torchrun rank using cuda:1 must not create a context on GPU 0; the
+    # fake counts primary-context retains per device (a fresh process, as
+    # the session's fake has served device 0 already)
+    path, _ = fake_cuda
+    code = (
+        "import ctypes, sys, gpumempool as gmp\n"
+        "fake = ctypes.CDLL(sys.argv[1])\n"
+        "with gmp.MemPool('host', libcuda=sys.argv[1], host_device='cuda:1') as pool:\n"
+        "    a = pool.alloc(10000)\n"
+        "    ctypes.memset(a, 1, 10000)\n"
+        "    pool.free(a)\n"
+        "    print(fake.fake_cuda_retained(0), fake.fake_cuda_retained(1))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONSAFEPATH": "1"}, cwd="/")
+    assert r.returncode == 0, r.stderr
+    dev0, dev1 = map(int, r.stdout.split())
+    assert dev0 == 0 and dev1 >= 1
+    for bad in (-1, 7, "cpu"):
+        with pytest.raises(ValueError):
+            gmp.MemPool("host", libcuda=path, host_device=bad)
 
 
 def test_nccl_pool(fake_cuda, fake_nccl) -> None:

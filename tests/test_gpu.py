@@ -90,6 +90,17 @@ def test_vmm_expandable_grows_without_moving() -> None:
         assert (as_array(a, 3 * MiB).get() == 9).all()
         s = pool.stats()
         assert s["segment.all.current"] == 1 and s["num_expansions"] >= 1
+        # the free end goes back (cuMemUnmap + cuMemRelease of whole chunks)
+        # and the range grows again in place
+        reserved = s["reserved_bytes.all.current"]
+        pool.free(b)
+        assert pool.empty_cache() > 0
+        assert pool.stats()["reserved_bytes.all.current"] < reserved
+        c = pool.alloc(3 * MiB)
+        assert c == b
+        as_array(c, 3 * MiB)[:] = 5
+        cp.cuda.Device(0).synchronize()
+        assert (as_array(a, 3 * MiB).get() == 9).all() and (as_array(c, 3 * MiB).get() == 5).all()
 
 
 def test_host_memory_is_pinned() -> None:

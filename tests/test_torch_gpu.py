@@ -352,14 +352,18 @@ def test_full_replacement() -> None:
         assert out["last_error"]
 
 
-def test_full_replacement_cuda_graph_keeps_its_memory_private() -> None:
+@pytest.mark.parametrize("backend", [b for b in ("cuda", "vmm", "async") if b in gmp.backends()])
+def test_full_replacement_cuda_graph_keeps_its_memory_private(backend: str) -> None:
     """A graph captured in full-replacement mode frees its intermediates into
     a private pool: tensors made after the capture never share memory with
-    it, so replays leave them alone; the pool goes once the graph does."""
+    it, so replays leave them alone. A second graph captured into the same
+    pool keeps it after the first graph is gone (torch releases the pool once
+    per graph); the pool goes when both are. The async backend takes the
+    segments needed during a capture on a private stream."""
     out = run_script(
         """
         import gc, json, torch, gpumempool as gmp
-        pool = gmp.MemPool("cuda")
+        pool = gmp.MemPool(BACKEND)
         hooks = gmp.set_torch_allocator(pool)
         n = 1 << 20
         static_in = torch.randn(n, device="cuda")
@@ -374,22 +378,39 @@ def test_full_replacement_cuda_graph_keeps_its_memory_private() -> None:
             tmp = static_in * 2          # an intermediate freed inside the capture
             static_out = tmp.sin() + 1
             del tmp
+        g2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g2, pool=g.pool()):  # shares g's private pool
+            tmp2 = static_in * 3
+            static_out2 = tmp2.cos() - 1
+            del tmp2
         res = {"hooks": list(hooks), "pools_after_capture": pool.graph_pools()}
         others = [torch.full((n,), 7.0, device="cuda") for _ in range(16)]
         static_in.copy_(torch.randn(n, device="cuda"))
         for _ in range(3):
             g.replay()
+            g2.replay()
         torch.cuda.synchronize()
         res["others_intact"] = all(bool((o == 7.0).all()) for o in others)
         res["graph_correct"] = bool(torch.allclose(static_out, (static_in * 2).sin() + 1))
         del g, static_out
         gc.collect()
         torch.cuda.synchronize()
+        res["pools_after_first_release"] = pool.graph_pools()
+        later = [torch.full((n,), 5.0, device="cuda") for _ in range(16)]
+        static_in.copy_(torch.randn(n, device="cuda"))
+        g2.replay()
+        torch.cuda.synchronize()
+        res["later_intact"] = all(bool((o == 5.0).all()) for o in later)
+        res["graph2_correct"] = bool(torch.allclose(static_out2, (static_in * 3).cos() - 1))
+        del g2, static_out2
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         res["pools_after_release"] = pool.graph_pools()
         res["hook_errors"] = gmp.torch.hook_errors()
         res["last_error"] = pool.last_error()
         print(json.dumps(res))
-        """
+        """.replace("BACKEND", repr(backend))
     )
     print("\n", out)
     assert out["hook_errors"] == [] and out["last_error"] is None
@@ -398,6 +419,8 @@ def test_full_replacement_cuda_graph_keeps_its_memory_private() -> None:
     assert len(out["pools_after_capture"]) == 1 and out["pools_after_capture"][0]["reserved_bytes"] > 0
     assert out["others_intact"], "a replay overwrote a tensor allocated after the capture"
     assert out["graph_correct"]
+    assert len(out["pools_after_first_release"]) == 1, "g2 still uses the pool"
+    assert out["later_intact"] and out["graph2_correct"]
     assert out["pools_after_release"] == []
 
 

@@ -239,23 +239,10 @@ class CacheScope:
         with self._lock:
             if self._active and not _closing:
                 raise ScopeError(f"cache scope {self.name!r} is entered; invalidate it after the with block")
-        if _closing:
-            # MemPool.close: torch's pools were released already
-            # (gpumempool.torch.forget_pool), the pool goes away next.
-            with self._lock:
-                blocks = [(ptr, key[0]) for key, ptrs in self._free.items() for ptr in ptrs]
-                self._free.clear()
-                self._order.clear()
-                self._prev.clear()
-                self.invalidated = True
-            for ptr, _ in blocks:
-                try:
-                    self.pool.free(ptr)
-                except Exception:  # noqa: BLE001 - the pool is closing; its close reports the rest
-                    pass
-            return sum(size for _, size in blocks)
-        if self._torch_tag is not None:
-            # raises PoolInUseError, touching nothing, while its tensors are alive
+        if not _closing and self._torch_tag is not None:
+            # raises PoolInUseError, touching nothing, while its tensors are
+            # alive (when the pool closes, torch's pools were released
+            # already: gpumempool.torch.forget_pool)
             _gmp_torch.release(self.pool, tag=self._torch_tag)
         with self._lock:
             blocks = [(ptr, key[0]) for key, ptrs in self._free.items() for ptr in ptrs]
@@ -264,7 +251,12 @@ class CacheScope:
             self._prev.clear()
             self.invalidated = True
         for ptr, _ in blocks:
-            self.pool.free(ptr)
+            try:
+                self.pool.free(ptr)
+            except Exception:  # noqa: BLE001
+                if not _closing:
+                    raise
+                # the pool is closing; its close reports the rest
         return sum(size for _, size in blocks)
 
     def _enter(self) -> None:

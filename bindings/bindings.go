@@ -360,10 +360,6 @@ func PoolGraphPools(id int64) (js string, err error) {
 // (for torch's full replacement, which does not check for NULL).
 func PoolSymbols(id int64, throwing bool) (names string, err error) {
 	defer guard(&err)
-	slot, err := slotOf(id)
-	if err != nil {
-		return "", err
-	}
 	if throwing {
 		// For full replacement: torch calls these for the rest of the
 		// process, so the slot is never handed to another pool.
@@ -371,8 +367,15 @@ func PoolSymbols(id int64, throwing bool) (names string, err error) {
 		if err != nil {
 			return "", err
 		}
-		e.PinSlot()
+		slot, err := registry.AssignPinnedSlot(e)
+		if err != nil {
+			return "", err
+		}
 		return fmt.Sprintf("gmp_alloc_or_throw_%d,gmp_free_%d", slot, slot), nil
+	}
+	slot, err := slotOf(id)
+	if err != nil {
+		return "", err
 	}
 	return fmt.Sprintf("gmp_alloc_%d,gmp_free_%d", slot, slot), nil
 }

@@ -91,13 +91,21 @@ func (p *Pool) trimLocked(d *deviceState, keep uint64) (uint64, error) {
 }
 
 // shrinkable is how many bytes at the end of s are free whole granules: an
-// expandable segment, partly in use, whose last block is free.
+// expandable segment, partly in use, whose last block is free. The
+// granularity may have grown since s was made (a backend learns a device's
+// only when it first uses it), so s.size need not be a multiple of it: the
+// tail is rounded down to whole granules, and may be none.
 func (p *Pool) shrinkable(s *segment) uint64 {
 	last := s.last
 	if !s.expandable || !last.inFree || last.prev == nil {
 		return 0 // wholly free segments are released whole
 	}
-	return s.size - roundUp(last.addr-s.addr, p.expander.Granularity())
+	g := p.expander.Granularity()
+	keep := roundUp(last.addr-s.addr, g)
+	if keep >= s.size {
+		return 0
+	}
+	return (s.size - keep) / g * g
 }
 
 // shrinkableSegments lists the segments of d with a free tail to give back,

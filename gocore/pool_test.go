@@ -1178,3 +1178,47 @@ func TestExpandableShrinkPartialAndFailing(t *testing.T) {
 	require.NoError(t, err)
 	assert.Zero(t, released)
 }
+
+// growingGranularity is a sim backend whose granularity grows after
+// segments exist, as the vmm backend's does when it first meets a device
+// with a coarser one.
+type growingGranularity struct {
+	*SimBackend
+	g     uint64
+	asked []uint64
+}
+
+func (b *growingGranularity) Granularity() uint64 { return b.g }
+
+func (b *growingGranularity) Shrink(dev int, addr, size, less uint64, st Stream) (uint64, error) {
+	b.asked = append(b.asked, less)
+	return b.SimBackend.Shrink(dev, addr, size, less, st)
+}
+
+// A segment made in 2 MiB granules, its tail then measured in 4 MiB ones:
+// no underflow (6 MiB - 8 MiB), and only whole new granules are asked for.
+func TestShrinkableTailAfterTheGranularityGrew(t *testing.T) {
+	sim, err := NewSimBackend(SimConfig{Expandable: true, Granularity: 2 * MiB})
+	require.NoError(t, err)
+	be := &growingGranularity{SimBackend: sim, g: 2 * MiB}
+	p, err := NewPool(Config{Backend: be})
+	require.NoError(t, err)
+	a := mustAlloc(t, p, 5*MiB, 0, 0) // a 6 MiB segment with a 1 MiB free tail
+	be.g = 4 * MiB
+	n, err := p.EmptyCache()
+	require.NoError(t, err)
+	assert.Zero(t, n)
+	assert.Empty(t, be.asked, "no whole 4 MiB granule is free")
+	b := mustAlloc(t, p, 5*MiB, 0, 0) // grows the segment by a 4 MiB granule
+	require.NoError(t, p.Free(b))
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	for _, less := range be.asked {
+		assert.Zero(t, less%(4*MiB), "asked %d", less)
+	}
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.CheckInvariants())
+	_, err = p.Close()
+	require.NoError(t, err)
+	assert.Zero(t, sim.UsedBytes(0))
+}

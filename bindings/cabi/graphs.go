@@ -114,6 +114,8 @@ var (
 	privateBlocks  atomic.Int64
 )
 
+// graphStateOf returns e's graph state, made on first use with create;
+// nil when there is none, or (with create) when e's pool is closed.
 func graphStateOf(e *registry.Entry, create bool) *graphState {
 	graphMu.RLock()
 	g := graphs[e]
@@ -124,6 +126,11 @@ func graphStateOf(e *registry.Entry, create bool) *graphState {
 	graphMu.Lock()
 	defer graphMu.Unlock()
 	if g = graphs[e]; g == nil {
+		if e.Pool.Closed() {
+			// PoolClose closes the pool before CloseGraphPools, which
+			// removes the state under graphMu: no state may appear after.
+			return nil
+		}
 		g = &graphState{pools: map[poolKey]*privatePool{}, uses: map[poolKey]int{}, retired: map[int]gocore.Stats{}}
 		graphs[e] = g
 	}
@@ -379,10 +386,10 @@ func beginCapture(e *registry.Entry, device int, id graphPoolID, f streamFilter)
 			f.release()
 		}
 	}()
-	if e.Pool.Closed() {
+	g := graphStateOf(e, true)
+	if g == nil {
 		return fmt.Errorf("device %d, pool (%d, %d): %w", device, id[0], id[1], gocore.ErrClosed)
 	}
-	g := graphStateOf(e, true)
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.closed { // CloseGraphPools ran between the two checks

@@ -357,6 +357,7 @@ func TestGraphBeginAfterClose(t *testing.T) {
 	require.ErrorIs(t, err, gocore.ErrClosed)
 	assert.EqualValues(t, 1, released.Load())
 	assert.Equal(t, before, activeCaptures.Load())
+	assert.Nil(t, graphStateOf(e, false), "no state appears for a closed pool")
 	_, err = AllocFor(e, mib, 0, 0x10)
 	require.ErrorIs(t, err, gocore.ErrClosed)
 

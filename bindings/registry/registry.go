@@ -39,7 +39,7 @@ type Entry struct {
 	PanicNext atomic.Bool
 
 	slot    atomic.Int32 // -1 when none
-	pinned  atomic.Bool  // the slot is never reused (PinSlot)
+	pinned  atomic.Bool  // the slot is never reused (AssignPinnedSlot)
 	lastErr atomic.Pointer[string]
 }
 
@@ -56,11 +56,6 @@ func (e *Entry) TakeError() string {
 
 // Slot returns the entry's C slot, or -1.
 func (e *Entry) Slot() int { return int(e.slot.Load()) }
-
-// PinSlot keeps the entry's slot from ever serving another pool, even after
-// this one is closed: for entry points torch calls for the rest of the
-// process (full replacement).
-func (e *Entry) PinSlot() { e.pinned.Store(true) }
 
 // Slots are handed out least recently used first, and a slot is reused
 // only when nothing can call it for the pool that held it: torch keeps the
@@ -167,11 +162,22 @@ func All() []*Entry {
 }
 
 // AssignSlot gives the entry a C slot (the same one on every call).
-func AssignSlot(e *Entry) (int, error) {
+func AssignSlot(e *Entry) (int, error) { return assignSlot(e, false) }
+
+// AssignPinnedSlot is AssignSlot for entry points torch calls for the rest
+// of the process (full replacement): the slot will never serve another
+// pool, even after this one is closed. The pin is set under the registry's
+// lock, so a concurrent close cannot free the slot first.
+func AssignPinnedSlot(e *Entry) (int, error) { return assignSlot(e, true) }
+
+func assignSlot(e *Entry, pin bool) (int, error) {
 	mu.Lock()
 	defer mu.Unlock()
 	if pools[e.ID] != e {
 		return -1, fmt.Errorf("assign C entry points to pool handle %d: %w", e.ID, ErrNoSuchPool)
+	}
+	if pin {
+		e.pinned.Store(true)
 	}
 	if s := e.slot.Load(); s >= 0 {
 		return int(s), nil

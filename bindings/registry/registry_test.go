@@ -69,7 +69,9 @@ func TestSlotsRetired(t *testing.T) {
 	require.NoError(t, err)
 	sp, err := AssignSlot(pinned)
 	require.NoError(t, err)
-	pinned.PinSlot()
+	again, err := AssignPinnedSlot(pinned) // pinning a slot it holds already
+	require.NoError(t, err)
+	require.Equal(t, sp, again)
 
 	require.Same(t, leaky, Unregister(leaky.ID))
 	assert.Nil(t, Unregister(leaky.ID), "a second close finds nothing")

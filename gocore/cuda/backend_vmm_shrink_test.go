@@ -438,3 +438,28 @@ func TestVMMBackendShrinkRacesExportsThroughPool(t *testing.T) {
 	require.NoError(t, be.Close())
 	assert.Zero(t, f.VMMObjects())
 }
+
+// A device whose granularity (4 MiB) is coarser than the 2 MiB the engine
+// sized its first segment with before the device was known: releasing the
+// cache works (the tail is measured in whole 4 MiB granules), and the
+// segment grows and goes back cleanly.
+func TestVMMBackendShrinkWithCoarserDeviceGranularity(t *testing.T) {
+	f, drv := setup(t)
+	f.SetGranularity(2*mib, 4*mib)
+	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	p := newPool(t, be)
+	a, err := p.Alloc(5*mib, 0, 0) // the engine's segment is 6 MiB; the backend maps 8
+	require.NoError(t, err)
+	_, err = p.EmptyCache()
+	require.NoError(t, err, "a live block and a free tail smaller than a granule")
+	b, err := p.Alloc(6*mib, 0, 0)
+	require.NoError(t, err)
+	require.NoError(t, p.Free(b))
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	require.NoError(t, p.CheckInvariants())
+	require.NoError(t, p.Free(a))
+	closePool(t, p)
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.VMMObjects())
+}

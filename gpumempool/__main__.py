@@ -8,6 +8,7 @@ long work shows a progress bar on stderr unless ``--json`` or
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -185,21 +186,21 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     try:
         policy = parse_policy(args.policy or [])
     except ValueError as exc:
-        return _fail(f"--policy: {exc}", 2)
+        return _fail(f"--policy: {exc}", 2, json_out=args.json)
     try:
         trace = _load_trace(args.trace, args)
     except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError) as exc:
-        return _fail(str(exc))
+        return _fail(str(exc), json_out=args.json)
     if args.save_trace:
         try:
             trace.save(args.save_trace)
         except OSError as exc:
-            return _fail(f"--save-trace: {exc}")
+            return _fail(f"--save-trace: {exc}", json_out=args.json)
     with Progress("replay", unit="ev", enabled=not (args.json or args.no_progress), total=len(trace)) as bar:
         try:
             result = replay(trace, policy, progress=bar, recorded_policy=not args.no_recorded_policy)
         except (ValueError, TypeError) as exc:
-            return _fail(str(exc), 2)
+            return _fail(str(exc), 2, json_out=args.json)
     if args.json:
         out = result.as_dict()
         out["trace"] = {"path": args.trace, "meta": trace.meta, "counts": trace.counts()}
@@ -237,15 +238,15 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
     if is_trace_file(args.snapshot):
         return _fail(f"{args.snapshot} is a gmptrace file; plot reads snapshot pickles "
-                     "(gmp.dump_snapshot or torch.cuda.memory._dump_snapshot)", 2)
+                     "(gmp.dump_snapshot or torch.cuda.memory._dump_snapshot)", 2, json_out=args.json)
     with Progress("plot", unit="ev", enabled=not (args.json or args.no_progress)) as bar:
         try:
             summary = plot_snapshot(args.snapshot, args.output, title=args.title,
                                     max_segments=args.max_segments, progress=bar)
         except MissingDependencyError as exc:
-            return _fail(str(exc), 2)
+            return _fail(str(exc), 2, json_out=args.json)
         except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError) as exc:
-            return _fail(str(exc))
+            return _fail(str(exc), json_out=args.json)
     if args.json:
         _print_json(summary)
     else:
@@ -425,6 +426,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
+    except BrokenPipeError:
+        # The reader went away (`... --json | head`): nothing more to say to
+        # it, and nothing for Python to complain about when it flushes stdout
+        # at exit. 141 is what a shell reports for SIGPIPE.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (OSError, ValueError, ArithmeticError, RecursionError, EOFError, pickle.PickleError, zlib.error) as exc:
         # Bad input the command did not report itself: an error, not a traceback.
         return _fail(f"{type(exc).__name__}: {str(exc)[:500]}", json_out=bool(getattr(args, "json", False)))

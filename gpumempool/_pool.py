@@ -40,6 +40,12 @@ _open_lock = threading.Lock()
 _callback_refs: dict[int, tuple[Any, ...]] = {}
 
 
+#: Set by gpumempool.scope: frees that a finalizer deferred while one of a
+#: pool's Python allocator functions ran (the pool was locked) run after
+#: the native call that ran it.
+_after_native_call: Optional[Callable[[], None]] = None
+
+
 def open_pools() -> list["MemPool"]:
     """The MemPool objects of this process that are not closed, oldest first."""
     with _open_lock:
@@ -430,6 +436,8 @@ class MemPool:
             raise err from None
         finally:
             self._callback_errors.end(errs)
+            if not self._callback_errors._tls.depth and _after_native_call is not None:
+                _after_native_call()
         return result, errs
 
     def _refuse_reentry(self) -> None:

@@ -93,9 +93,13 @@ def allocator(pool: MemPool, device: Any = None) -> Callable[[int], Any]:
             return cuda.MemoryPointer(cuda.UnownedMemory(0, 0, None, dev), 0)
         stream = int(cuda.get_current_stream().ptr or 0)
         ptr = _scope.alloc(pool, int(size), dev, stream)
+        owner = _Block(pool, ptr)
         try:
-            mem = cuda.UnownedMemory(ptr, int(size), _Block(pool, ptr), dev)
+            mem = cuda.UnownedMemory(ptr, int(size), owner, dev)
         except BaseException:
+            # freed here, so the owner (alive in the traceback) must not
+            # free it again later, maybe someone else's block by then
+            owner.ptr = 0
             _scope.free(pool, ptr)
             raise
         return cuda.MemoryPointer(mem, 0)

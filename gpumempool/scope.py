@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from . import torch as _gmp_torch
 from ._errors import GpuMemPoolError, InvalidArgumentError, InvalidPointerError
+from . import _pool as _pool_module
 from ._pool import MemPool, _device_index, as_stream
 
 __all__ = ["CacheScope", "ScopeError", "active_scope", "alloc", "cache_scope", "free", "invalidate"]
@@ -97,16 +98,28 @@ class _Lock:
             _run_deferred()
 
 
+def _in_callback(pool: MemPool) -> bool:
+    """Whether one of pool's Python allocator functions runs on this thread
+    (the engine holds the pool's lock: the pool must not be called)."""
+    errors = getattr(pool, "_callback_errors", None)
+    return errors is not None and errors.inside()
+
+
 def _run_deferred() -> None:
     if getattr(_held, "draining", False):
         return
     _held.draining = True
+    later = []
     try:
         while True:
             try:
-                pool, ptr, on_error = _deferred.popleft()
+                entry = _deferred.popleft()
             except IndexError:
                 return
+            pool, ptr, on_error = entry
+            if _in_callback(pool):
+                later.append(entry)  # freed once that function has returned
+                continue
             try:
                 free(pool, ptr)
             except Exception as exc:  # noqa: BLE001 - a finalizer's free: reported to it
@@ -114,7 +127,18 @@ def _run_deferred() -> None:
                     with contextlib.suppress(Exception):
                         on_error(exc)
     finally:
+        _deferred.extend(later)
         _held.draining = False
+
+
+def _after_native_call() -> None:
+    """Run by MemPool after a native call of a pool with Python allocator
+    functions: frees deferred while one of them ran can go now."""
+    if _deferred and not getattr(_held, "depth", 0):
+        _run_deferred()
+
+
+_pool_module._after_native_call = _after_native_call
 
 
 def free_from_finalizer(
@@ -123,7 +147,9 @@ def free_from_finalizer(
     """:func:`free` for a ``__del__``: done now, or, when the calling thread
     is inside this module's locks (the cyclic GC ran the finalizer there), as
     soon as it leaves them. Never raises: a failed free calls ``on_error``."""
-    if getattr(_held, "depth", 0):
+    if getattr(_held, "depth", 0) or _in_callback(pool):
+        # inside this module's locks, or inside one of the pool's own
+        # allocator functions (the GC ran the finalizer there)
         _deferred.append((pool, ptr, on_error))
         return
     try:

@@ -4,6 +4,7 @@ with torch's pluggable-allocator signatures."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import subprocess
 import sys
 import textwrap
@@ -534,3 +535,43 @@ def test_ctypes_wrapped_python_function_that_cannot_be_unwrapped_is_refused(monk
     monkeypatch.setattr(_callbacks.gc, "get_referents", lambda *objs: [])
     with pytest.raises(TypeError, match="pass the Python function itself"):
         gmp.MemPool(alloc=gmp.ALLOC_FN(lambda s, d, st: None), free=gmp.FREE_FN(lambda *a: None))
+
+
+def test_finalizer_free_inside_the_pools_own_callback_is_deferred() -> None:
+    # The cyclic GC may run a block owner's __del__ (gpumempool.cupy's) while
+    # the pool's own Python allocator function runs, with the engine's lock
+    # held: the free waits for the native call to return instead of failing
+    # (CallbackReentryError) and leaking the block.
+    from gpumempool import scope
+
+    bufs: dict[int, ctypes.Array] = {}
+
+    def alloc(size: int, device: int, stream: int) -> int:
+        gc.collect()  # stands for any allocation that triggers the cyclic GC
+        b = ctypes.create_string_buffer(size)
+        bufs[ctypes.addressof(b)] = b
+        return ctypes.addressof(b)
+
+    def free(ptr: int, size: int, device: int, stream: int) -> None:
+        bufs.pop(ptr, None)
+
+    errors: list[BaseException] = []
+    with gmp.MemPool(alloc=alloc, free=free) as pool:
+
+        class Owner:  # garbage in a reference cycle
+            def __init__(self, ptr: int) -> None:
+                self.ptr, self.me = ptr, self
+
+            def __del__(self) -> None:
+                scope.free_from_finalizer(pool, self.ptr, errors.append)
+
+        gc.disable()
+        try:
+            p = pool.alloc(1 << 20)
+            Owner(p)
+            q = pool.alloc(4 << 20)  # a new segment: alloc runs, the GC runs __del__ inside it
+        finally:
+            gc.enable()
+        assert errors == []
+        assert pool.stats()["allocated_bytes.all.current"] == 4 << 20, "p was freed once alloc returned"
+        pool.free(q)

@@ -172,6 +172,24 @@ def test_source_digest_is_the_same_on_the_device(tmp_path: Path) -> None:
 
 
 @needs_bash
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_source_digest_counts_files_with_unusual_names(tmp_path: Path) -> None:
+    # git quotes such names unless told not to: they must count, the same
+    # way with git and without
+    repo = tmp_path / "repo"
+    (repo / "gpumempool").mkdir(parents=True)
+    (repo / "gpumempool" / "caf\u00e9 x.py").write_text("a = 1\n")
+    (repo / "go.mod").write_text("module x\n")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    before = source_digest(repo, tmp_path)
+    (repo / "gpumempool" / "caf\u00e9 x.py").write_text("a = 2\n")
+    with_git = source_digest(repo, tmp_path)
+    assert with_git != before, "the file counts"
+    shutil.rmtree(repo / ".git")
+    assert source_digest(repo, tmp_path) == with_git, "find sees what git lists"
+
+
+@needs_bash
 def test_gpu_check_arguments(tmp_path: Path) -> None:
     r = gpu_check(tmp_path, "bogus")
     assert r.returncode == 2 and "unknown stage or group 'bogus'" in r.stderr

@@ -367,3 +367,25 @@ def test_bench_json_without_a_checkout_prints_a_json_error(tmp_path: Path, capsy
     rc = main(["bench", "--json", "--root", str(tmp_path)])
     out, err = capsys.readouterr()
     assert rc == 2 and "error" in json.loads(out) and "no" in err
+
+
+def test_json_callers_always_get_json_on_errors(tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing.pickle")
+    for cmd in (["replay", missing, "--json"], ["replay", missing, "--json", "--policy", "bogus=1"],
+                ["plot", missing, "-o", str(tmp_path / "x.png"), "--json"]):
+        r = run_cli(*cmd)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, (cmd, r.stderr)
+        assert "error" in json.loads(r.stdout), cmd
+
+
+def test_a_reader_that_goes_away_is_no_error() -> None:
+    # `python -m gpumempool replay T --json | head -1`: a broken pipe ends the
+    # command quietly (status 141, as a shell reports SIGPIPE), no traceback
+    trace = str(ROOT / "benchmarks" / "traces" / "demo-synthetic.trace.gz")
+    proc = subprocess.Popen([sys.executable, "-m", "gpumempool", "replay", trace, "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd="/", env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader goes away before the JSON is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err

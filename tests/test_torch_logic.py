@@ -1416,6 +1416,30 @@ def test_cupy_inside_a_cache_scope(monkeypatch, sim):
     assert allocated(sim) == 0
 
 
+def test_cupy_failed_wrap_frees_the_block_once(monkeypatch, sim):
+    # UnownedMemory raising: the block is freed there, and the owner that
+    # the traceback keeps alive must not free it again later (by then the
+    # address may be another allocation's)
+    cp = make_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+
+    def refuse(ptr: int, size: int, owner: Any, device_id: int = -1) -> None:
+        raise RuntimeError("no")
+
+    cp.cuda.UnownedMemory = refuse
+    with gmp.cupy.using(sim):
+        try:
+            cp.cuda.alloc(1000)
+        except RuntimeError as exc:
+            kept = exc  # keeps the frame, and the owner, alive
+    assert allocated(sim) == 0
+    again = sim.alloc(1000)  # the same address comes back
+    del kept
+    gc.collect()
+    assert allocated(sim) == 1024, "the owner freed someone else's block"
+    sim.free(again)
+
+
 def test_cupy_free_after_close_is_swallowed(monkeypatch):
     cp = make_cupy()
     monkeypatch.setitem(sys.modules, "cupy", cp)

@@ -13,12 +13,14 @@ GMP_SOURCE_PATHS=(bindings gocore gpumempool setup.py pyproject.toml go.mod go.s
 source_digest() {
   (
     cd "$ROOT" || exit 1
+    # NUL-separated names: git would quote unusual ones ("\303\251.py"),
+    # which then name no file
     if git rev-parse --git-dir >/dev/null 2>&1; then
-      git ls-files -co --exclude-standard -- "${GMP_SOURCE_PATHS[@]}"
+      git ls-files -z -co --exclude-standard -- "${GMP_SOURCE_PATHS[@]}"
     else
-      find "${GMP_SOURCE_PATHS[@]}" -type f ! -path '*/__pycache__/*' 2>/dev/null
-    fi | LC_ALL=C sort -u | while IFS= read -r f; do
-      [[ -f "$f" ]] && printf '%s  %s\n' "$(sha256sum <"$f" | cut -c1-64)" "$f"
+      find "${GMP_SOURCE_PATHS[@]}" -type f ! -path '*/__pycache__/*' -print0 2>/dev/null
+    fi | LC_ALL=C sort -zu | while IFS= read -r -d '' f; do
+      if [[ -f "$f" ]]; then printf '%s  %s\n' "$(sha256sum <"$f" | cut -c1-64)" "$f"; fi
     done | sha256sum | cut -c1-16
   )
 }

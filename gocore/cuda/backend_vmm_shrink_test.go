@@ -122,11 +122,7 @@ func TestVMMBackendShrinkOnOutOfMemory(t *testing.T) {
 	assert.EqualValues(t, 1, st.NumAllocRetries)
 	assert.EqualValues(t, 14*mib, st.ReservedBytes[0].Current)
 	assert.EqualValues(t, 14*mib, f.LiveBytes(0))
-	require.NoError(t, p.Free(a))
-	require.NoError(t, p.Free(c))
-	closePool(t, p)
-	require.NoError(t, be.Close())
-	assert.Zero(t, f.VMMObjects())
+	freeAndClose(t, f, be, p, a, c)
 }
 
 // So does setting a release threshold.
@@ -142,10 +138,7 @@ func TestVMMBackendShrinkOnReleaseThreshold(t *testing.T) {
 	require.NoError(t, p.SetReleaseThreshold(2*mib))
 	assert.EqualValues(t, 4*mib, f.LiveBytes(0), "the tail went")
 	assert.EqualValues(t, 4*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
-	require.NoError(t, p.Free(a))
-	closePool(t, p)
-	require.NoError(t, be.Close())
-	assert.Zero(t, f.VMMObjects())
+	freeAndClose(t, f, be, p, a)
 }
 
 // The Shrinker contract, directly.
@@ -329,11 +322,7 @@ func TestVMMBackendShrinkFailureThroughPool(t *testing.T) {
 	c, err := p.Alloc(8*mib, 0, 0)
 	require.NoError(t, err)
 	assert.Equal(t, b, c, "grown again where it was")
-	require.NoError(t, p.Free(a))
-	require.NoError(t, p.Free(c))
-	closePool(t, p)
-	require.NoError(t, be.Close())
-	assert.Zero(t, f.VMMObjects())
+	freeAndClose(t, f, be, p, a, c)
 }
 
 // A Shrink racing a Free and exports of its segment: each either goes
@@ -433,10 +422,7 @@ func TestVMMBackendShrinkRacesExportsThroughPool(t *testing.T) {
 	require.NoError(t, err)
 	assert.EqualValues(t, 2*mib, f.LiveBytes(0), "only the head's chunk is left")
 	assert.EqualValues(t, 2*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
-	require.NoError(t, p.Free(head))
-	closePool(t, p)
-	require.NoError(t, be.Close())
-	assert.Zero(t, f.VMMObjects())
+	freeAndClose(t, f, be, p, head)
 }
 
 // A device whose granularity (4 MiB) is coarser than the 2 MiB the engine
@@ -458,7 +444,16 @@ func TestVMMBackendShrinkWithCoarserDeviceGranularity(t *testing.T) {
 	_, err = p.EmptyCache()
 	require.NoError(t, err)
 	require.NoError(t, p.CheckInvariants())
-	require.NoError(t, p.Free(a))
+	freeAndClose(t, f, be, p, a)
+}
+
+// freeAndClose frees blocks, closes the pool and the backend, and checks
+// that the driver holds no VMM object any more.
+func freeAndClose(t *testing.T, f *fakecuda.Fake, be *VMMBackend, p *gocore.Pool, blocks ...uint64) {
+	t.Helper()
+	for _, b := range blocks {
+		require.NoError(t, p.Free(b))
+	}
 	closePool(t, p)
 	require.NoError(t, be.Close())
 	assert.Zero(t, f.VMMObjects())

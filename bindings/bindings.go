@@ -304,7 +304,8 @@ func PoolCheck(id int64) (err error) {
 }
 
 // PoolClose closes the pool and forgets its handle; it returns the close
-// report as JSON (live blocks, bytes freed).
+// report as JSON (live blocks, bytes freed, and the errors met on the way:
+// the pool is closed even then). Only an unknown handle is an error.
 func PoolClose(id int64) (js string, err error) {
 	defer guard(&err)
 	// Only the caller that unregisters the handle closes the pool (two
@@ -333,9 +334,15 @@ func PoolClose(id int64) (js string, err error) {
 	if rep.LiveBlocks == nil {
 		rep.LiveBlocks = []gocore.LiveBlock{}
 	}
-	out, merr := marshal(map[string]any{"live_blocks": rep.LiveBlocks, "live_bytes": rep.LiveBytes,
-		"segments_freed": rep.SegmentsFreed, "bytes_freed": rep.BytesFreed})
-	return out, errors.Join(err, merr)
+	// The pool is closed whatever failed: the failures go in the report
+	// ("errors"), which an error return would lose (gopy raises instead of
+	// returning both).
+	problems := []string{}
+	if err != nil {
+		problems = append(problems, err.Error())
+	}
+	return marshal(map[string]any{"live_blocks": rep.LiveBlocks, "live_bytes": rep.LiveBytes,
+		"segments_freed": rep.SegmentsFreed, "bytes_freed": rep.BytesFreed, "errors": problems})
 }
 
 // PoolGraphPools lists, as JSON, the private pools torch allocated into

@@ -36,7 +36,9 @@ type history struct {
 }
 
 // RecordHistory turns event recording on (keeping at most maxEntries, the
-// oldest dropped first) or off (dropping what was recorded).
+// oldest dropped first) or off (dropping what was recorded). Turning it on
+// while it is on keeps what was recorded (the newest maxEntries of it), as
+// torch's _record_memory_history does.
 func (p *Pool) RecordHistory(enabled bool, maxEntries int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -44,7 +46,14 @@ func (p *Pool) RecordHistory(enabled bool, maxEntries int) {
 		p.hist = nil
 		return
 	}
-	p.hist = &history{entries: make([]TraceEntry, 0, min(maxEntries, 1<<16))}
+	var kept []TraceEntry
+	if p.hist != nil {
+		kept = p.historyLocked()
+		kept = kept[max(0, len(kept)-maxEntries):]
+	}
+	h := &history{entries: make([]TraceEntry, 0, min(maxEntries, max(1<<16, len(kept))))}
+	h.entries = append(h.entries, kept...)
+	p.hist = h
 	p.histMax = maxEntries
 }
 
@@ -52,6 +61,10 @@ func (p *Pool) RecordHistory(enabled bool, maxEntries int) {
 func (p *Pool) History() []TraceEntry {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	return p.historyLocked()
+}
+
+func (p *Pool) historyLocked() []TraceEntry {
 	h := p.hist
 	if h == nil {
 		return nil

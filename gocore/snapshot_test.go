@@ -69,6 +69,15 @@ func TestHistoryRecordsEventsInOrder(t *testing.T) {
 	assert.EqualValues(t, 8*MiB, oom.DeviceFree)
 	assert.EqualValues(t, 100*MiB, oom.Size)
 
+	// Turning recording on again keeps what was recorded, the newest first
+	// to go when the new bound is smaller.
+	p.RecordHistory(true, 100)
+	require.Len(t, p.History(), 7)
+	p.RecordHistory(true, 2)
+	kept := p.History()
+	require.Len(t, kept, 2)
+	assert.Equal(t, ActionOOM, kept[1].Action)
+
 	// A ring: only the newest entries are kept, oldest first.
 	p.RecordHistory(true, 3)
 	for range 5 {

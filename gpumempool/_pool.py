@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import os
 import threading
+import time
 import weakref
 import warnings
 from dataclasses import dataclass, field
@@ -38,6 +40,11 @@ _open_lock = threading.Lock()
 #: still be called, e.g. by torch), so its callbacks must stay callable.
 #: close() drops the entry.
 _callback_refs: dict[int, tuple[Any, ...]] = {}
+
+
+def _now_us() -> int:
+    """Wall-clock microseconds, the clock of the engine's history."""
+    return time.time_ns() // 1000
 
 
 #: Set by gpumempool.scope: frees that a finalizer deferred while one of a
@@ -313,7 +320,13 @@ class MemPool:
         self._report: Optional[CloseReport] = None
         self._keep: list[Any] = []
         self._py_callbacks = False  # errors of Python callbacks need checking
-        self._frames: Optional[dict[int, list[dict[str, Any]]]] = None  # addr -> alloc stack
+        # With record_history(stacks=True): the Python stack of each live
+        # block allocated through this API (addr -> frames, dropped at free),
+        # and of each allocation for the history's alloc entries (addr, time
+        # window of the call, frames): an address is reused, so an entry is
+        # matched by the time the engine recorded it.
+        self._frames: Optional[dict[int, list[dict[str, Any]]]] = None
+        self._alloc_frames: "collections.deque[tuple[int, int, int, list[dict[str, Any]]]]" = collections.deque()
         self._frames_max = 0
         # reentrant: a finalizer freeing a block may run (GC) while alloc holds it
         self._frames_lock = threading.RLock()
@@ -400,7 +413,11 @@ class MemPool:
             _open.add(self)
         settings = _snapshot.history_settings()
         if settings is not None:
-            self.record_history(True, max_entries=settings[0], stacks=settings[1])
+            try:
+                self.record_history(True, max_entries=settings[0], stacks=settings[1])
+            except BaseException:
+                self.close()  # no half-made pool left open in the engine
+                raise
 
     # -- plumbing -------------------------------------------------------
 
@@ -478,6 +495,7 @@ class MemPool:
         if type(stream) is not int or not 0 <= stream < _U64:
             stream = as_stream(stream)
         handle = self._id if self._report is None else self._handle()
+        t0 = _now_us() if self._frames is not None else 0
         if self._fast is not None:
             try:
                 ptr = self._fast.alloc(handle, size, device, stream)
@@ -489,7 +507,7 @@ class MemPool:
             ptr = self._native(_b.PoolAlloc, handle, size, device, stream)
         if self._frames is not None:
             try:
-                self._remember_frames(ptr)
+                self._remember_frames(ptr, t0)
             except BaseException:
                 self._free_quietly(ptr)  # never leak the block for bookkeeping
                 raise
@@ -519,6 +537,8 @@ class MemPool:
         return ptr
 
     def _free_quietly(self, ptr: int) -> None:
+        if self._frames is not None:
+            self._forget_frames(ptr)
         try:
             if self._py_callbacks:
                 self._native_collect(_b.PoolFree, self._id, ptr)
@@ -527,16 +547,24 @@ class MemPool:
         except Exception:  # the pool may be closed; nothing more to do
             pass
 
-    def _remember_frames(self, ptr: int) -> None:
+    def _remember_frames(self, ptr: int, t0: int) -> None:
         captured = _snapshot.capture_frames(skip=3)
+        t1 = _now_us()
         with self._frames_lock:
             frames = self._frames
             if frames is None:  # history turned off meanwhile
                 return
-            frames.pop(ptr, None)  # re-insert: the dict stays ordered by recency
             frames[ptr] = captured
-            while len(frames) > self._frames_max:
+            while len(frames) > self._frames_max:  # blocks never freed through this API
                 del frames[next(iter(frames))]
+            self._alloc_frames.append((ptr, t0, t1, captured))
+            while len(self._alloc_frames) > self._frames_max:
+                self._alloc_frames.popleft()
+
+    def _forget_frames(self, ptr: int) -> None:
+        with self._frames_lock:
+            if self._frames is not None:
+                self._frames.pop(ptr, None)
 
     def free(self, ptr: int) -> None:
         """Return the block at ``ptr`` to the pool."""
@@ -550,6 +578,8 @@ class MemPool:
                 raise translate(exc) from None
         else:
             self._native(_b.PoolFree, handle, ptr)
+        if self._frames is not None:
+            self._forget_frames(ptr)
 
     def record_stream(self, ptr: int, stream: Any) -> None:
         """Mark the block at ``ptr`` as used on ``stream``: after it is freed
@@ -687,7 +717,8 @@ class MemPool:
         history = json.loads(self._native(_b.PoolHistory, self._handle()))
         with self._frames_lock:
             frames = dict(self._frames or {})
-        return _snapshot.pool_snapshot(self, raw, history, frames)
+            alloc_frames = list(self._alloc_frames)
+        return _snapshot.pool_snapshot(self, raw, history, frames, alloc_frames)
 
     def segments(self) -> list[dict[str, int]]:
         """The pool's segments: device, address, size, stream."""
@@ -699,7 +730,11 @@ class MemPool:
         """Record this pool's allocator events (see :func:`gpumempool.record_history`)."""
         self._native(_b.PoolRecordHistory, self._handle(), bool(enabled), _check_int("max_entries", max_entries, 1, 1 << 31))
         with self._frames_lock:
-            self._frames = {} if enabled and stacks else None
+            if not (enabled and stacks):
+                self._frames = None
+                self._alloc_frames.clear()
+            elif self._frames is None:
+                self._frames = {}
             self._frames_max = max_entries
 
     # -- IPC ----------------------------------------------------------------
@@ -812,6 +847,7 @@ class MemPool:
             try:
                 out, errs = self._native_collect(_b.PoolClose, self._id)
                 raw = json.loads(out)
+                problems += [f"the engine reported: {e}" for e in raw.get("errors", [])]
             except PoolClosedError:
                 errs = []  # closed through another object or thread
             except Exception as exc:  # noqa: BLE001 - the engine closed the pool anyway

@@ -12,10 +12,13 @@ with the Python stack of each allocation made through the Python API
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
+import tempfile
 import threading
 import traceback
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 if TYPE_CHECKING:
     from ._pool import MemPool
@@ -34,8 +37,12 @@ def capture_frames(skip: int = 2, limit: int = 32) -> list[dict[str, Any]]:
 
 
 def pool_snapshot(pool: "MemPool", raw: dict[str, Any], history: list[dict[str, Any]],
-                  frames: dict[int, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Build torch's snapshot dict from the engine's JSON."""
+                  frames: dict[int, list[dict[str, Any]]],
+                  alloc_frames: Sequence[tuple[int, int, int, list[dict[str, Any]]]] = ()) -> dict[str, Any]:
+    """Build torch's snapshot dict from the engine's JSON. ``frames``: the
+    Python stacks of live blocks by address; ``alloc_frames``: (address,
+    start and end of the call in µs, stack) per allocation, matched to the
+    history's alloc entries by address and time (an address is reused)."""
     name = pool.name
     segments = []
     for s in raw["segments"]:
@@ -68,6 +75,9 @@ def pool_snapshot(pool: "MemPool", raw: dict[str, Any], history: list[dict[str, 
         )
     devices = 1 + max([s["device"] for s in segments] + [e["device"] for e in history] + [-1])
     traces: list[list[dict[str, Any]]] = [[] for _ in range(max(devices, 1))]
+    by_addr: dict[int, list[tuple[int, int, list[dict[str, Any]]]]] = {}
+    for addr, t0, t1, stack in alloc_frames:
+        by_addr.setdefault(addr, []).append((t0, t1, stack))
     for e in history:
         entry = {
             "action": e["action"],
@@ -75,7 +85,7 @@ def pool_snapshot(pool: "MemPool", raw: dict[str, Any], history: list[dict[str, 
             "size": e["size"],
             "stream": e["stream"],
             "time_us": e["time_us"],
-            "frames": frames.get(e["addr"], []) if e["action"] == "alloc" else [],
+            "frames": _alloc_stack(by_addr, e) if e["action"] == "alloc" else [],
         }
         if e["action"] == "oom":
             entry["device_free"] = e.get("device_free", 0)
@@ -86,6 +96,20 @@ def pool_snapshot(pool: "MemPool", raw: dict[str, Any], history: list[dict[str, 
         "allocator_settings": {"pool": name, "backend": pool.backend},
         "fragmentation": raw["fragmentation"],
     }
+
+
+def _alloc_stack(by_addr: dict[int, list[tuple[int, int, list[dict[str, Any]]]]],
+                 e: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stack of the Python call that made alloc entry ``e`` (taken from
+    by_addr), or [] when none did (torch through the C ABI, or not kept)."""
+    calls = by_addr.get(e["addr"])
+    if calls:
+        t = e["time_us"]
+        for i, (t0, t1, stack) in enumerate(calls):
+            if t0 <= t <= t1:
+                del calls[i]
+                return stack
+    return []
 
 
 def merge(snaps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -122,8 +146,25 @@ def dump_snapshot(path: str, snap: Optional[dict[str, Any]] = None) -> None:
     """Write ``snap`` (default: :func:`snapshot`) as the pickle that
     pytorch.org/memory_viz and ``python -m torch.cuda._memory_viz`` read."""
     data = snapshot() if snap is None else snap
-    with open(path, "wb") as f:
-        pickle.dump(data, f)
+    # written aside and renamed over path: a failure (an unpicklable value,
+    # a full disk, an interrupt) leaves the previous file as it was
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".gmp-snapshot-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        try:  # mkstemp makes it private; keep the mode a plain open() would give
+            mode = os.stat(path).st_mode & 0o777
+        except FileNotFoundError:
+            mode = 0o644
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def record_history(enabled: bool = True, max_entries: int = 100_000, stacks: bool = False) -> None:
@@ -134,8 +175,9 @@ def record_history(enabled: bool = True, max_entries: int = 100_000, stacks: boo
     from ._errors import PoolClosedError
     from ._pool import open_pools
 
-    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0:
-        raise ValueError(f"max_entries must be a positive int, got {max_entries!r}")
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or not 0 < max_entries < 1 << 31:
+        # checked before the setting is kept: every pool made later applies it
+        raise ValueError(f"max_entries must be an int in [1, 2**31), got {max_entries!r}")
     with _settings_lock:
         _history_settings = (max_entries, bool(stacks)) if enabled else None
     for p in open_pools():

@@ -413,3 +413,14 @@ def test_replay_is_the_function_and_the_module() -> None:
     assert isinstance(gmp.replay(tr), gmp.ReplayResult)
     assert isinstance(r.replay(tr, {"limit": 0}), gmp.ReplayResult)
     assert list(inspect.signature(gmp.replay).parameters)[:2] == ["trace", "policy"]
+
+
+def test_close_reports_live_blocks_even_when_the_backend_fails() -> None:
+    p = gmp.MemPool("sim", free_fail_rate=1.0, capacity=1 << 30)
+    p.alloc(MiB)
+    with pytest.warns(gmp.LeakWarning) as caught:
+        rep = p.close()
+    assert len(rep.live_blocks) == 1 and rep.live_bytes == MiB
+    texts = [str(w.message) for w in caught]
+    assert any("live block" in t for t in texts) and any("engine reported" in t for t in texts)
+    assert p.closed

@@ -173,3 +173,51 @@ def test_global_snapshot_skips_a_pool_closed_meanwhile(monkeypatch) -> None:
         assert {s["pool"] for s in gmp.snapshot()["segments"]} == {"open"}
         gmp.record_history(True, max_entries=10)
         gmp.record_history(False)
+
+
+def test_stacks_belong_to_the_allocation_that_made_them(tmp_path) -> None:
+    # an address is reused: a freed block's stack must neither show on the
+    # next block there nor name the next allocation in the history
+    with gmp.MemPool("sim") as p:
+        p.record_history(True, stacks=True)
+
+        def first() -> int:
+            return p.alloc(1024)
+
+        def second() -> int:
+            return p.alloc(1024)
+
+        x = first()
+        p.free(x)
+        y = second()
+        assert x == y
+        snap = p.snapshot()
+        allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+        names = [[f["name"] for f in e["frames"]] for e in allocs]
+        assert "first" in names[0] and "second" not in names[0]
+        assert "second" in names[1]
+        live = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+        assert any(f["name"] == "second" for f in live[0]["frames"])
+        p.free(y)
+        assert not p._frames, "a freed block keeps no stack"
+        # recording on again keeps what was recorded
+        before = len(p.snapshot()["device_traces"][0])
+        p.record_history(True, stacks=True)
+        assert len(p.snapshot()["device_traces"][0]) == before
+
+
+def test_a_refused_history_setting_changes_nothing() -> None:
+    with pytest.raises(ValueError, match="max_entries"):
+        gmp.record_history(True, max_entries=1 << 40)
+    with gmp.MemPool("sim") as p:  # pools made afterwards still work
+        p.free(p.alloc(100))
+
+
+def test_dump_snapshot_replaces_the_file_whole(tmp_path) -> None:
+    path = tmp_path / "snap.pickle"
+    gmp.dump_snapshot(str(path), {"segments": [], "device_traces": [[]]})
+    good = path.read_bytes()
+    with pytest.raises(Exception):
+        gmp.dump_snapshot(str(path), {"segments": [{"bad": lambda: 0}], "device_traces": [[]]})
+    assert path.read_bytes() == good, "a failed dump leaves the previous file"
+    assert [p.name for p in tmp_path.iterdir()] == ["snap.pickle"], "no temporary file left"

@@ -84,13 +84,17 @@ func sharedSim() (*gocore.SimBackend, error) {
 	return defaultSim, defaultSimErr
 }
 
-// decodeOptions parses NewPool's JSON strictly: unknown keys are errors.
+// decodeOptions parses NewPool's JSON strictly: unknown keys and trailing
+// values are errors.
 func decodeOptions(optionsJSON string) (poolOptions, error) {
 	dec := json.NewDecoder(strings.NewReader(optionsJSON))
 	dec.DisallowUnknownFields()
 	var o poolOptions
 	if err := dec.Decode(&o); err != nil {
 		return o, fmt.Errorf("pool options: %v: %w", err, gocore.ErrInvalidArgument)
+	}
+	if dec.More() {
+		return o, fmt.Errorf("pool options: more than one JSON value: %w", gocore.ErrInvalidArgument)
 	}
 	return o, nil
 }

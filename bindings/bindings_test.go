@@ -48,6 +48,7 @@ func TestErrorKinds(t *testing.T) {
 		`{"backend":"callback"}`:                  "ValueError: callback backend",
 		`{"backend":"sim","max_split_size":5}`:    "ValueError: new pool",
 		`not json`:                                "ValueError: pool options",
+		`{"backend":"sim"} {"limit":5}`:           "ValueError: pool options: more than one",
 	}
 	for in, want := range cases {
 		_, err := NewPool(in)

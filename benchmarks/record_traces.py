@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _gpu_env  # noqa: E402  (shared GPU checks, next to this script)
@@ -376,6 +376,18 @@ def write_summary(doc: dict[str, Any], out: Path) -> None:
     (out / "replay_summary.md").write_text("\n".join(lines) + "\n")
 
 
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int >= low (prompts are 8 tokens and up, plus up to 32 decoded)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(
         prog="record_traces.py",
@@ -393,7 +405,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--timeout", type=int, default=240, help="seconds per workload process (default 240)")
     ap.add_argument("--no-keep-snapshots", action="store_true", help="delete torch's raw snapshots after converting")
     _gpu_env.add_model_args(ap, batch=8, embd=384, heads=6, what="gpt2-train")
-    ap.add_argument("--max-len", type=int, default=512, help="gpt2-infer longest prompt+decode (default 512)")
+    ap.add_argument("--max-len", type=_at_least(40), default=512,
+                    help="gpt2-infer longest prompt+decode, at least 40 (default 512)")
     ap.add_argument("--cnn-batch", type=int, default=64, help="CNN batch (default 64)")
     ap.add_argument("--image", type=int, default=96, help="CNN image side in pixels (default 96)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)

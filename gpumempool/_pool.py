@@ -273,7 +273,8 @@ class MemPool:
     ``free()``, ``empty_cache()``, ...): the engine holds the pool's lock
     while it calls them. From a Python function such a call raises
     :class:`CallbackReentryError` (instead of waiting forever); from a C
-    function it deadlocks.
+    function, the pool's C entry points return NULL (or -1) and record why
+    (:meth:`last_error`).
 
     Common options: ``name``; ``device`` (default device of :meth:`alloc`);
     ``limit`` (bytes the pool may reserve per device); ``max_split_size``

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -575,3 +576,29 @@ def test_finalizer_free_inside_the_pools_own_callback_is_deferred() -> None:
         assert errors == []
         assert pool.stats()["allocated_bytes.all.current"] == 4 << 20, "p was freed once alloc returned"
         pool.free(q)
+
+
+def test_c_function_calling_its_own_pool_is_refused_not_deadlocked(clib) -> None:
+    # A C allocator function that calls the pool's own C entry point runs
+    # under the pool's lock: the inner call gets NULL and an error instead
+    # of waiting forever. In a child process, so a regression cannot hang
+    # the suite.
+    code = (
+        "import ctypes, sys, gpumempool as gmp\n"
+        "lib = ctypes.CDLL(sys.argv[1])\n"
+        "lib.reentry_result.restype = ctypes.c_size_t\n"
+        "lib.caller_open.argtypes = [ctypes.c_char_p] * 3\n"
+        "alloc = ctypes.cast(lib.reentrant_alloc, ctypes.c_void_p).value\n"
+        "free = ctypes.cast(lib.test_free, ctypes.c_void_p).value\n"
+        "with gmp.MemPool(alloc=alloc, free=free) as pool:\n"
+        "    assert lib.caller_open(*(s.encode() for s in pool.pluggable_symbols())) == 0\n"
+        "    p = pool.alloc(4096)\n"
+        "    print(lib.reentry_result(), repr(pool.last_error()))\n"
+        "    pool.free(p)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, clib._name], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONSAFEPATH": "1"}, cwd="/")
+    assert r.returncode == 0, r.stderr
+    inner, message = r.stdout.strip().split(" ", 1)
+    assert int(inner) == 0
+    assert "own allocator function" in message

@@ -33,6 +33,7 @@ import (
 
 	"github.com/gpumempool/gpumempool/bindings/registry"
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/callback"
 )
 
 //go:generate go run gen_slots.go
@@ -80,6 +81,9 @@ func guardedErr(e *registry.Entry, where string, fn func() error) error {
 // (C, torch, Python): from a CUDA graph's private pool while a capture
 // accepts the stream (graphs.go), else from the pool itself.
 func AllocFor(e *registry.Entry, size uint64, device int, stream uintptr) (uint64, error) {
+	if err := reentered(e); err != nil {
+		return 0, err
+	}
 	if addr, private, err := privateAlloc(e, size, device, stream); private {
 		return addr, err
 	}
@@ -97,10 +101,27 @@ func AllocFor(e *registry.Entry, size uint64, device int, stream uintptr) (uint6
 
 // FreeFor frees a block AllocFor gave.
 func FreeFor(e *registry.Entry, addr uint64) error {
+	if err := reentered(e); err != nil {
+		return err
+	}
 	if private, err := privateFree(e, addr); private {
 		return err
 	}
 	return e.Pool.Free(addr)
+}
+
+// reentrancyChecker is implemented by backends that run user code under
+// the pool's lock (package callback).
+type reentrancyChecker interface{ CalledFromCallback() bool }
+
+// reentered refuses a call made from inside the pool's own allocator
+// function: the pool's lock is held by the very thread, which would wait
+// for it forever.
+func reentered(e *registry.Entry) error {
+	if r, ok := e.Pool.Backend().(reentrancyChecker); ok && r.CalledFromCallback() {
+		return fmt.Errorf("pool %q: %w", e.Pool.Name(), callback.ErrReentry)
+	}
+	return nil
 }
 
 func entryAlloc(e *registry.Entry, where string, size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {

@@ -11,6 +11,8 @@
 //
 // The functions may be called from any OS thread, with the pool's lock held
 // (never with the backend's own): they must not call into their own pool.
+// The C ABI refuses such a call (CalledFromCallback, ErrReentry) rather
+// than deadlock.
 // A Python callback (ctypes) takes the GIL on entry; see the package README
 // for the deadlock this can cause under torch's allocator lock.
 package callback
@@ -22,19 +24,36 @@ package callback
 typedef void* (*gmp_alloc_fn)(size_t, int, void*);
 typedef void (*gmp_free_fn)(void*, size_t, int, void*);
 
-static uintptr_t gmp_call_alloc(uintptr_t fn, size_t size, int device, uintptr_t stream) {
-	return (uintptr_t)((gmp_alloc_fn)fn)(size, device, (void*)stream);
+// The backend whose user function this thread is running (0: none), so
+// that a call back into the same pool from inside it can be refused
+// instead of waiting for the pool's lock forever (CalledFromCallback). A
+// C thread-local: Go code that C calls back runs on the same thread.
+static __thread uintptr_t gmp_cb_owner;
+
+static uintptr_t gmp_call_alloc(uintptr_t owner, uintptr_t fn, size_t size, int device, uintptr_t stream) {
+	uintptr_t prev = gmp_cb_owner;
+	gmp_cb_owner = owner;
+	uintptr_t p = (uintptr_t)((gmp_alloc_fn)fn)(size, device, (void*)stream);
+	gmp_cb_owner = prev;
+	return p;
 }
 
-static void gmp_call_free(uintptr_t fn, uintptr_t ptr, size_t size, int device, uintptr_t stream) {
+static void gmp_call_free(uintptr_t owner, uintptr_t fn, uintptr_t ptr, size_t size, int device, uintptr_t stream) {
+	uintptr_t prev = gmp_cb_owner;
+	gmp_cb_owner = owner;
 	((gmp_free_fn)fn)((void*)ptr, size, device, (void*)stream);
+	gmp_cb_owner = prev;
 }
+
+static uintptr_t gmp_callback_owner(void) { return gmp_cb_owner; }
 */
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 
 	"github.com/gpumempool/gpumempool/gocore"
 )
@@ -59,7 +78,8 @@ type Config struct {
 // ordered by the caller, not by events. Backends with real events (cuda)
 // come in their own packages.
 type Backend struct {
-	cfg Config
+	cfg   Config
+	owner uintptr // this backend's mark while its user functions run
 
 	mu        sync.Mutex
 	live      map[uint64]uint64 // segment address -> size
@@ -68,6 +88,12 @@ type Backend struct {
 }
 
 var _ gocore.Backend = (*Backend)(nil)
+
+var owners atomic.Uintptr
+
+// ErrReentry is wrapped by the errors of calls made into a pool from inside
+// its own allocator function (which runs under the pool's lock).
+var ErrReentry = errors.New("called from inside the pool's own allocator function, which runs under the pool's lock")
 
 // New validates cfg and returns a Backend.
 func New(cfg Config) (*Backend, error) {
@@ -89,8 +115,14 @@ func New(cfg Config) (*Backend, error) {
 	if cfg.Alignment&(cfg.Alignment-1) != 0 {
 		return nil, fmt.Errorf("callback backend %q: alignment %d is not a power of two: %w", cfg.Name, cfg.Alignment, gocore.ErrInvalidArgument)
 	}
-	return &Backend{cfg: cfg, live: make(map[uint64]uint64), events: make(map[gocore.Event]struct{})}, nil
+	return &Backend{cfg: cfg, owner: owners.Add(1), live: make(map[uint64]uint64),
+		events: make(map[gocore.Event]struct{})}, nil
 }
+
+// CalledFromCallback reports whether the calling thread is inside one of
+// b's user functions (a C function calling back into its own pool, which
+// would wait forever for the pool's lock). It costs one cgo call.
+func (b *Backend) CalledFromCallback() bool { return uintptr(C.gmp_callback_owner()) == b.owner }
 
 // Name returns the configured name.
 func (b *Backend) Name() string { return b.cfg.Name }
@@ -112,14 +144,14 @@ func (b *Backend) Alloc(device int, size uint64, stream gocore.Stream) (uint64, 
 	if device < 0 || device >= b.cfg.Devices {
 		return 0, fmt.Errorf("callback backend %q: device %d out of range [0, %d): %w", b.cfg.Name, device, b.cfg.Devices, gocore.ErrInvalidDevice)
 	}
-	addr := uint64(C.gmp_call_alloc(C.uintptr_t(b.cfg.Alloc), C.size_t(size), C.int(device), C.uintptr_t(stream)))
+	addr := uint64(C.gmp_call_alloc(C.uintptr_t(b.owner), C.uintptr_t(b.cfg.Alloc), C.size_t(size), C.int(device), C.uintptr_t(stream)))
 	if addr == 0 {
 		return 0, fmt.Errorf("callback backend %q: alloc(%d, device %d) returned NULL: %w", b.cfg.Name, size, device, gocore.ErrBackendOutOfMemory)
 	}
 	if addr%b.cfg.Alignment != 0 {
 		// Not ours to keep: hand it back so that nothing leaks (without
 		// b.mu: the user's function runs unlocked, as in Free).
-		C.gmp_call_free(C.uintptr_t(b.cfg.Free), C.uintptr_t(addr), C.size_t(size), C.int(device), C.uintptr_t(stream))
+		C.gmp_call_free(C.uintptr_t(b.owner), C.uintptr_t(b.cfg.Free), C.uintptr_t(addr), C.size_t(size), C.int(device), C.uintptr_t(stream))
 		return 0, fmt.Errorf("callback backend %q: alloc(%d) returned %#x, not aligned to %d bytes", b.cfg.Name, size, addr, b.cfg.Alignment)
 	}
 	b.mu.Lock()
@@ -145,7 +177,7 @@ func (b *Backend) Free(device int, addr, size uint64, stream gocore.Stream) erro
 	if !ok || got != size {
 		return fmt.Errorf("callback backend %q: free(%#x, %d): not a live segment of that size: %w", b.cfg.Name, addr, size, gocore.ErrInvalidArgument)
 	}
-	C.gmp_call_free(C.uintptr_t(b.cfg.Free), C.uintptr_t(addr), C.size_t(size), C.int(device), C.uintptr_t(stream))
+	C.gmp_call_free(C.uintptr_t(b.owner), C.uintptr_t(b.cfg.Free), C.uintptr_t(addr), C.size_t(size), C.int(device), C.uintptr_t(stream))
 	return nil
 }
 

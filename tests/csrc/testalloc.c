@@ -54,6 +54,18 @@ int caller_open(const char *path, const char *alloc_sym, const char *free_sym) {
 }
 
 void *caller_alloc(size_t size, int device, void *stream) { return abi_alloc(size, device, stream); }
+
+/* An allocator that calls back into a pool (the one caller_open opened)
+ * before allocating: a C function calling its own pool, which must be
+ * refused, not deadlock. reentry_result() is what the inner call got. */
+static uintptr_t reentry_result_value = 1;
+
+void *reentrant_alloc(size_t size, int device, void *stream) {
+    reentry_result_value = (uintptr_t)abi_alloc(64, device, stream);
+    return test_alloc(size, device, stream);
+}
+
+uintptr_t reentry_result(void) { return reentry_result_value; }
 void caller_free(void *ptr, size_t size, int device, void *stream) { abi_free(ptr, size, device, stream); }
 
 /* Nanoseconds per alloc+free round trip through the exported symbols. */

@@ -494,6 +494,9 @@ const (
 
 // claim marks the live segment at base (of dev, with the engine's size
 // unless size is 0) as being worked on by op.
+// errSegmentBusy: another operation on the segment is in flight.
+var errSegmentBusy = fmt.Errorf("a conflicting operation on the segment is in flight: %w", gocore.ErrInvalidArgument)
+
 func (b *VMMBackend) claim(op string, dev int, base, size uint64) (*vmmSegment, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -505,8 +508,7 @@ func (b *VMMBackend) claim(op string, dev int, base, size uint64) (*vmmSegment, 
 	exclusive := op == opFree || op == opShrink
 	busy := s.freeing || s.shrinking || (exclusive && (s.expanding || s.exporting > 0)) || (op == opExpand && s.expanding)
 	if busy {
-		return nil, fmt.Errorf("vmm backend: %s %#x: a conflicting operation on the segment is in flight: %w",
-			op, base, gocore.ErrInvalidArgument)
+		return nil, fmt.Errorf("vmm backend: %s %#x: %w", op, base, errSegmentBusy)
 	}
 	switch op {
 	case opFree:
@@ -633,6 +635,12 @@ func (b *VMMBackend) Shrink(dev int, addr, size, less uint64, stream gocore.Stre
 			addr, size, dev, less, unit, gocore.ErrInvalidArgument)
 	}
 	s, err := b.claim(opShrink, dev, addr, size)
+	if errors.Is(err, errSegmentBusy) {
+		// Giving a tail back is opportunistic: with an export (or another
+		// shrink) of the segment under way, the next release tries again,
+		// and EmptyCache does not fail because of it.
+		return 0, nil
+	}
 	if err != nil {
 		return 0, err
 	}

@@ -232,12 +232,8 @@ func TestAsyncBackendErrors(t *testing.T) {
 }
 
 func TestGPUBackendsNeedTheirEntryPoints(t *testing.T) {
-	lib := fakecuda.BuildHiding(t, "cuMemFreeAsync", "cuMemMap")
-	fakecuda.OpenPath(t, lib)
-	drv, err := Load(lib)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, drv.Close()) }()
-	_, err = NewAsyncBackend(drv, AsyncOptions{})
+	_, drv := setupHiding(t, "cuMemFreeAsync", "cuMemMap")
+	_, err := NewAsyncBackend(drv, AsyncOptions{})
 	require.ErrorIs(t, err, ErrDriverTooOld)
 	require.ErrorIs(t, err, gocore.ErrUnsupported, "callers can fall back with one check")
 	assert.Contains(t, err.Error(), "cuMemFreeAsync missing")
@@ -249,12 +245,8 @@ func TestGPUBackendsNeedTheirEntryPoints(t *testing.T) {
 // Without cuStreamIsCapturing a capture could not be told from ordinary
 // use, and allocations would silently become graph-owned: refused.
 func TestAsyncBackendNeedsCaptureStatus(t *testing.T) {
-	lib := fakecuda.BuildHiding(t, "cuStreamIsCapturing")
-	fakecuda.OpenPath(t, lib)
-	drv, err := Load(lib)
-	require.NoError(t, err)
-	defer func() { require.NoError(t, drv.Close()) }()
-	_, err = NewAsyncBackend(drv, AsyncOptions{})
+	_, drv := setupHiding(t, "cuStreamIsCapturing")
+	_, err := NewAsyncBackend(drv, AsyncOptions{})
 	require.ErrorIs(t, err, ErrDriverTooOld)
 	assert.Contains(t, err.Error(), "cuStreamIsCapturing missing")
 }

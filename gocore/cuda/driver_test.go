@@ -63,16 +63,12 @@ var optionalSymbols = []string{
 }
 
 func TestOldDriverLoadsWithoutOptionalSymbols(t *testing.T) {
-	lib := fakecuda.BuildHiding(t, optionalSymbols...)
-	f := fakecuda.OpenPath(t, lib)
-	drv, err := Load(lib)
-	require.NoError(t, err, "the stream-ordered allocator and VMM are optional")
-	defer func() { require.NoError(t, drv.Close()) }()
+	f, drv := setupHiding(t, optionalSymbols...) // the stream-ordered allocator and VMM are optional
 	assert.True(t, drv.HasSymbol("cuMemAlloc_v2"))
 	assert.False(t, drv.HasSymbol("cuMemPoolCreate"))
 	assert.False(t, drv.HasSymbol("noSuchFunction"))
 
-	_, err = drv.MemPoolCreate(0, PoolProps{LocationType: MemLocationTypeDevice})
+	_, err := drv.MemPoolCreate(0, PoolProps{LocationType: MemLocationTypeDevice})
 	require.ErrorIs(t, err, ErrDriverTooOld)
 	require.ErrorIs(t, err, gocore.ErrUnsupported, "callers can fall back with one check")
 	assert.Contains(t, err.Error(), "driver too old: cuMemPoolCreate missing")

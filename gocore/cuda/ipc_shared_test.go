@@ -72,12 +72,8 @@ func TestDeviceUUIDVisibleOrderFromEnvironment(t *testing.T) {
 }
 
 func TestDeviceUUIDNeedsCUDA114(t *testing.T) {
-	lib := fakecuda.BuildHiding(t, "cuDeviceGetUuid_v2")
-	fakecuda.OpenPath(t, lib)
-	drv, err := Load(lib)
-	require.NoError(t, err, "cuDeviceGetUuid_v2 is optional")
-	defer func() { require.NoError(t, drv.Close()) }()
-	_, err = drv.DeviceUUID(0)
+	_, drv := setupHiding(t, "cuDeviceGetUuid_v2") // optional: the driver loads
+	_, err := drv.DeviceUUID(0)
 	require.ErrorIs(t, err, ErrDriverTooOld)
 	_, _, err = drv.DeviceByUUID(UUID{})
 	require.ErrorIs(t, err, ErrDriverTooOld)

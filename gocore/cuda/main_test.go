@@ -40,6 +40,18 @@ func setup(t *testing.T, env ...string) (*fakecuda.Fake, *Driver) {
 	return f, drv
 }
 
+// setupHiding loads a build of the fake that lacks the named entry points
+// (an older driver) and closes it at the end of the test.
+func setupHiding(t *testing.T, symbols ...string) (*fakecuda.Fake, *Driver) {
+	t.Helper()
+	lib := fakecuda.BuildHiding(t, symbols...)
+	f := fakecuda.OpenPath(t, lib)
+	drv, err := Load(lib)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, drv.Close()) })
+	return f, drv
+}
+
 // onThread runs fn on a goroutine locked to its OS thread, the thread its
 // driver calls run on, so the fake's per-thread context stack can be read.
 func onThread(t *testing.T, fn func()) {

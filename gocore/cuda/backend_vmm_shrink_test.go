@@ -111,11 +111,7 @@ func TestVMMBackendShrinkOnOutOfMemory(t *testing.T) {
 	f, drv := setup(t, "FAKE_CUDA_CAPACITY", "16777216") // 16 MiB
 	be := newVMM(t, drv, VMMOptions{Expandable: true})
 	p := newPool(t, be)
-	a, err := p.Alloc(4*mib, 0, 1)
-	require.NoError(t, err)
-	b, err := p.Alloc(8*mib, 0, 1)
-	require.NoError(t, err)
-	require.NoError(t, p.Free(b))
+	a, _ := withFreeTail(t, p, 1)
 	c, err := p.Alloc(10*mib, 0, 2) // another stream: a new segment
 	require.NoError(t, err)
 	st := poolStats(t, p, 0)
@@ -130,11 +126,7 @@ func TestVMMBackendShrinkOnReleaseThreshold(t *testing.T) {
 	f, drv := setup(t)
 	be := newVMM(t, drv, VMMOptions{Expandable: true})
 	p := newPool(t, be)
-	a, err := p.Alloc(4*mib, 0, 0)
-	require.NoError(t, err)
-	b, err := p.Alloc(8*mib, 0, 0)
-	require.NoError(t, err)
-	require.NoError(t, p.Free(b))
+	a, _ := withFreeTail(t, p, 0)
 	require.NoError(t, p.SetReleaseThreshold(2*mib))
 	assert.EqualValues(t, 4*mib, f.LiveBytes(0), "the tail went")
 	assert.EqualValues(t, 4*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
@@ -304,11 +296,7 @@ func TestVMMBackendShrinkFailureThroughPool(t *testing.T) {
 	f, drv := setup(t)
 	be := newVMM(t, drv, VMMOptions{Expandable: true})
 	p := newPool(t, be)
-	a, err := p.Alloc(4*mib, 0, 0)
-	require.NoError(t, err)
-	b, err := p.Alloc(8*mib, 0, 0)
-	require.NoError(t, err)
-	require.NoError(t, p.Free(b))
+	a, b := withFreeTail(t, p, 0)
 
 	f.Fail("cuMemUnmap", CodeIllegalAddress, 0)
 	released, err := p.EmptyCache()
@@ -464,4 +452,17 @@ func freeAndClose(t *testing.T, f *fakecuda.Fake, be *VMMBackend, p *gocore.Pool
 	closePool(t, p)
 	require.NoError(t, be.Close())
 	assert.Zero(t, f.VMMObjects())
+}
+
+// withFreeTail allocates a 4 MiB block on stream, grows its expandable
+// segment by an 8 MiB block and frees that one: a segment whose free tail
+// can go back. It returns the 4 MiB block and where the tail starts.
+func withFreeTail(t *testing.T, p *gocore.Pool, stream gocore.Stream) (head, tail uint64) {
+	t.Helper()
+	head, err := p.Alloc(4*mib, 0, stream)
+	require.NoError(t, err)
+	tail, err = p.Alloc(8*mib, 0, stream)
+	require.NoError(t, err)
+	require.NoError(t, p.Free(tail))
+	return head, tail
 }

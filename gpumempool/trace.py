@@ -573,6 +573,10 @@ class _PlainDataUnpickler(pickle.Unpickler):
 _PUSH_FIXED, _PUSH_COUNT1, _MEMOIZE, _BINGET, _SKIP_FIXED, _POP1, _SETITEM, _TO_MARK, _MARK, _SLOW = range(10)
 
 
+#: Opcodes that push a scalar or an empty container (no tuple nesting).
+_SCALAR_PUSHES = b"IJKMLSTUBCVXFGN\x88\x89\x8a\x8b\x8c\x8d\x8e\x96\x97]}\x8f"
+
+
 def _opcode_tables() -> tuple[list[int], list[int]]:
     """(action, argument) per opcode byte. Argument: n >= 0 fixed bytes; -1,
     -4, -8: a length of that many bytes, then the data; -10: up to a
@@ -596,7 +600,7 @@ def _opcode_tables() -> tuple[list[int], list[int]]:
             arg[code] = -20
     arg[ord("c")] = arg[ord("i")] = -20
     act = [_SLOW] * 256
-    for c in b"IJKMLSTUBCVXFGN\x88\x89\x8a\x8b\x8c\x8d\x8e\x96\x97]}\x8f":  # push a scalar or empty container
+    for c in _SCALAR_PUSHES:
         act[c] = _PUSH_FIXED if arg[c] >= 0 else _PUSH_COUNT1 if arg[c] == -1 else _SLOW
     act[0x94] = _MEMOIZE
     act[0x68] = _BINGET
@@ -624,7 +628,6 @@ def _scan_pickle(data: bytes, name: str) -> None:
     or call code end the scan: the unpickler refuses them when it gets
     there, before anything after them."""
     action, args = _OPCODE_ACTION, _OPCODE_ARG
-    frombytes = int.from_bytes
     stack: list[int] = []  # tuple nesting of each stack item (0: not a tuple)
     push = stack.append
     marks: list[int] = []
@@ -688,7 +691,7 @@ def _scan_slow(data: bytes, pos: int, op: int, ops: int, stack: list[int], marks
         return -1  # refused by find_class (or failing) when the unpickler gets there
     if k == -99:
         raise bad(f"unknown opcode {op:#04x}")
-    if _OPCODE_ACTION[op] != _SLOW or op in b"IJKMLSTUBCVXFGN\x88\x89\x8a\x8b\x8c\x8d\x8e\x96\x97]}\x8f":
+    if op in _SCALAR_PUSHES:
         stack.append(0)  # a push with a 4-, 8-byte or text argument
     elif op == 0x30:  # POP
         if marks and marks[-1] == len(stack):

@@ -168,6 +168,9 @@ func PoolAlloc(id, size, device int64, stream uint64) (addr uint64, err error) {
 	if device < 0 || device > 1<<20 {
 		return 0, fmt.Errorf("alloc on device %d: %w", device, gocore.ErrInvalidDevice)
 	}
+	if err := cabi.Reentered(e); err != nil {
+		return 0, err
+	}
 	return cabi.AllocFor(e, uint64(size), int(device), uintptr(stream))
 }
 
@@ -176,6 +179,9 @@ func PoolFree(id int64, addr uint64) (err error) {
 	defer guard(&err)
 	e, err := entry(id)
 	if err != nil {
+		return err
+	}
+	if err := cabi.Reentered(e); err != nil {
 		return err
 	}
 	return cabi.FreeFor(e, addr)

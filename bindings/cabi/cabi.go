@@ -47,7 +47,9 @@ import (
 // declaring void* are unaffected.
 
 // recovered runs fn and turns a Go panic in it (real, or injected with
-// e.PanicNext) into an error, so that nothing unwinds into a C caller.
+// e.PanicNext) into an error, so that nothing unwinds into a C caller. A
+// call made from inside the pool's own allocator function is refused
+// (Reentered) before fn runs.
 func recovered(e *registry.Entry, fn func() error) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
@@ -56,6 +58,9 @@ func recovered(e *registry.Entry, fn func() error) (err error) {
 	}()
 	if e.PanicNext.Swap(false) {
 		panic("injected by PanicNext")
+	}
+	if err := Reentered(e); err != nil {
+		return err
 	}
 	return fn()
 }
@@ -81,9 +86,6 @@ func guardedErr(e *registry.Entry, where string, fn func() error) error {
 // (C, torch, Python): from a CUDA graph's private pool while a capture
 // accepts the stream (graphs.go), else from the pool itself.
 func AllocFor(e *registry.Entry, size uint64, device int, stream uintptr) (uint64, error) {
-	if err := reentered(e); err != nil {
-		return 0, err
-	}
 	if addr, private, err := privateAlloc(e, size, device, stream); private {
 		return addr, err
 	}
@@ -101,9 +103,6 @@ func AllocFor(e *registry.Entry, size uint64, device int, stream uintptr) (uint6
 
 // FreeFor frees a block AllocFor gave.
 func FreeFor(e *registry.Entry, addr uint64) error {
-	if err := reentered(e); err != nil {
-		return err
-	}
 	if private, err := privateFree(e, addr); private {
 		return err
 	}
@@ -114,10 +113,11 @@ func FreeFor(e *registry.Entry, addr uint64) error {
 // the pool's lock (package callback).
 type reentrancyChecker interface{ CalledFromCallback() bool }
 
-// reentered refuses a call made from inside the pool's own allocator
+// Reentered refuses a call made from inside the pool's own allocator
 // function: the pool's lock is held by the very thread, which would wait
-// for it forever.
-func reentered(e *registry.Entry) error {
+// for it forever. Every C entry point checks it (recovered); the Python
+// API's alloc and free do too.
+func Reentered(e *registry.Entry) error {
 	if r, ok := e.Pool.Backend().(reentrancyChecker); ok && r.CalledFromCallback() {
 		return fmt.Errorf("pool %q: %w", e.Pool.Name(), callback.ErrReentry)
 	}

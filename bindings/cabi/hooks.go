@@ -56,12 +56,7 @@ func slotHook(slot int, where string, fn func(e *registry.Entry) error) {
 		registry.SetOrphanError(fmt.Sprintf("%s_%d: no pool holds this slot (closed?)", where, slot))
 		return
 	}
-	guarded(e, where, func() error {
-		if err := reentered(e); err != nil {
-			return err
-		}
-		return fn(e)
-	})
+	guarded(e, where, func() error { return fn(e) })
 }
 
 func slotInit(slot int, deviceCount C.int) {

@@ -7,6 +7,9 @@
    exported gmp_alloc_N / gmp_free_N, as torch does (goal <= 400 ns).
 3. For scale: the same pair through the Python API, by its C fast path
    (gpumempool._fastcall) and, as the baseline, through gopy's wrappers.
+4. Loading a torch-like snapshot pickle safely (gpumempool.trace.load_pickle)
+   with the opcode scan in Go and, as the baseline, in Python; plain
+   pickle.loads (which would run any code in the pickle) for scale.
 
 Writes benchmarks/results/cpu.json and cpu.md. Run from the repo root with
 gpumempool installed:  python benchmarks/cpu_bench.py
@@ -27,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -94,6 +98,61 @@ def python_benchmark(iters: int, repeats: int) -> tuple[float, float]:
     return statistics.median(fast_ns), statistics.median(gopy_ns)
 
 
+def synthetic_snapshot(entries: int) -> bytes:
+    """A pickle shaped like torch's _dump_snapshot output: device_traces
+    entries that share stack frames, and segments with blocks."""
+    import pickle
+
+    frames = [{"filename": f"/src/model/layer{i}.py", "line": i, "name": f"forward{i}"} for i in range(64)]
+    stacks = [frames[i:i + 12] for i in range(48)]
+    trace = [{"action": ("alloc", "free_requested", "free_completed")[i % 3], "addr": 0x7F0000000000 + 512 * i,
+              "size": 512 * (1 + i % 97), "stream": 0, "time_us": 1_700_000_000_000 + i,
+              "frames": stacks[i % 48]} for i in range(entries)]
+    segments = [{"device": 0, "address": 0x7F0000000000 + (2 << 20) * s, "total_size": 2 << 20, "stream": 0,
+                 "segment_type": "small", "allocated_size": 1 << 20, "active_size": 1 << 20,
+                 "blocks": [{"address": 0x7F0000000000 + (2 << 20) * s + 4096 * b, "size": 4096,
+                             "requested_size": 4000, "state": "active_allocated", "frames": stacks[b % 48]}
+                            for b in range(64)]} for s in range(entries // 200)]
+    return pickle.dumps({"segments": segments, "device_traces": [trace]}, protocol=4)
+
+
+def snapshot_load_benchmark(entries: int, repeats: int) -> dict[str, float]:
+    """Seconds to load the synthetic snapshot: load_pickle with the Go scan,
+    with the Python scan (the baseline), and plain pickle.loads."""
+    import pickle
+
+    from gpumempool import _native, _safepickle
+    from gpumempool.trace import load_pickle
+
+    fast = _native.fastcall
+    if fast is None:
+        raise SystemExit("this build has no gpumempool._fastcall: the Go pickle scan cannot be measured")
+    data = synthetic_snapshot(entries)
+    print(f"running snapshot loads ({repeats} x {len(data) / 1e6:.1f} MB, Go scan, Python scan, plain pickle) ...",
+          file=sys.stderr, flush=True)
+
+    def timed(fn: Callable[[], object]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    go_load, py_load, plain, go_scan, py_scan = [], [], [], [], []
+    try:
+        for _ in range(repeats):
+            _native.fastcall = fast
+            go_load.append(timed(lambda: load_pickle(data)))
+            go_scan.append(timed(lambda: _safepickle._scan_pickle(data, "bench")))
+            _native.fastcall = None
+            py_load.append(timed(lambda: load_pickle(data)))
+            py_scan.append(timed(lambda: _safepickle._scan_pickle(data, "bench")))
+            plain.append(timed(lambda: pickle.loads(data)))
+    finally:
+        _native.fastcall = fast
+    return {"megabytes": len(data) / 1e6, "load_go_s": statistics.median(go_load),
+            "load_python_s": statistics.median(py_load), "plain_pickle_s": statistics.median(plain),
+            "scan_go_s": statistics.median(go_scan), "scan_python_s": statistics.median(py_scan)}
+
+
 def main() -> None:
     import argparse
 
@@ -104,6 +163,7 @@ def main() -> None:
     go = go_benchmarks(count=args.go_count)
     cabi = c_abi_benchmark(iters=1_000_000, repeats=5)
     py, py_gopy = python_benchmark(iters=100_000, repeats=5)
+    snap = snapshot_load_benchmark(entries=150_000, repeats=3)
     growth = go["CacheHit/free=100000"] / go["CacheHit/free=10"]
     result = {
         "date": datetime.date.today().isoformat(),
@@ -113,6 +173,7 @@ def main() -> None:
         "c_abi_round_trip_ns": cabi,
         "python_api_round_trip_ns": py,
         "python_api_round_trip_gopy_ns": py_gopy,
+        "snapshot_load": snap,
         "goals": {"cache_hit_ns": 150, "growth": 2.0, "c_abi_ns": 400},
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -134,6 +195,21 @@ def main() -> None:
         f"| Python API round trip (pool.alloc + pool.free) | {py:.1f} | |",
         f"| the same through gopy's wrappers (baseline, same run) | {py_gopy:.1f} | |",
         f"| Python fast path speedup | {py_gopy / py:.2f}x | |",
+    ]
+    mb = snap["megabytes"]
+    lines += [
+        "",
+        f"Loading a {mb:.1f} MB torch-like snapshot pickle (protocol 4, shared stack frames); medians of 3.",
+        "",
+        "| step | seconds | MB/s |",
+        "|---|---:|---:|",
+        f"| opcode scan in Go (bindings/picklescan) | {snap['scan_go_s']:.3f} | {mb / snap['scan_go_s']:.0f} |",
+        f"| the same scan in Python (baseline, same run) | {snap['scan_python_s']:.3f} | {mb / snap['scan_python_s']:.0f} |",
+        f"| load_pickle, Go scan | {snap['load_go_s']:.3f} | {mb / snap['load_go_s']:.0f} |",
+        f"| load_pickle, Python scan | {snap['load_python_s']:.3f} | {mb / snap['load_python_s']:.0f} |",
+        f"| plain pickle.loads (runs any code; for scale) | {snap['plain_pickle_s']:.3f} | {mb / snap['plain_pickle_s']:.0f} |",
+        f"| scan speedup / load speedup | {snap['scan_python_s'] / snap['scan_go_s']:.0f}x / "
+        f"{snap['load_python_s'] / snap['load_go_s']:.2f}x | |",
     ]
     (RESULTS / "cpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -271,7 +271,7 @@ def _bench_plan(root: Path) -> tuple[list[dict[str, str]], list[dict[str, str]]]
 
     run: list[dict[str, str]] = []
     skip: list[dict[str, str]] = []
-    cpu = "benchmarks/cpu_bench.py (Go micro-benchmarks, C-ABI round trip, Python API round trip)"
+    cpu = "benchmarks/cpu_bench.py (Go micro-benchmarks, C-ABI round trip, Python API round trip, snapshot load)"
     missing = [tool for tool, found in (("go", shutil.which("go")),
                                         ("a C compiler (cc/gcc)", shutil.which("cc") or shutil.which("gcc")))
                if not found]
@@ -410,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="run the benchmarks this machine can run (from a source checkout)",
         description="Run the benchmarks of a source checkout that this machine can run: the CPU "
-        "benchmarks (benchmarks/cpu_bench.py: Go micro-benchmarks, the C-ABI and Python round trips; "
+        "benchmarks (benchmarks/cpu_bench.py: Go micro-benchmarks, the C-ABI and Python round trips, a safe "
+        "snapshot load; "
         "they need go and a C compiler) and, with an NVIDIA GPU, benchmarks/gpu_backends.py; says what "
         "it cannot run and why. Results go to benchmarks/results/.",
     )

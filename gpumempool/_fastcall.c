@@ -23,9 +23,12 @@
 typedef uintptr_t (*gmp_py_alloc_fn)(int64_t handle, uint64_t size, int device, uintptr_t stream, char *buf,
                                      size_t n);
 typedef int (*gmp_py_free_fn)(int64_t handle, uintptr_t ptr, char *buf, size_t n);
+typedef int (*gmp_pickle_scan_fn)(const uint8_t *data, size_t n, int64_t max_depth, int64_t *ops, int64_t *pos,
+                                  char *why, size_t why_len);
 
 static gmp_py_alloc_fn py_alloc;
 static gmp_py_free_fn py_free;
+static gmp_pickle_scan_fn pickle_scan;
 
 /* bind(path): resolve the entry points in the loaded library at path. */
 static PyObject *fast_bind(PyObject *self, PyObject *arg) {
@@ -41,13 +44,16 @@ static PyObject *fast_bind(PyObject *self, PyObject *arg) {
     }
     gmp_py_alloc_fn a = (gmp_py_alloc_fn)dlsym(lib, "gmp_py_alloc");
     gmp_py_free_fn f = (gmp_py_free_fn)dlsym(lib, "gmp_py_free");
+    gmp_pickle_scan_fn s = (gmp_pickle_scan_fn)dlsym(lib, "gmp_pickle_scan");
     dlclose(lib); /* drops the reference NOLOAD added; Python's stays */
-    if (a == NULL || f == NULL) {
-        PyErr_Format(PyExc_ImportError, "gpumempool._fastcall: %s lacks gmp_py_alloc / gmp_py_free", path);
+    if (a == NULL || f == NULL || s == NULL) {
+        PyErr_Format(PyExc_ImportError, "gpumempool._fastcall: %s lacks gmp_py_alloc / gmp_py_free / gmp_pickle_scan",
+                     path);
         return NULL;
     }
     py_alloc = a;
     py_free = f;
+    pickle_scan = s;
     Py_RETURN_NONE;
 }
 
@@ -120,12 +126,44 @@ static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+/* scan_pickle(data, max_depth) -> None | (truncated, why, ops, pos)
+ *
+ * gmp_pickle_scan (bindings/picklescan) over a bytes-like object, without
+ * copying it and without the GIL: the buffer stays exported meanwhile, so a
+ * bytearray cannot be resized under the scan. */
+static PyObject *fast_scan_pickle(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (cannot_call(nargs, 2, "scan_pickle(data, max_depth)")) return NULL;
+    long long max_depth = PyLong_AsLongLong(args[1]);
+    if (max_depth == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) != 0) return NULL;
+    int64_t ops = 0, pos = 0;
+    char why[512];
+    why[0] = 0;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = pickle_scan((const uint8_t *)view.buf, (size_t)view.len, (int64_t)max_depth, &ops, &pos, why, sizeof why);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    switch (rc) {
+    case 0:
+        Py_RETURN_NONE;
+    case 1:
+    case 2:
+        return Py_BuildValue("(NsLL)", PyBool_FromLong(rc == 2), why, (long long)ops, (long long)pos);
+    default:
+        return failed(why, "RuntimeError: the pickle scan failed");
+    }
+}
+
 static PyMethodDef methods[] = {
     {"bind", fast_bind, METH_O, "bind(library_path): resolve gmp_py_alloc / gmp_py_free there."},
     {"alloc", (PyCFunction)(void (*)(void))fast_alloc, METH_FASTCALL,
      "alloc(handle, size, device, stream) -> address; RuntimeError('Kind: message') on failure."},
     {"free", (PyCFunction)(void (*)(void))fast_free, METH_FASTCALL,
      "free(handle, address); RuntimeError('Kind: message') on failure."},
+    {"scan_pickle", (PyCFunction)(void (*)(void))fast_scan_pickle, METH_FASTCALL,
+     "scan_pickle(data, max_depth) -> None, or (truncated, why, ops, pos) for a pickle to refuse."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -11,6 +11,10 @@ wrappers gopy generates for it. This module imports it and exposes:
     the absolute path of the extension's shared library. The same ``.so``
     exports plain C functions (cgo ``//export``), so torch's
     ``CUDAPluggableAllocator`` and ``ctypes.CDLL`` can open it by this path.
+``fastcall``
+    the C extension ``gpumempool._fastcall`` bound to that library (the
+    Python API's fast path to a few of those C functions), or None in a
+    build without it.
 
 The library is opened with ``RTLD_LAZY``: it holds cgo references to NVML
 functions that only resolve after the engine dlopens libnvidia-ml, so the
@@ -25,7 +29,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["bindings", "library_path"]
+__all__ = ["bindings", "fastcall", "library_path"]
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -84,3 +88,19 @@ bindings, _LIBRARY_PATH = _load()
 def library_path() -> str:
     """Absolute path of the native extension's shared library (``_gmpcore*.so``)."""
     return _LIBRARY_PATH
+
+
+def _load_fastcall() -> Any:
+    """gpumempool._fastcall bound to the extension library, or None (a build
+    without it: MemPool.alloc and free then go through gopy's wrappers, and
+    pickles are scanned in Python)."""
+    try:
+        from . import _fastcall
+
+        _fastcall.bind(library_path())
+    except ImportError:
+        return None
+    return _fastcall
+
+
+fastcall = _load_fastcall()

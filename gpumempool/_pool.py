@@ -89,19 +89,7 @@ atexit.register(_report_leaks_at_exit)
 _b = _native.bindings
 
 
-def _load_fastcall() -> Any:
-    """gpumempool._fastcall bound to the extension library, or None (a build
-    without it: alloc and free then go through gopy's wrappers)."""
-    try:
-        from . import _fastcall
-
-        _fastcall.bind(_native.library_path())
-    except ImportError:
-        return None
-    return _fastcall
-
-
-_fast = _load_fastcall()
+_fast = _native.fastcall  # None in a build without gpumempool._fastcall
 T = TypeVar("T")
 
 #: Options of the simulated device (``backend="sim"``).

@@ -1,0 +1,59 @@
+package cabi
+
+/*
+#include <stddef.h>
+#include <stdint.h>
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"unsafe"
+
+	"github.com/gpumempool/gpumempool/bindings/picklescan"
+)
+
+// Results of gmp_pickle_scan.
+const (
+	pickleOK        = 0
+	pickleRefused   = 1
+	pickleTruncated = 2
+	pickleFailed    = 3 // a Go panic, recovered; the message is in why
+)
+
+// gmp_pickle_scan checks the pickle in data[0:n] before Python unpickles it
+// (picklescan.Scan; gpumempool's loader of snapshots calls it through
+// gpumempool._fastcall). It returns 0 when the pickle may be unpickled, 1
+// when it is refused (the reason in why, NUL-terminated, at most why_len
+// bytes), 2 when it is truncated, 3 when the scan itself failed. *ops and
+// *pos receive where (picklescan.Error). data is only read, and not kept.
+//
+//export gmp_pickle_scan
+func gmp_pickle_scan(data *C.uint8_t, n C.size_t, maxDepth C.int64_t, ops, pos *C.int64_t, why *C.char, whyLen C.size_t) (rc C.int) {
+	defer func() {
+		if r := recover(); r != nil {
+			copyCString(fmt.Sprintf("Go panic recovered: %v", r), why, whyLen)
+			rc = pickleFailed
+		}
+	}()
+	var buf []byte
+	if n > 0 {
+		buf = unsafe.Slice((*byte)(unsafe.Pointer(data)), int(n))
+	}
+	err := picklescan.Scan(buf, int(maxDepth))
+	if err == nil {
+		return pickleOK
+	}
+	var e *picklescan.Error
+	if !errors.As(err, &e) {
+		copyCString(err.Error(), why, whyLen)
+		return pickleFailed
+	}
+	*ops, *pos = C.int64_t(e.Ops), C.int64_t(e.Pos)
+	if e.Truncated {
+		return pickleTruncated
+	}
+	copyCString(e.Why, why, whyLen)
+	return pickleRefused
+}

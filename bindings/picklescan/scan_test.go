@@ -1,0 +1,177 @@
+package picklescan
+
+import (
+	"bytes"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// testdata/snapshot-p*.pickle: a torch-like snapshot (shared stack frames,
+// nested tuples, sets, bytes, a big int) pickled by CPython with protocols 0-5.
+func snapshots(t testing.TB) map[string][]byte {
+	paths, err := filepath.Glob("testdata/*.pickle")
+	require.NoError(t, err)
+	require.Len(t, paths, 6)
+	out := map[string][]byte{}
+	for _, p := range paths {
+		data, err := os.ReadFile(p)
+		require.NoError(t, err)
+		out[filepath.Base(p)] = data
+	}
+	return out
+}
+
+func scanErr(t *testing.T, data []byte) *Error {
+	t.Helper()
+	err := Scan(data, 100)
+	require.Error(t, err)
+	var e *Error
+	require.True(t, errors.As(err, &e), "%T", err)
+	return e
+}
+
+func TestRealPicklesPass(t *testing.T) {
+	for name, data := range snapshots(t) {
+		assert.NoError(t, Scan(data, 100), name)
+		// Anything after STOP is not read.
+		assert.NoError(t, Scan(append(bytes.Clone(data), 0xff, 0x00), 100), name)
+	}
+}
+
+func TestEveryCutOfARealPickleIsTruncated(t *testing.T) {
+	data := snapshots(t)["snapshot-p4.pickle"]
+	for n := 0; n < len(data); n++ {
+		e := scanErr(t, data[:n])
+		assert.True(t, e.Truncated, "cut at %d: %v", n, e)
+		assert.LessOrEqual(t, e.Pos, int64(n), "cut at %d", n)
+		assert.Contains(t, e.Error(), "not a readable pickle: truncated")
+	}
+}
+
+func TestTruncatedPositions(t *testing.T) {
+	// Ends before an opcode: the data's length, opcodes read so far.
+	e := scanErr(t, []byte("\x80\x04N"))
+	assert.Equal(t, Error{Truncated: true, Ops: 2, Pos: 3}, *e)
+	// A length beyond the data: just after the opcode's byte.
+	e = scanErr(t, []byte("\x80\x04\x8c\xff"))
+	assert.Equal(t, Error{Truncated: true, Ops: 2, Pos: 3}, *e)
+	assert.Equal(t, "not a readable pickle: truncated (opcode 2 at byte 3)", e.Error())
+	// An 8-byte length near 2^64 does not wrap around.
+	e = scanErr(t, []byte("\x8d\xf8\xff\xff\xff\xff\xff\xff\xffabc."))
+	assert.True(t, e.Truncated)
+	assert.Equal(t, int64(1), e.Pos)
+	// A text argument without its newline.
+	assert.True(t, scanErr(t, []byte("I12")).Truncated)
+	assert.True(t, scanErr(t, []byte("g12")).Truncated)
+	assert.True(t, scanErr(t, []byte("p12")).Truncated)
+}
+
+func TestMemoIndexBombsAreRefused(t *testing.T) {
+	for _, tc := range []struct{ data, why string }{
+		{"\x80\x04}r\x40\x42\x0f\x00.", "memo index 1000000 with only 3 opcodes before it"},
+		{"\x80\x04}p1000000\n.", "memo index 1000000 with only 3 opcodes before it"},
+		{"}p000099999999999999999999\n.", "a PUT index that is not a small decimal number"},
+		{"}p99999999999999999999\n.", "memo index 99999999999999999999 with only 2 opcodes before it"},
+		{"}p00000000000000000009\n.", "memo index 9 with only 2 opcodes before it"},
+		{"}p-1\n.", "a PUT index that is not a small decimal number"},
+		{"}p\n.", "a PUT index that is not a small decimal number"},
+		{"}q\x05.", "memo index 5 with only 2 opcodes before it"},
+		// A LONG_BINPUT cut short reads the bytes there are, as Python does.
+		{"}r\x09", "memo index 9 with only 2 opcodes before it"},
+	} {
+		e := scanErr(t, []byte(tc.data))
+		assert.False(t, e.Truncated, "%q", tc.data)
+		assert.Equal(t, tc.why, e.Why, "%q", tc.data)
+	}
+	// Indexes up to the opcode count are fine, however sparse.
+	assert.NoError(t, Scan([]byte("}N]q\x03h\x03j\x03\x00\x00\x00p2\ng2\n0000."), 100))
+}
+
+func TestDeepTuplesAreRefused(t *testing.T) {
+	deep := "\x80\x02}" + ")" + strings.Repeat("\x85", 1000) + "Ns."
+	e := scanErr(t, []byte(deep))
+	assert.Equal(t, "tuples nested deeper than 100", e.Why)
+	assert.Equal(t, int64(3+100), e.Ops) // PROTO, EMPTY_DICT, EMPTY_TUPLE, then TUPLE1 number 100 nests 101 deep
+	assert.NoError(t, Scan([]byte("\x80\x02)"+strings.Repeat("\x85", 99)+"."), 100))
+	// Through the memo: each TUPLE1 wraps the newest memo entry.
+	var viaMemo strings.Builder
+	viaMemo.WriteString(")\x94")
+	for i := 0; i < 60; i++ {
+		viaMemo.WriteString("h" + string(rune(i)) + "\x85\x94")
+	}
+	viaMemo.WriteString(".")
+	assert.NoError(t, Scan([]byte(viaMemo.String()), 100))
+	err := Scan([]byte(viaMemo.String()), 50)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "tuples nested deeper than 50")
+	// DUP copies the nesting too.
+	assert.Contains(t, scanErr(t, []byte(")"+strings.Repeat("2\x85", 100)+".")).Why, "tuples nested deeper than 100")
+	marked := strings.Repeat("(", 101) + ")" + strings.Repeat("t", 101) + "."
+	assert.Contains(t, scanErr(t, []byte(marked)).Why, "tuples nested deeper than 100")
+	// Lists do not count: only tuples are hashed recursively.
+	assert.NoError(t, Scan([]byte(strings.Repeat("]", 500)+strings.Repeat("a", 499)+"."), 100))
+}
+
+func TestUnknownOpcode(t *testing.T) {
+	e := scanErr(t, []byte("\x80\x04\x00"))
+	assert.Equal(t, Error{Why: "unknown opcode 0x00", Ops: 2, Pos: 3}, *e)
+	assert.Equal(t, "refused a crafted or corrupt pickle: unknown opcode 0x00 (opcode 2 at byte 3)", e.Error())
+	assert.Equal(t, "unknown opcode 0xff", scanErr(t, []byte{0xff}).Why)
+}
+
+func TestCodeOpcodesEndTheScan(t *testing.T) {
+	// GLOBAL's lines are not read: the unpickler refuses it first.
+	for _, op := range []byte("PQci\x93o\x81\x92Rb\x82\x83\x84") {
+		assert.NoError(t, Scan([]byte{op}, 100), "%q", op)
+	}
+}
+
+func TestEveryOpcodeByteIsClassified(t *testing.T) {
+	// 68 opcodes in protocols 0-5 (Lib/pickletools.py).
+	n := 0
+	for _, o := range opcodes {
+		if o.act != actUnknown {
+			n++
+		}
+	}
+	assert.Equal(t, 68, n)
+}
+
+// FuzzScan: never panics, is deterministic, and refuses with a position
+// inside the data.
+func FuzzScan(f *testing.F) {
+	for _, data := range snapshots(f) {
+		f.Add(data)
+	}
+	f.Add([]byte("\x80\x04}r\x40\x42\x0f\x00."))
+	f.Add([]byte("(((()ttt."))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		err := Scan(data, 8)
+		again := Scan(data, 8)
+		assert.Equal(t, err, again)
+		if err == nil {
+			return
+		}
+		var e *Error
+		require.True(t, errors.As(err, &e))
+		assert.LessOrEqual(t, e.Pos, int64(len(data)))
+		assert.LessOrEqual(t, e.Ops, e.Pos)
+		assert.Equal(t, e.Truncated, e.Why == "")
+		// What was accepted up to the offending opcode stays accepted when
+		// a STOP replaces it.
+		if e.Ops > 0 && e.Pos > 0 && !e.Truncated {
+			prefix := append(bytes.Clone(data[:e.Pos-1]), '.')
+			if Scan(prefix, 8) != nil {
+				// The prefix may cut an earlier argument short only if
+				// that opcode's end lies beyond e.Pos-1, which cannot be.
+				t.Fatalf("prefix %q of %q refused: %v", prefix, data, Scan(prefix, 8))
+			}
+		}
+	})
+}

@@ -1,0 +1,404 @@
+"""Loading pickles that may come from anyone: plain data only, and nothing
+crafted to cost far more than its size.
+
+Torch's memory snapshots are pickles (``torch.cuda.memory._dump_snapshot``),
+and users load the ones others send them. :func:`load_pickle` reads them
+
+1. after a scan of the opcodes that runs none of them
+   (:func:`_scan_pickle`), refusing huge memo indexes, lengths beyond the
+   data and tuples nested deeper than :data:`MAX_PICKLE_DEPTH`;
+2. with an unpickler that refuses every global, so that only dict, list,
+   tuple, set, str, bytes, int, float, bool and None are built and no
+   constructor, function or reducer runs;
+3. then walks the result, refusing cycles, deep nesting and shared
+   references that multiply the work of whoever walks it.
+
+The scan runs in Go (``bindings/picklescan``, through
+``gpumempool._fastcall``), without the GIL, at several hundred MB/s. The
+Python scanner here is its reference: it runs when the C fast path is not
+built, and a test checks that the two agree on every input.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import itertools
+import os
+import pickle
+import pickletools
+import zlib
+from typing import Any, Callable, Iterator, Union
+
+from . import _native
+
+__all__ = ["MAX_PICKLE_BYTES", "MAX_PICKLE_DEPTH", "UnsafePickleError", "load_pickle"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class UnsafePickleError(pickle.UnpicklingError, ValueError):
+    """A pickle that holds more than plain data (or is too large, or crafted
+    to be costly to load) was refused. A ValueError too, as every bad input
+    of :mod:`gpumempool.trace` is."""
+
+
+#: Default limit on a pickle's size (compressed and uncompressed).
+MAX_PICKLE_BYTES = 4 << 30
+#: Deepest nesting of containers a loaded pickle may have (torch's snapshots
+#: nest 7 deep).
+MAX_PICKLE_DEPTH = 100
+#: Size budget of a loaded pickle, counting every container once per
+#: reference (1 + its length): at least this many, else
+#: :data:`PICKLE_NODES_PER_BYTE` per byte of (decompressed) pickle. Shared
+#: references make a small pickle decode to a structure that is huge when
+#: walked (``[[e] * 1000] * 1000``, or exponentially so); torch's snapshots
+#: share their stack frames, which stays far below this.
+MIN_PICKLE_NODES = 1 << 20
+PICKLE_NODES_PER_BYTE = 64
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Builds only what pickle's own opcodes build (dict, list, tuple, set,
+    str, bytes, int, float, bool, None); every global is refused, so no
+    constructor, function or reducer can run."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise UnsafePickleError(
+            f"refused to load {module[:100]}.{name[:100]}: a memory snapshot may only contain plain data "
+            "(dict, list, tuple, str, int, float, bool, None); this pickle tries to import or call "
+            "code, so it is not one (it may be malicious)"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickleError("refused a persistent id: a memory snapshot holds plain data only")
+
+
+# What the scanner does per opcode (see _scan_pickle). It models the
+# unpickler's stack only as far as the nesting of tuples goes: hashing a
+# dict key or set element recurses in C through nested tuples, and a deep
+# enough one crashes the interpreter.
+_PUSH_FIXED, _PUSH_COUNT1, _MEMOIZE, _BINGET, _SKIP_FIXED, _POP1, _SETITEM, _TO_MARK, _MARK, _SLOW = range(10)
+
+
+#: Opcodes that push a scalar or an empty container (no tuple nesting).
+_SCALAR_PUSHES = b"IJKMLSTUBCVXFGN\x88\x89\x8a\x8b\x8c\x8d\x8e\x96\x97]}\x8f"
+
+
+def _opcode_tables() -> tuple[list[int], list[int]]:
+    """(action, argument) per opcode byte. Argument: n >= 0 fixed bytes; -1,
+    -4, -8: a length of that many bytes, then the data; -10: up to a
+    newline; -20: two lines (GLOBAL, INST); -99: not an opcode."""
+    arg = [-99] * 256
+    for op in pickletools.opcodes:
+        code, a = ord(op.code), op.arg
+        if a is None:
+            arg[code] = 0
+        elif a.n >= 0:
+            arg[code] = a.n
+        elif a.n == pickletools.UP_TO_NEWLINE:
+            arg[code] = -10
+        elif a.n == pickletools.TAKEN_FROM_ARGUMENT1:
+            arg[code] = -1
+        elif a.n in (pickletools.TAKEN_FROM_ARGUMENT4, pickletools.TAKEN_FROM_ARGUMENT4U):
+            arg[code] = -4
+        elif a.n == pickletools.TAKEN_FROM_ARGUMENT8U:
+            arg[code] = -8
+        else:  # GLOBAL and INST: two lines
+            arg[code] = -20
+    arg[ord("c")] = arg[ord("i")] = -20
+    act = [_SLOW] * 256
+    for c in _SCALAR_PUSHES:
+        act[c] = _PUSH_FIXED if arg[c] >= 0 else _PUSH_COUNT1 if arg[c] == -1 else _SLOW
+    act[0x94] = _MEMOIZE
+    act[0x68] = _BINGET
+    for c in b"\x80\x95\x98":  # PROTO, FRAME, READONLY_BUFFER
+        act[c] = _SKIP_FIXED
+    act[ord("a")] = _POP1  # APPEND
+    act[ord("s")] = _SETITEM
+    for c in b"eu\x90":  # APPENDS, SETITEMS, ADDITEMS
+        act[c] = _TO_MARK
+    act[ord("(")] = _MARK
+    return act, arg
+
+
+_OPCODE_ACTION, _OPCODE_ARG = _opcode_tables()
+_CODE_OPS = frozenset(b"PQci\x93o\x81\x92Rb\x82\x83\x84")  # globals, reducers, persistent ids
+
+
+def _scan_pickle(data: bytes, name: str) -> None:
+    """Walk the opcodes of ``data`` without running them and refuse what
+    would make the unpickler itself use much more memory or stack than the
+    data's size: memo indexes beyond the number of opcodes (the C unpickler
+    sizes its memo by the largest index: 9 bytes could ask for GBs), counted
+    lengths beyond the data, and tuples nested deeper than
+    :data:`MAX_PICKLE_DEPTH` (hashed recursively in C). Opcodes that import
+    or call code end the scan: the unpickler refuses them when it gets
+    there, before anything after them.
+
+    Runs the Go scanner when the C fast path is built, else
+    :func:`_scan_pickle_py`; both raise the same errors."""
+    fast = _native.fastcall
+    if fast is None:
+        _scan_pickle_py(data, name)
+        return
+    refused = fast.scan_pickle(data, MAX_PICKLE_DEPTH)
+    if refused is not None:
+        raise _scan_error(name, *refused)
+
+
+def _scan_error(name: str, truncated: bool, why: str, ops: int, pos: int) -> UnsafePickleError:
+    """The error of a scan that stopped at opcode number ``ops``, whose
+    byte ends at ``pos``."""
+    if truncated:
+        return UnsafePickleError(f"{name}: not a readable pickle: truncated (opcode {ops} at byte {pos})")
+    return UnsafePickleError(f"{name}: refused a crafted or corrupt pickle: {why} (opcode {ops} at byte {pos})")
+
+
+def _scan_pickle_py(data: bytes, name: str, max_depth: int = MAX_PICKLE_DEPTH) -> None:
+    """:func:`_scan_pickle` in Python (about 8 MB/s): the reference that
+    ``bindings/picklescan`` matches, and the fallback without the C fast
+    path."""
+    action, args = _OPCODE_ACTION, _OPCODE_ARG
+    stack: list[int] = []  # tuple nesting of each stack item (0: not a tuple)
+    push = stack.append
+    marks: list[int] = []
+    memo: dict[int, int] = {}
+    pos = ops = 0  # pos: just after the current opcode's byte
+
+    def bad(why: str) -> UnsafePickleError:
+        return _scan_error(name, False, why, ops, pos)
+
+    try:
+        while True:
+            op = data[pos]
+            pos += 1
+            ops += 1
+            a = action[op]
+            if a == 0:  # _PUSH_FIXED
+                push(0)
+                end = pos + args[op]
+            elif a == 1:  # _PUSH_COUNT1
+                push(0)
+                end = pos + 1 + data[pos]
+            elif a == 2:  # _MEMOIZE
+                memo[len(memo)] = stack[-1] if stack else 0
+                continue
+            elif a == 3:  # _BINGET
+                push(memo.get(data[pos], 0))
+                end = pos + 1
+            elif a == 4:  # _SKIP_FIXED
+                end = pos + args[op]
+            elif a == 5:  # _POP1
+                if stack:
+                    stack.pop()
+                continue
+            elif a == 6:  # _SETITEM
+                del stack[-2:]
+                continue
+            elif a == 7:  # _TO_MARK
+                if marks:
+                    del stack[marks.pop():]
+                continue
+            elif a == 8:  # _MARK
+                marks.append(len(stack))
+                continue
+            else:
+                end = _scan_slow(data, pos, op, ops, stack, marks, memo, bad, max_depth)
+                if end < 0:
+                    return
+            _ = data[end - 1]  # IndexError when the argument runs past the end
+            pos = end
+    except (IndexError, ValueError) as exc:  # ran off the end; no newline
+        if isinstance(exc, UnsafePickleError):
+            raise
+        raise _scan_error(name, True, "", ops, pos) from None
+
+
+def _scan_slow(data: bytes, pos: int, op: int, ops: int, stack: list[int], marks: list[int],
+               memo: dict[int, int], bad: Callable[[str], UnsafePickleError], max_depth: int) -> int:
+    """The rarer opcodes of :func:`_scan_pickle`; returns the next position,
+    or -1 at the end of what is to be scanned."""
+    frombytes = int.from_bytes
+    k = _OPCODE_ARG[op]
+    put = -1
+    if op == 0x2E:  # STOP
+        return -1
+    if op in _CODE_OPS:
+        return -1  # refused by find_class (or failing) when the unpickler gets there
+    if k == -99:
+        raise bad(f"unknown opcode {op:#04x}")
+    if op in _SCALAR_PUSHES:
+        stack.append(0)  # a push with a 4-, 8-byte or text argument
+    elif op == 0x30:  # POP
+        if marks and marks[-1] == len(stack):
+            marks.pop()
+        elif stack:
+            stack.pop()
+    elif op == 0x31:  # POP_MARK
+        if marks:
+            del stack[marks.pop():]
+    elif op in b"ld\x91":  # LIST, DICT, FROZENSET
+        if marks:
+            del stack[marks.pop():]
+        stack.append(0)
+    elif op == 0x29:  # EMPTY_TUPLE
+        stack.append(1)
+    elif op == 0x74 or 0x85 <= op <= 0x87:  # TUPLE, TUPLE1..3
+        if op == 0x74:
+            lo = marks.pop() if marks else len(stack)
+        else:
+            lo = max(0, len(stack) - (op - 0x84))
+        depth = 1 + max(stack[lo:], default=0)
+        if depth > max_depth:
+            raise bad(f"tuples nested deeper than {max_depth}")
+        del stack[lo:]
+        stack.append(depth)
+    elif op == 0x32:  # DUP
+        stack.append(stack[-1] if stack else 0)
+    elif op == 0x6A:  # LONG_BINGET
+        stack.append(memo.get(frombytes(data[pos:pos + 4], "little"), 0))
+    elif op == 0x67:  # GET (text)
+        text = data[pos:data.index(b"\n", pos)]
+        stack.append(memo.get(int(text), 0) if len(text) <= 20 and text.isdigit() else 0)
+    elif op == 0x71:  # BINPUT
+        put = data[pos]
+    elif op == 0x72:  # LONG_BINPUT
+        put = frombytes(data[pos:pos + 4], "little")
+    elif op == 0x70:  # PUT (text)
+        text = data[pos:data.index(b"\n", pos)]
+        if len(text) > 20 or not text.isdigit():
+            raise bad("a PUT index that is not a small decimal number")
+        put = int(text)
+    if put >= 0:
+        if put > ops:
+            raise bad(f"memo index {put} with only {ops} opcodes before it")
+        memo[put] = stack[-1] if stack else 0
+    if k >= 0:
+        return pos + k
+    if k == -1:
+        return pos + 1 + data[pos]
+    if k == -4:
+        return pos + 4 + frombytes(data[pos:pos + 4], "little")
+    if k == -8:
+        return pos + 8 + frombytes(data[pos:pos + 8], "little")
+    if k == -10:
+        return data.index(b"\n", pos) + 1
+    return data.index(b"\n", data.index(b"\n", pos) + 1) + 1
+
+
+_CONTAINERS = frozenset((dict, list, tuple, set, frozenset))
+
+
+def _check_structure(root: Any, name: str, max_nodes: int) -> None:
+    """Refuse a loaded pickle whose structure is cyclic, nested deeper than
+    :data:`MAX_PICKLE_DEPTH` or, counted with every shared reference
+    expanded, larger than ``max_nodes`` (each container 1 + its length).
+    Linear in the number of distinct containers."""
+    containers = _CONTAINERS
+    if type(root) not in containers:
+        return
+    done: dict[int, int] = {}  # id -> expanded size of a finished container
+    open_ids: set[int] = set()
+    path: list[tuple[Any, Iterator[Any]]] = []
+    sizes: list[int] = []
+    max_depth = MAX_PICKLE_DEPTH
+
+    def children(obj: Any) -> Iterator[Any]:
+        if type(obj) is dict:
+            return itertools.chain(obj.keys(), obj.values())
+        return iter(obj)
+
+    def refuse(why: str) -> UnsafePickleError:
+        return UnsafePickleError(f"{name}: refused a crafted pickle: {why}")
+
+    path.append((root, children(root)))
+    sizes.append(1 + len(root))
+    open_ids.add(id(root))
+    while path:
+        obj, it = path[-1]
+        for child in it:
+            if type(child) not in containers:
+                continue
+            cid = id(child)
+            known = done.get(cid)
+            if known is not None:
+                sizes[-1] += known
+                if sizes[-1] > max_nodes:
+                    raise refuse(f"shared references expand it to more than {max_nodes} nodes "
+                                 "(raise max_bytes if it is genuine)")
+                continue
+            if cid in open_ids:
+                raise refuse("it contains itself (a cycle), which plain snapshot data never does")
+            if len(path) >= max_depth:
+                raise refuse(f"containers nested deeper than {max_depth}")
+            open_ids.add(cid)
+            path.append((child, children(child)))
+            sizes.append(1 + len(child))
+            break
+        else:
+            path.pop()
+            size = sizes.pop()
+            open_ids.discard(id(obj))
+            done[id(obj)] = size
+            if sizes:
+                sizes[-1] += size
+                if sizes[-1] > max_nodes:
+                    raise refuse(f"shared references expand it to more than {max_nodes} nodes "
+                                 "(raise max_bytes if it is genuine)")
+
+
+def _gunzip(data: bytes, name: str, max_bytes: int) -> bytes:
+    """Decompress in chunks, refusing more than ``max_bytes`` of output."""
+    out = bytearray()
+    chunk = 1 << 20
+    try:
+        with gzip.GzipFile(fileobj=io.BytesIO(data), mode="rb") as gz:
+            while True:
+                part = gz.read(chunk)
+                if not part:
+                    break
+                out += part
+                if len(out) > max_bytes:
+                    raise UnsafePickleError(f"{name}: decompresses to more than {max_bytes} bytes (raise max_bytes)")
+    except (OSError, EOFError, zlib.error) as exc:
+        raise UnsafePickleError(f"{name}: bad gzip data: {str(exc)[:200] or type(exc).__name__}") from None
+    return bytes(out)
+
+
+def load_pickle(source: Union[PathLike, bytes], *, max_bytes: int = MAX_PICKLE_BYTES) -> Any:
+    """Load a pickle of plain data from a path or bytes, refusing anything
+    else with :class:`UnsafePickleError` before any of it runs. Files ending
+    in ``.gz`` (or starting with gzip's magic) are decompressed, at most
+    ``max_bytes`` of them.
+
+    Pickles that would make loading or walking the result cost far more
+    than their size are refused too (before unpickling where possible):
+    memo indexes beyond the opcodes, containers nested deeper than
+    :data:`MAX_PICKLE_DEPTH`, cycles, and shared references that expand the
+    structure beyond :data:`PICKLE_NODES_PER_BYTE` nodes per byte."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+        name = "<bytes>"
+    else:
+        name = os.fspath(source)
+        size = os.path.getsize(name)
+        if size > max_bytes:
+            raise UnsafePickleError(f"{name}: {size} bytes is over the limit of {max_bytes} (raise max_bytes)")
+        with open(name, "rb") as f:
+            data = f.read()  # sized by the file (read(n) would allocate n bytes first)
+    if len(data) > max_bytes:
+        raise UnsafePickleError(f"{name}: {len(data)} bytes is over the limit of {max_bytes} (raise max_bytes)")
+    if data[:2] == b"\x1f\x8b":
+        data = _gunzip(data, name, max_bytes)
+    _scan_pickle(data, name)
+    try:
+        obj = _PlainDataUnpickler(io.BytesIO(data)).load()
+    except UnsafePickleError:
+        raise
+    except Exception as exc:  # truncated or corrupt data raise all sorts
+        raise UnsafePickleError(f"{name}: not a readable pickle: {type(exc).__name__}: {str(exc)[:200]}") from None
+    _check_structure(obj, name, max(MIN_PICKLE_NODES, PICKLE_NODES_PER_BYTE * len(data)))
+    return obj
+
+

@@ -1,0 +1,169 @@
+"""The Go pickle scanner (bindings/picklescan, via gpumempool._fastcall)
+against its Python reference (gpumempool._safepickle._scan_pickle_py): the
+same verdict, reason and position on real, mutated and random pickles."""
+
+from __future__ import annotations
+
+import pickle
+import random
+from typing import Optional
+
+import pytest
+
+from gpumempool import _native, _safepickle
+from gpumempool._safepickle import UnsafePickleError, load_pickle
+
+fast = _native.fastcall
+needs_fast = pytest.mark.skipif(fast is None, reason="gpumempool._fastcall is not built")
+
+
+def _verdict_py(data: bytes, depth: int = _safepickle.MAX_PICKLE_DEPTH) -> Optional[str]:
+    try:
+        _safepickle._scan_pickle_py(data, "p", depth)
+    except UnsafePickleError as exc:
+        return str(exc)
+    return None
+
+
+def _verdict_go(data: bytes, depth: int = _safepickle.MAX_PICKLE_DEPTH) -> Optional[str]:
+    assert fast is not None
+    refused = fast.scan_pickle(data, depth)
+    return None if refused is None else str(_safepickle._scan_error("p", *refused))
+
+
+def _seeds() -> list[bytes]:
+    frames = [{"filename": f"f{i}.py", "line": i, "name": "fn"} for i in range(6)]
+    snap = {
+        "segments": [{"address": 1 << 40, "total_size": 2 << 20, "blocks": [
+            {"address": 1 << 40, "size": 512, "state": "active_allocated", "frames": frames}]}],
+        "device_traces": [[{"action": "alloc", "addr": 1 << 40, "size": 512, "frames": frames[2:]}] * 3],
+        "ids": ((1, 2), ((3, 4), (5, 6)), -1.5, None, True, False, 1 << 100, -(1 << 70), "téxt", b"raw"),
+        "sets": [frozenset({(3, 4)}), {5}], "ba": bytearray(b"xy"),
+    }
+    out = [pickle.dumps(snap, protocol=p) for p in range(pickle.HIGHEST_PROTOCOL + 1)]
+    out += [
+        b"\x80\x02}" + b")" + b"\x85" * 120 + b"Ns.",  # deep tuples
+        b"(" * 40 + b")" + b"t" * 40 + b".",
+        b"\x80\x04}r\x40\x42\x0f\x00.",  # memo index bomb
+        b"}p1000000\n.", b"}g5\nh\x00j\x01\x00\x00\x00.", b"}p00012\n.",
+        b"\x80\x04\x8c\xff", b"I12\nL5L\nF1.5\nS'a'\nVx\n.",
+        b"cbuiltins\nexec\n(Vprint(1)\ntR.",
+    ]
+    return out
+
+
+_OPS = [bytes([c]) for c in b"()0122]}\x8f\x88\x89NaseuldtI\x85\x86\x87\x94\x90\x91.\x97\x98"]
+_ARGS = [b"h\x00", b"h\x05", b"j\x01\x00\x00\x00", b"q\x00", b"q\x07", b"r\x02\x00\x00\x00",
+         b"p0\n", b"p3\n", b"g1\n", b"K\x07", b"M\x01\x02", b"J\x01\x02\x03\x04", b"C\x02ab",
+         b"\x8c\x01x", b"X\x01\x00\x00\x00y", b"\x8a\x01\x05", b"\x80\x04", b"\x95" + bytes(8),
+         b"I7\n", b"G" + bytes(8)]
+
+
+def _mutate(rng: random.Random, data: bytes) -> bytes:
+    b = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        k = rng.randrange(6)
+        i = rng.randrange(len(b) + 1)
+        if k == 0 and b:  # flip a byte
+            b[min(i, len(b) - 1)] = rng.randrange(256)
+        elif k == 1:  # cut
+            del b[i:]
+        elif k == 2:  # insert an opcode
+            b[i:i] = rng.choice(_OPS + _ARGS)
+        elif k == 3 and b:  # delete a run
+            del b[i:i + rng.randint(1, 8)]
+        elif k == 4:  # duplicate a run
+            b[i:i] = b[i:i + rng.randint(1, 16)]
+        else:  # a small number somewhere
+            b[i:i] = rng.randrange(256).to_bytes(1, "little")
+    return bytes(b)
+
+
+def _soup(rng: random.Random) -> bytes:
+    parts = [rng.choice(_OPS + _ARGS) for _ in range(rng.randint(1, 60))]
+    return b"".join(parts) + (b"." if rng.random() < 0.8 else b"")
+
+
+@needs_fast
+def test_go_and_python_scanners_agree() -> None:
+    rng = random.Random(20261122)
+    seeds = _seeds()
+    cases = list(seeds) + [bytes([c]) + tail for c in range(256) for tail in (b"", b".", b"\x00" * 9 + b".")]
+    cases += [s[:n] for s in seeds[:6] for n in range(0, len(s), 7)]
+    cases += [_mutate(rng, rng.choice(seeds)) for _ in range(6000)]
+    cases += [_soup(rng) for _ in range(6000)]
+    refused = 0
+    seen = []
+    for i, data in enumerate(cases):
+        depth = 3 if i % 2 else _safepickle.MAX_PICKLE_DEPTH  # small limits test the modelled stack
+        want = _verdict_py(data, depth)
+        assert _verdict_go(data, depth) == want, (data, depth)
+        refused += want is not None
+        seen.append(want or "")
+    # The mix exercises both verdicts, and each kind of refusal.
+    assert 0.2 < refused / len(cases) < 0.9
+    verdicts = "\n".join(seen)
+    for why in ("memo index", "tuples nested deeper than 3", "tuples nested deeper than 100", "unknown opcode 0x",
+                "a PUT index", "truncated"):
+        assert why in verdicts
+
+
+#: Opcodes that move the modelled stack (tuple nesting, marks, memo).
+_STACK_OPS = [b"(", b")", b"0", b"1", b"2", b"t", b"\x85", b"\x86", b"\x87", b"a", b"s", b"e", b"l",
+              b"\x94", b"h\x00", b"h\x01", b"h\x02", b"q\x00", b"q\x01", b"]"]
+
+
+@needs_fast
+def test_scanners_agree_on_short_stack_programs() -> None:
+    """Every program of up to 3 stack opcodes, and random longer ones, with
+    nesting limits of 1 and 2, where a wrongly modelled stack shows."""
+    import itertools
+
+    rng = random.Random(7)
+    programs = [b"".join(p) for n in range(1, 4) for p in itertools.product(_STACK_OPS, repeat=n)]
+    programs += [b"".join(rng.choices(_STACK_OPS, k=rng.randint(4, 12))) for _ in range(40000)]
+    refused = 0
+    for i, prog in enumerate(programs):
+        data, depth = prog + b".", 1 + i % 2
+        want = _verdict_py(data, depth)
+        assert _verdict_go(data, depth) == want, (data, depth)
+        refused += want is not None
+    assert 0.1 < refused / len(programs) < 0.9
+
+
+@needs_fast
+def test_seed_verdicts() -> None:
+    """What the two scanners agree on is right: the seeds' expected verdicts."""
+    seeds = _seeds()
+    for s in seeds[:6]:
+        assert _verdict_go(s) is None
+    assert "tuples nested deeper than 100 (opcode 103 at byte 104)" in str(_verdict_go(seeds[6]))
+    assert "memo index 1000000 with only 3 opcodes" in str(_verdict_go(seeds[8]))
+    assert _verdict_go(b"\x80\x04\x8c\xff") == "p: not a readable pickle: truncated (opcode 2 at byte 3)"
+    assert _verdict_go(seeds[-1]) is None  # GLOBAL ends the scan; the unpickler refuses it
+
+
+@needs_fast
+def test_fast_scan_takes_any_bytes_like_object() -> None:
+    assert fast is not None
+    data = pickle.dumps({"a": [1, 2]})
+    for obj in (data, bytearray(data), memoryview(data), memoryview(b"xx" + data)[2:]):
+        assert fast.scan_pickle(obj, 100) is None
+    assert fast.scan_pickle(b"", 100) == (True, "", 0, 0)
+    with pytest.raises(TypeError):
+        fast.scan_pickle("text", 100)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        fast.scan_pickle(data)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        fast.scan_pickle(data, "deep")  # type: ignore[arg-type]
+
+
+def test_load_pickle_without_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build without gpumempool._fastcall scans in Python, with the same
+    errors."""
+    monkeypatch.setattr(_native, "fastcall", None)
+    assert load_pickle(pickle.dumps({"x": (1, 2)})) == {"x": (1, 2)}
+    with pytest.raises(UnsafePickleError, match=r"memo index 1000000 with only 3 opcodes before it \(opcode 3 at byte 4\)"):
+        load_pickle(b"\x80\x04}r\x40\x42\x0f\x00.")
+    with pytest.raises(UnsafePickleError, match=r"truncated \(opcode 2 at byte 3\)"):
+        load_pickle(b"\x80\x04\x8c\xff")

@@ -112,6 +112,16 @@ var (
 	// block lives.
 	activeCaptures atomic.Int64
 	privateBlocks  atomic.Int64
+
+	// captureGate orders a capture's start (activeCaptures going up, in
+	// beginCapture, before torch begins capturing) against the close of a
+	// private pool that found no capture under way: that close finishes
+	// before any capture of the process, through any pool, can begin.
+	// Otherwise its segment frees could run during another pool's capture.
+	captureGate sync.RWMutex
+	// testHookBeforePrivateClose, when set (tests only), runs in
+	// closeIfDoneLocked after the checks and before the close.
+	testHookBeforePrivateClose func()
 )
 
 // graphStateOf returns e's graph state, made on first use with create;
@@ -254,7 +264,12 @@ func privateFree(e *registry.Entry, addr uint64) (ok bool, err error) {
 // process (freeing memory would invalidate it). Otherwise a later
 // sweepFreeable tries again. It reports whether pp was closed.
 func (g *graphState) closeIfDoneLocked(pp *privatePool) (bool, error) {
-	if !pp.released || pp.live > 0 || activeCaptures.Load() > 0 {
+	if !pp.released || pp.live > 0 {
+		return false, nil
+	}
+	captureGate.RLock()
+	defer captureGate.RUnlock()
+	if activeCaptures.Load() > 0 {
 		return false, nil
 	}
 	waiting, err := pp.pool.ProcessEvents()
@@ -263,6 +278,9 @@ func (g *graphState) closeIfDoneLocked(pp *privatePool) (bool, error) {
 	}
 	if waiting > 0 {
 		return false, nil
+	}
+	if testHookBeforePrivateClose != nil {
+		testHookBeforePrivateClose()
 	}
 	return true, g.closeLocked(pp)
 }
@@ -402,7 +420,9 @@ func beginCapture(e *registry.Entry, device int, id graphPoolID, f streamFilter)
 	}
 	g.captures = append(g.captures, capture{device: device, id: id, filter: f})
 	stored = true
+	captureGate.Lock()
 	activeCaptures.Add(1)
+	captureGate.Unlock()
 	return g.captureLocked(e, true)
 }
 

@@ -4,6 +4,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -372,4 +373,42 @@ func TestGraphBeginAfterClose(t *testing.T) {
 	err = beginCapture(e2, 0, graphPoolID{9, 0}, goFilter{stream: 0x10, released: &released})
 	require.ErrorIs(t, err, gocore.ErrClosed)
 	assert.EqualValues(t, 2, released.Load())
+}
+
+// A private pool that is done closes before any capture can begin anywhere
+// in the process: a capture of another pool that starts while the close
+// runs waits for it (captureGate), so no segment is freed during it.
+func TestPrivatePoolCloseHoldsOffOtherCaptures(t *testing.T) {
+	a, _ := newEntry(t, gocore.Config{Name: "a"})
+	b, _ := newEntry(t, gocore.Config{Name: "b"})
+	var released atomic.Int32
+	idA, idB := graphPoolID{1, 1}, graphPoolID{2, 1}
+	require.NoError(t, beginCapture(a, 0, idA, goFilter{stream: 0x100, released: &released}))
+	addr, err := AllocFor(a, mib, 0, 0x100)
+	require.NoError(t, err)
+	require.NoError(t, endCapture(a, 0, idA))
+	require.NoError(t, releaseGraphPool(a, 0, idA)) // done but for addr
+
+	begun := make(chan error, 1)
+	var beganDuringClose atomic.Bool
+	testHookBeforePrivateClose = func() {
+		go func() { begun <- beginCapture(b, 0, idB, goFilter{stream: 0x200, released: &released}) }()
+		select {
+		case err := <-begun:
+			beganDuringClose.Store(true)
+			begun <- err
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	t.Cleanup(func() { testHookBeforePrivateClose = nil })
+	require.NoError(t, FreeFor(a, addr)) // the last block: a's private pool closes
+	testHookBeforePrivateClose = nil
+	assert.False(t, beganDuringClose.Load(), "a capture began while a private pool was being closed")
+	require.NoError(t, <-begun)
+	pools, err := GraphPools(a)
+	require.NoError(t, err)
+	assert.Empty(t, pools, "a's private pool closed")
+	require.NoError(t, endCapture(b, 0, idB))
+	require.NoError(t, releaseGraphPool(b, 0, idB))
+	assert.Zero(t, activeCaptures.Load())
 }

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 from . import scope as _scope
@@ -123,10 +124,15 @@ _lock = threading.RLock()
 #: is the allocator below it (or CuPy's, for the first).
 _stack: list[_Entry] = []
 _set_calls: list[_Entry] = []  # set_allocator's entries, for reset_allocator (innermost last)
+#: Pools whose close has run _forget_pool: the engine marks them closed only
+#: after it, and nothing may be installed on them in between.
+_closing: "weakref.WeakSet[MemPool]" = weakref.WeakSet()
 
 
 def _install(cp: Any, fn: Any, pool: MemPool) -> _Entry:
     with _lock:
+        if pool.closed or pool in _closing:
+            raise PoolClosedError(f"pool {pool!r} is closed")
         entry = _Entry(fn, cp.cuda.get_allocator(), pool)
         cp.cuda.set_allocator(fn)
         _stack.append(entry)
@@ -151,8 +157,10 @@ def _uninstall(cp: Any, entry: _Entry) -> None:
 
 def _forget_pool(pool: MemPool) -> Optional[str]:
     """MemPool.close (through gpumempool.scope.on_close): no CuPy allocator
-    installed process-wide stays on the closed pool."""
+    installed process-wide stays on the closed pool, nor is installed
+    later."""
     with _lock:
+        _closing.add(pool)
         entries = [e for e in _stack if e.pool is pool]
         if not entries:
             return None
@@ -179,7 +187,7 @@ def set_allocator(pool: MemPool, device: Any = None) -> Any:
         raise PoolClosedError(f"pool {pool!r} is closed")
     fn = allocator(pool, device)
     with _lock:
-        entry = _install(cp, fn, pool)
+        entry = _install(cp, fn, pool)  # checks again, under the lock a close takes
         _set_calls.append(entry)
     return entry.previous
 

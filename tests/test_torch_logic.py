@@ -1526,6 +1526,34 @@ def test_closing_a_pool_resets_the_cupy_allocator_over_it(monkeypatch):
         gmp.cupy.set_allocator(a)
 
 
+def test_cupy_set_allocator_racing_a_close_is_refused(monkeypatch):
+    """A set_allocator that lands after close has reset CuPy's allocator
+    (gpumempool.cupy's close hook) but before the engine marks the pool
+    closed must not leave CuPy allocating from the closed pool."""
+    from gpumempool import scope as gscope
+
+    cp = make_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    pool = gmp.MemPool("sim", name="racing", capacity=1 << 26)
+    seen: list[object] = []
+
+    def late_set_allocator(closing: gmp.MemPool) -> None:  # runs after gpumempool.cupy's hook
+        if closing is pool:
+            try:
+                gmp.cupy.set_allocator(pool)
+                seen.append("installed")
+            except gmp.PoolClosedError as exc:
+                seen.append(exc)
+
+    gscope.on_close(late_set_allocator)
+    try:
+        pool.close()
+    finally:
+        gscope._close_hooks.remove(late_set_allocator)
+    assert len(seen) == 1 and isinstance(seen[0], gmp.PoolClosedError), seen
+    assert cp.cuda.get_allocator() == "cupy-default"
+
+
 GC_IN_LOCKED_REGION = r"""
 import gc, sys
 sys.path.insert(0, sys.argv[1])

@@ -19,7 +19,15 @@ Importer (another process)::
 
 The importer must stop using (and unmap) the memory before the exporter
 frees the block. File descriptors cannot be pickled or sent as bytes: only a
-UNIX socket (or fork) carries them to another process.
+UNIX socket (SCM_RIGHTS), or inheritance across fork *and* exec
+(``subprocess.Popen(..., pass_fds=...)``), carries them to another process.
+A child that was only forked, without exec, must not use CUDA or gpumempool
+(CUDA's state and the Go runtime's threads do not survive ``fork``).
+
+For an ``async`` pool, ``export`` waits until the allocating stream has
+reached the block's allocation, as CUDA requires before another process
+touches it; the data the exporter writes there is its own to order (finish
+or synchronize its kernels before the importer reads).
 """
 
 from __future__ import annotations

@@ -5,8 +5,10 @@ with kernels."""
 from __future__ import annotations
 
 import ctypes
+import socket
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -112,6 +114,52 @@ def test_host_memory_is_pinned() -> None:
         dev = cp.empty(64 * MiB, cp.uint8)
         cp.cuda.runtime.memcpy(dev.data.ptr, ptr, 64 * MiB, cp.cuda.runtime.memcpyHostToDevice)
         assert int(dev[-1]) == 3
+        pool.free(ptr)
+
+
+IPC_CHILD = textwrap.dedent(
+    """
+    import socket, sys
+    import cupy as cp
+    import gpumempool as gmp
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    with gmp.IpcHandle.recv(sock) as h, gmp.import_pool(h) as mem:
+        mem_obj = cp.cuda.UnownedMemory(mem.ptr, mem.size, owner=None, device_id=0)
+        a = cp.ndarray((mem.size,), cp.uint8, cp.cuda.MemoryPointer(mem_obj, 0))
+        seen = bytes([int(a[0]), int(a[-1])])   # the exporter's writes, read by a kernel here
+        a[:64] = 0x5C
+        cp.cuda.Device(0).synchronize()
+        sock.sendall(seen)
+    """
+)
+
+
+@pytest.mark.parametrize("backend", ["vmm", "async"])
+def test_ipc_two_processes_read_each_others_writes(backend: str) -> None:
+    """Issue 3's IPC check: a block exported by this process is mapped by a
+    second one (descriptors over a UNIX socket); each reads what the other
+    wrote with kernels. The block is not at its segment's start."""
+    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with parent_sock, gmp.MemPool(backend, ipc=True) as pool:
+        pool.alloc(5000)
+        ptr = pool.alloc(3 * MiB)
+        as_array(ptr, 3 * MiB)[:] = 0x3A
+        cp.cuda.Device(0).synchronize()
+        proc = subprocess.Popen([sys.executable, "-c", IPC_CHILD, str(child_sock.fileno())],
+                                pass_fds=[child_sock.fileno()], cwd="/")
+        child_sock.close()
+        try:
+            with pool.export(ptr) as h:
+                assert h.meta["kind"] == backend and h.meta["size"] >= 3 * MiB
+                h.send(parent_sock)
+            parent_sock.settimeout(120)
+            seen = parent_sock.recv(2)
+            assert proc.wait(timeout=120) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert seen == b"\x3a\x3a"
+        assert (as_array(ptr, 64).get() == 0x5C).all() and int(as_array(ptr, 65)[64]) == 0x3A
         pool.free(ptr)
 
 

@@ -6,6 +6,7 @@ import (
 	"io"
 	"sort"
 	"sync"
+	"time"
 
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/internal/segtrack"
@@ -73,6 +74,26 @@ type AsyncBackend struct {
 	pools   []uint64 // by device; 0 until created
 	streams []uint64 // private streams, by device; 0 until created
 	closed  bool
+	// allocated holds, for segments of an IPC pool not exported yet, an
+	// event recorded on the allocating stream right after
+	// cuMemAllocFromPoolAsync. ExportPointer waits for it: "the imported
+	// memory must not be accessed before the allocation operation
+	// completes in the exporting process" (cuMemPoolImportPointer).
+	allocated map[segKey]*allocEvent
+}
+
+// segKey names a segment.
+type segKey struct {
+	dev  int
+	addr uint64
+}
+
+// allocEvent is the allocation event of one segment; mu serialises the
+// exports waiting for it and its destruction.
+type allocEvent struct {
+	mu   sync.Mutex
+	ev   uint64
+	done bool // completed and destroyed
 }
 
 var (
@@ -114,9 +135,10 @@ func NewAsyncBackend(drv *Driver, opts AsyncOptions) (*AsyncBackend, error) {
 	}
 	return &AsyncBackend{
 		cu: cu, drv: drv, opts: opts,
-		pools:   make([]uint64, cu.Devices()),
-		streams: make([]uint64, cu.Devices()),
-		live:    segtrack.New("async backend"),
+		pools:     make([]uint64, cu.Devices()),
+		streams:   make([]uint64, cu.Devices()),
+		live:      segtrack.New("async backend"),
+		allocated: map[segKey]*allocEvent{},
 	}, nil
 }
 
@@ -331,7 +353,79 @@ func (b *AsyncBackend) allocOn(dev int, size, pool, on uint64, private bool) (ui
 	if !b.live.Add(segtrack.Segment{Device: dev, Addr: addr, Size: size}) {
 		return 0, fmt.Errorf("async backend: cuMemAllocFromPoolAsync returned %#x, which is still allocated", addr)
 	}
+	if b.opts.IPC && !private { // a private stream's allocation was waited for
+		if err := b.recordAllocated(dev, addr, on); err != nil {
+			return 0, errors.Join(err, b.Free(dev, addr, size, gocore.Stream(on)))
+		}
+	}
 	return addr, nil
+}
+
+// recordAllocated records the allocation event of segment addr (see
+// AsyncBackend.allocated).
+func (b *AsyncBackend) recordAllocated(dev int, addr, stream uint64) error {
+	ev, err := b.drv.EventCreate(dev)
+	if err != nil {
+		return fmt.Errorf("async backend: allocation event for IPC: %w", err)
+	}
+	if err := b.drv.EventRecord(dev, ev, stream); err != nil {
+		return errors.Join(fmt.Errorf("async backend: allocation event for IPC: %w", err), b.drv.EventDestroy(dev, ev))
+	}
+	b.mu.Lock()
+	b.allocated[segKey{dev, addr}] = &allocEvent{ev: ev}
+	b.mu.Unlock()
+	return nil
+}
+
+// waitAllocated waits until the allocation of segment addr has completed
+// on its stream (a no-op once one export waited), polling its event: the
+// driver interface has no blocking event wait, and exports are rare.
+func (b *AsyncBackend) waitAllocated(dev int, addr uint64) error {
+	b.mu.Lock()
+	a := b.allocated[segKey{dev, addr}]
+	b.mu.Unlock()
+	if a == nil {
+		return nil
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.done {
+		return nil
+	}
+	for pause := time.Microsecond; ; pause = min(2*pause, time.Millisecond) {
+		ok, err := b.drv.EventQuery(dev, a.ev)
+		if err != nil {
+			return fmt.Errorf("async backend: export pointer %#x: waiting for its allocation: %w", addr, err)
+		}
+		if ok {
+			break
+		}
+		time.Sleep(pause)
+	}
+	a.done = true
+	b.mu.Lock()
+	delete(b.allocated, segKey{dev, addr})
+	b.mu.Unlock()
+	return b.drv.EventDestroy(dev, a.ev)
+}
+
+// dropAllocated destroys the allocation event of segment addr, if any is
+// left (the segment was never exported, or is being freed).
+func (b *AsyncBackend) dropAllocated(dev int, addr uint64) error {
+	b.mu.Lock()
+	a := b.allocated[segKey{dev, addr}]
+	delete(b.allocated, segKey{dev, addr})
+	b.mu.Unlock()
+	if a == nil {
+		return nil
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.done {
+		return nil
+	}
+	a.done = true
+	return b.drv.EventDestroy(dev, a.ev)
 }
 
 // Free returns a segment to dev's pool with cuMemFreeAsync on stream, which
@@ -343,12 +437,18 @@ func (b *AsyncBackend) allocOn(dev int, size, pool, on uint64, private bool) (ui
 // no segment during a capture; a free on a capturing stream would become a
 // node of the graph.
 func (b *AsyncBackend) Free(dev int, addr, size uint64, stream gocore.Stream) error {
-	return b.live.Free(dev, addr, size, func() error {
+	err := b.live.Free(dev, addr, size, func() error {
 		if err := b.drv.MemFreeAsync(dev, addr, uint64(stream)); err != nil {
 			return fmt.Errorf("async backend: %w", err)
 		}
 		return nil
 	})
+	if err == nil {
+		// The segment is freed: an error here (the event stays, a few
+		// bytes of driver state) must not make the engine free it again.
+		_ = b.dropAllocated(dev, addr)
+	}
+	return err
 }
 
 // Trim releases memory cached by dev's CUDA pool (memory the engine gave
@@ -422,6 +522,9 @@ func (b *AsyncBackend) ExportPointer(dev int, ptr uint64) ([64]byte, error) {
 		return [64]byte{}, fmt.Errorf("async backend: export pointer %#x: not the start of a live segment on device %d: %w",
 			ptr, dev, gocore.ErrInvalidArgument)
 	}
+	if err := b.waitAllocated(dev, ptr); err != nil {
+		return [64]byte{}, err
+	}
 	data, err := b.drv.MemPoolExportPointer(dev, ptr)
 	if err != nil {
 		return [64]byte{}, fmt.Errorf("async backend: %w", err)
@@ -443,6 +546,10 @@ func (b *AsyncBackend) Close() error {
 	b.closed = true
 	pools := append([]uint64(nil), b.pools...)
 	streams := append([]uint64(nil), b.streams...)
+	var events []segKey
+	for k := range b.allocated {
+		events = append(events, k)
+	}
 	b.mu.Unlock()
 	var leaked []string
 	for _, s := range b.live.Segments() {
@@ -450,6 +557,11 @@ func (b *AsyncBackend) Close() error {
 	}
 
 	var errs []error
+	for _, k := range events { // of segments still allocated, never exported
+		if err := b.dropAllocated(k.dev, k.addr); err != nil {
+			errs = append(errs, fmt.Errorf("async backend: close: %w", err))
+		}
+	}
 	b.sideMu.Lock() // no Alloc is using a private stream any more
 	for dev, s := range streams {
 		if s != 0 {

@@ -4,6 +4,7 @@ import (
 	"os"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -286,4 +287,71 @@ func TestAsyncPoolImportOnAnotherDevice(t *testing.T) {
 
 	require.NoError(t, be.Free(0, a, 4*mib, 0x7))
 	require.NoError(t, be.Close())
+}
+
+// "The imported memory must not be accessed before the allocation
+// operation completes in the exporting process" (cuMemPoolImportPointer):
+// ExportPointer returns only once the allocating stream has reached the
+// allocation, and the allocation events of IPC pools are all destroyed, by
+// the export, the free or Close.
+func TestAsyncExportWaitsForTheAllocation(t *testing.T) {
+	f, drv := setup(t)
+	f.SetManualEvents(true)
+	t.Cleanup(func() { f.SetManualEvents(false) })
+	be := newAsync(t, drv, AsyncOptions{IPC: true})
+	a, err := be.Alloc(0, 4*mib, 0x7)
+	require.NoError(t, err)
+	assert.Equal(t, 1, f.LiveEvents(0), "an allocation event")
+
+	exported := make(chan error, 1)
+	go func() {
+		_, err := be.ExportPointer(0, a)
+		exported <- err
+	}()
+	select {
+	case err := <-exported:
+		t.Fatalf("exported before the allocation completed (err %v)", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	f.CompleteStream(0x7)
+	select {
+	case err := <-exported:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the export did not return once the stream completed")
+	}
+	assert.Zero(t, f.LiveEvents(0), "destroyed by the export")
+	_, err = be.ExportPointer(0, a) // exported again: nothing to wait for
+	require.NoError(t, err)
+
+	b, err := be.Alloc(0, 2*mib, 0x8) // freed without an export
+	require.NoError(t, err)
+	c, err := be.Alloc(0, 2*mib, 0x8) // left for Close
+	require.NoError(t, err)
+	assert.Equal(t, 2, f.LiveEvents(0))
+	require.NoError(t, be.Free(0, b, 2*mib, 0x8))
+	assert.Equal(t, 1, f.LiveEvents(0))
+	require.NoError(t, be.Free(0, a, 4*mib, 0x7))
+	require.NoError(t, be.Free(0, c, 2*mib, 0x8))
+	assert.Zero(t, f.LiveEvents(0))
+
+	// Pools without IPC record nothing.
+	plain := newAsync(t, drv, AsyncOptions{})
+	d, err := plain.Alloc(0, 2*mib, 0x7)
+	require.NoError(t, err)
+	assert.Zero(t, f.LiveEvents(0))
+	require.NoError(t, plain.Free(0, d, 2*mib, 0x7))
+	require.NoError(t, be.Close())
+	require.NoError(t, plain.Close())
+}
+
+func TestAsyncCloseDestroysAllocationEvents(t *testing.T) {
+	f, drv := setup(t)
+	be := newAsync(t, drv, AsyncOptions{IPC: true})
+	a, err := be.Alloc(0, 2*mib, 0x7)
+	require.NoError(t, err)
+	assert.Equal(t, 1, f.LiveEvents(0))
+	require.Error(t, be.Close(), "a segment was never freed")
+	assert.Zero(t, f.LiveEvents(0))
+	require.NoError(t, be.Free(0, a, 2*mib, 0x7), "frees still work after Close")
 }

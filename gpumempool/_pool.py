@@ -769,8 +769,9 @@ class MemPool:
 
     def graph_pools(self) -> list[dict[str, Any]]:
         """The private pools torch allocated into through this pool's hooks
-        in full-replacement mode: one per CUDA graph captured (or
-        ``torch.cuda.MemPool`` used), with ``id`` (torch's MempoolId_t),
+        in full-replacement mode: one per CUDA graph captured (and per
+        ``torch.cuda.MemPool`` used, on a torch that allows MemPools under a
+        pluggable allocator; 2.11 refuses them), with ``id`` (torch's MempoolId_t),
         ``device``, ``live_blocks``, ``allocated_bytes``, ``reserved_bytes``,
         ``released`` (the graph is gone; the segments go back when its last
         block is freed) and ``capturing``. Their memory and counters are

@@ -456,8 +456,14 @@ def test_full_replacement_torch_mempool_is_private() -> None:
         """
     )
     print("\n", out)
-    if "unsupported" in out or "begin_allocate_to_pool" not in out["hooks"]:
-        pytest.skip(f"torch.cuda.MemPool under a pluggable allocator: {out.get('unsupported', 'no hooks')}")
+    if "unsupported" in out:
+        # torch <= 2.11: MemPool() calls createOrIncrefPool, which
+        # CUDAPluggableAllocator does not implement (c10's default refuses).
+        # Any other failure is ours.
+        assert "createOrIncrefPool" in out["unsupported"], out
+        pytest.skip(f"this torch refuses torch.cuda.MemPool under a pluggable allocator: {out['unsupported']}")
+    if "begin_allocate_to_pool" not in out["hooks"]:
+        pytest.skip(f"this torch has no begin_allocate_to_pool hook: {out['hooks']}")
     assert out["private_during"] == [1]
     assert out["y_differs"]
     assert out["private_after"] == [] and out["hook_errors"] == []
@@ -506,7 +512,7 @@ def test_full_replacement_shares_tensors_across_processes(tmp_path: Path) -> Non
     print("\n", out)
     assert out["offset"] > 0  # the shared tensor does not start its segment
     if "refused" in out:
-        assert "shareIpcHandle" in out["refused"] or "not" in out["refused"], out
+        assert "shareipchandle" in out["refused"].lower(), out  # torch 2.11 spells it "shareIPcHandle"
         pytest.skip(f"this torch cannot share tensors of a pluggable allocator: {out['refused']}")
     assert out["got"] == [1000.0, 1999.0, 1000] and out["exit"] == 0
 

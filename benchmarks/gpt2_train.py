@@ -161,7 +161,7 @@ def worker_train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "mode": mode,
         "losses": losses,
         "step_times_s": times,
-        "median_step_s": statistics.median(times[args.warmup:]),
+        "median_step_s": statistics.median(times[args.warmup:] or times),  # --steps <= --warmup: all of them
         "torch_max_reserved": int(torch.cuda.max_memory_reserved(dev)),
         "torch_max_allocated": int(torch.cuda.max_memory_allocated(dev)),
     }
@@ -255,10 +255,13 @@ def run_worker(mode: str, args: argparse.Namespace) -> Optional[dict[str, Any]]:
         except subprocess.TimeoutExpired:
             say(f"== {mode} FAILED (timed out after {args.timeout} s)")
             return None
-        if proc.returncode != 0 or not out.exists():
+        if not out.exists():
             say(f"== {mode} FAILED (exit {proc.returncode})")
             return None
         res = json.loads(out.read_text())
+        if proc.returncode != 0:  # it measured, then failed on the way out: keep the numbers, say so
+            say(f"== {mode}: exit status {proc.returncode} after writing its result (kept, flagged)")
+            res["exit_status"] = proc.returncode
         say(f"== {mode} done in {time.perf_counter() - t0:.1f} s")
         return res
 

@@ -256,9 +256,12 @@ def run_worker(name: str, args: argparse.Namespace, snapshot: Path) -> dict[str,
             proc.kill()
             proc.wait()
             return {"name": name, "error": f"timed out after {args.timeout} s"}
-        if rc != 0 or not res_path.exists():
+        if not res_path.exists() or not snapshot.exists():
             return {"name": name, "error": f"worker exited with status {rc} (its output is above)"}
         res = json.loads(res_path.read_text())
+        if rc != 0:  # it recorded, then failed on the way out: keep the trace, say so
+            say(f"== {name}: exit status {rc} after writing its snapshot (kept, flagged)")
+            res["exit_status"] = rc
         say(f"== {name}: {res['history_entries']:,} history entries in {time.perf_counter() - t0:.1f} s")
         return res
 
@@ -399,8 +402,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset (default: all three)")
     ap.add_argument("--steps", type=int, default=30, help="training steps of gpt2-train and cnn-train (default 30)")
     ap.add_argument("--requests", type=int, default=100, help="requests of gpt2-infer (default 100)")
-    ap.add_argument("--max-entries", type=int, default=300_000,
-                    help="torch's history ring per workload (default 300000, keeps each trace a few MiB)")
+    ap.add_argument("--max-entries", type=int, default=1_000_000,
+                    help="torch's history ring per workload (default 1000000: gpt2-infer records ~450k "
+                         "entries; a trace stays under 4 MiB)")
     ap.add_argument("--max-trace-mib", type=float, default=4.0, help="warn when a trace is larger (default 4)")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per workload process (default 240)")
     ap.add_argument("--no-keep-snapshots", action="store_true", help="delete torch's raw snapshots after converting")
@@ -459,6 +463,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             say(f"{name}: {info['error']}")
             doc["traces"].append(info)
             failed += 1
+            write_summary(doc, out)
             continue
         for key in ("device", "torch", "cuda", "transformers"):
             doc.setdefault(key, info.get(key))
@@ -474,9 +479,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             doc["traces"].append({"name": name, "error": f"conversion/replay failed: {exc!r}",
                                   "snapshot": f"raw/{snapshot.name}", **info})
             failed += 1
+            write_summary(doc, out)
             continue
         if args.no_keep_snapshots:
             snapshot.unlink(missing_ok=True)
+        write_summary(doc, out)  # after every workload: a stage killed by its time limit keeps what it did
     write_summary(doc, out)
     print((out / "replay_summary.md").read_text())
     say(f"wrote {out}/*.trace.gz and replay_summary.json/.md" + (f"; {failed} workload(s) failed" if failed else ""))

@@ -334,10 +334,13 @@ def run_worker(config: str, workload: str, args: argparse.Namespace) -> dict[str
         wall = time.perf_counter() - t0
         if rc is None:
             return {"config": config, "workload": workload, "error": f"timed out after {args.timeout} s"}
-        if rc != 0 or not out.exists():
+        if not out.exists():
             return {"config": config, "workload": workload, "error": f"exit status {rc} (its output is above)"}
         res = json.loads(out.read_text())
         res["wall_s"] = wall
+        if rc != 0:  # it measured, then failed on the way out: keep the numbers, say so
+            say(f"== {config} / {workload}: exit status {rc} after writing its result (kept, flagged)")
+            res["exit_status"] = rc
         say(f"== {config} / {workload} done in {wall:.1f} s")
         return res
 

@@ -141,8 +141,9 @@ def test_ipc_two_processes_read_each_others_writes(backend: str) -> None:
     wrote with kernels. The block is not at its segment's start."""
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with parent_sock, gmp.MemPool(backend, ipc=True) as pool:
-        pool.alloc(5000)
-        ptr = pool.alloc(3 * MiB)
+        pool.alloc(3 * MiB)
+        ptr = pool.alloc(3 * MiB)  # the second block of a 20 MiB segment
+        assert any(sg["address"] < ptr < sg["address"] + sg["size"] for sg in pool.segments())
         as_array(ptr, 3 * MiB)[:] = 0x3A
         cp.cuda.Device(0).synchronize()
         proc = subprocess.Popen([sys.executable, "-c", IPC_CHILD, str(child_sock.fileno())],

@@ -843,7 +843,12 @@ def release(pool: MemPool, device: Any = None, *, to_backend: bool = False, tag:
     engine's cache (``pool.empty_cache()``).
 
     Raises :class:`PoolInUseError`, touching nothing, while a thread is
-    inside ``mempool(pool)`` or tensors allocated from the pool are alive.
+    inside ``mempool(pool)`` or tensors allocated from the pool are alive,
+    and while any ``gmp.mempool`` context is active on the device (torch
+    asserts in the MemPool destructor that no allocation to a pool is under
+    way there, which would abort the process). Do not call it while another
+    thread is inside ``torch.cuda.use_mem_pool`` or captures a CUDA graph on
+    that device, which gpumempool cannot see.
     Torch's cuBLAS workspaces (made by the first matmul of a thread and
     stream, and kept) are not counted as alive: when blocks remain, this
     clears them (``torch._C._cuda_clearCublasWorkspaces``; torch makes new
@@ -872,6 +877,21 @@ def release(pool: MemPool, device: Any = None, *, to_backend: bool = False, tag:
             names = {t.ident: t.name for t in threading.enumerate()}
             where = ", ".join(f"cuda:{ln.device} in thread {names.get(ln.holder, ln.holder)!r}" for ln in busy)
             raise PoolInUseError(f"cannot release pool {pool.name!r}: still inside gmp.mempool(...) ({where})")
+        # Dropping a torch.cuda.MemPool runs its destructor, which empties the
+        # pool and so syncs its events: torch asserts there that no
+        # allocation to any pool is under way on the device
+        # (synchronize_and_free_events), and an assert thrown from a
+        # destructor aborts the process. Routes of gmp.mempool are known
+        # here (torch >= 2.8); torch.cuda.use_mem_pool blocks and graph
+        # captures of other threads are not (see the docstring).
+        with _routes_lock:
+            routing = sorted({ln.device for ln in lanes if _active_routes.get(ln.device)})
+        if routing:
+            raise PoolInUseError(
+                f"cannot release pool {pool.name!r} while a gmp.mempool(...) context (of any pool, in any thread) "
+                f"is active on {', '.join(f'cuda:{d}' for d in routing)}: torch's MemPool destructor asserts that no "
+                "allocation to a pool is under way on the device, and would abort the process"
+            )
         per_lane, live_blocks, live_bytes = _scan_lanes(torch, caps, lanes)
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if live_bytes and clear is not None:
@@ -1020,13 +1040,23 @@ def _sync_handles(torch: Any, caps: Optional[TorchCapabilities], reg: _Registrat
             handles[addr] = (nccl.register(reg.comm, addr, size), size)
 
 
+#: What torch says when the communicator of a process group is gone
+#: (``destroy_process_group``, an abort): ncclCommDestroy has already dropped
+#: every registration it held, so there is nothing left to undo.
+_COMM_GONE = ("communicator was aborted", "has not been initialized", "communicator is aborted")
+
+
 def _deregister_lane(reg: _Registration, lane: _Lane) -> None:
     state = reg.lanes.pop(lane, None)
     if state is None:
         return
     if reg.mode == "mem_pool":
         if state == "registered":
-            reg.backend.deregister_mem_pool(lane.torch_pool)
+            try:
+                reg.backend.deregister_mem_pool(lane.torch_pool)
+            except RuntimeError as exc:  # torch's DistBackendError is one
+                if not any(gone in str(exc) for gone in _COMM_GONE):
+                    raise
     else:
         nccl = _nccl_lib()
         for handle, _ in state.values():
@@ -1140,7 +1170,10 @@ def register(pool: MemPool, process_group: Any = None, *, device: Any = None) ->
 
 def deregister(pool: MemPool, process_group: Any = None, *, device: Any = None) -> None:
     """Undo :func:`register` for ``process_group`` (default group if None) on
-    ``device`` (every device when None)."""
+    ``device`` (every device when None). Call it (or close the pool) before
+    ``torch.distributed.destroy_process_group()``; after it, the
+    communicator is gone along with its registrations, and this only
+    forgets them (with no group left, ``process_group=None`` means all)."""
     if not isinstance(pool, MemPool):
         raise TypeError(f"pool must be a gpumempool.MemPool, got {type(pool).__name__}")
     torch = _import_torch()
@@ -1156,10 +1189,12 @@ def deregister(pool: MemPool, process_group: Any = None, *, device: Any = None) 
             group = process_group
         regs = [r for r in st.registrations if (group is None or r.group is group) and (dev is None or r.device == dev)]
         for reg in regs:
-            for ln in st.lanes:
-                if ln.device == reg.device:
-                    _deregister_lane(reg, ln)
-            st.registrations.remove(reg)
+            try:
+                for ln in st.lanes:
+                    if ln.device == reg.device:
+                        _deregister_lane(reg, ln)
+            finally:  # an error is raised, but the registration is not kept half undone
+                st.registrations.remove(reg)
 
 
 # ---------------------------------------------------------------------------

@@ -24,9 +24,16 @@ def _has_gpu() -> bool:
 
 
 def nccl_ok() -> bool:
-    """Whether an nccl pool can be made here (a libnccl >= 2.19 is found)."""
+    """Whether an nccl pool can be made here (a libnccl >= 2.19 is found).
+    pip's NCCL is not on the loader's path; importing torch loads it (its
+    libtorch_cuda needs libnccl.so.2), as a user's program would have."""
     import gpumempool as gmp
 
+    if not os.environ.get("GMP_LIBNCCL"):
+        try:
+            import torch  # noqa: F401
+        except Exception:  # noqa: BLE001 - without torch, the loader's search path decides
+            pass
     try:
         gmp.MemPool("nccl").close()
         return True

@@ -105,6 +105,29 @@ def test_vmm_expandable_grows_without_moving() -> None:
         assert (as_array(a, 3 * MiB).get() == 9).all() and (as_array(c, 3 * MiB).get() == 5).all()
 
 
+def test_vmm_host_numa_memory_is_usable_from_kernels() -> None:
+    """location="host_numa" (EGM on Grace; plain pinned host memory over
+    PCIe elsewhere, as NCCL uses it): kernels write and read it. A device or
+    container without host-NUMA VMM support is a skip with the driver's
+    reason, not a failure."""
+    with gmp.MemPool("vmm", location="host_numa", numa_node=0) as pool:
+        try:
+            ptr = pool.alloc(4 * MiB)
+        except gmp.BackendError as exc:
+            if "does not support host NUMA" in str(exc) or "NOT_SUPPORTED" in str(exc):
+                pytest.skip(f"no host-NUMA VMM here: {exc}")
+            raise
+        a = as_array(ptr, 4 * MiB)
+        a[:] = 7
+        a[-16:] = 9
+        cp.cuda.Device(0).synchronize()
+        got = a.get()
+        assert (got[:-16] == 7).all() and (got[-16:] == 9).all()
+        attrs = cp.cuda.runtime.pointerGetAttributes(ptr)
+        assert attrs.device == 0  # mapped for the GPU
+        pool.free(ptr)
+
+
 def test_host_memory_is_pinned() -> None:
     with gmp.MemPool("host") as pool:
         ptr = pool.alloc(64 * MiB)

@@ -276,3 +276,19 @@ def test_graph_capture_on_the_fake_driver_makes_no_forbidden_call(fake_cuda, cxx
     finally:
         fake.fake_cuda_set_global_capture(0)
         fake.fake_cuda_set_manual_events(0)
+
+
+def test_vmm_host_numa_on_a_device_without_support(fake_cuda) -> None:
+    """The error test_gpu.py's host-NUMA check skips on: a BackendError that
+    names the missing support, before any memory is created."""
+    path, fake = fake_cuda
+    fake.fake_cuda_set_device_attribute.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    assert fake.fake_cuda_set_device_attribute(0, 141, 0) == 0
+    try:
+        with gmp.MemPool("vmm", libcuda=path, location="host_numa", numa_node=0) as pool:
+            with pytest.raises(gmp.BackendError, match="does not support host NUMA memory"):
+                pool.alloc(4 << 20)
+    finally:
+        fake.fake_cuda_set_device_attribute(0, 141, 1)
+    with gmp.MemPool("vmm", libcuda=path, location="host_numa", numa_node=0) as pool:
+        pool.free(pool.alloc(4 << 20))  # supported: fine

@@ -273,6 +273,7 @@ class FakeBackend:
 
     def __init__(self, world: World, mode: str, comm_error: bool = False) -> None:
         self.world, self.mode, self.comm_error = world, mode, comm_error
+        self.destroyed = False  # destroy_process_group ran
         self.segments: set[tuple[Any, int]] = set()  # registered (pool, address); sim devices share addresses
         self.pools: set[tuple[int, int]] = set()
         self.calls: list[tuple[str, Any]] = []
@@ -301,6 +302,8 @@ class FakeBackend:
             self.segments.add((tuple(pool.id), s["address"]))
 
     def _deregister(self, pool: Any) -> None:
+        if self.destroyed:  # torch 2.11's NCCLComm::destroy poisons getNcclComm
+            raise RuntimeError("NCCL communicator was aborted on rank 0.")
         self.calls.append(("deregister", tuple(pool.id)))
         self.pools.discard(tuple(pool.id))
         for s in self.world.snapshot(pool.id):
@@ -950,6 +953,41 @@ def test_release_while_inside_is_refused(monkeypatch, sim):
     assert gtorch.release(sim) == 0
 
 
+def test_release_while_another_pool_routes_the_device_is_refused(monkeypatch, sim):
+    """torch's MemPool destructor (run by release) asserts that no pool
+    route is under way on its device, and the assert aborts the process:
+    release refuses while any gmp.mempool context is active there, in this
+    thread or another, and works once it ended."""
+    install(monkeypatch, "2.11")
+    other = gmp.MemPool("sim", name="other", capacity=1 << 26)
+    with gmp.mempool(sim):
+        pass  # sim now has a torch pool to release
+    with gmp.mempool(other):
+        with pytest.raises(gtorch.PoolInUseError, match="active on cuda:0.*abort"):
+            gtorch.release(sim)
+    assert gtorch.torch_pools(sim), "nothing was touched"
+
+    entered, leave = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        with gmp.mempool(other):
+            entered.set()
+            leave.wait(10)
+
+    th = threading.Thread(target=worker)
+    th.start()
+    entered.wait(10)
+    try:
+        with pytest.raises(gtorch.PoolInUseError, match="in any thread"):
+            gtorch.release(sim)
+    finally:
+        leave.set()
+        th.join()
+    gtorch.release(sim)
+    assert gtorch.torch_pools(sim) == []
+    other.close()
+
+
 def test_release_of_one_device_and_of_nothing(monkeypatch, sim):
     torch = install(monkeypatch)
     assert gtorch.release(sim) == 0
@@ -1086,6 +1124,39 @@ def test_register_with_register_mem_pool(monkeypatch, sim):
     with gmp.mempool(sim):
         pass
     assert backend.calls[-1] == ("deregister", tp2.id)  # no longer registered
+
+
+def test_deregister_after_destroy_process_group(monkeypatch, sim):
+    """After destroy_process_group the communicator (and with it NCCL's
+    registrations) is gone and torch refuses deregister_mem_pool: deregister
+    and close forget the registration instead of failing or warning; other
+    errors still raise, and a failed deregister keeps nothing half undone."""
+    torch = install(monkeypatch, "2.11")
+    backend = torch._backend
+    gtorch.register(sim)
+    (tp,) = gtorch.torch_pools(sim)
+    backend.destroyed = True
+    gtorch.deregister(sim)
+    assert ("deregister", tp.id) not in backend.calls
+    gtorch.deregister(sim)  # nothing left
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no LeakWarning about the registration
+        gtorch.register(sim)
+        sim.close()
+
+    other = gmp.MemPool("sim", capacity=1 << 26)
+    backend.destroyed = False
+    gtorch.register(other)
+
+    def broken(pool: Any) -> None:
+        raise RuntimeError("NCCL error: unhandled cuda error")
+
+    working, backend.deregister_mem_pool = backend.deregister_mem_pool, broken
+    with pytest.raises(RuntimeError, match="unhandled cuda error"):
+        gtorch.deregister(other)
+    backend.deregister_mem_pool = working
+    gtorch.deregister(other)  # the failed one is not kept: nothing to do, no error
+    other.close()
 
 
 def test_register_on_old_torch_is_lifted_while_inside(monkeypatch, sim):

@@ -342,16 +342,24 @@ func (b *VMMBackend) device(dev int) (uint64, AllocProp, error) {
 	if d.gran != 0 {
 		return d.gran, b.prop(dev, d.rdma), nil
 	}
-	if b.opts.Location == VMMLocationDevice && b.drv.HasSymbol("cuDeviceGetAttribute") {
-		v, err := b.drv.DeviceAttribute(dev, DeviceAttrGPUDirectRDMAWithCUDAVMMSupported)
-		var cerr *Error
-		switch {
-		case errors.As(err, &cerr) && cerr.Code == CodeInvalidValue && cerr.Op == "cuDeviceGetAttribute":
-			// A driver older than the attribute: no RDMA flag.
-		case err != nil:
-			return 0, AllocProp{}, fmt.Errorf("vmm backend: %w", err)
-		default:
-			d.rdma = v == 1
+	if b.opts.Location == VMMLocationDevice {
+		v, known, err := b.attribute(dev, DeviceAttrGPUDirectRDMAWithCUDAVMMSupported)
+		if err != nil {
+			return 0, AllocProp{}, err
+		}
+		d.rdma = known && v == 1 // a driver older than the attribute: no RDMA flag
+	}
+	if b.opts.Location == VMMLocationHostNUMA {
+		// Without this check the first cuMemCreate fails with a bare
+		// CUDA_ERROR_INVALID_VALUE (or NOT_SUPPORTED) on such a device.
+		v, known, err := b.attribute(dev, DeviceAttrHostNUMAVMMSupported)
+		if err != nil {
+			return 0, AllocProp{}, err
+		}
+		if known && v != 1 {
+			return 0, AllocProp{}, fmt.Errorf("vmm backend: device %d does not support host NUMA memory with cuMemCreate "+
+				"(CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0; a container may need "+
+				"NUMA support, e.g. Docker's --cap-add SYS_NICE): %w", dev, gocore.ErrUnsupported)
 		}
 	}
 	prop := b.prop(dev, d.rdma)
@@ -372,6 +380,23 @@ func (b *VMMBackend) device(dev int) (uint64, AllocProp, error) {
 	}
 	b.mu.Unlock()
 	return g, prop, nil
+}
+
+// attribute reads a device attribute; known is false when the driver is
+// older than the attribute (or lacks cuDeviceGetAttribute).
+func (b *VMMBackend) attribute(dev, attr int) (v int, known bool, err error) {
+	if !b.drv.HasSymbol("cuDeviceGetAttribute") {
+		return 0, false, nil
+	}
+	v, err = b.drv.DeviceAttribute(dev, attr)
+	var cerr *Error
+	switch {
+	case errors.As(err, &cerr) && cerr.Code == CodeInvalidValue && cerr.Op == "cuDeviceGetAttribute":
+		return 0, false, nil
+	case err != nil:
+		return 0, false, fmt.Errorf("vmm backend: %w", err)
+	}
+	return v, true, nil
 }
 
 // reserveSize is how much address space a new segment of mapped bytes on

@@ -165,6 +165,33 @@ func TestVMMBackendHostNUMA(t *testing.T) {
 	require.NoError(t, be.Close())
 }
 
+// A device whose driver says it cannot put VMM memory on a host NUMA node
+// (CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0)
+// gets a clear ErrUnsupported before any cuMemCreate; one that says it can,
+// or a driver older than the attribute, goes ahead.
+func TestVMMBackendHostNUMAUnsupportedDevice(t *testing.T) {
+	f, drv := setup(t)
+	f.SetDeviceAttribute(0, DeviceAttrHostNUMAVMMSupported, 0)
+	f.SetDeviceAttribute(1, DeviceAttrHostNUMAVMMSupported, 1)
+	be := newVMM(t, drv, VMMOptions{Location: VMMLocationHostNUMA})
+	creates := f.Calls("cuMemCreate")
+	_, err := be.Alloc(0, 2*mib, 0)
+	require.ErrorIs(t, err, gocore.ErrUnsupported)
+	assert.Contains(t, err.Error(), "does not support host NUMA memory")
+	assert.Equal(t, creates, f.Calls("cuMemCreate"), "refused before cuMemCreate")
+	a, err := be.Alloc(1, 2*mib, 0)
+	require.NoError(t, err, "device 1 supports it")
+	require.NoError(t, be.Free(1, a, 2*mib, 0))
+	require.NoError(t, be.Close())
+
+	// Device memory does not ask.
+	dev := newVMM(t, drv, VMMOptions{})
+	a, err = dev.Alloc(0, 2*mib, 0)
+	require.NoError(t, err)
+	require.NoError(t, dev.Free(0, a, 2*mib, 0))
+	require.NoError(t, dev.Close())
+}
+
 func TestVMMBackendExpandable(t *testing.T) {
 	f, drv := setup(t)
 	be := newVMM(t, drv, VMMOptions{Expandable: true, AccessDevices: []int{1}})
@@ -478,14 +505,18 @@ func TestVMMBackendGPUDirectRDMA(t *testing.T) {
 	f.Fail("cuDeviceGetAttribute", 0, 0)
 	require.NoError(t, be.Close())
 
-	// Host NUMA memory is not asked about nor flagged.
+	// Host NUMA memory is not flagged; the one attribute asked (once) is
+	// whether the device supports host NUMA memory.
 	f.Reset()
 	f.SetDeviceAttribute(0, DeviceAttrGPUDirectRDMAWithCUDAVMMSupported, 1)
 	be = newVMM(t, drv, VMMOptions{Location: VMMLocationHostNUMA})
 	a, err = be.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)
+	b, err = be.Alloc(0, 2*mib, 0)
+	require.NoError(t, err)
+	require.NoError(t, be.Free(0, b, 2*mib, 0))
 	assert.Zero(t, f.LastMemCreateRDMA())
-	assert.Zero(t, f.Calls("cuDeviceGetAttribute"))
+	assert.Equal(t, 1, f.Calls("cuDeviceGetAttribute"))
 	require.NoError(t, be.Free(0, a, 2*mib, 0))
 	require.NoError(t, be.Close())
 	assert.Zero(t, f.VMMObjects())

@@ -49,6 +49,10 @@ const (
 	// DeviceAttrGPUDirectRDMAWithCUDAVMMSupported is 1 when cuMemCreate
 	// accepts allocFlags.gpuDirectRDMACapable on the device.
 	DeviceAttrGPUDirectRDMAWithCUDAVMMSupported = 110 // CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+	// DeviceAttrHostNUMAVMMSupported is 1 when cuMemCreate and cuMemMap
+	// accept a CU_MEM_LOCATION_TYPE_HOST_NUMA location for the device; older
+	// drivers do not know the attribute.
+	DeviceAttrHostNUMAVMMSupported = 141 // CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED (CUDA 12.9+)
 )
 
 // Event creation flags (CUevent_flags).

@@ -165,6 +165,7 @@ enum {
 /* CUdevice_attribute: the ones used here. */
 enum {
 	CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED = 110,
+	CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 141, /* CUDA 12.9+ */
 };
 
 /* CUmemPool_attribute: the REUSE_* ones are ints, the others cuuint64_t. */

@@ -249,6 +249,10 @@ static VEC(uintptr_t) capturing; /* streams marked with fake_cuda_set_stream_cap
 static struct fake_event *events;
 /* CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED per device (0 until set). */
 static int attr_rdma_vmm[MAX_DEV];
+/* CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, or 0
+ * for "not set": the attribute is then unknown, as to drivers before 12.9
+ * (CUDA_ERROR_INVALID_VALUE). Stored as value + 1. */
+static int attr_host_numa_vmm[MAX_DEV];
 
 /* VMM granularities (fake_cuda_set_granularity); the minimum is enforced. */
 static size_t gran_min = GRANULARITY, gran_rec = GRANULARITY;
@@ -493,6 +497,10 @@ EXPORT CUresult cuDeviceGetAttribute(int *pi, int attrib, CUdevice dev) {
     NEED_INIT();
     if (!pi) RETURN(CUDA_ERROR_INVALID_VALUE);
     if (!valid_dev(dev)) RETURN(CUDA_ERROR_INVALID_DEVICE);
+    if (attrib == CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED && attr_host_numa_vmm[dev]) {
+        *pi = attr_host_numa_vmm[dev] - 1;
+        RETURN(CUDA_SUCCESS);
+    }
     if (attrib != CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED) RETURN(CUDA_ERROR_INVALID_VALUE);
     *pi = attr_rdma_vmm[dev];
     RETURN(CUDA_SUCCESS);
@@ -1628,15 +1636,24 @@ EXPORT int fake_cuda_last_mem_create_rdma(void) {
     return v;
 }
 
-/* Sets a device attribute cuDeviceGetAttribute reports; only
+/* Sets a device attribute cuDeviceGetAttribute reports:
  * CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED (0 until set,
- * and after a reset). Returns 0, or -1 for an unknown device or attribute. */
+ * and after a reset) or
+ * CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED (unknown
+ * to the driver until set, and after a reset). Returns 0, or -1 for an
+ * unknown device or attribute. */
 EXPORT int fake_cuda_set_device_attribute(int dev, int attr, int value) {
-    if (dev < 0 || dev >= MAX_DEV || attr != CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED) return -1;
+    if (dev < 0 || dev >= MAX_DEV) return -1;
     pthread_mutex_lock(&mu);
-    attr_rdma_vmm[dev] = value;
+    int rc = 0;
+    if (attr == CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)
+        attr_rdma_vmm[dev] = value;
+    else if (attr == CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)
+        attr_host_numa_vmm[dev] = value + 1;
+    else
+        rc = -1;
     pthread_mutex_unlock(&mu);
-    return 0;
+    return rc;
 }
 
 /* Marks stream as capturing a graph (on != 0) or not. */
@@ -1789,6 +1806,7 @@ EXPORT void fake_cuda_reset(void) {
     created_streams.n = 0;
     capturing.n = 0;
     memset(attr_rdma_vmm, 0, sizeof(attr_rdma_vmm));
+    memset(attr_host_numa_vmm, 0, sizeof(attr_host_numa_vmm));
     memset(dev_used, 0, sizeof(dev_used));
     memset(calls, 0, sizeof(calls));
     global_capture = 0;

@@ -15,6 +15,7 @@
 package nccl
 
 import (
+	"errors"
 	"fmt"
 	"time"
 
@@ -137,10 +138,11 @@ func (b *Backend) DestroyEvent(ev gocore.Event) error { return b.events.DestroyE
 
 // Alloc calls ncclMemAlloc with device's context current. The memory is
 // usable on any stream once it returns (ncclMemAlloc is synchronous), so
-// stream is not used. A failure with ncclUnhandledCudaError or
-// ncclSystemError wraps gocore.ErrBackendOutOfMemory (NCCL has no OOM code)
-// so that the engine releases its cache and retries; every NCCL failure
-// wraps an *Error with NCCL's text and code.
+// stream is not used. A failure that may be for lack of memory
+// (Error.OutOfMemory: NCCL has no OOM code, so its logged warning decides
+// where there is one) wraps gocore.ErrBackendOutOfMemory so that the engine
+// releases its cache and retries; every NCCL failure wraps an *Error with
+// NCCL's text, code and warning.
 func (b *Backend) Alloc(device int, size uint64, stream gocore.Stream) (uint64, error) {
 	dc, err := b.deviceCtx("alloc", device)
 	if err != nil {
@@ -148,7 +150,8 @@ func (b *Backend) Alloc(device int, size uint64, stream gocore.Stream) (uint64, 
 	}
 	r := b.lib.memAllocOn(dc, size)
 	if err := b.callError("ncclMemAlloc", device, size, r); err != nil {
-		if r.nccl.outOfMemory() {
+		var nerr *Error
+		if errors.As(err, &nerr) && nerr.OutOfMemory() {
 			return 0, fmt.Errorf("%w: %w", err, gocore.ErrBackendOutOfMemory)
 		}
 		return 0, err
@@ -265,7 +268,7 @@ func (b *Backend) callError(fn string, device int, size uint64, r callResult) er
 			fn, size, device, r.push)
 	case r.nccl != Success:
 		return fmt.Errorf("nccl backend: %d bytes on device %d: %w",
-			size, device, &Error{Func: fn, Code: r.nccl, Text: b.lib.ErrorString(r.nccl)})
+			size, device, &Error{Func: fn, Code: r.nccl, Text: b.lib.ErrorString(r.nccl), Detail: r.last})
 	case r.pop != 0:
 		return fmt.Errorf("nccl backend: %s(%d bytes) on device %d: cuCtxPopCurrent failed with CUresult %d",
 			fn, size, device, r.pop)

@@ -215,6 +215,41 @@ func TestOOMRetrySucceedsAfterRelease(t *testing.T) {
 	assert.Zero(t, s.fake.LiveBytes())
 }
 
+// NCCL reports every CUDA failure of ncclMemAlloc as ncclUnhandledCudaError;
+// the warning it logs (ncclGetLastError) tells an out-of-memory apart from,
+// say, a sticky error after a kernel fault, which no cache release can
+// cure. Without a new warning the code decides, as before.
+func TestLoggedWarningDecidesWhetherACudaFailureIsOOM(t *testing.T) {
+	t.Setenv("FAKE_NCCL_CAPACITY", fmt.Sprint(16*mib))
+	s := newSetup(t)
+	t.Cleanup(func() { s.fake.FailText("") })
+	p := s.pool(t)
+
+	s.fake.FailText("Cuda failure 700 'an illegal memory access was encountered'")
+	s.fake.Fail(int(nccl.UnhandledCudaError), 0)
+	calls := s.fake.Calls()
+	_, err := p.Alloc(mib, 0, 0)
+	require.Error(t, err)
+	assert.NotErrorIs(t, err, gocore.ErrOutOfMemory)
+	assert.NotErrorIs(t, err, gocore.ErrBackendOutOfMemory)
+	assert.Contains(t, err.Error(), "[ncclUnhandledCudaError = 1]: Cuda failure 700 'an illegal memory access was encountered'")
+	assert.Equal(t, calls+1, s.fake.Calls(), "not retried")
+
+	s.fake.Fail(0, 0)
+	_, err = s.backend.Alloc(0, 30*mib, 0) // beyond the capacity: CUDA's OOM warning
+	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory)
+	var nerr *nccl.Error
+	require.ErrorAs(t, err, &nerr)
+	assert.Equal(t, "Cuda failure 2 'out of memory'", nerr.Detail)
+
+	// The same warning again is not new (NCCL never clears it): the code
+	// decides, out of memory, and no stale text is shown.
+	_, err = s.backend.Alloc(0, 30*mib, 0)
+	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory)
+	require.ErrorAs(t, err, &nerr)
+	assert.Empty(t, nerr.Detail)
+}
+
 func TestSystemErrorIsOOM(t *testing.T) {
 	s := newSetup(t)
 	s.fake.Fail(int(nccl.SystemError), 0)

@@ -3,6 +3,7 @@ package nccl
 import (
 	"errors"
 	"fmt"
+	"strings"
 )
 
 var (
@@ -52,11 +53,30 @@ type Error struct {
 	Func string // the NCCL function, e.g. "ncclMemAlloc"
 	Code Result
 	Text string // ncclGetErrorString(Code)
+	// Detail is the warning NCCL logged for this failure (ncclGetLastError,
+	// e.g. "Cuda failure 2 'out of memory'"), or "" when it logged none.
+	Detail string
 }
 
-// Error reads like "ncclMemAlloc: unhandled cuda error (...) [ncclUnhandledCudaError = 1]".
+// Error reads like "ncclMemAlloc: unhandled cuda error (...) [ncclUnhandledCudaError = 1]",
+// followed by ": " and the Detail when there is one.
 func (e *Error) Error() string {
-	return fmt.Sprintf("%s: %s [%s = %d]", e.Func, e.Text, e.Code, int(e.Code))
+	msg := fmt.Sprintf("%s: %s [%s = %d]", e.Func, e.Text, e.Code, int(e.Code))
+	if e.Detail != "" {
+		msg += ": " + e.Detail
+	}
+	return msg
+}
+
+// OutOfMemory reports whether the failure may be for lack of memory. With
+// NCCL's own warning at hand, a CUDA failure is one only when the warning
+// says so (a sticky error after a kernel fault is not, and releasing the
+// cache would not help); without it, see Result.outOfMemory.
+func (e *Error) OutOfMemory() bool {
+	if e.Code == UnhandledCudaError && e.Detail != "" {
+		return strings.Contains(strings.ToLower(e.Detail), "out of memory")
+	}
+	return e.Code.outOfMemory()
 }
 
 // outOfMemory reports whether a failed ncclMemAlloc may be for lack of

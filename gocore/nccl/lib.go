@@ -49,7 +49,21 @@ typedef struct {
 	int push; // CUresult of cuCtxPushCurrent (0 when not called)
 	int pop;  // CUresult of cuCtxPopCurrent (0 when not called)
 	uintptr_t ptr;
+	char last[256]; // a failed call's ncclGetLastError text, when it changed ("" otherwise)
 } gmp_nccl_result;
+
+// NCCL keeps the text of its last WARN in one process-wide buffer (ncclGetLastError):
+// copy it before the call, and keep it after a failure only if the call changed it.
+static void gmp_last_before(uintptr_t last_error, char* prev, size_t len) {
+	const char* s = last_error ? ((gmp_nccl_last_error_fn)last_error)(NULL) : NULL;
+	gmp_copy(prev, len, s ? s : "");
+}
+
+static void gmp_last_after(uintptr_t last_error, const char* prev, gmp_nccl_result* r) {
+	const char* s = last_error ? ((gmp_nccl_last_error_fn)last_error)(NULL) : NULL;
+	if (r->nccl != 0 && s != NULL && s[0] != 0 && strncmp(s, prev, sizeof r->last - 1) != 0)
+		gmp_copy(r->last, sizeof r->last, s);
+}
 
 // Push ctx, ncclMemAlloc, pop, in one C call so that all three run on one OS
 // thread (CUDA contexts are per thread). push == 0: call NCCL on whatever is
@@ -70,14 +84,18 @@ static void gmp_unrelax(uintptr_t exchange, int relaxed, int* mode) {
 }
 
 static void gmp_nccl_mem_alloc(uintptr_t alloc, uintptr_t free_fn, uintptr_t push, uintptr_t pop,
-		uintptr_t exchange, uintptr_t ctx, size_t size, gmp_nccl_result* r) {
+		uintptr_t exchange, uintptr_t last_error, uintptr_t ctx, size_t size, gmp_nccl_result* r) {
 	r->nccl = r->push = r->pop = 0;
 	r->ptr = 0;
+	r->last[0] = 0;
 	if (push && (r->push = ((gmp_cu_push_fn)push)((void*)ctx)) != 0) return;
 	void* p = NULL;
 	int mode;
+	char prev[sizeof r->last];
+	gmp_last_before(last_error, prev, sizeof prev);
 	int relaxed = gmp_relax(exchange, &mode);
 	r->nccl = ((gmp_nccl_alloc_fn)alloc)(&p, size);
+	gmp_last_after(last_error, prev, r);
 	if (r->nccl == 0) r->ptr = (uintptr_t)p;
 	if (push) {
 		void* old = NULL;
@@ -96,13 +114,17 @@ static void gmp_nccl_mem_alloc(uintptr_t alloc, uintptr_t free_fn, uintptr_t pus
 // Push ctx, ncclMemFree, pop (see gmp_nccl_mem_alloc), in the relaxed
 // capture mode too: like cuMemFree in package cuda.
 static void gmp_nccl_mem_free(uintptr_t free_fn, uintptr_t push, uintptr_t pop, uintptr_t exchange,
-		uintptr_t ctx, uintptr_t ptr, gmp_nccl_result* r) {
+		uintptr_t last_error, uintptr_t ctx, uintptr_t ptr, gmp_nccl_result* r) {
 	r->nccl = r->push = r->pop = 0;
 	r->ptr = 0;
+	r->last[0] = 0;
 	if (push && (r->push = ((gmp_cu_push_fn)push)((void*)ctx)) != 0) return;
 	int mode;
+	char prev[sizeof r->last];
+	gmp_last_before(last_error, prev, sizeof prev);
 	int relaxed = gmp_relax(exchange, &mode);
 	r->nccl = ((gmp_nccl_free_fn)free_fn)((void*)ptr);
+	gmp_last_after(last_error, prev, r);
 	gmp_unrelax(exchange, relaxed, &mode);
 	if (!push) return;
 	void* old = NULL;
@@ -136,6 +158,7 @@ type Lib struct {
 	major, minor, patch int
 	memAlloc, memFree   uintptr
 	errorString         uintptr
+	lastError           uintptr // ncclGetLastError (NCCL 2.13+); 0 when missing
 }
 
 var libs struct {
@@ -303,6 +326,7 @@ func fromHandle(h C.uintptr_t, name string, preloaded bool) (*Lib, error) {
 	if lib.errorString = dlsym(h, "ncclGetErrorString"); lib.errorString == 0 {
 		return nil, fmt.Errorf("nccl: %s has no ncclGetErrorString, so it is not libnccl: %w", path, ErrNoNCCL)
 	}
+	lib.lastError = dlsym(h, "ncclGetLastError")
 	if libs.byPath == nil {
 		libs.byPath = make(map[string]*Lib)
 	}
@@ -350,6 +374,7 @@ type callResult struct {
 	nccl      Result
 	push, pop int // CUresults; 0 on success or when not called
 	ptr       uint64
+	last      string // ncclGetLastError's text for a failed call, when it set one
 }
 
 // devCtx is what makes a device current around an NCCL call; the zero value
@@ -359,13 +384,14 @@ type devCtx struct{ ctx, push, pop, exchange uintptr }
 func (l *Lib) memAllocOn(c devCtx, size uint64) callResult {
 	var r C.gmp_nccl_result
 	C.gmp_nccl_mem_alloc(C.uintptr_t(l.memAlloc), C.uintptr_t(l.memFree), C.uintptr_t(c.push),
-		C.uintptr_t(c.pop), C.uintptr_t(c.exchange), C.uintptr_t(c.ctx), C.size_t(size), &r)
-	return callResult{nccl: Result(r.nccl), push: int(r.push), pop: int(r.pop), ptr: uint64(r.ptr)}
+		C.uintptr_t(c.pop), C.uintptr_t(c.exchange), C.uintptr_t(l.lastError), C.uintptr_t(c.ctx), C.size_t(size), &r)
+	return callResult{nccl: Result(r.nccl), push: int(r.push), pop: int(r.pop), ptr: uint64(r.ptr),
+		last: C.GoString(&r.last[0])}
 }
 
 func (l *Lib) memFreeOn(c devCtx, addr uint64) callResult {
 	var r C.gmp_nccl_result
 	C.gmp_nccl_mem_free(C.uintptr_t(l.memFree), C.uintptr_t(c.push), C.uintptr_t(c.pop),
-		C.uintptr_t(c.exchange), C.uintptr_t(c.ctx), C.uintptr_t(addr), &r)
-	return callResult{nccl: Result(r.nccl), push: int(r.push), pop: int(r.pop)}
+		C.uintptr_t(c.exchange), C.uintptr_t(l.lastError), C.uintptr_t(c.ctx), C.uintptr_t(addr), &r)
+	return callResult{nccl: Result(r.nccl), push: int(r.push), pop: int(r.pop), last: C.GoString(&r.last[0])}
 }

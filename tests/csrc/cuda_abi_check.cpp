@@ -106,6 +106,7 @@ GMP_SAME_SIGNATURE(ncclGetVersion, ours::gmp_nccl_version_fn);
 GMP_SAME_SIGNATURE(ncclMemAlloc, ours::gmp_nccl_alloc_fn);
 GMP_SAME_SIGNATURE(ncclMemFree, ours::gmp_nccl_free_fn);
 GMP_SAME_SIGNATURE(ncclGetErrorString, ours::gmp_nccl_errstr_fn);
+GMP_SAME_SIGNATURE(ncclGetLastError, ours::gmp_nccl_last_error_fn);
 static_assert(sizeof(ncclResult_t) == sizeof(int), "ncclResult_t is an int-sized enum");
 #endif
 

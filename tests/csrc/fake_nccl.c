@@ -14,6 +14,9 @@
  *                       fails with ncclUnhandledCudaError, as a real
  *                       cuMemCreate/cudaMalloc failure surfaces from NCCL.
  *   ncclGetErrorString  NCCL's texts.
+ *   ncclGetLastError    the last warning, process-wide and never cleared:
+ *                       "Cuda failure 2 'out of memory'" after a request
+ *                       beyond the cap, or an injected failure's text.
  *
  * Compiled with -DFAKE_NCCL_OLD it leaves out ncclMemAlloc and ncclMemFree,
  * like NCCL < 2.19, for the too-old test.
@@ -27,6 +30,8 @@
  *   fake_nccl_fail(code, after)  the next `after` ncclMemAlloc calls behave
  *                                normally, every later one returns `code`
  *                                (0 turns injection off).
+ *   fake_nccl_fail_text(text)    the warning an injected failure logs
+ *                                ("": none; kept across resets).
  *   fake_nccl_fail_free(code)    every ncclMemFree returns `code` and frees
  *                                nothing (0 turns it off).
  *   fake_nccl_calls()            ncclMemAlloc calls, failed ones included.
@@ -54,6 +59,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 typedef enum {
@@ -179,6 +185,24 @@ void fake_ctx_fail(int push_code, int pop_code) {
     pthread_mutex_unlock(&mu);
 }
 
+/* ncclGetLastError: the text of the last WARN, process-wide, as NCCL keeps
+ * it (never cleared). Failures set it: an injected one to the text given to
+ * fake_nccl_fail_text ("" leaves it alone, as a failure that logs nothing),
+ * a lack of capacity to CUDA's out-of-memory warning. */
+static char last_error[256];
+static char fail_text[256];
+
+const char *ncclGetLastError(void *comm) {
+    (void)comm;
+    return last_error;
+}
+
+void fake_nccl_fail_text(const char *text) {
+    pthread_mutex_lock(&mu);
+    snprintf(fail_text, sizeof fail_text, "%s", text ? text : "");
+    pthread_mutex_unlock(&mu);
+}
+
 ncclResult_t ncclGetVersion(int *version) {
     if (version == NULL) return ncclInvalidArgument;
     *version = (int)env_long("FAKE_NCCL_VERSION", 22304);
@@ -209,10 +233,16 @@ ncclResult_t ncclMemAlloc(void **ptr, size_t size) {
     ncclResult_t ret = ncclSuccess;
     if (fail_code != 0) {
         if (fail_after > 0) fail_after--;
-        else ret = (ncclResult_t)fail_code;
+        else {
+            ret = (ncclResult_t)fail_code;
+            if (fail_text[0]) snprintf(last_error, sizeof last_error, "%s", fail_text);
+        }
     }
     if (ret == ncclSuccess && (ptr == NULL || size == 0)) ret = ncclInvalidArgument;
-    if (ret == ncclSuccess && live_bytes + (long)size > capacity_locked()) ret = ncclUnhandledCudaError;
+    if (ret == ncclSuccess && live_bytes + (long)size > capacity_locked()) {
+        ret = ncclUnhandledCudaError;
+        snprintf(last_error, sizeof last_error, "Cuda failure 2 'out of memory'");
+    }
     struct fake_alloc *a = NULL;
     if (ret == ncclSuccess) {
         a = malloc(sizeof *a);

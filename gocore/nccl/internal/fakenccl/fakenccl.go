@@ -18,6 +18,7 @@ static uintptr_t fake_dlsym(uintptr_t h, const char* sym) { return (uintptr_t)dl
 static void call_vi(uintptr_t fn, int a) { ((void (*)(int))fn)(a); }
 static void call_vii(uintptr_t fn, int a, int b) { ((void (*)(int, int))fn)(a, b); }
 static void call_v(uintptr_t fn) { ((void (*)(void))fn)(); }
+static void call_vs(uintptr_t fn, const char* s) { ((void (*)(const char*))fn)(s); }
 static long call_l(uintptr_t fn) { return ((long (*)(void))fn)(); }
 static int call_i(uintptr_t fn) { return ((int (*)(void))fn)(); }
 static uintptr_t call_p(uintptr_t fn) { return (uintptr_t)((void* (*)(void))fn)(); }
@@ -166,7 +167,7 @@ type Fake struct {
 }
 
 var controls = []string{
-	"fake_nccl_fail", "fake_nccl_fail_free", "fake_nccl_calls", "fake_nccl_frees", "fake_nccl_live_bytes",
+	"fake_nccl_fail", "fake_nccl_fail_text", "fake_nccl_fail_free", "fake_nccl_calls", "fake_nccl_frees", "fake_nccl_live_bytes",
 	"fake_nccl_last_ctx", "fake_nccl_last_free_ctx", "fake_nccl_reset",
 	"fake_ctx_push", "fake_ctx_pop", "fake_ctx_current", "fake_ctx_depth",
 	"fake_ctx_balance", "fake_ctx_fail", "fake_ctx_exchange_capture_mode", "fake_ctx_capture_mode",
@@ -202,6 +203,14 @@ func (f *Fake) fn(name string) C.uintptr_t { return C.uintptr_t(f.fns[name]) }
 // stop failing).
 func (f *Fake) Fail(code, afterCalls int) {
 	C.call_vii(f.fn("fake_nccl_fail"), C.int(code), C.int(afterCalls))
+}
+
+// FailText sets the warning (ncclGetLastError) an injected failure logs;
+// "" logs none.
+func (f *Fake) FailText(text string) {
+	ctext := C.CString(text)
+	defer C.free(unsafe.Pointer(ctext))
+	C.call_vs(f.fn("fake_nccl_fail_text"), ctext)
 }
 
 // FailFree makes every ncclMemFree return code and free nothing (0: stop).

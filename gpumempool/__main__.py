@@ -90,11 +90,15 @@ def _torch_info() -> Any:
         mempool = f"torch.cuda.MemPool entered with {enter}; routing: {routing}"
     dist = getattr(torch, "distributed", None)
     pg = getattr(getattr(dist, "distributed_c10d", None), "ProcessGroupNCCL", None) if dist is not None else None
-    if pg is not None and hasattr(pg, "register_mem_pool"):
+    if pg is None:
+        nccl = "unsupported (this torch has no torch.distributed ProcessGroupNCCL)"
+    elif hasattr(pg, "register_mem_pool"):
         nccl = "register_mem_pool" + (" (new segments too)" if caps.nccl_registers_new_segments else
                                       " (re-registered on mempool exit)")
-    else:
+    elif hasattr(pg, "_comm_ptr"):
         nccl = "ncclCommRegister per segment"
+    else:
+        nccl = "unsupported (this torch's ProcessGroupNCCL has neither register_mem_pool nor _comm_ptr)"
     return {
         "version": caps.version,
         "cuda": getattr(getattr(torch, "version", None), "cuda", None),

@@ -43,6 +43,8 @@ def test_info_reports_what_the_torch_integration_will_do(monkeypatch) -> None:
         assert t["pluggable"] is True and t["capabilities"]["mem_pool"] is True
         # The fake's raw pluggable allocator has the four classic hooks, not torch's graph ones.
         assert set(t["capabilities"]["pluggable_hooks"]) == {"init", "reset", "memory_fraction", "record_stream"}
+        # The fake has no torch.distributed: NCCL registration is said to be unavailable.
+        assert t["nccl_registration"].startswith("unsupported (this torch has no torch.distributed")
     out = run_cli("info").stdout
     if "torch:    not installed" not in out and "does not import" not in out:
         assert "full-replacement hooks:" in out and "CUDA graphs:" in out

@@ -404,7 +404,9 @@ func (b *AsyncBackend) waitAllocated(dev int, addr uint64) error {
 	}
 	a.done = true
 	b.mu.Lock()
-	delete(b.allocated, segKey{dev, addr})
+	if b.allocated[segKey{dev, addr}] == a { // not a newer segment's at a reused address
+		delete(b.allocated, segKey{dev, addr})
+	}
 	b.mu.Unlock()
 	return b.drv.EventDestroy(dev, a.ev)
 }
@@ -416,6 +418,11 @@ func (b *AsyncBackend) dropAllocated(dev int, addr uint64) error {
 	a := b.allocated[segKey{dev, addr}]
 	delete(b.allocated, segKey{dev, addr})
 	b.mu.Unlock()
+	return b.destroyAllocated(dev, a)
+}
+
+// destroyAllocated destroys a's event unless an export did (a may be nil).
+func (b *AsyncBackend) destroyAllocated(dev int, a *allocEvent) error {
 	if a == nil {
 		return nil
 	}
@@ -437,8 +444,21 @@ func (b *AsyncBackend) dropAllocated(dev int, addr uint64) error {
 // no segment during a capture; a free on a capturing stream would become a
 // node of the graph.
 func (b *AsyncBackend) Free(dev int, addr, size uint64, stream gocore.Stream) error {
+	k := segKey{dev, addr}
+	var a *allocEvent
 	err := b.live.Free(dev, addr, size, func() error {
+		// Take the allocation event before the driver can hand addr out
+		// again (to an Alloc that records its own event there).
+		b.mu.Lock()
+		a = b.allocated[k]
+		delete(b.allocated, k)
+		b.mu.Unlock()
 		if err := b.drv.MemFreeAsync(dev, addr, uint64(stream)); err != nil {
+			if a != nil { // still allocated: it keeps its event
+				b.mu.Lock()
+				b.allocated[k] = a
+				b.mu.Unlock()
+			}
 			return fmt.Errorf("async backend: %w", err)
 		}
 		return nil
@@ -446,7 +466,7 @@ func (b *AsyncBackend) Free(dev int, addr, size uint64, stream gocore.Stream) er
 	if err == nil {
 		// The segment is freed: an error here (the event stays, a few
 		// bytes of driver state) must not make the engine free it again.
-		_ = b.dropAllocated(dev, addr)
+		_ = b.destroyAllocated(dev, a)
 	}
 	return err
 }

@@ -2,6 +2,8 @@ package cuda
 
 import (
 	"os"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -354,4 +356,40 @@ func TestAsyncCloseDestroysAllocationEvents(t *testing.T) {
 	require.Error(t, be.Close(), "a segment was never freed")
 	assert.Zero(t, f.LiveEvents(0))
 	require.NoError(t, be.Free(0, a, 2*mib, 0x7), "frees still work after Close")
+}
+
+// Alloc and Free of IPC segments from many goroutines: the driver hands a
+// freed address out again at once, and each live segment must keep its own
+// allocation event (an export would otherwise not wait), and no event may
+// leak (run with -race).
+func TestAsyncAllocationEventsUnderConcurrency(t *testing.T) {
+	f, drv := setup(t)
+	be := newAsync(t, drv, AsyncOptions{IPC: true})
+	var wg sync.WaitGroup
+	var missing atomic.Int64
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range 1500 {
+				a, err := be.Alloc(0, 4*mib, 0x7)
+				if !assert.NoError(t, err) {
+					return
+				}
+				be.mu.Lock()
+				_, ok := be.allocated[segKey{0, a}]
+				be.mu.Unlock()
+				if !ok {
+					missing.Add(1)
+				}
+				if !assert.NoError(t, be.Free(0, a, 4*mib, 0x7)) {
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	assert.Zero(t, missing.Load(), "live IPC segments without their allocation event")
+	assert.Zero(t, f.LiveEvents(0), "allocation events leaked")
+	require.NoError(t, be.Close())
 }

@@ -242,11 +242,30 @@ func TestLoggedWarningDecidesWhetherACudaFailureIsOOM(t *testing.T) {
 	require.ErrorAs(t, err, &nerr)
 	assert.Equal(t, "Cuda failure 2 'out of memory'", nerr.Detail)
 
-	// The same warning again is not new (NCCL never clears it): the code
-	// decides, out of memory, and no stale text is shown.
+	// The same warning again (an out-of-memory retried, a sticky error) is
+	// credited again: it is the one our last failure logged.
 	_, err = s.backend.Alloc(0, 30*mib, 0)
 	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory)
 	require.ErrorAs(t, err, &nerr)
+	assert.Equal(t, "Cuda failure 2 'out of memory'", nerr.Detail)
+	s.fake.FailText("Cuda failure 700 'an illegal memory access was encountered'")
+	s.fake.Fail(int(nccl.UnhandledCudaError), 0)
+	for i := range 3 { // a sticky error: never taken for out of memory, never retried
+		calls := s.fake.Calls()
+		_, err = p.Alloc(mib, 0, 0)
+		require.Error(t, err)
+		assert.NotErrorIs(t, err, gocore.ErrOutOfMemory, "failure %d", i)
+		assert.Contains(t, err.Error(), "illegal memory access", "failure %d", i)
+		assert.Equal(t, calls+1, s.fake.Calls(), "failure %d: not retried", i)
+	}
+
+	// A warning logged elsewhere in the process, then a failure of ours
+	// that logs nothing: the stale text is not shown, and the code decides.
+	s.fake.Fail(0, 0)
+	s.fake.LogWarning("NET/IB : some other communicator's trouble")
+	_, err = s.backend.Alloc(0, 0, 0) // ncclInvalidArgument, which logs nothing in the fake
+	require.ErrorAs(t, err, &nerr)
+	assert.Equal(t, nccl.InvalidArgument, nerr.Code)
 	assert.Empty(t, nerr.Detail)
 }
 

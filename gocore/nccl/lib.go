@@ -49,11 +49,13 @@ typedef struct {
 	int push; // CUresult of cuCtxPushCurrent (0 when not called)
 	int pop;  // CUresult of cuCtxPopCurrent (0 when not called)
 	uintptr_t ptr;
-	char last[256]; // a failed call's ncclGetLastError text, when it changed ("" otherwise)
+	char last[256]; // after a failure: ncclGetLastError's text ("" when none)
+	int last_new;   // whether the call changed that text
 } gmp_nccl_result;
 
-// NCCL keeps the text of its last WARN in one process-wide buffer (ncclGetLastError):
-// copy it before the call, and keep it after a failure only if the call changed it.
+// NCCL keeps the text of its last WARN in one process-wide buffer
+// (ncclGetLastError), never cleared: copy it before the call, and after a
+// failure report it with whether the call changed it.
 static void gmp_last_before(uintptr_t last_error, char* prev, size_t len) {
 	const char* s = last_error ? ((gmp_nccl_last_error_fn)last_error)(NULL) : NULL;
 	gmp_copy(prev, len, s ? s : "");
@@ -61,8 +63,9 @@ static void gmp_last_before(uintptr_t last_error, char* prev, size_t len) {
 
 static void gmp_last_after(uintptr_t last_error, const char* prev, gmp_nccl_result* r) {
 	const char* s = last_error ? ((gmp_nccl_last_error_fn)last_error)(NULL) : NULL;
-	if (r->nccl != 0 && s != NULL && s[0] != 0 && strncmp(s, prev, sizeof r->last - 1) != 0)
-		gmp_copy(r->last, sizeof r->last, s);
+	if (r->nccl == 0 || s == NULL || s[0] == 0) return;
+	gmp_copy(r->last, sizeof r->last, s);
+	r->last_new = strncmp(s, prev, sizeof r->last - 1) != 0;
 }
 
 // Push ctx, ncclMemAlloc, pop, in one C call so that all three run on one OS
@@ -88,6 +91,7 @@ static void gmp_nccl_mem_alloc(uintptr_t alloc, uintptr_t free_fn, uintptr_t pus
 	r->nccl = r->push = r->pop = 0;
 	r->ptr = 0;
 	r->last[0] = 0;
+	r->last_new = 0;
 	if (push && (r->push = ((gmp_cu_push_fn)push)((void*)ctx)) != 0) return;
 	void* p = NULL;
 	int mode;
@@ -118,6 +122,7 @@ static void gmp_nccl_mem_free(uintptr_t free_fn, uintptr_t push, uintptr_t pop, 
 	r->nccl = r->push = r->pop = 0;
 	r->ptr = 0;
 	r->last[0] = 0;
+	r->last_new = 0;
 	if (push && (r->push = ((gmp_cu_push_fn)push)((void*)ctx)) != 0) return;
 	int mode;
 	char prev[sizeof r->last];
@@ -159,6 +164,9 @@ type Lib struct {
 	memAlloc, memFree   uintptr
 	errorString         uintptr
 	lastError           uintptr // ncclGetLastError (NCCL 2.13+); 0 when missing
+
+	detailMu   sync.Mutex
+	lastDetail string // the warning last credited to a failed call of ours
 }
 
 var libs struct {
@@ -386,12 +394,35 @@ func (l *Lib) memAllocOn(c devCtx, size uint64) callResult {
 	C.gmp_nccl_mem_alloc(C.uintptr_t(l.memAlloc), C.uintptr_t(l.memFree), C.uintptr_t(c.push),
 		C.uintptr_t(c.pop), C.uintptr_t(c.exchange), C.uintptr_t(l.lastError), C.uintptr_t(c.ctx), C.size_t(size), &r)
 	return callResult{nccl: Result(r.nccl), push: int(r.push), pop: int(r.pop), ptr: uint64(r.ptr),
-		last: C.GoString(&r.last[0])}
+		last: l.detail(&r)}
 }
 
 func (l *Lib) memFreeOn(c devCtx, addr uint64) callResult {
 	var r C.gmp_nccl_result
 	C.gmp_nccl_mem_free(C.uintptr_t(l.memFree), C.uintptr_t(c.push), C.uintptr_t(c.pop),
 		C.uintptr_t(c.exchange), C.uintptr_t(l.lastError), C.uintptr_t(c.ctx), C.uintptr_t(addr), &r)
-	return callResult{nccl: Result(r.nccl), push: int(r.push), pop: int(r.pop), last: C.GoString(&r.last[0])}
+	return callResult{nccl: Result(r.nccl), push: int(r.push), pop: int(r.pop), last: l.detail(&r)}
+}
+
+// detail is the warning NCCL logged for the failed call r, or "". NCCL's
+// buffer is process-wide and never cleared, so a text the call did not
+// change is stale, unless it is the one credited to our previous failure:
+// then the call logged it again (a sticky CUDA error, or an out-of-memory
+// retried), which is the likely case, since every failure path of
+// ncclMemAlloc/ncclMemFree warns.
+func (l *Lib) detail(r *C.gmp_nccl_result) string {
+	text := C.GoString(&r.last[0])
+	if text == "" {
+		return ""
+	}
+	l.detailMu.Lock()
+	defer l.detailMu.Unlock()
+	if r.last_new != 0 {
+		l.lastDetail = text
+		return text
+	}
+	if text == l.lastDetail {
+		return text
+	}
+	return ""
 }

@@ -32,6 +32,7 @@
  *                                (0 turns injection off).
  *   fake_nccl_fail_text(text)    the warning an injected failure logs
  *                                ("": none; kept across resets).
+ *   fake_nccl_log_warning(text)  a warning from elsewhere in the process.
  *   fake_nccl_fail_free(code)    every ncclMemFree returns `code` and frees
  *                                nothing (0 turns it off).
  *   fake_nccl_calls()            ncclMemAlloc calls, failed ones included.
@@ -195,6 +196,13 @@ static char fail_text[256];
 const char *ncclGetLastError(void *comm) {
     (void)comm;
     return last_error;
+}
+
+/* A warning logged by some other NCCL activity of the process. */
+void fake_nccl_log_warning(const char *text) {
+    pthread_mutex_lock(&mu);
+    snprintf(last_error, sizeof last_error, "%s", text ? text : "");
+    pthread_mutex_unlock(&mu);
 }
 
 void fake_nccl_fail_text(const char *text) {

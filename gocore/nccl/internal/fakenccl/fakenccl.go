@@ -167,7 +167,7 @@ type Fake struct {
 }
 
 var controls = []string{
-	"fake_nccl_fail", "fake_nccl_fail_text", "fake_nccl_fail_free", "fake_nccl_calls", "fake_nccl_frees", "fake_nccl_live_bytes",
+	"fake_nccl_fail", "fake_nccl_fail_text", "fake_nccl_log_warning", "fake_nccl_fail_free", "fake_nccl_calls", "fake_nccl_frees", "fake_nccl_live_bytes",
 	"fake_nccl_last_ctx", "fake_nccl_last_free_ctx", "fake_nccl_reset",
 	"fake_ctx_push", "fake_ctx_pop", "fake_ctx_current", "fake_ctx_depth",
 	"fake_ctx_balance", "fake_ctx_fail", "fake_ctx_exchange_capture_mode", "fake_ctx_capture_mode",
@@ -211,6 +211,14 @@ func (f *Fake) FailText(text string) {
 	ctext := C.CString(text)
 	defer C.free(unsafe.Pointer(ctext))
 	C.call_vs(f.fn("fake_nccl_fail_text"), ctext)
+}
+
+// LogWarning sets NCCL's last-warning text as some other NCCL activity of
+// the process would.
+func (f *Fake) LogWarning(text string) {
+	ctext := C.CString(text)
+	defer C.free(unsafe.Pointer(ctext))
+	C.call_vs(f.fn("fake_nccl_log_warning"), ctext)
 }
 
 // FailFree makes every ncclMemFree return code and free nothing (0: stop).

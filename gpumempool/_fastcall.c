@@ -135,6 +135,10 @@ static PyObject *fast_scan_pickle(PyObject *self, PyObject *const *args, Py_ssiz
     if (cannot_call(nargs, 2, "scan_pickle(data, max_depth)")) return NULL;
     long long max_depth = PyLong_AsLongLong(args[1]);
     if (max_depth == -1 && PyErr_Occurred()) return NULL;
+    if (max_depth < 0 || max_depth > (1LL << 30)) {
+        PyErr_Format(PyExc_ValueError, "max_depth %lld is not in [0, 2**30]", max_depth);
+        return NULL;
+    }
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) != 0) return NULL;
     int64_t ops = 0, pos = 0;

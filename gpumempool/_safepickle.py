@@ -159,6 +159,8 @@ def _scan_pickle_py(data: bytes, name: str, max_depth: int = MAX_PICKLE_DEPTH) -
     """:func:`_scan_pickle` in Python (about 8 MB/s): the reference that
     ``bindings/picklescan`` matches, and the fallback without the C fast
     path."""
+    if not 0 <= max_depth <= 1 << 30:  # as the Go scanner (and its C wrapper)
+        raise ValueError(f"max_depth {max_depth} is not in [0, 2**30]")
     action, args = _OPCODE_ACTION, _OPCODE_ARG
     stack: list[int] = []  # tuple nesting of each stack item (0: not a tuple)
     push = stack.append

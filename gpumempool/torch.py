@@ -571,16 +571,26 @@ class MempoolContext:
     def _start(self) -> None:
         assert self._lane is not None and self._caps is not None and self.device is not None
         cm = _route(self._torch, self._caps, self._lane.torch_pool, self.device, self._all_threads)
-        cm.__enter__()
-        self._route = cm
-        if self._caps.thread_local_routing:
+        # Recorded before torch begins the route and dropped after it ends, so
+        # that release() never misses a route torch has under way.
+        recorded = self._caps.thread_local_routing
+        if recorded:
             _route_started(self)
+        try:
+            cm.__enter__()
+        except BaseException:
+            if recorded:
+                _route_stopped(self)
+            raise
+        self._route = cm
 
     def _stop(self) -> None:
         cm, self._route = self._route, None
         if cm is not None:
-            _route_stopped(self)
-            cm.__exit__(None, None, None)
+            try:
+                cm.__exit__(None, None, None)
+            finally:
+                _route_stopped(self)
 
     @property
     def active(self) -> bool:
@@ -719,7 +729,7 @@ class MempoolContext:
 # before). An all_threads route accepts every thread, so it and another
 # thread's own route conflict: which one gets that thread's allocations
 # depends on the order, and no order is right for both versions.
-_routes_lock = threading.Lock()
+_routes_lock = threading.RLock()  # release() holds it across destructors that may run finalizers
 _active_routes: dict[int, list[tuple["MempoolContext", int, bool]]] = {}
 
 
@@ -884,48 +894,51 @@ def release(pool: MemPool, device: Any = None, *, to_backend: bool = False, tag:
         # destructor aborts the process. Routes of gmp.mempool are known
         # here (torch >= 2.8); torch.cuda.use_mem_pool blocks and graph
         # captures of other threads are not (see the docstring).
+        # Held until the MemPool destructors below have run: no route can
+        # begin meanwhile (MempoolContext records a route before torch
+        # begins it).
         with _routes_lock:
             routing = sorted({ln.device for ln in lanes if _active_routes.get(ln.device)})
-        if routing:
-            raise PoolInUseError(
-                f"cannot release pool {pool.name!r} while a gmp.mempool(...) context (of any pool, in any thread) "
-                f"is active on {', '.join(f'cuda:{d}' for d in routing)}: torch's MemPool destructor asserts that no "
-                "allocation to a pool is under way on the device, and would abort the process"
-            )
-        per_lane, live_blocks, live_bytes = _scan_lanes(torch, caps, lanes)
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if live_bytes and clear is not None:
-            # torch keeps a cuBLAS workspace per (handle, stream) from the first
-            # matmul on, allocated wherever that matmul ran: one made inside
-            # mempool(pool) would pin the pool forever. Workspaces are
-            # re-made on the next matmul.
-            clear()
+            if routing:
+                raise PoolInUseError(
+                    f"cannot release pool {pool.name!r} while a gmp.mempool(...) context (of any pool, in any "
+                    f"thread) is active on {', '.join(f'cuda:{d}' for d in routing)}: torch's MemPool destructor "
+                    "asserts that no allocation to a pool is under way on the device, and would abort the process"
+                )
             per_lane, live_blocks, live_bytes = _scan_lanes(torch, caps, lanes)
-        if live_bytes:
-            devs = sorted({ln.device for ln in lanes})
-            raise PoolInUseError(
-                f"cannot release pool {pool.name!r}: {live_blocks} tensor block(s), {live_bytes} bytes, allocated "
-                f"inside gmp.mempool(...) on {', '.join(f'cuda:{d}' for d in devs)} are still alive; "
-                "delete them (and the objects holding them) first"
-            )
-        total = 0
-        ids: set[tuple[int, ...]] = set()
-        for ln, segs in per_lane:
-            for reg in st.registrations:
-                if reg.device == ln.device:
-                    _deregister_lane(reg, ln)
-            st.lanes.remove(ln)
-            ids.add(tuple(ln.torch_pool.id))
-            total += sum(int(s.get("total_size", 0) or 0) for s in segs)
-            ln.torch_pool = None  # the MemPool's destructor releases it in torch
-        del per_lane, lanes
-        gc.collect()
-        left = _segments_of(torch, ids)
-        if left:
-            # Versions whose MemPool destructor does not empty the pool: torch
-            # frees the segments of pools nobody uses on empty_cache().
-            torch.cuda.empty_cache()
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if live_bytes and clear is not None:
+                # torch keeps a cuBLAS workspace per (handle, stream) from the first
+                # matmul on, allocated wherever that matmul ran: one made inside
+                # mempool(pool) would pin the pool forever. Workspaces are
+                # re-made on the next matmul.
+                clear()
+                per_lane, live_blocks, live_bytes = _scan_lanes(torch, caps, lanes)
+            if live_bytes:
+                devs = sorted({ln.device for ln in lanes})
+                raise PoolInUseError(
+                    f"cannot release pool {pool.name!r}: {live_blocks} tensor block(s), {live_bytes} bytes, allocated "
+                    f"inside gmp.mempool(...) on {', '.join(f'cuda:{d}' for d in devs)} are still alive; "
+                    "delete them (and the objects holding them) first"
+                )
+            total = 0
+            ids: set[tuple[int, ...]] = set()
+            for ln, segs in per_lane:
+                for reg in st.registrations:
+                    if reg.device == ln.device:
+                        _deregister_lane(reg, ln)
+                st.lanes.remove(ln)
+                ids.add(tuple(ln.torch_pool.id))
+                total += sum(int(s.get("total_size", 0) or 0) for s in segs)
+                ln.torch_pool = None  # the MemPool's destructor releases it in torch
+            del per_lane, lanes
+            gc.collect()
             left = _segments_of(torch, ids)
+            if left:
+                # Versions whose MemPool destructor does not empty the pool: torch
+                # frees the segments of pools nobody uses on empty_cache().
+                torch.cuda.empty_cache()
+                left = _segments_of(torch, ids)
         if not st.lanes and not st.registrations and not left:
             _states.pop(id(pool), None)
     if left:
@@ -1047,7 +1060,9 @@ _COMM_GONE = ("communicator was aborted", "has not been initialized", "communica
 
 
 def _deregister_lane(reg: _Registration, lane: _Lane) -> None:
-    state = reg.lanes.pop(lane, None)
+    """Undo reg for lane. The lane is forgotten only once that worked (or
+    the communicator is gone): a failure leaves it for a retry."""
+    state = reg.lanes.get(lane)
     if state is None:
         return
     if reg.mode == "mem_pool":
@@ -1059,8 +1074,10 @@ def _deregister_lane(reg: _Registration, lane: _Lane) -> None:
                     raise
     else:
         nccl = _nccl_lib()
-        for handle, _ in state.values():
+        for key, (handle, _) in list(state.items()):
             nccl.deregister(reg.comm, handle)
+            del state[key]
+    reg.lanes.pop(lane, None)
 
 
 def _registrations_of(pool: MemPool, lane: _Lane) -> list[_Registration]:
@@ -1188,13 +1205,23 @@ def deregister(pool: MemPool, process_group: Any = None, *, device: Any = None) 
         else:
             group = process_group
         regs = [r for r in st.registrations if (group is None or r.group is group) and (dev is None or r.device == dev)]
+        errors: list[BaseException] = []
         for reg in regs:
-            try:
-                for ln in st.lanes:
-                    if ln.device == reg.device:
+            # Every lane is tried. A registration is forgotten once all its
+            # lanes are undone; the lanes that failed stay, for a retry, and
+            # the first error is raised after the others were tried.
+            failed = False
+            for ln in st.lanes:
+                if ln.device == reg.device:
+                    try:
                         _deregister_lane(reg, ln)
-            finally:  # an error is raised, but the registration is not kept half undone
+                    except RuntimeError as exc:
+                        errors.append(exc)
+                        failed = True
+            if not failed:
                 st.registrations.remove(reg)
+        if errors:
+            raise errors[0]
 
 
 # ---------------------------------------------------------------------------

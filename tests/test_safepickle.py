@@ -156,6 +156,13 @@ def test_fast_scan_takes_any_bytes_like_object() -> None:
         fast.scan_pickle(data)  # type: ignore[call-arg]
     with pytest.raises(TypeError):
         fast.scan_pickle(data, "deep")  # type: ignore[arg-type]
+    for bad in (-1, (1 << 30) + 1):  # the two scanners would not agree out there
+        with pytest.raises(ValueError, match="max_depth"):
+            fast.scan_pickle(data, bad)
+        with pytest.raises(ValueError, match="max_depth"):
+            _safepickle._scan_pickle_py(data, "p", bad)
+    with pytest.raises(OverflowError):
+        fast.scan_pickle(data, 1 << 64)
 
 
 def test_load_pickle_without_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:

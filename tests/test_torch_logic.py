@@ -988,6 +988,110 @@ def test_release_while_another_pool_routes_the_device_is_refused(monkeypatch, si
     other.close()
 
 
+@pytest.mark.parametrize("phase", ["enter", "exit"])
+def test_release_never_runs_a_destructor_under_another_threads_route(monkeypatch, sim, phase):
+    """The window around torch's begin/end of another thread's route: a
+    route is recorded before torch begins it and dropped after torch ends
+    it, and release() keeps new routes out until its MemPool destructors
+    have run. The fake's destructor notes when torch would have aborted."""
+    torch = install(monkeypatch, "2.11")
+    world = torch._world
+    other = gmp.MemPool("sim", name="other", capacity=1 << 26)
+    with gmp.mempool(sim):
+        pass  # sim has a torch pool to release
+    aborts: list[Any] = []
+    real_empty = world.empty_pool
+
+    def empty_pool(pid: Any) -> None:  # torch's synchronize_and_free_events asserts here
+        if world.captures.get(0):
+            aborts.append(list(world.captures[0]))
+        real_empty(pid)
+
+    world.empty_pool = empty_pool
+    in_window, go_on = threading.Event(), threading.Event()
+    C = torch._C
+    if phase == "enter":
+        real = C._cuda_beginAllocateCurrentThreadToPool
+
+        def begin(d: int, pid: Any) -> None:
+            real(d, pid)  # torch's route is under way from here
+            if threading.current_thread().name == "B":
+                in_window.set()
+                go_on.wait(10)
+        C._cuda_beginAllocateCurrentThreadToPool = begin
+    else:
+        real = C._cuda_endAllocateToPool
+
+        def end(d: int, pid: Any) -> None:
+            if threading.current_thread().name == "B":
+                in_window.set()  # torch's route is under way until here
+                go_on.wait(10)
+            real(d, pid)
+        C._cuda_endAllocateToPool = end
+
+    def worker() -> None:
+        with gmp.mempool(other):
+            pass
+
+    th = threading.Thread(target=worker, name="B")
+    th.start()
+    assert in_window.wait(10)
+    try:
+        with pytest.raises(gtorch.PoolInUseError, match="active on cuda:0"):
+            gtorch.release(sim)
+    finally:
+        go_on.set()
+        th.join()
+    assert aborts == []
+    gtorch.release(sim)  # no route now
+    assert aborts == [] and gtorch.torch_pools(sim) == []
+    other.close()
+
+
+def test_failed_deregister_tries_every_lane_and_keeps_the_failed_ones(monkeypatch, sim):
+    """Two lanes (two threads were inside at once); deregistering the first
+    fails: the second is still deregistered, the error is raised, and a
+    retry deregisters what failed."""
+    torch = install(monkeypatch, "2.11")
+    backend = torch._backend
+    inside, leave = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        with gmp.mempool(sim):
+            inside.set()
+            leave.wait(10)
+
+    th = threading.Thread(target=worker)
+    th.start()
+    inside.wait(10)
+    with gmp.mempool(sim):
+        pass
+    leave.set()
+    th.join()
+    tps = gtorch.torch_pools(sim, 0)
+    assert len(tps) == 2
+    gtorch.register(sim)
+    ids = {tuple(tp.id) for tp in tps}
+    assert ids <= backend.pools
+    working, calls = backend.deregister_mem_pool, []
+
+    def flaky(pool: Any) -> None:
+        calls.append(tuple(pool.id))
+        if len(calls) == 1:
+            raise RuntimeError("NCCL error: transient")
+        working(pool)
+
+    backend.deregister_mem_pool = flaky
+    with pytest.raises(RuntimeError, match="transient"):
+        gtorch.deregister(sim)
+    assert len(calls) == 2, "both lanes were tried"
+    assert backend.pools & ids == {calls[0]}, "only the failed one is still registered"
+    gtorch.deregister(sim)  # the retry
+    assert calls[2:] == [calls[0]] and not backend.pools & ids
+    gtorch.deregister(sim)  # nothing left
+    assert len(calls) == 3
+
+
 def test_release_of_one_device_and_of_nothing(monkeypatch, sim):
     torch = install(monkeypatch)
     assert gtorch.release(sim) == 0

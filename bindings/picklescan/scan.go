@@ -156,7 +156,8 @@ type scanner struct {
 
 // Scan walks data's opcodes and returns nil when unpickling it costs memory
 // and stack in proportion to its size, else an *Error. Tuples may nest at most
-// maxDepth deep.
+// maxDepth deep; a maxDepth outside [0, 2^30] is taken as the nearest bound
+// (gpumempool._fastcall refuses such values before they get here).
 func Scan(data []byte, maxDepth int) error {
 	if maxDepth < 0 {
 		maxDepth = 0

@@ -378,12 +378,43 @@ func (b *AsyncBackend) recordAllocated(dev int, addr, stream uint64) error {
 }
 
 // waitAllocated waits until the allocation of segment addr has completed
-// on its stream (a no-op once one export waited), polling its event: the
-// driver interface has no blocking event wait, and exports are rare.
+// on its stream (a no-op once one export waited).
 func (b *AsyncBackend) waitAllocated(dev int, addr uint64) error {
+	k := segKey{dev, addr}
+	a := b.allocatedOf(k, false)
+	if err := b.finishAllocated(dev, a, addr, true); err != nil {
+		return err
+	}
 	b.mu.Lock()
-	a := b.allocated[segKey{dev, addr}]
+	if a != nil && b.allocated[k] == a { // not a newer segment's at a reused address
+		delete(b.allocated, k)
+	}
 	b.mu.Unlock()
+	return nil
+}
+
+// dropAllocated destroys the allocation event of segment addr, if any is
+// left (the segment was never exported).
+func (b *AsyncBackend) dropAllocated(dev int, addr uint64) error {
+	return b.finishAllocated(dev, b.allocatedOf(segKey{dev, addr}, true), addr, false)
+}
+
+// allocatedOf returns segment k's allocation event (nil when there is none),
+// taken out of the table when remove is set.
+func (b *AsyncBackend) allocatedOf(k segKey, remove bool) *allocEvent {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	a := b.allocated[k]
+	if remove {
+		delete(b.allocated, k)
+	}
+	return a
+}
+
+// finishAllocated destroys a's event (a may be nil), once, after waiting
+// for it to complete when wait is set. The wait polls: the driver interface
+// has no blocking event wait, and exports are rare.
+func (b *AsyncBackend) finishAllocated(dev int, a *allocEvent, addr uint64, wait bool) error {
 	if a == nil {
 		return nil
 	}
@@ -392,7 +423,7 @@ func (b *AsyncBackend) waitAllocated(dev int, addr uint64) error {
 	if a.done {
 		return nil
 	}
-	for pause := time.Microsecond; ; pause = min(2*pause, time.Millisecond) {
+	for pause := time.Microsecond; wait; pause = min(2*pause, time.Millisecond) {
 		ok, err := b.drv.EventQuery(dev, a.ev)
 		if err != nil {
 			return fmt.Errorf("async backend: export pointer %#x: waiting for its allocation: %w", addr, err)
@@ -401,35 +432,6 @@ func (b *AsyncBackend) waitAllocated(dev int, addr uint64) error {
 			break
 		}
 		time.Sleep(pause)
-	}
-	a.done = true
-	b.mu.Lock()
-	if b.allocated[segKey{dev, addr}] == a { // not a newer segment's at a reused address
-		delete(b.allocated, segKey{dev, addr})
-	}
-	b.mu.Unlock()
-	return b.drv.EventDestroy(dev, a.ev)
-}
-
-// dropAllocated destroys the allocation event of segment addr, if any is
-// left (the segment was never exported, or is being freed).
-func (b *AsyncBackend) dropAllocated(dev int, addr uint64) error {
-	b.mu.Lock()
-	a := b.allocated[segKey{dev, addr}]
-	delete(b.allocated, segKey{dev, addr})
-	b.mu.Unlock()
-	return b.destroyAllocated(dev, a)
-}
-
-// destroyAllocated destroys a's event unless an export did (a may be nil).
-func (b *AsyncBackend) destroyAllocated(dev int, a *allocEvent) error {
-	if a == nil {
-		return nil
-	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.done {
-		return nil
 	}
 	a.done = true
 	return b.drv.EventDestroy(dev, a.ev)
@@ -449,10 +451,7 @@ func (b *AsyncBackend) Free(dev int, addr, size uint64, stream gocore.Stream) er
 	err := b.live.Free(dev, addr, size, func() error {
 		// Take the allocation event before the driver can hand addr out
 		// again (to an Alloc that records its own event there).
-		b.mu.Lock()
-		a = b.allocated[k]
-		delete(b.allocated, k)
-		b.mu.Unlock()
+		a = b.allocatedOf(k, true)
 		if err := b.drv.MemFreeAsync(dev, addr, uint64(stream)); err != nil {
 			if a != nil { // still allocated: it keeps its event
 				b.mu.Lock()
@@ -466,7 +465,7 @@ func (b *AsyncBackend) Free(dev int, addr, size uint64, stream gocore.Stream) er
 	if err == nil {
 		// The segment is freed: an error here (the event stays, a few
 		// bytes of driver state) must not make the engine free it again.
-		_ = b.destroyAllocated(dev, a)
+		_ = b.finishAllocated(dev, a, addr, false)
 	}
 	return err
 }

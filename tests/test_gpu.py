@@ -123,8 +123,6 @@ def test_vmm_host_numa_memory_is_usable_from_kernels() -> None:
         cp.cuda.Device(0).synchronize()
         got = a.get()
         assert (got[:-16] == 7).all() and (got[-16:] == 9).all()
-        attrs = cp.cuda.runtime.pointerGetAttributes(ptr)
-        assert attrs.device == 0  # mapped for the GPU
         pool.free(ptr)
 
 

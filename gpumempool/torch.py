@@ -185,9 +185,11 @@ class RoutingConflictWarning(UserWarning):
 
 
 class PythonCallbackWarning(RuntimeWarning):
-    """A pool whose alloc/free are Python functions is used by torch: torch
-    calls them holding its allocator lock, and they need the GIL, which a
-    thread freeing a tensor holds while it waits for that lock."""
+    """A pool whose alloc/free are Python functions is used by torch: under
+    ``gmp.mempool`` torch's caching allocator calls them holding its lock,
+    and they need the GIL, which a thread freeing a tensor holds while it
+    waits for that lock. (In full-replacement mode torch calls them outside
+    its lock, but from threads that hold no GIL, such as autograd's.)"""
 
 
 _warned_py_callbacks: "weakref.WeakSet[MemPool]" = weakref.WeakSet()
@@ -451,8 +453,17 @@ def _new_lane(torch: Any, caps: TorchCapabilities, st: _PoolState, device: int, 
             kwargs[name] = value
     raw = _allocator(torch, st).allocator()
     # torch binds a MemPool to the current device when it is created
-    with torch.cuda.device(device):
-        tp = _mem_pool_class(torch)(raw, **kwargs)
+    try:
+        with torch.cuda.device(device):
+            tp = _mem_pool_class(torch)(raw, **kwargs)
+    except RuntimeError as exc:
+        if _installed is not None and "createOrIncrefPool" in str(exc):
+            raise TorchIntegrationError(
+                f"gmp.register needs a torch.cuda.MemPool (torch's register_mem_pool takes one), which torch "
+                f"{caps.version} refuses to make while gmp.set_torch_allocator({_installed.pool.name!r}) replaces "
+                f"its allocator ({exc}): NCCL registration is not available in full-replacement mode on this torch"
+            ) from exc
+        raise
     lane = _Lane(tp, device, tag, dict(options))
     st.lanes.append(lane)
     regs = [reg for reg in st.registrations if reg.device == device]

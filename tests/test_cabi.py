@@ -241,6 +241,8 @@ def test_torch_hooks_are_native_functions_that_act_on_the_pool() -> None:
         assert live[-1] != p
         hooks["set_record_stream_fn"](12345, 2)
         assert "0x3039" in (msg := pool.last_error() or "") and "not owned" in msg
+        hooks["set_record_stream_fn"](None, 2)  # an empty tensor's NULL data pointer: ignored, as torch does
+        assert pool.last_error() is None
 
         # reset (torch.cuda.empty_cache): cached segments go back
         pool.sim_complete()

@@ -361,6 +361,11 @@ def make_torch(variant: str = "2.11", *, use_mem_pool: bool = True, mem_pool: bo
 
     class MemPoolBase:
         def _setup(self, allocator: Any, options: dict[str, bool]) -> None:
+            if world.current_allocator is not None and world.version >= (2, 11):
+                # torch 2.11: MemPool() calls createOrIncrefPool, which
+                # CUDAPluggableAllocator lacks (c10's default refuses).
+                raise RuntimeError("CUDAPluggableAllocator does not yet support createOrIncrefPool. If you need it, "
+                                   "please file an issue describing your use case.")
             world.lazy_init()
             world.uid += 1
             self._pid = (0, world.uid)
@@ -1159,6 +1164,24 @@ def test_set_torch_allocator(monkeypatch, sim):
     with pytest.raises(gtorch.TorchIntegrationError, match="replaces torch's allocator"):
         with gmp.mempool(other):
             pass
+    other.close()
+
+
+def test_mempool_and_register_under_full_replacement_say_why(monkeypatch, sim):
+    """torch 2.11 refuses torch.cuda.MemPool() once a pluggable allocator
+    replaced its own: gmp.register (whose register_mem_pool takes one) raises
+    a TorchIntegrationError that says so instead of torch's bare
+    RuntimeError; gmp.mempool refuses that mode before it gets there."""
+    install(monkeypatch, "2.11")
+    gtorch.set_torch_allocator(sim)
+    other = gmp.MemPool("sim", name="other", capacity=1 << 26)
+    with pytest.raises(gtorch.TorchIntegrationError, match="cannot route allocations while gmp.set_torch_allocator"):
+        with gmp.mempool(other):
+            pass
+    for p in (other, sim):
+        with pytest.raises(gtorch.TorchIntegrationError, match="createOrIncrefPool.*not available in full-replacement mode"):
+            gtorch.register(p)
+    assert gtorch.torch_pools(other) == []
     other.close()
 
 

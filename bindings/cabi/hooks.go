@@ -111,6 +111,12 @@ func fractionLimit(p *gocore.Pool, fraction float64, device int) (uint64, error)
 }
 
 func slotRecordStream(slot int, ptr, stream C.uintptr_t) {
+	if ptr == 0 {
+		// An empty tensor's storage (torch passes its NULL data pointer,
+		// e.g. for NCCL collectives on empty tensors): nothing to record,
+		// as torch's own allocator returns early too.
+		return
+	}
 	slotHook(slot, "gmp_record_stream", func(e *registry.Entry) error {
 		addr, s := uint64(ptr), gocore.Stream(stream)
 		if ok, err := privateRecordStream(e, addr, s); ok {

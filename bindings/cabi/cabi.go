@@ -50,18 +50,26 @@ import (
 // e.PanicNext) into an error, so that nothing unwinds into a C caller. A
 // call made from inside the pool's own allocator function is refused
 // (Reentered) before fn runs.
-func recovered(e *registry.Entry, fn func() error) (err error) {
+func recovered(e *registry.Entry, fn func() error) error {
+	return panicFree(func() error {
+		if e.PanicNext.Swap(false) {
+			panic("injected by PanicNext")
+		}
+		if err := Reentered(e); err != nil {
+			return err
+		}
+		return fn()
+	})
+}
+
+// panicFree runs fn and turns a Go panic in it into an error: the one
+// place where entry points stop a panic before it reaches their C caller.
+func panicFree(fn func() error) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			err = fmt.Errorf("Go panic recovered: %v", r)
 		}
 	}()
-	if e.PanicNext.Swap(false) {
-		panic("injected by PanicNext")
-	}
-	if err := Reentered(e); err != nil {
-		return err
-	}
 	return fn()
 }
 

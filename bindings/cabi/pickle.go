@@ -8,7 +8,6 @@ import "C"
 
 import (
 	"errors"
-	"fmt"
 	"unsafe"
 
 	"github.com/gpumempool/gpumempool/bindings/picklescan"
@@ -30,23 +29,19 @@ const (
 // *pos receive where (picklescan.Error). data is only read, and not kept.
 //
 //export gmp_pickle_scan
-func gmp_pickle_scan(data *C.uint8_t, n C.size_t, maxDepth C.int64_t, ops, pos *C.int64_t, why *C.char, whyLen C.size_t) (rc C.int) {
-	defer func() {
-		if r := recover(); r != nil {
-			copyCString(fmt.Sprintf("Go panic recovered: %v", r), why, whyLen)
-			rc = pickleFailed
+func gmp_pickle_scan(data *C.uint8_t, n C.size_t, maxDepth C.int64_t, ops, pos *C.int64_t, why *C.char, whyLen C.size_t) C.int {
+	err := panicFree(func() error {
+		var buf []byte
+		if n > 0 {
+			buf = unsafe.Slice((*byte)(unsafe.Pointer(data)), int(n))
 		}
-	}()
-	var buf []byte
-	if n > 0 {
-		buf = unsafe.Slice((*byte)(unsafe.Pointer(data)), int(n))
-	}
-	err := picklescan.Scan(buf, int(maxDepth))
+		return picklescan.Scan(buf, int(maxDepth))
+	})
 	if err == nil {
 		return pickleOK
 	}
 	var e *picklescan.Error
-	if !errors.As(err, &e) {
+	if !errors.As(err, &e) { // a panic, recovered
 		copyCString(err.Error(), why, whyLen)
 		return pickleFailed
 	}

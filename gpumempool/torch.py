@@ -453,17 +453,8 @@ def _new_lane(torch: Any, caps: TorchCapabilities, st: _PoolState, device: int, 
             kwargs[name] = value
     raw = _allocator(torch, st).allocator()
     # torch binds a MemPool to the current device when it is created
-    try:
-        with torch.cuda.device(device):
-            tp = _mem_pool_class(torch)(raw, **kwargs)
-    except RuntimeError as exc:
-        if _installed is not None and "createOrIncrefPool" in str(exc):
-            raise TorchIntegrationError(
-                f"gmp.register needs a torch.cuda.MemPool (torch's register_mem_pool takes one), which torch "
-                f"{caps.version} refuses to make while gmp.set_torch_allocator({_installed.pool.name!r}) replaces "
-                f"its allocator ({exc}): NCCL registration is not available in full-replacement mode on this torch"
-            ) from exc
-        raise
+    with torch.cuda.device(device):
+        tp = _mem_pool_class(torch)(raw, **kwargs)
     lane = _Lane(tp, device, tag, dict(options))
     st.lanes.append(lane)
     regs = [reg for reg in st.registrations if reg.device == device]
@@ -903,11 +894,11 @@ def release(pool: MemPool, device: Any = None, *, to_backend: bool = False, tag:
         # allocation to any pool is under way on the device
         # (synchronize_and_free_events), and an assert thrown from a
         # destructor aborts the process. Routes of gmp.mempool are known
-        # here (torch >= 2.8); torch.cuda.use_mem_pool blocks and graph
-        # captures of other threads are not (see the docstring).
-        # Held until the MemPool destructors below have run: no route can
-        # begin meanwhile (MempoolContext records a route before torch
-        # begins it).
+        # here (torch >= 2.8; torch.cuda.use_mem_pool blocks and graph
+        # captures of other threads are not, see the docstring), and the
+        # lock, held until the destructors below have run, keeps new ones
+        # from beginning meanwhile (MempoolContext records a route before
+        # torch begins it).
         with _routes_lock:
             routing = sorted({ln.device for ln in lanes if _active_routes.get(ln.device)})
             if routing:
@@ -1182,7 +1173,17 @@ def register(pool: MemPool, process_group: Any = None, *, device: Any = None) ->
             return
         lanes = [ln for ln in st.lanes if ln.device == dev]
         if not lanes:
-            lanes = [_new_lane(torch, caps, st, dev, None, {})]
+            try:
+                lanes = [_new_lane(torch, caps, st, dev, None, {})]
+            except RuntimeError as exc:
+                if _installed is not None and "createOrIncrefPool" in str(exc):
+                    raise TorchIntegrationError(
+                        f"gmp.register needs a torch.cuda.MemPool (torch's register_mem_pool takes one), which "
+                        f"torch {caps.version} refuses to make while gmp.set_torch_allocator("
+                        f"{_installed.pool.name!r}) replaces its allocator ({exc}): NCCL registration is not "
+                        "available in full-replacement mode on this torch"
+                    ) from exc
+                raise
         done: list[_Lane] = []
         try:
             for ln in lanes:

@@ -287,7 +287,7 @@ PACKAGES = ["gpumempool"] + [
 
 setup(
     packages=PACKAGES,
-    package_data={"gpumempool": ["py.typed", "*.pyi"]},
+    package_data={"gpumempool": ["py.typed", "*.pyi", "torch_oom.cpp"]},
     ext_modules=[
         Extension(EXT_NAME, sources=[]),
         # MemPool.alloc/free's fast path (a plain C extension; see its header).

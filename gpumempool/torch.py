@@ -57,8 +57,10 @@ called (``pip install 'gpumempool[torch]'``). Four pieces:
     main branch of 2026) does not check for NULL and would hand out a tensor
     at address 0, so this mode installs ``gmp_alloc_or_throw_<i>``, a C++
     entry point that throws ``std::runtime_error`` instead: out of memory is
-    a ``RuntimeError`` naming the pool's reason (not
-    ``torch.OutOfMemoryError``, whose C++ type lives in libc10). Inside
+    a ``RuntimeError`` naming the pool's reason, or with
+    ``oom_error="torch"`` a ``torch.OutOfMemoryError``, through a shim
+    compiled at run time against torch's headers (the C++ type lives in
+    libc10; see ``_torch_oom``). Inside
     ``mempool`` torch >= 2.8 checks (allocPrimitive) and raises its
     OutOfMemoryError, so the plain C entry points are used there.
 
@@ -130,6 +132,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from . import _torch_oom
 from ._errors import GpuMemPoolError, InvalidArgumentError, PoolClosedError
 from ._pool import MemPool
 
@@ -1255,12 +1258,16 @@ class _Installed:
     pool: MemPool
     allocator: Any
     hooks: tuple[str, ...]
+    oom_error: str
 
 
 _installed: Optional[_Installed] = None
 
 
-def set_torch_allocator(pool: MemPool) -> tuple[str, ...]:
+_OOM_ERRORS = ("runtime", "torch")
+
+
+def set_torch_allocator(pool: MemPool, *, oom_error: str = "runtime") -> tuple[str, ...]:
     """Make ``pool`` torch's CUDA allocator for the whole process.
 
     Must be called before torch initialises CUDA (right after ``import
@@ -1279,26 +1286,47 @@ def set_torch_allocator(pool: MemPool) -> tuple[str, ...]:
 
     Out of memory: torch's pluggable allocator does not check the pointer it
     gets, so the alloc function installed is the C++ entry point that throws
-    ``std::runtime_error`` when the pool cannot serve a request (after
-    releasing its cache and retrying); torch raises it as a ``RuntimeError``
-    worded like torch's own ("CUDA out of memory. Tried to allocate 64.00 MiB
-    on device 0. gpumempool: <the pool's reason>", which is what Lightning's
-    and Accelerate's batch-size finders look for), not
-    ``torch.OutOfMemoryError``, whose C++ type lives in libc10. Other
-    failures read "gpumempool: cannot allocate N bytes on device D: ...".
+    when the pool cannot serve a request (after releasing its cache and
+    retrying). Its message is worded like torch's own ("CUDA out of memory.
+    Tried to allocate 64.00 MiB on device 0. gpumempool: <the pool's
+    reason>", which is what Lightning's and Accelerate's batch-size finders
+    look for). ``oom_error`` says which exception that is:
+
+    ``"runtime"`` (the default)
+        ``std::runtime_error``: Python gets a ``RuntimeError``. Needs nothing.
+    ``"torch"``
+        ``c10::OutOfMemoryError``: Python gets ``torch.OutOfMemoryError``
+        (a ``RuntimeError`` too), and torch's C++ code that retries with less
+        memory when it catches that type (cuDNN's workspace fallbacks) gets
+        its chance. The type lives in libc10's C++ ABI, so this compiles a
+        small shim (``gpumempool/torch_oom.cpp``) against the running torch's
+        headers with the C++ compiler (``$CXX``, else c++/g++/clang++), about
+        a second, once per torch and compiler: the library is cached in
+        ``$GMP_CACHE_DIR`` (default ``~/.cache/gpumempool``).
+        :class:`TorchIntegrationError` says what is missing when it cannot.
+
+    Other failures read "gpumempool: cannot allocate N bytes on device D:
+    ..." (a ``RuntimeError`` either way).
     """
     global _installed
     if not isinstance(pool, MemPool):
         raise TypeError(f"pool must be a gpumempool.MemPool, got {type(pool).__name__}")
+    if oom_error not in _OOM_ERRORS:
+        raise InvalidArgumentError(f"oom_error must be one of {', '.join(map(repr, _OOM_ERRORS))}, got {oom_error!r}")
     torch = _import_torch()
     caps = capabilities(torch)
     if not caps.pluggable:
         raise TorchVersionError(f"torch {caps.version} has no CUDAPluggableAllocator/change_current_allocator")
     with _lock:
         if _installed is not None:
-            if _installed.pool is pool:
+            if _installed.pool is pool and _installed.oom_error == oom_error:
                 _check_open(pool)
                 return _installed.hooks
+            if _installed.pool is pool:
+                raise AllocatorInitializedError(
+                    f"pool {pool.name!r} is torch's allocator already, installed with oom_error="
+                    f"{_installed.oom_error!r}; torch cannot swap its allocator twice in one process"
+                )
             raise AllocatorInitializedError(
                 f"torch's CUDA allocator was already replaced by pool {_installed.pool.name!r}; "
                 "torch cannot swap its allocator twice in one process"
@@ -1314,7 +1342,14 @@ def set_torch_allocator(pool: MemPool) -> tuple[str, ...]:
         # Torch's pluggable allocator uses the pointer without a NULL check:
         # the C++ alloc entry point throws instead (a RuntimeError in Python).
         path, alloc_sym, free_sym = pool.pluggable_symbols(throw_on_oom=True)
-        cpa = torch.cuda.memory.CUDAPluggableAllocator(path, alloc_sym, free_sym)
+        if oom_error == "torch":
+            try:
+                alloc_path, alloc_sym, free_sym = _torch_oom.install(torch, path, alloc_sym, free_sym)
+            except _torch_oom.ShimBuildError as exc:
+                raise TorchIntegrationError(str(exc)) from exc
+        else:
+            alloc_path = path
+        cpa = torch.cuda.memory.CUDAPluggableAllocator(alloc_path, alloc_sym, free_sym)
         raw = cpa.allocator()
         lib = ctypes.CDLL(path)  # the library already loaded: same handle
         wired: list[str] = []
@@ -1331,7 +1366,7 @@ def set_torch_allocator(pool: MemPool) -> tuple[str, ...]:
                     "before anything initialises CUDA, in a fresh process"
                 ) from exc
             raise
-        _installed = _Installed(pool, cpa, tuple(wired))
+        _installed = _Installed(pool, cpa, tuple(wired), oom_error)
         return _installed.hooks
 
 

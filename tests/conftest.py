@@ -4,6 +4,7 @@ gpumempool's exported ABI), built with the system C compiler."""
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -80,8 +81,11 @@ def pool():
     p.close()
 
 
-def _build_so(tmp_path_factory: pytest.TempPathFactory, src: str, name: str, *flags: str) -> str:
-    """Build tests/csrc/<src> (C, or C++ for .cpp) into a shared library."""
+def _build_so(tmp_path_factory: pytest.TempPathFactory, src: str, name: str, *flags: str,
+              libs: tuple[str, ...] = ()) -> str:
+    """Build tests/csrc/<src> (C, or C++ for .cpp) into a shared library;
+    ``libs`` (-L, -l, -Wl) go after the source, where linkers that drop
+    unused libraries (--as-needed) still see them used."""
     if src.endswith(".cpp"):
         compiler, what = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++"), "C++ compiler (c++/g++)"
     else:
@@ -89,8 +93,8 @@ def _build_so(tmp_path_factory: pytest.TempPathFactory, src: str, name: str, *fl
     if not compiler:
         pytest.fail(f"no {what} to build tests/csrc/{src}")
     out = tmp_path_factory.mktemp(name) / f"lib{name}.so"
-    subprocess.run([compiler, "-O1", "-shared", "-fPIC", "-pthread", *flags, "-o", str(out), str(CSRC / src), "-ldl"],
-                   check=True)
+    subprocess.run([compiler, "-O1", "-shared", "-fPIC", "-pthread", *flags, "-o", str(out), str(CSRC / src),
+                    *libs, "-ldl"], check=True)
     return str(out)
 
 
@@ -99,7 +103,11 @@ def cxx_caller(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     """tests/csrc/torch_caller.cpp: a C++ caller of the entry points that
     need C++ (the throwing alloc, the CUDA-graph hooks), calling them as
     torch does."""
-    lib = ctypes.CDLL(_build_so(tmp_path_factory, "torch_caller.cpp", "torchcaller"))
+    return _torch_caller(_build_so(tmp_path_factory, "torch_caller.cpp", "torchcaller"))
+
+
+def _torch_caller(path: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
     lib.call_alloc.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
                                ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
     lib.call_begin.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_ulonglong,
@@ -108,6 +116,30 @@ def cxx_caller(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     lib.live_filters.restype = ctypes.c_long
     lib.filter_call_count.restype = ctypes.c_long
     return lib
+
+
+@pytest.fixture(scope="session")
+def torch_headers() -> tuple[Path, Path]:
+    """The include and lib directories of the installed torch, found without
+    importing it. Skips where torch or its C++ headers are missing."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        pytest.skip("torch is not installed")
+    root = Path(spec.origin).resolve().parent
+    if not (root / "include" / "c10" / "util" / "Exception.h").is_file():
+        pytest.skip(f"the torch at {root} ships no C++ headers")
+    return root / "include", root / "lib"
+
+
+@pytest.fixture(scope="session")
+def c10_caller(tmp_path_factory: pytest.TempPathFactory, torch_headers: tuple[Path, Path]) -> ctypes.CDLL:
+    """tests/csrc/torch_caller.cpp built against torch's headers and libc10:
+    its call_alloc returns 3 for a c10::OutOfMemoryError, the C++ type torch
+    raises as torch.OutOfMemoryError."""
+    include, lib = torch_headers
+    so = _build_so(tmp_path_factory, "torch_caller.cpp", "c10caller", "-std=c++17", "-DGMP_WITH_C10", f"-I{include}",
+                   libs=(f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}"))
+    return _torch_caller(so)
 
 
 @pytest.fixture(scope="session")

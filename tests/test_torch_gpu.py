@@ -352,6 +352,38 @@ def test_full_replacement() -> None:
         assert out["last_error"]
 
 
+def test_full_replacement_oom_error_torch(tmp_path: Path) -> None:
+    """oom_error="torch": out of memory is torch.OutOfMemoryError, thrown
+    by the shim compiled against this torch, and the process goes on."""
+    out = run_script(
+        """
+        import json, torch, gpumempool as gmp
+        pool = gmp.MemPool("cuda")
+        gmp.set_torch_allocator(pool, oom_error="torch")
+        pool.set_limit(64 << 20, 0)
+        res = {}
+        try:
+            torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+            res["raised"] = None
+        except Exception as exc:
+            res["raised"] = type(exc).__module__ + "." + type(exc).__qualname__
+            res["torch_oom"] = isinstance(exc, torch.OutOfMemoryError)
+            res["cuda_oom"] = isinstance(exc, torch.cuda.OutOfMemoryError)
+            res["msg"] = str(exc)[:500]
+        x = torch.ones(1 << 20, device="cuda")  # within the limit: still works
+        res["sum"] = float(x.sum().item())
+        res["hook_errors"] = gmp.torch.hook_errors()
+        print(json.dumps(res))
+        """,
+        env={"GMP_CACHE_DIR": str(tmp_path)},
+    )
+    print("\n", out)
+    assert out["torch_oom"] and out["cuda_oom"], out
+    assert out["msg"].startswith("CUDA out of memory. Tried to allocate 256.00 MiB on device 0. gpumempool: "), out
+    assert "limit" in out["msg"] and out["sum"] == float(1 << 20)
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"], "the shim was not built in GMP_CACHE_DIR"
+
+
 @pytest.mark.parametrize("backend", [b for b in ("cuda", "vmm", "async") if b in gmp.backends()])
 def test_full_replacement_cuda_graph_keeps_its_memory_private(backend: str) -> None:
     """A graph captured in full-replacement mode frees its intermediates into

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import os
 import sys
 import threading
 import types
@@ -342,11 +343,17 @@ def make_torch(variant: str = "2.11", *, use_mem_pool: bool = True, mem_pool: bo
         def __init__(self, path: str, alloc_name: str, free_name: str) -> None:
             lib = ctypes.CDLL(path)
             assert hasattr(lib, alloc_name) and hasattr(lib, free_name)
+            self.source = (path, alloc_name, free_name)
             # ctypes cannot catch a C++ exception: call the C function the
             # throwing one wraps and throw here what it would (test_cabi.py
-            # checks the C++ entry point itself from C++).
-            throws = "_or_throw_" in alloc_name
-            a = ALLOC_T(ctypes.cast(getattr(lib, alloc_name.replace("_or_throw", "")), ctypes.c_void_p).value)
+            # checks the C++ entry point itself from C++). The out-of-memory
+            # shim of oom_error="torch" is only ever called from C++ here.
+            throws = "_or_throw_" in alloc_name or alloc_name == "gmp_torch_oom_alloc"
+            if alloc_name == "gmp_torch_oom_alloc":
+                def a(size: int, device: int, stream: Any) -> int:
+                    raise AssertionError("the fake cannot call a C++ function that throws")
+            else:
+                a = ALLOC_T(ctypes.cast(getattr(lib, alloc_name.replace("_or_throw", "")), ctypes.c_void_p).value)
             f = FREE_T(ctypes.cast(getattr(lib, free_name), ctypes.c_void_p).value)
             self._allocator = FakeRawPluggable(a, f)
             self._allocator.throws = throws
@@ -358,6 +365,7 @@ def make_torch(variant: str = "2.11", *, use_mem_pool: bool = True, mem_pool: bo
         if world.initialized:
             raise RuntimeError("Can't swap an already initialized allocator")
         world.current_allocator = cpa.allocator()
+        change_current_allocator.last = cpa  # type: ignore[attr-defined]
 
     class MemPoolBase:
         def _setup(self, allocator: Any, options: dict[str, bool]) -> None:
@@ -1165,6 +1173,58 @@ def test_set_torch_allocator(monkeypatch, sim):
         with gmp.mempool(other):
             pass
     other.close()
+
+
+def test_set_torch_allocator_oom_error_is_checked_before_anything_is_installed(monkeypatch, sim):
+    install(monkeypatch)
+    with pytest.raises(gmp.InvalidArgumentError, match="oom_error must be one of 'runtime', 'torch', got 'c10'"):
+        gmp.set_torch_allocator(sim, oom_error="c10")
+    assert isinstance(gmp.InvalidArgumentError("x"), ValueError)
+    # The fake torch has no files, so no headers to build the shim with.
+    with pytest.raises(gtorch.TorchIntegrationError, match="needs torch's C\\+\\+ headers.*oom_error='runtime'"):
+        gmp.set_torch_allocator(sim, oom_error="torch")
+    assert gtorch.torch_allocator_pool() is None
+    gmp.set_torch_allocator(sim)
+    with pytest.raises(gtorch.AllocatorInitializedError, match="installed with oom_error='runtime'"):
+        gmp.set_torch_allocator(sim, oom_error="torch")
+    assert gmp.set_torch_allocator(sim, oom_error="runtime")  # the same call again: nothing to do
+
+
+def test_oom_error_torch_throws_c10s_out_of_memory_error(monkeypatch, sim, torch_headers, c10_caller, tmp_path):
+    """oom_error="torch": torch's pluggable allocator gets the shim's alloc,
+    which throws c10::OutOfMemoryError (torch.OutOfMemoryError in Python)
+    when the pool is out of memory, and passes other failures through. The
+    fake torch stands in for torch's Python side; the shim is compiled
+    against the installed torch's headers and called from C++, as torch's
+    CUDAPluggableAllocator calls it."""
+    torch = install(monkeypatch)
+    monkeypatch.setattr(torch, "__file__", str(torch_headers[0].parent / "__init__.py"), raising=False)
+    monkeypatch.setenv("GMP_CACHE_DIR", str(tmp_path))
+    gmp.set_torch_allocator(sim, oom_error="torch")
+    path, alloc_sym, free_sym = torch.cuda.memory.change_current_allocator.last.source
+    assert (alloc_sym, free_sym) == ("gmp_torch_oom_alloc", "gmp_torch_oom_free")
+    assert os.path.dirname(path) == str(tmp_path) and torch._world.current_allocator.throws
+
+    def call(size: int, device: int = 0) -> tuple[int, int, str]:
+        out, msg = ctypes.c_void_p(), ctypes.create_string_buffer(2048)
+        code = c10_caller.call_alloc(path.encode(), alloc_sym.encode(), size, device, 0x5, ctypes.byref(out), msg,
+                                     len(msg))
+        return code, out.value or 0, msg.value.decode()
+
+    code, ptr, _ = call(4096)
+    assert code == 0 and ptr and allocated(sim, 0) == 4096
+    shim_free = getattr(ctypes.CDLL(path), free_sym)
+    shim_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    shim_free(ptr, 4096, 0, 0x5)
+    assert allocated(sim, 0) == 0
+    sim.set_limit(MiB, 0)
+    code, ptr, msg = call(64 * MiB)
+    assert code == 3 and ptr == 0, msg  # c10::OutOfMemoryError
+    assert msg.startswith("CUDA out of memory. Tried to allocate 64.00 MiB on device 0. gpumempool: ")
+    assert "limit 1.00 MiB" in msg
+    code, ptr, msg = call(4096, device=5)  # not out of memory: a std::exception as before (RuntimeError)
+    assert code == 1 and ptr == 0 and msg.startswith("gpumempool: cannot allocate 4096 bytes on device 5: "), msg
+    sim.check()
 
 
 def test_mempool_and_register_under_full_replacement_say_why(monkeypatch, sim):

@@ -20,6 +20,13 @@
 
 #include <dlfcn.h>
 
+// Built with -DGMP_WITH_C10 against torch's headers (and -lc10), call_alloc
+// also tells c10::OutOfMemoryError apart, as torch's Python bindings do
+// when they raise torch.OutOfMemoryError.
+#ifdef GMP_WITH_C10
+#include <c10/util/Exception.h>
+#endif
+
 using alloc_fn = void* (*)(std::size_t, int, void*);
 
 // torch: c10::MempoolId_t, cudaStream_t, and the hook types of
@@ -63,7 +70,9 @@ extern "C" {
 
 // call_alloc calls sym in the library at path. Returns 0 when it returned
 // (the pointer in *out), 1 when it threw a std::exception (its what() in
-// msg), 2 when it threw something else, -1 when the symbol was not found.
+// msg), 2 when it threw something else, 3 (GMP_WITH_C10 only) when it threw
+// a c10::OutOfMemoryError (its message in msg), -1 when the symbol was not
+// found.
 int call_alloc(const char* path, const char* sym, std::size_t size, int device, void* stream, void** out,
                char* msg, std::size_t n) {
   auto fn = reinterpret_cast<alloc_fn>(lookup(path, sym));
@@ -72,6 +81,12 @@ int call_alloc(const char* path, const char* sym, std::size_t size, int device, 
   try {
     *out = fn(size, device, stream);
     return 0;
+#ifdef GMP_WITH_C10
+  } catch (const c10::OutOfMemoryError& e) {
+    std::strncpy(msg, e.what_without_backtrace(), n - 1);
+    msg[n - 1] = 0;
+    return 3;
+#endif
   } catch (const std::exception& e) {
     std::strncpy(msg, e.what(), n - 1);
     msg[n - 1] = 0;

@@ -1,0 +1,144 @@
+"""Build and load torch_oom.cpp, the shim that makes out-of-memory in
+full-replacement mode a ``torch.OutOfMemoryError``
+(``gmp.set_torch_allocator(pool, oom_error="torch")``).
+
+Why a shim compiled at run time: torch raises ``torch.OutOfMemoryError``
+only for a C++ ``c10::OutOfMemoryError``, whose type lives in libc10's C++
+ABI (the torch in the process, its headers, its ``_GLIBCXX_USE_CXX11_ABI``).
+The extension is built by Go's toolchain once for every torch, so it throws
+``std::runtime_error`` (a ``RuntimeError``). The shim is a few lines,
+compiled once per torch and compiler into a cache directory
+(``$GMP_CACHE_DIR``, else ``$XDG_CACHE_HOME/gpumempool``, else
+``~/.cache/gpumempool``) in about a second, and reused from there. A
+directory that cannot be written falls back to a private temporary one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ._errors import GpuMemPoolError
+
+ALLOC_SYMBOL = "gmp_torch_oom_alloc"
+FREE_SYMBOL = "gmp_torch_oom_free"
+SOURCE = Path(__file__).with_name("torch_oom.cpp")
+COMPILE_TIMEOUT_S = 300
+
+
+class ShimBuildError(GpuMemPoolError, RuntimeError):
+    """The shim could not be built or loaded; the message says why and
+    what to do (torch.py raises it as a TorchIntegrationError)."""
+
+
+def cache_dir() -> Path:
+    """Where built shims are kept."""
+    if os.environ.get("GMP_CACHE_DIR"):
+        return Path(os.environ["GMP_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "gpumempool"
+
+
+def compiler() -> list[str]:
+    """The C++ compiler command: ``$CXX`` (may carry flags), else c++, g++
+    or clang++ on PATH."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shlex.split(cxx)
+    for name in ("c++", "g++", "clang++"):
+        found = shutil.which(name)
+        if found:
+            return [found]
+    raise ShimBuildError(
+        "oom_error='torch' compiles a small C++ shim against torch's headers, and no C++ compiler was found "
+        "(set CXX, or install g++); oom_error='runtime' needs none"
+    )
+
+
+def _torch_paths(torch: Any) -> tuple[Path, Path]:
+    where = getattr(torch, "__file__", None)
+    if not where:
+        raise ShimBuildError("oom_error='torch' needs torch's C++ headers, and this torch module has no __file__ "
+                             "to find them by; oom_error='runtime' needs none")
+    root = Path(where).resolve().parent
+    include, lib = root / "include", root / "lib"
+    if not (include / "c10" / "util" / "Exception.h").is_file():
+        raise ShimBuildError(
+            f"oom_error='torch' needs torch's C++ headers, and torch {getattr(torch, '__version__', '?')} at {root} "
+            "ships none (include/c10/util/Exception.h); oom_error='runtime' needs none"
+        )
+    return include, lib
+
+
+def _writable(d: Path) -> bool:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=d, prefix=".probe-")
+    except OSError:
+        return False
+    probe.close()
+    return True
+
+
+def build(torch: Any) -> Path:
+    """The shim for this torch, built unless a cached build exists.
+
+    Several processes (torchrun's ranks) may build at once: each compiles
+    to a file of its own and renames it into place, so every one loads a
+    whole library."""
+    include, lib = _torch_paths(torch)
+    cxx = compiler()
+    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, str(getattr(torch, "__version__", "")).encode(), str(lib).encode(),
+                    str(abi).encode(), " ".join(cxx).encode()])
+    ).hexdigest()[:16]
+    where = cache_dir()
+    if not _writable(where):
+        where = Path(tempfile.mkdtemp(prefix="gpumempool-"))
+    out = where / f"torch_oom-{key}.so"
+    if out.is_file():
+        return out
+    fd, tmp = tempfile.mkstemp(dir=where, prefix=f".torch_oom-{key}-", suffix=".so")
+    os.close(fd)
+    cmd = [*cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{include}",
+           str(SOURCE), "-o", tmp, f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        os.unlink(tmp)
+        raise ShimBuildError(f"building the torch out-of-memory shim failed ({shlex.join(cmd)}): {exc}") from exc
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise ShimBuildError(
+            f"building the torch out-of-memory shim failed (exit {done.returncode}): {shlex.join(cmd)}\n"
+            f"{done.stderr[-3000:]}"
+        )
+    os.replace(tmp, out)
+    return out
+
+
+def install(torch: Any, library_path: str, alloc_symbol: str, free_symbol: str) -> tuple[str, str, str]:
+    """Build (or find) and load the shim, point it at the extension's
+    ``alloc_symbol``/``free_symbol`` and return what torch's
+    ``CUDAPluggableAllocator`` takes: the shim's path and its two symbols."""
+    path = build(torch)
+    try:
+        shim = ctypes.CDLL(str(path))
+    except OSError as exc:  # e.g. a torch whose libc10 differs from the headers
+        raise ShimBuildError(f"loading the torch out-of-memory shim {path} failed: {exc}") from exc
+    ext = ctypes.CDLL(library_path)  # the extension, already loaded: the same handle
+    alloc = ctypes.cast(getattr(ext, alloc_symbol), ctypes.c_void_p)
+    free = ctypes.cast(getattr(ext, free_symbol), ctypes.c_void_p)
+    shim.gmp_torch_oom_install.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    if shim.gmp_torch_oom_install(alloc, free) != 0:
+        raise ShimBuildError(f"the torch out-of-memory shim refused {alloc_symbol}/{free_symbol}")
+    return str(path), ALLOC_SYMBOL, FREE_SYMBOL

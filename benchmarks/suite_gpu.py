@@ -1,6 +1,7 @@
 """GPU benchmark suite (issue 5, section 4): torch's native caching allocator
 vs ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` vs gpumempool (context
-mode and full replacement) vs CuPy's MemoryPool.
+mode and full replacement) vs CuPy's MemoryPool vs RMM's pool as torch's
+allocator.
 
 Configurations, each in a fresh process per workload (full replacement must
 precede CUDA initialisation; peaks start from zero):
@@ -14,6 +15,13 @@ gmp-context    ``with gmp.mempool(pool, all_threads=True)`` over a ``--backend``
 gmp-replace    ``gmp.set_torch_allocator(pool)``: every CUDA allocation of the
                process is one gpumempool allocation
 cupy           CuPy's default MemoryPool (alloc/free loop only)
+rmm            RMM's ``PoolMemoryResource`` over ``CudaMemoryResource`` as
+               torch's allocator (``rmm.allocators.torch.rmm_torch_allocator``,
+               the full-replacement counterpart of gmp-replace), starting
+               from ``--rmm-initial-pool`` bytes and growing as RMM does
+               (by the larger of the request and the pool). Runs where
+               ``import rmm`` works (tools/build-gpu-wheel.sh carries RMM's
+               wheels to the device machine); listed as not run otherwise.
 =============  ===============================================================
 
 Workloads:
@@ -65,9 +73,8 @@ import _gpu_env  # noqa: E402  (shared GPU checks, next to this script)
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
-CONFIGS = ("native", "async", "gmp-context", "gmp-replace", "cupy")
+CONFIGS = ("native", "async", "gmp-context", "gmp-replace", "cupy", "rmm")
 WORKLOADS = ("loop", "gpt2", "replay")
-TORCH_CONFIGS = ("native", "async", "gmp-context", "gmp-replace")
 REPLAY_POLICIES = {"default": [], "expandable": ["--policy", "expandable=true"]}
 GOALS = {"gpt2_step_time": 1.02, "gpt2_peak_reserved": 1.0, "replay_reserved": 1.0}
 CONFIG_ENV = {"async": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}}
@@ -91,6 +98,7 @@ class Env:
         self.gmp: Any = None
         self.torch: Any = None
         self.cp: Any = None
+        self.rmm_pool: Any = None
         if config == "cupy":
             import cupy
 
@@ -103,7 +111,19 @@ class Env:
         import gpumempool as gmp
 
         self.torch, self.gmp = torch, gmp
-        if config == "gmp-replace":
+        if config == "rmm":
+            import rmm
+            import rmm.mr
+            from rmm.allocators.torch import rmm_torch_allocator
+
+            if rmm_torch_allocator is None:
+                raise RuntimeError(f"rmm {rmm.__version__} offers no torch allocator here (torch.cuda unavailable?)")
+            self.rmm_version = rmm.__version__
+            self.rmm_pool = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(),
+                                                      initial_pool_size=args.rmm_initial_pool)
+            rmm.mr.set_current_device_resource(self.rmm_pool)
+            torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
+        elif config == "gmp-replace":
             self.pool = gmp.MemPool(args.backend, device=0, name="suite-replace")
             gmp.set_torch_allocator(self.pool)
         elif config == "gmp-context":
@@ -135,6 +155,8 @@ class Env:
         if self.cp is not None:
             return None  # sampled by the caller
         try:
+            if self.config == "rmm":
+                return int(self.rmm_pool.pool_size())  # RMM's pool never shrinks: its size now is its peak
             if self.config == "gmp-replace":
                 return int(self.gmp.torch_memory_stats(0)["reserved_bytes.all.peak"])
             if self.config == "gmp-context":
@@ -159,6 +181,8 @@ class Env:
             d["cupy"] = self.cp.__version__
         if self.pool is not None:
             d["pool_backend"] = self.pool.config().get("backend")
+        if self.rmm_pool is not None:
+            d["rmm"] = self.rmm_version
         return d
 
 
@@ -439,7 +463,8 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
         f"# GPU allocator suite on {doc.get('device', '?')}",
         "",
         f"{doc['date']}; torch {doc['versions'].get('torch', '?')}, CUDA {doc['versions'].get('cuda', '?')}, "
-        f"CuPy {doc['versions'].get('cupy', '?')}, gpumempool {doc['versions'].get('gpumempool', '?')}; "
+        f"CuPy {doc['versions'].get('cupy', '?')}, RMM {doc['versions'].get('rmm', '-')}, "
+        f"gpumempool {doc['versions'].get('gpumempool', '?')}; "
         f"gpumempool pools use the `{cfg['backend']}` backend. Each configuration ran in its own process; "
         "ratios are to native torch in this run (< 1: less time or memory).",
     ]
@@ -568,7 +593,7 @@ def write_chart(doc: dict[str, Any], path: Path) -> Optional[str]:
             vals = [r["policies"].get(pol, {}).get("reserved_vs_recorded") for r in replays]
             xs = [j + (i - 0.5) * 0.4 for j in range(len(replays))]
             ax2.bar([x for x, v in zip(xs, vals) if v is not None], [v for v in vals if v is not None], 0.4,
-                    label=f"gpumempool {pol}", color=f"C{5 + i}")
+                    label=f"gpumempool {pol}", color=f"C{len(CONFIGS) + i}")
         ax2.set_xlim(-0.8, len(replays) - 0.2)
         ax2.axhline(1.0, color="black", lw=1, ls="--")
         ax2.set_xticks(range(len(replays)))
@@ -589,7 +614,7 @@ def device_slug(name: str) -> str:
 
 def versions() -> dict[str, str]:
     v: dict[str, str] = {"python": sys.version.split()[0]}
-    for mod in ("gpumempool", "torch", "cupy", "transformers"):
+    for mod in ("gpumempool", "torch", "cupy", "transformers", "rmm"):
         try:
             m = __import__(mod)
             v[mod] = str(getattr(m, "__version__", "?"))
@@ -606,8 +631,8 @@ def build_doc(args: argparse.Namespace, configs: list[str], device: str, results
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device,
         "versions": vers,
-        "config": {k: getattr(args, k) for k in ("backend", "loop_ops", "steps", "warmup", "batch", "seq", "vocab",
-                                                 "embd", "layers", "heads", "seed", "timeout")},
+        "config": {k: getattr(args, k) for k in ("backend", "loop_ops", "rmm_initial_pool", "steps", "warmup", "batch",
+                                                 "seq", "vocab", "embd", "layers", "heads", "seed", "timeout")},
         "configs": configs,
         "goals": GOALS,
         "summary": summarize(results, replays),
@@ -646,6 +671,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--backend", default="cuda", help="gpumempool backend of gmp-context/gmp-replace (default cuda)")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per worker process (default 240)")
     ap.add_argument("--loop-ops", type=int, default=20000)
+    ap.add_argument("--rmm-initial-pool", type=int, default=2 * MiB,
+                    help="bytes RMM's pool starts with (a multiple of 256; default 2 MiB)")
     ap.add_argument("--steps", type=int, default=60, help="GPT-2 training steps (default 60)")
     ap.add_argument("--warmup", type=int, default=10, help="GPT-2 steps not timed (default 10)")
     _gpu_env.add_model_args(ap, batch=16, embd=512, heads=8)
@@ -675,6 +702,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                  f"workloads: {', '.join(WORKLOADS)}")
     if "native" not in configs:
         configs.insert(0, "native")  # every figure is a ratio to it
+    skipped: dict[str, str] = {}
+    if "rmm" in configs and importlib.util.find_spec("rmm") is None:
+        configs.remove("rmm")
+        skipped["rmm"] = "rmm is not installed (tools/build-gpu-wheel.sh puts its wheels in wheelhouse/rmm)"
     gpu_work = [w for w in workloads if w != "replay"]
     device = "cpu"
     if gpu_work:
@@ -689,7 +720,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     say(f"device: {device}; " + ", ".join(f"{k} {v}" for k, v in vers.items()))
 
     results: dict[str, dict[str, Any]] = {}
-    skipped: dict[str, str] = {}
     runs = [(c, w) for w in gpu_work for c in configs]
     for i, (config, workload) in enumerate(runs, 1):
         if workload == "gpt2" and config == "cupy":

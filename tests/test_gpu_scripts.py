@@ -272,8 +272,8 @@ def test_record_traces_conversion_and_summary(tmp_path: Path) -> None:
 
 def test_suite_report_and_chart_from_results(tmp_path: Path) -> None:
     sg = load(PY_SCRIPTS[1])
-    args = sg.argparse.Namespace(backend="cuda", loop_ops=100, steps=20, warmup=5, batch=4, seq=64, vocab=512,
-                                 embd=64, layers=2, heads=2, seed=1, timeout=60)
+    args = sg.argparse.Namespace(backend="cuda", loop_ops=100, rmm_initial_pool=2 * MiB, steps=20, warmup=5, batch=4,
+                                 seq=64, vocab=512, embd=64, layers=2, heads=2, seed=1, timeout=60)
     loop = lambda c, t, r: {"config": c, "workload": "loop", "empty_del_ns_per_op": t,  # noqa: E731
                             "window32_ns_per_op": 2 * t, "peak_reserved": r, "device_used_peak": r + MiB}
     gpt2 = lambda c, s, r: {"config": c, "workload": "gpt2", "median_step_s": s, "peak_reserved": r,  # noqa: E731
@@ -285,6 +285,7 @@ def test_suite_report_and_chart_from_results(tmp_path: Path) -> None:
         "cupy:loop": loop("cupy", 900.0, 120 * MiB),
         "native:gpt2": gpt2("native", 0.020, 1000 * MiB), "gmp-context:gpt2": gpt2("gmp-context", 0.0202, 990 * MiB),
         "async:gpt2": gpt2("async", 0.021, 1100 * MiB),
+        "rmm:loop": loop("rmm", 950.0, 128 * MiB), "rmm:gpt2": gpt2("rmm", 0.0199, 1024 * MiB),
     }
     replays = [{"trace": "gpt2-train.trace.gz", "path": "x", "policies": {
         "default": {"events": 10, "peak_reserved": 90 * MiB, "recorded_by": "torch",
@@ -298,6 +299,7 @@ def test_suite_report_and_chart_from_results(tmp_path: Path) -> None:
     assert "gmp-replace" not in s["loop"]
     assert s["gpt2"]["gmp-context"]["step_time"] == pytest.approx(1.01)
     assert s["gpt2"]["gmp-context"]["losses_identical_to_native"] is True
+    assert s["loop"]["rmm"]["window32_time"] == pytest.approx(0.95) and s["gpt2"]["rmm"]["peak_reserved"] == 1.024
     assert s["replay"]["gpt2-train.trace.gz"] == {"default": 0.9, "expandable": 1.1}
     paths = sg.write_outputs(doc, tmp_path)
     assert [p.name for p in paths][:2] == ["suite_gpu_h200.json", "suite_gpu_h200.md"]
@@ -305,6 +307,7 @@ def test_suite_report_and_chart_from_results(tmp_path: Path) -> None:
     assert "| gmp-replace | failed: timed out after 60 s |" in md
     assert "1.010" in md and "1.050 **(goal <= 1.02)**" in md  # async step time misses the goal
     assert "1.100 **(goal <= 1)**" in md  # expandable replay over torch's
+    assert "| rmm | 19.90 | 0.995 | 1,024.0 | 1.024 **(goal <= 1)** | True |" in md
     assert json.loads(paths[0].read_text())["skipped"] == {"cupy:gpt2": "n/a"}
     if importlib.util.find_spec("matplotlib") is not None:
         assert paths[2].name == "suite_gpu_h200.png" and paths[2].stat().st_size > 1000
@@ -342,9 +345,12 @@ def test_gpt2_report_partial_and_complete(tmp_path: Path) -> None:
 
 
 def test_suite_replays_the_shipped_traces_on_cpu(tmp_path: Path) -> None:
-    r = run([sys.executable, str(PY_SCRIPTS[1]), "--workloads", "replay", "--out", str(tmp_path / "res")], tmp_path)
+    r = run([sys.executable, str(PY_SCRIPTS[1]), "--workloads", "replay", "--configs", "native,rmm", "--out",
+             str(tmp_path / "res")], tmp_path)
     assert r.returncode == 0, r.stderr
     doc = json.loads(next((tmp_path / "res").glob("suite_gpu_*.json")).read_text())
+    if importlib.util.find_spec("rmm") is None:  # named, not silently dropped
+        assert "rmm" not in doc["configs"] and "wheelhouse/rmm" in doc["skipped"]["rmm"]
     names = [row["trace"] for row in doc["replays"]]
     assert "demo-synthetic.trace.gz" in names
     demo = doc["replays"][names.index("demo-synthetic.trace.gz")]["policies"]["default"]

@@ -8,7 +8,10 @@
 # Leaves exactly one wheelhouse/gpumempool-*-cp312-*.whl (older gpumempool
 # wheels there are removed), plus, when pip can fetch it, a tqdm wheel (pure
 # Python: gpumempool depends on tqdm and the device has no internet; it
-# usually has tqdm already, through transformers) and wheelhouse/BUILD-INFO
+# usually has tqdm already, through transformers), RMM's wheels for CUDA 13
+# in wheelhouse/rmm/ (rmm-cu13 and what it needs beyond numpy, ~15 MB: the
+# benchmark suite's `rmm` configuration; gpu-check.sh installs them) and
+# wheelhouse/BUILD-INFO
 # (commit, dirty files, time). Prints the wheel's path on the last line of
 # stdout. wheelhouse/ is git-ignored: carry it to the device machine with the
 # run tool's carry=["wheelhouse"], then `bash tools/gpu-check.sh` there.
@@ -20,6 +23,7 @@
 # apart from the git-ignored build/ and wheelhouse/ directories.
 #
 # Environment: GMP_PY312 (interpreter), GMP_NO_TQDM_WHEEL=1 (don't fetch tqdm),
+# GMP_NO_RMM_WHEELS=1 (don't fetch RMM), GMP_RMM_SPEC (default rmm-cu13),
 # GMP_KEEP_VENV=1 (keep the build virtualenv and print where it is).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -140,6 +144,25 @@ if [[ -z "${GMP_NO_TQDM_WHEEL:-}" ]]; then
     else
       say "note: could not download a tqdm wheel (offline?); the device must already have tqdm"
     fi
+  fi
+fi
+
+if [[ -z "${GMP_NO_RMM_WHEELS:-}" ]]; then
+  # Resolved for the device (CPython 3.12, x86-64 manylinux); numpy is left
+  # out: the device's torch brings one, and rmm needs numpy >= 2 (checked
+  # there when it installs).
+  rmm_spec=${GMP_RMM_SPEC:-rmm-cu13}
+  rm -rf "$WHEELHOUSE/rmm"
+  if "$VENV/bin/pip" download -q --disable-pip-version-check --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+      --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      "$rmm_spec" -d "$WHEELHOUSE/rmm" >"$TMP/rmm.log" 2>&1; then
+    rm -f "$WHEELHOUSE"/rmm/numpy-*.whl
+    say "added RMM's wheels to wheelhouse/rmm: $(cd "$WHEELHOUSE/rmm" && ls | tr '\n' ' ')"
+  else
+    rm -rf "$WHEELHOUSE/rmm"
+    say "note: could not download $rmm_spec (offline?): the suite's rmm configuration will not run on the device"
+    tail -n 5 "$TMP/rmm.log" >&2
   fi
 fi
 

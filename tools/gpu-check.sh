@@ -281,6 +281,16 @@ if ! "$PY" -c 'import tqdm' 2>/dev/null; then
     note "tqdm is missing and no wheelhouse/tqdm-*.whl could be installed: \`python -m gpumempool demo\` (with its progress bar) and the CLI tests that use it will fail"
   fi
 fi
+# RMM (wheelhouse/rmm, from tools/build-gpu-wheel.sh): the suite's rmm configuration
+if compgen -G "$WHEELHOUSE/rmm/rmm_*.whl" >/dev/null && ! (cd /tmp && "$PY" -c 'import rmm') 2>/dev/null; then
+  if (cd /tmp && "$PY" -m pip install -q --disable-pip-version-check --no-index --find-links "$WHEELHOUSE/rmm" \
+        "$(basename "$(compgen -G "$WHEELHOUSE/rmm/rmm_*.whl" | head -n 1)" | cut -d- -f1 | tr _ -)") \
+        >>"$WORK/logs/install.log" 2>&1 && (cd /tmp && "$PY" -c 'import rmm') >>"$WORK/logs/install.log" 2>&1; then
+    note "installed RMM from wheelhouse/rmm"
+  else
+    note "RMM's wheels in wheelhouse/rmm did not install or import (logs/install.log): the suite's rmm configuration is not run"
+  fi
+fi
 if ! (cd /tmp && "$PY" -c 'import gpumempool, sys; sys.exit(0 if "site-packages" in gpumempool.__file__ else 1)') >>"$WORK/logs/install.log" 2>&1; then
   cat "$WORK/logs/install.log" >&2
   fail_early "the installed wheel does not import (logs/install.log)"
@@ -310,7 +320,7 @@ EOF
   (cd /tmp && "$PY" - <<'EOF'
 import sys
 print("python", sys.version.split()[0], sys.executable)
-for m in ("gpumempool", "torch", "cupy", "transformers", "numpy", "pytest", "matplotlib", "tqdm"):
+for m in ("gpumempool", "torch", "cupy", "transformers", "numpy", "pytest", "matplotlib", "tqdm", "rmm"):
     try:
         mod = __import__(m)
         extra = f" (CUDA {mod.version.cuda}, cuda available: {mod.cuda.is_available()})" if m == "torch" else ""
@@ -321,6 +331,7 @@ EOF
   ) 2>&1
   echo "compute-sanitizer: $(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || echo 'not found')"
   echo "cc: $(command -v cc || command -v gcc || echo 'not found (the tests build small C helpers)')"
+  echo "c++: $(command -v c++ || command -v g++ || echo 'not found (the tests build C++ callers; oom_error="torch" builds its shim)')"
 } >"$WORK/env.txt" 2>&1
 log "installed $(basename "$WHEEL") into $VENV; stages: ${STAGES[*]}"
 

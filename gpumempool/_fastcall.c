@@ -24,7 +24,7 @@ typedef uintptr_t (*gmp_py_alloc_fn)(int64_t handle, uint64_t size, int device, 
                                      size_t n);
 typedef int (*gmp_py_free_fn)(int64_t handle, uintptr_t ptr, char *buf, size_t n);
 typedef int (*gmp_pickle_scan_fn)(const uint8_t *data, size_t n, int64_t max_depth, int64_t *ops, int64_t *pos,
-                                  char *why, size_t why_len);
+                                  char *why, size_t why_len, uint64_t *nodes, int64_t *depth);
 
 static gmp_py_alloc_fn py_alloc;
 static gmp_py_free_fn py_free;
@@ -126,7 +126,10 @@ static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* scan_pickle(data, max_depth) -> None | (truncated, why, ops, pos)
+/* scan_pickle(data, max_depth) -> (nodes, depth) | (truncated, why, ops, pos)
+ *
+ * Accepted: the bound on what the pickle builds (picklescan.Shape), nodes
+ * None when there is none. Refused: why, and where.
  *
  * gmp_pickle_scan (bindings/picklescan) over a bytes-like object, without
  * copying it and without the GIL: the buffer stays exported meanwhile, so a
@@ -141,17 +144,20 @@ static PyObject *fast_scan_pickle(PyObject *self, PyObject *const *args, Py_ssiz
     }
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) != 0) return NULL;
-    int64_t ops = 0, pos = 0;
+    int64_t ops = 0, pos = 0, depth = -1;
+    uint64_t nodes = 0;
     char why[512];
     why[0] = 0;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = pickle_scan((const uint8_t *)view.buf, (size_t)view.len, (int64_t)max_depth, &ops, &pos, why, sizeof why);
+    rc = pickle_scan((const uint8_t *)view.buf, (size_t)view.len, (int64_t)max_depth, &ops, &pos, why, sizeof why,
+                     &nodes, &depth);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     switch (rc) {
     case 0:
-        Py_RETURN_NONE;
+        if (depth < 0) return Py_BuildValue("(OL)", Py_None, (long long)-1);
+        return Py_BuildValue("(KL)", (unsigned long long)nodes, (long long)depth);
     case 1:
     case 2:
         return Py_BuildValue("(NsLL)", PyBool_FromLong(rc == 2), why, (long long)ops, (long long)pos);
@@ -167,7 +173,8 @@ static PyMethodDef methods[] = {
     {"free", (PyCFunction)(void (*)(void))fast_free, METH_FASTCALL,
      "free(handle, address); RuntimeError('Kind: message') on failure."},
     {"scan_pickle", (PyCFunction)(void (*)(void))fast_scan_pickle, METH_FASTCALL,
-     "scan_pickle(data, max_depth) -> None, or (truncated, why, ops, pos) for a pickle to refuse."},
+     "scan_pickle(data, max_depth) -> (nodes, depth) bounding what it builds (nodes None: no bound), or "
+     "(truncated, why, ops, pos) for a pickle to refuse."},
     {NULL, NULL, 0, NULL},
 };
 

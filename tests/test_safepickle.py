@@ -4,14 +4,19 @@ same verdict, reason and position on real, mutated and random pickles."""
 
 from __future__ import annotations
 
+import io
+import itertools
 import pickle
 import random
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 import pytest
 
 from gpumempool import _native, _safepickle
 from gpumempool._safepickle import UnsafePickleError, load_pickle
+
+_TESTDATA = Path(__file__).resolve().parents[1] / "bindings" / "picklescan" / "testdata"
 
 fast = _native.fastcall
 needs_fast = pytest.mark.skipif(fast is None, reason="gpumempool._fastcall is not built")
@@ -27,8 +32,8 @@ def _verdict_py(data: bytes, depth: int = _safepickle.MAX_PICKLE_DEPTH) -> Optio
 
 def _verdict_go(data: bytes, depth: int = _safepickle.MAX_PICKLE_DEPTH) -> Optional[str]:
     assert fast is not None
-    refused = fast.scan_pickle(data, depth)
-    return None if refused is None else str(_safepickle._scan_error("p", *refused))
+    res = fast.scan_pickle(data, depth)
+    return None if len(res) == 2 else str(_safepickle._scan_error("p", *res))  # type: ignore[misc]
 
 
 def _seeds() -> list[bytes]:
@@ -148,7 +153,7 @@ def test_fast_scan_takes_any_bytes_like_object() -> None:
     assert fast is not None
     data = pickle.dumps({"a": [1, 2]})
     for obj in (data, bytearray(data), memoryview(data), memoryview(b"xx" + data)[2:]):
-        assert fast.scan_pickle(obj, 100) is None
+        assert fast.scan_pickle(obj, 100) == (1 + 1 + 1 + 2, 2)  # the dict (1 + 1 key) and its list (1 + 2)
     assert fast.scan_pickle(b"", 100) == (True, "", 0, 0)
     with pytest.raises(TypeError):
         fast.scan_pickle("text", 100)  # type: ignore[arg-type]
@@ -174,3 +179,157 @@ def test_load_pickle_without_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> N
         load_pickle(b"\x80\x04}r\x40\x42\x0f\x00.")
     with pytest.raises(UnsafePickleError, match=r"truncated \(opcode 2 at byte 3\)"):
         load_pickle(b"\x80\x04\x8c\xff")
+
+
+# -- the shape bound (bindings/picklescan/shape.go) ----------------------------
+
+
+def _exact_shape(root: object) -> Optional[tuple[int, int]]:
+    """(nodes, depth) of an unpickled object as _check_structure counts
+    them, exactly and without limits (each container 1 + its length, once
+    per reference; depth: containers on the longest chain); None for a
+    cycle."""
+    containers = _safepickle._CONTAINERS
+    if type(root) not in containers:
+        return (0, 0)
+    done: dict[int, tuple[int, int]] = {}
+    open_ids: set[int] = set()
+
+    def walk(obj: Any) -> Optional[tuple[int, int]]:
+        if id(obj) in done:
+            return done[id(obj)]
+        if id(obj) in open_ids:
+            return None
+        open_ids.add(id(obj))
+        nodes, depth = 1 + len(obj), 0
+        for child in (list(obj.keys()) + list(obj.values())) if type(obj) is dict else obj:
+            if type(child) in containers:
+                sub = walk(child)
+                if sub is None:
+                    return None
+                nodes, depth = nodes + sub[0], max(depth, sub[1])
+        open_ids.discard(id(obj))
+        done[id(obj)] = (nodes, depth + 1)
+        return done[id(obj)]
+
+    return walk(root)
+
+
+def _check_bound(data: bytes) -> str:
+    """Whether the Go scan's bound holds for data: "refused", "no bound",
+    "unloadable" (bounded, but the unpickler refuses it) or "bounded"."""
+    assert fast is not None
+    res = fast.scan_pickle(data, _safepickle.MAX_PICKLE_DEPTH)
+    if len(res) == 4:
+        return "refused"
+    nodes, depth = res
+    if nodes is None:
+        return "no bound"
+    try:
+        obj = _safepickle._PlainDataUnpickler(io.BytesIO(data)).load()
+    except Exception:  # noqa: BLE001 - whatever the unpickler refuses
+        return "unloadable"
+    exact = _exact_shape(obj)
+    assert exact is not None, f"a bound for a cycle: {data!r}"
+    assert exact[0] <= nodes and exact[1] <= depth, (data, exact, res)
+    return "bounded"
+
+
+#: Opcodes that build, fill and share containers.
+_SHAPE_OPS = [b"(", b")", b"]", b"}", b"\x8f", b"N", b"K\x01", b"K\x02", b"\x8c\x01k", b"0", b"1", b"2", b"t",
+              b"\x85", b"\x86", b"\x87", b"a", b"s", b"e", b"u", b"\x90", b"l", b"d", b"\x91", b"\x94", b"h\x00",
+              b"h\x01", b"h\x02", b"q\x00", b"q\x01"]
+
+
+@needs_fast
+def test_the_shape_bound_holds_on_every_program_that_loads() -> None:
+    """The scan's bound is at least what _check_structure would count, on
+    programs that build, fill, share and nest containers (and make cycles,
+    which have no bound), on mutated real pickles and on random ones."""
+    import collections
+
+    rng = random.Random(11)
+    programs = [b"".join(p) + b"." for n in range(1, 4) for p in itertools.product(_SHAPE_OPS, repeat=n)]
+    programs += [b"".join(rng.choices(_SHAPE_OPS, k=rng.randint(4, 16))) + b"." for _ in range(60000)]
+    seeds = _seeds()
+    programs += [_mutate(rng, rng.choice(seeds)) for _ in range(6000)] + [_soup(rng) for _ in range(6000)]
+    seen: collections.Counter[str] = collections.Counter()
+    for p in programs:
+        verdict = _check_bound(p)
+        seen[verdict] += 1
+        if verdict == "bounded" and (b"h" in p or b"2" in p):
+            seen["bounded, sharing"] += 1
+    assert seen["bounded"] > 2000 and seen["bounded, sharing"] > 500 and seen["no bound"] > 1000, seen
+    # Cycles load, and get no bound.
+    for cyclic in (b"]q\x00h\x00a.", b"}q\x00K\x01h\x00s.", b"]q\x00(h\x00h\x00e.", b"]2a."):
+        assert _check_bound(cyclic) == "no bound"
+        assert _exact_shape(_safepickle._PlainDataUnpickler(io.BytesIO(cyclic)).load()) is None
+
+
+def _plain_data(rng: random.Random, depth: int, pool: list[Any]) -> Any:
+    """Random plain data, sharing earlier containers from pool."""
+    if pool and rng.random() < 0.2:
+        return rng.choice(pool)
+    k = rng.randrange(8 if depth < 5 else 3)
+    if k == 0:
+        return rng.randrange(1000)
+    if k == 1:
+        return f"s{rng.randrange(50)}"
+    if k == 2:
+        return None
+    if k == 3:
+        out: Any = [_plain_data(rng, depth + 1, pool) for _ in range(rng.randrange(5))]
+    elif k == 4:
+        out = {f"k{i}": _plain_data(rng, depth + 1, pool) for i in range(rng.randrange(5))}
+    elif k == 5:
+        out = tuple(_plain_data(rng, depth + 1, pool) for _ in range(rng.randrange(4)))
+    elif k == 6:
+        out = {rng.randrange(100) for _ in range(rng.randrange(4))} | {(1, rng.randrange(9))}
+    else:
+        out = frozenset({rng.randrange(100), (2, rng.randrange(9))})
+    pool.append(out)
+    return out
+
+
+@needs_fast
+def test_the_shape_bound_is_exact_on_what_pickle_writes() -> None:
+    """pickle.dumps of plain data (no dict key or set element written twice)
+    gets the exact figures, at every protocol where it is plain opcodes
+    (sets and frozensets call code below protocol 4: no bound there)."""
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(1500):
+        obj = _plain_data(rng, 0, [])
+        exact = _exact_shape(obj)
+        for proto in range(pickle.HIGHEST_PROTOCOL + 1):
+            res = fast.scan_pickle(pickle.dumps(obj, protocol=proto), _safepickle.MAX_PICKLE_DEPTH)  # type: ignore[union-attr]
+            assert len(res) == 2
+            if res[0] is None:
+                assert proto < 4, (obj, proto)
+                continue
+            assert res == exact, (obj, proto)
+            checked += 1
+    assert checked > 4000
+    for name, data in ((p.name, p.read_bytes()) for p in sorted(_TESTDATA.glob("snapshot-p*.pickle"))):
+        obj = pickle.loads(data)
+        res = fast.scan_pickle(data, _safepickle.MAX_PICKLE_DEPTH)  # type: ignore[union-attr]
+        assert res[0] is None or res == _exact_shape(obj), name
+
+
+@needs_fast
+def test_load_pickle_walks_only_what_the_bound_does_not_clear(monkeypatch: pytest.MonkeyPatch) -> None:
+    walked: list[int] = []
+    real = _safepickle._check_structure
+    monkeypatch.setattr(_safepickle, "_check_structure", lambda obj, name, n: (walked.append(n), real(obj, name, n)))
+    snap = {"device_traces": [[{"frames": [{"line": 1}]}] * 100], "segments": []}
+    assert load_pickle(pickle.dumps(snap, protocol=4)) == snap
+    assert walked == []  # bounded within the budget: nothing to walk
+    with pytest.raises(UnsafePickleError, match="cycle"):
+        load_pickle(b"]q\x00h\x00a.")  # no bound: walked
+    assert len(walked) == 1
+    # Shared references beyond the budget: the bound says so, and the walk refuses.
+    inner = [0] * 1000
+    bomb = pickle.dumps([[inner] * 1000] * 20, protocol=4)
+    with pytest.raises(UnsafePickleError, match="shared references"):
+        load_pickle(bomb)
+    assert len(walked) == 2

@@ -26,16 +26,24 @@ const (
 // gpumempool._fastcall). It returns 0 when the pickle may be unpickled, 1
 // when it is refused (the reason in why, NUL-terminated, at most why_len
 // bytes), 2 when it is truncated, 3 when the scan itself failed. *ops and
-// *pos receive where (picklescan.Error). data is only read, and not kept.
+// *pos receive where (picklescan.Error). For a pickle it accepts, *nodes and
+// *depth receive the bound of picklescan.Shape, or *depth = -1 when it has
+// none. data is only read, and not kept.
 //
 //export gmp_pickle_scan
-func gmp_pickle_scan(data *C.uint8_t, n C.size_t, maxDepth C.int64_t, ops, pos *C.int64_t, why *C.char, whyLen C.size_t) C.int {
+func gmp_pickle_scan(data *C.uint8_t, n C.size_t, maxDepth C.int64_t, ops, pos *C.int64_t, why *C.char, whyLen C.size_t,
+	nodes *C.uint64_t, depth *C.int64_t) C.int {
+	*nodes, *depth = 0, -1
 	err := panicFree(func() error {
 		var buf []byte
 		if n > 0 {
 			buf = unsafe.Slice((*byte)(unsafe.Pointer(data)), int(n))
 		}
-		return picklescan.Scan(buf, int(maxDepth))
+		shape, err := picklescan.ScanShape(buf, int(maxDepth))
+		if err == nil && shape.Known {
+			*nodes, *depth = C.uint64_t(shape.Nodes), C.int64_t(shape.Depth)
+		}
+		return err
 	})
 	if err == nil {
 		return pickleOK

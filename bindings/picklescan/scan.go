@@ -20,6 +20,9 @@
 // This is the fast twin of gpumempool/_safepickle.py's _scan_pickle_py, which
 // it must match exactly (a pytest compares the two on thousands of inputs):
 // the Python loop scans about 8 MB/s, this one several hundred.
+//
+// ScanShape also bounds the shape of what the pickle builds (see Shape), so
+// that the loader can skip its walk over the unpickled objects.
 package picklescan
 
 import (
@@ -144,14 +147,18 @@ var opcodes = func() (t [256]opcode) {
 
 // scanner holds the state of one Scan.
 type scanner struct {
-	data  []byte
-	stack []int32 // tuple nesting of each stack item (0: not a tuple)
-	marks []int
-	memo  []int32 // 1 + the tuple nesting of each memo entry; 0: no entry
-	nmemo int     // number of memo entries (len of Python's memo dict)
-	ops   int64
-	pos   int   // just after the current opcode's byte
-	depth int32 // the nesting limit
+	data      []byte
+	stack     []int32 // tuple nesting of each stack item (0: not a tuple)
+	nodes     []int32 // the container of each stack item (noNode: not one)
+	marks     []int
+	memo      []int32 // 1 + the tuple nesting of each memo entry; 0: no entry
+	memoNodes []int32 // the container of each memo entry
+	nmemo     int     // number of memo entries (len of Python's memo dict)
+	ops       int64
+	pos       int   // just after the current opcode's byte
+	depth     int32 // the nesting limit
+	g         graph
+	shape     Shape // set at STOP
 }
 
 // Scan walks data's opcodes and returns nil when unpickling it costs memory
@@ -159,6 +166,13 @@ type scanner struct {
 // maxDepth deep; a maxDepth outside [0, 2^30] is taken as the nearest bound
 // (gpumempool._fastcall refuses such values before they get here).
 func Scan(data []byte, maxDepth int) error {
+	_, err := ScanShape(data, maxDepth)
+	return err
+}
+
+// ScanShape is Scan that also returns a bound on the shape of what the pickle
+// builds, for a pickle it accepts (an unknown Shape otherwise).
+func ScanShape(data []byte, maxDepth int) (Shape, error) {
 	if maxDepth < 0 {
 		maxDepth = 0
 	}
@@ -166,7 +180,10 @@ func Scan(data []byte, maxDepth int) error {
 		maxDepth = 1 << 30
 	}
 	s := scanner{data: data, depth: int32(maxDepth)}
-	return s.run()
+	if err := s.run(); err != nil {
+		return Shape{}, err
+	}
+	return s.shape, nil
 }
 
 func (s *scanner) truncated() error {
@@ -177,7 +194,11 @@ func (s *scanner) refuse(format string, args ...any) error {
 	return &Error{Why: fmt.Sprintf(format, args...), Ops: s.ops, Pos: int64(s.pos)}
 }
 
-func (s *scanner) push(v int32) { s.stack = append(s.stack, v) }
+// push pushes an item of tuple nesting v that is the container node.
+func (s *scanner) push(v, node int32) {
+	s.stack = append(s.stack, v)
+	s.nodes = append(s.nodes, node)
+}
 
 func (s *scanner) top() int32 {
 	if n := len(s.stack); n > 0 {
@@ -186,10 +207,21 @@ func (s *scanner) top() int32 {
 	return 0
 }
 
+// topNode is the container of the top item; an empty stack, which the
+// unpickler refuses, breaks the shape model.
+func (s *scanner) topNode() int32 {
+	if n := len(s.nodes); n > 0 {
+		return s.nodes[n-1]
+	}
+	s.g.broken = true
+	return noNode
+}
+
 // cut drops the stack items from index lo on (none when lo is past the top).
 func (s *scanner) cut(lo int) {
 	if lo < len(s.stack) {
 		s.stack = s.stack[:lo]
+		s.nodes = s.nodes[:lo]
 	}
 }
 
@@ -203,31 +235,40 @@ func (s *scanner) popMark() (int, bool) {
 	return m, true
 }
 
-func (s *scanner) memoGet(k uint64) int32 {
+// memoPush pushes memo entry k (a missing one, which the unpickler refuses,
+// breaks the shape model).
+func (s *scanner) memoPush(k uint64) {
 	if k < uint64(len(s.memo)) {
 		if v := s.memo[k]; v > 0 {
-			return v - 1
+			s.push(v-1, s.memoNodes[k])
+			return
 		}
 	}
-	return 0
+	s.g.broken = true
+	s.push(0, noNode)
 }
 
 // memoSet stores v at k; k is at most the number of opcodes read (checked by
 // the callers), so the memo stays within the data's size.
-func (s *scanner) memoSet(k int, v int32) {
+func (s *scanner) memoSet(k int, v, node int32) {
 	if k >= len(s.memo) {
 		if k < cap(s.memo) {
 			s.memo = s.memo[:k+1]
+			s.memoNodes = s.memoNodes[:k+1]
 		} else {
 			grown := make([]int32, k+1, 2*k+16)
 			copy(grown, s.memo)
 			s.memo = grown
+			grownNodes := make([]int32, k+1, 2*k+16)
+			copy(grownNodes, s.memoNodes)
+			s.memoNodes = grownNodes
 		}
 	}
 	if s.memo[k] == 0 {
 		s.nmemo++
 	}
 	s.memo[k] = v + 1
+	s.memoNodes[k] = node
 }
 
 // le reads up to n little-endian bytes at p, as many as there are (Python's
@@ -327,19 +368,26 @@ func (s *scanner) run() error {
 		switch o.act {
 		case actUnknown:
 			return s.refuse("unknown opcode 0x%02x", op)
-		case actStop, actCode:
+		case actStop:
+			s.shape = s.g.shape(s.topNode())
 			return nil
+		case actCode:
+			return nil // Shape unknown
 		case actScalar:
-			s.push(0)
+			node := noNode
+			if op == ']' || op == '}' || op == 0x8f { // EMPTY_LIST, EMPTY_DICT, EMPTY_SET
+				node = s.g.container(0)
+			}
+			s.push(0, node)
 		case actMemoize:
-			s.memoSet(s.nmemo, s.top())
+			s.memoSet(s.nmemo, s.top(), s.topNode())
 		case actBinGet:
 			if s.pos >= len(data) {
 				return s.truncated()
 			}
-			s.push(s.memoGet(uint64(data[s.pos])))
+			s.memoPush(uint64(data[s.pos]))
 		case actLongBinGet:
-			s.push(s.memoGet(s.le(s.pos, 4)))
+			s.memoPush(s.le(s.pos, 4))
 		case actGet:
 			text, _, ok := s.line(s.pos)
 			if !ok {
@@ -347,23 +395,35 @@ func (s *scanner) run() error {
 			}
 			v, small, fits := decimal(text)
 			if small && fits {
-				s.push(s.memoGet(v))
+				s.memoPush(v)
 			} else {
-				s.push(0)
+				s.g.broken = true
+				s.push(0, noNode)
 			}
 		case actBinPut, actLongBinPut, actPut:
 			if err := s.put(o.act); err != nil {
 				return err
 			}
 		case actAppend:
-			if n := len(s.stack); n > 0 {
-				s.stack = s.stack[:n-1]
+			if n := len(s.stack); n > 1 {
+				s.g.insert(s.nodes[n-2], s.nodes[n-1:], 1)
+			} else {
+				s.g.broken = true
 			}
+			s.cut(max(0, len(s.stack)-1))
 		case actSetItem:
+			if n := len(s.stack); n > 2 {
+				s.g.insert(s.nodes[n-3], s.nodes[n-2:], 1)
+			} else {
+				s.g.broken = true
+			}
 			s.cut(max(0, len(s.stack)-2))
 		case actToMark:
 			if m, ok := s.popMark(); ok {
+				s.insertToMark(op, m)
 				s.cut(m)
+			} else {
+				s.g.broken = true
 			}
 		case actMark:
 			s.marks = append(s.marks, len(s.stack))
@@ -371,29 +431,42 @@ func (s *scanner) run() error {
 			if n := len(s.marks); n > 0 && s.marks[n-1] == len(s.stack) {
 				s.marks = s.marks[:n-1]
 			} else if n := len(s.stack); n > 0 {
-				s.stack = s.stack[:n-1]
+				s.cut(n - 1)
+			} else {
+				s.g.broken = true
 			}
 		case actPopMark:
 			if m, ok := s.popMark(); ok {
 				s.cut(m)
+			} else {
+				s.g.broken = true
 			}
 		case actFromMark:
+			node := noNode
 			if m, ok := s.popMark(); ok {
+				node = s.fromMark(op, m)
 				s.cut(m)
+			} else {
+				s.g.broken = true
 			}
-			s.push(0)
+			s.push(0, node)
 		case actEmptyTuple:
-			s.push(1)
+			s.push(1, s.g.container(0))
 		case actTuple, actTupleN:
 			var lo int
 			if o.act == actTuple {
 				m, ok := s.popMark()
 				if !ok {
 					m = len(s.stack)
+					s.g.broken = true
 				}
 				lo = m
 			} else {
-				lo = max(0, len(s.stack)-int(op-0x84))
+				want := int(op - 0x84)
+				if len(s.stack) < want {
+					s.g.broken = true
+				}
+				lo = max(0, len(s.stack)-want)
 			}
 			var depth int32
 			for i := lo; i < len(s.stack); i++ {
@@ -403,10 +476,16 @@ func (s *scanner) run() error {
 			if depth > s.depth {
 				return s.refuse("tuples nested deeper than %d", s.depth)
 			}
+			if lo > len(s.stack) { // a mark above the stack: the unpickler refuses it
+				s.g.broken = true
+			}
+			items := s.nodes[min(lo, len(s.nodes)):]
+			node := s.g.container(uint64(len(items)))
+			s.g.refer(node, items)
 			s.cut(lo)
-			s.push(depth)
+			s.push(depth, node)
 		case actDup:
-			s.push(s.top())
+			s.push(s.top(), s.topNode())
 		}
 		next, ok := s.end(o)
 		if !ok {
@@ -445,6 +524,42 @@ func (s *scanner) put(act action) error {
 	if k > uint64(s.ops) {
 		return s.refuse("memo index %d with only %d opcodes before it", k, s.ops)
 	}
-	s.memoSet(int(k), s.top())
+	s.memoSet(int(k), s.top(), s.topNode())
 	return nil
+}
+
+// insertToMark models APPENDS, SETITEMS and ADDITEMS: the items from the
+// mark at m on go into the container below it.
+func (s *scanner) insertToMark(op byte, m int) {
+	if m == 0 || m > len(s.stack) {
+		s.g.broken = true
+		return
+	}
+	items := s.nodes[m:]
+	n := uint64(len(items))
+	if op == 'u' { // SETITEMS: key, value pairs
+		if n%2 != 0 {
+			s.g.broken = true
+			return
+		}
+		n /= 2
+	}
+	s.g.insert(s.nodes[m-1], items, n)
+}
+
+// fromMark models LIST, DICT and FROZENSET: a new container of the items
+// from the mark at m on; returns its node.
+func (s *scanner) fromMark(op byte, m int) int32 {
+	items := s.nodes[min(m, len(s.nodes)):]
+	n := uint64(len(items))
+	if op == 'd' { // DICT: key, value pairs
+		if n%2 != 0 {
+			s.g.broken = true
+			return noNode
+		}
+		n /= 2
+	}
+	node := s.g.container(n)
+	s.g.refer(node, items)
+	return node
 }

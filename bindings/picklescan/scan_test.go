@@ -3,6 +3,7 @@ package picklescan
 import (
 	"bytes"
 	"errors"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -170,4 +171,61 @@ func FuzzScan(f *testing.F) {
 			assert.NoError(t, Scan(prefix, 8), "prefix %q of %q", prefix, data)
 		}
 	})
+}
+
+func TestShapeOfHandwrittenPickles(t *testing.T) {
+	for _, c := range []struct {
+		name, data string
+		want       Shape
+	}{
+		{"scalar root", "K\x01.", Shape{Known: true}},
+		{"empty list", "].", Shape{Known: true, Nodes: 1, Depth: 1}},
+		{"list of 2 ints", "](K\x01K\x02e.", Shape{Known: true, Nodes: 3, Depth: 1}},
+		// (x, x) where x = [1, 2, 3]: 1+2 for the tuple, 4 per reference to x.
+		{"shared list", "](K\x01K\x02K\x03eq\x00h\x00\x86.", Shape{Known: true, Nodes: 3 + 4 + 4, Depth: 2}},
+		{"dup shares too", "](K\x01e2\x86.", Shape{Known: true, Nodes: 3 + 2 + 2, Depth: 2}},
+		// {"k": (1, [])}: dict 1+1, tuple 1+2, list 1.
+		{"dict, tuple, list", "}(\x8c\x01kK\x01]\x86u.", Shape{Known: true, Nodes: 2 + 3 + 1, Depth: 3}},
+		// A key set twice counts twice: an upper bound.
+		{"key set twice", "}(K\x01NK\x01Nu.", Shape{Known: true, Nodes: 3, Depth: 1}},
+		{"set and frozenset", "\x8f((K\x01\x91\x90.", Shape{Known: true, Nodes: 2 + 2, Depth: 2}},
+		{"DICT from the mark", "(K\x01]d.", Shape{Known: true, Nodes: 2 + 1, Depth: 2}},
+		{"a list that holds itself", "]q\x00h\x00a.", Shape{}},
+		{"calls code", "cbuiltins\nlist\n)R.", Shape{}},
+		{"empty stack at STOP", ".", Shape{}},
+		{"a missing memo entry", "h\x05.", Shape{}},
+		{"odd SETITEMS", "}(K\x01u.", Shape{}},
+		{"APPEND to a scalar", "NK\x01a.", Shape{}},
+	} {
+		got, err := ScanShape([]byte(c.data), 100)
+		require.NoError(t, err, c.name)
+		assert.Equal(t, c.want, got, c.name)
+	}
+}
+
+func TestShapeOfRealPicklesIsKnownFromProtocol4(t *testing.T) {
+	for name, data := range snapshots(t) {
+		shape, err := ScanShape(data, 100)
+		require.NoError(t, err, name)
+		// Below protocol 4, sets are rebuilt by calling set(): no bound.
+		proto4 := strings.Contains(name, "p4") || strings.Contains(name, "p5")
+		assert.Equal(t, proto4, shape.Known, name)
+		if proto4 {
+			assert.Greater(t, shape.Nodes, uint64(100), name)
+			assert.Greater(t, shape.Depth, int64(3), name)
+		}
+	}
+}
+
+func TestShapeSaturates(t *testing.T) {
+	// Each level is a tuple of 64 references to the one below: 64^20 nodes.
+	var b strings.Builder
+	b.WriteString("]q\x00")
+	for i := 0; i < 20; i++ {
+		b.WriteString("(" + strings.Repeat("h\x00", 64) + "tq\x00")
+	}
+	b.WriteString(".")
+	shape, err := ScanShape([]byte(b.String()), 100)
+	require.NoError(t, err)
+	assert.Equal(t, Shape{Known: true, Nodes: math.MaxUint64, Depth: 21}, shape)
 }

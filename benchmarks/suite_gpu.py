@@ -119,6 +119,9 @@ class Env:
             if rmm_torch_allocator is None:
                 raise RuntimeError(f"rmm {rmm.__version__} offers no torch allocator here (torch.cuda unavailable?)")
             self.rmm_version = rmm.__version__
+            # Free memory before the pool takes its initial size (RMM's own
+            # query: torch's would initialise CUDA before the allocator swap).
+            rmm_baseline_free = int(rmm.mr.available_device_memory()[0])
             self.rmm_pool = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(),
                                                       initial_pool_size=args.rmm_initial_pool)
             rmm.mr.set_current_device_resource(self.rmm_pool)
@@ -130,6 +133,8 @@ class Env:
             self.pool = gmp.MemPool(args.backend, device=0, name="suite-context")
         self.dev = torch.device("cuda", 0)
         self.baseline_free = int(torch.cuda.mem_get_info(0)[0])
+        if config == "rmm":  # the pool's initial size counts as used
+            self.baseline_free = max(self.baseline_free, rmm_baseline_free)
         self.allocator_backend = _gpu_env.allocator_backend(torch)
 
     def context(self) -> Any:

@@ -9,8 +9,9 @@ The extension is built by Go's toolchain once for every torch, so it throws
 ``std::runtime_error`` (a ``RuntimeError``). The shim is a few lines,
 compiled once per torch and compiler into a cache directory
 (``$GMP_CACHE_DIR``, else ``$XDG_CACHE_HOME/gpumempool``, else
-``~/.cache/gpumempool``) in about a second, and reused from there. A
-directory that cannot be written falls back to a private temporary one.
+``~/.cache/gpumempool``) in about a second, and reused from there. A cache
+that cannot be written (and lacks the build) falls back to a directory of
+the user's own under the system's temporary directory.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import hashlib
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -69,11 +71,15 @@ def _torch_paths(torch: Any) -> tuple[Path, Path]:
                              "to find them by; oom_error='runtime' needs none")
     root = Path(where).resolve().parent
     include, lib = root / "include", root / "lib"
+    version = getattr(torch, "__version__", "?")
     if not (include / "c10" / "util" / "Exception.h").is_file():
         raise ShimBuildError(
-            f"oom_error='torch' needs torch's C++ headers, and torch {getattr(torch, '__version__', '?')} at {root} "
+            f"oom_error='torch' needs torch's C++ headers, and torch {version} at {root} "
             "ships none (include/c10/util/Exception.h); oom_error='runtime' needs none"
         )
+    if not (lib / "libc10.so").is_file():
+        raise ShimBuildError(f"oom_error='torch' links against torch's libc10, and torch {version} at {root} has no "
+                             "lib/libc10.so; oom_error='runtime' needs none")
     return include, lib
 
 
@@ -87,8 +93,31 @@ def _writable(d: Path) -> bool:
     return True
 
 
-def build(torch: Any) -> Path:
-    """The shim for this torch, built unless a cached build exists.
+def _private_dir() -> Path:
+    """The fallback cache: <tmp>/gpumempool-<uid>, made 0700 and used only
+    when it is the user's own and nobody else can write it (else a fresh
+    directory, as another user may have planted a library there)."""
+    d = Path(tempfile.gettempdir()) / f"gpumempool-{os.getuid()}"
+    try:
+        d.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(d)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022:
+            return d
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="gpumempool-"))
+
+
+def _key(torch: Any, lib: Path, abi: int, cxx: list[str]) -> str:
+    return hashlib.sha256(
+        b"\0".join([SOURCE.read_bytes(), str(getattr(torch, "__version__", "")).encode(), str(lib).encode(),
+                    str(abi).encode(), " ".join(cxx).encode()])
+    ).hexdigest()[:16]
+
+
+def build(torch: Any, *, rebuild: bool = False) -> Path:
+    """The shim for this torch, built unless a cached build exists (or
+    ``rebuild``).
 
     Several processes (torchrun's ranks) may build at once: each compiles
     to a file of its own and renames it into place, so every one loads a
@@ -96,32 +125,31 @@ def build(torch: Any) -> Path:
     include, lib = _torch_paths(torch)
     cxx = compiler()
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join([source, str(getattr(torch, "__version__", "")).encode(), str(lib).encode(),
-                    str(abi).encode(), " ".join(cxx).encode()])
-    ).hexdigest()[:16]
+    name = f"torch_oom-{_key(torch, lib, abi, cxx)}.so"
     where = cache_dir()
+    if not rebuild and (where / name).is_file():  # a read-only cache that has it will do
+        return where / name
     if not _writable(where):
-        where = Path(tempfile.mkdtemp(prefix="gpumempool-"))
-    out = where / f"torch_oom-{key}.so"
-    if out.is_file():
+        where = _private_dir()
+    out = where / name
+    if not rebuild and out.is_file():
         return out
-    fd, tmp = tempfile.mkstemp(dir=where, prefix=f".torch_oom-{key}-", suffix=".so")
+    fd, tmp = tempfile.mkstemp(dir=where, prefix=f".{name}-")
     os.close(fd)
     cmd = [*cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{include}",
            str(SOURCE), "-o", tmp, f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        os.unlink(tmp)
+        Path(tmp).unlink(missing_ok=True)  # the linker removes its output when it fails
         raise ShimBuildError(f"building the torch out-of-memory shim failed ({shlex.join(cmd)}): {exc}") from exc
     if done.returncode != 0:
-        os.unlink(tmp)
+        Path(tmp).unlink(missing_ok=True)
         raise ShimBuildError(
             f"building the torch out-of-memory shim failed (exit {done.returncode}): {shlex.join(cmd)}\n"
             f"{done.stderr[-3000:]}"
         )
+    os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared GMP_CACHE_DIR out
     os.replace(tmp, out)
     return out
 
@@ -133,8 +161,12 @@ def install(torch: Any, library_path: str, alloc_symbol: str, free_symbol: str) 
     path = build(torch)
     try:
         shim = ctypes.CDLL(str(path))
-    except OSError as exc:  # e.g. a torch whose libc10 differs from the headers
-        raise ShimBuildError(f"loading the torch out-of-memory shim {path} failed: {exc}") from exc
+    except OSError:  # a damaged cached build: build it again, once
+        path = build(torch, rebuild=True)
+        try:
+            shim = ctypes.CDLL(str(path))
+        except OSError as exc:  # e.g. a torch whose libc10 differs from the headers
+            raise ShimBuildError(f"loading the torch out-of-memory shim {path} failed: {exc}") from exc
     ext = ctypes.CDLL(library_path)  # the extension, already loaded: the same handle
     alloc = ctypes.cast(getattr(ext, alloc_symbol), ctypes.c_void_p)
     free = ctypes.cast(getattr(ext, free_symbol), ctypes.c_void_p)

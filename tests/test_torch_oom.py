@@ -12,6 +12,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 import types
 from pathlib import Path
@@ -122,15 +123,54 @@ def test_no_compiler_or_no_headers_is_a_clear_error(fake_torch: Any, monkeypatch
         _torch_oom.build(types.ModuleType("torch"))
 
 
+def test_a_broken_libc10_fails_to_link_and_leaves_nothing(fake_torch: Any, tmp_path: Path) -> None:
+    # The linker removes its own output when it fails.
+    (Path(fake_torch.__file__).parent / "lib" / "libc10.so").write_text("not a library")
+    with pytest.raises(_torch_oom.ShimBuildError, match=r"(?s)failed \(exit 1\).*libc10"):
+        _torch_oom.build(fake_torch)
+    assert _files(tmp_path / "cache") == []
+    (Path(fake_torch.__file__).parent / "lib" / "libc10.so").unlink()
+    with pytest.raises(_torch_oom.ShimBuildError, match="has no lib/libc10.so"):
+        _torch_oom.build(fake_torch)
+
+
 def test_an_unwritable_cache_falls_back_to_a_private_directory(fake_torch: Any, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("GMP_CACHE_DIR", str(blocker / "cache"))  # cannot be made: a file is in the way
     path = _torch_oom.build(fake_torch)
-    assert path.is_file() and not str(path).startswith(str(blocker))
-    assert oct(path.parent.stat().st_mode & 0o777) == oct(0o700)
-    shutil.rmtree(path.parent)
+    private = tmp_path / "tmp" / f"gpumempool-{os.getuid()}"
+    assert path.parent == private and path.is_file()
+    assert oct(private.stat().st_mode & 0o777) == oct(0o700)
+    assert _torch_oom.build(fake_torch) == path  # reused by the next process
+    # A directory others can write is not trusted: a fresh one instead.
+    private.chmod(0o777)
+    other = _torch_oom.build(fake_torch)
+    assert other.parent != private and other.parent.parent == tmp_path / "tmp"
+
+
+def test_a_read_only_cache_that_has_the_build_is_used(fake_torch: Any, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _torch_oom.build(fake_torch)
+    assert oct(path.stat().st_mode & 0o777) == oct(0o755)  # loadable by other users of a shared cache
+    monkeypatch.setattr(_torch_oom, "_writable", lambda d: False)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("compiled again"))
+    assert _torch_oom.build(fake_torch) == path
+
+
+def test_a_damaged_cached_build_is_built_again(fake_torch: Any) -> None:
+    import gpumempool as gmp
+
+    path = _torch_oom.build(fake_torch)
+    path.write_bytes(b"\x7fELF truncated")
+    with gmp.MemPool("sim", capacity=1 << 26) as pool:
+        lib, alloc_sym, free_sym = pool.pluggable_symbols(throw_on_oom=True)
+        shim_path, a, f = _torch_oom.install(fake_torch, lib, alloc_sym, free_sym)
+    assert shim_path == str(path) and (a, f) == (_torch_oom.ALLOC_SYMBOL, _torch_oom.FREE_SYMBOL)
+    assert path.stat().st_size > 1000
 
 
 def test_the_cache_directory_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,8 @@
 # apart from the git-ignored build/ and wheelhouse/ directories.
 #
 # Environment: GMP_PY312 (interpreter), GMP_NO_TQDM_WHEEL=1 (don't fetch tqdm),
-# GMP_NO_RMM_WHEELS=1 (don't fetch RMM), GMP_RMM_SPEC (default rmm-cu13),
+# GMP_NO_RMM_WHEELS=1 (don't fetch RMM), GMP_RMM_SPEC (default rmm-cu13==26.10.*, the
+# release the suite was written against),
 # GMP_KEEP_VENV=1 (keep the build virtualenv and print where it is).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -151,7 +152,7 @@ if [[ -z "${GMP_NO_RMM_WHEELS:-}" ]]; then
   # Resolved for the device (CPython 3.12, x86-64 manylinux); numpy is left
   # out: the device's torch brings one, and rmm needs numpy >= 2 (checked
   # there when it installs).
-  rmm_spec=${GMP_RMM_SPEC:-rmm-cu13}
+  rmm_spec=${GMP_RMM_SPEC:-rmm-cu13==26.10.*}
   rm -rf "$WHEELHOUSE/rmm"
   if "$VENV/bin/pip" download -q --disable-pip-version-check --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \

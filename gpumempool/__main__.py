@@ -64,6 +64,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
             hooks = t["capabilities"].get("pluggable_hooks") or ()
             graphs = "private pools" if "begin_allocate_to_pool" in hooks else "not isolated (no hooks in this torch)"
             print(f"  full-replacement hooks: {', '.join(hooks) or 'none found'}; CUDA graphs: {graphs}")
+            ok, how = t["oom_error_torch"]
+            print(f"  oom_error='torch' (torch.OutOfMemoryError): {how if ok else 'unavailable: ' + how}")
     return 0
 
 
@@ -77,6 +79,7 @@ def _torch_info() -> Any:
     try:
         import torch
 
+        from . import _torch_oom
         from . import torch as gtorch
 
         caps = gtorch.capabilities(torch)
@@ -106,6 +109,7 @@ def _torch_info() -> Any:
         "mempool": mempool,
         "pluggable": caps.pluggable,
         "nccl_registration": nccl,
+        "oom_error_torch": _torch_oom.readiness(torch),
         "capabilities": dict(vars(caps)),
     }
 

@@ -108,11 +108,30 @@ def _private_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="gpumempool-"))
 
 
-def _key(torch: Any, lib: Path, abi: int, cxx: list[str]) -> str:
-    return hashlib.sha256(
+def _plan(torch: Any) -> tuple[Path, Path, list[str], int, str]:
+    """What a build for this torch uses: include and lib directories, the
+    compiler, the ABI flag and the library's file name (keyed by all of
+    them and the source)."""
+    include, lib = _torch_paths(torch)
+    cxx = compiler()
+    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+    key = hashlib.sha256(
         b"\0".join([SOURCE.read_bytes(), str(getattr(torch, "__version__", "")).encode(), str(lib).encode(),
                     str(abi).encode(), " ".join(cxx).encode()])
     ).hexdigest()[:16]
+    return include, lib, cxx, abi, f"torch_oom-{key}.so"
+
+
+def readiness(torch: Any) -> tuple[bool, str]:
+    """Whether ``oom_error="torch"`` can work with this torch, and how (for
+    ``python -m gpumempool info``); builds nothing."""
+    try:
+        _, _, cxx, _, name = _plan(torch)
+    except ShimBuildError as exc:
+        return False, str(exc)
+    if (cache_dir() / name).is_file():
+        return True, f"built ({cache_dir() / name})"
+    return True, f"builds on first use with {shlex.join(cxx)} (about a second), cached in {cache_dir()}"
 
 
 def build(torch: Any, *, rebuild: bool = False) -> Path:
@@ -122,10 +141,7 @@ def build(torch: Any, *, rebuild: bool = False) -> Path:
     Several processes (torchrun's ranks) may build at once: each compiles
     to a file of its own and renames it into place, so every one loads a
     whole library."""
-    include, lib = _torch_paths(torch)
-    cxx = compiler()
-    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
-    name = f"torch_oom-{_key(torch, lib, abi, cxx)}.so"
+    include, lib, cxx, abi, name = _plan(torch)
     where = cache_dir()
     if not rebuild and (where / name).is_file():  # a read-only cache that has it will do
         return where / name

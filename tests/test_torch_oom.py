@@ -78,6 +78,18 @@ def test_built_once_then_taken_from_the_cache(fake_torch: Any, tmp_path: Path, m
         _torch_oom.build(fake_torch)
 
 
+def test_readiness_says_what_a_build_would_do(fake_torch: Any, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    ok, how = _torch_oom.readiness(fake_torch)
+    assert ok and how.startswith("builds on first use with ") and str(tmp_path / "cache") in how
+    assert not (tmp_path / "cache").exists()  # nothing built or made
+    path = _torch_oom.build(fake_torch)
+    assert _torch_oom.readiness(fake_torch) == (True, f"built ({path})")
+    monkeypatch.setenv("PATH", "")
+    ok, how = _torch_oom.readiness(fake_torch)
+    assert not ok and "no C++ compiler" in how
+
+
 def test_processes_building_at_once_each_load_a_whole_library(fake_torch: Any) -> None:
     paths: list[Path] = []
     errors: list[BaseException] = []

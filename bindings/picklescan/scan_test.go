@@ -229,3 +229,20 @@ func TestShapeSaturates(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, Shape{Known: true, Nodes: math.MaxUint64, Depth: 21}, shape)
 }
+
+// BenchmarkScan: a synthetic torch snapshot from GMP_BENCH_PICKLE (e.g. one
+// benchmarks/cpu_bench.py's synthetic_snapshot wrote), else the test data.
+func BenchmarkScan(b *testing.B) {
+	data := snapshots(b)["snapshot-p4.pickle"]
+	if p := os.Getenv("GMP_BENCH_PICKLE"); p != "" {
+		var err error
+		data, err = os.ReadFile(p)
+		require.NoError(b, err)
+	}
+	b.SetBytes(int64(len(data)))
+	for i := 0; i < b.N; i++ {
+		if _, err := ScanShape(data, 100); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

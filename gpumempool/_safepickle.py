@@ -13,6 +13,14 @@ and users load the ones others send them. :func:`load_pickle` reads them
 3. then walks the result, refusing cycles, deep nesting and shared
    references that multiply the work of whoever walks it.
 
+The unpickler reads from a file object (it takes no bytes directly), and
+there the C unpickler keeps each FRAME in a buffer: a read that starts in
+the frame but does not fit in what is left of it drops the rest and reads
+on from the file (``_Unpickler_Read``, ``_Unpickler_Readline``). A scan
+that reads in order would then check other opcodes than the ones that run,
+so the scan refuses any argument that straddles a frame's end (and frames
+that overrun the frame they are in). Pickle never writes such frames.
+
 The scan runs in Go (``bindings/picklescan``, through
 ``gpumempool._fastcall``), without the GIL, at several hundred MB/s. The
 Python scanner here is its reference: it runs when the C fast path is not
@@ -83,7 +91,7 @@ class _PlainDataUnpickler(pickle.Unpickler):
 # unpickler's stack only as far as the nesting of tuples goes: hashing a
 # dict key or set element recurses in C through nested tuples, and a deep
 # enough one crashes the interpreter.
-_PUSH_FIXED, _PUSH_COUNT1, _MEMOIZE, _BINGET, _SKIP_FIXED, _POP1, _SETITEM, _TO_MARK, _MARK, _SLOW = range(10)
+_PUSH_FIXED, _PUSH_COUNT1, _MEMOIZE, _BINGET, _SKIP_FIXED, _POP1, _SETITEM, _TO_MARK, _MARK, _SLOW, _FRAME = range(11)
 
 
 #: Opcodes that push a scalar or an empty container (no tuple nesting).
@@ -117,8 +125,9 @@ def _opcode_tables() -> tuple[list[int], list[int]]:
         act[c] = _PUSH_FIXED if arg[c] >= 0 else _PUSH_COUNT1 if arg[c] == -1 else _SLOW
     act[0x94] = _MEMOIZE
     act[0x68] = _BINGET
-    for c in b"\x80\x95\x98":  # PROTO, FRAME, READONLY_BUFFER
+    for c in b"\x80\x98":  # PROTO, READONLY_BUFFER
         act[c] = _SKIP_FIXED
+    act[0x95] = _FRAME
     act[ord("a")] = _POP1  # APPEND
     act[ord("s")] = _SETITEM
     for c in b"eu\x90":  # APPENDS, SETITEMS, ADDITEMS
@@ -177,6 +186,7 @@ def _scan_pickle_py(data: bytes, name: str, max_depth: int = MAX_PICKLE_DEPTH) -
     marks: list[int] = []
     memo: dict[int, int] = {}
     pos = ops = 0  # pos: just after the current opcode's byte
+    frame_end = 0  # the end of the last frame: the C unpickler's buffer (see the module's notes)
 
     def bad(why: str) -> UnsafePickleError:
         return _scan_error(name, False, why, ops, pos)
@@ -215,11 +225,27 @@ def _scan_pickle_py(data: bytes, name: str, max_depth: int = MAX_PICKLE_DEPTH) -
             elif a == 8:  # _MARK
                 marks.append(len(stack))
                 continue
+            elif a == 10:  # _FRAME
+                end = pos + 8
+                _ = data[end - 1]
+                if end > frame_end > pos:
+                    raise bad("an argument that runs past the end of its frame")
+                frame = min(end + int.from_bytes(data[pos:end], "little"), (1 << 64) - 1)  # as Go's uint64
+                if end >= frame_end:
+                    frame_end = frame
+                elif frame > frame_end:
+                    raise bad("a frame that runs past the end of the frame it is in")
+                pos = end
+                continue
             else:
                 end = _scan_slow(data, pos, op, ops, stack, marks, memo, bad, max_depth)
                 if end < 0:
                     return
             _ = data[end - 1]  # IndexError when the argument runs past the end
+            if end > frame_end > pos:  # a read cut by the frame's end (a length, then its data: two reads)
+                k = args[op]
+                if not (k in (-1, -4, -8) and frame_end == pos - k):
+                    raise bad("an argument that runs past the end of its frame")
             pos = end
     except (IndexError, ValueError) as exc:  # ran off the end; no newline
         if isinstance(exc, UnsafePickleError):

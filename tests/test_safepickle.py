@@ -58,7 +58,9 @@ def _seeds() -> list[bytes]:
 
 
 _OPS = [bytes([c]) for c in b"()0122]}\x8f\x88\x89NaseuldtI\x85\x86\x87\x94\x90\x91.\x97\x98"]
-_ARGS = [b"h\x00", b"h\x05", b"j\x01\x00\x00\x00", b"q\x00", b"q\x07", b"r\x02\x00\x00\x00",
+#: FRAMEs of 0-9 bytes, one larger than any data here, and one as long as 8 bytes can say.
+_FRAMES = [b"\x95" + n.to_bytes(8, "little") for n in (0, 1, 2, 3, 5, 9, 1 << 20, (1 << 64) - 1)]
+_ARGS = _FRAMES + [b"h\x00", b"h\x05", b"j\x01\x00\x00\x00", b"q\x00", b"q\x07", b"r\x02\x00\x00\x00",
          b"p0\n", b"p3\n", b"g1\n", b"K\x07", b"M\x01\x02", b"J\x01\x02\x03\x04", b"C\x02ab",
          b"\x8c\x01x", b"X\x01\x00\x00\x00y", b"\x8a\x01\x05", b"\x80\x04", b"\x95" + bytes(8),
          b"I7\n", b"G" + bytes(8)]
@@ -238,7 +240,7 @@ def _check_bound(data: bytes) -> str:
 #: Opcodes that build, fill and share containers.
 _SHAPE_OPS = [b"(", b")", b"]", b"}", b"\x8f", b"N", b"K\x01", b"K\x02", b"\x8c\x01k", b"0", b"1", b"2", b"t",
               b"\x85", b"\x86", b"\x87", b"a", b"s", b"e", b"u", b"\x90", b"l", b"d", b"\x91", b"\x94", b"h\x00",
-              b"h\x01", b"h\x02", b"q\x00", b"q\x01"]
+              b"h\x01", b"h\x02", b"q\x00", b"q\x01", *_FRAMES[:6]]
 
 
 @needs_fast
@@ -333,3 +335,60 @@ def test_load_pickle_walks_only_what_the_bound_does_not_clear(monkeypatch: pytes
     with pytest.raises(UnsafePickleError, match="shared references"):
         load_pickle(bomb)
     assert len(walked) == 2
+
+
+# -- frames: the C unpickler reads a file through a frame buffer ---------------
+
+
+def _smuggle(hidden: bytes) -> bytes:
+    """A BINBYTES8 whose 8-byte length starts in a 5-byte frame: the scan
+    reads it whole, the C unpickler over a file drops the frame's rest and
+    reads a length of 0 from after the frame, then runs ``hidden``."""
+    return b"\x80\x04\x95\x05" + bytes(7) + b"\x8e" + (4 + len(hidden)).to_bytes(4, "little") + bytes(8) + hidden + b"N."
+
+
+@pytest.mark.parametrize("data", [
+    _smuggle(b"]q\x00" + b"(h\x00h\x00lq\x00" * 40 + b"."),  # 350 bytes expanding to 2**40 nodes
+    _smuggle(b"(" * 5000 + b"]" + b"l" * 5000 + b"."),  # lists 5000 deep
+    _smuggle(b"}" + b")" + b"\x85" * 100_000 + b"Ns."),  # a tuple 100k deep as a dict key: a crash in C
+    _smuggle(b"Nr\xff\xff\xff\x7f."),  # a 2**31 memo index
+    # A length split across a frame's end: BINBYTES reads 0x10, the unpickler a 0 after the frame.
+    b"\x80\x04\x95\x03\x00\x00\x00\x00\x00\x00\x00B\x10\x00\x00\x00\x00\x00]q\x00h\x00a.\x00\x00\x00\x00\x00\x00\x00N.",
+    # A text GET cut by a frame's end: the unpickler reads "g0" (the list), the scan "g10".
+    b"\x80\x04]q\x00N0N0N0N0Nq\n0\x95\x02\x00\x00\x00\x00\x00\x00\x00g10\na.",
+], ids=["bomb", "deep-lists", "deep-key", "memo-index", "split-length", "split-line"])
+def test_reads_across_a_frames_end_are_refused(data: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: each of these ran other opcodes than the scanners
+    read, past every check (two cycles, a 2**40 expansion, a crash)."""
+    with pytest.raises(UnsafePickleError, match="past the end of its frame"):
+        load_pickle(data)
+    monkeypatch.setattr(_native, "fastcall", None)  # the Python scanner too
+    with pytest.raises(UnsafePickleError, match="past the end of its frame"):
+        load_pickle(data)
+
+
+def test_what_pickle_writes_with_many_frames_loads(tmp_path: Path) -> None:
+    """Big pickles, framed (protocols 4, 5) by dumps and by dump to a file,
+    whose large payloads go outside frames: no straddle, loaded as is."""
+    obj = {"blob": b"x" * 300_000, "text": "y" * 200_000, "more": [b"z" * 70_000, "w" * 70_000],
+           "rows": [{"i": i, "name": f"n{i}", "t": (i, str(i))} for i in range(20_000)]}
+    for proto in (4, 5):
+        data = pickle.dumps(obj, protocol=proto)
+        assert data.count(b"\x95") > 3  # framed
+        assert load_pickle(data) == obj
+        path = tmp_path / f"p{proto}.pickle"
+        with open(path, "wb") as f:
+            pickle.dump(obj, f, protocol=proto)
+        assert load_pickle(path) == obj
+        assert _verdict_py(path.read_bytes()) is None
+
+
+@pytest.mark.parametrize("data, why", [
+    (b"\x80\x04\x95\x0a" + bytes(7) + b"\x95\x09" + bytes(7) + b"N.", "a frame that runs past the end of the frame"),
+    (b"\x80\x04\x95\x04" + bytes(7) + b"J\x01\x02\x03\x04N.", "an argument that runs past the end of its frame"),
+])
+def test_frame_refusals_and_positions(data: bytes, why: str) -> None:
+    assert why in str(_verdict_py(data)) and _verdict_py(data) == _verdict_go(data)
+    # Ending at the frame's end, or a length whose data starts after it, is fine.
+    assert _verdict_go(b"\x80\x04\x95\x05" + bytes(7) + b"J\x01\x02\x03\x04N.") is None
+    assert _verdict_go(b"\x80\x04\x95\x01" + bytes(7) + b"C\x02ab.") is None

@@ -10,7 +10,13 @@
 //   - a counted length beyond the data;
 //   - tuples nested deeper than a limit: hashing a dict key or set element
 //     recurses in C through nested tuples, and a deep enough one crashes the
-//     interpreter.
+//     interpreter;
+//   - an argument that starts inside a FRAME and ends past it. The loader
+//     unpickles from a file object, and there the C unpickler keeps a frame in
+//     a buffer: a read that does not fit in what is left of it drops the rest
+//     and reads on from the file (_Unpickler_Read, _Unpickler_Readline), so
+//     the unpickler would run other opcodes than the ones scanned. Pickle
+//     never writes such frames.
 //
 // Scan walks the opcodes without running them and refuses those. It models the
 // unpickler's stack only as far as the nesting of tuples goes. Opcodes that
@@ -155,8 +161,9 @@ type scanner struct {
 	memoNodes []int32 // the container of each memo entry
 	nmemo     int     // number of memo entries (len of Python's memo dict)
 	ops       int64
-	pos       int   // just after the current opcode's byte
-	depth     int32 // the nesting limit
+	pos       int    // just after the current opcode's byte
+	depth     int32  // the nesting limit
+	frameEnd  uint64 // the end of the last frame (the C unpickler's buffer)
 	g         graph
 	shape     Shape // set at STOP
 }
@@ -491,8 +498,50 @@ func (s *scanner) run() error {
 		if !ok {
 			return s.truncated()
 		}
+		if err := s.framing(op, o, next); err != nil {
+			return err
+		}
 		s.pos = next
 	}
+}
+
+// framing refuses an argument (from s.pos to next) that starts inside the
+// current frame and ends past it, and a FRAME that would make a frame end
+// past the one it is in; a FRAME read after the last frame starts the next.
+// A length-prefixed argument is two reads: the frame may end between them.
+func (s *scanner) framing(op byte, o opcode, next int) error {
+	p, q, end := uint64(s.pos), uint64(next), s.frameEnd
+	if !(p < end && end < q) { // the argument is not cut by the frame's end
+		if op != 0x95 { // FRAME
+			return nil
+		}
+		size := s.le(s.pos, 8)
+		frame := q + size
+		if frame < q { // beyond any data: the unpickler fails to read it
+			frame = ^uint64(0)
+		}
+		if q >= end {
+			s.frameEnd = frame
+			return nil
+		}
+		if frame <= end { // inside the frame: the C unpickler reads on
+			return nil
+		}
+		return s.refuse("a frame that runs past the end of the frame it is in")
+	}
+	split := p
+	switch o.arg {
+	case argLen1:
+		split = p + 1
+	case argLen4:
+		split = p + 4
+	case argLen8:
+		split = p + 8
+	}
+	if split != p && end == split {
+		return nil
+	}
+	return s.refuse("an argument that runs past the end of its frame")
 }
 
 // put handles BINPUT, LONG_BINPUT and PUT: an index beyond the number of

@@ -152,6 +152,8 @@ func FuzzScan(f *testing.F) {
 	}
 	f.Add([]byte("\x80\x04}r\x40\x42\x0f\x00."))
 	f.Add([]byte("(((()ttt."))
+	f.Add([]byte("\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00\x8e\x08\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00]2aN."))
+	f.Add([]byte("\x80\x04]q\x00N0\x95\x02\x00\x00\x00\x00\x00\x00\x00g10\na."))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		err := Scan(data, 8)
 		again := Scan(data, 8)
@@ -244,5 +246,29 @@ func BenchmarkScan(b *testing.B) {
 		if _, err := ScanShape(data, 100); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+func TestReadsAcrossAFramesEndAreRefused(t *testing.T) {
+	frame := func(n byte) string { return "\x95" + string([]byte{n, 0, 0, 0, 0, 0, 0, 0}) }
+	for _, c := range []struct{ name, data, why string }{
+		{"a 4-byte argument cut", "\x80\x04" + frame(4) + "J\x01\x02\x03\x04N.", "an argument that runs past the end of its frame"},
+		{"a length cut", "\x80\x04" + frame(3) + "B\x02\x00\x00\x00abN.", "an argument that runs past the end of its frame"},
+		{"data cut", "\x80\x04" + frame(6) + "B\x02\x00\x00\x00abN.", "an argument that runs past the end of its frame"},
+		{"a line cut", "\x80\x04N" + frame(2) + "g10\n.", "an argument that runs past the end of its frame"},
+		{"FRAME's own length cut", "\x80\x04" + frame(4) + frame(0) + ".", "an argument that runs past the end of its frame"},
+		{"a frame past its frame", "\x80\x04" + frame(10) + frame(9) + "N.", "a frame that runs past the end of the frame it is in"},
+	} {
+		e := scanErr(t, []byte(c.data))
+		assert.Equal(t, c.why, e.Why, c.name)
+	}
+	for _, ok := range []string{
+		"\x80\x04" + frame(5) + "J\x01\x02\x03\x04N.",  // ends at the frame's end
+		"\x80\x04" + frame(1) + "C\x02ab.",             // a length in the frame, its data after it
+		"\x80\x04" + frame(5) + "B\x02\x00\x00\x00ab.", // the same, 4-byte length
+		"\x80\x04" + frame(20) + frame(3) + "NNN.",     // a frame inside a frame: C reads on
+		"\x80\x04" + frame(9) + frame(2) + "NN" + "N.", // a frame right after one
+	} {
+		assert.NoError(t, Scan([]byte(ok), 100), "%q", ok)
 	}
 }

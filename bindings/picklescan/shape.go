@@ -95,7 +95,7 @@ func (g *graph) shape(root int32) Shape {
 		return Shape{Known: true}
 	}
 	n := len(g.lens)
-	first := make([]int32, n+1) // children of node i: kids[first[i]:first[i+1]]
+	first := make([]int, n+1) // children of node i: kids[first[i]:first[i+1]]
 	for _, e := range g.edges {
 		first[e.from+1]++
 	}
@@ -103,7 +103,7 @@ func (g *graph) shape(root int32) Shape {
 		first[i+1] += first[i]
 	}
 	kids := make([]int32, len(g.edges))
-	fill := append([]int32(nil), first[:n]...)
+	fill := append([]int(nil), first[:n]...)
 	for _, e := range g.edges {
 		kids[fill[e.from]] = e.to
 		fill[e.from]++
@@ -116,7 +116,10 @@ func (g *graph) shape(root int32) Shape {
 	state := make([]uint8, n)
 	size := make([]uint64, n)
 	depth := make([]int64, n)
-	type frame struct{ node, next int32 }
+	type frame struct {
+		node int32
+		next int
+	}
 	path := []frame{{root, first[root]}}
 	state[root] = open
 	for len(path) > 0 {

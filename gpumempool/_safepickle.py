@@ -296,9 +296,11 @@ def _scan_slow(data: bytes, pos: int, op: int, ops: int, stack: list[int], marks
         stack.append(stack[-1] if stack else 0)
     elif op == 0x6A:  # LONG_BINGET
         stack.append(memo.get(frombytes(data[pos:pos + 4], "little"), 0))
-    elif op == 0x67:  # GET (text)
+    elif op == 0x67:  # GET (text): the C unpickler also takes " 5", "+5", "0_5" (see scan.go)
         text = data[pos:data.index(b"\n", pos)]
-        stack.append(memo.get(int(text), 0) if len(text) <= 20 and text.isdigit() else 0)
+        if len(text) > 20 or not text.isdigit():
+            raise bad("a GET index that is not a small decimal number")
+        stack.append(memo.get(int(text), 0))
     elif op == 0x71:  # BINPUT
         put = data[pos]
     elif op == 0x72:  # LONG_BINPUT

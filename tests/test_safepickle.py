@@ -383,6 +383,21 @@ def test_what_pickle_writes_with_many_frames_loads(tmp_path: Path) -> None:
         assert _verdict_py(path.read_bytes()) is None
 
 
+@pytest.mark.parametrize("form", [b" 0", b"+0", b"0_0", b"0 "])
+def test_a_get_index_in_another_form_is_refused(form: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C unpickler reads a text GET's index with PyLong_FromString,
+    which takes these forms too: a tuple fetched so would nest deeper than
+    the scan saw (hashing a deep tuple as a dict key crashes CPython)."""
+    deep = b"(" + b")" + b"\x85" * 60 + b"p0\n" + b"g" + form + b"\n" + b"\x85" * 60 + b"t."
+    assert pickle.loads(deep)  # the unpickler takes the form
+    for fastcall in (_native.fastcall, None):
+        monkeypatch.setattr(_native, "fastcall", fastcall)
+        with pytest.raises(UnsafePickleError, match="a GET index that is not a small decimal number"):
+            load_pickle(deep)
+    # In the plain form, the scan sees the 121-deep tuple and refuses it.
+    assert "tuples nested deeper than 100" in str(_verdict_go(deep.replace(b"g" + form, b"g0")))
+
+
 @pytest.mark.parametrize("data, why", [
     (b"\x80\x04\x95\x0a" + bytes(7) + b"\x95\x09" + bytes(7) + b"N.", "a frame that runs past the end of the frame"),
     (b"\x80\x04\x95\x04" + bytes(7) + b"J\x01\x02\x03\x04N.", "an argument that runs past the end of its frame"),

@@ -400,10 +400,17 @@ func (s *scanner) run() error {
 			if !ok {
 				return s.truncated()
 			}
+			// The C unpickler parses the index with PyLong_FromString, which
+			// also takes " 5", "+5" and "0_5": a GET in such a form would
+			// fetch a tuple whose nesting the scan did not see. Pickle writes
+			// plain decimals.
 			v, small, fits := decimal(text)
-			if small && fits {
+			if !small {
+				return s.refuse("a GET index that is not a small decimal number")
+			}
+			if fits {
 				s.memoPush(v)
-			} else {
+			} else { // a miss in the C unpickler's memo: it fails
 				s.g.broken = true
 				s.push(0, noNode)
 			}

@@ -272,3 +272,12 @@ func TestReadsAcrossAFramesEndAreRefused(t *testing.T) {
 		assert.NoError(t, Scan([]byte(ok), 100), "%q", ok)
 	}
 }
+
+func TestAGetIndexInAnotherFormIsRefused(t *testing.T) {
+	// PyLong_FromString, which the C unpickler parses it with, takes these.
+	for _, form := range []string{" 0", "+0", "0_0", "0 ", "-1", ""} {
+		e := scanErr(t, []byte("Np0\ng"+form+"\n."))
+		assert.Equal(t, "a GET index that is not a small decimal number", e.Why, "%q", form)
+	}
+	assert.NoError(t, Scan([]byte("Np0\ng00\n."), 100))
+}

@@ -137,7 +137,12 @@ def _opcode_tables() -> tuple[list[int], list[int]]:
 
 
 _OPCODE_ACTION, _OPCODE_ARG = _opcode_tables()
-_CODE_OPS = frozenset(b"PQci\x93o\x81\x92Rb\x82\x83\x84")  # globals, reducers, persistent ids
+_CODE_OPS = frozenset(b"PQci\x93")  # persistent ids and globals: the unpickler refuses them
+#: Opcodes that call code or build objects, refused: BUILD with a None state
+#: is a no-op on any object, and EXT pushes copyreg's cached objects without
+#: find_class, so the unpickler does not refuse them all (see scan.go).
+_CALL_OPS = {0x6F: "OBJ", 0x81: "NEWOBJ", 0x92: "NEWOBJ_EX", 0x52: "REDUCE", 0x62: "BUILD", 0x82: "EXT1",
+             0x83: "EXT2", 0x84: "EXT4"}
 
 
 def _scan_pickle(data: bytes, name: str) -> Optional[tuple[int, int]]:
@@ -263,7 +268,9 @@ def _scan_slow(data: bytes, pos: int, op: int, ops: int, stack: list[int], marks
     if op == 0x2E:  # STOP
         return -1
     if op in _CODE_OPS:
-        return -1  # refused by find_class (or failing) when the unpickler gets there
+        return -1  # refused by find_class or persistent_load when the unpickler gets there
+    if op in _CALL_OPS:
+        raise bad(f"{_CALL_OPS[op]}, an opcode that calls code or builds an object, which plain data never has")
     if k == -99:
         raise bad(f"unknown opcode {op:#04x}")
     if op in _SCALAR_PUSHES:

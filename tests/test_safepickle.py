@@ -337,6 +337,40 @@ def test_load_pickle_walks_only_what_the_bound_does_not_clear(monkeypatch: pytes
     assert len(walked) == 2
 
 
+# -- opcodes that call code ----------------------------------------------------
+
+
+@pytest.mark.parametrize("tail", [
+    b"}" + b")" + b"\x85" * 200_000 + b"Ns.",  # a tuple 200k deep as a dict key: a crash in CPython
+    b"NJ\x00\x00\x00\x00r\xff\xff\xff\x7f.",  # a 2**31 memo index: 32 GiB of memo
+    b"]\x94h\x00a.",  # a list that holds itself
+], ids=["deep-key", "memo-index", "cycle"])
+def test_a_no_op_build_no_longer_hides_the_rest(tail: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: BUILD with a None state is a no-op on any object,
+    and the scanners stopped at it as if the unpickler refused it."""
+    data = b"\x80\x04]Nb0" + tail
+    for fastcall in (_native.fastcall, None):
+        monkeypatch.setattr(_native, "fastcall", fastcall)
+        with pytest.raises(UnsafePickleError, match="BUILD, an opcode that calls code"):
+            load_pickle(data)
+
+
+def test_ext_from_copyregs_cache_is_refused() -> None:
+    """EXT pushes what copyreg's extension cache holds without find_class:
+    in a process that once loaded a registered extension code, this
+    pickle called os.getcwd."""
+    import copyreg
+
+    copyreg.add_extension("os", "getcwd", 0x42)
+    try:
+        assert pickle.loads(b"\x80\x02\x82\x42.") is __import__("os").getcwd  # fills the cache
+        with pytest.raises(UnsafePickleError, match="EXT1, an opcode that calls code"):
+            load_pickle(b"\x80\x02\x82\x42)R.")
+        assert _verdict_py(b"\x80\x02\x82\x42)R.") == _verdict_go(b"\x80\x02\x82\x42)R.")
+    finally:
+        copyreg.remove_extension("os", "getcwd", 0x42)
+
+
 # -- frames: the C unpickler reads a file through a frame buffer ---------------
 
 

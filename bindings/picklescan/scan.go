@@ -77,7 +77,8 @@ type action int8
 const (
 	actUnknown    action = iota // not an opcode of protocols 0-5
 	actStop                     // STOP: the scan is done
-	actCode                     // imports or calls code: the scan ends here
+	actCode                     // imports code: the unpickler refuses it, the scan ends here
+	actCall                     // calls code or builds an object: refused
 	actSkip                     // no effect on the modelled stack
 	actScalar                   // pushes a scalar or an empty container
 	actMemoize                  // MEMOIZE
@@ -144,12 +145,21 @@ var opcodes = func() (t [256]opcode) {
 	set("\x85\x86\x87", actTupleN, argNone, 0)
 	set("2", actDup, argNone, 0)
 	set(".", actStop, argNone, 0)
-	// PERSID, BINPERSID, GLOBAL, INST, STACK_GLOBAL, OBJ, NEWOBJ, NEWOBJ_EX,
-	// REDUCE, BUILD, EXT1/2/4: refused by the unpickler (or failing) when it
-	// gets there. Their arguments are never read.
-	set("PQci\x93o\x81\x92Rb\x82\x83\x84", actCode, argNone, 0)
+	// PERSID, BINPERSID, GLOBAL, INST, STACK_GLOBAL: the loader's unpickler
+	// refuses them (persistent_load, find_class) when it gets there, before
+	// anything after them. Their arguments are never read.
+	set("PQci\x93", actCode, argNone, 0)
+	// OBJ, NEWOBJ, NEWOBJ_EX, REDUCE, BUILD, EXT1/2/4 do not all fail: BUILD
+	// with a None state is a no-op on any object, and EXT pushes what
+	// copyreg's extension cache holds without find_class. Plain data never
+	// has them.
+	set("o\x81\x92Rb\x82\x83\x84", actCall, argNone, 0)
 	return t
 }()
+
+// callNames names the actCall opcodes (Lib/pickletools.py).
+var callNames = map[byte]string{'o': "OBJ", 0x81: "NEWOBJ", 0x92: "NEWOBJ_EX", 'R': "REDUCE", 'b': "BUILD",
+	0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4"}
 
 // scanner holds the state of one Scan.
 type scanner struct {
@@ -380,6 +390,8 @@ func (s *scanner) run() error {
 			return nil
 		case actCode:
 			return nil // Shape unknown
+		case actCall:
+			return s.refuse("%s, an opcode that calls code or builds an object, which plain data never has", callNames[op])
 		case actScalar:
 			node := noNode
 			if op == ']' || op == '}' || op == 0x8f { // EMPTY_LIST, EMPTY_DICT, EMPTY_SET

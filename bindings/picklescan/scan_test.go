@@ -128,8 +128,25 @@ func TestUnknownOpcode(t *testing.T) {
 
 func TestCodeOpcodesEndTheScan(t *testing.T) {
 	// GLOBAL's lines are not read: the unpickler refuses it first.
-	for _, op := range []byte("PQci\x93o\x81\x92Rb\x82\x83\x84") {
+	for _, op := range []byte("PQci\x93") {
 		assert.NoError(t, Scan([]byte{op}, 100), "%q", op)
+	}
+}
+
+func TestOpcodesThatCallCodeAreRefused(t *testing.T) {
+	for op, name := range map[byte]string{'o': "OBJ", 0x81: "NEWOBJ", 0x92: "NEWOBJ_EX", 'R': "REDUCE", 'b': "BUILD",
+		0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4"} {
+		e := scanErr(t, []byte{'N', op})
+		assert.Equal(t, name+", an opcode that calls code or builds an object, which plain data never has", e.Why)
+		assert.Equal(t, int64(2), e.Pos)
+	}
+	// Found by review: a BUILD with a None state is a no-op on any object,
+	// so what came after it went unscanned: here a tuple 200k deep as a
+	// dict key (a crash in CPython), a 2^31 memo index, a cycle.
+	for _, tail := range []string{"})" + strings.Repeat("\x85", 200000) + "Ns.", "NJ\x00\x00\x00\x00r\xff\xff\xff\x7f.",
+		"]\x94h\x00a."} {
+		e := scanErr(t, []byte("\x80\x04]Nb0"+tail))
+		assert.True(t, strings.HasPrefix(e.Why, "BUILD, "), e.Why)
 	}
 }
 

@@ -91,7 +91,20 @@ class _PlainDataUnpickler(pickle.Unpickler):
 # unpickler's stack only as far as the nesting of tuples goes: hashing a
 # dict key or set element recurses in C through nested tuples, and a deep
 # enough one crashes the interpreter.
-_PUSH_FIXED, _PUSH_COUNT1, _MEMOIZE, _BINGET, _SKIP_FIXED, _POP1, _SETITEM, _TO_MARK, _MARK, _SLOW, _FRAME = range(11)
+(_PUSH_FIXED, _PUSH_COUNT1, _MEMOIZE, _BINGET, _SKIP_FIXED, _POP1, _SETITEM, _TO_MARK, _MARK, _SLOW, _FRAME,
+ _PUSH_CONTAINER) = range(12)
+
+#: The memory budget of the containers a pickle builds (as bindings/picklescan):
+#: real snapshots build a container per 20-50 bytes of pickle, a crafted one
+#: a set (216 bytes) per byte.
+MIN_UNPICKLED_BYTES = 256 << 20
+UNPICKLED_BYTES_PER_BYTE = 64
+#: What CPython allocates for the empty container an opcode builds (3.11,
+#: 3.12, 64-bit; sys.getsizeof): lists, dicts, sets and frozensets, tuples.
+_CONTAINER_BYTES = [0] * 256
+for _ops, _size in ((b"]l", 56), (b"}d", 64), (b"\x8f\x91", 216), (b"t\x85\x86\x87", 40)):
+    for _c in _ops:
+        _CONTAINER_BYTES[_c] = _size
 
 
 #: Opcodes that push a scalar or an empty container (no tuple nesting).
@@ -123,6 +136,8 @@ def _opcode_tables() -> tuple[list[int], list[int]]:
     act = [_SLOW] * 256
     for c in _SCALAR_PUSHES:
         act[c] = _PUSH_FIXED if arg[c] >= 0 else _PUSH_COUNT1 if arg[c] == -1 else _SLOW
+    for c in b"]}\x8f":  # EMPTY_LIST, EMPTY_DICT, EMPTY_SET
+        act[c] = _PUSH_CONTAINER
     act[0x94] = _MEMOIZE
     act[0x68] = _BINGET
     for c in b"\x80\x98":  # PROTO, READONLY_BUFFER
@@ -192,6 +207,11 @@ def _scan_pickle_py(data: bytes, name: str, max_depth: int = MAX_PICKLE_DEPTH) -
     memo: dict[int, int] = {}
     pos = ops = 0  # pos: just after the current opcode's byte
     frame_end = 0  # the end of the last frame: the C unpickler's buffer (see the module's notes)
+    built, budget = 0, max(MIN_UNPICKLED_BYTES, UNPICKLED_BYTES_PER_BYTE * len(data))
+
+    def over_budget() -> UnsafePickleError:
+        return bad(f"containers that would take over {budget} bytes to unpickle ({UNPICKLED_BYTES_PER_BYTE} per "
+                   f"byte of pickle, {MIN_UNPICKLED_BYTES >> 20} MiB at least)")
 
     def bad(why: str) -> UnsafePickleError:
         return _scan_error(name, False, why, ops, pos)
@@ -230,6 +250,12 @@ def _scan_pickle_py(data: bytes, name: str, max_depth: int = MAX_PICKLE_DEPTH) -
             elif a == 8:  # _MARK
                 marks.append(len(stack))
                 continue
+            elif a == 11:  # _PUSH_CONTAINER
+                push(0)
+                built += _CONTAINER_BYTES[op]
+                if built > budget:
+                    raise over_budget()
+                continue
             elif a == 10:  # _FRAME
                 end = pos + 8
                 _ = data[end - 1]
@@ -246,6 +272,10 @@ def _scan_pickle_py(data: bytes, name: str, max_depth: int = MAX_PICKLE_DEPTH) -
                 end = _scan_slow(data, pos, op, ops, stack, marks, memo, bad, max_depth)
                 if end < 0:
                     return
+                if _CONTAINER_BYTES[op]:
+                    built += _CONTAINER_BYTES[op]
+                    if built > budget:
+                        raise over_budget()
             _ = data[end - 1]  # IndexError when the argument runs past the end
             if end > frame_end > pos:  # a read cut by the frame's end (a length, then its data: two reads)
                 k = args[op]

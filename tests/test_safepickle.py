@@ -371,6 +371,27 @@ def test_ext_from_copyregs_cache_is_refused() -> None:
         copyreg.remove_extension("os", "getcwd", 0x42)
 
 
+# -- memory per byte ------------------------------------------------------------
+
+
+def test_containers_that_would_take_too_much_memory_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: 10 MB of EMPTY_SET opcodes made the unpickler use
+    3.4 GB. The shells of the containers a pickle builds may take 64 bytes
+    per byte of pickle, 256 MiB at least; both scanners stop at the same
+    opcode."""
+    sets = 1_300_000  # 1.3 MB of pickle; 216 bytes a set: over 256 MiB at set 1,242,757
+    data = b"\x80\x04(" + b"\x8f" * sets + b"l."
+    want = (f"p: refused a crafted or corrupt pickle: containers that would take over {256 << 20} bytes to unpickle "
+            "(64 per byte of pickle, 256 MiB at least) (opcode 1242759 at byte 1242760)")
+    assert _verdict_go(data) == want
+    assert _verdict_py(data) == want
+    assert _verdict_go(b"\x80\x04(" + b"\x8f" * 1_242_756 + b"l.") is None  # the last one that fits
+    # Real snapshots build a container per 20-50 bytes: far below the budget.
+    snap = {"device_traces": [[{"action": "alloc", "addr": i, "size": 512, "frames": [{"line": i}]}
+                               for i in range(200_000)]]}
+    assert load_pickle(pickle.dumps(snap, protocol=4)) == snap
+
+
 # -- frames: the C unpickler reads a file through a frame buffer ---------------
 
 

@@ -11,6 +11,9 @@
 //   - tuples nested deeper than a limit: hashing a dict key or set element
 //     recurses in C through nested tuples, and a deep enough one crashes the
 //     interpreter;
+//   - containers whose empty shells alone would take more memory than
+//     UnpickledBytesPerByte times the data (MinUnpickledBytes at least): an
+//     EMPTY_SET is one byte of pickle and 216 bytes of set;
 //   - an argument that starts inside a FRAME and ends past it. The loader
 //     unpickles from a file object, and there the C unpickler keeps a frame in
 //     a buffer: a read that does not fit in what is left of it drops the rest
@@ -157,6 +160,31 @@ var opcodes = func() (t [256]opcode) {
 	return t
 }()
 
+// The memory budget of the containers a pickle builds: real snapshots build
+// a container per 20-50 bytes of pickle (a few bytes of containers per byte),
+// a crafted one a set per byte (216). gpumempool/_safepickle.py has the same.
+const (
+	MinUnpickledBytes     = 256 << 20
+	UnpickledBytesPerByte = 64
+)
+
+// containerBytes is what CPython (3.11, 3.12; 64-bit) allocates for the empty
+// container an opcode builds (sys.getsizeof); 0 for other opcodes and the
+// empty tuple, a singleton.
+func containerBytes(op byte) uint64 {
+	switch op {
+	case ']', 'l': // EMPTY_LIST, LIST
+		return 56
+	case '}', 'd': // EMPTY_DICT, DICT
+		return 64
+	case 0x8f, 0x91: // EMPTY_SET, FROZENSET
+		return 216
+	case 't', 0x85, 0x86, 0x87: // TUPLE, TUPLE1..3
+		return 40
+	}
+	return 0
+}
+
 // callNames names the actCall opcodes (Lib/pickletools.py).
 var callNames = map[byte]string{'o': "OBJ", 0x81: "NEWOBJ", 0x92: "NEWOBJ_EX", 'R': "REDUCE", 'b': "BUILD",
 	0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4"}
@@ -174,6 +202,8 @@ type scanner struct {
 	pos       int    // just after the current opcode's byte
 	depth     int32  // the nesting limit
 	frameEnd  uint64 // the end of the last frame (the C unpickler's buffer)
+	built     uint64 // bytes of the containers built so far (containerBytes)
+	budget    uint64 // the most they may take
 	g         graph
 	shape     Shape // set at STOP
 }
@@ -196,7 +226,7 @@ func ScanShape(data []byte, maxDepth int) (Shape, error) {
 	if maxDepth > 1<<30 {
 		maxDepth = 1 << 30
 	}
-	s := scanner{data: data, depth: int32(maxDepth)}
+	s := scanner{data: data, depth: int32(maxDepth), budget: max(MinUnpickledBytes, UnpickledBytesPerByte*uint64(len(data)))}
 	if err := s.run(); err != nil {
 		return Shape{}, err
 	}
@@ -512,6 +542,12 @@ func (s *scanner) run() error {
 			s.push(depth, node)
 		case actDup:
 			s.push(s.top(), s.topNode())
+		}
+		if c := containerBytes(op); c != 0 {
+			if s.built += c; s.built > s.budget {
+				return s.refuse("containers that would take over %d bytes to unpickle (%d per byte of pickle, %d MiB at least)",
+					s.budget, UnpickledBytesPerByte, MinUnpickledBytes>>20)
+			}
 		}
 		next, ok := s.end(o)
 		if !ok {

@@ -298,3 +298,22 @@ func TestAGetIndexInAnotherFormIsRefused(t *testing.T) {
 	}
 	assert.NoError(t, Scan([]byte("Np0\ng00\n."), 100))
 }
+
+func TestContainersOverTheMemoryBudgetAreRefused(t *testing.T) {
+	// 216 bytes a set: set number 1,242,757 takes the total over 256 MiB.
+	fits := MinUnpickledBytes / 216
+	data := []byte("\x80\x04(" + strings.Repeat("\x8f", fits) + "l.")
+	require.NoError(t, Scan(data, 100))
+	data = []byte("\x80\x04(" + strings.Repeat("\x8f", fits+1) + "l.")
+	e := scanErr(t, data)
+	assert.Equal(t, "containers that would take over 268435456 bytes to unpickle (64 per byte of pickle, 256 MiB at least)", e.Why)
+	assert.Equal(t, int64(fits+1+2), e.Ops)
+	// Past 4 MiB of pickle the budget is 64 bytes per byte: 2M sets (432 MB)
+	// fit in 8 MiB of pickle (512 MiB).
+	big := []byte("\x80\x04(" + strings.Repeat("\x8f", 2_000_000) + "l")
+	for len(big) < 8<<20 {
+		big = append(big, "K\x010"...) // a small int, popped
+	}
+	big = append(big, '.')
+	require.NoError(t, Scan(big, 100))
+}

@@ -227,6 +227,7 @@ func ScanShape(data []byte, maxDepth int) (Shape, error) {
 		maxDepth = 1 << 30
 	}
 	s := scanner{data: data, depth: int32(maxDepth), budget: max(MinUnpickledBytes, UnpickledBytesPerByte*uint64(len(data)))}
+	s.g.limit = len(data)/4 + 1024
 	if err := s.run(); err != nil {
 		return Shape{}, err
 	}
@@ -241,10 +242,13 @@ func (s *scanner) refuse(format string, args ...any) error {
 	return &Error{Why: fmt.Sprintf(format, args...), Ops: s.ops, Pos: int64(s.pos)}
 }
 
-// push pushes an item of tuple nesting v that is the container node.
+// push pushes an item of tuple nesting v that is the container node. Once
+// the shape model is given up, nodes and memoNodes are not kept.
 func (s *scanner) push(v, node int32) {
 	s.stack = append(s.stack, v)
-	s.nodes = append(s.nodes, node)
+	if !s.g.broken {
+		s.nodes = append(s.nodes, node)
+	}
 }
 
 func (s *scanner) top() int32 {
@@ -257,10 +261,13 @@ func (s *scanner) top() int32 {
 // topNode is the container of the top item; an empty stack, which the
 // unpickler refuses, breaks the shape model.
 func (s *scanner) topNode() int32 {
+	if s.g.broken {
+		return noNode
+	}
 	if n := len(s.nodes); n > 0 {
 		return s.nodes[n-1]
 	}
-	s.g.broken = true
+	s.g.drop()
 	return noNode
 }
 
@@ -268,6 +275,8 @@ func (s *scanner) topNode() int32 {
 func (s *scanner) cut(lo int) {
 	if lo < len(s.stack) {
 		s.stack = s.stack[:lo]
+	}
+	if lo < len(s.nodes) {
 		s.nodes = s.nodes[:lo]
 	}
 }
@@ -287,35 +296,43 @@ func (s *scanner) popMark() (int, bool) {
 func (s *scanner) memoPush(k uint64) {
 	if k < uint64(len(s.memo)) {
 		if v := s.memo[k]; v > 0 {
-			s.push(v-1, s.memoNodes[k])
+			node := noNode
+			if !s.g.broken {
+				node = s.memoNodes[k]
+			}
+			s.push(v-1, node)
 			return
 		}
 	}
-	s.g.broken = true
+	s.g.drop()
 	s.push(0, noNode)
 }
 
 // memoSet stores v at k; k is at most the number of opcodes read (checked by
 // the callers), so the memo stays within the data's size.
 func (s *scanner) memoSet(k int, v, node int32) {
-	if k >= len(s.memo) {
-		if k < cap(s.memo) {
-			s.memo = s.memo[:k+1]
-			s.memoNodes = s.memoNodes[:k+1]
-		} else {
-			grown := make([]int32, k+1, 2*k+16)
-			copy(grown, s.memo)
-			s.memo = grown
-			grownNodes := make([]int32, k+1, 2*k+16)
-			copy(grownNodes, s.memoNodes)
-			s.memoNodes = grownNodes
-		}
-	}
+	s.memo = grow(s.memo, k)
 	if s.memo[k] == 0 {
 		s.nmemo++
 	}
 	s.memo[k] = v + 1
-	s.memoNodes[k] = node
+	if !s.g.broken {
+		s.memoNodes = grow(s.memoNodes, k)
+		s.memoNodes[k] = node
+	}
+}
+
+// grow returns a with an index k.
+func grow(a []int32, k int) []int32 {
+	if k < len(a) {
+		return a
+	}
+	if k < cap(a) {
+		return a[:k+1]
+	}
+	grown := make([]int32, k+1, 2*k+16)
+	copy(grown, a)
+	return grown
 }
 
 // le reads up to n little-endian bytes at p, as many as there are (Python's
@@ -453,7 +470,7 @@ func (s *scanner) run() error {
 			if fits {
 				s.memoPush(v)
 			} else { // a miss in the C unpickler's memo: it fails
-				s.g.broken = true
+				s.g.drop()
 				s.push(0, noNode)
 			}
 		case actBinPut, actLongBinPut, actPut:
@@ -462,16 +479,20 @@ func (s *scanner) run() error {
 			}
 		case actAppend:
 			if n := len(s.stack); n > 1 {
-				s.g.insert(s.nodes[n-2], s.nodes[n-1:], 1)
+				if !s.g.broken {
+					s.g.insert(s.nodes[n-2], s.nodes[n-1:], 1)
+				}
 			} else {
-				s.g.broken = true
+				s.g.drop()
 			}
 			s.cut(max(0, len(s.stack)-1))
 		case actSetItem:
 			if n := len(s.stack); n > 2 {
-				s.g.insert(s.nodes[n-3], s.nodes[n-2:], 1)
+				if !s.g.broken {
+					s.g.insert(s.nodes[n-3], s.nodes[n-2:], 1)
+				}
 			} else {
-				s.g.broken = true
+				s.g.drop()
 			}
 			s.cut(max(0, len(s.stack)-2))
 		case actToMark:
@@ -479,7 +500,7 @@ func (s *scanner) run() error {
 				s.insertToMark(op, m)
 				s.cut(m)
 			} else {
-				s.g.broken = true
+				s.g.drop()
 			}
 		case actMark:
 			s.marks = append(s.marks, len(s.stack))
@@ -489,13 +510,13 @@ func (s *scanner) run() error {
 			} else if n := len(s.stack); n > 0 {
 				s.cut(n - 1)
 			} else {
-				s.g.broken = true
+				s.g.drop()
 			}
 		case actPopMark:
 			if m, ok := s.popMark(); ok {
 				s.cut(m)
 			} else {
-				s.g.broken = true
+				s.g.drop()
 			}
 		case actFromMark:
 			node := noNode
@@ -503,24 +524,24 @@ func (s *scanner) run() error {
 				node = s.fromMark(op, m)
 				s.cut(m)
 			} else {
-				s.g.broken = true
+				s.g.drop()
 			}
 			s.push(0, node)
 		case actEmptyTuple:
-			s.push(1, s.g.container(0))
+			s.push(1, s.g.empty())
 		case actTuple, actTupleN:
 			var lo int
 			if o.act == actTuple {
 				m, ok := s.popMark()
 				if !ok {
 					m = len(s.stack)
-					s.g.broken = true
+					s.g.drop()
 				}
 				lo = m
 			} else {
 				want := int(op - 0x84)
 				if len(s.stack) < want {
-					s.g.broken = true
+					s.g.drop()
 				}
 				lo = max(0, len(s.stack)-want)
 			}
@@ -533,11 +554,14 @@ func (s *scanner) run() error {
 				return s.refuse("tuples nested deeper than %d", s.depth)
 			}
 			if lo > len(s.stack) { // a mark above the stack: the unpickler refuses it
-				s.g.broken = true
+				s.g.drop()
 			}
-			items := s.nodes[min(lo, len(s.nodes)):]
-			node := s.g.container(uint64(len(items)))
-			s.g.refer(node, items)
+			node := noNode
+			if !s.g.broken {
+				items := s.nodes[min(lo, len(s.nodes)):]
+				node = s.g.container(uint64(len(items)))
+				s.g.refer(node, items)
+			}
 			s.cut(lo)
 			s.push(depth, node)
 		case actDup:
@@ -555,6 +579,9 @@ func (s *scanner) run() error {
 		}
 		if err := s.framing(op, o, next); err != nil {
 			return err
+		}
+		if s.g.broken && s.nodes != nil { // no bound now: free the model's stacks
+			s.nodes, s.memoNodes = nil, nil
 		}
 		s.pos = next
 	}
@@ -635,15 +662,18 @@ func (s *scanner) put(act action) error {
 // insertToMark models APPENDS, SETITEMS and ADDITEMS: the items from the
 // mark at m on go into the container below it.
 func (s *scanner) insertToMark(op byte, m int) {
+	if s.g.broken {
+		return
+	}
 	if m == 0 || m > len(s.stack) {
-		s.g.broken = true
+		s.g.drop()
 		return
 	}
 	items := s.nodes[m:]
 	n := uint64(len(items))
 	if op == 'u' { // SETITEMS: key, value pairs
 		if n%2 != 0 {
-			s.g.broken = true
+			s.g.drop()
 			return
 		}
 		n /= 2
@@ -654,11 +684,14 @@ func (s *scanner) insertToMark(op byte, m int) {
 // fromMark models LIST, DICT and FROZENSET: a new container of the items
 // from the mark at m on; returns its node.
 func (s *scanner) fromMark(op byte, m int) int32 {
+	if s.g.broken {
+		return noNode
+	}
 	items := s.nodes[min(m, len(s.nodes)):]
 	n := uint64(len(items))
 	if op == 'd' { // DICT: key, value pairs
 		if n%2 != 0 {
-			s.g.broken = true
+			s.g.drop()
 			return noNode
 		}
 		n /= 2

@@ -38,27 +38,71 @@ type edge struct{ from, to int32 }
 // them. The references are a superset of those in the result: a dict value or
 // set element that a later insertion replaces keeps its edge, and its length
 // counts every insertion. Bounds taken from it are therefore upper bounds.
+//
+// Its size is capped in proportion to the data (limit: containers plus
+// references), so that the scan's memory stays a small multiple of the
+// pickle's: real pickles make a container per 20-50 bytes. A pickle over the
+// cap gets no bound, and the loader walks what it unpickles instead.
 type graph struct {
-	lens   []uint64 // per container: its length (an upper bound, see above)
-	edges  []edge
-	broken bool // the model lost track: no bound
+	lens       []uint64 // per container: its length (an upper bound, see above)
+	edges      []edge
+	limit      int   // the most len(lens) + len(edges) may reach
+	emptyTuple int32 // the node of (), a singleton in CPython (0: none yet)
+	broken     bool  // the model lost track, or is over its cap: no bound
+}
+
+// drop gives up the bound and the memory the graph holds.
+func (g *graph) drop() {
+	g.broken = true
+	g.lens, g.edges = nil, nil
+}
+
+// full drops the graph when n more entries would take it over its cap.
+func (g *graph) full(n int) bool {
+	if g.broken {
+		return true
+	}
+	if len(g.lens)+len(g.edges)+n > min(g.limit, maxGraphNodes) {
+		g.drop()
+		return true
+	}
+	return false
 }
 
 // container makes a container of length n and returns its node.
 func (g *graph) container(n uint64) int32 {
-	if len(g.lens) >= maxGraphNodes {
-		g.broken = true
+	if g.full(1) {
 		return noNode
 	}
 	g.lens = append(g.lens, n)
 	return int32(len(g.lens) - 1)
 }
 
+// empty returns the node of the empty tuple, made on first use: every
+// EMPTY_TUPLE pushes the same object, counted once per reference like any
+// shared container.
+func (g *graph) empty() int32 {
+	if g.emptyTuple == 0 {
+		node := g.container(0)
+		if node == noNode {
+			return noNode
+		}
+		g.emptyTuple = node + 1
+	}
+	if g.broken {
+		return noNode
+	}
+	return g.emptyTuple - 1
+}
+
 // insert adds items to the container at node (n more of its length), or
 // breaks the model when node is not a container.
 func (g *graph) insert(node int32, items []int32, n uint64) {
+	if g.broken {
+		return
+	}
 	if node == noNode {
-		g.broken = true // appending to a scalar: the unpickler fails
+		g.drop() // appending to a scalar: the unpickler fails
 		return
 	}
 	g.lens[node] = saturatingAdd(g.lens[node], n)
@@ -67,7 +111,7 @@ func (g *graph) insert(node int32, items []int32, n uint64) {
 
 // refer records the references of node to the containers among items.
 func (g *graph) refer(node int32, items []int32) {
-	if node == noNode { // out of nodes: broken already
+	if node == noNode || g.full(len(items)) {
 		return
 	}
 	for _, it := range items {

@@ -478,23 +478,9 @@ func (s *scanner) run() error {
 				return err
 			}
 		case actAppend:
-			if n := len(s.stack); n > 1 {
-				if !s.g.broken {
-					s.g.insert(s.nodes[n-2], s.nodes[n-1:], 1)
-				}
-			} else {
-				s.g.drop()
-			}
-			s.cut(max(0, len(s.stack)-1))
+			s.insertTop(1) // the item, into the container below it
 		case actSetItem:
-			if n := len(s.stack); n > 2 {
-				if !s.g.broken {
-					s.g.insert(s.nodes[n-3], s.nodes[n-2:], 1)
-				}
-			} else {
-				s.g.drop()
-			}
-			s.cut(max(0, len(s.stack)-2))
+			s.insertTop(2) // a key and a value
 		case actToMark:
 			if m, ok := s.popMark(); ok {
 				s.insertToMark(op, m)
@@ -657,6 +643,19 @@ func (s *scanner) put(act action) error {
 	}
 	s.memoSet(int(k), s.top(), s.topNode())
 	return nil
+}
+
+// insertTop models APPEND (k = 1) and SETITEM (k = 2): the top k items go
+// into the container below them, as one entry.
+func (s *scanner) insertTop(k int) {
+	n := len(s.stack)
+	switch {
+	case n <= k:
+		s.g.drop()
+	case !s.g.broken:
+		s.g.insert(s.nodes[n-k-1], s.nodes[n-k:], 1)
+	}
+	s.cut(max(0, n-k))
 }
 
 // insertToMark models APPENDS, SETITEMS and ADDITEMS: the items from the

@@ -98,6 +98,11 @@ class _PlainDataUnpickler(pickle.Unpickler):
 #: real snapshots build a container per 20-50 bytes of pickle, a crafted one
 #: a set (216 bytes) per byte.
 MIN_UNPICKLED_BYTES = 256 << 20
+#: The most work hashing one tuple may take (1 + each element's, a tuple
+#: element its own): at least this, else one step per byte of pickle. CPython
+#: does not cache a tuple's hash, so a tuple of references to one tuple, n
+#: times over, takes 2**n steps to hash as a dict key (as bindings/picklescan).
+MIN_HASH_WORK = 1 << 20
 UNPICKLED_BYTES_PER_BYTE = 64
 #: What CPython allocates for the empty container an opcode builds (3.11,
 #: 3.12, 64-bit; sys.getsizeof): lists, dicts, sets and frozensets, tuples.
@@ -201,7 +206,7 @@ def _scan_pickle_py(data: bytes, name: str, max_depth: int = MAX_PICKLE_DEPTH) -
     if not 0 <= max_depth <= 1 << 30:  # as the Go scanner (and its C wrapper)
         raise ValueError(f"max_depth {max_depth} is not in [0, 2**30]")
     action, args = _OPCODE_ACTION, _OPCODE_ARG
-    stack: list[int] = []  # tuple nesting of each stack item (0: not a tuple)
+    stack: list[int] = []  # each item's tuple: hash work << 32 | nesting (0: not a tuple; see _scan_slow)
     push = stack.append
     marks: list[int] = []
     memo: dict[int, int] = {}
@@ -318,17 +323,22 @@ def _scan_slow(data: bytes, pos: int, op: int, ops: int, stack: list[int], marks
             del stack[marks.pop():]
         stack.append(0)
     elif op == 0x29:  # EMPTY_TUPLE
-        stack.append(1)
+        stack.append(1 << 32 | 1)
     elif op == 0x74 or 0x85 <= op <= 0x87:  # TUPLE, TUPLE1..3
         if op == 0x74:
             lo = marks.pop() if marks else len(stack)
         else:
             lo = max(0, len(stack) - (op - 0x84))
-        depth = 1 + max(stack[lo:], default=0)
+        items = stack[lo:]
+        depth = 1 + max((v & 0xFFFFFFFF for v in items), default=0)
+        work = min(1 + sum((v >> 32) or 1 for v in items), 0xFFFFFFFF)
         if depth > max_depth:
             raise bad(f"tuples nested deeper than {max_depth}")
+        hash_work = max(MIN_HASH_WORK, len(data))
+        if work > hash_work:
+            raise bad(f"a tuple that would take over {hash_work} steps to hash (shared references inside it)")
         del stack[lo:]
-        stack.append(depth)
+        stack.append(work << 32 | depth)
     elif op == 0x32:  # DUP
         stack.append(stack[-1] if stack else 0)
     elif op == 0x6A:  # LONG_BINGET

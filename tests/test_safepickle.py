@@ -392,6 +392,25 @@ def test_containers_that_would_take_too_much_memory_are_refused(monkeypatch: pyt
     assert load_pickle(pickle.dumps(snap, protocol=4)) == snap
 
 
+def test_tuples_too_costly_to_hash_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: t = (t, t) forty times over () is an 87-byte dict
+    key that CPython hashes in 2**41 steps (hours): its hash is not cached.
+    Both scanners count the work (level k: 2**(k+1) - 1) and stop at the
+    tuple that passes 2**20 steps (or one per byte of pickle)."""
+    def deep(levels: int) -> bytes:
+        return b"\x80\x04})" + b"2\x86" * levels + b"Ns."
+
+    want = ("p: refused a crafted or corrupt pickle: a tuple that would take over 1048576 steps to hash "
+            "(shared references inside it) (opcode 43 at byte 44)")
+    for levels in (20, 40):
+        assert _verdict_go(deep(levels)) == _verdict_py(deep(levels)) == want
+    for fastcall in (_native.fastcall, None):
+        monkeypatch.setattr(_native, "fastcall", fastcall)
+        with pytest.raises(UnsafePickleError, match="steps to hash"):
+            load_pickle(deep(40))
+        assert load_pickle(deep(15))  # 2**16 - 1 steps: hashed at once (the walk allows 2**20 nodes)
+
+
 # -- frames: the C unpickler reads a file through a frame buffer ---------------
 
 

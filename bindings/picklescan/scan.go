@@ -36,6 +36,7 @@ package picklescan
 
 import (
 	"fmt"
+	"math"
 	"strings"
 )
 
@@ -192,15 +193,16 @@ var callNames = map[byte]string{'o': "OBJ", 0x81: "NEWOBJ", 0x92: "NEWOBJ_EX", '
 // scanner holds the state of one Scan.
 type scanner struct {
 	data      []byte
-	stack     []int32 // tuple nesting of each stack item (0: not a tuple)
+	stack     []item  // the tuple each stack item is (0: not a tuple)
 	nodes     []int32 // the container of each stack item (noNode: not one)
 	marks     []int
-	memo      []int32 // 1 + the tuple nesting of each memo entry; 0: no entry
+	memo      []item  // 1 + the item of each memo entry; 0: no entry
 	memoNodes []int32 // the container of each memo entry
 	nmemo     int     // number of memo entries (len of Python's memo dict)
 	ops       int64
 	pos       int    // just after the current opcode's byte
 	depth     int32  // the nesting limit
+	hashWork  uint64 // the most work hashing one tuple may take
 	frameEnd  uint64 // the end of the last frame (the C unpickler's buffer)
 	built     uint64 // bytes of the containers built so far (containerBytes)
 	budget    uint64 // the most they may take
@@ -226,7 +228,8 @@ func ScanShape(data []byte, maxDepth int) (Shape, error) {
 	if maxDepth > 1<<30 {
 		maxDepth = 1 << 30
 	}
-	s := scanner{data: data, depth: int32(maxDepth), budget: max(MinUnpickledBytes, UnpickledBytesPerByte*uint64(len(data)))}
+	s := scanner{data: data, depth: int32(maxDepth), budget: max(MinUnpickledBytes, UnpickledBytesPerByte*uint64(len(data))),
+		hashWork: max(MinHashWork, uint64(len(data)))}
 	s.g.limit = len(data)/4 + 1024
 	if err := s.run(); err != nil {
 		return Shape{}, err
@@ -242,16 +245,38 @@ func (s *scanner) refuse(format string, args ...any) error {
 	return &Error{Why: fmt.Sprintf(format, args...), Ops: s.ops, Pos: int64(s.pos)}
 }
 
-// push pushes an item of tuple nesting v that is the container node. Once
+// item packs what the scan knows of a stack item that is a tuple: its
+// nesting (low 32 bits; 0: not a tuple) and the work of hashing it (high 32
+// bits, saturating): 1 + the work of each element, where an element that is
+// not a tuple costs 1. A tuple made of references to one tuple, n times
+// over, is 2^n work at nesting n: CPython does not cache a tuple's hash, and
+// hashing one as a dict key or set element walks every reference.
+type item uint64
+
+func tupleItem(nesting int32, work uint64) item {
+	return item(min(work, math.MaxUint32))<<32 | item(uint32(nesting))
+}
+
+func (v item) nesting() int32 { return int32(uint32(v)) }
+
+// work is the work of hashing v as an element: 1 unless it is a tuple.
+func (v item) work() uint64 { return max(1, uint64(v>>32)) }
+
+// MinHashWork is the least work hashing a tuple may take before the scan
+// refuses it; past that, one step per byte of pickle. The loader's walk
+// would refuse such a tuple too, but only after the unpickler hashed it.
+const MinHashWork = 1 << 20
+
+// push pushes an item v that is the container node. Once
 // the shape model is given up, nodes and memoNodes are not kept.
-func (s *scanner) push(v, node int32) {
+func (s *scanner) push(v item, node int32) {
 	s.stack = append(s.stack, v)
 	if !s.g.broken {
 		s.nodes = append(s.nodes, node)
 	}
 }
 
-func (s *scanner) top() int32 {
+func (s *scanner) top() item {
 	if n := len(s.stack); n > 0 {
 		return s.stack[n-1]
 	}
@@ -310,7 +335,7 @@ func (s *scanner) memoPush(k uint64) {
 
 // memoSet stores v at k; k is at most the number of opcodes read (checked by
 // the callers), so the memo stays within the data's size.
-func (s *scanner) memoSet(k int, v, node int32) {
+func (s *scanner) memoSet(k int, v item, node int32) {
 	s.memo = grow(s.memo, k)
 	if s.memo[k] == 0 {
 		s.nmemo++
@@ -323,14 +348,14 @@ func (s *scanner) memoSet(k int, v, node int32) {
 }
 
 // grow returns a with an index k.
-func grow(a []int32, k int) []int32 {
+func grow[T any](a []T, k int) []T {
 	if k < len(a) {
 		return a
 	}
 	if k < cap(a) {
 		return a[:k+1]
 	}
-	grown := make([]int32, k+1, 2*k+16)
+	grown := make([]T, k+1, 2*k+16)
 	copy(grown, a)
 	return grown
 }
@@ -514,7 +539,7 @@ func (s *scanner) run() error {
 			}
 			s.push(0, node)
 		case actEmptyTuple:
-			s.push(1, s.g.empty())
+			s.push(tupleItem(1, 1), s.g.empty())
 		case actTuple, actTupleN:
 			var lo int
 			if o.act == actTuple {
@@ -532,12 +557,17 @@ func (s *scanner) run() error {
 				lo = max(0, len(s.stack)-want)
 			}
 			var depth int32
+			work := uint64(1)
 			for i := lo; i < len(s.stack); i++ {
-				depth = max(depth, s.stack[i])
+				depth = max(depth, s.stack[i].nesting())
+				work = min(work+s.stack[i].work(), math.MaxUint32)
 			}
 			depth++
 			if depth > s.depth {
 				return s.refuse("tuples nested deeper than %d", s.depth)
+			}
+			if work > s.hashWork {
+				return s.refuse("a tuple that would take over %d steps to hash (shared references inside it)", s.hashWork)
 			}
 			if lo > len(s.stack) { // a mark above the stack: the unpickler refuses it
 				s.g.drop()
@@ -549,7 +579,7 @@ func (s *scanner) run() error {
 				s.g.refer(node, items)
 			}
 			s.cut(lo)
-			s.push(depth, node)
+			s.push(tupleItem(depth, work), node)
 		case actDup:
 			s.push(s.top(), s.topNode())
 		}

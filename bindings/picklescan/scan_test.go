@@ -238,11 +238,11 @@ func TestShapeOfRealPicklesIsKnownFromProtocol4(t *testing.T) {
 }
 
 func TestShapeSaturates(t *testing.T) {
-	// Each level is a tuple of 64 references to the one below: 64^20 nodes.
+	// Each level is a list of 64 references to the one below: 64^20 nodes.
 	var b strings.Builder
 	b.WriteString("]q\x00")
 	for i := 0; i < 20; i++ {
-		b.WriteString("(" + strings.Repeat("h\x00", 64) + "tq\x00")
+		b.WriteString("(" + strings.Repeat("h\x00", 64) + "lq\x00")
 	}
 	b.WriteString(".")
 	shape, err := ScanShape([]byte(b.String()), 100)
@@ -322,7 +322,7 @@ func TestContainersOverTheMemoryBudgetAreRefused(t *testing.T) {
 // TestScanMemoryIsASmallMultipleOfTheData: found by review, the container
 // graph made the scan take ~60 bytes per byte of pickle on these (RSS, 128
 // allocated; the scan without a graph took ~18, the unpickler ~8 on the
-// first). Now ~18 (RSS). Allocated bytes count every slice the stacks grew
+// first). Now ~22 (RSS). Allocated bytes count every slice the stacks grew
 // out of (Go grows big slices by 1.25x, so about 5x what they end with), and
 // they do not depend on when the GC runs.
 func TestScanMemoryIsASmallMultipleOfTheData(t *testing.T) {
@@ -341,6 +341,23 @@ func TestScanMemoryIsASmallMultipleOfTheData(t *testing.T) {
 		require.NoError(t, err, name)
 		perByte := float64(after.TotalAlloc-before.TotalAlloc) / float64(len(data))
 		t.Logf("%s: %.1f bytes allocated per byte", name, perByte)
-		assert.Less(t, perByte, 64.0, name)
+		assert.Less(t, perByte, 80.0, name)
 	}
+}
+
+func TestTuplesTooCostlyToHashAreRefused(t *testing.T) {
+	// Found by review: t = (t, t) forty times over () is an 87-byte dict key
+	// that CPython hashes in 2^41 steps (hours). Level k takes 2^(k+1)-1.
+	deep := func(levels int) []byte {
+		return []byte("\x80\x04})" + strings.Repeat("2\x86", levels) + "Ns.")
+	}
+	require.NoError(t, Scan(deep(19), 100))
+	e := scanErr(t, deep(20))
+	assert.Equal(t, "a tuple that would take over 1048576 steps to hash (shared references inside it)", e.Why)
+	assert.Equal(t, int64(3+2*20), e.Ops)
+	e = scanErr(t, deep(40))
+	assert.Equal(t, int64(3+2*20), e.Ops) // refused at the same tuple, long before the key is hashed
+	// Through the memo as through DUP, and the saturated count stays refused.
+	viaMemo := "\x80\x04})q\x00" + strings.Repeat("h\x00h\x00\x86q\x00", 70) + "Ns."
+	assert.Equal(t, e.Why, scanErr(t, []byte(viaMemo)).Why)
 }

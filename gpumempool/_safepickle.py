@@ -40,6 +40,7 @@ import itertools
 import os
 import pickle
 import pickletools
+import re
 import zlib
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -103,6 +104,14 @@ MIN_UNPICKLED_BYTES = 256 << 20
 #: does not cache a tuple's hash, so a tuple of references to one tuple, n
 #: times over, takes 2**n steps to hash as a dict key (as bindings/picklescan).
 MIN_HASH_WORK = 1 << 20
+#: Bit 31 of a stack item: a value whose hash CPython does not randomize, so
+#: that a pickle can choose it (a tuple, frozenset, float, or an int of 2**55
+#: and up or not in plain decimal): refused as a dict key or set element,
+#: where crafted ones all collide (60,000 keys took 43 s). See scan.go.
+_FIXED_HASH = 1 << 31
+_FIXED_HASH_KEY = ("a dict key or set element whose hash a pickle can choose (a tuple, frozenset, float or large "
+                   "int), with which crafted pickles make every key collide")
+_PLAIN_INT = re.compile(rb"-?[0-9]{1,18}")
 UNPICKLED_BYTES_PER_BYTE = 64
 #: What CPython allocates for the empty container an opcode builds (3.11,
 #: 3.12, 64-bit; sys.getsizeof): lists, dicts, sets and frozensets, tuples.
@@ -143,6 +152,8 @@ def _opcode_tables() -> tuple[list[int], list[int]]:
         act[c] = _PUSH_FIXED if arg[c] >= 0 else _PUSH_COUNT1 if arg[c] == -1 else _SLOW
     for c in b"]}\x8f":  # EMPTY_LIST, EMPTY_DICT, EMPTY_SET
         act[c] = _PUSH_CONTAINER
+    for c in b"G\x8a":  # BINFLOAT, LONG1: see _scalar
+        act[c] = _SLOW
     act[0x94] = _MEMOIZE
     act[0x68] = _BINGET
     for c in b"\x80\x98":  # PROTO, READONLY_BUFFER
@@ -246,11 +257,16 @@ def _scan_pickle_py(data: bytes, name: str, max_depth: int = MAX_PICKLE_DEPTH) -
                     stack.pop()
                 continue
             elif a == 6:  # _SETITEM
+                if len(stack) >= 2 and stack[-2] & _FIXED_HASH:
+                    raise bad(_FIXED_HASH_KEY)
                 del stack[-2:]
                 continue
             elif a == 7:  # _TO_MARK
                 if marks:
-                    del stack[marks.pop():]
+                    m = marks.pop()
+                    if op != 0x65 and any(v & _FIXED_HASH for v in stack[m::2 if op == 0x75 else 1]):
+                        raise bad(_FIXED_HASH_KEY)  # SETITEMS' keys, ADDITEMS' elements
+                    del stack[m:]
                 continue
             elif a == 8:  # _MARK
                 marks.append(len(stack))
@@ -293,6 +309,24 @@ def _scan_pickle_py(data: bytes, name: str, max_depth: int = MAX_PICKLE_DEPTH) -
         raise _scan_error(name, True, "", ops, pos) from None
 
 
+def _scalar(data: bytes, pos: int, op: int) -> int:
+    """The stack item of a scalar push: _FIXED_HASH for a float, an int of
+    8 bytes or more (LONG1, LONG4), or a text int that is not a plain
+    decimal of up to 18 digits (LONG: and its L); else 0 (as scan.go)."""
+    if op in b"GF":
+        return _FIXED_HASH
+    if op == 0x8A:
+        return _FIXED_HASH if data[pos] >= 8 else 0
+    if op == 0x8B:
+        return _FIXED_HASH if int.from_bytes(data[pos:pos + 4], "little") >= 8 else 0
+    if op in b"IL":
+        text = data[pos:data.index(b"\n", pos)]
+        if op == 0x4C and text.endswith(b"L"):
+            text = text[:-1]
+        return 0 if _PLAIN_INT.fullmatch(text) else _FIXED_HASH
+    return 0
+
+
 def _scan_slow(data: bytes, pos: int, op: int, ops: int, stack: list[int], marks: list[int],
                memo: dict[int, int], bad: Callable[[str], UnsafePickleError], max_depth: int) -> int:
     """The rarer opcodes of :func:`_scan_pickle`; returns the next position,
@@ -309,7 +343,7 @@ def _scan_slow(data: bytes, pos: int, op: int, ops: int, stack: list[int], marks
     if k == -99:
         raise bad(f"unknown opcode {op:#04x}")
     if op in _SCALAR_PUSHES:
-        stack.append(0)  # a push with a 4-, 8-byte or text argument
+        stack.append(_scalar(data, pos, op))  # a push with a 4-, 8-byte or text argument
     elif op == 0x30:  # POP
         if marks and marks[-1] == len(stack):
             marks.pop()
@@ -320,17 +354,20 @@ def _scan_slow(data: bytes, pos: int, op: int, ops: int, stack: list[int], marks
             del stack[marks.pop():]
     elif op in b"ld\x91":  # LIST, DICT, FROZENSET
         if marks:
-            del stack[marks.pop():]
-        stack.append(0)
+            m = marks.pop()
+            if op != 0x6C and any(v & _FIXED_HASH for v in stack[m::2 if op == 0x64 else 1]):
+                raise bad(_FIXED_HASH_KEY)  # DICT's keys, FROZENSET's elements
+            del stack[m:]
+        stack.append(_FIXED_HASH if op == 0x91 else 0)
     elif op == 0x29:  # EMPTY_TUPLE
-        stack.append(1 << 32 | 1)
+        stack.append(1 << 32 | _FIXED_HASH | 1)
     elif op == 0x74 or 0x85 <= op <= 0x87:  # TUPLE, TUPLE1..3
         if op == 0x74:
             lo = marks.pop() if marks else len(stack)
         else:
             lo = max(0, len(stack) - (op - 0x84))
         items = stack[lo:]
-        depth = 1 + max((v & 0xFFFFFFFF for v in items), default=0)
+        depth = 1 + max((v & 0x7FFFFFFF for v in items), default=0)
         work = min(1 + sum((v >> 32) or 1 for v in items), 0xFFFFFFFF)
         if depth > max_depth:
             raise bad(f"tuples nested deeper than {max_depth}")
@@ -338,7 +375,7 @@ def _scan_slow(data: bytes, pos: int, op: int, ops: int, stack: list[int], marks
         if work > hash_work:
             raise bad(f"a tuple that would take over {hash_work} steps to hash (shared references inside it)")
         del stack[lo:]
-        stack.append(work << 32 | depth)
+        stack.append(work << 32 | _FIXED_HASH | depth)
     elif op == 0x32:  # DUP
         stack.append(stack[-1] if stack else 0)
     elif op == 0x6A:  # LONG_BINGET

@@ -254,10 +254,20 @@ func (s *scanner) refuse(format string, args ...any) error {
 type item uint64
 
 func tupleItem(nesting int32, work uint64) item {
-	return item(min(work, math.MaxUint32))<<32 | item(uint32(nesting))
+	return item(min(work, math.MaxUint32))<<32 | fixedHash | item(uint32(nesting))
 }
 
-func (v item) nesting() int32 { return int32(uint32(v)) }
+// fixedHash (bit 31 of an item) marks a value whose hash CPython does not
+// randomize, so that a pickle can choose it: a tuple, a frozenset, a float,
+// an int given by LONG1/LONG4 in 8 bytes or more (2^55 and up) or by text
+// other than a plain decimal of up to 18 digits. As dict keys or set
+// elements such values can be made to share one hash (ints and floats
+// modulo 2^61-1; tuples and frozensets through their elements'), and each
+// insertion then compares with every earlier key: 60,000 of them took 43 s.
+// Strings and bytes hash with a random key, and smaller ints to themselves.
+const fixedHash item = 1 << 31
+
+func (v item) nesting() int32 { return int32(uint32(v &^ fixedHash)) }
 
 // work is the work of hashing v as an element: 1 unless it is a tuple.
 func (v item) work() uint64 { return max(1, uint64(v>>32)) }
@@ -469,7 +479,7 @@ func (s *scanner) run() error {
 			if op == ']' || op == '}' || op == 0x8f { // EMPTY_LIST, EMPTY_DICT, EMPTY_SET
 				node = s.g.container(0)
 			}
-			s.push(0, node)
+			s.push(s.scalar(op), node)
 		case actMemoize:
 			s.memoSet(s.nmemo, s.top(), s.topNode())
 		case actBinGet:
@@ -505,9 +515,15 @@ func (s *scanner) run() error {
 		case actAppend:
 			s.insertTop(1) // the item, into the container below it
 		case actSetItem:
+			if n := len(s.stack); n >= 2 && s.stack[n-2]&fixedHash != 0 {
+				return s.refuse(fixedHashKey)
+			}
 			s.insertTop(2) // a key and a value
 		case actToMark:
 			if m, ok := s.popMark(); ok {
+				if err := s.checkKeys(op, m); err != nil {
+					return err
+				}
 				s.insertToMark(op, m)
 				s.cut(m)
 			} else {
@@ -532,12 +548,19 @@ func (s *scanner) run() error {
 		case actFromMark:
 			node := noNode
 			if m, ok := s.popMark(); ok {
+				if err := s.checkKeys(op, m); err != nil {
+					return err
+				}
 				node = s.fromMark(op, m)
 				s.cut(m)
 			} else {
 				s.g.drop()
 			}
-			s.push(0, node)
+			var v item
+			if op == 0x91 { // FROZENSET: its hash comes from its elements'
+				v = fixedHash
+			}
+			s.push(v, node)
 		case actEmptyTuple:
 			s.push(tupleItem(1, 1), s.g.empty())
 		case actTuple, actTupleN:
@@ -672,6 +695,69 @@ func (s *scanner) put(act action) error {
 		return s.refuse("memo index %d with only %d opcodes before it", k, s.ops)
 	}
 	s.memoSet(int(k), s.top(), s.topNode())
+	return nil
+}
+
+const fixedHashKey = "a dict key or set element whose hash a pickle can choose (a tuple, frozenset, float or " +
+	"large int), with which crafted pickles make every key collide"
+
+// scalar is the item a scalar-pushing opcode pushes: fixedHash for the
+// values whose hash a pickle can choose (see fixedHash), else 0.
+func (s *scanner) scalar(op byte) item {
+	switch op {
+	case 'G', 'F': // BINFLOAT, FLOAT
+		return fixedHash
+	case 0x8a: // LONG1
+		if s.pos < len(s.data) && s.data[s.pos] >= 8 {
+			return fixedHash
+		}
+	case 0x8b: // LONG4
+		if s.le(s.pos, 4) >= 8 {
+			return fixedHash
+		}
+	case 'I', 'L': // INT, LONG
+		if text, _, ok := s.line(s.pos); ok && !plainInt(text, op == 'L') {
+			return fixedHash
+		}
+	}
+	return 0
+}
+
+// plainInt reports whether text is -?[0-9]{1,18}, followed by an L when
+// long is set and there is one.
+func plainInt(text []byte, long bool) bool {
+	if long && len(text) > 0 && text[len(text)-1] == 'L' {
+		text = text[:len(text)-1]
+	}
+	if len(text) > 0 && text[0] == '-' {
+		text = text[1:]
+	}
+	if len(text) == 0 || len(text) > 18 {
+		return false
+	}
+	for _, c := range text {
+		if c < '0' || c > '9' {
+			return false
+		}
+	}
+	return true
+}
+
+// checkKeys refuses a fixedHash key among the items from the mark at m on:
+// the keys of SETITEMS and DICT, every element of ADDITEMS and FROZENSET.
+func (s *scanner) checkKeys(op byte, m int) error {
+	step := 0
+	switch op {
+	case 'u', 'd': // SETITEMS, DICT: key, value pairs
+		step = 2
+	case 0x90, 0x91: // ADDITEMS, FROZENSET
+		step = 1
+	}
+	for i := m; step > 0 && i < len(s.stack); i += step {
+		if s.stack[i]&fixedHash != 0 {
+			return s.refuse(fixedHashKey)
+		}
+	}
 	return nil
 }
 

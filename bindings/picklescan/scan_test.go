@@ -208,7 +208,7 @@ func TestShapeOfHandwrittenPickles(t *testing.T) {
 		{"dict, tuple, list", "}(\x8c\x01kK\x01]\x86u.", Shape{Known: true, Nodes: 2 + 3 + 1, Depth: 3}},
 		// A key set twice counts twice: an upper bound.
 		{"key set twice", "}(K\x01NK\x01Nu.", Shape{Known: true, Nodes: 3, Depth: 1}},
-		{"set and frozenset", "\x8f((K\x01\x91\x90.", Shape{Known: true, Nodes: 2 + 2, Depth: 2}},
+		{"set and frozenset", "](\x8f(K\x01\x90(K\x02\x91e.", Shape{Known: true, Nodes: 3 + 2 + 2, Depth: 2}},
 		{"DICT from the mark", "(K\x01]d.", Shape{Known: true, Nodes: 2 + 1, Depth: 2}},
 		{"a list that holds itself", "]q\x00h\x00a.", Shape{}},
 		{"calls code", "cbuiltins\nlist\n)R.", Shape{}},
@@ -351,7 +351,9 @@ func TestTuplesTooCostlyToHashAreRefused(t *testing.T) {
 	deep := func(levels int) []byte {
 		return []byte("\x80\x04})" + strings.Repeat("2\x86", levels) + "Ns.")
 	}
-	require.NoError(t, Scan(deep(19), 100))
+	// (As a dict key any tuple is refused now, see TestKeysWhoseHashAPickleCanChoose;
+	// the work is counted where the tuple is built, before it is used.)
+	require.NoError(t, Scan([]byte("\x80\x04])"+strings.Repeat("2\x86", 19)+"a."), 100))
 	e := scanErr(t, deep(20))
 	assert.Equal(t, "a tuple that would take over 1048576 steps to hash (shared references inside it)", e.Why)
 	assert.Equal(t, int64(3+2*20), e.Ops)
@@ -360,4 +362,33 @@ func TestTuplesTooCostlyToHashAreRefused(t *testing.T) {
 	// Through the memo as through DUP, and the saturated count stays refused.
 	viaMemo := "\x80\x04})q\x00" + strings.Repeat("h\x00h\x00\x86q\x00", 70) + "Ns."
 	assert.Equal(t, e.Why, scanErr(t, []byte(viaMemo)).Why)
+}
+
+func TestKeysWhoseHashAPickleCanChooseAreRefused(t *testing.T) {
+	why := "a dict key or set element whose hash a pickle can choose (a tuple, frozenset, float or large int), " +
+		"with which crafted pickles make every key collide"
+	for _, p := range []string{
+		"}(\x8a\x08\xff\xff\xff\xff\xff\xff\xff\x1fNu.", // 2^61-1 (hash 0), by SETITEMS
+		"}\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x01Ns.",  // LONG1 of 8 bytes, by SETITEM
+		"}G?\xf8\x00\x00\x00\x00\x00\x00Ns.",            // a float
+		"}F1.5\nNs.",                                    // a float in text
+		"}I0x10\nNs.",                                   // an int in another form than plain decimal
+		"}L1234567890123456789L\nNs.",                   // 19 digits
+		"}K\x01K\x02\x86Ns.",                            // a tuple
+		"}(K\x01\x91Ns.",                                // a frozenset
+		"(\x8f(K\x01K\x02\x86\x90.",                     // a tuple in a set
+		"((K\x01K\x02\x86\x91.",                         // a tuple in a frozenset
+		"((K\x01K\x02\x86Nd.",                           // a tuple key by DICT
+		"}K\x01K\x02\x86q\x00h\x00Ns.",                  // through the memo
+	} {
+		assert.Equal(t, why, scanErr(t, []byte(p)).Why, "%q", p)
+	}
+	for _, p := range []string{
+		"}(\x8c\x01kNK\x05NJ\x01\x02\x03\x04N\x8a\x07\xff\xff\xff\xff\xff\xff\x7fNu.", // str, small ints
+		"}(I123456789012345678\nNL-5L\nNI01\nNu.",                                     // plain decimals, a bool
+		"](K\x01K\x02\x86G?\xf8\x00\x00\x00\x00\x00\x00e.",                            // tuples and floats as values
+		"\x8f(\x8c\x01aC\x01bN\x88\x90.",                                              // str, bytes, None, True in a set
+	} {
+		assert.NoError(t, Scan([]byte(p), 100), "%q", p)
+	}
 }

@@ -40,7 +40,6 @@ import itertools
 import os
 import pickle
 import pickletools
-import re
 import zlib
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -105,13 +104,16 @@ MIN_UNPICKLED_BYTES = 256 << 20
 #: times over, takes 2**n steps to hash as a dict key (as bindings/picklescan).
 MIN_HASH_WORK = 1 << 20
 #: Bit 31 of a stack item: a value whose hash CPython does not randomize, so
-#: that a pickle can choose it (a tuple, frozenset, float, or an int of 2**55
-#: and up or not in plain decimal): refused as a dict key or set element,
-#: where crafted ones all collide (60,000 keys took 43 s). See scan.go.
+#: that a pickle can choose it (anything but str, bytes, None and the bools):
+#: refused as a dict key or set element, where crafted ones collide or walk
+#: one probe chain and loading takes quadratic time (see scan.go).
 _FIXED_HASH = 1 << 31
-_FIXED_HASH_KEY = ("a dict key or set element whose hash a pickle can choose (a tuple, frozenset, float or large "
-                   "int), with which crafted pickles make every key collide")
-_PLAIN_INT = re.compile(rb"-?[0-9]{1,18}")
+_FIXED_HASH_KEY = ("a dict key or set element that is not a str or bytes (an int, float, tuple or frozenset: their "
+                   "hashes are not randomized, so crafted ones make loading take quadratic time)")
+#: The stack item each scalar-pushing opcode pushes (as scan.go's scalar).
+_SCALAR_ITEM = [_FIXED_HASH] * 256
+for _c in b"STUVX\x8c\x8dBC\x8e\x96N\x88\x89\x97]}\x8f":
+    _SCALAR_ITEM[_c] = 0
 UNPICKLED_BYTES_PER_BYTE = 64
 #: What CPython allocates for the empty container an opcode builds (3.11,
 #: 3.12, 64-bit; sys.getsizeof): lists, dicts, sets and frozensets, tuples.
@@ -152,8 +154,6 @@ def _opcode_tables() -> tuple[list[int], list[int]]:
         act[c] = _PUSH_FIXED if arg[c] >= 0 else _PUSH_COUNT1 if arg[c] == -1 else _SLOW
     for c in b"]}\x8f":  # EMPTY_LIST, EMPTY_DICT, EMPTY_SET
         act[c] = _PUSH_CONTAINER
-    for c in b"G\x8a":  # BINFLOAT, LONG1: see _scalar
-        act[c] = _SLOW
     act[0x94] = _MEMOIZE
     act[0x68] = _BINGET
     for c in b"\x80\x98":  # PROTO, READONLY_BUFFER
@@ -216,7 +216,7 @@ def _scan_pickle_py(data: bytes, name: str, max_depth: int = MAX_PICKLE_DEPTH) -
     path."""
     if not 0 <= max_depth <= 1 << 30:  # as the Go scanner (and its C wrapper)
         raise ValueError(f"max_depth {max_depth} is not in [0, 2**30]")
-    action, args = _OPCODE_ACTION, _OPCODE_ARG
+    action, args, scalar_item = _OPCODE_ACTION, _OPCODE_ARG, _SCALAR_ITEM
     stack: list[int] = []  # each item's tuple: hash work << 32 | nesting (0: not a tuple; see _scan_slow)
     push = stack.append
     marks: list[int] = []
@@ -239,10 +239,10 @@ def _scan_pickle_py(data: bytes, name: str, max_depth: int = MAX_PICKLE_DEPTH) -
             ops += 1
             a = action[op]
             if a == 0:  # _PUSH_FIXED
-                push(0)
+                push(scalar_item[op])
                 end = pos + args[op]
             elif a == 1:  # _PUSH_COUNT1
-                push(0)
+                push(scalar_item[op])
                 end = pos + 1 + data[pos]
             elif a == 2:  # _MEMOIZE
                 memo[len(memo)] = stack[-1] if stack else 0
@@ -309,24 +309,6 @@ def _scan_pickle_py(data: bytes, name: str, max_depth: int = MAX_PICKLE_DEPTH) -
         raise _scan_error(name, True, "", ops, pos) from None
 
 
-def _scalar(data: bytes, pos: int, op: int) -> int:
-    """The stack item of a scalar push: _FIXED_HASH for a float, an int of
-    8 bytes or more (LONG1, LONG4), or a text int that is not a plain
-    decimal of up to 18 digits (LONG: and its L); else 0 (as scan.go)."""
-    if op in b"GF":
-        return _FIXED_HASH
-    if op == 0x8A:
-        return _FIXED_HASH if data[pos] >= 8 else 0
-    if op == 0x8B:
-        return _FIXED_HASH if int.from_bytes(data[pos:pos + 4], "little") >= 8 else 0
-    if op in b"IL":
-        text = data[pos:data.index(b"\n", pos)]
-        if op == 0x4C and text.endswith(b"L"):
-            text = text[:-1]
-        return 0 if _PLAIN_INT.fullmatch(text) else _FIXED_HASH
-    return 0
-
-
 def _scan_slow(data: bytes, pos: int, op: int, ops: int, stack: list[int], marks: list[int],
                memo: dict[int, int], bad: Callable[[str], UnsafePickleError], max_depth: int) -> int:
     """The rarer opcodes of :func:`_scan_pickle`; returns the next position,
@@ -343,7 +325,7 @@ def _scan_slow(data: bytes, pos: int, op: int, ops: int, stack: list[int], marks
     if k == -99:
         raise bad(f"unknown opcode {op:#04x}")
     if op in _SCALAR_PUSHES:
-        stack.append(_scalar(data, pos, op))  # a push with a 4-, 8-byte or text argument
+        stack.append(_SCALAR_ITEM[op])  # a push with a 4-, 8-byte or text argument
     elif op == 0x30:  # POP
         if marks and marks[-1] == len(stack):
             marks.pop()

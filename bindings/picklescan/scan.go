@@ -258,13 +258,14 @@ func tupleItem(nesting int32, work uint64) item {
 }
 
 // fixedHash (bit 31 of an item) marks a value whose hash CPython does not
-// randomize, so that a pickle can choose it: a tuple, a frozenset, a float,
-// an int given by LONG1/LONG4 in 8 bytes or more (2^55 and up) or by text
-// other than a plain decimal of up to 18 digits. As dict keys or set
+// randomize, so that a pickle can choose it: anything but str, bytes, None
+// and the two bools (ints, floats, tuples, frozensets). As dict keys or set
 // elements such values can be made to share one hash (ints and floats
-// modulo 2^61-1; tuples and frozensets through their elements'), and each
-// insertion then compares with every earlier key: 60,000 of them took 43 s.
-// Strings and bytes hash with a random key, and smaller ints to themselves.
+// modulo 2^61-1; tuples and frozensets through their elements'), or, small
+// ints hashing to themselves, to walk one long probe chain of the dict's
+// table: each insertion then costs as many steps as there are keys (60,000
+// keys took 43 s; 85,000 small ints, 6 s). Strings and bytes hash with a
+// random key. Snapshots key by str.
 const fixedHash item = 1 << 31
 
 func (v item) nesting() int32 { return int32(uint32(v &^ fixedHash)) }
@@ -479,7 +480,7 @@ func (s *scanner) run() error {
 			if op == ']' || op == '}' || op == 0x8f { // EMPTY_LIST, EMPTY_DICT, EMPTY_SET
 				node = s.g.container(0)
 			}
-			s.push(s.scalar(op), node)
+			s.push(scalar(op), node)
 		case actMemoize:
 			s.memoSet(s.nmemo, s.top(), s.topNode())
 		case actBinGet:
@@ -698,49 +699,20 @@ func (s *scanner) put(act action) error {
 	return nil
 }
 
-const fixedHashKey = "a dict key or set element whose hash a pickle can choose (a tuple, frozenset, float or " +
-	"large int), with which crafted pickles make every key collide"
+const fixedHashKey = "a dict key or set element that is not a str or bytes (an int, float, tuple or frozenset: " +
+	"their hashes are not randomized, so crafted ones make loading take quadratic time)"
 
-// scalar is the item a scalar-pushing opcode pushes: fixedHash for the
-// values whose hash a pickle can choose (see fixedHash), else 0.
-func (s *scanner) scalar(op byte) item {
+// scalar is the item a scalar-pushing opcode pushes: 0 for str, bytes,
+// None, the bools and the empty containers, fixedHash for the rest.
+func scalar(op byte) item {
 	switch op {
-	case 'G', 'F': // BINFLOAT, FLOAT
-		return fixedHash
-	case 0x8a: // LONG1
-		if s.pos < len(s.data) && s.data[s.pos] >= 8 {
-			return fixedHash
-		}
-	case 0x8b: // LONG4
-		if s.le(s.pos, 4) >= 8 {
-			return fixedHash
-		}
-	case 'I', 'L': // INT, LONG
-		if text, _, ok := s.line(s.pos); ok && !plainInt(text, op == 'L') {
-			return fixedHash
-		}
+	case 'S', 'T', 'U', 'V', 'X', 0x8c, 0x8d, // str
+		'B', 'C', 0x8e, 0x96, // bytes, bytearray
+		'N', 0x88, 0x89, 0x97, // None, True, False, a buffer
+		']', '}', 0x8f: // empty list, dict, set (unhashable)
+		return 0
 	}
-	return 0
-}
-
-// plainInt reports whether text is -?[0-9]{1,18}, followed by an L when
-// long is set and there is one.
-func plainInt(text []byte, long bool) bool {
-	if long && len(text) > 0 && text[len(text)-1] == 'L' {
-		text = text[:len(text)-1]
-	}
-	if len(text) > 0 && text[0] == '-' {
-		text = text[1:]
-	}
-	if len(text) == 0 || len(text) > 18 {
-		return false
-	}
-	for _, c := range text {
-		if c < '0' || c > '9' {
-			return false
-		}
-	}
-	return true
+	return fixedHash
 }
 
 // checkKeys refuses a fixedHash key among the items from the mark at m on:

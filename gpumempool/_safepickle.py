@@ -88,9 +88,10 @@ class _PlainDataUnpickler(pickle.Unpickler):
 
 
 # What the scanner does per opcode (see _scan_pickle). It models the
-# unpickler's stack only as far as the nesting of tuples goes: hashing a
-# dict key or set element recurses in C through nested tuples, and a deep
-# enough one crashes the interpreter.
+# unpickler's stack only as far as hashing goes: each item's tuple nesting
+# (hashing a dict key or set element recurses in C through nested tuples, and
+# a deep enough one crashes the interpreter), the work of hashing it, and
+# whether a pickle can choose its hash (_FIXED_HASH).
 (_PUSH_FIXED, _PUSH_COUNT1, _MEMOIZE, _BINGET, _SKIP_FIXED, _POP1, _SETITEM, _TO_MARK, _MARK, _SLOW, _FRAME,
  _PUSH_CONTAINER) = range(12)
 
@@ -98,6 +99,7 @@ class _PlainDataUnpickler(pickle.Unpickler):
 #: real snapshots build a container per 20-50 bytes of pickle, a crafted one
 #: a set (216 bytes) per byte.
 MIN_UNPICKLED_BYTES = 256 << 20
+UNPICKLED_BYTES_PER_BYTE = 64
 #: The most work hashing one tuple may take (1 + each element's, a tuple
 #: element its own): at least this, else one step per byte of pickle. CPython
 #: does not cache a tuple's hash, so a tuple of references to one tuple, n
@@ -114,7 +116,6 @@ _FIXED_HASH_KEY = ("a dict key or set element that is not a str or bytes (an int
 _SCALAR_ITEM = [_FIXED_HASH] * 256
 for _c in b"STUVX\x8c\x8dBC\x8e\x96N\x88\x89\x97]}\x8f":
     _SCALAR_ITEM[_c] = 0
-UNPICKLED_BYTES_PER_BYTE = 64
 #: What CPython allocates for the empty container an opcode builds (3.11,
 #: 3.12, 64-bit; sys.getsizeof): lists, dicts, sets and frozensets, tuples.
 _CONTAINER_BYTES = [0] * 256
@@ -217,7 +218,7 @@ def _scan_pickle_py(data: bytes, name: str, max_depth: int = MAX_PICKLE_DEPTH) -
     if not 0 <= max_depth <= 1 << 30:  # as the Go scanner (and its C wrapper)
         raise ValueError(f"max_depth {max_depth} is not in [0, 2**30]")
     action, args, scalar_item = _OPCODE_ACTION, _OPCODE_ARG, _SCALAR_ITEM
-    stack: list[int] = []  # each item's tuple: hash work << 32 | nesting (0: not a tuple; see _scan_slow)
+    stack: list[int] = []  # each item: hash work << 32 | _FIXED_HASH | tuple nesting (0: a str, None...)
     push = stack.append
     marks: list[int] = []
     memo: dict[int, int] = {}

@@ -193,7 +193,7 @@ var callNames = map[byte]string{'o': "OBJ", 0x81: "NEWOBJ", 0x92: "NEWOBJ_EX", '
 // scanner holds the state of one Scan.
 type scanner struct {
 	data      []byte
-	stack     []item  // the tuple each stack item is (0: not a tuple)
+	stack     []item  // what the scan knows of each stack item (see item)
 	nodes     []int32 // the container of each stack item (noNode: not one)
 	marks     []int
 	memo      []item  // 1 + the item of each memo entry; 0: no entry
@@ -245,12 +245,13 @@ func (s *scanner) refuse(format string, args ...any) error {
 	return &Error{Why: fmt.Sprintf(format, args...), Ops: s.ops, Pos: int64(s.pos)}
 }
 
-// item packs what the scan knows of a stack item that is a tuple: its
-// nesting (low 32 bits; 0: not a tuple) and the work of hashing it (high 32
-// bits, saturating): 1 + the work of each element, where an element that is
-// not a tuple costs 1. A tuple made of references to one tuple, n times
-// over, is 2^n work at nesting n: CPython does not cache a tuple's hash, and
-// hashing one as a dict key or set element walks every reference.
+// item packs what the scan knows of a stack item: for a tuple its nesting
+// (low 31 bits; 0: not a tuple) and the work of hashing it (high 32 bits,
+// saturating): 1 + the work of each element, where an element that is not a
+// tuple costs 1. A tuple made of references to one tuple, n times over, is
+// 2^n work at nesting n: CPython does not cache a tuple's hash, and hashing
+// one as a dict key or set element walks every reference. Bit 31 is
+// fixedHash, for any item.
 type item uint64
 
 func tupleItem(nesting int32, work uint64) item {

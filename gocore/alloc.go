@@ -67,7 +67,7 @@ func (p *Pool) Alloc(size uint64, dev int, stream Stream) (uint64, error) {
 	}
 	b.allocated = true
 	b.requested = size
-	p.allocated[b.addr] = b
+	p.live.put(b)
 	st := &d.stats
 	st.Allocation.add(kind, 1)
 	st.AllocatedBytes.add(kind, int64(b.size))

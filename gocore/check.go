@@ -62,7 +62,7 @@ func (p *Pool) CheckInvariants() error {
 				active := b.allocated || b.pending > 0
 				if b.allocated {
 					allocatedSeen++
-					if p.allocated[b.addr] != b {
+					if p.live.get(b.addr) != b {
 						bad("allocated block %#x missing from the live map", b.addr)
 					}
 					want.Allocation.add(s.kind, 1)
@@ -157,8 +157,8 @@ func (p *Pool) CheckInvariants() error {
 			bad("device %d: cached free lists of stream %#x are not its lists", d.id, uint64(d.lastStream))
 		}
 	}
-	if allocatedSeen != len(p.allocated) {
-		bad("%d blocks in the live map, %d allocated blocks in segments", len(p.allocated), allocatedSeen)
+	if allocatedSeen != p.live.len() {
+		bad("%d blocks in the live map, %d allocated blocks in segments", p.live.len(), allocatedSeen)
 	}
 	return errors.Join(errs...)
 }

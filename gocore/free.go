@@ -16,7 +16,7 @@ func (p *Pool) Free(addr uint64) error {
 	if err != nil {
 		return err
 	}
-	delete(p.allocated, addr)
+	p.live.remove(addr)
 	d := p.devices[b.seg.device]
 	kind := b.seg.kind
 	st := &d.stats
@@ -50,7 +50,7 @@ func (p *Pool) liveBlockLocked(op string, addr uint64) (*block, error) {
 	if p.closed {
 		return nil, fmt.Errorf("%s %#x in pool %q: %w", op, addr, p.name, ErrClosed)
 	}
-	if b := p.allocated[addr]; b != nil {
+	if b := p.live.get(addr); b != nil {
 		return b, nil
 	}
 	return nil, p.notAllocatedLocked(op, addr)

@@ -101,18 +101,18 @@ func (p *Pool) roundRequest(size uint64) uint64 {
 // Pool is a caching allocator over one Backend. It is safe for concurrent
 // use by many goroutines and OS threads.
 type Pool struct {
-	mu        sync.Mutex
-	cfg       Config
-	name      string
-	backend   Backend
-	closed    bool
-	devices   []*deviceState    // indexed by ordinal, created lazily
-	allocated map[uint64]*block // live blocks by address
-	spare     []*block          // block structs kept for reuse
-	expander  Expander          // non-nil when the backend grows segments in place
-	shrinker  Shrinker          // non-nil when it can also give their free tails back
-	hist      *history          // recorded events; nil when recording is off
-	histMax   int
+	mu       sync.Mutex
+	cfg      Config
+	name     string
+	backend  Backend
+	closed   bool
+	devices  []*deviceState // indexed by ordinal, created lazily
+	live     liveIndex      // allocated blocks by address
+	spare    []*block       // block structs kept for reuse
+	expander Expander       // non-nil when the backend grows segments in place
+	shrinker Shrinker       // non-nil when it can also give their free tails back
+	hist     *history       // recorded events; nil when recording is off
+	histMax  int
 	// deviceLimit overrides cfg.Limit for single devices (torch's
 	// set_per_process_memory_fraction is per device); 0 there means none.
 	deviceLimit map[int]uint64
@@ -185,13 +185,12 @@ func NewPool(cfg Config) (*Pool, error) {
 		sh = s
 	}
 	return &Pool{
-		expander:  ex,
-		shrinker:  sh,
-		cfg:       cfg,
-		name:      cfg.Name,
-		backend:   cfg.Backend,
-		devices:   make([]*deviceState, n),
-		allocated: make(map[uint64]*block),
+		expander: ex,
+		shrinker: sh,
+		cfg:      cfg,
+		name:     cfg.Name,
+		backend:  cfg.Backend,
+		devices:  make([]*deviceState, n),
 	}, nil
 }
 
@@ -394,11 +393,11 @@ func (p *Pool) Close() (CloseReport, error) {
 		return rep, p.freeUnreleasedLocked(&rep)
 	}
 	p.closed = true
-	for _, b := range p.allocated {
+	p.live.all(func(b *block) {
 		rep.LiveBlocks = append(rep.LiveBlocks, LiveBlock{
 			Device: b.seg.device, Addr: b.addr, Size: b.size, Requested: b.requested, Stream: b.seg.stream})
 		rep.LiveBytes += b.size
-	}
+	})
 	sortLiveBlocks(rep.LiveBlocks)
 	var errs []error
 	for _, d := range p.devices {
@@ -428,7 +427,7 @@ func (p *Pool) Close() (CloseReport, error) {
 		d.growing = nil
 		d.lastFree = nil
 	}
-	p.allocated = nil
+	p.live = liveIndex{}
 	p.spare = nil
 	errs = append(errs, p.freeUnreleasedLocked(&rep))
 	return rep, errors.Join(errs...)

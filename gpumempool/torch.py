@@ -1302,7 +1302,8 @@ def set_torch_allocator(pool: MemPool, *, oom_error: str = "runtime") -> tuple[s
         small shim (``gpumempool/torch_oom.cpp``) against the running torch's
         headers with the C++ compiler (``$CXX``, else c++/g++/clang++), about
         a second, once per torch and compiler: the library is cached in
-        ``$GMP_CACHE_DIR`` (default ``~/.cache/gpumempool``).
+        ``$GMP_CACHE_DIR`` (default ``~/.cache/gpumempool``) when nobody but
+        the user or root can write there, else in ``<tmp>/gpumempool-<uid>``.
         :class:`TorchIntegrationError` says what is missing when it cannot.
 
     Other failures read "gpumempool: cannot allocate N bytes on device D:

@@ -73,8 +73,9 @@ PICKLE_NODES_PER_BYTE = 64
 
 class _PlainDataUnpickler(pickle.Unpickler):
     """Builds only what pickle's own opcodes build (dict, list, tuple, set,
-    str, bytes, int, float, bool, None); every global is refused, so no
-    constructor, function or reducer can run."""
+    frozenset, str, bytes, bytearray, a read-only memoryview of one, int,
+    float, bool, None); every global is refused, so no constructor,
+    function or reducer can run."""
 
     def find_class(self, module: str, name: str) -> Any:
         raise UnsafePickleError(
@@ -177,7 +178,7 @@ _CALL_OPS = {0x6F: "OBJ", 0x81: "NEWOBJ", 0x92: "NEWOBJ_EX", 0x52: "REDUCE", 0x6
              0x83: "EXT2", 0x84: "EXT4"}
 
 
-def _scan_pickle(data: bytes, name: str) -> Optional[tuple[int, int]]:
+def _scan_pickle(data: Union[bytes, bytearray], name: str) -> Optional[tuple[int, int]]:
     """Walk the opcodes of ``data`` without running them and refuse what
     would make the unpickler itself use much more memory or stack than the
     data's size: memo indexes beyond the number of opcodes (the C unpickler
@@ -211,7 +212,7 @@ def _scan_error(name: str, truncated: bool, why: str, ops: int, pos: int) -> Uns
     return UnsafePickleError(f"{name}: refused a crafted or corrupt pickle: {why} (opcode {ops} at byte {pos})")
 
 
-def _scan_pickle_py(data: bytes, name: str, max_depth: int = MAX_PICKLE_DEPTH) -> None:
+def _scan_pickle_py(data: Union[bytes, bytearray], name: str, max_depth: int = MAX_PICKLE_DEPTH) -> None:
     """:func:`_scan_pickle` in Python (about 8 MB/s): the reference that
     ``bindings/picklescan`` matches, and the fallback without the C fast
     path."""
@@ -310,7 +311,7 @@ def _scan_pickle_py(data: bytes, name: str, max_depth: int = MAX_PICKLE_DEPTH) -
         raise _scan_error(name, True, "", ops, pos) from None
 
 
-def _scan_slow(data: bytes, pos: int, op: int, ops: int, stack: list[int], marks: list[int],
+def _scan_slow(data: Union[bytes, bytearray], pos: int, op: int, ops: int, stack: list[int], marks: list[int],
                memo: dict[int, int], bad: Callable[[str], UnsafePickleError], max_depth: int) -> int:
     """The rarer opcodes of :func:`_scan_pickle`; returns the next position,
     or -1 at the end of what is to be scanned."""
@@ -405,10 +406,15 @@ def _check_structure(root: Any, name: str, max_nodes: int) -> None:
     containers = _CONTAINERS
     if type(root) not in containers:
         return
-    done: dict[int, int] = {}  # id -> expanded size of a finished container
+    # id -> (expanded size, height) of a finished container; its height (the
+    # containers on its longest chain down) counts again wherever it is
+    # shared, else a deep container reached first on a short path would be
+    # let through at the bottom of a long one.
+    done: dict[int, tuple[int, int]] = {}
     open_ids: set[int] = set()
     path: list[tuple[Any, Iterator[Any]]] = []
     sizes: list[int] = []
+    heights: list[int] = []  # of the open containers' finished children, +1
     max_depth = MAX_PICKLE_DEPTH
 
     def children(obj: Any) -> Iterator[Any]:
@@ -421,6 +427,7 @@ def _check_structure(root: Any, name: str, max_nodes: int) -> None:
 
     path.append((root, children(root)))
     sizes.append(1 + len(root))
+    heights.append(1)
     open_ids.add(id(root))
     while path:
         obj, it = path[-1]
@@ -430,7 +437,11 @@ def _check_structure(root: Any, name: str, max_nodes: int) -> None:
             cid = id(child)
             known = done.get(cid)
             if known is not None:
-                sizes[-1] += known
+                size, height = known
+                if len(path) + height > max_depth:
+                    raise refuse(f"containers nested deeper than {max_depth}")
+                sizes[-1] += size
+                heights[-1] = max(heights[-1], 1 + height)
                 if sizes[-1] > max_nodes:
                     raise refuse(f"shared references expand it to more than {max_nodes} nodes "
                                  "(raise max_bytes if it is genuine)")
@@ -442,21 +453,25 @@ def _check_structure(root: Any, name: str, max_nodes: int) -> None:
             open_ids.add(cid)
             path.append((child, children(child)))
             sizes.append(1 + len(child))
+            heights.append(1)
             break
         else:
             path.pop()
-            size = sizes.pop()
+            size, height = sizes.pop(), heights.pop()
             open_ids.discard(id(obj))
-            done[id(obj)] = size
+            done[id(obj)] = (size, height)
             if sizes:
                 sizes[-1] += size
+                heights[-1] = max(heights[-1], 1 + height)
                 if sizes[-1] > max_nodes:
                     raise refuse(f"shared references expand it to more than {max_nodes} nodes "
                                  "(raise max_bytes if it is genuine)")
 
 
-def _gunzip(data: bytes, name: str, max_bytes: int) -> bytes:
-    """Decompress in chunks, refusing more than ``max_bytes`` of output."""
+def _gunzip(data: bytes, name: str, max_bytes: int) -> bytearray:
+    """Decompress in chunks, refusing more than ``max_bytes`` of output.
+    The bytearray itself is returned (the scanners and the unpickler take
+    any buffer): a copy to bytes would double the peak memory."""
     out = bytearray()
     chunk = 1 << 20
     try:
@@ -470,7 +485,7 @@ def _gunzip(data: bytes, name: str, max_bytes: int) -> bytes:
                     raise UnsafePickleError(f"{name}: decompresses to more than {max_bytes} bytes (raise max_bytes)")
     except (OSError, EOFError, zlib.error) as exc:
         raise UnsafePickleError(f"{name}: bad gzip data: {str(exc)[:200] or type(exc).__name__}") from None
-    return bytes(out)
+    return out
 
 
 def load_pickle(source: Union[PathLike, bytes], *, max_bytes: int = MAX_PICKLE_BYTES) -> Any:
@@ -484,6 +499,7 @@ def load_pickle(source: Union[PathLike, bytes], *, max_bytes: int = MAX_PICKLE_B
     memo indexes beyond the opcodes, containers nested deeper than
     :data:`MAX_PICKLE_DEPTH`, cycles, and shared references that expand the
     structure beyond :data:`PICKLE_NODES_PER_BYTE` nodes per byte."""
+    data: Union[bytes, bytearray]
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         name = "<bytes>"

@@ -508,3 +508,36 @@ def test_frame_refusals_and_positions(data: bytes, why: str) -> None:
     # Ending at the frame's end, or a length whose data starts after it, is fine.
     assert _verdict_go(b"\x80\x04\x95\x05" + bytes(7) + b"J\x01\x02\x03\x04N.") is None
     assert _verdict_go(b"\x80\x04\x95\x01" + bytes(7) + b"C\x02ab.") is None
+
+
+def _shared_deep_pickle(segments: int, per: int = 99) -> bytes:
+    """root = [head_0, ..., head_k-1], where head_i is ``per`` nested lists
+    holding head_i-1 innermost: 1 + k*per containers deep, each head first
+    reached just below the root."""
+    out = bytearray(b"\x80\x04]")
+    for i in range(segments):
+        out += b"]" * per
+        if i:
+            out += b"j" + (i - 1).to_bytes(4, "little") + b"a"  # LONG_BINGET head_i-1, into the innermost
+        out += b"a" * (per - 1) + b"\x94a"  # close the chain; MEMOIZE head_i (memo i); append it to the root
+    return bytes(out + b".")
+
+
+def test_shared_containers_count_their_height_wherever_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: root = [A, B], A 99 nested lists, B 99 more with A
+    innermost. The walk met A first just below the root and, when it met A
+    again 100 deep, added A's size but not its height: any depth loaded
+    (217,801 from a 14 KB .gz)."""
+    data = b"\x80\x04]" + b"]" * 99 + b"a" * 98 + b"\x94a" + b"]" * 99 + b"h\x00" + b"a" * 99 + b"a."
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(_native, "fastcall", None)
+        with pytest.raises(UnsafePickleError, match="containers nested deeper than 100"):
+            load_pickle(data)
+        # Exactly the limit (the root, 50 of B's, 49 of A's) loads.
+        ok = b"\x80\x04]" + b"]" * 49 + b"a" * 48 + b"\x94a" + b"]" * 50 + b"h\x00" + b"a" * 50 + b"a."
+        assert _exact_shape(load_pickle(ok))[1] == 100  # type: ignore[index]
+        deep = _shared_deep_pickle(40)  # 3961 deep, from 8 KB
+        assert _exact_shape(pickle.loads(deep))[1] == 1 + 40 * 99  # type: ignore[index]
+        with pytest.raises(UnsafePickleError, match="containers nested deeper than 100"):
+            load_pickle(deep)

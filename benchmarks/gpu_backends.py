@@ -118,6 +118,9 @@ def main() -> None:
             print(f"  {name}: {exc}", file=sys.stderr)
         write(result, out)  # after every backend: a run cut short keeps what it measured
     print((out / "gpu_backends.md").read_text())
+    failed = [name for name, r in result["backends"].items() if "error" in r]
+    if failed:  # the results are written; the exit status tells gpu-check.sh
+        raise SystemExit(f"gpu_backends: {', '.join(failed)} failed (see the table)")
 
 
 def write(result: dict, out: Path) -> None:

@@ -4,15 +4,28 @@ gpumempool's exported ABI), built with the system C compiler."""
 from __future__ import annotations
 
 import ctypes
+import importlib
 import importlib.util
 import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 CSRC = Path(__file__).parent / "csrc"
+
+
+def import_or_skip(name: str, *, module_level: bool = False) -> Any:
+    """Import ``name``, or skip with the reason when it does not import for
+    any reason. pytest.importorskip skips only a missing module (pytest >=
+    9): a CuPy or torch that is installed but fails to load (a CUDA
+    mismatch) would be a collection error, which ends the whole session."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        pytest.skip(f"{name} does not import: {str(exc).strip()[:300]}", allow_module_level=module_level)
 
 
 def _has_gpu() -> bool:

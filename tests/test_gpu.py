@@ -13,12 +13,12 @@ import textwrap
 import pytest
 
 import gpumempool as gmp
-from conftest import nccl_ok
+from conftest import import_or_skip, nccl_ok
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 
-cp = pytest.importorskip("cupy") if gmp.devices() else None
+cp = import_or_skip("cupy", module_level=True) if gmp.devices() else None
 
 
 DEVICE_BACKENDS = ["cuda", "async", "vmm", "nccl"]

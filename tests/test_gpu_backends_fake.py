@@ -310,3 +310,30 @@ def test_vmm_host_numa_on_a_device_without_support(fake_cuda) -> None:
         fake.fake_cuda_set_device_attribute(0, 141, 1)
     with gmp.MemPool("vmm", libcuda=path, location="host_numa", numa_node=0) as pool:
         pool.free(pool.alloc(4 << 20))  # supported: fine
+
+
+def test_gpu_backends_script_fails_when_a_backend_fails(fake_cuda, tmp_path, monkeypatch) -> None:
+    """A backend that errors is in the table, and the exit status says so
+    (gpu-check.sh marks the stage failed instead of ok)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path, _ = fake_cuda
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_backends.py"
+    spec = importlib.util.spec_from_file_location("gmp_test_gpu_backends_main", script)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "SIZES", [4096])
+    monkeypatch.setattr(bench, "iters_for", lambda size: 3)
+    monkeypatch.setattr(bench.gmp, "devices", lambda: [{"name": "fake"}])
+    monkeypatch.setattr(bench, "BACKENDS", {"cuda": {"gpu": {"libcuda": path}},
+                                            "vmm": {"gpu": {"libcuda": path + ".missing"}}})
+    monkeypatch.setattr(bench, "mixed_workload", lambda name, spec, steps=300: {
+        "peak_requested": 1, "peak_reserved": 1, "reserved_over_requested": 1.0, "backend_calls": 1})
+    monkeypatch.setattr(sys, "argv", ["gpu_backends.py", "--out", str(tmp_path), "--backends", "cuda,vmm"])
+    with pytest.raises(SystemExit, match=r"gpu_backends: vmm failed"):
+        bench.main()
+    md = (tmp_path / "gpu_backends.md").read_text()
+    assert "| cuda | 4,096 |" in md and "| vmm | - |" in md

@@ -27,12 +27,12 @@ from typing import Any, Iterator
 import pytest
 
 import gpumempool as gmp
-from conftest import nccl_ok
+from conftest import import_or_skip, nccl_ok
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
 
-torch: Any = pytest.importorskip("torch") if gmp.devices() else None
+torch: Any = import_or_skip("torch", module_level=True) if gmp.devices() else None
 
 
 def backends_here() -> list[str]:
@@ -636,7 +636,7 @@ def test_nccl_two_ranks() -> None:
 
 
 def test_cupy_and_torch_share_one_pool() -> None:
-    cp = pytest.importorskip("cupy")
+    cp = import_or_skip("cupy")
     with make_pool() as pool:
         with gmp.cupy.using(pool):
             a = cp.arange(1 << 20, dtype=cp.float32)
@@ -660,7 +660,7 @@ def test_cupy_and_torch_share_one_pool() -> None:
 
 
 def test_cupy_set_allocator_process_wide() -> None:
-    cp = pytest.importorskip("cupy")
+    cp = import_or_skip("cupy")
     with make_pool() as pool:
         previous = gmp.cupy.set_allocator(pool)
         try:

@@ -336,7 +336,8 @@ EOF
 log "installed $(basename "$WHEEL") into $VENV; stages: ${STAGES[*]}"
 
 # -- stages -------------------------------------------------------------------
-PYTEST_EXTRA=(-p no:cacheprovider)
+# A module that fails to import must not end the session for the others.
+PYTEST_EXTRA=(-p no:cacheprovider --continue-on-collection-errors)
 "$PY" -c 'import pytest_timeout' 2>/dev/null && PYTEST_EXTRA+=(--timeout=240)
 
 stage_cmd() {  # the stage's command, run from the repository root

@@ -372,12 +372,16 @@ func PoolGraphPools(id int64) (js string, err error) {
 }
 
 // PoolSymbols gives the pool a C slot and returns the names of its torch
-// pluggable-allocator functions as "alloc_name,free_name". With throwing,
-// the alloc function is the C++ one that throws instead of returning NULL
-// (for torch's full replacement, which does not check for NULL).
-func PoolSymbols(id int64, throwing bool) (names string, err error) {
+// pluggable-allocator functions as "alloc_name,free_name". kind picks the
+// alloc function: "plain" returns NULL on failure; "throwing" is the C++ one
+// that throws instead (for torch's full replacement, which does not check
+// for NULL); "segments" returns NULL too and serves torch's caching
+// allocator getting the segments of a torch.cuda.MemPool, which it sizes
+// itself (gocore.Pool.AllocSegment).
+func PoolSymbols(id int64, kind string) (names string, err error) {
 	defer guard(&err)
-	if throwing {
+	switch kind {
+	case "throwing":
 		// For full replacement: torch calls these for the rest of the
 		// process, so the slot is never handed to another pool.
 		e, err := entry(id)
@@ -389,12 +393,17 @@ func PoolSymbols(id int64, throwing bool) (names string, err error) {
 			return "", err
 		}
 		return fmt.Sprintf("gmp_alloc_or_throw_%d,gmp_free_%d", slot, slot), nil
+	case "plain", "segments":
+		slot, err := slotOf(id)
+		if err != nil {
+			return "", err
+		}
+		if kind == "segments" {
+			return fmt.Sprintf("gmp_segment_alloc_%d,gmp_free_%d", slot, slot), nil
+		}
+		return fmt.Sprintf("gmp_alloc_%d,gmp_free_%d", slot, slot), nil
 	}
-	slot, err := slotOf(id)
-	if err != nil {
-		return "", err
-	}
-	return fmt.Sprintf("gmp_alloc_%d,gmp_free_%d", slot, slot), nil
+	return "", fmt.Errorf("pool symbols: kind %q is not plain, throwing or segments: %w", kind, gocore.ErrInvalidArgument)
 }
 
 // PoolHookSymbols gives the pool a C slot and returns, as JSON, torch's

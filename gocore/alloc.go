@@ -12,6 +12,22 @@ import (
 // segments and retries once before returning an *OutOfMemoryError (no
 // retry while the pool holds its segments: KeepSegments or a capture).
 func (p *Pool) Alloc(size uint64, dev int, stream Stream) (uint64, error) {
+	return p.alloc(size, dev, stream, false)
+}
+
+// AllocSegment is Alloc for a caller that sizes segments itself and caches
+// inside them, as torch's caching allocator does when a torch.cuda.MemPool
+// gets its segments from the pool (2 MiB for its small blocks, 20 MiB or a
+// 2 MiB multiple for large ones). A cached block serves it as in Alloc, but
+// a miss obtains just the rounded request from the backend (a multiple of
+// 2 MiB for large requests) instead of torch's 20 MiB buffer for requests
+// under 10 MiB: the caller carves that buffer itself, and a second one
+// beneath it would leave up to 18 MiB reserved and never used.
+func (p *Pool) AllocSegment(size uint64, dev int, stream Stream) (uint64, error) {
+	return p.alloc(size, dev, stream, true)
+}
+
+func (p *Pool) alloc(size uint64, dev int, stream Stream, callerSegments bool) (uint64, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
@@ -45,7 +61,7 @@ func (p *Pool) Alloc(size uint64, dev int, stream Stream) (uint64, error) {
 		if kind == kindLarge && p.cfg.GarbageCollectionThreshold > 0 {
 			p.collectGarbageLocked(d)
 		}
-		if b, err = p.newSegmentBlock(d, size, rounded, kind, stream); err != nil {
+		if b, err = p.newSegmentBlock(d, size, rounded, kind, stream, callerSegments); err != nil {
 			return 0, err
 		}
 		// Releasing cached segments may have dropped the stream's lists.
@@ -100,8 +116,11 @@ func (p *Pool) shouldSplit(b *block, rounded uint64) bool {
 
 // newSegmentBlock obtains a segment for a request that no cached block can
 // serve, with the release-and-retry OOM path, and returns it as one block.
-func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKind, stream Stream) (*block, error) {
+func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKind, stream Stream, callerSegments bool) (*block, error) {
 	segSize := segmentSize(rounded)
+	if callerSegments && kind == kindLarge {
+		segSize = roundUp(rounded, RoundLarge)
+	}
 	expandable := p.expander != nil && kind == kindLarge
 	if expandable {
 		if b, err := p.growLocked(d, rounded, stream); b != nil || err != nil {

@@ -1222,3 +1222,44 @@ func TestShrinkableTailAfterTheGranularityGrew(t *testing.T) {
 	require.NoError(t, err)
 	assert.Zero(t, sim.UsedBytes(0))
 }
+
+// AllocSegment serves a caller that sizes its own segments (torch's caching
+// allocator under a torch.cuda.MemPool): a miss reserves just the rounded
+// request, where Alloc carves requests under 10 MiB from a 20 MiB buffer.
+func TestAllocSegmentReservesWhatTheCallerAsks(t *testing.T) {
+	reserved := func(p *Pool) int64 {
+		st, err := p.Stats(0)
+		require.NoError(t, err)
+		return st.ReservedBytes[0].Current
+	}
+	plain, _ := newTestPool(t, SimConfig{Capacity: 1 << 30}, Config{})
+	mustAlloc(t, plain, 2*MiB, 0, 0)
+	assert.EqualValues(t, LargeBuffer, reserved(plain), "Alloc: torch's 20 MiB buffer")
+
+	p, _ := newTestPool(t, SimConfig{Capacity: 1 << 30}, Config{})
+	for _, c := range []struct{ size, segment uint64 }{
+		{2 * MiB, 2 * MiB},       // torch's small segment
+		{20 * MiB, 20 * MiB},     // its large buffer
+		{3*MiB + 100, 4 * MiB},   // any large request: a 2 MiB multiple
+		{64 * MiB, 64 * MiB},     // a big one, as Alloc would
+		{100 << 10, SmallBuffer}, // a small request still gets a small segment
+	} {
+		before := reserved(p)
+		a, err := p.AllocSegment(c.size, 0, 0)
+		require.NoError(t, err)
+		assert.EqualValues(t, c.segment, reserved(p)-before, "request of %d", c.size)
+		if c.size == 64*MiB {
+			require.NoError(t, p.Free(a))
+		}
+	}
+	// A cached block serves it as in Alloc: the free 64 MiB segment is split,
+	// nothing new is reserved.
+	before := reserved(p)
+	a, err := p.AllocSegment(2*MiB, 0, 0)
+	require.NoError(t, err)
+	assert.Equal(t, before, reserved(p))
+	info, err := p.Lookup(a)
+	require.NoError(t, err)
+	assert.EqualValues(t, 2*MiB, info.Size)
+	require.NoError(t, p.CheckInvariants())
+}

@@ -741,7 +741,7 @@ class MemPool:
 
     # -- C ABI --------------------------------------------------------------
 
-    def pluggable_symbols(self, *, throw_on_oom: bool = False) -> tuple[str, str, str]:
+    def pluggable_symbols(self, *, throw_on_oom: bool = False, segments: bool = False) -> tuple[str, str, str]:
         """``(library path, alloc symbol, free symbol)`` for
         ``torch.cuda.memory.CUDAPluggableAllocator``: exported C functions
         with torch's signatures that allocate from this very pool, in the
@@ -752,8 +752,17 @@ class MemPool:
         ``throw_on_oom=True`` names a C++ one that throws a
         ``std::runtime_error`` instead, for callers that do not check, such
         as torch's full replacement (torch reports it as a RuntimeError);
-        only C++ callers may use it."""
-        names = self._native(_b.PoolSymbols, self._handle(), bool(throw_on_oom))
+        only C++ callers may use it. ``segments=True`` names the one for the
+        allocator of a ``torch.cuda.MemPool`` (what :func:`gpumempool.mempool`
+        uses): torch's caching allocator asks it for whole segments, which
+        it sizes and carves itself, so a cache miss reserves just the
+        request from the backend instead of carving it, like any request
+        under 10 MiB, from a 20 MiB buffer of its own (which left up to
+        18 MiB reserved and unused beneath torch's 2 MiB segments)."""
+        if throw_on_oom and segments:
+            raise InvalidArgumentError("pluggable_symbols: throw_on_oom and segments exclude each other")
+        kind = "throwing" if throw_on_oom else "segments" if segments else "plain"
+        names = self._native(_b.PoolSymbols, self._handle(), kind)
         alloc_sym, free_sym = names.split(",")
         return _native.library_path(), alloc_sym, free_sym
 

@@ -13,7 +13,7 @@ called (``pip install 'gpumempool[torch]'``). Four pieces:
         y = torch.randn(10, device="cuda")          # torch's default allocator
 
     It is built on torch's pluggable-allocator hooks: a ``torch.cuda.MemPool``
-    whose allocator is ``CUDAPluggableAllocator(*pool.pluggable_symbols())``
+    whose allocator is ``CUDAPluggableAllocator(*pool.pluggable_symbols(segments=True))``
     (exported C functions of our engine, no Python on the allocation path).
     There is **one torch pool per (gpumempool pool, device)**, created on first
     use and reused by every later entry, so what torch cached stays cached.
@@ -443,7 +443,7 @@ def _state(pool: MemPool, create: bool = True) -> Optional[_PoolState]:
 
 def _allocator(torch: Any, st: _PoolState) -> Any:
     if st.allocator is None:
-        st.allocator = torch.cuda.memory.CUDAPluggableAllocator(*st.pool.pluggable_symbols())
+        st.allocator = torch.cuda.memory.CUDAPluggableAllocator(*st.pool.pluggable_symbols(segments=True))
     return st.allocator
 
 

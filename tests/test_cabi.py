@@ -42,6 +42,28 @@ def test_c_caller_changes_the_pool_python_sees(pool: gmp.MemPool, clib) -> None:
     pool.check()
 
 
+def test_segment_alloc_reserves_what_torch_asks(clib) -> None:
+    """pluggable_symbols(segments=True), the allocator of gmp.mempool's
+    torch.cuda.MemPool: torch asks for whole segments (2 MiB for its small
+    blocks), and the pool reserves just that, where the plain entry point
+    carves a 2 MiB request from a 20 MiB buffer as torch itself would."""
+    with gmp.MemPool("sim", capacity=1 << 30) as pool:
+        path, seg_sym, f_sym = pool.pluggable_symbols(segments=True)
+        assert seg_sym.startswith("gmp_segment_alloc_") and f_sym.startswith("gmp_free_")
+        assert seg_sym.replace("segment_alloc", "alloc") == pool.pluggable_symbols()[1]  # same slot
+        assert clib.caller_open(path.encode(), seg_sym.encode(), f_sym.encode()) == 0
+        p = clib.caller_alloc(2 * MiB, 0, 0)
+        assert p and pool.stats()["reserved_bytes.all.current"] == 2 * MiB
+        clib.caller_free(p, 2 * MiB, 0, 0)
+        assert clib.caller_open(*(x.encode() for x in pool.pluggable_symbols())) == 0
+        q = clib.caller_alloc(4 * MiB, 0, 0)
+        assert q and pool.stats()["reserved_bytes.all.current"] == 2 * MiB + 20 * MiB
+        clib.caller_free(q, 4 * MiB, 0, 0)
+        pool.check()
+        with pytest.raises(gmp.InvalidArgumentError, match="exclude each other"):
+            pool.pluggable_symbols(segments=True, throw_on_oom=True)
+
+
 def test_several_pools_have_their_own_entry_points(clib) -> None:
     with gmp.MemPool("sim", name="p1") as p1, gmp.MemPool("sim", name="p2") as p2:
         s1, s2 = p1.pluggable_symbols(), p2.pluggable_symbols()

@@ -94,16 +94,27 @@ func guardedErr(e *registry.Entry, where string, fn func() error) error {
 // (C, torch, Python): from a CUDA graph's private pool while a capture
 // accepts the stream (graphs.go), else from the pool itself.
 func AllocFor(e *registry.Entry, size uint64, device int, stream uintptr) (uint64, error) {
+	return allocFor(e, size, device, stream, e.Pool.Alloc)
+}
+
+// allocSegmentFor is AllocFor for torch's caching allocator asking for a
+// segment of a torch.cuda.MemPool (gocore.Pool.AllocSegment).
+func allocSegmentFor(e *registry.Entry, size uint64, device int, stream uintptr) (uint64, error) {
+	return allocFor(e, size, device, stream, e.Pool.AllocSegment)
+}
+
+func allocFor(e *registry.Entry, size uint64, device int, stream uintptr,
+	alloc func(uint64, int, gocore.Stream) (uint64, error)) (uint64, error) {
 	if addr, private, err := privateAlloc(e, size, device, stream); private {
 		return addr, err
 	}
-	addr, err := e.Pool.Alloc(size, device, gocore.Stream(stream))
+	addr, err := alloc(size, device, gocore.Stream(stream))
 	if errors.Is(err, gocore.ErrOutOfMemory) {
 		// Private pools no graph uses any more may still hold segments
 		// (they wait for their events, or for a capture to end): torch
 		// frees those before it gives up, and so do we.
 		if n, serr := sweepFreeable(e); n > 0 && serr == nil {
-			addr, err = e.Pool.Alloc(size, device, gocore.Stream(stream))
+			addr, err = alloc(size, device, gocore.Stream(stream))
 		}
 	}
 	return addr, err
@@ -138,9 +149,14 @@ func entryAlloc(e *registry.Entry, where string, size C.size_t, device C.int, st
 }
 
 func entryAllocErr(e *registry.Entry, where string, size C.size_t, device C.int, stream C.uintptr_t) (C.uintptr_t, error) {
+	return entryAllocWith(e, where, size, device, stream, AllocFor)
+}
+
+func entryAllocWith(e *registry.Entry, where string, size C.size_t, device C.int, stream C.uintptr_t,
+	alloc func(*registry.Entry, uint64, int, uintptr) (uint64, error)) (C.uintptr_t, error) {
 	var addr uint64
 	err := guardedErr(e, where, func() (err error) {
-		addr, err = AllocFor(e, uint64(size), int(device), uintptr(stream))
+		addr, err = alloc(e, uint64(size), int(device), uintptr(stream))
 		return err
 	})
 	return C.uintptr_t(addr), err
@@ -166,6 +182,22 @@ func slotAlloc(slot int, size C.size_t, device C.int, stream C.uintptr_t) (C.uin
 		return 0, nil
 	}
 	return entryAllocErr(e, "gmp_alloc", size, device, stream)
+}
+
+// slotAllocSegment is gmp_segment_alloc_<slot>: gmp_alloc_<slot> for
+// torch's caching allocator getting the segments of a torch.cuda.MemPool,
+// which it sizes and carves itself (gocore.Pool.AllocSegment).
+func slotAllocSegment(slot int, size C.size_t, device C.int, stream C.uintptr_t) (C.uintptr_t, error) {
+	e := registry.BySlot(slot)
+	if e == nil {
+		err := fmt.Errorf("gmp_segment_alloc_%d: no pool holds this slot (closed?)", slot)
+		registry.SetOrphanError(err.Error())
+		return 0, err
+	}
+	if size == 0 {
+		return 0, nil
+	}
+	return entryAllocWith(e, "gmp_segment_alloc", size, device, stream, allocSegmentFor)
 }
 
 // slotFree is gmp_free_<slot>. Freeing NULL (an empty tensor) does nothing.

@@ -1,7 +1,8 @@
 //go:build ignore
 
-// gen_slots writes zz_slots.go (one exported alloc/free pair and the torch
-// hooks of hooks.go per registry slot) and zz_torch.cpp (the entry points
+// gen_slots writes zz_slots.go (one exported alloc/free pair, the segment
+// alloc of torch.cuda.MemPool and the torch hooks of hooks.go per registry
+// slot) and zz_torch.cpp (the entry points
 // that need C++, see torchEntryPoints). C has no closures, so each pool
 // plugged into torch needs functions of its own; they are generated rather
 // than written out by hand.
@@ -27,6 +28,7 @@ func main() {
 	b.WriteString("/*\n#include <stddef.h>\n#include <stdint.h>\n*/\nimport \"C\"\n")
 	for i := range registry.NumSlots {
 		fmt.Fprintf(&b, "\n//export gmp_alloc_%d\nfunc gmp_alloc_%d(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {\n\taddr, _ := slotAlloc(%d, size, device, stream)\n\treturn addr\n}\n", i, i, i)
+		fmt.Fprintf(&b, "\n//export gmp_segment_alloc_%d\nfunc gmp_segment_alloc_%d(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {\n\taddr, _ := slotAllocSegment(%d, size, device, stream)\n\treturn addr\n}\n", i, i, i)
 		fmt.Fprintf(&b, "\n//export gmp_free_%d\nfunc gmp_free_%d(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {\n\tslotFree(%d, ptr)\n}\n", i, i, i)
 		fmt.Fprintf(&b, "\n//export gmp_init_%d\nfunc gmp_init_%d(deviceCount C.int) {\n\tslotInit(%d, deviceCount)\n}\n", i, i, i)
 		fmt.Fprintf(&b, "\n//export gmp_empty_cache_%d\nfunc gmp_empty_cache_%d() {\n\tslotEmptyCache(%d)\n}\n", i, i, i)

@@ -14,6 +14,12 @@ func gmp_alloc_0(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_0
+func gmp_segment_alloc_0(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(0, size, device, stream)
+	return addr
+}
+
 //export gmp_free_0
 func gmp_free_0(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(0, ptr)
@@ -47,6 +53,12 @@ func gmp_base_alloc_0(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_1
 func gmp_alloc_1(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(1, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_1
+func gmp_segment_alloc_1(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(1, size, device, stream)
 	return addr
 }
 
@@ -86,6 +98,12 @@ func gmp_alloc_2(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_2
+func gmp_segment_alloc_2(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(2, size, device, stream)
+	return addr
+}
+
 //export gmp_free_2
 func gmp_free_2(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(2, ptr)
@@ -119,6 +137,12 @@ func gmp_base_alloc_2(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_3
 func gmp_alloc_3(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(3, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_3
+func gmp_segment_alloc_3(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(3, size, device, stream)
 	return addr
 }
 
@@ -158,6 +182,12 @@ func gmp_alloc_4(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_4
+func gmp_segment_alloc_4(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(4, size, device, stream)
+	return addr
+}
+
 //export gmp_free_4
 func gmp_free_4(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(4, ptr)
@@ -191,6 +221,12 @@ func gmp_base_alloc_4(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_5
 func gmp_alloc_5(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(5, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_5
+func gmp_segment_alloc_5(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(5, size, device, stream)
 	return addr
 }
 
@@ -230,6 +266,12 @@ func gmp_alloc_6(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_6
+func gmp_segment_alloc_6(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(6, size, device, stream)
+	return addr
+}
+
 //export gmp_free_6
 func gmp_free_6(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(6, ptr)
@@ -263,6 +305,12 @@ func gmp_base_alloc_6(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_7
 func gmp_alloc_7(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(7, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_7
+func gmp_segment_alloc_7(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(7, size, device, stream)
 	return addr
 }
 
@@ -302,6 +350,12 @@ func gmp_alloc_8(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_8
+func gmp_segment_alloc_8(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(8, size, device, stream)
+	return addr
+}
+
 //export gmp_free_8
 func gmp_free_8(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(8, ptr)
@@ -335,6 +389,12 @@ func gmp_base_alloc_8(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_9
 func gmp_alloc_9(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(9, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_9
+func gmp_segment_alloc_9(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(9, size, device, stream)
 	return addr
 }
 
@@ -374,6 +434,12 @@ func gmp_alloc_10(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_10
+func gmp_segment_alloc_10(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(10, size, device, stream)
+	return addr
+}
+
 //export gmp_free_10
 func gmp_free_10(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(10, ptr)
@@ -407,6 +473,12 @@ func gmp_base_alloc_10(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_11
 func gmp_alloc_11(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(11, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_11
+func gmp_segment_alloc_11(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(11, size, device, stream)
 	return addr
 }
 
@@ -446,6 +518,12 @@ func gmp_alloc_12(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_12
+func gmp_segment_alloc_12(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(12, size, device, stream)
+	return addr
+}
+
 //export gmp_free_12
 func gmp_free_12(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(12, ptr)
@@ -479,6 +557,12 @@ func gmp_base_alloc_12(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_13
 func gmp_alloc_13(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(13, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_13
+func gmp_segment_alloc_13(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(13, size, device, stream)
 	return addr
 }
 
@@ -518,6 +602,12 @@ func gmp_alloc_14(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_14
+func gmp_segment_alloc_14(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(14, size, device, stream)
+	return addr
+}
+
 //export gmp_free_14
 func gmp_free_14(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(14, ptr)
@@ -551,6 +641,12 @@ func gmp_base_alloc_14(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_15
 func gmp_alloc_15(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(15, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_15
+func gmp_segment_alloc_15(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(15, size, device, stream)
 	return addr
 }
 
@@ -590,6 +686,12 @@ func gmp_alloc_16(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_16
+func gmp_segment_alloc_16(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(16, size, device, stream)
+	return addr
+}
+
 //export gmp_free_16
 func gmp_free_16(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(16, ptr)
@@ -623,6 +725,12 @@ func gmp_base_alloc_16(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_17
 func gmp_alloc_17(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(17, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_17
+func gmp_segment_alloc_17(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(17, size, device, stream)
 	return addr
 }
 
@@ -662,6 +770,12 @@ func gmp_alloc_18(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_18
+func gmp_segment_alloc_18(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(18, size, device, stream)
+	return addr
+}
+
 //export gmp_free_18
 func gmp_free_18(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(18, ptr)
@@ -695,6 +809,12 @@ func gmp_base_alloc_18(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_19
 func gmp_alloc_19(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(19, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_19
+func gmp_segment_alloc_19(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(19, size, device, stream)
 	return addr
 }
 
@@ -734,6 +854,12 @@ func gmp_alloc_20(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_20
+func gmp_segment_alloc_20(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(20, size, device, stream)
+	return addr
+}
+
 //export gmp_free_20
 func gmp_free_20(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(20, ptr)
@@ -767,6 +893,12 @@ func gmp_base_alloc_20(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_21
 func gmp_alloc_21(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(21, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_21
+func gmp_segment_alloc_21(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(21, size, device, stream)
 	return addr
 }
 
@@ -806,6 +938,12 @@ func gmp_alloc_22(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_22
+func gmp_segment_alloc_22(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(22, size, device, stream)
+	return addr
+}
+
 //export gmp_free_22
 func gmp_free_22(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(22, ptr)
@@ -839,6 +977,12 @@ func gmp_base_alloc_22(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_23
 func gmp_alloc_23(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(23, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_23
+func gmp_segment_alloc_23(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(23, size, device, stream)
 	return addr
 }
 
@@ -878,6 +1022,12 @@ func gmp_alloc_24(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_24
+func gmp_segment_alloc_24(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(24, size, device, stream)
+	return addr
+}
+
 //export gmp_free_24
 func gmp_free_24(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(24, ptr)
@@ -911,6 +1061,12 @@ func gmp_base_alloc_24(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_25
 func gmp_alloc_25(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(25, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_25
+func gmp_segment_alloc_25(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(25, size, device, stream)
 	return addr
 }
 
@@ -950,6 +1106,12 @@ func gmp_alloc_26(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_26
+func gmp_segment_alloc_26(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(26, size, device, stream)
+	return addr
+}
+
 //export gmp_free_26
 func gmp_free_26(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(26, ptr)
@@ -983,6 +1145,12 @@ func gmp_base_alloc_26(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_27
 func gmp_alloc_27(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(27, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_27
+func gmp_segment_alloc_27(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(27, size, device, stream)
 	return addr
 }
 
@@ -1022,6 +1190,12 @@ func gmp_alloc_28(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_28
+func gmp_segment_alloc_28(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(28, size, device, stream)
+	return addr
+}
+
 //export gmp_free_28
 func gmp_free_28(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(28, ptr)
@@ -1055,6 +1229,12 @@ func gmp_base_alloc_28(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_29
 func gmp_alloc_29(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(29, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_29
+func gmp_segment_alloc_29(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(29, size, device, stream)
 	return addr
 }
 
@@ -1094,6 +1274,12 @@ func gmp_alloc_30(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_30
+func gmp_segment_alloc_30(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(30, size, device, stream)
+	return addr
+}
+
 //export gmp_free_30
 func gmp_free_30(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(30, ptr)
@@ -1127,6 +1313,12 @@ func gmp_base_alloc_30(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_31
 func gmp_alloc_31(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(31, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_31
+func gmp_segment_alloc_31(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(31, size, device, stream)
 	return addr
 }
 
@@ -1166,6 +1358,12 @@ func gmp_alloc_32(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_32
+func gmp_segment_alloc_32(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(32, size, device, stream)
+	return addr
+}
+
 //export gmp_free_32
 func gmp_free_32(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(32, ptr)
@@ -1199,6 +1397,12 @@ func gmp_base_alloc_32(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_33
 func gmp_alloc_33(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(33, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_33
+func gmp_segment_alloc_33(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(33, size, device, stream)
 	return addr
 }
 
@@ -1238,6 +1442,12 @@ func gmp_alloc_34(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_34
+func gmp_segment_alloc_34(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(34, size, device, stream)
+	return addr
+}
+
 //export gmp_free_34
 func gmp_free_34(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(34, ptr)
@@ -1271,6 +1481,12 @@ func gmp_base_alloc_34(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_35
 func gmp_alloc_35(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(35, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_35
+func gmp_segment_alloc_35(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(35, size, device, stream)
 	return addr
 }
 
@@ -1310,6 +1526,12 @@ func gmp_alloc_36(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_36
+func gmp_segment_alloc_36(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(36, size, device, stream)
+	return addr
+}
+
 //export gmp_free_36
 func gmp_free_36(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(36, ptr)
@@ -1343,6 +1565,12 @@ func gmp_base_alloc_36(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_37
 func gmp_alloc_37(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(37, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_37
+func gmp_segment_alloc_37(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(37, size, device, stream)
 	return addr
 }
 
@@ -1382,6 +1610,12 @@ func gmp_alloc_38(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_38
+func gmp_segment_alloc_38(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(38, size, device, stream)
+	return addr
+}
+
 //export gmp_free_38
 func gmp_free_38(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(38, ptr)
@@ -1415,6 +1649,12 @@ func gmp_base_alloc_38(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_39
 func gmp_alloc_39(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(39, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_39
+func gmp_segment_alloc_39(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(39, size, device, stream)
 	return addr
 }
 
@@ -1454,6 +1694,12 @@ func gmp_alloc_40(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_40
+func gmp_segment_alloc_40(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(40, size, device, stream)
+	return addr
+}
+
 //export gmp_free_40
 func gmp_free_40(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(40, ptr)
@@ -1487,6 +1733,12 @@ func gmp_base_alloc_40(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_41
 func gmp_alloc_41(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(41, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_41
+func gmp_segment_alloc_41(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(41, size, device, stream)
 	return addr
 }
 
@@ -1526,6 +1778,12 @@ func gmp_alloc_42(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_42
+func gmp_segment_alloc_42(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(42, size, device, stream)
+	return addr
+}
+
 //export gmp_free_42
 func gmp_free_42(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(42, ptr)
@@ -1559,6 +1817,12 @@ func gmp_base_alloc_42(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_43
 func gmp_alloc_43(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(43, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_43
+func gmp_segment_alloc_43(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(43, size, device, stream)
 	return addr
 }
 
@@ -1598,6 +1862,12 @@ func gmp_alloc_44(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_44
+func gmp_segment_alloc_44(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(44, size, device, stream)
+	return addr
+}
+
 //export gmp_free_44
 func gmp_free_44(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(44, ptr)
@@ -1631,6 +1901,12 @@ func gmp_base_alloc_44(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_45
 func gmp_alloc_45(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(45, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_45
+func gmp_segment_alloc_45(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(45, size, device, stream)
 	return addr
 }
 
@@ -1670,6 +1946,12 @@ func gmp_alloc_46(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_46
+func gmp_segment_alloc_46(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(46, size, device, stream)
+	return addr
+}
+
 //export gmp_free_46
 func gmp_free_46(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(46, ptr)
@@ -1703,6 +1985,12 @@ func gmp_base_alloc_46(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_47
 func gmp_alloc_47(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(47, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_47
+func gmp_segment_alloc_47(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(47, size, device, stream)
 	return addr
 }
 
@@ -1742,6 +2030,12 @@ func gmp_alloc_48(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_48
+func gmp_segment_alloc_48(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(48, size, device, stream)
+	return addr
+}
+
 //export gmp_free_48
 func gmp_free_48(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(48, ptr)
@@ -1775,6 +2069,12 @@ func gmp_base_alloc_48(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_49
 func gmp_alloc_49(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(49, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_49
+func gmp_segment_alloc_49(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(49, size, device, stream)
 	return addr
 }
 
@@ -1814,6 +2114,12 @@ func gmp_alloc_50(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_50
+func gmp_segment_alloc_50(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(50, size, device, stream)
+	return addr
+}
+
 //export gmp_free_50
 func gmp_free_50(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(50, ptr)
@@ -1847,6 +2153,12 @@ func gmp_base_alloc_50(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_51
 func gmp_alloc_51(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(51, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_51
+func gmp_segment_alloc_51(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(51, size, device, stream)
 	return addr
 }
 
@@ -1886,6 +2198,12 @@ func gmp_alloc_52(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_52
+func gmp_segment_alloc_52(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(52, size, device, stream)
+	return addr
+}
+
 //export gmp_free_52
 func gmp_free_52(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(52, ptr)
@@ -1919,6 +2237,12 @@ func gmp_base_alloc_52(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_53
 func gmp_alloc_53(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(53, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_53
+func gmp_segment_alloc_53(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(53, size, device, stream)
 	return addr
 }
 
@@ -1958,6 +2282,12 @@ func gmp_alloc_54(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_54
+func gmp_segment_alloc_54(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(54, size, device, stream)
+	return addr
+}
+
 //export gmp_free_54
 func gmp_free_54(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(54, ptr)
@@ -1991,6 +2321,12 @@ func gmp_base_alloc_54(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_55
 func gmp_alloc_55(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(55, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_55
+func gmp_segment_alloc_55(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(55, size, device, stream)
 	return addr
 }
 
@@ -2030,6 +2366,12 @@ func gmp_alloc_56(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_56
+func gmp_segment_alloc_56(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(56, size, device, stream)
+	return addr
+}
+
 //export gmp_free_56
 func gmp_free_56(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(56, ptr)
@@ -2063,6 +2405,12 @@ func gmp_base_alloc_56(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_57
 func gmp_alloc_57(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(57, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_57
+func gmp_segment_alloc_57(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(57, size, device, stream)
 	return addr
 }
 
@@ -2102,6 +2450,12 @@ func gmp_alloc_58(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_58
+func gmp_segment_alloc_58(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(58, size, device, stream)
+	return addr
+}
+
 //export gmp_free_58
 func gmp_free_58(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(58, ptr)
@@ -2135,6 +2489,12 @@ func gmp_base_alloc_58(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_59
 func gmp_alloc_59(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(59, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_59
+func gmp_segment_alloc_59(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(59, size, device, stream)
 	return addr
 }
 
@@ -2174,6 +2534,12 @@ func gmp_alloc_60(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_60
+func gmp_segment_alloc_60(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(60, size, device, stream)
+	return addr
+}
+
 //export gmp_free_60
 func gmp_free_60(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(60, ptr)
@@ -2207,6 +2573,12 @@ func gmp_base_alloc_60(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_61
 func gmp_alloc_61(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(61, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_61
+func gmp_segment_alloc_61(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(61, size, device, stream)
 	return addr
 }
 
@@ -2246,6 +2618,12 @@ func gmp_alloc_62(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	return addr
 }
 
+//export gmp_segment_alloc_62
+func gmp_segment_alloc_62(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(62, size, device, stream)
+	return addr
+}
+
 //export gmp_free_62
 func gmp_free_62(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(62, ptr)
@@ -2279,6 +2657,12 @@ func gmp_base_alloc_62(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 //export gmp_alloc_63
 func gmp_alloc_63(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(63, size, device, stream)
+	return addr
+}
+
+//export gmp_segment_alloc_63
+func gmp_segment_alloc_63(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+	addr, _ := slotAllocSegment(63, size, device, stream)
 	return addr
 }
 

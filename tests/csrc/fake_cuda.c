@@ -117,7 +117,8 @@ typedef struct fake_pool *CUmemoryPool;
     X(cuMemExportToShareableHandle) X(cuMemImportFromShareableHandle) X(cuDriverGetVersion)      \
     X(cuThreadExchangeStreamCaptureMode) X(cuStreamCreate) X(cuStreamDestroy_v2)              \
     X(cuStreamIsCapturing) X(cuDeviceGetAttribute) X(cuMemPoolSetAccess) X(cuMemPoolGetAccess) \
-    X(cuDeviceGetUuid_v2)
+    X(cuDeviceGetUuid_v2) X(cuDevicePrimaryCtxGetState) X(cuCtxGetCurrent)   \
+    X(cuCtxSetCurrent)
 
 #define AS_ENUM(name) F_##name,
 enum { FAKE_FUNCS(AS_ENUM) F_COUNT };
@@ -549,6 +550,42 @@ EXPORT CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
     if (tls.depth == MAX_DEPTH) RETURN(CUDA_ERROR_UNKNOWN);
     tls.stack[tls.depth++] = ctx->dev;
     pushes++;
+    RETURN(CUDA_SUCCESS);
+}
+
+/* Torch (c10::cuda::DriverAPI) asks these; gpumempool does not. */
+EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
+    ENTER(cuDevicePrimaryCtxGetState);
+    NEED_INIT();
+    if (!flags || !active) RETURN(CUDA_ERROR_INVALID_VALUE);
+    if (!valid_dev(dev)) RETURN(CUDA_ERROR_INVALID_DEVICE);
+    *flags = 0;
+    *active = retained[dev] > 0;
+    RETURN(CUDA_SUCCESS);
+}
+
+EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx) {
+    ENTER(cuCtxGetCurrent);
+    NEED_INIT();
+    if (!pctx) RETURN(CUDA_ERROR_INVALID_VALUE);
+    sync_tls();
+    *pctx = tls.depth ? &ctxs[tls.stack[tls.depth - 1]] : NULL;
+    RETURN(CUDA_SUCCESS);
+}
+
+/* Binds ctx in place of the thread's current context (NULL: none). */
+EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
+    ENTER(cuCtxSetCurrent);
+    NEED_INIT();
+    sync_tls();
+    if (!ctx) {
+        if (tls.depth) tls.depth--;
+        RETURN(CUDA_SUCCESS);
+    }
+    if (ctx < &ctxs[0] || ctx >= &ctxs[MAX_DEV] || ctx->magic != MAGIC || retained[ctx->dev] == 0)
+        RETURN(CUDA_ERROR_INVALID_CONTEXT);
+    if (tls.depth == 0) tls.depth = 1;
+    tls.stack[tls.depth - 1] = ctx->dev;
     RETURN(CUDA_SUCCESS);
 }
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SHELL_SCRIPTS = [ROOT / "tools" / "build-gpu-wheel.sh", ROOT / "tools" / "gpu-check.sh"]
+SHELL_SCRIPTS = [ROOT / "tools" / name for name in ("build-gpu-wheel.sh", "gpu-check.sh", "gpu-dryrun.sh")]
 PY_SCRIPTS = [ROOT / "benchmarks" / name for name in ("record_traces.py", "suite_gpu.py", "gpt2_train.py")]
 MiB = 1 << 20
 

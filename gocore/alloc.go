@@ -161,7 +161,8 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 		}
 		return nil, oom
 	}
-	seg := &segment{device: d.id, addr: addr, size: segSize, stream: stream, kind: kind, expandable: expandable}
+	seg := &segment{device: d.id, addr: addr, size: segSize, stream: stream, kind: kind, expandable: expandable,
+		wholeFreeAt: -1}
 	b := &block{seg: seg, addr: addr, size: segSize, heapIdx: -1}
 	seg.first, seg.last = b, b
 	if expandable {

@@ -63,6 +63,11 @@ type segment struct {
 	// is at least MaxSplitSize). Kept with the segment so that the count
 	// follows it as it grows or shrinks and is taken back exactly once.
 	oversize bool
+	// wholeFreeAt is the segment's index in its device's wholeFree list
+	// while it is one free block, else -1; wholeFreeSince is the
+	// largeLookups clock when it became so (garbage collection's age).
+	wholeFreeAt    int
+	wholeFreeSince uint64
 }
 
 // roundSize rounds a request up to MinBlockSize.

@@ -197,10 +197,10 @@ func (p *Pool) collectGarbageLocked(d *deviceState) {
 	target := reserved - threshold
 	var cands []*segment
 	var totalAge uint64
-	for s, since := range d.wholeFree {
+	for _, s := range d.wholeFree {
 		if s.kind == kindLarge && !s.expandable {
 			cands = append(cands, s)
-			totalAge += d.largeLookups - since
+			totalAge += d.largeLookups - s.wholeFreeSince
 		}
 	}
 	sort.Slice(cands, func(i, j int) bool { // torch's order: size, then address
@@ -214,7 +214,7 @@ func (p *Pool) collectGarbageLocked(d *deviceState) {
 		avg := float64(totalAge) / float64(len(cands))
 		kept := cands[:0]
 		for _, s := range cands {
-			age := d.largeLookups - d.wholeFree[s]
+			age := d.largeLookups - s.wholeFreeSince
 			if float64(age) >= avg && p.releaseSegmentLocked(d, s) == nil {
 				reclaimed += s.size
 				totalAge -= age

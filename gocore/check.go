@@ -91,7 +91,7 @@ func (p *Pool) CheckInvariants() error {
 				if b.next != nil && b.next.inFree {
 					bad("free blocks %#x and %#x were not merged", b.addr, b.next.addr)
 				}
-				_, whole := d.wholeFree[s]
+				whole := s.wholeFreeAt >= 0 && s.wholeFreeAt < len(d.wholeFree) && d.wholeFree[s.wholeFreeAt] == s
 				if b.isSplit() {
 					if !s.expandable {
 						want.InactiveSplit.add(s.kind, 1)
@@ -117,7 +117,10 @@ func (p *Pool) CheckInvariants() error {
 		if n := d.indexedCount(); n != indexed {
 			bad("device %d: %d blocks indexed as free, %d free blocks in segments", d.id, n, indexed)
 		}
-		for s := range d.wholeFree {
+		for i, s := range d.wholeFree {
+			if s.wholeFreeAt != i {
+				bad("device %d: wholly free segment %#x listed at %d thinks it is at %d", d.id, s.addr, i, s.wholeFreeAt)
+			}
 			if d.segments[s.addr] != s {
 				bad("device %d: wholly free segment %#x is not a live segment", d.id, s.addr)
 			}

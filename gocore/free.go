@@ -2,6 +2,7 @@ package gocore
 
 import (
 	"fmt"
+	"slices"
 	"sort"
 )
 
@@ -154,7 +155,7 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 func (d *deviceState) insertFree(f *streamFree, b *block) {
 	f.insert(b)
 	if !b.isSplit() {
-		d.wholeFree[b.seg] = d.largeLookups
+		d.addWholeFree(b.seg)
 	} else if !b.seg.expandable {
 		d.stats.InactiveSplit.add(b.seg.kind, 1)
 		d.stats.InactiveSplitBytes.add(b.seg.kind, int64(b.size))
@@ -164,11 +165,35 @@ func (d *deviceState) insertFree(f *streamFree, b *block) {
 func (d *deviceState) removeFree(f *streamFree, b *block) {
 	f.remove(b)
 	if !b.isSplit() {
-		delete(d.wholeFree, b.seg)
+		d.dropWholeFree(b.seg)
 	} else if !b.seg.expandable {
 		d.stats.InactiveSplit.add(b.seg.kind, -1)
 		d.stats.InactiveSplitBytes.add(b.seg.kind, -int64(b.size))
 	}
+}
+
+// addWholeFree lists s as one free block, aged from now.
+func (d *deviceState) addWholeFree(s *segment) {
+	if s.wholeFreeAt >= 0 {
+		return
+	}
+	s.wholeFreeAt = len(d.wholeFree)
+	s.wholeFreeSince = d.largeLookups
+	d.wholeFree = append(d.wholeFree, s)
+}
+
+// dropWholeFree takes s off the list (the last entry fills its place).
+func (d *deviceState) dropWholeFree(s *segment) {
+	i := s.wholeFreeAt
+	if i < 0 {
+		return
+	}
+	last := d.wholeFree[len(d.wholeFree)-1]
+	d.wholeFree[i] = last
+	last.wholeFreeAt = i
+	d.wholeFree[len(d.wholeFree)-1] = nil
+	d.wholeFree = d.wholeFree[:len(d.wholeFree)-1]
+	s.wholeFreeAt = -1
 }
 
 // unusedBytes is reserved memory that holds no active block.
@@ -180,10 +205,7 @@ func (d *deviceState) unusedBytes() uint64 {
 // first (fewest backend calls to reach a target), then by address so the
 // order is deterministic.
 func (d *deviceState) wholeFreeSegments() []*segment {
-	segs := make([]*segment, 0, len(d.wholeFree))
-	for s := range d.wholeFree {
-		segs = append(segs, s)
-	}
+	segs := slices.Clone(d.wholeFree)
 	sort.Slice(segs, func(i, j int) bool {
 		if segs[i].size != segs[j].size {
 			return segs[i].size > segs[j].size

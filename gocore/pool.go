@@ -130,7 +130,10 @@ type deviceState struct {
 	lastStream Stream
 	lastFree   *streamFree
 	segments   map[uint64]*segment // by base address
-	wholeFree  map[*segment]uint64 // segments that are one free block -> largeLookups when it became so
+	// wholeFree lists the segments that are one free block, each knowing
+	// its place (segment.wholeFreeAt): a cache hit that takes or frees a
+	// whole segment updates it without hashing.
+	wholeFree []*segment
 	// largeLookups counts searches of the large free lists: the clock that
 	// ages cached segments for garbage collection (torch's gc_count).
 	largeLookups uint64
@@ -300,11 +303,10 @@ func (p *Pool) device(dev int) (*deviceState, error) {
 	d := p.devices[dev]
 	if d == nil {
 		d = &deviceState{
-			id:        dev,
-			streams:   make(map[Stream]*streamFree),
-			segments:  make(map[uint64]*segment),
-			wholeFree: make(map[*segment]uint64),
-			growing:   make(map[Stream]*segment),
+			id:       dev,
+			streams:  make(map[Stream]*streamFree),
+			segments: make(map[uint64]*segment),
+			growing:  make(map[Stream]*segment),
 		}
 		d.stats.MaxSplitSize = maxSplitStat(p.cfg.MaxSplitSize)
 		p.devices[dev] = d

@@ -8,7 +8,7 @@ import (
 	"testing"
 )
 
-// FuzzPoolOps drives random sequences of alloc, free, record_stream, event
+// FuzzPoolOps drives random sequences of alloc (and AllocSegment), free, record_stream, event
 // completion, empty_cache, trim, limit changes and close across two pools
 // sharing one simulated backend (two devices, four streams, manual events,
 // optionally expandable and failure-injecting), and checks every invariant
@@ -119,7 +119,11 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 		switch op % 10 {
 		case 0, 1, 2, 3:
 			size := fuzzSizes[arg%len(fuzzSizes)] + uint64(arg>>4)*512
-			addr, err := p.Alloc(size, arg>>2&1, Stream(arg&3))
+			alloc := p.Alloc
+			if op>>6&1 == 1 { // as torch's caching allocator asks for a MemPool's segments
+				alloc = p.AllocSegment
+			}
+			addr, err := alloc(size, arg>>2&1, Stream(arg&3))
 			switch {
 			case err == nil:
 				live = append(live, liveBlock{pi, addr})

@@ -211,20 +211,26 @@ def test_backend_benchmark_times_the_async_pool_cold_too(fake_cuda) -> None:
     assert "raw_cold_ns" not in rows[0]  # cuMemAlloc keeps no cache to empty
 
 
-def test_gpu_backends_script_reports_cold_async_numbers(fake_cuda, tmp_path, monkeypatch) -> None:
-    """benchmarks/gpu_backends.py's measuring and report code, run on the fake
-    driver (small sizes: the fake's device memory is host memory)."""
+def _backends_script(monkeypatch, sizes):
+    """benchmarks/gpu_backends.py as a module, timing few pairs of sizes."""
     import importlib.util
     from pathlib import Path
 
-    path, _ = fake_cuda
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_backends.py"
     spec = importlib.util.spec_from_file_location("gmp_test_gpu_backends", script)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    monkeypatch.setattr(bench, "SIZES", [4096, MiB])
+    monkeypatch.setattr(bench, "SIZES", sizes)
     monkeypatch.setattr(bench, "iters_for", lambda size: 3)
+    return bench
+
+
+def test_gpu_backends_script_reports_cold_async_numbers(fake_cuda, tmp_path, monkeypatch) -> None:
+    """benchmarks/gpu_backends.py's measuring and report code, run on the fake
+    driver (small sizes: the fake's device memory is host memory)."""
+    path, _ = fake_cuda
+    bench = _backends_script(monkeypatch, [4096, MiB])
     result = {"date": "2026-11-22", "device": "fake", "backends": {}}
     for name in ("cuda", "async"):
         spec_ = {"gpu": {"libcuda": path}}
@@ -315,18 +321,10 @@ def test_vmm_host_numa_on_a_device_without_support(fake_cuda) -> None:
 def test_gpu_backends_script_fails_when_a_backend_fails(fake_cuda, tmp_path, monkeypatch) -> None:
     """A backend that errors is in the table, and the exit status says so
     (gpu-check.sh marks the stage failed instead of ok)."""
-    import importlib.util
     import sys
-    from pathlib import Path
 
     path, _ = fake_cuda
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_backends.py"
-    spec = importlib.util.spec_from_file_location("gmp_test_gpu_backends_main", script)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    monkeypatch.setattr(bench, "SIZES", [4096])
-    monkeypatch.setattr(bench, "iters_for", lambda size: 3)
+    bench = _backends_script(monkeypatch, [4096])
     monkeypatch.setattr(bench.gmp, "devices", lambda: [{"name": "fake"}])
     monkeypatch.setattr(bench, "BACKENDS", {"cuda": {"gpu": {"libcuda": path}},
                                             "vmm": {"gpu": {"libcuda": path + ".missing"}}})

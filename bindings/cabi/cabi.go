@@ -172,32 +172,28 @@ func entryFree(e *registry.Entry, where string, ptr C.uintptr_t) C.int {
 // slotAlloc is gmp_alloc_<slot>. Size 0 gets NULL and is no error: torch
 // asks for it for empty tensors, whose pointer is NULL.
 func slotAlloc(slot int, size C.size_t, device C.int, stream C.uintptr_t) (C.uintptr_t, error) {
-	e := registry.BySlot(slot)
-	if e == nil {
-		err := fmt.Errorf("gmp_alloc_%d: no pool holds this slot (closed?)", slot)
-		registry.SetOrphanError(err.Error())
-		return 0, err
-	}
-	if size == 0 {
-		return 0, nil
-	}
-	return entryAllocErr(e, "gmp_alloc", size, device, stream)
+	return slotAllocWith(slot, "gmp_alloc", size, device, stream, AllocFor)
 }
 
 // slotAllocSegment is gmp_segment_alloc_<slot>: gmp_alloc_<slot> for
 // torch's caching allocator getting the segments of a torch.cuda.MemPool,
 // which it sizes and carves itself (gocore.Pool.AllocSegment).
 func slotAllocSegment(slot int, size C.size_t, device C.int, stream C.uintptr_t) (C.uintptr_t, error) {
+	return slotAllocWith(slot, "gmp_segment_alloc", size, device, stream, allocSegmentFor)
+}
+
+func slotAllocWith(slot int, name string, size C.size_t, device C.int, stream C.uintptr_t,
+	alloc func(*registry.Entry, uint64, int, uintptr) (uint64, error)) (C.uintptr_t, error) {
 	e := registry.BySlot(slot)
 	if e == nil {
-		err := fmt.Errorf("gmp_segment_alloc_%d: no pool holds this slot (closed?)", slot)
+		err := fmt.Errorf("%s_%d: no pool holds this slot (closed?)", name, slot)
 		registry.SetOrphanError(err.Error())
 		return 0, err
 	}
 	if size == 0 {
 		return 0, nil
 	}
-	return entryAllocWith(e, "gmp_segment_alloc", size, device, stream, allocSegmentFor)
+	return entryAllocWith(e, name, size, device, stream, alloc)
 }
 
 // slotFree is gmp_free_<slot>. Freeing NULL (an empty tensor) does nothing.

@@ -45,6 +45,11 @@ func (p *Pool) alloc(size uint64, dev int, stream Stream, callerSegments bool) (
 		p.processEventsLocked(d)
 	}
 	rounded := p.roundRequest(size)
+	if callerSegments {
+		// The caller sized the segment: torch's own rounding options were
+		// applied by torch, not to be applied again beneath it.
+		rounded = roundSize(size)
+	}
 	kind := kindOf(rounded)
 	f := d.freeList(stream)
 	var b *block
@@ -185,7 +190,16 @@ func (p *Pool) backendAlloc(d *deviceState, size uint64, stream Stream) (uint64,
 	if p.overLimitLocked(d, size) {
 		return 0, errLimit
 	}
-	return p.backend.Alloc(d.id, size, stream)
+	addr, err := p.backend.Alloc(d.id, size, stream)
+	if err == nil && addr == 0 {
+		// NULL means failure to every C caller, and the live index keys by
+		// address with 0 as its empty slot: such a segment cannot be used.
+		err = fmt.Errorf("%s backend returned address 0 for %d bytes", p.backend.Name(), size)
+		if ferr := p.backend.Free(d.id, 0, size, stream); ferr != nil {
+			err = fmt.Errorf("%w (and freeing it failed: %w)", err, ferr)
+		}
+	}
+	return addr, err
 }
 
 // newBlock reuses a block struct dropped by a merge, sparing the garbage

@@ -35,7 +35,9 @@ type Backend interface {
 	Capacity(device int) (total, free uint64, err error)
 	// Alloc obtains a segment of exactly size bytes on device, ordered on
 	// stream. A failure because memory ran out wraps ErrBackendOutOfMemory
-	// so that the engine can release its cache and retry.
+	// so that the engine can release its cache and retry. The address is
+	// never 0: C callers (torch) read NULL as failure, and the engine gives
+	// such a segment back and fails the allocation.
 	Alloc(device int, size uint64, stream Stream) (addr uint64, err error)
 	// Free returns a segment obtained from Alloc.
 	Free(device int, addr, size uint64, stream Stream) error

@@ -118,6 +118,9 @@ func (p *Pool) CheckInvariants() error {
 			bad("device %d: %d blocks indexed as free, %d free blocks in segments", d.id, n, indexed)
 		}
 		for i, s := range d.wholeFree {
+			if s.first == nil || s.first != s.last || !s.first.inFree {
+				bad("device %d: segment %#x is listed as wholly free but is not one free block", d.id, s.addr)
+			}
 			if s.wholeFreeAt != i {
 				bad("device %d: wholly free segment %#x listed at %d thinks it is at %d", d.id, s.addr, i, s.wholeFreeAt)
 			}

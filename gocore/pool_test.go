@@ -1263,3 +1263,57 @@ func TestAllocSegmentReservesWhatTheCallerAsks(t *testing.T) {
 	assert.EqualValues(t, 2*MiB, info.Size)
 	require.NoError(t, p.CheckInvariants())
 }
+
+// zeroBasedBackend hands out the sim's addresses shifted down so that its
+// first segment starts at address 0.
+type zeroBasedBackend struct{ *SimBackend }
+
+func (z zeroBasedBackend) Alloc(dev int, size uint64, s Stream) (uint64, error) {
+	a, err := z.SimBackend.Alloc(dev, size, s)
+	return a - DefaultSimBase, err
+}
+
+func (z zeroBasedBackend) Free(dev int, addr, size uint64, s Stream) error {
+	return z.SimBackend.Free(dev, addr+DefaultSimBase, size, s)
+}
+
+// A segment at address 0 cannot be used (NULL is failure to C callers, and
+// the live index keys by address): the pool gives it back and fails the
+// allocation with a plain error, and stays consistent (found by review: the
+// live index panicked and left the segment half registered).
+func TestBackendAddressZeroIsRefused(t *testing.T) {
+	sim, err := NewSimBackend(SimConfig{Capacity: 1 << 30})
+	require.NoError(t, err)
+	p, err := NewPool(Config{Backend: zeroBasedBackend{sim}})
+	require.NoError(t, err)
+	_, err = p.Alloc(4096, 0, 0)
+	require.ErrorContains(t, err, "returned address 0")
+	assert.NotErrorIs(t, err, ErrOutOfMemory)
+	require.NoError(t, p.CheckInvariants())
+	assert.Zero(t, sim.UsedBytes(0), "the segment went back")
+	// Once address 0 is taken by someone else, the pool is served above it.
+	held, err := sim.Alloc(0, 2*MiB, 0)
+	require.NoError(t, err)
+	a, err := p.Alloc(4096, 0, 0)
+	require.NoError(t, err)
+	assert.NotZero(t, a)
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.CheckInvariants())
+	require.NoError(t, sim.Free(0, held, 2*MiB, 0))
+}
+
+// Torch applied its own rounding options to the segments it asks for: the
+// pool's are not applied again beneath them (found by review).
+func TestAllocSegmentIgnoresThePoolsRounding(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Capacity: 1 << 30}, Config{RoundupPower2Divisions: 4})
+	a, err := p.AllocSegment(26*MiB, 0, 0)
+	require.NoError(t, err)
+	st, err := p.Stats(0)
+	require.NoError(t, err)
+	assert.EqualValues(t, 26*MiB, st.ReservedBytes[0].Current)
+	require.NoError(t, p.Free(a))
+	b := mustAlloc(t, p, 26*MiB, 0, 0) // Alloc still rounds: 26 MiB -> 28 MiB
+	info, err := p.Lookup(b)
+	require.NoError(t, err)
+	assert.EqualValues(t, 28*MiB, info.Size)
+}

@@ -155,16 +155,20 @@ func within(off, size, total uint64) bool { return size <= total && off <= total
 // without one (or a driver here without cuDeviceGetUuid_v2).
 func importDevice(drv *cuda.Driver, h *ipcHandle) (int, error) {
 	if h.UUID == "" {
-		return h.Device, nil
+		return checkedDevice(drv, h.Device)
 	}
 	var u cuda.UUID
-	if n, err := hex.Decode(u[:], []byte(h.UUID)); err != nil || n != len(u) || len(h.UUID) != 2*len(u) {
+	if len(h.UUID) != 2*len(u) {
+		return 0, fmt.Errorf("IPC handle uuid of %d characters: want %d hex digits: %w", len(h.UUID), 2*len(u),
+			gocore.ErrInvalidArgument)
+	}
+	if n, err := hex.Decode(u[:], []byte(h.UUID)); err != nil || n != len(u) {
 		return 0, fmt.Errorf("IPC handle uuid %q: want %d hex digits: %w", h.UUID, 2*len(u), gocore.ErrInvalidArgument)
 	}
 	dev, ok, err := drv.DeviceByUUID(u)
 	switch {
 	case errors.Is(err, cuda.ErrDriverTooOld):
-		return h.Device, nil
+		return checkedDevice(drv, h.Device)
 	case err != nil:
 		return 0, fmt.Errorf("IPC handle: find the exporting GPU %s: %w", u, err)
 	case !ok:
@@ -174,21 +178,51 @@ func importDevice(drv *cuda.Driver, h *ipcHandle) (int, error) {
 	return dev, nil
 }
 
+// checkedDevice refuses an ordinal this process has no device for (a handle
+// may carry any number; C.int would wrap 2^32 to device 0).
+func checkedDevice(drv *cuda.Driver, dev int) (int, error) {
+	n, err := drv.DeviceCount()
+	if err != nil {
+		return 0, fmt.Errorf("IPC handle: %w", err)
+	}
+	if dev < 0 || dev >= n {
+		return 0, fmt.Errorf("IPC handle device %d: this process has devices 0..%d: %w", dev, n-1, gocore.ErrInvalidDevice)
+	}
+	return dev, nil
+}
+
 // ImportMemory maps a block exported by another process. handleJSON is
-// PoolExport's JSON with "fds" replaced by this process's descriptors (the
-// caller closes them afterwards); libcuda is the driver path ("" for the
-// default). The block is mapped for this process's ordinal of the
+// PoolExport's JSON without "fds"; fdsJSON lists this process's descriptors
+// for the handle's (a JSON array; the caller closes them afterwards);
+// libcuda is the driver path ("" for the default). The handle may come from
+// a process that is not trusted: only PoolExport's keys, spelled exactly,
+// are accepted (encoding/json would match "Fds" to "fds", which let a peer
+// name any descriptor of this process), and the descriptors never come
+// from it. The block is mapped for this process's ordinal of the
 // exporter's device (found by its UUID). Returns JSON {"id": import handle,
 // "ptr": address of the block, "size": its size, "device": that ordinal}.
 //
 // Async blocks share their imports: the exporter's pool is imported once
 // and each of its segments once, however many blocks of it are imported
 // (cuda.ImportAsyncSegment).
-func ImportMemory(handleJSON, libcuda string) (js string, err error) {
+func ImportMemory(handleJSON, fdsJSON, libcuda string) (js string, err error) {
 	defer guard(&err)
+	var keys map[string]json.RawMessage
+	if err := json.Unmarshal([]byte(handleJSON), &keys); err != nil {
+		return "", fmt.Errorf("IPC handle: %v: %w", err, gocore.ErrInvalidArgument)
+	}
+	for k := range keys {
+		if !importKeys[k] {
+			return "", fmt.Errorf("IPC handle: unexpected key %q: %w", k, gocore.ErrInvalidArgument)
+		}
+	}
 	var h ipcHandle
 	if err := json.Unmarshal([]byte(handleJSON), &h); err != nil {
 		return "", fmt.Errorf("IPC handle: %v: %w", err, gocore.ErrInvalidArgument)
+	}
+	h.FDs = nil
+	if err := json.Unmarshal([]byte(fdsJSON), &h.FDs); err != nil {
+		return "", fmt.Errorf("IPC handle descriptors: %v: %w", err, gocore.ErrInvalidArgument)
 	}
 	var data [64]byte
 	switch h.Kind {
@@ -253,6 +287,11 @@ func ImportMemory(handleJSON, libcuda string) (js string, err error) {
 	importsMu.Unlock()
 	return marshal(map[string]any{"id": id, "ptr": ptr, "size": h.Size, "device": dev})
 }
+
+// importKeys are the keys of PoolExport's JSON that ImportMemory takes,
+// exactly as spelled there.
+var importKeys = map[string]bool{"kind": true, "device": true, "uuid": true, "chunks": true, "data": true,
+	"pool": true, "segment_size": true, "offset": true, "size": true}
 
 // CloseImport unmaps what ImportMemory mapped.
 func CloseImport(id int64) (err error) {

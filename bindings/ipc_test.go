@@ -72,11 +72,16 @@ func importHandle(h map[string]any, lib string, change map[string]any) (map[stri
 			m[k] = v
 		}
 	}
+	fds, err := json.Marshal(m["fds"])
+	if err != nil {
+		return nil, err
+	}
+	delete(m, "fds")
 	js, err := json.Marshal(m)
 	if err != nil {
 		return nil, err
 	}
-	out, err := ImportMemory(string(js), lib)
+	out, err := ImportMemory(string(js), string(fds), lib)
 	if err != nil {
 		return nil, err
 	}
@@ -250,4 +255,40 @@ func TestWithin(t *testing.T) {
 	assert.False(t, within(math.MaxUint64, 2, 10))
 	assert.False(t, within(2, math.MaxUint64, 10))
 	assert.True(t, within(math.MaxUint64-1, 1, math.MaxUint64))
+}
+
+// A handle comes from a process that may not be trusted (found by review):
+// its keys must be exactly PoolExport's (a case variant such as "Fds" once
+// named a descriptor of the importer), a uuid of the wrong length is an
+// error rather than a recovered panic, and a device this process does not
+// have is refused rather than wrapped into range.
+func TestImportMemoryRefusesCraftedHandles(t *testing.T) {
+	lib := buildFake(t)
+	id := newGPUPool(t, "vmm", lib)
+	a, err := PoolAlloc(id, 1<<20, 0, 0)
+	require.NoError(t, err)
+	h := export(t, id, a)
+	for _, c := range []struct {
+		change map[string]any
+		want   string
+	}{
+		{map[string]any{"Fds": []int{0}}, `ValueError: IPC handle: unexpected key "Fds"`},
+		{map[string]any{"extra": 1}, `ValueError: IPC handle: unexpected key "extra"`},
+		{map[string]any{"uuid": strings.Repeat("ab", 17)}, "ValueError: IPC handle uuid of 34 characters"},
+		{map[string]any{"uuid": strings.Repeat("ab", 40)}, "ValueError: IPC handle uuid of 80 characters"},
+		{map[string]any{"uuid": nil, "device": 1 << 32}, "IPC handle device 4294967296"},
+		{map[string]any{"uuid": nil, "device": -1}, "IPC handle device -1"},
+	} {
+		_, err := importHandle(h, lib, c.change)
+		require.Error(t, err, "%v", c.change)
+		assert.True(t, strings.HasPrefix(err.Error(), "ValueError: ") || strings.HasPrefix(err.Error(), "InvalidDeviceError: ") ||
+			strings.Contains(err.Error(), "device"), err.Error())
+		assert.Contains(t, err.Error(), c.want)
+		assert.NotContains(t, err.Error(), "panic")
+	}
+	r, err := importHandle(h, lib, map[string]any{"uuid": nil, "device": 0}) // a valid ordinal without uuid
+	require.NoError(t, err)
+	closeImport(t, r)
+	_, err = PoolClose(id)
+	require.NoError(t, err)
 }

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -60,9 +61,13 @@ class IpcHandle:
 
     @classmethod
     def recv(cls, sock: socket.socket, max_fds: int = 256) -> "IpcHandle":
-        """Receive what :meth:`send` sent (new descriptor numbers here)."""
-        msg, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MESSAGE, max_fds)
+        """Receive what :meth:`send` sent (new descriptor numbers here, made
+        close-on-exec so that child processes do not inherit the memory)."""
+        msg, fds, flags = _recv_fds(sock, max_fds)
         try:
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                raise ValueError(f"not an IPC handle: more than {_MAX_MESSAGE} bytes or {max_fds} descriptors "
+                                 "arrived (truncated)")
             if not msg:
                 raise ConnectionError("the peer closed the socket before sending an IPC handle")
             try:
@@ -101,6 +106,19 @@ class IpcHandle:
         self.close()
 
 
+def _recv_fds(sock: socket.socket, max_fds: int) -> tuple[bytes, list[int], int]:
+    """socket.recv_fds with MSG_CMSG_CLOEXEC (recv_fds ignores its flags on
+    Python < 3.12): the message, the descriptors and the message flags."""
+    size = socket.CMSG_SPACE(max_fds * 4)
+    msg, ancdata, flags, _addr = sock.recvmsg(_MAX_MESSAGE, size, getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            whole = len(data) - len(data) % 4
+            fds.extend(int.from_bytes(data[i:i + 4], sys.byteorder, signed=True) for i in range(0, whole, 4))
+    return msg, fds, flags
+
+
 class ImportedMemory:
     """Memory of another process mapped into this one. ``ptr`` is the
     exported block's address here, ``size`` its size."""
@@ -134,9 +152,11 @@ def import_pool(handle: IpcHandle, libcuda: Optional[str] = None) -> ImportedMem
     """Map an exported block (see :meth:`MemPool.export`) into this process."""
     if not isinstance(handle, IpcHandle):
         raise TypeError(f"import_pool takes an IpcHandle, got {type(handle).__name__}")
-    meta = dict(handle.meta, fds=list(handle.fds))
+    # The descriptors are ours, never named by the peer: its "fds" is left out.
+    meta = {k: v for k, v in handle.meta.items() if k != "fds"}
     try:
-        out = json.loads(_native.bindings.ImportMemory(json.dumps(meta), os.fspath(libcuda) if libcuda else ""))
+        out = json.loads(_native.bindings.ImportMemory(json.dumps(meta), json.dumps(list(handle.fds)),
+                                                       os.fspath(libcuda) if libcuda else ""))
     except RuntimeError as exc:
         raise translate(exc) from None
     return ImportedMemory(out["id"], out["ptr"], out["size"])

@@ -205,3 +205,43 @@ def test_recv_of_a_bad_message_closes_the_descriptors(message: bytes) -> None:
             s.close()
         os.close(r)
         os.close(w)
+
+
+def test_received_descriptors_are_close_on_exec_and_a_named_fd_is_never_used(fake_cuda) -> None:
+    """Found by review: received descriptors were inheritable by every child
+    process; and a peer adding "Fds": [N] to the handle made the importer map
+    its own descriptor N (Go's JSON matches keys case-insensitively). Now the
+    descriptors are close-on-exec, and the handle's keys must be exactly the
+    exporter's, the descriptors always those that arrived."""
+    path, _ = fake_cuda
+    a, b = socket.socketpair(socket.AF_UNIX)
+    with a, b, gmp.MemPool("vmm", libcuda=path, ipc=True) as pool:
+        victim = pool.alloc(MiB)
+        ptr = pool.alloc(MiB)
+        with pool.export(ptr) as h, pool.export(victim) as v:
+            h.send(a)
+            with gmp.IpcHandle.recv(b) as got:
+                assert got.fds and not any(os.get_inheritable(fd) for fd in got.fds)
+                crafted = gmp.IpcHandle(dict(got.meta, Fds=list(v.fds)), got.fds)
+                with pytest.raises(ValueError, match='unexpected key "Fds"'):
+                    gmp.import_pool(crafted, libcuda=path)
+                with gmp.import_pool(got, libcuda=path) as mem:  # the genuine one still maps
+                    assert mem.size == MiB
+
+
+def test_recv_refuses_a_truncated_message() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX)
+    r, w = os.pipe()
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        # Room for one descriptor is room for two (the control buffer is
+        # 8-byte aligned): four do not fit.
+        socket.send_fds(a, [b'{"fds": [0, 1, 2, 3]}'], [r, w, r, w])
+        with pytest.raises(ValueError, match="truncated"):
+            gmp.IpcHandle.recv(b, max_fds=1)
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        for s in (a, b):
+            s.close()
+        os.close(r)
+        os.close(w)

@@ -241,6 +241,7 @@ func ImportMemory(handleJSON, fdsJSON, libcuda string) (js string, err error) {
 			return "", fmt.Errorf("IPC handle block [%d, +%d) is outside the %d-byte segment: %w",
 				h.Offset, h.Size, h.SegmentSize, gocore.ErrInvalidArgument)
 		}
+		// (checked again below against the size the driver maps)
 	case "vmm":
 		if len(h.FDs) == 0 || len(h.FDs) != len(h.Chunks) {
 			return "", fmt.Errorf("vmm IPC handle needs one fd per chunk: %w", gocore.ErrInvalidArgument)
@@ -263,6 +264,10 @@ func ImportMemory(handleJSON, fdsJSON, libcuda string) (js string, err error) {
 		seg, err := cuda.ImportAsyncSegment(drv, dev, h.Pool, h.FDs[0], data)
 		if err != nil {
 			return "", err
+		}
+		if seg.Size() != h.SegmentSize || !within(h.Offset, h.Size, seg.Size()) {
+			return "", errors.Join(fmt.Errorf("IPC handle block [%d, +%d) of a %d-byte segment: the imported segment "+
+				"has %d bytes: %w", h.Offset, h.Size, h.SegmentSize, seg.Size(), gocore.ErrInvalidArgument), seg.Close())
 		}
 		closer, ptr = seg, seg.Addr()+h.Offset
 	case "vmm":

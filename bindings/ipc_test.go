@@ -206,6 +206,22 @@ func TestImportMemoryAsync(t *testing.T) {
 		require.Error(t, err, "%v", c)
 		assert.True(t, strings.HasPrefix(err.Error(), "ValueError: IPC handle block"), err.Error())
 	}
+	// The peer's segment_size is not believed (found by review: a block
+	// past the real segment was mapped onto this process's own memory):
+	// the driver's size of the imported allocation decides, and nothing
+	// stays imported.
+	for _, c := range []map[string]any{
+		{"segment_size": uint64(1) << 32, "offset": uint64(3) << 30, "size": 4096},
+		{"segment_size": seg * 2, "offset": seg, "size": 4096},
+		{"segment_size": seg / 2},
+	} {
+		_, err = importHandle(ha, lib, c)
+		require.Error(t, err, "%v", c)
+		assert.Contains(t, err.Error(), fmt.Sprintf("the imported segment has %d bytes", uint64(seg)))
+	}
+	r, err := importHandle(ha, lib, nil) // nothing was left imported by the refusals
+	require.NoError(t, err)
+	closeImport(t, r)
 	for _, missing := range []string{"segment_size", "pool"} {
 		_, err = importHandle(ha, lib, map[string]any{missing: nil})
 		require.Error(t, err)

@@ -238,6 +238,23 @@ func (d *Driver) MemPoolExportPointer(dev int, ptr uint64) ([64]byte, error) {
 	return data, nil
 }
 
+// MemGetAddressRange returns the base address and size of the allocation
+// holding ptr (cuMemGetAddressRange_v2): what an imported pointer really
+// maps, whatever the exporter said.
+func (d *Driver) MemGetAddressRange(dev int, ptr uint64) (base, size uint64, err error) {
+	if err := d.require(C.GMP_cuMemGetAddressRange_v2); err != nil {
+		return 0, 0, err
+	}
+	var b, n C.uint64_t
+	err = d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res {
+		return C.gmp_mem_range(d.fns, ctx, C.uint64_t(ptr), &b, &n)
+	})
+	if err != nil {
+		return 0, 0, fmt.Errorf("cuda: address range of %#x: %w", ptr, err)
+	}
+	return uint64(b), uint64(n), nil
+}
+
 // MemPoolImportPointer maps the allocation described by data (from
 // MemPoolExportPointer) out of pool, an imported pool.
 func (d *Driver) MemPoolImportPointer(dev int, pool uint64, data [64]byte) (uint64, error) {

@@ -59,7 +59,7 @@ var optionalSymbols = []string{
 	"cuMemGetAllocationGranularity", "cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree",
 	"cuMemMap", "cuMemUnmap", "cuMemSetAccess", "cuMemExportToShareableHandle", "cuMemImportFromShareableHandle",
 	"cuStreamCreate", "cuStreamDestroy_v2", "cuStreamIsCapturing", "cuDeviceGetAttribute", "cuMemPoolSetAccess",
-	"cuMemPoolGetAccess", "cuDeviceGetUuid_v2",
+	"cuMemPoolGetAccess", "cuDeviceGetUuid_v2", "cuMemGetAddressRange_v2",
 }
 
 func TestOldDriverLoadsWithoutOptionalSymbols(t *testing.T) {

@@ -177,7 +177,7 @@ func ImportAsyncPool(drv *Driver, dev int, fd int) (*ImportedPool, error) {
 	}
 	if err := requireSymbols(drv, "cuda: import memory pool", []string{
 		"cuMemPoolImportFromShareableHandle", "cuMemPoolImportPointer", "cuMemPoolDestroy",
-		"cuMemPoolGetAccess", "cuMemPoolSetAccess",
+		"cuMemPoolGetAccess", "cuMemPoolSetAccess", "cuMemGetAddressRange_v2",
 	}); err != nil {
 		return nil, err
 	}
@@ -310,7 +310,8 @@ type ImportedSegment struct {
 	key    sharedKey
 	shared *sharedPool
 	addr   uint64
-	closed bool // guarded by sharedMu
+	size   uint64 // of the allocation, as the driver maps it here
+	closed bool   // guarded by sharedMu
 }
 
 // sharedKey names an imported pool in this process: the driver it was
@@ -381,8 +382,22 @@ func ImportAsyncSegment(drv *Driver, dev int, poolID string, fd int, data [64]by
 		return nil, err
 	}
 	sp.refs++
-	return &ImportedSegment{key: k, shared: sp, addr: ptr}, nil
+	seg := &ImportedSegment{key: k, shared: sp, addr: ptr}
+	// The exporter's word for the allocation's size is not to be trusted:
+	// the driver says what was mapped.
+	base, size, err := drv.MemGetAddressRange(dev, ptr)
+	if err == nil && base != ptr {
+		err = fmt.Errorf("cuda: imported pointer %#x is inside an allocation at %#x: %w", ptr, base, gocore.ErrInvalidArgument)
+	}
+	if err != nil {
+		return nil, errors.Join(err, seg.closeLocked())
+	}
+	seg.size = size
+	return seg, nil
 }
+
+// Size is the size of the imported allocation, as the driver maps it.
+func (s *ImportedSegment) Size() uint64 { return s.size }
 
 // Addr is where the allocation is mapped in this process.
 func (s *ImportedSegment) Addr() uint64 { return s.addr }
@@ -393,6 +408,10 @@ func (s *ImportedSegment) Addr() uint64 { return s.addr }
 func (s *ImportedSegment) Close() error {
 	sharedMu.Lock()
 	defer sharedMu.Unlock()
+	return s.closeLocked()
+}
+
+func (s *ImportedSegment) closeLocked() error {
 	if s.closed {
 		return fmt.Errorf("cuda: close imported allocation %#x: already closed: %w", s.addr, gocore.ErrInvalidArgument)
 	}

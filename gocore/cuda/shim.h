@@ -74,6 +74,7 @@ typedef void *CUmemoryPool;
 	X(cuMemPoolImportFromShareableHandle, 0)                                     \
 	X(cuMemPoolExportPointer, 0)                                                 \
 	X(cuMemPoolImportPointer, 0)                                                 \
+	X(cuMemGetAddressRange_v2, 0)                                                \
 	X(cuMemGetAllocationGranularity, 0)                                          \
 	X(cuMemCreate, 0)                                                            \
 	X(cuMemRelease, 0)                                                           \
@@ -128,6 +129,7 @@ typedef CUresult (*t_cuMemPoolExportToShareableHandle)(void *, CUmemoryPool, int
 typedef CUresult (*t_cuMemPoolImportFromShareableHandle)(CUmemoryPool *, void *, int, unsigned long long);
 typedef CUresult (*t_cuMemPoolExportPointer)(CUmemPoolPtrExportData *, CUdeviceptr);
 typedef CUresult (*t_cuMemPoolImportPointer)(CUdeviceptr *, CUmemoryPool, CUmemPoolPtrExportData *);
+typedef CUresult (*t_cuMemGetAddressRange_v2)(CUdeviceptr *, size_t *, CUdeviceptr);
 typedef CUresult (*t_cuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
 typedef CUresult (*t_cuMemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *,
                                   unsigned long long);
@@ -532,6 +534,17 @@ static inline gmp_res gmp_pool_import_ptr(gmp_drv *d, uintptr_t ctx, uint64_t po
 	GMP_IN_CTX(d, ctx, r, GMP_cuMemPoolImportPointer,
 	           GMP_FN(d, cuMemPoolImportPointer)(&p, (CUmemoryPool)(uintptr_t)pool, &data));
 	*out = p;
+	return r;
+}
+
+/* The allocation holding ptr: its base address and size. */
+static inline gmp_res gmp_mem_range(gmp_drv *d, uintptr_t ctx, uint64_t ptr, uint64_t *base, uint64_t *size) {
+	gmp_res r;
+	CUdeviceptr b = 0;
+	size_t n = 0;
+	GMP_IN_CTX(d, ctx, r, GMP_cuMemGetAddressRange_v2, GMP_FN(d, cuMemGetAddressRange_v2)(&b, &n, (CUdeviceptr)ptr));
+	*base = b;
+	*size = n;
 	return r;
 }
 

@@ -118,7 +118,7 @@ typedef struct fake_pool *CUmemoryPool;
     X(cuThreadExchangeStreamCaptureMode) X(cuStreamCreate) X(cuStreamDestroy_v2)              \
     X(cuStreamIsCapturing) X(cuDeviceGetAttribute) X(cuMemPoolSetAccess) X(cuMemPoolGetAccess) \
     X(cuDeviceGetUuid_v2) X(cuDevicePrimaryCtxGetState) X(cuCtxGetCurrent)   \
-    X(cuCtxSetCurrent)
+    X(cuCtxSetCurrent) X(cuMemGetAddressRange_v2)
 
 #define AS_ENUM(name) F_##name,
 enum { FAKE_FUNCS(AS_ENUM) F_COUNT };
@@ -1151,6 +1151,27 @@ EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *ptr_out, CUmemoryPool pool, 
     VEC_PUSH(imports, imp);
     *ptr_out = e.ptr;
     RETURN(CUDA_SUCCESS);
+}
+
+/* The allocation (or VMM mapping) holding dptr. */
+EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr) {
+    ENTER(cuMemGetAddressRange_v2);
+    NEED_CTX();
+    long i = find_containing((uintptr_t)dptr);
+    if (i >= 0) {
+        if (pbase) *pbase = allocs.v[i].ptr;
+        if (psize) *psize = allocs.v[i].size;
+        RETURN(CUDA_SUCCESS);
+    }
+    for (size_t k = 0; k < mappings.n; k++) {
+        struct fake_mapping *m = mappings.v[k];
+        if ((uintptr_t)dptr >= m->va && (uintptr_t)dptr < m->va + m->size) {
+            if (pbase) *pbase = m->va;
+            if (psize) *psize = m->size;
+            RETURN(CUDA_SUCCESS);
+        }
+    }
+    RETURN(CUDA_ERROR_NOT_FOUND);
 }
 
 /* ========================= virtual memory management ========================= */

@@ -3,6 +3,7 @@ package cuda
 import (
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sort"
 	"sync"
@@ -65,7 +66,7 @@ func ImportVMM(drv *Driver, dev int, chunks []Chunk, accessDevices []int) (*Impo
 	}
 	var total uint64
 	for _, c := range chunks {
-		if c.FD < 0 || c.Size == 0 || c.Size%gran != 0 || c.Offset != total {
+		if c.FD < 0 || c.Size == 0 || c.Size%gran != 0 || c.Offset != total || c.Size > math.MaxUint64-total {
 			return nil, fmt.Errorf("cuda: import VMM segment: chunk %+v: want a descriptor and a positive multiple of %d bytes at offset %d: %w",
 				c, gran, total, gocore.ErrInvalidArgument)
 		}

@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"math"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -143,6 +144,9 @@ func TestImportVMMValidation(t *testing.T) {
 		"a partial granule":  {{FD: chunks[0].FD, Size: mib, Offset: 0}},
 		"no descriptor":      {{FD: -1, Size: 2 * mib}},
 		"overlapping chunks": {chunks[0], {FD: chunks[1].FD, Size: 2 * mib, Offset: mib}},
+		// Sizes whose sum wraps around to a small total (found by review).
+		"a wrapping total": {{FD: chunks[0].FD, Size: math.MaxUint64 - 2*mib + 1, Offset: 0},
+			{FD: chunks[1].FD, Size: 4 * mib, Offset: math.MaxUint64 - 2*mib + 1}},
 	} {
 		_, err := ImportVMM(drv, 0, bad, nil)
 		require.ErrorIs(t, err, gocore.ErrInvalidArgument, name)

@@ -44,11 +44,13 @@ func (p *Pool) alloc(size uint64, dev int, stream Stream, callerSegments bool) (
 	if len(d.pending) > 0 {
 		p.processEventsLocked(d)
 	}
-	rounded := p.roundRequest(size)
+	// A caller that sizes its segments applied its rounding options itself
+	// (torch's): they are not applied again beneath it.
+	var rounded uint64
 	if callerSegments {
-		// The caller sized the segment: torch's own rounding options were
-		// applied by torch, not to be applied again beneath it.
 		rounded = roundSize(size)
+	} else {
+		rounded = p.roundRequest(size)
 	}
 	kind := kindOf(rounded)
 	f := d.freeList(stream)

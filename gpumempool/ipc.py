@@ -32,10 +32,10 @@ or synchronize its kernels before the importer reads).
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import socket
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -109,14 +109,13 @@ class IpcHandle:
 def _recv_fds(sock: socket.socket, max_fds: int) -> tuple[bytes, list[int], int]:
     """socket.recv_fds with MSG_CMSG_CLOEXEC (recv_fds ignores its flags on
     Python < 3.12): the message, the descriptors and the message flags."""
-    size = socket.CMSG_SPACE(max_fds * 4)
+    fds = array.array("i")  # parsed as socket.recv_fds does
+    size = socket.CMSG_SPACE(max_fds * fds.itemsize)
     msg, ancdata, flags, _addr = sock.recvmsg(_MAX_MESSAGE, size, getattr(socket, "MSG_CMSG_CLOEXEC", 0))
-    fds: list[int] = []
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            whole = len(data) - len(data) % 4
-            fds.extend(int.from_bytes(data[i:i + 4], sys.byteorder, signed=True) for i in range(0, whole, 4))
-    return msg, fds, flags
+            fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+    return msg, list(fds), flags
 
 
 class ImportedMemory:

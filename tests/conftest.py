@@ -145,6 +145,20 @@ def torch_headers() -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def fake_gpu_env(tmp_path_factory: pytest.TempPathFactory, torch_headers: tuple[Path, Path]) -> dict[str, str]:
+    """The environment that runs the installed torch's CUDA paths without a
+    GPU: tests/csrc/fake_cudart.c and fake_cublas.c preloaded, fake_cuda.c
+    as libcuda.so.1 (as tools/gpu-dryrun.sh does). Skips without torch."""
+    lib_dir = tmp_path_factory.mktemp("fakelib")
+    os.symlink(_build_so(tmp_path_factory, "fake_cuda.c", "fakecuda"), lib_dir / "libcuda.so.1")
+    preload = [_build_so(tmp_path_factory, "fake_cudart.c", "fakecudart"),
+               _build_so(tmp_path_factory, "fake_cublas.c", "fakecublas")]
+    return {**os.environ, "LD_PRELOAD": ":".join(preload), "LD_LIBRARY_PATH": str(lib_dir),
+            "FAKE_CUDA_DEVICES": "1", "FAKE_CUDA_CAPACITY": str(80 << 30), "PYTHONSAFEPATH": "1",
+            "GMP_LIBCUDA": str(lib_dir / "libcuda.so.1")}
+
+
+@pytest.fixture(scope="session")
 def c10_caller(tmp_path_factory: pytest.TempPathFactory, torch_headers: tuple[Path, Path]) -> ctypes.CDLL:
     """tests/csrc/torch_caller.cpp built against torch's headers and libc10:
     its call_alloc returns 3 for a c10::OutOfMemoryError, the C++ type torch

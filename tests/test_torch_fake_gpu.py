@@ -8,7 +8,6 @@ is not installed; the real checks are in test_torch_gpu.py."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,20 +15,7 @@ from typing import Any
 
 import pytest
 
-from conftest import _build_so
-
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def fake_gpu_env(tmp_path_factory: pytest.TempPathFactory, torch_headers: tuple[Path, Path]) -> dict[str, str]:
-    lib_dir = tmp_path_factory.mktemp("fakelib")
-    os.symlink(_build_so(tmp_path_factory, "fake_cuda.c", "fakecuda"), lib_dir / "libcuda.so.1")
-    preload = [_build_so(tmp_path_factory, "fake_cudart.c", "fakecudart"),
-               _build_so(tmp_path_factory, "fake_cublas.c", "fakecublas")]
-    return {**os.environ, "LD_PRELOAD": ":".join(preload), "LD_LIBRARY_PATH": str(lib_dir),
-            "FAKE_CUDA_DEVICES": "1", "FAKE_CUDA_CAPACITY": str(80 << 30), "PYTHONSAFEPATH": "1",
-            "GMP_LIBCUDA": str(lib_dir / "libcuda.so.1")}
 
 
 def run(code: str, env: dict[str, str], cwd: Path) -> Any:

@@ -368,17 +368,14 @@ except BaseException as exc:
 
 
 @pytest.mark.parametrize("oom_error", ["torch", "runtime"])
-def test_real_torch_raises_its_out_of_memory_error(oom_error: str, torch_headers: tuple[Path, Path],
-                                                   tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+def test_real_torch_raises_its_out_of_memory_error(oom_error: str, fake_gpu_env: dict[str, str],
+                                                   tmp_path: Path) -> None:
     """The whole path through the installed torch, without a GPU: torch's
     CUDAPluggableAllocator calls the shim (or the extension), which calls a
     sim pool over its limit; torch must raise torch.OutOfMemoryError for
     oom_error="torch" and a plain RuntimeError for "runtime". The CUDA
     runtime's device queries are answered by tests/csrc/fake_cudart.c."""
-    from conftest import _build_so
-
-    fake_cudart = _build_so(tmp_path_factory, "fake_cudart.c", "fakecudart")
-    env = {**os.environ, "LD_PRELOAD": fake_cudart, "GMP_CACHE_DIR": str(tmp_path / "cache"), "PYTHONSAFEPATH": "1"}
+    env = {**fake_gpu_env, "GMP_CACHE_DIR": str(tmp_path / "cache")}
     r = subprocess.run([sys.executable, "-c", TORCH_OOM_SCRIPT, oom_error], capture_output=True, text=True, env=env,
                        cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

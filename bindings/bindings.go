@@ -158,6 +158,20 @@ func entry(id int64) (*registry.Entry, error) { return registry.Get(id) }
 // PoolAlloc allocates size bytes on device for stream; it returns the address.
 func PoolAlloc(id, size, device int64, stream uint64) (addr uint64, err error) {
 	defer guard(&err)
+	return poolAlloc(id, size, device, stream, cabi.AllocFor)
+}
+
+// PoolAllocSegment is PoolAlloc for a caller that sizes its segments itself
+// and caches inside them (gocore.Pool.AllocSegment), as torch's caching
+// allocator does above a torch.cuda.MemPool; replays of such a pool's
+// history call it.
+func PoolAllocSegment(id, size, device int64, stream uint64) (addr uint64, err error) {
+	defer guard(&err)
+	return poolAlloc(id, size, device, stream, cabi.AllocSegmentFor)
+}
+
+func poolAlloc(id, size, device int64, stream uint64,
+	alloc func(*registry.Entry, uint64, int, uintptr) (uint64, error)) (uint64, error) {
 	e, err := entry(id)
 	if err != nil {
 		return 0, err
@@ -171,7 +185,7 @@ func PoolAlloc(id, size, device int64, stream uint64) (addr uint64, err error) {
 	if err := cabi.Reentered(e); err != nil {
 		return 0, err
 	}
-	return cabi.AllocFor(e, uint64(size), int(device), uintptr(stream))
+	return alloc(e, uint64(size), int(device), uintptr(stream))
 }
 
 // PoolFree frees the block at addr.

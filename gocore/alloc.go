@@ -100,7 +100,9 @@ func (p *Pool) alloc(size uint64, dev int, stream Stream, callerSegments bool) (
 	if p.isOversize(b.size) {
 		st.OversizeAllocations.add(1)
 	}
-	p.trace(ActionAlloc, dev, b.addr, size, stream)
+	if e := p.trace(ActionAlloc, dev, b.addr, size, stream); e != nil && callerSegments {
+		e.CallerSized = true
+	}
 	return b.addr, nil
 }
 

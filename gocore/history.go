@@ -25,6 +25,9 @@ type TraceEntry struct {
 	TimeUS int64  `json:"time_us"`
 	// DeviceFree is the backend's free memory, on "oom" entries.
 	DeviceFree uint64 `json:"device_free,omitempty"`
+	// CallerSized marks "alloc" entries of AllocSegment: a replay must
+	// size their segments as the recording did.
+	CallerSized bool `json:"caller_sized,omitempty"`
 }
 
 // history is a ring buffer of trace entries; nil when recording is off, so

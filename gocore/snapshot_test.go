@@ -90,3 +90,22 @@ func TestHistoryRecordsEventsInOrder(t *testing.T) {
 	p.RecordHistory(false, 0)
 	assert.Nil(t, p.History())
 }
+
+func TestHistoryMarksCallerSizedAllocs(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Capacity: 64 * MiB}, Config{})
+	p.RecordHistory(true, 100)
+	a := mustAlloc(t, p, 2*MiB, 0, 0)
+	b, err := p.AllocSegment(2*MiB, 0, 0)
+	require.NoError(t, err)
+	var allocs []TraceEntry
+	for _, e := range p.History() {
+		if e.Action == ActionAlloc {
+			allocs = append(allocs, e)
+		}
+	}
+	require.Len(t, allocs, 2)
+	assert.Equal(t, a, allocs[0].Addr)
+	assert.False(t, allocs[0].CallerSized)
+	assert.Equal(t, b, allocs[1].Addr)
+	assert.True(t, allocs[1].CallerSized)
+}

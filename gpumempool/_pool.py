@@ -491,25 +491,48 @@ class MemPool:
             except RuntimeError as exc:
                 raise translate(exc) from None
         elif self._py_callbacks:
-            ptr = self._alloc_with_callbacks(handle, size, device, stream)
+            ptr = self._alloc_with_callbacks(_b.PoolAlloc, handle, size, device, stream)
         else:
             ptr = self._native(_b.PoolAlloc, handle, size, device, stream)
-        if self._frames is not None:
-            try:
-                self._remember_frames(ptr, t0)
-            except BaseException:
-                self._free_quietly(ptr)  # never leak the block for bookkeeping
-                raise
+        return ptr if self._frames is None else self._with_frames(ptr, t0)
+
+    def alloc_segment(self, size: int, device: Any = None, stream: Any = 0) -> int:
+        """:meth:`alloc` for a caller that sizes its segments itself and
+        caches inside them, as torch's caching allocator does above a
+        ``torch.cuda.MemPool`` (:func:`gpumempool.mempool` uses it through
+        the C ABI): a cached block serves it as in :meth:`alloc`, but a miss
+        takes just the request from the backend (rounded to 2 MiB when
+        large) rather than a 20 MiB segment to split, and the pool's
+        ``roundup_power2_divisions`` is not applied again. History records
+        these allocations as such (``caller_sized``), so that
+        :func:`gpumempool.replay.replay` repeats them with this call."""
+        size = _check_int("size", size, 1, _I64)
+        device = self._device if device is None else _device_index(device)
+        stream = as_stream(stream)
+        handle = self._handle()
+        t0 = _now_us() if self._frames is not None else 0
+        if self._py_callbacks:
+            ptr = self._alloc_with_callbacks(_b.PoolAllocSegment, handle, size, device, stream)
+        else:
+            ptr = self._native(_b.PoolAllocSegment, handle, size, device, stream)
+        return ptr if self._frames is None else self._with_frames(ptr, t0)
+
+    def _with_frames(self, ptr: int, t0: int) -> int:
+        try:
+            self._remember_frames(ptr, t0, skip=4)
+        except BaseException:
+            self._free_quietly(ptr)  # never leak the block for bookkeeping
+            raise
         return ptr
 
-    def _alloc_with_callbacks(self, handle: int, size: int, device: int, stream: int) -> int:
-        """PoolAlloc on a pool with Python callbacks. The call succeeded, so
+    def _alloc_with_callbacks(self, fn: Callable[..., int], handle: int, size: int, device: int, stream: int) -> int:
+        """``fn`` (PoolAlloc or PoolAllocSegment) on a pool with Python callbacks. The call succeeded, so
         a callback's exception was dealt with by the engine (an alloc
         function's error reads as out of memory: the pool released its cache
         and retried; a free function's error cannot be undone): the block is
         returned, and the exception reported as a warning, not raised, which
         would leak the block."""
-        ptr, errs = self._native_collect(_b.PoolAlloc, handle, size, device, stream)
+        ptr, errs = self._native_collect(fn, handle, size, device, stream)
         if errs:
             try:
                 for kind, exc in errs:
@@ -536,8 +559,10 @@ class MemPool:
         except Exception:  # the pool may be closed; nothing more to do
             pass
 
-    def _remember_frames(self, ptr: int, t0: int) -> None:
-        captured = _snapshot.capture_frames(skip=3)
+    def _remember_frames(self, ptr: int, t0: int, skip: int = 3) -> None:
+        """Keep the caller's stack for block ``ptr``, leaving out the
+        ``skip`` innermost frames (this one, and the pool's methods)."""
+        captured = _snapshot.capture_frames(skip=skip)
         t1 = _now_us()
         with self._frames_lock:
             frames = self._frames

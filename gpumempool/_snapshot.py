@@ -89,6 +89,8 @@ def pool_snapshot(pool: "MemPool", raw: dict[str, Any], history: list[dict[str, 
         }
         if e["action"] == "oom":
             entry["device_free"] = e.get("device_free", 0)
+        elif e.get("caller_sized"):
+            entry["caller_sized"] = True  # an alloc_segment: replays repeat it
         traces[e["device"]].append(entry)
     return {
         "segments": segments,

@@ -277,7 +277,7 @@ def replay(
     start = time.perf_counter()
     step = max(1, int(progress_every))
     try:
-        alloc, free, record_stream = pool.alloc, pool.free, pool.record_stream
+        alloc, alloc_segment, free, record_stream = pool.alloc, pool.alloc_segment, pool.free, pool.record_stream
         for i, e in enumerate(events):
             t = type(e)
             if t is Alloc:
@@ -287,7 +287,8 @@ def replay(
                 if cur > peak_req:
                     peak_req = cur
                 try:
-                    ptrs[e.id] = alloc(e.size, e.device, e.stream)  # type: ignore[union-attr]
+                    ptrs[e.id] = (alloc_segment if e.caller_sized else alloc)(  # type: ignore[union-attr]
+                        e.size, e.device, e.stream)  # type: ignore[union-attr]
                 except OutOfMemoryError:
                     ooms += 1
                     ptrs[e.id] = None  # type: ignore[union-attr]

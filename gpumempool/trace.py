@@ -23,6 +23,10 @@ compressed when the file name ends in ``.gz``. The first line is the header
 ``a ID SIZE STREAM [DEVICE]``
     allocate SIZE bytes for work on STREAM (DEVICE defaults to 0); the block
     is called ID (a positive integer, unique in the trace) from now on.
+``A ID SIZE STREAM [DEVICE]``
+    as ``a``, made by a caller that sizes its segments itself (torch's
+    caching allocator above a ``torch.cuda.MemPool`` the pool serves:
+    :meth:`~gpumempool.MemPool.alloc_segment`); replayed with that call.
 ``f ID``
     free block ID.
 ``r ID STREAM``
@@ -139,12 +143,14 @@ class TraceFormatError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Alloc:
-    """``a ID SIZE STREAM [DEVICE]``"""
+    """``a ID SIZE STREAM [DEVICE]``, or ``A ...`` when ``caller_sized``
+    (an :meth:`~gpumempool.MemPool.alloc_segment`)."""
 
     id: int
     size: int
     stream: int = 0
     device: int = 0
+    caller_sized: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +198,7 @@ def _stream_text(s: int) -> str:
 def _event_line(e: Event) -> str:
     t = type(e)
     if t is Alloc:
-        line = f"a {e.id} {e.size} {_stream_text(e.stream)}"  # type: ignore[union-attr,arg-type]
+        line = f"{'A' if e.caller_sized else 'a'} {e.id} {e.size} {_stream_text(e.stream)}"  # type: ignore[union-attr,arg-type]
         return line if not e.device else f"{line} {e.device}"  # type: ignore[union-attr]
     if t is Free:
         return f"f {e.id}"  # type: ignore[union-attr]
@@ -376,8 +382,9 @@ class Trace:
             op = parts[0]
             try:
                 n = len(parts)
-                if op == "a" and 4 <= n <= 5:
-                    ev: Event = Alloc(_id(parts[1]), _size(parts[2]), _u64(parts[3]), _dev(parts[4]) if n == 5 else 0)
+                if (op == "a" or op == "A") and 4 <= n <= 5:
+                    ev: Event = Alloc(_id(parts[1]), _size(parts[2]), _u64(parts[3]), _dev(parts[4]) if n == 5 else 0,
+                                      op == "A")
                 elif op == "f" and n == 2:
                     ev = Free(_id(parts[1]))
                 elif op == "r" and n == 3:
@@ -760,7 +767,7 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                 counts["repaired_allocs"] += 1
             next_id += 1
             ids[k] = next_id
-            out.append(Alloc(next_id, e["size"], e.get("stream", 0), d))
+            out.append(Alloc(next_id, e["size"], e.get("stream", 0), d, e.get("caller_sized") is True))
             counts["allocs"] += 1
         elif a == "record_stream":
             counts["record_stream_entries"] += 1

@@ -7,35 +7,46 @@ import pytest
 import gpumempool as gmp
 
 
+#: Both ways to allocate take the same arguments and refuse the same ones.
+ALLOCS = pytest.mark.parametrize("method", ["alloc", "alloc_segment"])
+
+
+@ALLOCS
 @pytest.mark.parametrize(
     "size, exc",
     [(0, ValueError), (-1, ValueError), (1 << 63, ValueError), (1 << 51, ValueError),
      (1.5, TypeError), ("10", TypeError), (None, TypeError), (True, TypeError)],
 )
-def test_bad_sizes(pool: gmp.MemPool, size: object, exc: type) -> None:
+def test_bad_sizes(pool: gmp.MemPool, method: str, size: object, exc: type) -> None:
     with pytest.raises(exc):
-        pool.alloc(size)  # type: ignore[arg-type]
+        getattr(pool, method)(size)
+    pool.check()
+    assert pool.stats()["allocation.all.current"] == 0
 
 
-def test_too_large_for_the_device_is_oom(pool: gmp.MemPool) -> None:
+@ALLOCS
+def test_too_large_for_the_device_is_oom(pool: gmp.MemPool, method: str) -> None:
     with pytest.raises(gmp.OutOfMemoryError):
-        pool.alloc(1 << 40)
+        getattr(pool, method)(1 << 40)
     pool.check()
 
 
+@ALLOCS
 @pytest.mark.parametrize("device", [1, 99, -1, "cuda:x", "cpu", 1 << 40])
-def test_bad_devices(pool: gmp.MemPool, device: object) -> None:
+def test_bad_devices(pool: gmp.MemPool, method: str, device: object) -> None:
     with pytest.raises(ValueError):
-        pool.alloc(10, device=device)
+        getattr(pool, method)(10, device=device)
 
 
-def test_bad_streams(pool: gmp.MemPool) -> None:
+@ALLOCS
+def test_bad_streams(pool: gmp.MemPool, method: str) -> None:
+    alloc = getattr(pool, method)
     with pytest.raises(ValueError):
-        pool.alloc(10, stream=-1)
+        alloc(10, stream=-1)
     with pytest.raises(ValueError):
-        pool.alloc(10, stream=1 << 64)
+        alloc(10, stream=1 << 64)
     with pytest.raises(TypeError):
-        pool.alloc(10, stream="s")
+        alloc(10, stream="s")
 
 
 def test_bad_pointers(pool: gmp.MemPool) -> None:
@@ -127,6 +138,8 @@ def test_pool_closed_from_another_thread() -> None:
     t.join()
     with pytest.raises(gmp.PoolClosedError):
         pool.alloc(1)
+    with pytest.raises(gmp.PoolClosedError):
+        pool.alloc_segment(1)
 
 
 class _Device:

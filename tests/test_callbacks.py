@@ -94,6 +94,22 @@ def test_python_callables() -> None:
         assert not pa.buffers
 
 
+def test_python_callables_serve_caller_sized_segments() -> None:
+    """alloc_segment asks the function for the (rounded) request itself, not
+    a 20 MiB segment, and a raising function is handled as in alloc."""
+    fa = FlakyAllocator(fail_on=2)
+    with gmp.MemPool(alloc=fa.alloc, free=fa.free) as pool:
+        a = pool.alloc_segment(3 * MiB, stream=5)
+        assert fa.n == 1 and pool.stats()["reserved_bytes.all.current"] == 4 * MiB
+        pool.free(a)
+        with pytest.warns(RuntimeWarning, match="alloc function raised RuntimeError: transient.*retried"):
+            b = pool.alloc_segment(8 * MiB)
+        assert fa.n == 3 and pool.stats()["reserved_bytes.all.current"] == 8 * MiB
+        ctypes.memset(b, 1, 8 * MiB)
+        pool.free(b)
+    assert pool.close().live_blocks == []
+
+
 def test_seed_001_style_one_argument_callables() -> None:
     live: dict[int, ctypes.Array] = {}
 

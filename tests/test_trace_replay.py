@@ -153,6 +153,28 @@ def test_from_history_of_a_known_sequence() -> None:
     tr.validate()
 
 
+def test_caller_sized_allocations_replay_as_recorded() -> None:
+    # gmp.mempool's pools serve torch's segments through alloc_segment: a
+    # 2 MiB request takes 2 MiB from the backend, not a 20 MiB segment.
+    with gmp.MemPool("sim", name="segments", capacity=1 << 30) as pool:
+        pool.record_history(True)
+        a = pool.alloc_segment(2 * MiB)
+        pool.alloc_segment(2 * MiB)
+        pool.alloc(1000)
+        pool.free(a)
+        recorded = pool.stats()["reserved_bytes.all.peak"]
+        tr = from_history(pool)
+    assert recorded == 2 * MiB + 2 * MiB + 2 * MiB  # the small block's segment is 2 MiB too
+    assert tr.events == [Alloc(1, 2 * MiB, 0, 0, True), Alloc(2, 2 * MiB, 0, 0, True), Alloc(3, 1000), Free(1)]
+    text = tr.dumps()
+    assert [ln for ln in text.splitlines() if ln[:1] in "Aa"] == ["A 1 2097152 0", "A 2 2097152 0", "a 3 1000 0"]
+    assert Trace.loads(text).events == tr.events
+    assert replay(tr).peak_reserved == recorded == tr.recorded_peak_reserved()
+    # Replayed as plain allocations, the 2 MiB blocks share a 20 MiB segment.
+    plain = Trace(events=[Alloc(e.id, e.size) if type(e) is Alloc else e for e in tr.events])
+    assert replay(plain).peak_reserved == 20 * MiB + 2 * MiB
+
+
 def test_from_history_needs_history() -> None:
     with gmp.MemPool("sim", capacity=1 << 30) as pool:
         pool.alloc(100)

@@ -97,9 +97,9 @@ func AllocFor(e *registry.Entry, size uint64, device int, stream uintptr) (uint6
 	return allocFor(e, size, device, stream, e.Pool.Alloc)
 }
 
-// allocSegmentFor is AllocFor for torch's caching allocator asking for a
+// AllocSegmentFor is AllocFor for torch's caching allocator asking for a
 // segment of a torch.cuda.MemPool (gocore.Pool.AllocSegment).
-func allocSegmentFor(e *registry.Entry, size uint64, device int, stream uintptr) (uint64, error) {
+func AllocSegmentFor(e *registry.Entry, size uint64, device int, stream uintptr) (uint64, error) {
 	return allocFor(e, size, device, stream, e.Pool.AllocSegment)
 }
 
@@ -179,7 +179,7 @@ func slotAlloc(slot int, size C.size_t, device C.int, stream C.uintptr_t) (C.uin
 // torch's caching allocator getting the segments of a torch.cuda.MemPool,
 // which it sizes and carves itself (gocore.Pool.AllocSegment).
 func slotAllocSegment(slot int, size C.size_t, device C.int, stream C.uintptr_t) (C.uintptr_t, error) {
-	return slotAllocWith(slot, "gmp_segment_alloc", size, device, stream, allocSegmentFor)
+	return slotAllocWith(slot, "gmp_segment_alloc", size, device, stream, AllocSegmentFor)
 }
 
 func slotAllocWith(slot int, name string, size C.size_t, device C.int, stream C.uintptr_t,

@@ -75,7 +75,9 @@ func (p *Pool) processEventsLocked(d *deviceState) {
 }
 
 // ProcessEvents frees every parked block whose events have completed, on all
-// devices, and returns how many frees are still waiting.
+// devices, and returns how many frees are still waiting: blocks parked on
+// events (one however many streams used them) and blocks freed during a
+// capture, whose events are recorded when it ends.
 func (p *Pool) ProcessEvents() (int, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -84,9 +86,17 @@ func (p *Pool) ProcessEvents() (int, error) {
 	}
 	waiting := 0
 	for _, d := range p.devices {
-		if d != nil {
-			p.processEventsLocked(d)
-			waiting += len(d.pending)
+		if d == nil {
+			continue
+		}
+		p.processEventsLocked(d)
+		waiting += len(d.unrecorded)
+		if len(d.pending) > 0 {
+			blocks := make(map[*block]struct{}, len(d.pending))
+			for _, pf := range d.pending {
+				blocks[pf.block] = struct{}{}
+			}
+			waiting += len(blocks)
 		}
 	}
 	return waiting, nil
@@ -132,6 +142,8 @@ func (p *Pool) ExitCapture() error {
 			errs = append(errs, p.deferFreeLocked(d, b))
 		}
 		d.unrecorded = nil
+		// Frees during the capture could give nothing back.
+		p.applyReleaseThresholdLocked(d, nil)
 	}
 	return errors.Join(errs...)
 }

@@ -141,10 +141,23 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 		b = pr
 	}
 	d.insertFree(f, b)
-	if t := p.cfg.ReleaseThreshold; t != 0 && !b.isSplit() {
-		if unused := d.unusedBytes(); unused > t {
-			_, _ = p.trimLocked(d, t) // a failed release leaves the segment cached
-		}
+	p.applyReleaseThresholdLocked(d, b.seg)
+}
+
+// applyReleaseThresholdLocked gives cached memory of d back while more than
+// the release threshold is unused: wholly free segments (whichever freed
+// block pushed the total over, in this segment or another), then free tails
+// of expandable segments. After a free in seg, only seg's tail can have
+// grown, so the guard keeps a free O(1) when nothing could go back; a nil
+// seg (the end of a capture, which held every release back) looks at all.
+// A failed release leaves the segment cached.
+func (p *Pool) applyReleaseThresholdLocked(d *deviceState, seg *segment) {
+	t := p.cfg.ReleaseThreshold
+	if t == 0 || d.unusedBytes() <= t {
+		return
+	}
+	if seg == nil || len(d.wholeFree) > 0 || (p.shrinker != nil && p.shrinkable(seg) > 0) {
+		_, _ = p.trimLocked(d, t)
 	}
 }
 

@@ -170,7 +170,7 @@ func (f *streamFree) bestFitLarge(size, maxSplit, maxNonSplitRounding uint64) *b
 	if size < maxSplit && found.size >= maxSplit {
 		return nil
 	}
-	if size >= maxSplit && found.size >= size+maxNonSplitRounding {
+	if size >= maxSplit && found.size-size >= maxNonSplitRounding { // not size+rounding: it may wrap
 		return nil
 	}
 	return found

@@ -52,9 +52,10 @@ type Config struct {
 	// rarely reached.
 	GarbageCollectionThreshold float64
 	// ReleaseThreshold is how many unused reserved bytes a device may keep
-	// cached: when a free leaves more, whole free segments go back to the
-	// backend until it is under the threshold (like the release threshold of
-	// a CUDA memory pool). 0 means unlimited.
+	// cached: when a free leaves more, whole free segments (then the free
+	// tails of expandable segments) go back to the backend until it is under
+	// the threshold (like the release threshold of a CUDA memory pool); a
+	// capture defers that to its end. 0 means unlimited.
 	ReleaseThreshold uint64
 	// KeepSegments: segments go back to the backend only when the pool is
 	// closed. Freed memory stays cached whatever happens: no release and

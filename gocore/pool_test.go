@@ -447,6 +447,79 @@ func TestTrimAndReleaseThreshold(t *testing.T) {
 	assert.ErrorIs(t, err, ErrInvalidDevice)
 }
 
+func unusedBytes(t *testing.T, p *Pool) uint64 {
+	s := stats(t, p)
+	return uint64(s.ReservedBytes[0].Current - s.ActiveBytes[0].Current)
+}
+
+// The threshold holds whichever free pushes the unused bytes over it, not
+// only one that leaves its own segment wholly free.
+func TestReleaseThresholdAfterAFreeThatLeavesItsSegmentSplit(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{}, Config{ReleaseThreshold: 16 * MiB})
+	require.NoError(t, p.Free(mustAlloc(t, p, 12*MiB, 0, 0))) // 12 MiB unused <= 16: kept
+	z1 := mustAlloc(t, p, 9*MiB, 0, 1)                        // a 20 MiB segment: 9 + 11 free
+	mustAlloc(t, p, 9*MiB, 0, 1)                              // 9 + 9 + 2 free
+	require.EqualValues(t, 14*MiB, unusedBytes(t, p))
+	require.NoError(t, p.Free(z1)) // 23 MiB unused: the free 12 MiB segment goes back
+	assert.EqualValues(t, 11*MiB, unusedBytes(t, p))
+	assert.Equal(t, 1, be.Stats().LiveSegments)
+	require.NoError(t, p.CheckInvariants())
+}
+
+func TestReleaseThresholdShrinksAnExpandableTail(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{ReleaseThreshold: 8 * MiB})
+	mustAlloc(t, p, 4*MiB, 0, 0)
+	b := mustAlloc(t, p, 100*MiB, 0, 0) // grows the segment to 104 MiB
+	require.NoError(t, p.Free(b))       // a 100 MiB free tail
+	assert.LessOrEqual(t, unusedBytes(t, p), uint64(8*MiB))
+	assert.LessOrEqual(t, be.UsedBytes(0), uint64(12*MiB))
+	require.NoError(t, p.CheckInvariants())
+}
+
+func TestReleaseThresholdAppliesWhenACaptureEnds(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{}, Config{ReleaseThreshold: MiB})
+	a := mustAlloc(t, p, 12*MiB, 0, 0)
+	p.EnterCapture()
+	require.NoError(t, p.Free(a))
+	assert.Equal(t, 1, be.Stats().LiveSegments, "nothing goes back during a capture")
+	require.NoError(t, p.ExitCapture())
+	assert.Zero(t, unusedBytes(t, p))
+	assert.Equal(t, 0, be.Stats().LiveSegments)
+}
+
+func TestProcessEventsCountsWaitingFrees(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	a := mustAlloc(t, p, 4096, 0, 0)
+	require.NoError(t, p.RecordStream(a, 1))
+	require.NoError(t, p.RecordStream(a, 2))
+	require.NoError(t, p.Free(a)) // one free, two events
+	n, err := p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Equal(t, 1, n)
+
+	b := mustAlloc(t, p, 4096, 0, 0)
+	require.NoError(t, p.RecordStream(b, 1))
+	p.EnterCapture()
+	require.NoError(t, p.Free(b)) // parked until the capture ends
+	n, err = p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Equal(t, 2, n)
+	require.NoError(t, p.ExitCapture())
+	n, err = p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Equal(t, 2, n)
+}
+
+// A huge MaxNonSplitRoundingSize means any cached oversize block may serve
+// a large request; the bound must not wrap around.
+func TestHugeMaxNonSplitRoundingLetsCachedBlocksServe(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 24 * MiB, MaxNonSplitRoundingSize: ^uint64(0)})
+	a := mustAlloc(t, p, 40*MiB, 0, 0)
+	require.NoError(t, p.Free(a))
+	assert.Equal(t, a, mustAlloc(t, p, 30*MiB, 0, 0))
+	assert.Equal(t, 1, be.Stats().LiveSegments)
+}
+
 func TestCloseReportsLiveBlocksAndReturnsEverything(t *testing.T) {
 	p, be := newTestPool(t, SimConfig{Devices: 2}, Config{})
 	a := mustAlloc(t, p, 100, 0, 0)
@@ -753,7 +826,7 @@ func TestCaptureDefersEventsAndReleases(t *testing.T) {
 	assert.NotContains(t, []uint64{parked, a}, mustAlloc(t, p, 4096, 0, 1), "nothing queried, nothing reused")
 	waiting, err := p.ProcessEvents()
 	require.NoError(t, err)
-	assert.Equal(t, 1, waiting, "the parked event is not even queried")
+	assert.Equal(t, 2, waiting, "the parked event is not even queried, and a waits for the capture's end")
 
 	cached := mustAlloc(t, p, 8*MiB, 0, 1)
 	require.NoError(t, p.Free(cached))

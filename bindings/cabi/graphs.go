@@ -101,6 +101,10 @@ type graphState struct {
 	// reads take no lock; writes happen under mu.
 	owner   sync.Map
 	retired map[int]gocore.Stats // by device: what closed private pools counted
+	// unreleased holds closed private pools some of whose segments the
+	// backend refused to take back: each sweep retries them, as the pool's
+	// own close does last (gocore.Pool.Close retries exactly those).
+	unreleased []*gocore.Pool
 }
 
 var (
@@ -312,6 +316,9 @@ func sweepFreeable(e *registry.Entry) (int, error) {
 			}
 			errs = append(errs, err)
 		}
+		done, err := g.retryUnreleasedLocked()
+		n += done
+		errs = append(errs, err)
 		g.mu.Unlock()
 	}
 	return n, errors.Join(errs...)
@@ -328,9 +335,43 @@ func (g *graphState) closeLocked(pp *privatePool) error {
 		g.retired[pp.device] = r
 	}
 	if _, err := pp.pool.Close(); err != nil {
+		g.unreleased = append(g.unreleased, pp.pool)
 		return fmt.Errorf("close private pool (%d, %d): %w", pp.id[0], pp.id[1], err)
 	}
 	return nil
+}
+
+// retryUnreleasedLocked offers the backend again the segments it refused
+// when private pools closed, and returns how many pools are now wholly
+// given back. Like a close, it must not run during a capture.
+func (g *graphState) retryUnreleasedLocked() (int, error) {
+	if len(g.unreleased) == 0 {
+		return 0, nil
+	}
+	captureGate.RLock()
+	defer captureGate.RUnlock()
+	if activeCaptures.Load() > 0 {
+		return 0, nil
+	}
+	return g.closeUnreleasedLocked()
+}
+
+func (g *graphState) closeUnreleasedLocked() (int, error) {
+	done := 0
+	var errs []error
+	kept := g.unreleased[:0]
+	for _, p := range g.unreleased {
+		_, err := p.Close()
+		if err != nil && !errors.Is(err, gocore.ErrClosed) {
+			kept = append(kept, p)
+			errs = append(errs, err)
+			continue
+		}
+		done++
+	}
+	clear(g.unreleased[len(kept):])
+	g.unreleased = kept
+	return done, errors.Join(errs...)
 }
 
 // privateBlock describes the live block at addr in a private pool.
@@ -587,5 +628,8 @@ func CloseGraphPools(e *registry.Entry) (gocore.CloseReport, error) {
 		privateBlocks.Add(-1)
 		return true
 	})
+	// The last chance for what the backend refused earlier.
+	_, err := g.closeUnreleasedLocked()
+	errs = append(errs, err)
 	return total, errors.Join(errs...)
 }

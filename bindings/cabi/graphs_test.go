@@ -1,6 +1,7 @@
 package cabi
 
 import (
+	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -411,4 +412,58 @@ func TestPrivatePoolCloseHoldsOffOtherCaptures(t *testing.T) {
 	require.NoError(t, endCapture(b, 0, idB))
 	require.NoError(t, releaseGraphPool(b, 0, idB))
 	assert.Zero(t, activeCaptures.Load())
+}
+
+// refusingFree is a sim backend whose Free fails while refuse is set.
+type refusingFree struct {
+	*gocore.SimBackend
+	refuse atomic.Bool
+}
+
+func (b *refusingFree) Free(device int, addr, size uint64, stream gocore.Stream) error {
+	if b.refuse.Load() {
+		return errors.New("refused")
+	}
+	return b.SimBackend.Free(device, addr, size, stream)
+}
+
+// A private pool whose segments the backend refuses when it closes keeps
+// them for later: the next sweep gives them back, or else the pool's close.
+func TestGraphPoolSegmentsRefusedAtCloseAreRetried(t *testing.T) {
+	for _, retryBy := range []string{"sweep", "close"} {
+		t.Run(retryBy, func(t *testing.T) {
+			sim, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 30})
+			require.NoError(t, err)
+			be := &refusingFree{SimBackend: sim}
+			p, err := gocore.NewPool(gocore.Config{Name: "torch", Backend: be})
+			require.NoError(t, err)
+			e := registry.Add(p, sim, nil)
+			t.Cleanup(func() { registry.Remove(e.ID) })
+			var released atomic.Int32
+			id := graphPoolID{0, 9}
+			require.NoError(t, beginCapture(e, 0, id, goFilter{stream: 0x10, released: &released}))
+			a, err := AllocFor(e, mib, 0, 0x10)
+			require.NoError(t, err)
+			require.NoError(t, endCapture(e, 0, id))
+			require.NoError(t, releaseGraphPool(e, 0, id))
+			be.refuse.Store(true)
+			require.ErrorContains(t, FreeFor(e, a), "refused", "the private pool closes; its segment stays")
+			pools, err := GraphPools(e)
+			require.NoError(t, err)
+			assert.Empty(t, pools)
+			require.NotZero(t, sim.UsedBytes(0))
+			be.refuse.Store(false)
+			if retryBy == "sweep" {
+				n, err := sweepFreeable(e)
+				require.NoError(t, err)
+				assert.Equal(t, 1, n)
+				assert.Zero(t, sim.UsedBytes(0))
+			}
+			_, err = e.Pool.Close()
+			require.NoError(t, err)
+			_, err = CloseGraphPools(e)
+			require.NoError(t, err)
+			assert.Zero(t, sim.UsedBytes(0))
+		})
+	}
 }

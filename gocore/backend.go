@@ -87,6 +87,17 @@ type Shrinker interface {
 	Shrink(device int, addr, size, less uint64, stream Stream) (released uint64, err error)
 }
 
+// EventSynchronizer is implemented by backends that can wait for an event
+// (cuEventSynchronize). When a pool closes, a block whose free still waits
+// for other streams may still be in use there: Close waits for its events
+// before it gives the segment back, as torch's allocator synchronizes its
+// outstanding events before it frees cached memory. Without one (backends
+// whose events complete at once), Close does not wait.
+type EventSynchronizer interface {
+	// SynchronizeEvent blocks until the work captured by ev has completed.
+	SynchronizeEvent(ev Event) error
+}
+
 // ErrUnsupported is wrapped by backend methods that a backend cannot serve.
 var ErrUnsupported = errors.New("not supported by this backend")
 

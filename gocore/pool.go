@@ -375,7 +375,9 @@ type CloseReport struct {
 // Close returns every segment to the backend, including segments that still
 // hold live blocks (their addresses become invalid), destroys the pool's
 // events, and reports the blocks callers never freed. Every later call on
-// the pool fails with ErrClosed.
+// the pool fails with ErrClosed. Freed blocks still waiting for the work of
+// other streams (RecordStream) are waited for first when the backend is an
+// EventSynchronizer, outside a capture.
 //
 // The pool is closed even when Close fails. A segment the backend refuses to
 // free is not forgotten: the pool keeps it (Stats still counts it as
@@ -407,7 +409,18 @@ func (p *Pool) Close() (CloseReport, error) {
 		if d == nil {
 			continue
 		}
+		// Blocks whose frees wait for other streams may still be in use
+		// there: wait for that work before their segments go. (Not during a
+		// capture, which forbids it; a pool closed then frees at once.)
+		waiter, wait := p.backend.(EventSynchronizer)
+		wait = wait && p.captures == 0
 		for _, pf := range d.pending {
+			if wait {
+				if err := waiter.SynchronizeEvent(pf.event); err != nil {
+					errs = append(errs, fmt.Errorf("close pool %q: wait for the streams of the block at %#x: %w",
+						p.name, pf.block.addr, err))
+				}
+			}
 			d.events = append(d.events, pf.event)
 		}
 		d.pending = nil

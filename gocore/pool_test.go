@@ -546,6 +546,53 @@ func TestCloseReportsLiveBlocksAndReturnsEverything(t *testing.T) {
 	assert.True(t, p.Closed())
 }
 
+// callLog is a sim backend that logs its event waits and segment frees.
+type callLog struct {
+	*SimBackend
+	calls []string
+}
+
+func (b *callLog) SynchronizeEvent(ev Event) error {
+	b.calls = append(b.calls, "wait")
+	return b.SimBackend.SynchronizeEvent(ev)
+}
+
+func (b *callLog) Free(device int, addr, size uint64, stream Stream) error {
+	b.calls = append(b.calls, "free")
+	return b.SimBackend.Free(device, addr, size, stream)
+}
+
+// A block whose free waits for another stream may still be in use there
+// when the pool closes: Close waits for that work before the segment goes.
+func TestCloseWaitsForBlocksStillUsedOnOtherStreams(t *testing.T) {
+	for _, capturing := range []bool{false, true} {
+		sim, err := NewSimBackend(SimConfig{ManualEvents: true})
+		require.NoError(t, err)
+		be := &callLog{SimBackend: sim}
+		p, err := NewPool(Config{Backend: be})
+		require.NoError(t, err)
+		a := mustAlloc(t, p, 4096, 0, 0)
+		require.NoError(t, p.RecordStream(a, 3))
+		require.NoError(t, p.RecordStream(a, 4))
+		require.NoError(t, p.Free(a))
+		if capturing {
+			p.EnterCapture() // no wait is allowed then
+		}
+		rep, err := p.Close()
+		require.NoError(t, err)
+		assert.Empty(t, rep.LiveBlocks, "a was freed")
+		if capturing {
+			assert.Equal(t, []string{"free"}, be.calls)
+			assert.Zero(t, sim.Stats().EventWaits)
+		} else {
+			assert.Equal(t, []string{"wait", "wait", "free"}, be.calls, "both streams' work, then the segment")
+			assert.EqualValues(t, 2, sim.Stats().EventWaits)
+		}
+		assert.Zero(t, sim.Stats().LiveSegments)
+		assert.Zero(t, sim.Stats().LiveEvents)
+	}
+}
+
 func TestBadInput(t *testing.T) {
 	p, _ := newTestPool(t, SimConfig{}, Config{Name: "bad"})
 	_, err := p.Alloc(0, 0, 0)

@@ -117,6 +117,9 @@ type SimStats struct {
 	EventsCreated uint64
 	// EventsDestroyed counts successful DestroyEvent calls.
 	EventsDestroyed uint64
+	// EventWaits counts SynchronizeEvent calls that found the event's work
+	// not yet completed (and completed it).
+	EventWaits uint64
 	// LiveEvents is the number of events created and not yet destroyed.
 	LiveEvents int
 	// Expansions counts successful Expand calls.
@@ -659,6 +662,26 @@ func (b *SimBackend) QueryEvent(ev Event) (done bool, err error) {
 		return true, nil
 	}
 	return b.streamLocked(e.device, e.stream).completed >= e.seq, nil
+}
+
+// SynchronizeEvent waits for the work captured by ev: the simulated device
+// completes the work submitted to ev's stream up to ev (in manual mode that
+// is how a wait ends; otherwise it had completed already).
+func (b *SimBackend) SynchronizeEvent(ev Event) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	e, err := b.lookupEventLocked("synchronize event", ev)
+	if err != nil {
+		return err
+	}
+	if !e.recorded {
+		return nil
+	}
+	if s := b.streamLocked(e.device, e.stream); s.completed < e.seq {
+		s.completed = e.seq
+		b.stats.EventWaits++
+	}
+	return nil
 }
 
 // DestroyEvent releases ev; destroying an unknown or already destroyed

@@ -150,6 +150,16 @@ func (b *Backend) QueryEvent(ev gocore.Event) (bool, error) {
 	return b.drv.EventQuery(dev, uint64(ev))
 }
 
+// SynchronizeEvent waits for the work captured by ev
+// (gocore.EventSynchronizer).
+func (b *Backend) SynchronizeEvent(ev gocore.Event) error {
+	dev, err := b.eventDevice("synchronize", ev)
+	if err != nil {
+		return err
+	}
+	return b.drv.EventSynchronize(dev, uint64(ev))
+}
+
 // DestroyEvent destroys ev.
 func (b *Backend) DestroyEvent(ev gocore.Event) error {
 	dev, err := b.eventDevice("destroy", ev)

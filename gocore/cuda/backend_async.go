@@ -183,6 +183,9 @@ func (b *AsyncBackend) RecordEvent(ev gocore.Event, stream gocore.Stream) error 
 // QueryEvent reports whether the work captured by ev has completed.
 func (b *AsyncBackend) QueryEvent(ev gocore.Event) (bool, error) { return b.cu.QueryEvent(ev) }
 
+// SynchronizeEvent waits for the work captured by ev.
+func (b *AsyncBackend) SynchronizeEvent(ev gocore.Event) error { return b.cu.SynchronizeEvent(ev) }
+
 // DestroyEvent destroys ev.
 func (b *AsyncBackend) DestroyEvent(ev gocore.Event) error { return b.cu.DestroyEvent(ev) }
 

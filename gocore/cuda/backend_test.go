@@ -276,7 +276,15 @@ func TestCrossStreamReuseWaitsForEvents(t *testing.T) {
 
 	require.NoError(t, p.Free(b))
 	require.NoError(t, p.Free(c))
+	// A block still in use on the other stream when the pool closes: Close
+	// waits for that work before the memory goes.
+	d, err := p.Alloc(1000, 1, own)
+	require.NoError(t, err)
+	require.NoError(t, p.RecordStream(d, other))
+	require.NoError(t, p.Free(d))
+	assert.Zero(t, f.Calls("cuEventSynchronize"))
 	closePool(t, p)
+	assert.Equal(t, 1, f.Calls("cuEventSynchronize"))
 	assert.Zero(t, f.LiveEvents(1), "Close destroys the pool's events")
 	assert.Zero(t, f.LiveBytes(1))
 	assert.Zero(t, be.LiveEvents())

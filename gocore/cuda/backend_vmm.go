@@ -282,6 +282,9 @@ func (b *VMMBackend) RecordEvent(ev gocore.Event, stream gocore.Stream) error {
 // QueryEvent reports whether the work captured by ev has completed.
 func (b *VMMBackend) QueryEvent(ev gocore.Event) (bool, error) { return b.cu.QueryEvent(ev) }
 
+// SynchronizeEvent waits for the work captured by ev.
+func (b *VMMBackend) SynchronizeEvent(ev gocore.Event) error { return b.cu.SynchronizeEvent(ev) }
+
 // DestroyEvent destroys ev.
 func (b *VMMBackend) DestroyEvent(ev gocore.Event) error { return b.cu.DestroyEvent(ev) }
 

@@ -423,6 +423,15 @@ func (d *Driver) EventQuery(dev int, ev uint64) (bool, error) {
 	return true, nil
 }
 
+// EventSynchronize waits for the work captured by ev (created on dev).
+func (d *Driver) EventSynchronize(dev int, ev uint64) error {
+	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res { return C.gmp_event_sync(d.fns, ctx, C.uint64_t(ev)) })
+	if err != nil {
+		return fmt.Errorf("cuda: synchronize event %#x on device %d: %w", ev, dev, err)
+	}
+	return nil
+}
+
 // EventDestroy destroys ev, created on dev.
 func (d *Driver) EventDestroy(dev int, ev uint64) error {
 	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res { return C.gmp_event_destroy(d.fns, ctx, C.uint64_t(ev)) })

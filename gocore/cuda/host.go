@@ -206,6 +206,14 @@ func (b *HostBackend) QueryEvent(ev gocore.Event) (bool, error) {
 	return b.drv.EventQuery(b.device, uint64(ev))
 }
 
+// SynchronizeEvent waits for the work captured by ev.
+func (b *HostBackend) SynchronizeEvent(ev gocore.Event) error {
+	if err := b.checkEvent("synchronize", ev); err != nil {
+		return err
+	}
+	return b.drv.EventSynchronize(b.device, uint64(ev))
+}
+
 // DestroyEvent destroys ev.
 func (b *HostBackend) DestroyEvent(ev gocore.Event) error {
 	if err := b.checkEvent("destroy", ev); err != nil {

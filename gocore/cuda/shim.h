@@ -61,6 +61,7 @@ typedef void *CUmemoryPool;
 	X(cuEventCreate, 1)                                                          \
 	X(cuEventRecord, 1)                                                          \
 	X(cuEventQuery, 1)                                                           \
+	X(cuEventSynchronize, 1)                                                     \
 	X(cuEventDestroy_v2, 1)                                                      \
 	X(cuStreamSynchronize, 1)                                                    \
 	X(cuMemPoolCreate, 0)                                                        \
@@ -116,6 +117,7 @@ typedef CUresult (*t_cuMemHostGetFlags)(unsigned int *, void *);
 typedef CUresult (*t_cuEventCreate)(CUevent *, unsigned int);
 typedef CUresult (*t_cuEventRecord)(CUevent, CUstream);
 typedef CUresult (*t_cuEventQuery)(CUevent);
+typedef CUresult (*t_cuEventSynchronize)(CUevent);
 typedef CUresult (*t_cuEventDestroy_v2)(CUevent);
 typedef CUresult (*t_cuStreamSynchronize)(CUstream);
 typedef CUresult (*t_cuMemPoolCreate)(CUmemoryPool *, const CUmemPoolProps *);
@@ -361,6 +363,12 @@ static inline gmp_res gmp_event_record(gmp_drv *d, uintptr_t ctx, uint64_t ev, u
 static inline gmp_res gmp_event_query(gmp_drv *d, uintptr_t ctx, uint64_t ev) {
 	gmp_res r;
 	GMP_IN_CTX(d, ctx, r, GMP_cuEventQuery, GMP_FN(d, cuEventQuery)((CUevent)(uintptr_t)ev));
+	return r;
+}
+
+static inline gmp_res gmp_event_sync(gmp_drv *d, uintptr_t ctx, uint64_t ev) {
+	gmp_res r;
+	GMP_IN_CTX(d, ctx, r, GMP_cuEventSynchronize, GMP_FN(d, cuEventSynchronize)((CUevent)(uintptr_t)ev));
 	return r;
 }
 

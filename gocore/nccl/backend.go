@@ -55,6 +55,7 @@ type EventSource interface {
 	NewEvent(device int) (gocore.Event, error)
 	RecordEvent(ev gocore.Event, stream gocore.Stream) error
 	QueryEvent(ev gocore.Event) (done bool, err error)
+	SynchronizeEvent(ev gocore.Event) error
 	DestroyEvent(ev gocore.Event) error
 }
 
@@ -132,6 +133,10 @@ func (b *Backend) RecordEvent(ev gocore.Event, stream gocore.Stream) error {
 
 // QueryEvent is the event source's.
 func (b *Backend) QueryEvent(ev gocore.Event) (bool, error) { return b.events.QueryEvent(ev) }
+
+// SynchronizeEvent is the event source's (gocore.EventSynchronizer):
+// ncclMemFree does not wait for the work of other streams.
+func (b *Backend) SynchronizeEvent(ev gocore.Event) error { return b.events.SynchronizeEvent(ev) }
 
 // DestroyEvent is the event source's.
 func (b *Backend) DestroyEvent(ev gocore.Event) error { return b.events.DestroyEvent(ev) }

@@ -366,6 +366,28 @@ func TestFreeWaitsForStream(t *testing.T) {
 	assert.Equal(t, 1, s.fake.Frees())
 }
 
+// ncclMemFree does not wait for other streams: a pool closing with a block
+// still in use on one waits for that work (cuEventSynchronize) first.
+func TestCloseWaitsForOtherStreams(t *testing.T) {
+	s := newSetup(t)
+	p := s.pool(t)
+	a, err := p.Alloc(mib, 0, 0)
+	require.NoError(t, err)
+	require.NoError(t, p.RecordStream(a, 7))
+	s.events.busyQueries = 1 << 20 // stream 7 is far from done
+	require.NoError(t, p.Free(a))
+	s.events.busyQueries = 0
+	report, err := p.Close()
+	require.NoError(t, err)
+	assert.Empty(t, report.LiveBlocks)
+	s.events.mu.Lock()
+	syncs := s.events.syncs
+	s.events.mu.Unlock()
+	assert.Equal(t, 1, syncs, "waited for stream 7")
+	assert.Equal(t, 1, s.fake.Frees())
+	assert.Zero(t, s.fake.LiveBytes())
+}
+
 func TestAllocPushPopFailures(t *testing.T) {
 	s := newSetup(t)
 	runtime.LockOSThread()

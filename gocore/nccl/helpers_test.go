@@ -73,6 +73,7 @@ type stubEvents struct {
 	created   int
 	destroyed int
 	queries   int
+	syncs     int
 	streams   []gocore.Stream // recorded on, in order
 }
 
@@ -119,6 +120,19 @@ func (s *stubEvents) RecordEvent(ev gocore.Event, stream gocore.Stream) error {
 	}
 	e.recorded, e.busy = true, s.busyQueries
 	s.streams = append(s.streams, stream)
+	return nil
+}
+
+// SynchronizeEvent completes ev's work, as a wait would.
+func (s *stubEvents) SynchronizeEvent(ev gocore.Event) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e := s.live[ev]
+	if e == nil {
+		return fmt.Errorf("stub synchronize: unknown event %d: %w", ev, gocore.ErrInvalidArgument)
+	}
+	s.syncs++
+	e.busy = 0
 	return nil
 }
 

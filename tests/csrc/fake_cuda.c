@@ -108,7 +108,7 @@ typedef struct fake_pool *CUmemoryPool;
     X(cuDevicePrimaryCtxRelease_v2) X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2)             \
     X(cuGetErrorName) X(cuMemAlloc_v2) X(cuMemFree_v2) X(cuMemGetInfo_v2) X(cuMemHostAlloc)  \
     X(cuMemFreeHost) X(cuMemHostGetFlags) X(cuEventCreate) X(cuEventRecord) X(cuEventQuery)  \
-    X(cuEventDestroy_v2) X(cuStreamSynchronize) X(cuMemPoolCreate) X(cuMemPoolDestroy)       \
+    X(cuEventSynchronize) X(cuEventDestroy_v2) X(cuStreamSynchronize) X(cuMemPoolCreate) X(cuMemPoolDestroy)       \
     X(cuMemAllocFromPoolAsync) X(cuMemFreeAsync) X(cuMemPoolSetAttribute)                    \
     X(cuMemPoolGetAttribute) X(cuMemPoolTrimTo) X(cuMemPoolExportToShareableHandle)          \
     X(cuMemPoolImportFromShareableHandle) X(cuMemPoolExportPointer) X(cuMemPoolImportPointer) \
@@ -780,6 +780,21 @@ EXPORT CUresult cuEventQuery(CUevent hEvent) {
     if (!manual_events || !e->recorded) RETURN(CUDA_SUCCESS);
     struct fake_stream *s = stream_of(e->dev, e->stream);
     RETURN(s->completed >= e->seq ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY);
+}
+
+/* Waiting completes the work of the event's stream up to the event: what
+ * the device does while the caller blocks. */
+EXPORT CUresult cuEventSynchronize(CUevent hEvent) {
+    ENTER(cuEventSynchronize);
+    NEVER_IN_CAPTURE();
+    NEED_CTX();
+    struct fake_event *e = find_event(hEvent);
+    if (!e || e->dev != cur) RETURN(CUDA_ERROR_INVALID_HANDLE);
+    if (e->recorded) {
+        struct fake_stream *s = stream_of(e->dev, e->stream);
+        if (s->completed < e->seq) s->completed = e->seq;
+    }
+    RETURN(CUDA_SUCCESS);
 }
 
 EXPORT CUresult cuEventDestroy_v2(CUevent hEvent) {

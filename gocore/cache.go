@@ -96,11 +96,15 @@ func (p *Pool) trimLocked(d *deviceState, keep uint64) (uint64, error) {
 // only when it first uses it), so s.size need not be a multiple of it: the
 // tail is rounded down to whole granules, and may be none.
 func (p *Pool) shrinkable(s *segment) uint64 {
+	return shrinkableIn(s, p.expander.Granularity())
+}
+
+// shrinkableIn is shrinkable in granules of g.
+func shrinkableIn(s *segment, g uint64) uint64 {
 	last := s.last
 	if !s.expandable || !last.inFree || last.prev == nil {
 		return 0 // wholly free segments are released whole
 	}
-	g := p.expander.Granularity()
 	keep := roundUp(last.addr-s.addr, g)
 	if keep >= s.size {
 		return 0
@@ -132,7 +136,11 @@ func (p *Pool) shrinkableSegments(d *deviceState) []*segment {
 // segments, and returns the bytes given back. On a backend error s stays
 // as it was.
 func (p *Pool) shrinkTailLocked(d *deviceState, s *segment) (uint64, error) {
-	less := p.shrinkable(s)
+	// One reading of the granularity for the request and the check of the
+	// answer: a backend shared with other pools (torch's private pools) may
+	// learn a larger one meanwhile, when a device is first used.
+	g := p.expander.Granularity()
+	less := shrinkableIn(s, g)
 	if less == 0 {
 		return 0, nil
 	}
@@ -144,11 +152,11 @@ func (p *Pool) shrinkTailLocked(d *deviceState, s *segment) (uint64, error) {
 	if released == 0 {
 		return 0, nil
 	}
-	if released > less || released%p.expander.Granularity() != 0 {
+	if released > less || released%g != 0 {
 		// The backend broke the Shrinker contract: the segment no longer
 		// matches its blocks, so say so rather than guess.
 		return 0, fmt.Errorf("pool %q: backend %s shrank segment %#x on device %d by %d bytes, asked for at most %d in granules of %d: %w",
-			p.name, p.backend.Name(), s.addr, d.id, released, less, p.expander.Granularity(), ErrInvariant)
+			p.name, p.backend.Name(), s.addr, d.id, released, less, g, ErrInvariant)
 	}
 	last := s.last
 	f := d.freeList(s.stream)

@@ -476,6 +476,21 @@ func TestReleaseThresholdShrinksAnExpandableTail(t *testing.T) {
 	require.NoError(t, p.CheckInvariants())
 }
 
+func TestShrinkJudgesTheAnswerByTheGranularityItAskedWith(t *testing.T) {
+	sim, err := NewSimBackend(SimConfig{Expandable: true, Capacity: 256 * MiB})
+	require.NoError(t, err)
+	be := &growingGranularity{SimBackend: sim, g: sim.Granularity(), doubleOnShrink: true}
+	p, err := NewPool(Config{Backend: be})
+	require.NoError(t, err)
+	mustAlloc(t, p, 4*MiB, 0, 0)
+	b := mustAlloc(t, p, 6*MiB, 0, 0) // a 10 MiB segment
+	require.NoError(t, p.Free(b))
+	released, err := p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 6*MiB, released, "three 2 MiB granules, though granules are 4 MiB now")
+	require.NoError(t, p.CheckInvariants())
+}
+
 func TestReleaseThresholdAppliesWhenACaptureEnds(t *testing.T) {
 	p, be := newTestPool(t, SimConfig{}, Config{ReleaseThreshold: MiB})
 	a := mustAlloc(t, p, 12*MiB, 0, 0)
@@ -1301,18 +1316,24 @@ func TestExpandableShrinkPartialAndFailing(t *testing.T) {
 
 // growingGranularity is a sim backend whose granularity grows after
 // segments exist, as the vmm backend's does when it first meets a device
-// with a coarser one.
+// with a coarser one (with doubleOnShrink, during a Shrink: a pool sharing
+// the backend did so meanwhile).
 type growingGranularity struct {
 	*SimBackend
-	g     uint64
-	asked []uint64
+	g              uint64
+	asked          []uint64
+	doubleOnShrink bool
 }
 
 func (b *growingGranularity) Granularity() uint64 { return b.g }
 
 func (b *growingGranularity) Shrink(dev int, addr, size, less uint64, st Stream) (uint64, error) {
 	b.asked = append(b.asked, less)
-	return b.SimBackend.Shrink(dev, addr, size, less, st)
+	n, err := b.SimBackend.Shrink(dev, addr, size, less, st)
+	if b.doubleOnShrink {
+		b.g *= 2
+	}
+	return n, err
 }
 
 // A segment made in 2 MiB granules, its tail then measured in 4 MiB ones:

@@ -81,6 +81,46 @@ def test_cross_stream_reuse_waits_for_the_other_stream(backend: str) -> None:
         assert (as_array(ptr, 32).get() == 7).all()
 
 
+CLOSE_CHILD = textwrap.dedent("""
+    import sys, time
+    import cupy as cp
+    import gpumempool as gmp
+    SPIN, backend = sys.argv[1], sys.argv[2]
+    if backend == "nccl":
+        import torch  # loads the libnccl the backend uses, as in nccl_ok()
+    kernel = cp.RawKernel(SPIN, "spin_then_write")
+    other = cp.cuda.Stream(non_blocking=True)
+    clock_hz = cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrClockRate, 0) * 1000
+    pool = gmp.MemPool(backend)
+    ptr = pool.alloc(64 * 1024 * 1024)
+    pool.record_stream(ptr, other.ptr)
+    with other:  # about a second of spinning, then a write into the block
+        kernel((1,), (32,), (cp.uint64(ptr), cp.int64(clock_hz), cp.uint8(7)))
+    pool.free(ptr)  # waits for `other`: not reusable, and not to be unmapped yet
+    t0 = time.perf_counter()
+    pool.close()
+    waited = time.perf_counter() - t0
+    other.synchronize()  # raises if the kernel wrote to memory already given back
+    cp.cuda.Device(0).synchronize()
+    print(f"waited {waited:.3f}")
+""")
+
+
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
+def test_close_waits_for_work_on_other_streams(backend: str) -> None:
+    """A pool closed while a freed block is still written on another stream
+    waits for that work before the memory goes (cuEventSynchronize), where
+    cuMemUnmap, ncclMemFree and cuMemFreeAsync would not. In a child
+    process: a fault would poison this one's CUDA context."""
+    if backend == "nccl" and not nccl_ok():
+        pytest.skip("no NCCL >= 2.19 in this process")
+    out = subprocess.run([sys.executable, "-c", CLOSE_CHILD, SPIN, backend], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    waited = float(out.stdout.split()[-1])
+    assert waited > 0.2, f"close returned after {waited:.3f} s, before the other stream's kernel ended"
+
+
 def test_vmm_expandable_grows_without_moving() -> None:
     with gmp.MemPool("vmm", expandable=True) as pool:
         a = pool.alloc(3 * MiB)

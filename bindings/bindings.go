@@ -189,7 +189,13 @@ func poolAlloc(id, size, device int64, stream uint64,
 }
 
 // PoolFree frees the block at addr.
-func PoolFree(id int64, addr uint64) (err error) {
+//
+// ok is true when err is nil (see okOf).
+func PoolFree(id int64, addr uint64) (ok bool, err error) {
+	return okOf(poolFree(id, addr))
+}
+
+func poolFree(id int64, addr uint64) (err error) {
 	defer guard(&err)
 	e, err := entry(id)
 	if err != nil {
@@ -202,7 +208,13 @@ func PoolFree(id int64, addr uint64) (err error) {
 }
 
 // PoolRecordStream marks the block at addr as used on stream.
-func PoolRecordStream(id int64, addr, stream uint64) (err error) {
+//
+// ok is true when err is nil (see okOf).
+func PoolRecordStream(id int64, addr, stream uint64) (ok bool, err error) {
+	return okOf(poolRecordStream(id, addr, stream))
+}
+
+func poolRecordStream(id int64, addr, stream uint64) (err error) {
 	defer guard(&err)
 	e, err := entry(id)
 	if err != nil {
@@ -265,7 +277,13 @@ func PoolTrim(id, device int64, keep uint64) (released uint64, err error) {
 
 // PoolSetLimit sets the byte limit (0: none) of device, or of every device
 // when device is -1.
-func PoolSetLimit(id int64, limit uint64, device int64) (err error) {
+//
+// ok is true when err is nil (see okOf).
+func PoolSetLimit(id int64, limit uint64, device int64) (ok bool, err error) {
+	return okOf(poolSetLimit(id, limit, device))
+}
+
+func poolSetLimit(id int64, limit uint64, device int64) (err error) {
 	defer guard(&err)
 	e, err := entry(id)
 	if err != nil {
@@ -292,7 +310,13 @@ func PoolLimit(id int64, device int64) (limit uint64, err error) {
 }
 
 // PoolSetReleaseThreshold sets the release threshold (0: unlimited).
-func PoolSetReleaseThreshold(id int64, bytes uint64) (err error) {
+//
+// ok is true when err is nil (see okOf).
+func PoolSetReleaseThreshold(id int64, bytes uint64) (ok bool, err error) {
+	return okOf(poolSetReleaseThreshold(id, bytes))
+}
+
+func poolSetReleaseThreshold(id int64, bytes uint64) (err error) {
 	defer guard(&err)
 	e, err := entry(id)
 	if err != nil {
@@ -318,7 +342,13 @@ func PoolConfig(id int64) (js string, err error) {
 }
 
 // PoolCheck verifies the pool's invariants (see gocore.Pool.CheckInvariants).
-func PoolCheck(id int64) (err error) {
+//
+// ok is true when err is nil (see okOf).
+func PoolCheck(id int64) (ok bool, err error) {
+	return okOf(poolCheck(id))
+}
+
+func poolCheck(id int64) (err error) {
 	defer guard(&err)
 	e, err := entry(id)
 	if err != nil {
@@ -457,7 +487,13 @@ func PoolTakeError(id int64) (msg string, err error) {
 
 // DebugPanicNext makes the pool's next C-ABI call panic inside Go (fault
 // injection for tests: the call must return NULL and record the panic).
-func DebugPanicNext(id int64) (err error) {
+//
+// ok is true when err is nil (see okOf).
+func DebugPanicNext(id int64) (ok bool, err error) {
+	return okOf(debugPanicNext(id))
+}
+
+func debugPanicNext(id int64) (err error) {
 	defer guard(&err)
 	e, err := entry(id)
 	if err != nil {
@@ -493,7 +529,13 @@ func simOf(id int64) (*gocore.SimBackend, error) {
 
 // SimCompleteStream completes the work queued so far on stream (all streams
 // when all is true) of the pool's simulated device.
-func SimCompleteStream(id int64, stream uint64, all bool) (err error) {
+//
+// ok is true when err is nil (see okOf).
+func SimCompleteStream(id int64, stream uint64, all bool) (ok bool, err error) {
+	return okOf(simCompleteStream(id, stream, all))
+}
+
+func simCompleteStream(id int64, stream uint64, all bool) (err error) {
 	defer guard(&err)
 	s, err := simOf(id)
 	if err != nil {
@@ -509,7 +551,13 @@ func SimCompleteStream(id int64, stream uint64, all bool) (err error) {
 
 // SimSetManualEvents switches the simulated device between events that
 // complete at once (false) and on SimCompleteStream only (true).
-func SimSetManualEvents(id int64, manual bool) (err error) {
+//
+// ok is true when err is nil (see okOf).
+func SimSetManualEvents(id int64, manual bool) (ok bool, err error) {
+	return okOf(simSetManualEvents(id, manual))
+}
+
+func simSetManualEvents(id int64, manual bool) (err error) {
 	defer guard(&err)
 	s, err := simOf(id)
 	if err != nil {
@@ -570,7 +618,13 @@ func PoolSnapshot(id int64) (js string, err error) {
 }
 
 // PoolRecordHistory turns event recording on (keeping maxEntries) or off.
-func PoolRecordHistory(id int64, enabled bool, maxEntries int64) (err error) {
+//
+// ok is true when err is nil (see okOf).
+func PoolRecordHistory(id int64, enabled bool, maxEntries int64) (ok bool, err error) {
+	return okOf(poolRecordHistory(id, enabled, maxEntries))
+}
+
+func poolRecordHistory(id int64, enabled bool, maxEntries int64) (err error) {
 	defer guard(&err)
 	e, err := entry(id)
 	if err != nil {

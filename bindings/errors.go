@@ -32,3 +32,9 @@ func guard(err *error) {
 		}
 	}
 }
+
+// okOf is the result of a binding that has nothing to return but an error.
+// gopy (errorGoToPy) gives such a function a C string result that nobody
+// frees, about 32 bytes a call, so every binding returns a value: ok, true
+// when err is nil.
+func okOf(err error) (bool, error) { return err == nil, err }

@@ -299,7 +299,13 @@ var importKeys = map[string]bool{"kind": true, "device": true, "uuid": true, "ch
 	"pool": true, "segment_size": true, "offset": true, "size": true}
 
 // CloseImport unmaps what ImportMemory mapped.
-func CloseImport(id int64) (err error) {
+//
+// ok is true when err is nil (see okOf).
+func CloseImport(id int64) (ok bool, err error) {
+	return okOf(closeImportHandle(id))
+}
+
+func closeImportHandle(id int64) (err error) {
 	defer guard(&err)
 	importsMu.Lock()
 	c := imports[id]

@@ -91,7 +91,9 @@ func importHandle(h map[string]any, lib string, change map[string]any) (map[stri
 
 func closeImport(t *testing.T, r map[string]any) {
 	t.Helper()
-	require.NoError(t, CloseImport(int64(r["id"].(float64))))
+	ok, err := CloseImport(int64(r["id"].(float64)))
+	require.NoError(t, err)
+	require.True(t, ok)
 }
 
 // The handle names the exporting GPU by UUID, and the importer maps it to
@@ -138,7 +140,9 @@ func TestImportMemoryFindsTheExportersGPUByUUID(t *testing.T) {
 	require.Error(t, err)
 	assert.True(t, strings.HasPrefix(err.Error(), "ValueError: IPC handle uuid"), err.Error())
 
-	require.NoError(t, PoolFree(id, a))
+	ok, err := PoolFree(id, a)
+	require.NoError(t, err)
+	require.True(t, ok)
 	_, err = PoolClose(id)
 	require.NoError(t, err)
 }
@@ -228,8 +232,11 @@ func TestImportMemoryAsync(t *testing.T) {
 		assert.Contains(t, err.Error(), "needs pool and segment_size")
 	}
 
-	require.NoError(t, PoolFree(id, a))
-	require.NoError(t, PoolFree(id, b))
+	for _, addr := range []uint64{a, b} {
+		ok, err := PoolFree(id, addr)
+		require.NoError(t, err)
+		require.True(t, ok)
+	}
 	_, err = PoolClose(id)
 	require.NoError(t, err)
 }

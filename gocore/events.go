@@ -11,6 +11,36 @@ type pendingFree struct {
 	block *block
 }
 
+// eventQueue holds the pending frees whose events were recorded on one
+// stream, oldest first. A stream's work completes in order, so its events
+// do too: processing a queue stops at the first event not yet done, as
+// torch's allocator does, and an allocation costs one query per stream with
+// frees waiting, not one per waiting free.
+type eventQueue struct {
+	stream Stream
+	items  []pendingFree
+}
+
+// enqueuePending adds pf, whose event was recorded on stream s.
+func (d *deviceState) enqueuePending(s Stream, pf pendingFree) {
+	for i := range d.pending {
+		if d.pending[i].stream == s {
+			d.pending[i].items = append(d.pending[i].items, pf)
+			return
+		}
+	}
+	d.pending = append(d.pending, eventQueue{stream: s, items: []pendingFree{pf}})
+}
+
+// allPending calls fn for every pending free, queue by queue.
+func (d *deviceState) allPending(fn func(pendingFree)) {
+	for _, q := range d.pending {
+		for _, pf := range q.items {
+			fn(pf)
+		}
+	}
+}
+
 // deferFreeLocked records an event on every stream the block was used on and
 // parks the block until they all complete. Events are pooled per device, as
 // creating them costs a driver call.
@@ -32,7 +62,7 @@ func (p *Pool) deferFreeLocked(d *deviceState, b *block) error {
 			b.streamUses = b.streamUses[:0]
 			return fmt.Errorf("free %#x in pool %q: record event on stream %#x: %w", b.addr, p.name, uint64(s), err)
 		}
-		d.pending = append(d.pending, pendingFree{event: ev, block: b})
+		d.enqueuePending(s, pendingFree{event: ev, block: b})
 		b.pending++
 	}
 	b.streamUses = b.streamUses[:0]
@@ -56,21 +86,26 @@ func (p *Pool) processEventsLocked(d *deviceState) {
 		return
 	}
 	kept := d.pending[:0]
-	for _, pf := range d.pending {
-		done, err := p.backend.QueryEvent(pf.event)
-		if err != nil || !done {
-			kept = append(kept, pf)
-			continue
+	for _, q := range d.pending {
+		n := 0
+		for ; n < len(q.items); n++ {
+			pf := q.items[n]
+			done, err := p.backend.QueryEvent(pf.event)
+			if err != nil || !done {
+				break // later events of the stream cannot be done either
+			}
+			d.events = append(d.events, pf.event)
+			pf.block.pending--
+			if pf.block.pending == 0 {
+				p.freeBlockLocked(d, pf.block)
+			}
 		}
-		d.events = append(d.events, pf.event)
-		pf.block.pending--
-		if pf.block.pending == 0 {
-			p.freeBlockLocked(d, pf.block)
+		clear(q.items[:n])
+		if q.items = q.items[n:]; len(q.items) > 0 {
+			kept = append(kept, q)
 		}
 	}
-	for i := len(kept); i < len(d.pending); i++ {
-		d.pending[i] = pendingFree{}
-	}
+	clear(d.pending[len(kept):])
 	d.pending = kept
 }
 
@@ -92,10 +127,8 @@ func (p *Pool) ProcessEvents() (int, error) {
 		p.processEventsLocked(d)
 		waiting += len(d.unrecorded)
 		if len(d.pending) > 0 {
-			blocks := make(map[*block]struct{}, len(d.pending))
-			for _, pf := range d.pending {
-				blocks[pf.block] = struct{}{}
-			}
+			blocks := make(map[*block]struct{})
+			d.allPending(func(pf pendingFree) { blocks[pf.block] = struct{}{} })
 			waiting += len(blocks)
 		}
 	}

@@ -138,7 +138,7 @@ type deviceState struct {
 	// largeLookups counts searches of the large free lists: the clock that
 	// ages cached segments for garbage collection (torch's gc_count).
 	largeLookups uint64
-	pending      []pendingFree       // frees waiting for events
+	pending      []eventQueue        // frees waiting for events, a queue per stream
 	unrecorded   []*block            // frees whose events wait for ExitCapture
 	events       []Event             // idle events kept for reuse
 	growing      map[Stream]*segment // the large segment each stream grows
@@ -414,7 +414,7 @@ func (p *Pool) Close() (CloseReport, error) {
 		// capture, which forbids it; a pool closed then frees at once.)
 		waiter, wait := p.backend.(EventSynchronizer)
 		wait = wait && p.captures == 0
-		for _, pf := range d.pending {
+		d.allPending(func(pf pendingFree) {
 			if wait {
 				if err := waiter.SynchronizeEvent(pf.event); err != nil {
 					errs = append(errs, fmt.Errorf("close pool %q: wait for the streams of the block at %#x: %w",
@@ -422,7 +422,7 @@ func (p *Pool) Close() (CloseReport, error) {
 				}
 			}
 			d.events = append(d.events, pf.event)
-		}
+		})
 		d.pending = nil
 		d.unrecorded = nil
 		for _, ev := range d.events {

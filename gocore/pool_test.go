@@ -525,6 +525,44 @@ func TestProcessEventsCountsWaitingFrees(t *testing.T) {
 	assert.Equal(t, 2, n)
 }
 
+// queryCounter is a sim backend that counts its event queries.
+type queryCounter struct {
+	*SimBackend
+	queries int
+}
+
+func (b *queryCounter) QueryEvent(ev Event) (bool, error) {
+	b.queries++
+	return b.SimBackend.QueryEvent(ev)
+}
+
+// Frees waiting on a busy stream cost an allocation one query for the
+// stream, not one per waiting free; they come back in order once it is done.
+func TestPendingFreesAreQueriedPerStream(t *testing.T) {
+	sim, err := NewSimBackend(SimConfig{ManualEvents: true, Capacity: 1 << 30})
+	require.NoError(t, err)
+	be := &queryCounter{SimBackend: sim}
+	p, err := NewPool(Config{Backend: be})
+	require.NoError(t, err)
+	for i := range 1000 {
+		a := mustAlloc(t, p, 4096, 0, 0)
+		require.NoError(t, p.RecordStream(a, Stream(1+i%2))) // two busy streams
+		require.NoError(t, p.Free(a))
+	}
+	be.queries = 0
+	mustAlloc(t, p, 4096, 0, 0)
+	assert.Equal(t, 2, be.queries, "the oldest event of each stream")
+	sim.CompleteStream(1)
+	n, err := p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Equal(t, 500, n, "stream 1's frees are done, stream 2's wait")
+	sim.CompleteStream(2)
+	n, err = p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Zero(t, n)
+	require.NoError(t, p.CheckInvariants())
+}
+
 // A huge MaxNonSplitRoundingSize means any cached oversize block may serve
 // a large request; the bound must not wrap around.
 func TestHugeMaxNonSplitRoundingLetsCachedBlocksServe(t *testing.T) {

@@ -220,7 +220,7 @@ func poolRecordStream(id int64, addr, stream uint64) (err error) {
 	if err != nil {
 		return err
 	}
-	return e.Pool.RecordStream(addr, gocore.Stream(stream))
+	return cabi.RecordStreamFor(e, addr, gocore.Stream(stream))
 }
 
 // PoolProcessEvents frees blocks whose events completed; it returns how many

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"syscall"
 
+	"github.com/gpumempool/gpumempool/bindings/cabi"
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/cuda"
 )
@@ -66,7 +67,7 @@ func PoolExport(id int64, addr uint64) (js string, err error) {
 	if err != nil {
 		return "", err
 	}
-	info, err := e.Pool.Lookup(addr)
+	info, err := cabi.LookupFor(e, addr) // a capture may have put it in a private pool
 	if err != nil {
 		return "", err
 	}

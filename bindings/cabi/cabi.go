@@ -120,6 +120,23 @@ func allocFor(e *registry.Entry, size uint64, device int, stream uintptr,
 	return addr, err
 }
 
+// RecordStreamFor marks a block AllocFor gave as used on stream: in a
+// private pool when a capture put it there, else in e's pool.
+func RecordStreamFor(e *registry.Entry, addr uint64, stream gocore.Stream) error {
+	if ok, err := privateRecordStream(e, addr, stream); ok {
+		return err
+	}
+	return e.Pool.RecordStream(addr, stream)
+}
+
+// LookupFor describes a live block AllocFor gave, wherever it lives.
+func LookupFor(e *registry.Entry, addr uint64) (gocore.BlockInfo, error) {
+	if info, ok, err := privateBlock(e, addr); ok {
+		return info, err
+	}
+	return e.Pool.Lookup(addr)
+}
+
 // FreeFor frees a block AllocFor gave.
 func FreeFor(e *registry.Entry, addr uint64) error {
 	if private, err := privateFree(e, addr); private {

@@ -164,7 +164,12 @@ func privateAlloc(e *registry.Entry, size uint64, device int, stream uintptr) (a
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	for _, c := range g.captures {
+	// Newest first, as torch's own allocator routes since 2.10
+	// (pytorch#168382): a graph captured inside use_mem_pool, or nested
+	// use_mem_pool blocks, allocate into the innermost pool whose filter
+	// accepts the stream.
+	for i := len(g.captures) - 1; i >= 0; i-- {
+		c := g.captures[i]
 		if c.device != device || !c.filter.accepts(stream) {
 			continue
 		}
@@ -594,19 +599,30 @@ func AddGraphStats(e *registry.Entry, dev int, s *gocore.Stats) error {
 }
 
 // CloseGraphPools closes e's private pools and drops its captures (the pool
-// itself is closing), and reports the blocks they still held.
+// itself is closing), and reports the blocks they still held. When those
+// were the last captures of the process, the private pools of other pools
+// that waited for them to end are closed too, as at an endCapture.
 func CloseGraphPools(e *registry.Entry) (gocore.CloseReport, error) {
+	rep, captured, err := closeGraphPools(e)
+	if captured && activeCaptures.Load() == 0 {
+		_, serr := sweepFreeable(nil)
+		err = errors.Join(err, serr)
+	}
+	return rep, err
+}
+
+func closeGraphPools(e *registry.Entry) (total gocore.CloseReport, captured bool, err error) {
 	graphMu.Lock()
 	g := graphs[e]
 	delete(graphs, e)
 	graphMu.Unlock()
-	var total gocore.CloseReport
 	if g == nil {
-		return total, nil
+		return total, false, nil
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	g.closed = true
+	captured = len(g.captures) > 0
 	for _, c := range g.captures {
 		c.filter.release()
 		activeCaptures.Add(-1)
@@ -629,7 +645,7 @@ func CloseGraphPools(e *registry.Entry) (gocore.CloseReport, error) {
 		return true
 	})
 	// The last chance for what the backend refused earlier.
-	_, err := g.closeUnreleasedLocked()
+	_, err = g.closeUnreleasedLocked()
 	errs = append(errs, err)
-	return total, errors.Join(errs...)
+	return total, captured, errors.Join(errs...)
 }

@@ -467,3 +467,77 @@ func TestGraphPoolSegmentsRefusedAtCloseAreRetried(t *testing.T) {
 		})
 	}
 }
+
+// allFilter accepts every stream, like the filter of torch.cuda.use_mem_pool
+// on torch 2.5-2.7 (_cuda_beginAllocateToPool).
+type allFilter struct{ released *atomic.Int32 }
+
+func (allFilter) accepts(uintptr) bool { return true }
+func (f allFilter) release()           { f.released.Add(1) }
+
+// A graph captured inside use_mem_pool (or nested use_mem_pool blocks):
+// the innermost capture accepting the stream gets the allocation, as in
+// torch since 2.10, or the graph's temporaries would live in the enclosing
+// MemPool's pool and be handed to later tensors while replays write them.
+func TestGraphInnermostCaptureWins(t *testing.T) {
+	e, be := newEntry(t, gocore.Config{Name: "torch"})
+	var released atomic.Int32
+	outer, inner := graphPoolID{0, 1}, graphPoolID{21, 0}
+	require.NoError(t, beginCapture(e, 0, outer, allFilter{&released}))
+	require.NoError(t, beginCapture(e, 0, inner, goFilter{stream: 0x10, released: &released}))
+	x, err := AllocFor(e, mib, 0, 0x10) // the graph's stream: inner
+	require.NoError(t, err)
+	y, err := AllocFor(e, mib, 0, 0x11) // another stream: only outer accepts it
+	require.NoError(t, err)
+	pools, err := GraphPools(e)
+	require.NoError(t, err)
+	live := map[graphPoolID]int{}
+	for _, p := range pools {
+		live[graphPoolID(p.ID)] = p.LiveBlocks
+	}
+	assert.Equal(t, map[graphPoolID]int{inner: 1, outer: 1}, live)
+
+	// Blocks a capture put in a private pool are found there by every
+	// call, not only by free.
+	require.NoError(t, RecordStreamFor(e, x, 0x20))
+	info, err := LookupFor(e, x)
+	require.NoError(t, err)
+	assert.Equal(t, x, info.Addr)
+	for _, a := range []uint64{x, y} {
+		require.NoError(t, FreeFor(e, a))
+	}
+	require.NoError(t, endCapture(e, 0, inner))
+	require.NoError(t, endCapture(e, 0, outer))
+	require.NoError(t, releaseGraphPool(e, 0, inner))
+	require.NoError(t, releaseGraphPool(e, 0, outer))
+	closeEntry(t, e, be)
+}
+
+// A pool closed during its capture ends that capture: private pools of
+// other pools that were kept only because a capture was under way go then,
+// as after an endCapture.
+func TestGraphPoolsOfOthersCloseWhenAClosingPoolEndsTheLastCapture(t *testing.T) {
+	a, beA := newEntry(t, gocore.Config{Name: "a"})
+	b, _ := newEntry(t, gocore.Config{Name: "b"})
+	var released atomic.Int32
+	idA, idB := graphPoolID{31, 0}, graphPoolID{32, 0}
+	require.NoError(t, beginCapture(a, 0, idA, goFilter{stream: 0x10, released: &released}))
+	x, err := AllocFor(a, mib, 0, 0x10)
+	require.NoError(t, err)
+	require.NoError(t, endCapture(a, 0, idA))
+	require.NoError(t, releaseGraphPool(a, 0, idA))
+	require.NoError(t, beginCapture(b, 0, idB, goFilter{stream: 0x20, released: &released}))
+	require.NoError(t, FreeFor(a, x)) // a's private pool is done, but b captures
+	pools, err := GraphPools(a)
+	require.NoError(t, err)
+	require.Len(t, pools, 1, "kept while a capture is under way")
+	_, err = b.Pool.Close()
+	require.NoError(t, err)
+	_, err = CloseGraphPools(b)
+	require.NoError(t, err)
+	require.Zero(t, activeCaptures.Load())
+	pools, err = GraphPools(a)
+	require.NoError(t, err)
+	assert.Empty(t, pools)
+	assert.Zero(t, beA.UsedBytes(0))
+}

@@ -118,11 +118,7 @@ func slotRecordStream(slot int, ptr, stream C.uintptr_t) {
 		return
 	}
 	slotHook(slot, "gmp_record_stream", func(e *registry.Entry) error {
-		addr, s := uint64(ptr), gocore.Stream(stream)
-		if ok, err := privateRecordStream(e, addr, s); ok {
-			return err
-		}
-		return e.Pool.RecordStream(addr, s)
+		return RecordStreamFor(e, uint64(ptr), gocore.Stream(stream))
 	})
 }
 
@@ -139,10 +135,7 @@ func slotBaseAlloc(slot int, ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	var base uint64
 	slotHook(slot, "gmp_base_alloc", func(e *registry.Entry) error {
 		addr := uint64(ptr)
-		info, ok, err := privateBlock(e, addr)
-		if !ok {
-			info, err = e.Pool.Lookup(addr)
-		}
+		info, err := LookupFor(e, addr)
 		if err != nil {
 			return err
 		}

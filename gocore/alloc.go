@@ -181,7 +181,7 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 	p.trace(ActionSegmentAlloc, d.id, addr, segSize, stream)
 	d.stats.NumDeviceAlloc++
 	d.stats.Segment.add(kind, 1)
-	d.stats.ReservedBytes.add(kind, int64(segSize))
+	p.addReserved(d, kind, int64(segSize))
 	p.syncOversize(d, seg)
 	return b, nil
 }
@@ -262,7 +262,7 @@ func (p *Pool) growLocked(d *deviceState, rounded uint64, stream Stream) (*block
 	p.trace(ActionSegmentMap, d.id, seg.addr+seg.size-extra, extra, stream)
 	d.stats.NumDeviceAlloc++
 	d.stats.NumExpansions++
-	d.stats.ReservedBytes.add(kindLarge, int64(extra))
+	p.addReserved(d, kindLarge, int64(extra))
 	p.syncOversize(d, seg) // growing may make it oversize
 	if last.inFree {
 		d.removeFree(d.freeList(stream), last)

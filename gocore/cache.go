@@ -25,7 +25,7 @@ func (p *Pool) releaseSegmentLocked(d *deviceState, s *segment) error {
 	p.trace(ActionSegmentFree, d.id, s.addr, s.size, s.stream)
 	d.stats.NumDeviceFree++
 	d.stats.Segment.add(s.kind, -1)
-	d.stats.ReservedBytes.add(s.kind, -int64(s.size))
+	p.addReserved(d, s.kind, -int64(s.size))
 	p.uncountOversize(d, s)
 	return nil
 }
@@ -172,7 +172,7 @@ func (p *Pool) shrinkTailLocked(d *deviceState, s *segment) (uint64, error) {
 	}
 	p.trace(ActionSegmentUnmap, d.id, s.addr+s.size, released, s.stream)
 	d.stats.NumDeviceFree++
-	d.stats.ReservedBytes.add(s.kind, -int64(released))
+	p.addReserved(d, s.kind, -int64(released))
 	p.syncOversize(d, s)
 	return released, nil
 }

@@ -19,7 +19,14 @@ type Config struct {
 	// one backend; each pool keeps its own segments.
 	Backend Backend
 	// Limit caps the bytes the pool reserves on each device (0: no limit).
+	// It sets the limit of the pool's own budget; with Budget set it is
+	// ignored (the shared budget holds the limits).
 	Limit uint64
+	// Budget, when set, is a budget shared with other pools over the same
+	// backend: each device's limit applies to what they reserve together.
+	// Config returns the pool's budget, so a pool made from another's
+	// Config shares its limits. Nil: a budget of the pool's own.
+	Budget *Budget `json:"-"`
 	// MaxSplitSize: blocks of at least this size are never split, and
 	// requests below it never take them (torch's max_split_size_mb). 0
 	// means unlimited. When set it must be at least LargeBuffer (20 MiB), as
@@ -114,9 +121,10 @@ type Pool struct {
 	shrinker Shrinker       // non-nil when it can also give their free tails back
 	hist     *history       // recorded events; nil when recording is off
 	histMax  int
-	// deviceLimit overrides cfg.Limit for single devices (torch's
-	// set_per_process_memory_fraction is per device); 0 there means none.
-	deviceLimit map[int]uint64
+	// budget holds the limits (cfg.Limit, and per device: torch's
+	// set_per_process_memory_fraction is per device) and counts reserved
+	// bytes against them, with pools sharing it (cfg.Budget).
+	budget *Budget
 	// captures counts EnterCapture calls not yet exited.
 	captures int
 	// unreleased holds, once the pool is closed, the segments whose backend
@@ -188,7 +196,16 @@ func NewPool(cfg Config) (*Pool, error) {
 	if s, ok := cfg.Backend.(Shrinker); ok && ex != nil {
 		sh = s
 	}
+	budget := cfg.Budget
+	if budget == nil {
+		budget = NewBudget(n, cfg.Limit)
+	} else if len(budget.reserved) != n {
+		return nil, fmt.Errorf("new pool %q: shared budget counts %d devices, backend %s has %d: %w",
+			cfg.Name, len(budget.reserved), cfg.Backend.Name(), n, ErrInvalidArgument)
+	}
+	cfg.Budget = budget
 	return &Pool{
+		budget:   budget,
 		expander: ex,
 		shrinker: sh,
 		cfg:      cfg,
@@ -209,13 +226,15 @@ func (p *Pool) Config() Config {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	c := p.cfg
+	c.Limit = p.budget.defaultLimit()
 	c.RoundupPower2DivisionsBySize = slices.Clone(c.RoundupPower2DivisionsBySize)
 	return c
 }
 
 // SetLimit changes the byte limit of every device (0: none), replacing
 // limits set for single devices with SetDeviceLimit. Memory already
-// reserved above a lowered limit stays until freed and released.
+// reserved above a lowered limit stays until freed and released. The limit
+// is the pool's budget's: pools sharing it (Config.Budget) share the change.
 func (p *Pool) SetLimit(limit uint64) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -223,7 +242,7 @@ func (p *Pool) SetLimit(limit uint64) error {
 		return fmt.Errorf("set limit on pool %q: %w", p.name, ErrClosed)
 	}
 	p.cfg.Limit = limit
-	p.deviceLimit = nil
+	p.budget.setLimit(limit)
 	return nil
 }
 
@@ -238,12 +257,12 @@ func (p *Pool) SetDeviceLimit(device int, limit uint64) error {
 	if _, err := p.device(device); err != nil {
 		return fmt.Errorf("set limit: %w", err)
 	}
-	if p.deviceLimit == nil {
-		p.deviceLimit = make(map[int]uint64)
-	}
-	p.deviceLimit[device] = limit
+	p.budget.setDeviceLimit(device, limit)
 	return nil
 }
+
+// Budget returns the budget that holds the pool's limits (see Config.Budget).
+func (p *Pool) Budget() *Budget { return p.budget }
 
 // Limit reports the byte limit in force on device (0: none).
 func (p *Pool) Limit(device int) uint64 {
@@ -252,18 +271,19 @@ func (p *Pool) Limit(device int) uint64 {
 	return p.limitLocked(device)
 }
 
-func (p *Pool) limitLocked(device int) uint64 {
-	if l, ok := p.deviceLimit[device]; ok {
-		return l
-	}
-	return p.cfg.Limit
-}
+func (p *Pool) limitLocked(device int) uint64 { return p.budget.Limit(device) }
 
 // overLimitLocked reports whether reserving extra more bytes on d would pass
-// its limit.
+// its limit, counting what the pools sharing its budget reserve.
 func (p *Pool) overLimitLocked(d *deviceState, extra uint64) bool {
-	l := p.limitLocked(d.id)
-	return l != 0 && uint64(d.stats.ReservedBytes[0].Current)+extra > l
+	return p.budget.wouldExceed(d.id, extra)
+}
+
+// addReserved counts delta more reserved bytes of kind on d, in the stats
+// and in the budget.
+func (p *Pool) addReserved(d *deviceState, k poolKind, delta int64) {
+	d.stats.ReservedBytes.add(k, delta)
+	p.budget.add(d.id, delta)
 }
 
 // SetReleaseThreshold changes the release threshold (0: unlimited) and
@@ -466,7 +486,7 @@ func (p *Pool) freeUnreleasedLocked(rep *CloseReport) error {
 		rep.BytesFreed += s.size
 		d.stats.NumDeviceFree++
 		d.stats.Segment.add(s.kind, -1)
-		d.stats.ReservedBytes.add(s.kind, -int64(s.size))
+		p.addReserved(d, s.kind, -int64(s.size))
 		p.uncountOversize(d, s)
 	}
 	clear(p.unreleased[len(kept):])

@@ -573,6 +573,40 @@ func TestHugeMaxNonSplitRoundingLetsCachedBlocksServe(t *testing.T) {
 	assert.Equal(t, 1, be.Stats().LiveSegments)
 }
 
+// Pools sharing a budget share its limits: each device's limit holds for
+// what they reserve together, and a limit set through one is the other's.
+func TestPoolsSharingABudgetShareItsLimit(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Devices: 2}, Config{Limit: 24 * MiB})
+	cfg := p.Config()
+	cfg.Limit = 0 // ignored: the shared budget holds the limit
+	q, err := NewPool(cfg)
+	require.NoError(t, err)
+	mustAlloc(t, p, 12*MiB, 0, 0)
+	mustAlloc(t, q, 12*MiB, 0, 0)
+	_, err = q.Alloc(2*MiB, 0, 0)
+	require.ErrorIs(t, err, ErrOutOfMemory, "24 MiB reserved by the two")
+	var oom *OutOfMemoryError
+	require.ErrorAs(t, err, &oom)
+	assert.EqualValues(t, 24*MiB, oom.Limit)
+	mustAlloc(t, q, 2*MiB, 1, 0) // another device's budget
+	assert.EqualValues(t, 24*MiB, p.Budget().Reserved(0))
+
+	require.NoError(t, q.SetDeviceLimit(0, 40*MiB))
+	assert.EqualValues(t, 40*MiB, p.Limit(0))
+	mustAlloc(t, p, 12*MiB, 0, 0)
+	_, err = q.Close()
+	require.NoError(t, err)
+	assert.EqualValues(t, 24*MiB, p.Budget().Reserved(0), "q's segments went back")
+	mustAlloc(t, p, 12*MiB, 0, 0)
+	assert.Equal(t, 3, be.Stats().LiveSegments)
+
+	other, err := NewSimBackend(SimConfig{Devices: 3})
+	require.NoError(t, err)
+	cfg.Backend = other
+	_, err = NewPool(cfg)
+	assert.ErrorIs(t, err, ErrInvalidArgument, "a budget for 2 devices over a 3-device backend")
+}
+
 func TestCloseReportsLiveBlocksAndReturnsEverything(t *testing.T) {
 	p, be := newTestPool(t, SimConfig{Devices: 2}, Config{})
 	a := mustAlloc(t, p, 100, 0, 0)

@@ -541,3 +541,36 @@ func TestGraphPoolsOfOthersCloseWhenAClosingPoolEndsTheLastCapture(t *testing.T)
 	assert.Empty(t, pools)
 	assert.Zero(t, beA.UsedBytes(0))
 }
+
+// The pool's limit, and a device limit (torch's memory fraction), hold for
+// the pool and its graphs' private pools together.
+func TestGraphPrivatePoolsCountAgainstThePoolsLimit(t *testing.T) {
+	e, be := newEntry(t, gocore.Config{Name: "torch", Limit: 2 * mib})
+	a, err := AllocFor(e, mib, 0, 0)
+	require.NoError(t, err) // a 2 MiB small segment: the whole limit
+	var released atomic.Int32
+	id := graphPoolID{11, 0}
+	require.NoError(t, beginCapture(e, 0, id, goFilter{stream: 0x10, released: &released}))
+	_, err = AllocFor(e, mib, 0, 0x10)
+	require.ErrorIs(t, err, gocore.ErrOutOfMemory, "the graph's pool would pass the limit")
+	require.NoError(t, endCapture(e, 0, id))
+	require.NoError(t, FreeFor(e, a))
+	_, err = e.Pool.EmptyCache() // not during a capture: nothing is freed then
+	require.NoError(t, err)
+	require.NoError(t, beginCapture(e, 0, id, goFilter{stream: 0x10, released: &released}))
+	b, err := AllocFor(e, mib, 0, 0x10)
+	require.NoError(t, err)
+	st, err := e.Pool.Stats(0)
+	require.NoError(t, err)
+	require.NoError(t, AddGraphStats(e, 0, &st))
+	assert.LessOrEqual(t, st.ReservedBytes[0].Current, int64(2*mib))
+
+	require.NoError(t, e.Pool.SetDeviceLimit(0, 4*mib)) // set_per_process_memory_fraction
+	_, err = AllocFor(e, 64*mib, 0, 0x10)
+	require.ErrorIs(t, err, gocore.ErrOutOfMemory)
+	require.NoError(t, FreeFor(e, b))
+	require.NoError(t, endCapture(e, 0, id))
+	require.NoError(t, releaseGraphPool(e, 0, id))
+	require.NoError(t, releaseGraphPool(e, 0, id))
+	closeEntry(t, e, be)
+}

@@ -357,6 +357,19 @@ func poolCheck(id int64) (err error) {
 	return e.Pool.CheckInvariants()
 }
 
+// PoolRetireSlot keeps the pool's C slot from ever serving another pool
+// after this one closes: for a pool whose torch objects (torch.cuda.MemPool
+// over its functions) could not be released and may still call them.
+func PoolRetireSlot(id int64) (ok bool, err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return false, err
+	}
+	registry.KeepSlotRetired(e)
+	return true, nil
+}
+
 // PoolClose closes the pool and forgets its handle; it returns the close
 // report as JSON (live blocks, bytes freed, and the errors met on the way:
 // the pool is closed even then). Only an unknown handle is an error.

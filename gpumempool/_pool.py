@@ -856,6 +856,13 @@ class MemPool:
                     problem = _describe_exc(exc)
                 if isinstance(problem, str) and problem:
                     warnings.warn(f"closing pool anyway: {problem}", LeakWarning, stacklevel=2)
+                    if forget is _torch.forget_pool:
+                        # Torch pools over the pool's C functions live on and
+                        # may call them: the slot must never serve another pool.
+                        try:
+                            _b.PoolRetireSlot(self._id)
+                        except Exception:  # noqa: BLE001 - closed meanwhile
+                            pass
         problems: list[str] = []
         with self._lock:
             if self._report is not None:

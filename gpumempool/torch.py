@@ -1246,11 +1246,23 @@ def deregister(pool: MemPool, process_group: Any = None, *, device: Any = None) 
 def hook_errors() -> list[str]:
     """The last error recorded by a call torch made into the installed pool
     (alloc, free or one of the hooks: their C signatures return nothing, so
-    errors cannot propagate through torch's C++); returned and cleared."""
-    if _installed is None or _installed.pool.closed:
-        return []
-    msg = _installed.pool.last_error()
-    return [msg] if msg else []
+    errors cannot propagate through torch's C++), and the last of a call
+    torch made on the C functions of a pool already closed (frees of
+    tensors that outlived it); returned and cleared."""
+    from ._native import bindings as _b
+
+    out: list[str] = []
+    if _installed is not None and not _installed.pool.closed:
+        try:
+            msg = _installed.pool.last_error()
+        except PoolClosedError:  # closed meanwhile
+            msg = None
+        if msg:
+            out.append(msg)
+    orphan = _b.PoolTakeError(0)
+    if orphan:
+        out.append(orphan)
+    return out
 
 
 @dataclass
@@ -1424,7 +1436,9 @@ def _reset_for_tests() -> None:
         _warned_process_wide = False
         _nccl = None
     _tls.frames = []
+    from ._native import bindings as _b
 
+    _b.PoolTakeError(0)  # errors of calls on closed pools' slots, process-wide
 
 
 def forget_pool(pool: MemPool) -> Optional[str]:

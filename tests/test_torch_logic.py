@@ -2066,3 +2066,53 @@ def test_process_wide_routing_warning_names_the_cross_pool_free(monkeypatch, sim
         got.clear()
         gc.collect()
         other.close()
+
+
+def _slot(p: gmp.MemPool) -> int:
+    return int(p.pluggable_symbols(segments=True)[1].rsplit("_", 1)[1])
+
+
+def test_slot_of_a_pool_closed_inside_mempool_serves_no_other_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing a pool whose torch pool could not be released (a thread is
+    still inside gmp.mempool(pool)) retires its C slot: torch may still call
+    those functions, which must never reach another pool."""
+    torch = install(monkeypatch, "2.11")
+    a = gmp.MemPool("sim", name="A", capacity=1 << 30)
+    others: list[gmp.MemPool] = []
+    try:
+        with gmp.mempool(a):
+            s = _slot(a)
+            with pytest.warns(gmp.LeakWarning, match="closing pool anyway"):
+                a.close()
+            for _ in range(64):  # until every free slot is taken
+                p = gmp.MemPool("sim", name="B", capacity=1 << 30)
+                others.append(p)
+                try:
+                    got = _slot(p)
+                except gmp.GpuMemPoolError as exc:
+                    assert "C entry points are in use" in str(exc)
+                    break
+                assert got != s, "the slot of a pool torch may still call went to another pool"
+            with pytest.raises(Exception):  # noqa: B017 - the fake raises what torch would
+                torch.empty(MiB)  # A's functions refuse: no pool holds the slot
+            assert all(p.stats()["allocated_bytes.all.current"] == 0 for p in others)
+    finally:
+        for p in others:
+            p.close()
+
+
+def test_errors_of_calls_after_close_reach_hook_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In full replacement torch frees tensors that outlived the pool through
+    its C functions; what they record reaches gmp.torch.hook_errors()."""
+    from gpumempool import torch as gtorch
+
+    torch = install(monkeypatch, "2.11")
+    p = gmp.MemPool("sim", name="full", capacity=1 << 30)
+    gmp.set_torch_allocator(p)
+    t = torch.empty(MiB)
+    with pytest.warns(gmp.LeakWarning):
+        p.close()
+    del t  # torch frees through gmp_free_<slot>: no pool holds the slot
+    errs = gtorch.hook_errors()
+    assert any("no pool holds this slot" in e for e in errs), errs
+    assert gtorch.hook_errors() == [], "returned and cleared"

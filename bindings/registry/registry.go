@@ -148,6 +148,11 @@ func FreeSlot(e *Entry, reusable bool) {
 	}
 }
 
+// KeepSlotRetired makes the entry's slot, if it has one, never serve
+// another pool once this one is gone: torch objects over its C functions
+// (a torch.cuda.MemPool that could not be released) may still call them.
+func KeepSlotRetired(e *Entry) { e.pinned.Store(true) }
+
 // All returns the registered entries ordered by handle.
 func All() []*Entry {
 	mu.Lock()

@@ -53,9 +53,12 @@ func (p *Pool) uncountOversize(d *deviceState, s *segment) {
 }
 
 // holdingSegmentsLocked reports whether no segment may go back now: the pool
-// keeps its segments (Config.KeepSegments), or a capture is under way
-// (EnterCapture). Close releases them regardless.
-func (p *Pool) holdingSegmentsLocked() bool { return p.cfg.KeepSegments || p.captures > 0 }
+// keeps its segments (Config.KeepSegments), or a capture is under way, its
+// own (EnterCapture) or anywhere in the process (AddProcessCaptures). Close
+// releases them regardless.
+func (p *Pool) holdingSegmentsLocked() bool {
+	return p.cfg.KeepSegments || p.captures > 0 || processCaptures.Load() > 0
+}
 
 // trimLocked releases whole free segments, largest first, then (with a
 // Shrinker backend) the free tails of expandable segments, largest first,

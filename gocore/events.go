@@ -3,7 +3,21 @@ package gocore
 import (
 	"errors"
 	"fmt"
+	"sync/atomic"
 )
+
+// processCaptures counts the stream captures under way anywhere in the
+// process (AddProcessCaptures). CUDA's global capture mode, torch's default
+// for CUDA graphs, forbids every thread to free memory or query events while
+// any thread captures, and a call that breaks the rule invalidates the
+// capture: so every pool holds its segments and queries no event meanwhile,
+// not only the pools the capture allocates from (EnterCapture).
+var processCaptures atomic.Int64
+
+// AddProcessCaptures counts n more (or, negative, fewer) stream captures
+// under way in the process; see processCaptures. bindings/cabi calls it as
+// torch begins and ends allocating to a graph's pool.
+func AddProcessCaptures(n int64) { processCaptures.Add(n) }
 
 // pendingFree is one event a freed block waits for.
 type pendingFree struct {
@@ -82,7 +96,7 @@ func (p *Pool) eventLocked(d *deviceState) (Event, error) {
 // An event whose query fails is treated as not completed. Nothing is queried
 // during a capture (EnterCapture).
 func (p *Pool) processEventsLocked(d *deviceState) {
-	if p.captures > 0 {
+	if p.captures > 0 || processCaptures.Load() > 0 {
 		return
 	}
 	kept := d.pending[:0]

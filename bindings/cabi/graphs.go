@@ -468,6 +468,7 @@ func beginCapture(e *registry.Entry, device int, id graphPoolID, f streamFilter)
 	stored = true
 	captureGate.Lock()
 	activeCaptures.Add(1)
+	gocore.AddProcessCaptures(1)
 	captureGate.Unlock()
 	return g.captureLocked(e, true)
 }
@@ -494,6 +495,7 @@ func endCaptureLocking(e *registry.Entry, device int, id graphPoolID) error {
 				c.filter.release()
 				g.captures = append(g.captures[:i], g.captures[i+1:]...)
 				activeCaptures.Add(-1)
+				gocore.AddProcessCaptures(-1)
 				return g.captureLocked(e, false)
 			}
 		}
@@ -626,6 +628,7 @@ func closeGraphPools(e *registry.Entry) (total gocore.CloseReport, captured bool
 	for _, c := range g.captures {
 		c.filter.release()
 		activeCaptures.Add(-1)
+		gocore.AddProcessCaptures(-1)
 	}
 	g.captures = nil
 	g.uses = map[poolKey]int{}

@@ -574,3 +574,35 @@ func TestGraphPrivatePoolsCountAgainstThePoolsLimit(t *testing.T) {
 	require.NoError(t, releaseGraphPool(e, 0, id))
 	closeEntry(t, e, be)
 }
+
+// While torch captures a graph through one pool, no other pool of the
+// process frees memory or queries events either: in CUDA's global capture
+// mode (torch's default) either would invalidate the capture.
+func TestOtherPoolsHoldTheirMemoryDuringACapture(t *testing.T) {
+	a, _ := newEntry(t, gocore.Config{Name: "a"})
+	b, beB := newSimEntry(t, gocore.SimConfig{Capacity: 1 << 30, ManualEvents: true},
+		gocore.Config{Name: "b", ReleaseThreshold: 1})
+	x, err := AllocFor(b, mib, 0, 0)
+	require.NoError(t, err)
+	y, err := AllocFor(b, 30*mib, 0, 0)
+	require.NoError(t, err)
+	require.NoError(t, b.Pool.RecordStream(y, 7))
+	var released atomic.Int32
+	id := graphPoolID{51, 0}
+	require.NoError(t, beginCapture(a, 0, id, goFilter{stream: 0x10, released: &released}))
+	frees := beB.Stats().Frees
+	require.NoError(t, FreeFor(b, x)) // over b's release threshold
+	require.NoError(t, FreeFor(b, y)) // waits for stream 7
+	beB.CompleteAll()
+	_, err = b.Pool.EmptyCache()
+	require.NoError(t, err)
+	waiting, err := b.Pool.ProcessEvents()
+	require.NoError(t, err)
+	assert.Equal(t, 1, waiting, "y's event is not even queried")
+	assert.Equal(t, frees, beB.Stats().Frees, "pool b gave memory back while pool a captures")
+	require.NoError(t, endCapture(a, 0, id))
+	_, err = b.Pool.EmptyCache() // (the release threshold may take them first)
+	require.NoError(t, err)
+	assert.Zero(t, beB.UsedBytes(0), "after the capture everything goes")
+	require.NoError(t, releaseGraphPool(a, 0, id))
+}

@@ -160,18 +160,25 @@ func (b *Backend) SynchronizeEvent(ev gocore.Event) error {
 	return b.drv.EventSynchronize(dev, uint64(ev))
 }
 
-// DestroyEvent destroys ev.
+// DestroyEvent destroys ev. The entry leaves the event table before
+// cuEventDestroy: once the driver destroyed the event it may hand the same
+// handle to a NewEvent on another thread, whose fresh entry a later delete
+// would remove. Should cuEventDestroy fail, the event is still alive and its
+// entry is put back.
 func (b *Backend) DestroyEvent(ev gocore.Event) error {
-	dev, err := b.eventDevice("destroy", ev)
-	if err != nil {
-		return err
-	}
-	if err := b.drv.EventDestroy(dev, uint64(ev)); err != nil {
-		return err
-	}
 	b.mu.Lock()
+	dev, ok := b.events[ev]
 	delete(b.events, ev)
 	b.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("cuda backend: destroy unknown event %#x: %w", uint64(ev), gocore.ErrInvalidArgument)
+	}
+	if err := b.drv.EventDestroy(dev, uint64(ev)); err != nil {
+		b.mu.Lock()
+		b.events[ev] = dev // still alive, so its handle cannot have been reused
+		b.mu.Unlock()
+		return err
+	}
 	return nil
 }
 

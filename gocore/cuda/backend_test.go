@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -288,6 +289,67 @@ func TestCrossStreamReuseWaitsForEvents(t *testing.T) {
 	assert.Zero(t, f.LiveEvents(1), "Close destroys the pool's events")
 	assert.Zero(t, f.LiveBytes(1))
 	assert.Zero(t, be.LiveEvents())
+}
+
+// The driver reuses a destroyed event's handle (a CUevent points to freed
+// heap memory, in the fake as in libcuda), so a NewEvent on another thread
+// may get it back while DestroyEvent is still in cuEventDestroy. Its fresh
+// entry in the backend's event table must survive the DestroyEvent: were it
+// dropped, RecordEvent, QueryEvent and DestroyEvent would call the event
+// unknown (the engine's free fails) and it would leak in the driver.
+func TestDestroyEventKeepsAReusedHandlesNewEntry(t *testing.T) {
+	f, drv := setup(t)
+	host, err := NewHostBackend(drv, 0)
+	require.NoError(t, err)
+	for _, be := range []gocore.Backend{newBackend(t, drv), host} {
+		var lost atomic.Int64
+		for round := 0; round < 5 && lost.Load() == 0; round++ {
+			var wg sync.WaitGroup
+			for g := 0; g < 16; g++ {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for i := 0; i < 3000; i++ {
+						ev, err := be.NewEvent(0)
+						if err != nil {
+							t.Error(err)
+							return
+						}
+						if err := be.RecordEvent(ev, 0); err != nil {
+							lost.Add(1) // its entry is gone: it can never be destroyed
+							continue
+						}
+						if err := be.DestroyEvent(ev); err != nil {
+							lost.Add(1)
+						}
+					}
+				}()
+			}
+			wg.Wait()
+		}
+		assert.Zero(t, lost.Load(), "%s backend: live events dropped from its table", be.Name())
+		assert.Zero(t, f.LiveEvents(0), "%s backend: events leaked in the driver", be.Name())
+		f.Reset()
+	}
+}
+
+// An event whose cuEventDestroy fails is still the backend's: it can be used
+// and destroyed again.
+func TestDestroyEventFailureKeepsTheEvent(t *testing.T) {
+	f, drv := setup(t)
+	host, err := NewHostBackend(drv, 0)
+	require.NoError(t, err)
+	for _, be := range []gocore.Backend{newBackend(t, drv), host} {
+		ev, err := be.NewEvent(0)
+		require.NoError(t, err)
+		f.Fail("cuEventDestroy_v2", CodeUnknown, 0)
+		require.Error(t, be.DestroyEvent(ev), "%s backend", be.Name())
+		f.Fail("cuEventDestroy_v2", 0, 0)
+		require.NoError(t, be.RecordEvent(ev, 0), "%s backend: the event is still known", be.Name())
+		require.NoError(t, be.DestroyEvent(ev), "%s backend", be.Name())
+		require.ErrorIs(t, be.DestroyEvent(ev), gocore.ErrInvalidArgument, "%s backend: destroyed once", be.Name())
+		assert.Zero(t, f.LiveEvents(0), "%s backend", be.Name())
+	}
 }
 
 func TestHostBackendPinsMemory(t *testing.T) {

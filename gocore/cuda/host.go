@@ -214,16 +214,22 @@ func (b *HostBackend) SynchronizeEvent(ev gocore.Event) error {
 	return b.drv.EventSynchronize(b.device, uint64(ev))
 }
 
-// DestroyEvent destroys ev.
+// DestroyEvent destroys ev. As in Backend.DestroyEvent, the entry leaves
+// the event table before cuEventDestroy, which frees the handle for reuse
+// by a concurrent NewEvent, and comes back if cuEventDestroy fails.
 func (b *HostBackend) DestroyEvent(ev gocore.Event) error {
-	if err := b.checkEvent("destroy", ev); err != nil {
-		return err
-	}
-	if err := b.drv.EventDestroy(b.device, uint64(ev)); err != nil {
-		return err
-	}
 	b.mu.Lock()
+	_, ok := b.events[ev]
 	delete(b.events, ev)
 	b.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("host backend: destroy unknown event %#x: %w", uint64(ev), gocore.ErrInvalidArgument)
+	}
+	if err := b.drv.EventDestroy(b.device, uint64(ev)); err != nil {
+		b.mu.Lock()
+		b.events[ev] = struct{}{} // still alive, so its handle cannot have been reused
+		b.mu.Unlock()
+		return err
+	}
 	return nil
 }

@@ -58,7 +58,9 @@ type AsyncOptions struct {
 //
 // Events, devices and capacity are those of the cuda backend (Backend). It
 // is safe for concurrent use; driver calls run without the backend's lock
-// except the creation of a pool or of a private stream.
+// except the creation of a pool or of a private stream. Close waits for the
+// calls that use a pool or a private stream to finish before destroying
+// them.
 type AsyncBackend struct {
 	cu   *Backend
 	drv  *Driver
@@ -66,8 +68,11 @@ type AsyncBackend struct {
 
 	live *segtrack.Table // the segments allocated and not freed
 
-	// sideMu is held shared while a private stream is used and exclusively
-	// by Close, which destroys them.
+	// sideMu is held shared by the calls that use a pool or a private
+	// stream (Alloc, Trim, Attribute, ExportPool), from reading the handle
+	// until the driver is done with it, and exclusively by Close, which
+	// destroys them: a call never reaches a destroyed pool or stream, and
+	// one that starts after Close sees b.closed.
 	sideMu sync.RWMutex
 
 	mu      sync.Mutex
@@ -194,7 +199,8 @@ func (b *AsyncBackend) LiveEvents() int { return b.cu.LiveEvents() }
 
 // pool returns dev's CUDA pool, creating it on first use. Creation holds
 // b.mu: it happens once per device, and holding the lock keeps two first
-// users from creating two pools.
+// users from creating two pools. The caller holds b.sideMu shared while it
+// uses the pool.
 func (b *AsyncBackend) pool(op string, dev int) (uint64, error) {
 	if err := b.cu.checkDevice(op, dev); err != nil {
 		return 0, fmt.Errorf("async backend: %w", err)
@@ -279,6 +285,8 @@ func boolValue(on bool) uint64 {
 // A stream that does not capture, the default streams included when no
 // blocking stream captures, is used as it is.
 func (b *AsyncBackend) Alloc(dev int, size uint64, stream gocore.Stream) (uint64, error) {
+	b.sideMu.RLock() // Close destroys the pool and the private stream
+	defer b.sideMu.RUnlock()
 	p, err := b.pool("alloc", dev)
 	if err != nil {
 		return 0, err
@@ -290,8 +298,6 @@ func (b *AsyncBackend) Alloc(dev int, size uint64, stream gocore.Stream) (uint64
 	if !capturing {
 		return b.allocOn(dev, size, p, uint64(stream), false)
 	}
-	b.sideMu.RLock()
-	defer b.sideMu.RUnlock()
 	side, err := b.privateStream(dev)
 	if err != nil {
 		return 0, err
@@ -480,6 +486,8 @@ func (b *AsyncBackend) Trim(dev int, keep uint64) error {
 	if err := b.cu.checkDevice("trim", dev); err != nil {
 		return fmt.Errorf("async backend: %w", err)
 	}
+	b.sideMu.RLock() // Close destroys the pool
+	defer b.sideMu.RUnlock()
 	b.mu.Lock()
 	p, closed := b.pools[dev], b.closed
 	b.mu.Unlock()
@@ -498,6 +506,8 @@ func (b *AsyncBackend) Trim(dev int, keep uint64) error {
 // Attribute reads an attribute (MemPoolAttr*) of dev's pool, creating the
 // pool if needed: the options applied, and the pool's usage.
 func (b *AsyncBackend) Attribute(dev, attr int) (uint64, error) {
+	b.sideMu.RLock() // Close destroys the pool
+	defer b.sideMu.RUnlock()
 	p, err := b.pool("read pool attribute", dev)
 	if err != nil {
 		return 0, err
@@ -517,6 +527,8 @@ func (b *AsyncBackend) ExportPool(dev int) (int, error) {
 	if !b.opts.IPC {
 		return -1, fmt.Errorf("async backend: export pool of device %d: created without IPC: %w", dev, gocore.ErrUnsupported)
 	}
+	b.sideMu.RLock() // Close destroys the pool
+	defer b.sideMu.RUnlock()
 	p, err := b.pool("export pool", dev)
 	if err != nil {
 		return -1, err
@@ -555,11 +567,16 @@ func (b *AsyncBackend) ExportPointer(dev int, ptr uint64) ([64]byte, error) {
 }
 
 // Close destroys the CUDA pools (cuMemPoolDestroy, which gives their
-// cached memory back) and the private streams. Segments still allocated
-// are reported as an error; the driver keeps them valid until they are
-// freed, and Free still works. Every other method fails afterwards;
-// closing twice is an error.
+// cached memory back) and the private streams, after waiting for the Alloc,
+// Trim, Attribute and ExportPool calls in flight, which use them. Segments
+// still allocated are reported as an error; the driver keeps them valid
+// until they are freed, and Free still works (ExportPointer and the event
+// methods, which use no pool handle, are not refused either). Alloc, Trim,
+// Attribute and ExportPool fail with an error wrapping ErrBackendClosed
+// afterwards; closing twice is such an error too.
 func (b *AsyncBackend) Close() error {
+	b.sideMu.Lock() // until the pools and streams are gone
+	defer b.sideMu.Unlock()
 	b.mu.Lock()
 	if b.closed {
 		b.mu.Unlock()
@@ -584,7 +601,6 @@ func (b *AsyncBackend) Close() error {
 			errs = append(errs, fmt.Errorf("async backend: close: %w", err))
 		}
 	}
-	b.sideMu.Lock() // no Alloc is using a private stream any more
 	for dev, s := range streams {
 		if s != 0 {
 			if err := b.drv.StreamDestroy(dev, s); err != nil {
@@ -592,7 +608,6 @@ func (b *AsyncBackend) Close() error {
 			}
 		}
 	}
-	b.sideMu.Unlock()
 	for dev, p := range pools {
 		if p == 0 {
 			continue

@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -507,4 +509,70 @@ func TestAsyncBackendCloseDuringCaptureAllocs(t *testing.T) {
 		require.NoError(t, be.Free(s.dev, s.addr, 2*mib, 0x72), "Free works after Close")
 	}
 	assert.Zero(t, f.LiveAllocs(0)+f.LiveAllocs(1))
+}
+
+// Close destroys the CUDA pools; an Alloc, Trim, Attribute or ExportPool
+// that already took a pool's handle from the backend must not use it after
+// that. Here the driver's close lock is held to park the operation at its
+// first driver call (after it read the pool's handle) while Close runs: the
+// operation either completes on the live pool, Close waiting for it, or
+// fails with ErrBackendClosed; it never reaches a destroyed pool (the fake
+// fails that with CUDA_ERROR_INVALID_VALUE). Afterwards they all fail with
+// ErrBackendClosed.
+func TestAsyncBackendCloseWaitsForOperationsOnItsPools(t *testing.T) {
+	ops := []struct {
+		name string
+		do   func(be *AsyncBackend) error
+	}{
+		{"alloc", func(be *AsyncBackend) error {
+			a, err := be.Alloc(0, 512, 0x10)
+			if err == nil {
+				err = be.Free(0, a, 512, 0x10) // Free works after Close
+			}
+			return err
+		}},
+		{"trim", func(be *AsyncBackend) error { return be.Trim(0, 0) }},
+		{"attribute", func(be *AsyncBackend) error {
+			_, err := be.Attribute(0, MemPoolAttrReleaseThreshold)
+			return err
+		}},
+		{"export pool", func(be *AsyncBackend) error {
+			fd, err := be.ExportPool(0)
+			if err == nil {
+				err = syscall.Close(fd)
+			}
+			return err
+		}},
+	}
+	for _, op := range ops {
+		t.Run(op.name, func(t *testing.T) {
+			for round := 0; round < 12; round++ {
+				f, drv := setup(t)
+				be := newAsync(t, drv, AsyncOptions{IPC: true})
+				_, err := be.Attribute(0, MemPoolAttrReleaseThreshold) // the pool exists
+				require.NoError(t, err)
+
+				drv.closeMu.Lock() // park every driver call
+				opErr := make(chan error, 1)
+				go func() { opErr <- op.do(be) }()
+				time.Sleep(20 * time.Millisecond) // the operation holds the pool's handle, waits in the driver
+				closeErr := make(chan error, 1)
+				go func() { closeErr <- be.Close() }()
+				time.Sleep(20 * time.Millisecond) // Close runs meanwhile
+				drv.closeMu.Unlock()
+				err = <-opErr
+				if err != nil && !errors.Is(err, ErrBackendClosed) {
+					t.Fatalf("round %d: the operation used a pool Close destroyed: %v", round, err)
+				}
+				if err := <-closeErr; err != nil {
+					// Only an Alloc that Close waited for, freed after it.
+					require.ErrorContains(t, err, "1 segments never freed")
+					require.NotContains(t, err.Error(), "CUDA_ERROR")
+				}
+				assert.Zero(t, f.LivePools())
+				assert.Zero(t, f.LiveAllocs(0))
+				require.ErrorIs(t, op.do(be), ErrBackendClosed, "after Close")
+			}
+		})
+	}
 }

@@ -54,7 +54,9 @@ type AsyncOptions struct {
 // asks the driver (cuStreamIsCapturing) and, when the stream captures, or
 // is the legacy default stream while a blocking stream captures, allocates
 // on a private non-blocking stream of the device instead and waits for that
-// stream before returning; see Alloc.
+// stream before returning; see Alloc. Nor is a segment freed there: Free
+// fails with ErrCaptureUnderway on such a stream, the segment's, which it
+// would have to use, and the engine keeps the segment for a later release.
 //
 // Events, devices and capacity are those of the cuda backend (Backend). It
 // is safe for concurrent use; driver calls run without the backend's lock
@@ -308,15 +310,11 @@ func (b *AsyncBackend) Alloc(dev int, size uint64, stream gocore.Stream) (uint64
 // capturing reports whether allocating on stream would be captured into a
 // CUDA graph, or break a capture.
 func (b *AsyncBackend) capturing(dev int, stream uint64) (bool, error) {
-	status, err := b.drv.StreamIsCapturing(dev, stream)
-	var cerr *Error
-	if errors.As(err, &cerr) && cerr.Code == CodeStreamCaptureImplicit && cerr.Op == "cuStreamIsCapturing" {
-		return true, nil // the legacy default stream while a blocking stream captures
-	}
+	why, err := streamCapture(b.drv, dev, stream)
 	if err != nil {
 		return false, fmt.Errorf("async backend: alloc on device %d: %w", dev, err)
 	}
-	return status != StreamCaptureStatusNone, nil
+	return why != "", nil
 }
 
 // privateStream returns dev's private stream, creating it on first use;
@@ -451,10 +449,21 @@ func (b *AsyncBackend) finishAllocated(dev int, a *allocEvent, addr uint64, wait
 // work queued there, so it neither waits nor races with kernels still using
 // the memory (work on other streams was waited for by the engine's
 // events). It works after Close too: a destroyed pool's allocations stay
-// valid until freed. On error the segment stays allocated. The engine frees
-// no segment during a capture; a free on a capturing stream would become a
-// node of the graph.
+// valid until freed. On error the segment stays allocated.
+//
+// Free asks the driver first (cuStreamIsCapturing) whether stream captures
+// a CUDA graph, or is the legacy default stream while a blocking stream of
+// the device captures: cuMemFreeAsync would then become a free node of the
+// graph (the segment would leave the backend without being freed) or break
+// that capture. Such a Free does nothing and fails with an error wrapping
+// ErrCaptureUnderway; the engine keeps the segment and frees it later. A
+// pool releases nothing during its own capture unless it is closed then,
+// but another thread's capture (pools share a backend) may be under way at
+// any release.
 func (b *AsyncBackend) Free(dev int, addr, size uint64, stream gocore.Stream) error {
+	if err := refuseDuringCapture(b.drv, dev, uint64(stream), "async backend: free %#x on device %d", addr, dev); err != nil {
+		return err
+	}
 	k := segKey{dev, addr}
 	var a *allocEvent
 	err := b.live.Free(dev, addr, size, func() error {

@@ -245,10 +245,14 @@ func TestGPUBackendsNeedTheirEntryPoints(t *testing.T) {
 }
 
 // Without cuStreamIsCapturing a capture could not be told from ordinary
-// use, and allocations would silently become graph-owned: refused.
-func TestAsyncBackendNeedsCaptureStatus(t *testing.T) {
+// use: allocations would silently become graph-owned, and frees (async) or
+// the waits before unmapping (vmm) would break captures. Refused.
+func TestGPUBackendsNeedCaptureStatus(t *testing.T) {
 	_, drv := setupHiding(t, "cuStreamIsCapturing")
 	_, err := NewAsyncBackend(drv, AsyncOptions{})
+	require.ErrorIs(t, err, ErrDriverTooOld)
+	assert.Contains(t, err.Error(), "cuStreamIsCapturing missing")
+	_, err = NewVMMBackend(drv, VMMOptions{})
 	require.ErrorIs(t, err, ErrDriverTooOld)
 	assert.Contains(t, err.Error(), "cuStreamIsCapturing missing")
 }
@@ -413,6 +417,89 @@ func TestAsyncBackendPoolDuringCapture(t *testing.T) {
 	require.NoError(t, be.Close())
 	assert.Zero(t, f.LiveAllocs(0))
 	assert.Zero(t, f.LiveStreams())
+}
+
+// captureTestBackends makes a VMM and an async backend over drv, each
+// closed (and checked to close cleanly) at the end of the test.
+func captureTestBackends(t *testing.T, drv *Driver) map[string]gocore.Backend {
+	t.Helper()
+	vmm, async := newVMM(t, drv, VMMOptions{}), newAsync(t, drv, AsyncOptions{})
+	t.Cleanup(func() {
+		assert.NoError(t, vmm.Close())
+		assert.NoError(t, async.Close())
+	})
+	return map[string]gocore.Backend{"vmm": vmm, "async": async}
+}
+
+// Pools share a backend, and a pool holds its segments only during its own
+// capture. While another thread captures on a blocking stream, a pool that
+// releases a cached segment of the legacy default stream (EmptyCache, an
+// out-of-memory retry, the release threshold) must not touch that stream:
+// cuStreamSynchronize(0) (vmm) or cuMemFreeAsync(p, 0) (async) would fail
+// with CUDA_ERROR_STREAM_CAPTURE_IMPLICIT and, on a GPU, invalidate the
+// other thread's capture. The release fails instead, saying why, the
+// segment stays cached, and it goes back once the capture is over.
+func TestReleaseOnTheLegacyStreamDuringAnotherCapture(t *testing.T) {
+	f, drv := setup(t)
+	for name, be := range captureTestBackends(t, drv) {
+		t.Run(name, func(t *testing.T) {
+			p := newPool(t, be)
+			a, err := p.Alloc(4*mib, 0, 0) // a segment of the legacy default stream
+			require.NoError(t, err)
+			require.NoError(t, p.Free(a))
+
+			const otherThreadsCapture = 0x81 // not created non-blocking: a blocking stream
+			f.SetStreamCapturing(otherThreadsCapture, true)
+			released, err := p.EmptyCache()
+			assert.Zero(t, f.CaptureViolations(), "a release broke another thread's capture: %v", err)
+			require.ErrorIs(t, err, ErrCaptureUnderway)
+			require.NotErrorIs(t, err, gocore.ErrBackendOutOfMemory)
+			require.ErrorContains(t, err, "legacy default stream")
+			assert.Zero(t, released)
+			assert.EqualValues(t, 20*mib, poolStats(t, p, 0).ReservedBytes[0].Current, "still cached")
+
+			f.SetStreamCapturing(otherThreadsCapture, false)
+			released, err = p.EmptyCache()
+			require.NoError(t, err)
+			assert.EqualValues(t, 20*mib, released, "given back once the capture is over")
+			closePool(t, p)
+			assert.Zero(t, f.LiveBytes(0))
+			assert.Zero(t, f.CaptureViolations())
+		})
+	}
+}
+
+// A pool closed during its own capture must not use the capturing stream
+// either (vmm: a synchronization the capture forbids, which invalidates it;
+// async: a free node recorded into the graph while the segment leaves the
+// backend's table): its segments' Frees fail, and the pool keeps them for a
+// later Close, which gives them back once the capture is over.
+func TestPoolCloseDuringItsCaptureKeepsSegments(t *testing.T) {
+	f, drv := setup(t)
+	for name, be := range captureTestBackends(t, drv) {
+		t.Run(name, func(t *testing.T) {
+			p := newPool(t, be)
+			const captured = 0x91
+			a, err := p.Alloc(4*mib, 0, captured)
+			require.NoError(t, err)
+			require.NoError(t, p.Free(a))
+			f.SetStreamCapturing(captured, true)
+			p.EnterCapture()
+			_, err = p.Close()
+			assert.Zero(t, f.CaptureViolations(), "Close during a capture used the capturing stream: %v", err)
+			require.ErrorIs(t, err, ErrCaptureUnderway)
+			require.ErrorContains(t, err, "stream 0x91 is capturing a CUDA graph")
+			assert.EqualValues(t, 20*mib, f.LiveBytes(0), "the segment stays")
+
+			f.SetStreamCapturing(captured, false)
+			rep, err := p.Close()
+			require.NoError(t, err, "the retry gives the segment back")
+			assert.Equal(t, 1, rep.SegmentsFreed)
+			assert.Zero(t, f.LiveBytes(0))
+			uses := map[string]string{"vmm": "cuStreamSynchronize", "async": "cuMemFreeAsync"}[name]
+			assert.EqualValues(t, captured, f.LastStream(uses), "the segment's stream, once it no longer captures")
+		})
+	}
 }
 
 // The fake refuses stream-ordered calls on a capturing stream (and on the

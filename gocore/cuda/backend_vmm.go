@@ -134,9 +134,11 @@ var (
 
 // vmmSymbols are the entry points every VMMBackend needs (see asyncSymbols
 // for why they are checked up front).
+// cuStreamIsCapturing (CUDA 10.0, older than the VMM API) lets Free and
+// Shrink tell when a capture forbids waiting for the segment's stream.
 var vmmSymbols = []string{
 	"cuMemGetAllocationGranularity", "cuMemCreate", "cuMemRelease", "cuMemAddressReserve",
-	"cuMemAddressFree", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
+	"cuMemAddressFree", "cuMemMap", "cuMemUnmap", "cuMemSetAccess", "cuStreamIsCapturing",
 }
 
 // NewVMMBackend validates opts and returns a VMMBackend over drv's devices.
@@ -638,6 +640,12 @@ func (b *VMMBackend) Expand(dev int, addr, size, extra uint64, stream gocore.Str
 // chunk fits, which is common: a chunk is what one Alloc or Expand mapped,
 // so a tail that ends inside a growth gives back nothing of it.
 //
+// The wait is not possible during a CUDA graph capture on stream, or on the
+// legacy default stream while a blocking stream of the device captures: it
+// would fail and invalidate the capture. Shrink asks first
+// (cuStreamIsCapturing) and then gives nothing back, failing with an error
+// wrapping ErrCaptureUnderway; the engine keeps the tail for a later release.
+//
 // If the wait or the first unmap fails, nothing has changed and the error
 // is returned. If a later unmap fails, the chunks unmapped so far are gone
 // and the failing one and those before it stay mapped in the segment: the
@@ -681,6 +689,9 @@ func (b *VMMBackend) Shrink(dev int, addr, size, less uint64, stream gocore.Stre
 	}
 	if first == len(s.chunks) {
 		return 0, nil
+	}
+	if err := refuseDuringCapture(b.drv, dev, uint64(stream), "vmm backend: shrink %#x on device %d", addr, dev); err != nil {
+		return 0, err
 	}
 	if err := b.drv.StreamSynchronize(dev, uint64(stream)); err != nil {
 		return 0, fmt.Errorf("vmm backend: shrink %#x on device %d: %w", addr, dev, err)
@@ -741,6 +752,13 @@ func (b *VMMBackend) Shrink(dev int, addr, size, less uint64, stream gocore.Stre
 // reason); work on other streams was waited for by the engine's events.
 // Free works after Close.
 //
+// During a CUDA graph capture on stream, or on the legacy default stream
+// while a blocking stream of the device captures, the wait would fail and
+// invalidate the capture: Free asks first (cuStreamIsCapturing), and then
+// does nothing and fails with an error wrapping ErrCaptureUnderway. The
+// engine keeps such a segment and frees it later (a pool closed during its
+// own capture keeps it for a later Close).
+//
 // If the wait or the first unmap fails, nothing has changed: the error is
 // returned and the segment stays. A failure after that cannot be undone;
 // the segment is gone for the engine, Free returns nil (an error would make
@@ -748,6 +766,9 @@ func (b *VMMBackend) Shrink(dev int, addr, size, less uint64, stream gocore.Stre
 func (b *VMMBackend) Free(dev int, addr, size uint64, stream gocore.Stream) error {
 	if err := b.cu.checkDevice("free", dev); err != nil {
 		return fmt.Errorf("vmm backend: %w", err)
+	}
+	if err := refuseDuringCapture(b.drv, dev, uint64(stream), "vmm backend: free %#x on device %d", addr, dev); err != nil {
+		return err
 	}
 	s, err := b.claim(opFree, dev, addr, size)
 	if err != nil {

@@ -317,6 +317,40 @@ func TestVMMBackendShrinkFailureThroughPool(t *testing.T) {
 	freeAndClose(t, f, be, p, a, c)
 }
 
+// Giving a free tail back waits for the segment's stream, which a capture
+// forbids: while the segment's stream captures, or it is the legacy default
+// stream and another thread captures on a blocking stream, Shrink fails
+// saying so without touching the stream or the segment, and the tail goes
+// back once the capture is over.
+func TestVMMBackendShrinkDuringCapture(t *testing.T) {
+	for _, c := range []struct {
+		name              string
+		stream, capturing uint64
+	}{{"its stream captures", 0x35, 0x35}, {"legacy stream, another capture", 0, 0x36}} {
+		t.Run(c.name, func(t *testing.T) {
+			f, drv := setup(t)
+			be := newVMM(t, drv, VMMOptions{Expandable: true})
+			p := newPool(t, be)
+			a, _ := withFreeTail(t, p, gocore.Stream(c.stream))
+			f.SetStreamCapturing(c.capturing, true)
+			released, err := p.EmptyCache()
+			assert.Zero(t, f.CaptureViolations(), "the shrink used the stream during a capture: %v", err)
+			require.ErrorIs(t, err, ErrCaptureUnderway)
+			require.ErrorContains(t, err, "capturing a CUDA graph")
+			assert.Zero(t, released)
+			assert.Zero(t, f.Calls("cuMemUnmap"))
+			assert.EqualValues(t, 12*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
+			require.NoError(t, p.CheckInvariants())
+
+			f.SetStreamCapturing(c.capturing, false)
+			released, err = p.EmptyCache()
+			require.NoError(t, err)
+			assert.EqualValues(t, 8*mib, released)
+			freeAndClose(t, f, be, p, a)
+		})
+	}
+}
+
 // A Shrink racing a Free and exports of its segment: each either goes
 // through or is refused, and nothing leaks.
 func TestVMMBackendShrinkRacesFreeAndExport(t *testing.T) {

@@ -633,12 +633,24 @@ func (b *VMMBackend) Expand(dev int, addr, size, extra uint64, stream gocore.Str
 // as the engine passes it; cuMemUnmap does not wait for kernels, see Free),
 // then unmaps and releases the segment's trailing chunks that lie wholly in
 // the last less bytes, last first, and keeps the address reservation so
-// that Expand can grow the segment there again. It returns the bytes the
-// segment shrank by: the released chunks rounded up to Granularity (more
-// than what they mapped only where a device's granularity is finer than
-// Granularity, like Alloc's rounding), at most less, and 0 when no whole
-// chunk fits, which is common: a chunk is what one Alloc or Expand mapped,
-// so a tail that ends inside a growth gives back nothing of it.
+// that Expand can grow the segment there again. less must be a positive
+// multiple of the segment's device's granularity below size (the engine
+// asks in multiples of Granularity, which is never finer).
+//
+// It returns the bytes the segment shrank by: what the released chunks held
+// of it, rounded up to a unit, at most less, and 0 when no whole chunk
+// fits, which is common: a chunk is what one Alloc or Expand mapped, so a
+// tail that ends inside a growth gives back nothing of it. The engine needs
+// the answer in the granules it asked in, those of the Granularity it read;
+// but Granularity is the coarsest among the devices used so far, and
+// another device's first use may have raised it since. The unit is
+// therefore Granularity where it divides less, and else the largest power
+// of two that does: granularities are powers of two, so either is a
+// multiple of what the caller read. The rounding reports more than the
+// released chunks held of the segment only where the device's granularity
+// is finer than the unit or the segment's size is off it (like Alloc's
+// rounding): the difference stays mapped past the segment's new end, and
+// the next Expand uses it.
 //
 // The wait is not possible during a CUDA graph capture on stream, or on the
 // legacy default stream while a blocking stream of the device captures: it
@@ -665,10 +677,20 @@ func (b *VMMBackend) Shrink(dev int, addr, size, less uint64, stream gocore.Stre
 	if err := b.cu.checkDevice("shrink", dev); err != nil {
 		return 0, fmt.Errorf("vmm backend: %w", err)
 	}
-	unit := b.Granularity()
-	if less == 0 || less >= size || less%unit != 0 {
-		return 0, fmt.Errorf("vmm backend: shrink %#x (%d bytes) on device %d by %d bytes: not a positive multiple of the granularity %d below the size: %w",
-			addr, size, dev, less, unit, gocore.ErrInvalidArgument)
+	if less == 0 || less >= size {
+		return 0, fmt.Errorf("vmm backend: shrink %#x (%d bytes) on device %d by %d bytes: not a positive size below the segment's: %w",
+			addr, size, dev, less, gocore.ErrInvalidArgument)
+	}
+	// Judged by the device's own granularity (known once it has a segment;
+	// the claim below refuses a device without one), not by Granularity,
+	// which may have grown since the caller read it. The answer's unit: see
+	// above.
+	b.mu.Lock()
+	gran, unit := b.devs[dev].gran, min(b.gran, less&-less)
+	b.mu.Unlock()
+	if gran != 0 && less%gran != 0 {
+		return 0, fmt.Errorf("vmm backend: shrink %#x (%d bytes) on device %d by %d bytes: not a multiple of the device's granularity %d: %w",
+			addr, size, dev, less, gran, gocore.ErrInvalidArgument)
 	}
 	s, err := b.claim(opShrink, dev, addr, size)
 	if errors.Is(err, errSegmentBusy) {
@@ -725,7 +747,7 @@ func (b *VMMBackend) Shrink(dev int, addr, size, less uint64, stream gocore.Stre
 	mapped := s.chunks[gone].offset
 	var released uint64
 	if mapped < size {
-		released = roundUpTo(size-mapped, unit) // <= less, as mapped >= keep
+		released = roundUpTo(size-mapped, unit) // <= less, as mapped >= keep and unit divides less
 	}
 	b.mu.Lock()
 	s.chunks = slices.Clip(s.chunks[:gone])

@@ -476,6 +476,83 @@ func TestVMMBackendShrinkWithCoarserDeviceGranularity(t *testing.T) {
 	freeAndClose(t, f, be, p, a)
 }
 
+// shrinkRacer plays another pool (another thread) that uses device 1 for
+// the first time between the engine's reading of Granularity() and its
+// Shrink call: the backend learns a coarser granularity in between.
+type shrinkRacer struct {
+	*VMMBackend
+	raced bool
+	t     *testing.T
+}
+
+func (r *shrinkRacer) Shrink(dev int, addr, size, less uint64, stream gocore.Stream) (uint64, error) {
+	if !r.raced {
+		r.raced = true
+		a, err := r.VMMBackend.Alloc(1, 4*mib, 0) // first use of device 1: 4 MiB granularity
+		require.NoError(r.t, err)
+		require.NoError(r.t, r.VMMBackend.Free(1, a, 4*mib, 0))
+	}
+	return r.VMMBackend.Shrink(dev, addr, size, less, stream)
+}
+
+// The engine reads the granularity once for a shrink request and judges the
+// answer by it. Should another device's first use raise the backend's
+// Granularity in between, the request is still a whole number of the
+// caller's granules and of the segment's device's: Shrink must neither
+// refuse it nor answer in the new, coarser unit (more than asked for).
+func TestVMMBackendShrinkAfterAnotherDeviceRaisedGranularity(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	r := &shrinkRacer{VMMBackend: be, t: t}
+	p, err := gocore.NewPool(gocore.Config{Backend: r, Name: t.Name()})
+	require.NoError(t, err)
+	head, err := p.Alloc(4*mib, 0, 0x31) // device 0 learns 2 MiB
+	require.NoError(t, err)
+	tail, err := p.Alloc(2*mib, 0, 0x31) // grows the segment by one 2 MiB chunk
+	require.NoError(t, err)
+	require.NoError(t, p.Free(tail))
+	f.SetGranularity(2*mib, 4*mib) // device 1 will report 4 MiB
+
+	released, err := p.EmptyCache()
+	assert.NoError(t, err, "a 2 MiB tail asked for in the caller's 2 MiB granules")
+	assert.EqualValues(t, 2*mib, released)
+	require.True(t, r.raced)
+	assert.EqualValues(t, 4*mib, be.Granularity())
+	assert.EqualValues(t, 4*mib, f.LiveBytes(0))
+	require.NoError(t, p.CheckInvariants())
+	freeAndClose(t, f, be, p, head)
+}
+
+// The same, directly: once device 1 raised Granularity to 4 MiB, device 0's
+// segment still shrinks in its 2 MiB granules, answering in whole granules
+// of what was asked (at most less, a multiple of the granularity the caller
+// read), and a less off device 0's granularity is still refused.
+func TestVMMBackendShrinkInTheDevicesGranularity(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	a := newGrown(t, be) // 2+2+2 MiB on device 0
+	require.NoError(t, be.Expand(0, a, 6*mib, 2*mib, 0))
+	require.NoError(t, be.Expand(0, a, 8*mib, 2*mib, 0)) // five 2 MiB chunks
+	f.SetGranularity(2*mib, 4*mib)
+	b, err := be.Alloc(1, 4*mib, 0)
+	require.NoError(t, err)
+	require.EqualValues(t, 4*mib, be.Granularity())
+
+	_, err = be.Shrink(0, a, 10*mib, mib, 0)
+	require.ErrorIs(t, err, gocore.ErrInvalidArgument, "not a whole number of device 0's granules")
+	n, err := be.Shrink(0, a, 10*mib, 6*mib, 0) // 2 MiB granules: not a multiple of 4
+	require.NoError(t, err)
+	assert.EqualValues(t, 6*mib, n, "three chunks")
+	n, err = be.Shrink(0, a, 4*mib, 2*mib, 0)
+	require.NoError(t, err)
+	assert.EqualValues(t, 2*mib, n)
+	assert.EqualValues(t, 2*mib, f.LiveBytes(0))
+	require.NoError(t, be.Free(0, a, 2*mib, 0))
+	require.NoError(t, be.Free(1, b, 4*mib, 0))
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.VMMObjects())
+}
+
 // freeAndClose frees blocks, closes the pool and the backend, and checks
 // that the driver holds no VMM object any more.
 func freeAndClose(t *testing.T, f *fakecuda.Fake, be *VMMBackend, p *gocore.Pool, blocks ...uint64) {

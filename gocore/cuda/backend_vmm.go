@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"slices"
 	"sort"
 	"sync"
@@ -42,8 +43,9 @@ type VMMOptions struct {
 	// at its free end back when it releases cached memory.
 	Expandable bool
 	// ReserveBytes is the address space reserved per expandable segment (at
-	// least the segment's size); 0 means the device's total memory. Unused
-	// unless Expandable.
+	// least the segment's size, rounded up to the granularity); 0 means the
+	// device's total memory. Unused unless Expandable. One too close to 2^64
+	// to be rounded up makes Alloc fail with gocore.ErrInvalidArgument.
 	ReserveBytes uint64
 	// Granularity picks the allocation granularity sizes are rounded to:
 	// VMMGranularityRecommended (default) or VMMGranularityMinimum.
@@ -405,7 +407,9 @@ func (b *VMMBackend) attribute(dev, attr int) (v int, known bool, err error) {
 }
 
 // reserveSize is how much address space a new segment of mapped bytes on
-// dev reserves.
+// dev reserves. A ReserveBytes too close to 2^64 to be rounded up to the
+// granularity (the rounding would wrap, to a reservation of just the
+// mapped bytes) is an invalid option.
 func (b *VMMBackend) reserveSize(dev int, mapped, gran uint64) (uint64, error) {
 	if !b.opts.Expandable {
 		return mapped, nil
@@ -426,17 +430,26 @@ func (b *VMMBackend) reserveSize(dev int, mapped, gran uint64) (uint64, error) {
 			want = total
 		}
 	}
+	if !fitsRoundUp(want, gran) {
+		return 0, fmt.Errorf("vmm backend: VMMOptions.ReserveBytes %d cannot be rounded up to the granularity %d: %w",
+			want, gran, gocore.ErrInvalidArgument)
+	}
 	return max(roundUpTo(want, gran), mapped), nil
 }
 
+// roundUpTo rounds n up to a multiple of unit; it wraps (to 0) when the
+// result does not fit in 64 bits, which fitsRoundUp tells beforehand.
 func roundUpTo(n, unit uint64) uint64 { return (n + unit - 1) / unit * unit }
+
+// fitsRoundUp reports whether roundUpTo(n, unit) does not wrap.
+func fitsRoundUp(n, unit uint64) bool { return n <= math.MaxUint64-(unit-1) }
 
 // Alloc creates a segment of size bytes (rounded up to the granularity) on
 // dev: cuMemCreate, cuMemAddressReserve (ReserveBytes when expandable),
 // cuMemMap, cuMemSetAccess. The memory is usable by any stream once it
 // returns, so stream is not used. CUDA_ERROR_OUT_OF_MEMORY matches
-// gocore.ErrBackendOutOfMemory. On any failure everything created is
-// released.
+// gocore.ErrBackendOutOfMemory, as does a size too close to 2^64 to be
+// rounded up. On any failure everything created is released.
 func (b *VMMBackend) Alloc(dev int, size uint64, stream gocore.Stream) (uint64, error) {
 	if err := b.usable("alloc", dev); err != nil {
 		return 0, err
@@ -447,6 +460,10 @@ func (b *VMMBackend) Alloc(dev int, size uint64, stream gocore.Stream) (uint64, 
 	gran, prop, err := b.device(dev)
 	if err != nil {
 		return 0, err
+	}
+	if !fitsRoundUp(size, gran) { // no device has 16 EiB; rounding would wrap to 0
+		return 0, fmt.Errorf("vmm backend: alloc %d bytes on device %d: more than can be mapped: %w",
+			size, dev, gocore.ErrBackendOutOfMemory)
 	}
 	mapped := roundUpTo(size, gran)
 	reserved, err := b.reserveSize(dev, mapped, gran)
@@ -599,11 +616,14 @@ func (b *VMMBackend) Expand(dev int, addr, size, extra uint64, stream gocore.Str
 	}
 	defer b.release(s, opExpand)
 	grown := size + extra
-	need := roundUpTo(grown, gran)
-	if grown < size || need > s.reserved {
+	// Both checks come before the rounding, which wraps (to 0) within a
+	// granule of 2^64; s.reserved is a multiple of gran, so once grown fits
+	// in it, so does need.
+	if grown < size || grown > s.reserved {
 		return fmt.Errorf("vmm backend: expand %#x on device %d to %d bytes: beyond the %d bytes reserved (VMMOptions.ReserveBytes): %w",
 			addr, dev, grown, s.reserved, gocore.ErrBackendOutOfMemory)
 	}
+	need := roundUpTo(grown, gran)
 	var chunk *vmmChunk
 	if need > s.mapped { // else a coarser granularity already mapped enough
 		n := need - s.mapped

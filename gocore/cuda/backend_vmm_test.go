@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"bytes"
+	"math"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -262,6 +263,50 @@ func TestVMMBackendExpandBeyondReservation(t *testing.T) {
 	closePool(t, p)
 	assert.Zero(t, f.VMMObjects())
 	require.NoError(t, be.Close())
+}
+
+// Sizes within a granule of 2^64 wrap to 0 when rounded up to the
+// granularity. Expand checked its sum for wrapping but not the rounding: a
+// growth to 16 EiB needed "0 bytes", fit the 64 MiB reservation and
+// "succeeded" with nothing mapped, recording a 16 EiB segment. It is out of
+// memory, and changes nothing.
+func TestVMMBackendExpandRoundingOverflow(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true, ReserveBytes: 64 * mib})
+	a, err := be.Alloc(0, 2*mib, 0)
+	require.NoError(t, err)
+	for _, extra := range []uint64{math.MaxUint64 - 2*mib, math.MaxUint64 - 3*mib, math.MaxUint64 - 2*mib + 1} {
+		err = be.Expand(0, a, 2*mib, extra, 0)
+		assert.ErrorIs(t, err, gocore.ErrBackendOutOfMemory, "16 EiB cannot fit a 64 MiB reservation (extra %#x)", extra)
+		assert.EqualValues(t, 2*mib, f.LiveBytes(0), "nothing was mapped")
+	}
+	if err == nil {
+		require.NoError(t, be.Free(0, a, math.MaxUint64, 0))
+	} else {
+		require.NoError(t, be.Free(0, a, 2*mib, 0), "the segment kept its size")
+	}
+	require.NoError(t, be.Close())
+	assert.Zero(t, f.VMMObjects())
+}
+
+// The same wrap in Alloc: a size or a ReserveBytes within a granule of 2^64
+// rounded up to 0 bytes to map or reserve. Such a size is out of memory; such
+// a ReserveBytes is an invalid option. Nothing is created either way.
+func TestVMMBackendAllocRoundingOverflow(t *testing.T) {
+	f, drv := setup(t)
+	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	_, err := be.Alloc(0, math.MaxUint64-mib, 0)
+	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory)
+	require.NoError(t, be.Close())
+
+	huge := newVMM(t, drv, VMMOptions{Expandable: true, ReserveBytes: math.MaxUint64 - mib})
+	_, err = huge.Alloc(0, 2*mib, 0)
+	require.ErrorIs(t, err, gocore.ErrInvalidArgument)
+	require.NotErrorIs(t, err, gocore.ErrBackendOutOfMemory)
+	assert.ErrorContains(t, err, "ReserveBytes")
+	require.NoError(t, huge.Close())
+	assert.Zero(t, f.VMMObjects())
+	assert.Zero(t, f.Calls("cuMemCreate"))
 }
 
 func TestVMMBackendExpandFailures(t *testing.T) {

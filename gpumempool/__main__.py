@@ -115,9 +115,16 @@ def _torch_info() -> Any:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from ._errors import OutOfMemoryError
     from .demo import format_summary, run_demo
 
-    result = run_demo(steps=args.steps, layers=args.layers, seed=args.seed, progress=not args.no_progress and not args.json)
+    try:
+        result = run_demo(steps=args.steps, layers=args.layers, seed=args.seed,
+                          progress=not args.no_progress and not args.json)
+    except OutOfMemoryError as exc:
+        # --layers (weights, activations and gradients per layer) outgrew
+        # the demo's 64 GiB simulated device
+        return _fail(f"{exc} (the demo's simulated device has 64 GiB: use fewer --layers)", json_out=args.json)
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
     else:
@@ -432,6 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from ._errors import GpuMemPoolError
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
@@ -442,8 +451,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except (OSError, ValueError, ArithmeticError, RecursionError, EOFError, pickle.PickleError, zlib.error) as exc:
-        # Bad input the command did not report itself: an error, not a traceback.
+    except (OSError, ValueError, ArithmeticError, RecursionError, EOFError, pickle.PickleError, zlib.error,
+            MemoryError, GpuMemPoolError) as exc:
+        # Bad input the command did not report itself, or the library's
+        # errors (out of memory, a backend's failure): an error, not a traceback.
         return _fail(f"{type(exc).__name__}: {str(exc)[:500]}", json_out=bool(getattr(args, "json", False)))
 
 

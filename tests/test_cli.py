@@ -74,3 +74,25 @@ def test_demo_json_and_bad_arguments(capsys) -> None:
     assert r.returncode == 2 and "must be positive" in r.stderr
     r = run_cli("bogus")
     assert r.returncode == 2
+
+
+def test_demo_out_of_memory_is_a_one_line_error() -> None:
+    """Too many --layers for the demo's 64 GiB device: the CLI's usual
+    error, not a traceback (nor a LeakWarning about the demo's own pool)."""
+    r = run_cli("demo", "--layers", "100000", "--steps", "2", "--no-progress")
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr and "LeakWarning" not in r.stderr, r.stderr
+    assert r.stderr.startswith("python -m gpumempool: error: ") and len(r.stderr.strip().splitlines()) == 1
+    assert "out of memory" in r.stderr and "--layers" in r.stderr
+
+
+def test_library_errors_of_any_command_are_clean_errors(monkeypatch, capsys) -> None:
+    import gpumempool.demo
+
+    def broken(**kwargs):
+        raise gmp.BackendError("the backend failed")
+
+    monkeypatch.setattr(gpumempool.demo, "run_demo", broken)
+    assert main(["demo"]) == 1
+    err = capsys.readouterr().err
+    assert err == "python -m gpumempool: error: BackendError: the backend failed\n"

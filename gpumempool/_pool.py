@@ -164,6 +164,14 @@ def _describe_exc(exc: BaseException, limit: int = 200) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _check_bool(name: str, value: Any) -> bool:
+    """A real bool: an option read by truthiness would turn ``"false"`` or
+    ``"no"`` on."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {repr(value)[:40]}")
+    return value
+
+
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -225,9 +233,7 @@ def _gpu_options(options: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in options.items():
         if key in _GPU_BOOL:
-            if not isinstance(value, bool):
-                raise TypeError(f"{key} must be a bool, got {type(value).__name__}")
-            out[key] = value
+            out[key] = _check_bool(key, value)
         elif key in _GPU_STR:
             if not isinstance(value, (str, os.PathLike)):
                 raise TypeError(f"{key} must be a str, got {type(value).__name__}")
@@ -320,6 +326,7 @@ class MemPool:
         # reentrant: a finalizer freeing a block may run (GC) while alloc holds it
         self._frames_lock = threading.RLock()
         self._cached_name: Optional[str] = None
+        self._options: dict[str, Any] = {}  # the backend's options, as validated (for config())
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
         if alloc is not None or free is not None:
@@ -368,12 +375,14 @@ class MemPool:
                             raise TypeError(f"{key} must be a number, got {type(value).__name__}")
                         sim[key] = float(value)
                     elif key in ("manual_events", "expandable"):
-                        sim[key] = bool(value)
+                        sim[key] = _check_bool(key, value)
                     else:
                         sim[key] = _check_int(key, value, 0 if key != "seed" else -(1 << 63), 1 << 63)
                 cfg["sim"] = sim
+                self._options = dict(sim)
         elif backend in GPU_OPTIONS:
             cfg["gpu"] = _gpu_options(options)
+            self._options = dict(cfg["gpu"])
         else:
             for key in CALLBACK_OPTIONS:
                 if key in options:
@@ -652,8 +661,12 @@ class MemPool:
         return _summary.memory_summary(self.stats(dev), title=title, abbreviated=abbreviated)
 
     def config(self) -> dict[str, Any]:
-        """The pool's name, backend and options."""
-        return json.loads(self._native(_b.PoolConfig, self._handle()))
+        """The pool's name, backend and options; ``backend_options`` holds
+        the backend's own options as given (sim's capacity, manual_events,
+        expandable, ...; a GPU backend's ipc, libcuda, ...)."""
+        cfg = json.loads(self._native(_b.PoolConfig, self._handle()))
+        cfg["backend_options"] = dict(self._options)
+        return cfg
 
     @property
     def name(self) -> str:
@@ -822,7 +835,7 @@ class MemPool:
 
     def sim_manual_events(self, manual: bool = True) -> None:
         """Make the simulated device's events complete only on sim_complete()."""
-        self._native(_b.SimSetManualEvents, self._handle(), bool(manual))
+        self._native(_b.SimSetManualEvents, self._handle(), _check_bool("manual", manual))
 
     def sim_stats(self) -> dict[str, int]:
         """Counters of the pool's simulated device (calls, live segments)."""

@@ -170,3 +170,30 @@ def test_cuda_device_objects_and_strings_still_work() -> None:
     assert _device_index(_Device("cuda", None)) == 0
     assert _device_index(_Device("cuda", 3)) == 3
     assert _device_index("cuda:7") == 7 and _device_index("cuda") == 0
+
+
+@pytest.mark.parametrize("key, value", [("expandable", "false"), ("manual_events", "no"), ("expandable", 0),
+                                        ("manual_events", None), ("expandable", 1.0)])
+def test_boolean_sim_options_take_only_bools(key: str, value: object) -> None:
+    """Read by truthiness, expandable='false' turned expandable segments on."""
+    with pytest.raises(TypeError, match=f"{key} must be a bool"):
+        gmp.MemPool("sim", **{key: value})
+
+
+@pytest.mark.parametrize("backend, key", [("vmm", "ipc"), ("vmm", "expandable"), ("async", "ipc"),
+                                          ("async", "reuse_allow_opportunistic")])
+def test_boolean_gpu_options_take_only_bools(backend: str, key: str) -> None:
+    with pytest.raises(TypeError, match=f"{key} must be a bool"):
+        gmp.MemPool(backend, **{key: "false"})
+
+
+def test_sim_manual_events_takes_only_a_bool(pool: gmp.MemPool) -> None:
+    with pytest.raises(TypeError, match="manual must be a bool"):
+        pool.sim_manual_events("no")  # type: ignore[arg-type]
+
+
+def test_config_shows_the_backend_options() -> None:
+    with gmp.MemPool("sim", expandable=False, manual_events=True, capacity=1 << 30) as pool:
+        assert pool.config()["backend_options"] == {"expandable": False, "manual_events": True, "capacity": 1 << 30}
+    with gmp.MemPool("sim") as pool:
+        assert pool.config()["backend_options"] == {}

@@ -363,8 +363,8 @@ class MemPool:
             gc = garbage_collection_threshold
             if isinstance(gc, bool) or not isinstance(gc, (int, float)):
                 raise TypeError(f"garbage_collection_threshold must be a number, got {type(gc).__name__}")
-            if not 0 <= gc < 1:
-                raise InvalidArgumentError(f"garbage_collection_threshold must be in [0, 1), got {gc}")
+            if not 0 <= gc < 1:  # NaN too
+                raise InvalidArgumentError(f"garbage_collection_threshold must be in [0, 1), got {gc!r}")
             cfg["garbage_collection_threshold"] = float(gc)
         if backend == "sim":
             if options:
@@ -373,6 +373,10 @@ class MemPool:
                     if key in ("fail_rate", "free_fail_rate"):
                         if isinstance(value, bool) or not isinstance(value, (int, float)):
                             raise TypeError(f"{key} must be a number, got {type(value).__name__}")
+                        # checked here: NaN or an infinity would reach the
+                        # engine as JSON it cannot parse
+                        if not 0 <= value <= 1:
+                            raise InvalidArgumentError(f"{key} must be a probability in [0, 1], got {value!r}")
                         sim[key] = float(value)
                     elif key in ("manual_events", "expandable"):
                         sim[key] = _check_bool(key, value)

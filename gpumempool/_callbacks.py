@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import inspect
+import sys
 import threading
 from typing import Any, Callable, Optional, Union
 
@@ -141,6 +142,32 @@ def _as_int_pointer(value: Any) -> int:
     return value
 
 
+def _in_executable_mapping(addr: int) -> Optional[bool]:
+    """Whether ``addr`` lies in an executable mapping of this process, read
+    from Linux's /proc/self/maps (afresh: libraries come and go); None
+    where that cannot be told (another OS, no /proc)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+            for line in f:
+                span, perms = line.split(None, 2)[:2]
+                lo, _, hi = span.partition("-")
+                if int(lo, 16) <= addr < int(hi, 16):
+                    return "x" in perms
+    except (OSError, ValueError):
+        return None
+    return False
+
+
+def _check_code_address(addr: int, kind: str) -> None:
+    """Refuse an address that cannot be a C function: the engine would call
+    it on the first allocation and the process would die (SIGSEGV)."""
+    if _in_executable_mapping(addr) is False:
+        raise ValueError(f"{kind} address {addr:#x} is not a C function: it lies in no executable mapping "
+                         "of this process (pass a ctypes function, or its address from a loaded library)")
+
+
 def function_address(fn: AllocatorFunction, kind: str, errors: CallbackErrors) -> tuple[int, Any, bool]:
     """Return (C address, object to keep alive, whether it runs Python code
     whose exceptions land in ``errors``) for an alloc or free function."""
@@ -149,6 +176,7 @@ def function_address(fn: AllocatorFunction, kind: str, errors: CallbackErrors) -
     if isinstance(fn, int):
         if not 0 < fn < 1 << 64:
             raise ValueError(f"{kind} address {fn:#x} is not a valid C function pointer")
+        _check_code_address(fn, kind)
         return fn, None, False
     if isinstance(fn, ctypes._CFuncPtr):  # type: ignore[attr-defined]
         wrapped = _python_callable_of(fn, kind)
@@ -156,6 +184,7 @@ def function_address(fn: AllocatorFunction, kind: str, errors: CallbackErrors) -
             addr = ctypes.cast(fn, ctypes.c_void_p).value
             if not addr:
                 raise ValueError(f"{kind} is a NULL ctypes function pointer")
+            _check_code_address(addr, kind)
             return addr, fn, False
         fn = wrapped  # ALLOC_FN(pyfunc): the Python function, through our trampoline
     if not callable(fn):

@@ -618,3 +618,32 @@ def test_c_function_calling_its_own_pool_is_refused_not_deadlocked(clib) -> None
     inner, message = r.stdout.strip().split(" ", 1)
     assert int(inner) == 0
     assert "own allocator function" in message
+
+
+@pytest.mark.parametrize("alloc_bad", [True, False], ids=["alloc", "free"])
+@pytest.mark.parametrize("bad", [5, 0x1000, "heap", "ctypes"])
+def test_addresses_that_are_no_code_are_refused(clib, alloc_bad: bool, bad: object) -> None:
+    """MemPool(alloc=5, free=6).alloc(100) killed the process (SIGSEGV): an
+    integer (or ctypes-from-address) function must lie in executable memory."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the check reads /proc/self/maps")
+    keep = ctypes.create_string_buffer(64)
+    if bad == "heap":
+        bad = ctypes.addressof(keep)
+    elif bad == "ctypes":
+        bad = gmp.ALLOC_FN(5) if alloc_bad else gmp.FREE_FN(6)
+    good = clib.test_alloc if alloc_bad is False else clib.test_free
+    kind = "alloc" if alloc_bad else "free"
+    kwargs = {"alloc": bad, "free": good} if alloc_bad else {"alloc": good, "free": bad}
+    with pytest.raises(ValueError, match=f"^{kind} address 0x[0-9a-f]+ is not a C function"):
+        gmp.MemPool(**kwargs)
+
+
+def test_addresses_of_real_functions_still_work(clib) -> None:
+    addr = ctypes.cast(clib.test_alloc, ctypes.c_void_p).value
+    libc = ctypes.CDLL(None)
+    with gmp.MemPool(alloc=addr, free=ctypes.cast(clib.test_free, ctypes.c_void_p).value) as pool:
+        pool.free(pool.alloc(100))
+    with gmp.MemPool(alloc=libc.malloc, free=clib.test_free):  # a ctypes function of another library
+        pass
+

@@ -295,13 +295,13 @@ def test_torch_methods_need_torch_and_say_so() -> None:
                 method()
 
 
-def test_alloc_and_free_take_the_fast_path() -> None:
+def test_alloc_and_free_take_the_fast_path(clib) -> None:
     """The installed package has its C fast path (gpumempool._fastcall),
     which gives the same results and errors as gopy's calls."""
     from gpumempool import _fastcall, _pool
 
     assert _pool._fast is _fastcall
-    with gmp.MemPool("callback", alloc=0x1000, free=0x2000) as cb:
+    with gmp.MemPool("callback", alloc=clib.test_alloc, free=clib.test_free) as cb:
         assert cb._fast is None  # callback pools release the GIL (gopy): their functions may need it
     with gmp.MemPool("sim", capacity=64 * 1024 * 1024) as p:
         assert p._fast is _fastcall

@@ -114,9 +114,10 @@ def test_seed_001_style_one_argument_callables() -> None:
     live: dict[int, ctypes.Array] = {}
 
     def nccl_like_alloc(size):
-        buf = ctypes.create_string_buffer(size)
-        live[ctypes.addressof(buf)] = buf
-        return ctypes.c_void_p(ctypes.addressof(buf))
+        buf = ctypes.create_string_buffer(size + 512)
+        addr = (ctypes.addressof(buf) + 511) // 512 * 512  # segments start 512-byte aligned
+        live[addr] = buf
+        return ctypes.c_void_p(addr)
 
     def nccl_like_free(ptr):
         del live[ptr]
@@ -565,9 +566,10 @@ def test_finalizer_free_inside_the_pools_own_callback_is_deferred() -> None:
 
     def alloc(size: int, device: int, stream: int) -> int:
         gc.collect()  # stands for any allocation that triggers the cyclic GC
-        b = ctypes.create_string_buffer(size)
-        bufs[ctypes.addressof(b)] = b
-        return ctypes.addressof(b)
+        b = ctypes.create_string_buffer(size + 512)
+        a = (ctypes.addressof(b) + 511) // 512 * 512  # segments start 512-byte aligned
+        bufs[a] = b
+        return a
 
     def free(ptr: int, size: int, device: int, stream: int) -> None:
         bufs.pop(ptr, None)
@@ -647,3 +649,29 @@ def test_addresses_of_real_functions_still_work(clib) -> None:
     with gmp.MemPool(alloc=libc.malloc, free=clib.test_free):  # a ctypes function of another library
         pass
 
+
+def test_misaligned_addresses_are_refused_and_given_back() -> None:
+    """alloc returning 513 was accepted and the pool handed out 0x201,
+    though blocks are 512-byte aligned: now the address goes back to free
+    and the allocation fails, naming the address and the alignment."""
+    freed = []
+    with gmp.MemPool(alloc=lambda s, d, st: 513, free=lambda p, s, d, st: freed.append(p)) as pool:
+        assert pool.config()["alignment"] == 512
+        with pytest.raises(gmp.BackendError, match="returned 0x201, not aligned to 512 bytes"):
+            pool.alloc(100)
+        assert freed == [513]
+        assert pool.stats()["reserved_bytes.all.current"] == 0
+    # alignment=1 opts out (an allocator known to hand out less aligned memory)
+    bufs: dict[int, ctypes.Array] = {}
+
+    def alloc16(size, dev, stream):
+        b = ctypes.create_string_buffer(size + 32)
+        a = (ctypes.addressof(b) + 15) // 16 * 16 + 16  # 16-byte aligned, never 512
+        a += 16 if a % 512 == 0 else 0
+        bufs[a] = b
+        return a
+
+    with gmp.MemPool(alloc=alloc16, free=lambda p, *a: bufs.pop(p), alignment=1) as pool:
+        p = pool.alloc(100)
+        assert p % 512 != 0
+        pool.free(p)

@@ -4,9 +4,9 @@
 //	void* alloc(size_t size, int device, void* stream);
 //	void  free(void* ptr, size_t size, int device, void* stream);
 //
-// (seed 001's {alloc, deleter}: ncclMemAlloc, cuMemCreate with a host NUMA
-// location, or anything else a user writes in C, or in Python through a
-// ctypes callback). cgo is used only for the two trampolines that call the
+// (the {alloc, deleter} pair of PyTorch's MemPool: ncclMemAlloc, cuMemCreate
+// with a host NUMA location, or anything else a user writes in C, or in
+// Python through a ctypes callback). cgo is used only for the two trampolines that call the
 // function pointers.
 //
 // The functions may be called from any OS thread, with the pool's lock held
@@ -67,10 +67,16 @@ type Config struct {
 	Name string
 	// Devices is how many device ordinals the functions accept (default 1).
 	Devices int
-	// Alignment is checked on every address Alloc returns (default 1: no
-	// check). Must be a power of two.
+	// Alignment is checked on every address Alloc returns: a misaligned
+	// one is given back with Free and the allocation fails. Must be a power
+	// of two; default DefaultAlignment, the alignment the pool promises for
+	// its blocks (1 turns the check off).
 	Alignment uint64
 }
+
+// DefaultAlignment is the alignment of Config.Alignment 0: torch's 512-byte
+// block alignment, which the pool's blocks keep only if segments start on it.
+const DefaultAlignment uint64 = 512
 
 // Backend calls user functions for segments. Their allocations are assumed
 // usable on any stream once returned (as ncclMemAlloc's and cuMemCreate's
@@ -110,7 +116,7 @@ func New(cfg Config) (*Backend, error) {
 		return nil, fmt.Errorf("callback backend %q: %d devices: %w", cfg.Name, cfg.Devices, gocore.ErrInvalidArgument)
 	}
 	if cfg.Alignment == 0 {
-		cfg.Alignment = 1
+		cfg.Alignment = DefaultAlignment
 	}
 	if cfg.Alignment&(cfg.Alignment-1) != 0 {
 		return nil, fmt.Errorf("callback backend %q: alignment %d is not a power of two: %w", cfg.Name, cfg.Alignment, gocore.ErrInvalidArgument)
@@ -152,7 +158,8 @@ func (b *Backend) Alloc(device int, size uint64, stream gocore.Stream) (uint64, 
 		// Not ours to keep: hand it back so that nothing leaks (without
 		// b.mu: the user's function runs unlocked, as in Free).
 		C.gmp_call_free(C.uintptr_t(b.owner), C.uintptr_t(b.cfg.Free), C.uintptr_t(addr), C.size_t(size), C.int(device), C.uintptr_t(stream))
-		return 0, fmt.Errorf("callback backend %q: alloc(%d) returned %#x, not aligned to %d bytes", b.cfg.Name, size, addr, b.cfg.Alignment)
+		return 0, fmt.Errorf("callback backend %q: alloc(%d) returned %#x, not aligned to %d bytes (the backend's "+
+			"alignment; the address was given back with the free function)", b.cfg.Name, size, addr, b.cfg.Alignment)
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()

@@ -114,3 +114,19 @@ func TestMisalignedAddressIsFreedWithoutTheBackendLock(t *testing.T) {
 	assert.True(t, unlocked, "free called with the backend's lock held")
 	assert.Zero(t, be.LiveSegments())
 }
+
+// TestDefaultAlignmentIs512: without an Alignment, an address off torch's
+// 512-byte block alignment is refused too (the pool would hand out blocks
+// at 0x201), and given back.
+func TestDefaultAlignmentIs512(t *testing.T) {
+	be, err := New(Config{Alloc: testalloc.MisalignedAlloc(), Free: testalloc.HookFree()})
+	require.NoError(t, err)
+	assert.Equal(t, uint64(512), be.Alignment())
+	var freed uintptr
+	testalloc.SetFreeHook(func(ptr uintptr) { freed = ptr })
+	defer testalloc.SetFreeHook(nil)
+	_, err = be.Alloc(0, 4096, 0)
+	require.ErrorContains(t, err, "not aligned to 512 bytes")
+	assert.Equal(t, uintptr(8), freed%512, "the misaligned memory is handed back")
+	assert.Zero(t, be.LiveSegments())
+}

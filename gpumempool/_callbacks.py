@@ -130,15 +130,23 @@ def _positional_arity(fn: Callable[..., Any], full: int) -> int:
     return min(max(n, 1), full)
 
 
+def _bad_result(exc: Exception) -> Exception:
+    """Mark ``exc`` as the alloc function's bad return value, not something
+    it raised (the pool's error says "returned", not "raised")."""
+    exc.gmp_bad_result = True  # type: ignore[attr-defined]
+    return exc
+
+
 def _as_int_pointer(value: Any) -> int:
     if value is None:
         return 0
     if isinstance(value, ctypes.c_void_p):
         return value.value or 0
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"allocator callback must return an int address, got {type(value).__name__}")
+        raise _bad_result(TypeError(f"alloc function returned a {type(value).__name__}, not an int address"))
     if not 0 <= value < 1 << 64:
-        raise ValueError(f"allocator callback returned {value}, not a 64-bit address")
+        shown = str(value) if value.bit_length() <= 128 else f"an int of {value.bit_length()} bits"
+        raise _bad_result(ValueError(f"alloc function returned {shown}, not a 64-bit address"))
     return value
 
 

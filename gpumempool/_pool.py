@@ -6,6 +6,7 @@ import atexit
 import collections
 import json
 import os
+import re
 import threading
 import time
 import weakref
@@ -21,6 +22,7 @@ from ._errors import (
     CallbackReentryError,
     InvalidArgumentError,
     LeakWarning,
+    OutOfMemoryError,
     PoolClosedError,
     translate,
 )
@@ -162,6 +164,30 @@ def _describe_exc(exc: BaseException, limit: int = 200) -> str:
     if len(text) > limit:
         text = text[:limit] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _callback_failure(kind: str, exc: BaseException) -> str:
+    """What a pool's Python ``kind`` function did wrong: raised ``exc``, or
+    returned a value that is no address (the trampoline's error)."""
+    if getattr(exc, "gmp_bad_result", False):
+        return f"the Python {exc}"  # "alloc function returned ..., not a 64-bit address"
+    return f"the Python {kind} function raised {_describe_exc(exc)}"
+
+
+#: The start of the engine's OutOfMemoryError message: pool, device, request.
+_OOM_HEAD = re.compile(r'^pool (".*?") \(.*? backend\) out of memory on device (\d+): tried to allocate ([^(]+?) \(')
+
+
+def _callback_error_message(kind: str, exc: BaseException, err: BaseException) -> str:
+    """The error of a pool call during which a Python function failed: the
+    function's failure first. The engine only saw NULL from a failed alloc
+    function, so its own account (NULL, out of memory after a retry) is
+    not repeated; it is kept as context for other errors."""
+    what = _callback_failure(kind, exc)
+    if isinstance(err, OutOfMemoryError):
+        m = _OOM_HEAD.match(str(err))
+        return what + (f" (pool {m.group(1)} could not allocate {m.group(3)} on device {m.group(2)})" if m else "")
+    return f"{what} (the pool call failed: {err})"
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -432,7 +458,7 @@ class MemPool:
         result, errs = self._native_collect(fn, *args)
         if errs:
             kind, first = errs[0]
-            raise BackendError(f"the Python {kind} function raised {_describe_exc(first)}") from first
+            raise BackendError(_callback_failure(kind, first)) from first
         return result
 
     def _native_collect(self, fn: Callable[..., T], *args: Any) -> tuple[T, list[tuple[str, BaseException]]]:
@@ -451,7 +477,7 @@ class MemPool:
             err = translate(exc)
             if errs:
                 kind, first = errs[0]
-                raise BackendError(f"{err} (raised by the Python {kind} function: {_describe_exc(first)})") from first
+                raise BackendError(_callback_error_message(kind, first, err)) from first
             raise err from None
         finally:
             self._callback_errors.end(errs)
@@ -550,7 +576,7 @@ class MemPool:
             try:
                 for kind, exc in errs:
                     warnings.warn(
-                        f"pool {self._name_or_id()}: the Python {kind} function raised {_describe_exc(exc)}"
+                        f"pool {self._name_or_id()}: {_callback_failure(kind, exc)}"
                         + ("; the pool released its cache and retried, and the allocation succeeded"
                            if kind == "alloc" else "while the pool released cached segments"),
                         RuntimeWarning,
@@ -901,7 +927,7 @@ class MemPool:
             except Exception as exc:  # noqa: BLE001 - the engine closed the pool anyway
                 errs = []
                 problems.append(_describe_exc(exc))
-            problems += [f"the Python {kind} function raised {_describe_exc(e)}" for kind, e in errs]
+            problems += [_callback_failure(kind, e) for kind, e in errs]
             _callback_refs.pop(self._id, None)
             self._report = CloseReport(
                 live_blocks=[LiveBlock(**b) for b in raw.get("live_blocks", [])],

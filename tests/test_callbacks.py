@@ -675,3 +675,38 @@ def test_misaligned_addresses_are_refused_and_given_back() -> None:
         p = pool.alloc(100)
         assert p % 512 != 0
         pool.free(p)
+
+
+def _reentering_alloc(holder: dict):
+    def alloc(size, device, stream):
+        holder["pool"].stats()  # refused: CallbackReentryError inside the function
+    return alloc
+
+
+@pytest.mark.parametrize("case", ["raises", "huge", "str", "reenters"])
+def test_a_failing_python_alloc_function_is_not_reported_as_out_of_memory(case: str) -> None:
+    """The error said '... out of memory ... returned NULL: backend out of
+    memory (raised by the Python alloc function: TypeError: mine)': it now
+    leads with what the function did, and claims neither NULL nor OOM."""
+    holder: dict = {}
+
+    def raises(size, device, stream):
+        raise TypeError("mine")
+
+    alloc = {"raises": raises, "huge": lambda s, d, st: 2**70, "str": lambda s, d, st: "0x1000",
+             "reenters": _reentering_alloc(holder)}[case]
+    expected = {
+        "raises": "the Python alloc function raised TypeError: mine",
+        "huge": "the Python alloc function returned 1180591620717411303424, not a 64-bit address",
+        "str": "the Python alloc function returned a str, not an int address",
+        "reenters": "the Python alloc function raised CallbackReentryError: pool 'cb' was called from inside",
+    }[case]
+    with gmp.MemPool(alloc=alloc, free=lambda *a: None, name="cb") as pool:
+        holder["pool"] = pool
+        with pytest.raises(gmp.BackendError) as ei:
+            pool.alloc(100)
+        msg = str(ei.value)
+        assert msg.startswith(expected), msg
+        assert msg.endswith('(pool "cb" could not allocate 100 B on device 0)'), msg
+        assert "NULL" not in msg and "out of memory" not in msg
+        assert not isinstance(ei.value, MemoryError)

@@ -407,7 +407,7 @@ def run_replays(traces: list[Path], args: argparse.Namespace) -> list[dict[str, 
                 continue
             row["policies"][pname] = {k: d.get(k) for k in (
                 "events", "allocations", "ooms", "peak_requested", "peak_allocated", "peak_reserved", "fragmentation",
-                "backend_calls", "recorded_by", "recorded_peak_reserved", "reserved_vs_recorded")}
+                "backend_calls", "recorded_by", "recorded_peak_reserved", "reserved_vs_recorded", "comparable")}
             row["policies"][pname]["wall_s"] = time.perf_counter() - t0
             row.setdefault("meta", (d.get("trace") or {}).get("meta", {}))
             r = row["policies"][pname]
@@ -447,7 +447,9 @@ def summarize(results: dict[str, dict[str, Any]], replays: list[dict[str, Any]])
             }
     for row in replays:
         summary["replay"][row["trace"]] = {
-            p: v.get("reserved_vs_recorded") for p, v in row["policies"].items() if "error" not in v
+            # a replay with OOMs held less than the program: its ratio is no saving
+            p: v.get("reserved_vs_recorded") for p, v in row["policies"].items()
+            if "error" not in v and not v.get("ooms")
         }
     return summary
 

@@ -237,8 +237,13 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if result.recorded_peak_reserved is not None:
         who = result.recorded_by or "recording"
         rows.append((f"{who} peak reserved", format_bytes(result.recorded_peak_reserved)))
-        verdict = "saves memory" if (result.reserved_vs_recorded or 0) < 1 else "no saving"
-        rows.append((f"ours / {who}", f"{result.reserved_vs_recorded:.3f} ({verdict})"))
+        if not result.comparable:
+            # peaks of a replay that failed allocations the program made are
+            # lower for that reason alone
+            rows.append((f"ours / {who}", f"not comparable: {result.ooms:,} allocations failed"))
+        else:
+            verdict = "saves memory" if (result.reserved_vs_recorded or 0) < 1 else "no saving"
+            rows.append((f"ours / {who}", f"{result.reserved_vs_recorded:.3f} ({verdict})"))
     print("gpumempool replay on the simulated device (sim backend)")
     print(_table(rows))
     return 0

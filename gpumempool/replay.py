@@ -208,6 +208,13 @@ class ReplayResult:
     stats: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
+    def comparable(self) -> bool:
+        """Whether the replay served every allocation, so that its peaks
+        can be set against the recording's: with OOMs it held less memory
+        than the program did, and a lower peak says nothing."""
+        return self.ooms == 0
+
+    @property
     def torch_peak_reserved(self) -> Optional[int]:
         """Torch's recorded peak reserved bytes (torch traces only)."""
         return self.recorded_peak_reserved if self.recorded_by == "torch" else None
@@ -223,6 +230,7 @@ class ReplayResult:
             d.pop("stats")
         d["torch_peak_reserved"] = self.torch_peak_reserved
         d["ratio_vs_torch"] = self.ratio_vs_torch
+        d["comparable"] = self.comparable
         return d
 
 

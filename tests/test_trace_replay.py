@@ -851,3 +851,19 @@ def test_parse_size_is_exact_up_to_64_bits() -> None:
     assert parse_size("1.5KiB") == 1536
     with pytest.raises(ValueError, match="finite"):
         parse_policy("garbage_collection_threshold=nan")
+
+
+def test_a_replay_with_ooms_claims_no_saving(capsys) -> None:
+    """`replay T --policy limit=1MiB` failed allocations, then said
+    '0.000 (saves memory)': a replay that served less than the program is
+    no comparison."""
+    from gpumempool.__main__ import main
+
+    res = replay(Trace.load(SHIPPED), {"limit": 1 << 20})
+    assert res.ooms > 0 and not res.comparable and res.as_dict()["comparable"] is False
+    assert replay(Trace.loads(HAND)).comparable
+    assert main(["replay", str(SHIPPED), "--policy", "limit=1MiB", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "saves memory" not in out and f"not comparable: {res.ooms:,} allocations failed" in out
+    assert main(["replay", str(SHIPPED), "--no-progress"]) == 0
+    assert "1.000 (no saving)" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""GPT-2 training inside gmp.mempool vs torch's allocator (issue 4, part 6).
+"""GPT-2 training inside gmp.mempool vs torch's allocator.
 
 A small GPT-2 (transformers' GPT2Config, random weights, random tokens, a
 fixed seed, deterministic kernels) trains for a few hundred steps:

@@ -1,4 +1,4 @@
-"""GPU backend benchmarks (issue 3): for each backend, raw backend alloc+free
+"""GPU backend benchmarks: for each backend, raw backend alloc+free
 latency per size against the engine's cached re-supply of the same size
 (goal: cached >= 50x faster), and the engine's peak reserved vs requested on
 a mixed-size workload. Needs an NVIDIA GPU; run on the device machine:

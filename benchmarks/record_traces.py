@@ -1,4 +1,4 @@
-"""Record real allocation traces with torch on a GPU (issue 5, section 3).
+"""Record real allocation traces with torch on a GPU.
 
 Three small workloads, each in a fresh process with torch's memory history
 on (``torch.cuda.memory._record_memory_history(enabled="all", context=None,

@@ -1,4 +1,4 @@
-"""GPU benchmark suite (issue 5, section 4): torch's native caching allocator
+"""GPU benchmark suite: torch's native caching allocator
 vs ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` vs gpumempool (context
 mode and full replacement) vs CuPy's MemoryPool vs RMM's pool as torch's
 allocator.
@@ -551,7 +551,7 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
                 f"| {ratio(e.get('reserved_vs_recorded'))} |"
             )
         lines.append("")
-        lines.append("Goal (issue 5): ours / torch <= 1.0 on every trace recorded by torch; traces recorded by "
+        lines.append("Goal: ours / torch <= 1.0 on every trace recorded by torch; traces recorded by "
                      "gpumempool itself show a policy's effect, not a comparison with torch.")
     if doc.get("skipped"):
         lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in doc["skipped"].items())]

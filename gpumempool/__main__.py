@@ -286,7 +286,20 @@ def _find_checkout(start: Optional[str]) -> Optional[Path]:
     return None
 
 
+#: The GPU benchmarks of a checkout: script, what it measures, the Python
+#: modules it needs besides gpumempool, the result file it writes.
+_GPU_BENCHMARKS = (
+    ("benchmarks/gpu_backends.py", "raw vs cached alloc per GPU backend", (), "gpu_backends.json"),
+    ("benchmarks/gpt2_train.py", "GPT-2 training in gmp.mempool vs torch's allocator, full-replacement alloc loop",
+     ("torch", "transformers"), "gpt2_*.json"),
+    ("benchmarks/suite_gpu.py", "torch native vs cudaMallocAsync vs gpumempool vs CuPy vs RMM as torch's allocator: "
+     "alloc loops, GPT-2 step, trace replays", ("torch", "transformers"), "suite_gpu_*.json"),
+)
+
+
 def _bench_plan(root: Path) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    import importlib.util
+
     import gpumempool as gmp
 
     run: list[dict[str, str]] = []
@@ -298,18 +311,24 @@ def _bench_plan(root: Path) -> tuple[list[dict[str, str]], list[dict[str, str]]]
     if missing:
         skip.append({"name": cpu, "reason": f"needs {' and '.join(missing)} on PATH"})
     else:
-        run.append({"name": cpu, "writes": "benchmarks/results/cpu.json, cpu.md"})
+        run.append({"name": cpu, "writes": "benchmarks/results/cpu.json, cpu.md", "result": "cpu.json"})
     info = gmp.device_info()
-    gpu = "benchmarks/gpu_backends.py (raw vs cached alloc per GPU backend)"
-    if not info["devices"]:
-        skip.append({"name": gpu, "reason": f"needs an NVIDIA GPU: {info['reason']}"})
-    elif not (root / "benchmarks" / "gpu_backends.py").is_file():
-        skip.append({"name": gpu, "reason": "not in this checkout"})
-    else:
-        run.append({"name": gpu, "writes": "benchmarks/results/gpu_backends.json, gpu_backends.md"})
-    skip.append({"name": "torch native vs cudaMallocAsync vs gpumempool vs CuPy (alloc loops, GPT-2 step, "
-                         "trace replays on the GPU)",
-                 "reason": "not in this version (issue 5, section 4); needs an NVIDIA GPU and torch"})
+    for script, what, modules, result in _GPU_BENCHMARKS:
+        name = f"{script} ({what})"
+        needs = "an NVIDIA GPU" + (f" with {' and '.join(modules)}" if modules else "")
+        absent = [m for m in modules if importlib.util.find_spec(m) is None]
+        if not (root / script).is_file():
+            skip.append({"name": name, "reason": "not in this checkout"})
+        elif not info["devices"]:
+            reason = f"needs {needs} (no GPU found: {info['reason']})"
+            if script.endswith("suite_gpu.py"):
+                reason += f"; its trace replays alone run without one: python {script} --workloads replay"
+            skip.append({"name": name, "reason": reason})
+        elif absent:
+            skip.append({"name": name, "reason": f"needs {', '.join(absent)} (not installed)"})
+        else:
+            run.append({"name": name, "writes": f"benchmarks/results/{result.replace('*', '<device>')}",
+                        "result": result})
     return run, skip
 
 
@@ -349,7 +368,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         r["returncode"] = str(proc.returncode)
         rc = rc or proc.returncode
         stem = Path(script).stem.replace("_bench", "")
-        result_file = root / "benchmarks" / "results" / f"{stem}.json"
+        # the newest file of the script's name pattern (the GPU ones name the device)
+        found = sorted((root / "benchmarks" / "results").glob(r["result"]), key=lambda f: f.stat().st_mtime)
+        result_file = found[-1] if found else root / "benchmarks" / "results" / f"{stem}.json"
         if proc.returncode == 0 and result_file.is_file():
             try:
                 report["results"][stem] = json.loads(result_file.read_text())
@@ -432,8 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the benchmarks of a source checkout that this machine can run: the CPU "
         "benchmarks (benchmarks/cpu_bench.py: Go micro-benchmarks, the C-ABI and Python round trips, a safe "
         "snapshot load; "
-        "they need go and a C compiler) and, with an NVIDIA GPU, benchmarks/gpu_backends.py; says what "
-        "it cannot run and why. Results go to benchmarks/results/.",
+        "they need go and a C compiler) and, with an NVIDIA GPU, benchmarks/gpu_backends.py, and with torch "
+        "and transformers too, benchmarks/gpt2_train.py and benchmarks/suite_gpu.py; says what it cannot run "
+        "and why. Results go to benchmarks/results/.",
     )
     bench.add_argument("--root", help="the repository root (default: found from the current directory)")
     bench.add_argument("--count", type=_positive, help="runs of each Go benchmark (GMP_BENCH_COUNT, default 5)")

@@ -115,8 +115,9 @@ class _CallbackState(threading.local):
 
 
 def _positional_arity(fn: Callable[..., Any], full: int) -> int:
-    """How many of the torch arguments fn takes: seed-001 style callables
-    take just ``size`` (alloc) or ``ptr`` (free)."""
+    """How many of the torch arguments fn takes: callables written for a
+    one-argument allocator API (like ncclMemAlloc / ncclMemFree) take just
+    ``size`` (alloc) or ``ptr`` (free)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):

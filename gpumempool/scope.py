@@ -1,4 +1,4 @@
-"""Cache scopes (seed 003; GPUArrays.jl's ``@cached`` / cache scopes).
+"""Cache scopes (after GPUArrays.jl's ``@cached`` / cache scopes).
 
 A loop body that allocates the same temporaries every iteration can keep
 them for the next iteration instead of handing them back::

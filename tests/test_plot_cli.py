@@ -262,6 +262,37 @@ def test_bench_dry_run_says_what_it_cannot_run(tmp_path: Path) -> None:
     assert r.returncode == 2 and "source checkout" in r.stderr
 
 
+def test_bench_lists_the_gpu_scripts_of_the_checkout(monkeypatch, capsys) -> None:
+    """bench said the GPU suite was 'not in this version (issue 5, section
+    4)' although benchmarks/suite_gpu.py and gpt2_train.py are: it names
+    every GPU script, and what each needs."""
+    import importlib.util
+
+    assert main(["bench", "--dry-run", "--root", str(ROOT)]) == 0
+    out = capsys.readouterr().out
+    for script in ("gpu_backends.py", "gpt2_train.py", "suite_gpu.py"):
+        assert f"benchmarks/{script}" in out
+    assert "issue" not in out and "not in this version" not in out
+    if not gmp.devices():
+        assert out.count("needs an NVIDIA GPU") == 3 and "--workloads replay" in out
+    # With a GPU (faked) and torch and transformers (faked present), all three run.
+    monkeypatch.setattr(gmp, "device_info", lambda: {"devices": [{"index": 0}], "reason": ""})
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name in ("torch", "transformers") else real(name, *a))
+    assert main(["bench", "--dry-run", "--json", "--root", str(ROOT)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    ran = " ".join(r["name"] for r in plan["run"])
+    assert all(s in ran for s in ("gpu_backends.py", "gpt2_train.py", "suite_gpu.py")), plan
+    # Without transformers, the two that need it say so.
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else object() if name == "torch"
+                        else real(name, *a))
+    assert main(["bench", "--dry-run", "--json", "--root", str(ROOT)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [r["reason"] for r in plan["not_run"] if "gpt2_train" in r["name"]] == ["needs transformers (not installed)"]
+
+
 def test_bench_runs_the_cpu_script_of_a_checkout(tmp_path: Path) -> None:
     """A stand-in checkout whose cpu_bench.py only writes its result file."""
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)

@@ -155,11 +155,18 @@ def _load_trace(path: str, args: argparse.Namespace) -> Any:
     return from_torch_snapshot(path, infer_empty_cache=not args.no_infer_empty_cache)
 
 
+def _prog() -> str:
+    """The command's name as the user typed it: the console script
+    ``gpumempool``, else ``python -m gpumempool``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "gpumempool" if name == "gpumempool" else "python -m gpumempool"
+
+
 def _fail(message: str, code: int = 1, *, json_out: bool = False) -> int:
     """Report an error the usual way (stderr, exit status ``code``); with
     ``json_out``, also print ``{"error": message}`` on stdout, so that a
     ``--json`` caller always gets JSON."""
-    print(f"python -m gpumempool: error: {message}", file=sys.stderr)
+    print(f"{_prog()}: error: {message}", file=sys.stderr)
     if json_out:
         print(json.dumps({"error": message, "exit_code": code}, indent=2))
     return code
@@ -253,9 +260,13 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     import pickle
 
     from ._progress import Progress
-    from .plot import MissingDependencyError, plot_snapshot
+    from .plot import MissingDependencyError, _require_matplotlib, plot_snapshot
     from .trace import TraceFormatError, is_trace_file
 
+    try:  # before the progress bar: nothing can be drawn without it
+        _require_matplotlib()
+    except MissingDependencyError as exc:
+        return _fail(str(exc), 2, json_out=args.json)
     if is_trace_file(args.snapshot):
         return _fail(f"{args.snapshot} is a gmptrace file; plot reads snapshot pickles "
                      "(gmp.dump_snapshot or torch.cuda.memory._dump_snapshot)", 2, json_out=args.json)
@@ -385,7 +396,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        # argparse would name this function ("invalid _positive value")
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text[:40]!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
@@ -394,7 +409,7 @@ def _positive(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .replay import POLICY_KEYS
 
-    parser = argparse.ArgumentParser(prog="python -m gpumempool", description="gpumempool command line")
+    parser = argparse.ArgumentParser(prog=_prog(), description="gpumempool command line")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="version, library path and NVIDIA devices (via NVML)")
     info.add_argument("--json", action="store_true", help="print JSON")

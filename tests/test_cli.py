@@ -96,3 +96,26 @@ def test_library_errors_of_any_command_are_clean_errors(monkeypatch, capsys) -> 
     assert main(["demo"]) == 1
     err = capsys.readouterr().err
     assert err == "python -m gpumempool: error: BackendError: the backend failed\n"
+
+
+def test_bad_numbers_do_not_name_internal_functions() -> None:
+    r = run_cli("demo", "--steps", "abc")
+    assert r.returncode == 2 and "_positive" not in r.stderr
+    assert "argument --steps: must be a positive whole number, got 'abc'" in r.stderr
+
+
+def test_the_console_script_calls_itself_by_its_name(monkeypatch) -> None:
+    """Installed as `gpumempool`, the usage and errors said 'python -m gpumempool'."""
+    import os
+
+    from gpumempool import __main__ as cli
+
+    monkeypatch.setattr(sys, "argv", [os.path.join("venv", "bin", "gpumempool"), "demo"])
+    assert cli.build_parser().prog == "gpumempool"
+    monkeypatch.setattr(sys, "argv", [cli.__file__, "demo"])  # python -m gpumempool
+    assert cli.build_parser().prog == "python -m gpumempool"
+    script = os.path.join(os.path.dirname(sys.executable), "gpumempool")
+    if os.path.exists(script):
+        r = subprocess.run([script, "demo", "--steps", "0"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and r.stderr.startswith("usage: gpumempool demo"), r.stderr
+        assert "python -m" not in r.stderr

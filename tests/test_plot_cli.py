@@ -224,6 +224,8 @@ def test_plot_without_matplotlib(tmp_path: Path, snapshot_file: Path, monkeypatc
     assert r.returncode == 2
     assert "plotting needs matplotlib" in r.stderr and "pip install 'gpumempool[plot]'" in r.stderr
     assert "Traceback" not in r.stderr and not out.exists()
+    # said at once: no progress bar first (the snapshot is not even read)
+    assert r.stderr.startswith("python -m gpumempool: error: plotting needs matplotlib"), r.stderr
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["plot", str(snapshot_file), "-o", str(out), "--no-progress"]) == 2
     assert "pip install 'gpumempool[plot]'" in capsys.readouterr().err

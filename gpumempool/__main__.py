@@ -16,6 +16,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -218,14 +219,20 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             trace.save(args.save_trace)
         except OSError as exc:
             return _fail(f"--save-trace: {exc}", json_out=args.json)
-    with Progress("replay", unit="ev", enabled=not (args.json or args.no_progress), total=len(trace)) as bar:
+    with Progress("replay", unit="ev", enabled=not (args.json or args.no_progress), total=len(trace)) as bar, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
         try:
             result = replay(trace, policy, progress=bar, recorded_policy=not args.no_recorded_policy)
         except (ValueError, TypeError) as exc:
             return _fail(str(exc), 2, json_out=args.json)
+    notes = [str(w.message) for w in caught]
+    for note in notes:  # one line each, as the errors
+        print(f"{_prog()}: warning: {note}", file=sys.stderr)
     if args.json:
         out = result.as_dict()
         out["trace"] = {"path": args.trace, "meta": trace.meta, "counts": trace.counts()}
+        out["warnings"] = notes
         _print_json(out)
         return 0
     pol = ", ".join(f"{k}={v}" + ("" if k in policy else " (recorded)") for k, v in result.policy.items()) or "defaults"

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 from ._errors import InvalidArgumentError, LeakWarning, OutOfMemoryError
-from ._pool import MemPool
+from ._pool import ROUNDUP_INTERVALS, MemPool
 from .trace import Alloc, EmptyCache, Free, RecordStream, Sync, Trace, Trim
 
 __all__ = ["POLICY_KEYS", "ReplayResult", "parse_policy", "parse_size", "replay"]
@@ -45,7 +45,7 @@ POLICY_KEYS: dict[str, str] = {
     "garbage_collection_threshold": "fraction of the limit above which a cache miss first releases old cached "
     "segments (torch's option; needs limit)",
     "roundup_power2_divisions": "round requests up to one of N steps between powers of two (torch's option; 0: off; "
-    "or 16 counts, one per size interval)",
+    "or 16 counts, one per size interval: roundup_power2_divisions=1,1,2,...,4 or [1,1,2,...,4])",
     "limit": "bytes the pool may reserve per device (0: no limit)",
     "expandable": "grow one segment per stream in place (torch's expandable_segments)",
     "granularity": "mapping granularity of expandable segments, bytes",
@@ -109,33 +109,76 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r} (true/false)")
 
 
-def parse_policy(items: Any) -> dict[str, Any]:
-    """A policy dict from ``key=value`` strings (each may hold several,
-    comma-separated), e.g. ``["max_split_size=64MiB", "expandable=true"]``."""
-    if isinstance(items, str):
-        items = [items]
-    policy: dict[str, Any] = {}
+def _policy_entries(items: Any) -> list[tuple[str, str]]:
+    """``(key, value)`` pairs of ``key=value`` strings, several to a string
+    separated by commas. The 16 counts of roundup_power2_divisions are
+    comma-separated too: ``roundup_power2_divisions=1,1,2,...`` (the counts
+    are the parts without ``=`` that follow it) or ``=[1,1,2,...]``."""
+    entries: list[tuple[str, str]] = []
     for item in items:
-        for part in str(item).split(","):
+        text = str(item)
+        # commas inside [...] separate counts, not entries
+        parts, depth, cur = [], 0, ""
+        for ch in text:
+            depth += (ch == "[") - (ch == "]")
+            if ch == "," and depth <= 0:
+                parts.append(cur)
+                cur = ""
+            else:
+                cur += ch
+        parts.append(cur)
+        for part in parts:
             if not part.strip():
                 continue
             key, sep, value = part.partition("=")
-            key = key.strip().replace("-", "_")
             if not sep:
+                if entries and entries[-1][0] == "roundup_power2_divisions" and part.strip().isdigit():
+                    entries[-1] = (entries[-1][0], f"{entries[-1][1]},{part.strip()}")
+                    continue
                 raise ValueError(f"policy entries are key=value, got {part!r}")
-            if key not in POLICY_KEYS:
-                raise ValueError(f"unknown policy key {key!r}; valid: {', '.join(POLICY_KEYS)}")
-            if key in _BOOL_KEYS:
-                policy[key] = _parse_bool(value)
-            elif key in _FRACTION_KEYS:
-                try:
-                    policy[key] = float(value)
-                except ValueError:
-                    raise ValueError(f"{key} must be a number, got {value.strip()[:40]!r}") from None
-                if not math.isfinite(policy[key]):
-                    raise ValueError(f"{key} must be a finite number, got {value.strip()[:40]!r}")
-            else:
-                policy[key] = parse_size(value)
+            entries.append((key.strip().replace("-", "_"), value))
+    return entries
+
+
+def _parse_roundup(value: str) -> Any:
+    """One count, or 16 (one per size interval), comma-separated, in
+    brackets or not."""
+    t = value.strip()
+    if t.startswith("[") and t.endswith("]"):
+        t = t[1:-1]
+    counts = [c.strip() for c in t.split(",")]
+    if len(counts) == 1 and not value.strip().startswith("["):
+        return parse_size(counts[0])
+    if len(counts) != ROUNDUP_INTERVALS or not all(c.isascii() and c.isdigit() and len(c) < 20 for c in counts):
+        raise ValueError(f"roundup_power2_divisions takes one count or {ROUNDUP_INTERVALS} whole numbers, one per "
+                         f"size interval (roundup_power2_divisions=1,1,2,...), got {value[:80]!r}")
+    return [int(c) for c in counts]
+
+
+def parse_policy(items: Any) -> dict[str, Any]:
+    """A policy dict from ``key=value`` strings (each may hold several,
+    comma-separated), e.g. ``["max_split_size=64MiB", "expandable=true"]``;
+    ``roundup_power2_divisions`` takes one count or 16, comma-separated
+    (``roundup_power2_divisions=1,1,2,...``, or in brackets)."""
+    if isinstance(items, str):
+        items = [items]
+    policy: dict[str, Any] = {}
+    for key, value in _policy_entries(items):
+        if key not in POLICY_KEYS:
+            raise ValueError(f"unknown policy key {key!r}; valid: {', '.join(POLICY_KEYS)}")
+        if key == "roundup_power2_divisions":
+            policy[key] = _parse_roundup(value)
+        elif key in _BOOL_KEYS:
+            policy[key] = _parse_bool(value)
+        elif key in _FRACTION_KEYS:
+            try:
+                policy[key] = float(value)
+            except ValueError:
+                raise ValueError(f"{key} must be a number, got {value.strip()[:40]!r}") from None
+            if not math.isfinite(policy[key]):
+                raise ValueError(f"{key} must be a finite number, got {value.strip()[:40]!r}")
+        else:
+            policy[key] = parse_size(value)
     return policy
 
 
@@ -256,6 +299,13 @@ def replay(
     recorded = trace.meta.get("recorded_policy") if recorded_policy else None
     if isinstance(recorded, dict):
         pol = {**_check_policy({k: v for k, v in recorded.items() if k in POLICY_KEYS}), **pol}
+    if pol.get("garbage_collection_threshold") and not pol.get("limit"):
+        # The threshold is a fraction of the pool's limit: without one it
+        # never triggers, and the replay would silently ignore it.
+        how = "" if policy and "garbage_collection_threshold" in policy else " (the recording's setting)"
+        warnings.warn(f"garbage_collection_threshold={pol['garbage_collection_threshold']}{how} has no effect "
+                      "without limit: it is a fraction of the limit (add limit=..., e.g. the memory torch "
+                      "was allowed)", UserWarning, stacklevel=2)
     events = trace.events
     total = len(events)
     devices = max([_meta_devices(trace.meta.get("devices", 1))] + [e.device + 1 for e in events if type(e) is Alloc])

@@ -330,10 +330,12 @@ def test_torch_allocator_settings_become_the_replay_policy() -> None:
     assert tr.meta["recorded_policy"] == {"max_split_size": 64 * MiB, "expandable": True,
                                           "roundup_power2_divisions": [4] + [0] * 15,
                                           "garbage_collection_threshold": 0.6}
-    res = replay(tr)
+    with pytest.warns(UserWarning, match=r"0.6 \(the recording's setting\) has no effect without limit"):
+        res = replay(tr)
     assert res.policy == tr.meta["recorded_policy"]
     assert res.expansions > 0  # expandable segments, as torch had
-    assert replay(tr, {"expandable": False}).policy["expandable"] is False  # an explicit policy wins
+    with pytest.warns(UserWarning, match="no effect without limit"):
+        assert replay(tr, {"expandable": False}).policy["expandable"] is False  # an explicit policy wins
     assert replay(tr, recorded_policy=False).policy == {}
     # The policy survives saving the trace.
     assert Trace.loads(tr.dumps()).meta["recorded_policy"] == tr.meta["recorded_policy"]
@@ -867,3 +869,46 @@ def test_a_replay_with_ooms_claims_no_saving(capsys) -> None:
     assert "saves memory" not in out and f"not comparable: {res.ooms:,} allocations failed" in out
     assert main(["replay", str(SHIPPED), "--no-progress"]) == 0
     assert "1.000 (no saving)" in capsys.readouterr().out
+
+
+def test_policy_takes_the_16_counts_of_roundup_power2_divisions(capsys) -> None:
+    """The help promised 16 counts, one per size interval, but the parser
+    split them on their commas ('policy entries are key=value')."""
+    from gpumempool.__main__ import main
+
+    counts = [1, 1, 2, 2] + [4] * 12
+    text = ",".join(map(str, counts))
+    assert parse_policy([f"roundup_power2_divisions={text}"]) == {"roundup_power2_divisions": counts}
+    assert parse_policy([f"roundup_power2_divisions=[{text}],limit=1GiB"]) == {
+        "roundup_power2_divisions": counts, "limit": 1 << 30}
+    assert parse_policy([f"expandable=true,roundup_power2_divisions={text},limit=1GiB"]) == {
+        "expandable": True, "roundup_power2_divisions": counts, "limit": 1 << 30}
+    assert parse_policy(["roundup_power2_divisions=4"]) == {"roundup_power2_divisions": 4}
+    for bad in ("roundup_power2_divisions=1,2,3", f"roundup_power2_divisions=[{text}", "roundup_power2_divisions=[4]"):
+        with pytest.raises(ValueError, match="one count or 16 whole numbers"):
+            parse_policy([bad])
+    with pytest.raises(ValueError, match="key=value"):
+        parse_policy(["limit=1GiB,7"])  # a bare number only continues roundup_power2_divisions
+    res = replay(Trace.loads(HAND), parse_policy([f"roundup_power2_divisions={text}"]))
+    assert res.policy["roundup_power2_divisions"] == counts
+    assert main(["replay", str(SHIPPED), "--no-progress", "--json", "--policy", f"roundup_power2_divisions={text}"]) == 0
+    assert json.loads(capsys.readouterr().out)["policy"]["roundup_power2_divisions"] == counts
+
+
+def test_garbage_collection_threshold_without_limit_warns(capsys) -> None:
+    """It acts on a fraction of the limit: without one the replay silently
+    ignored it."""
+    from gpumempool.__main__ import main
+
+    with pytest.warns(UserWarning, match="garbage_collection_threshold=0.5 has no effect without limit"):
+        replay(Trace.loads(HAND), {"garbage_collection_threshold": 0.5})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        replay(Trace.loads(HAND), {"garbage_collection_threshold": 0.5, "limit": 1 << 30})
+        replay(Trace.loads(HAND))
+    assert main(["replay", str(SHIPPED), "--no-progress", "--policy", "garbage_collection_threshold=0.5"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("python -m gpumempool: warning: garbage_collection_threshold=0.5 has no effect"), err
+    assert len(err.splitlines()) == 1

@@ -28,7 +28,7 @@ import time
 import types
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from ._errors import InvalidArgumentError, LeakWarning, OutOfMemoryError
 from ._pool import ROUNDUP_INTERVALS, MemPool
@@ -182,7 +182,14 @@ def parse_policy(items: Any) -> dict[str, Any]:
     return policy
 
 
-def _check_policy(policy: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+def _check_policy(policy: Any) -> dict[str, Any]:
+    """A policy dict, or the ``key=value`` strings of :func:`parse_policy`
+    (the CLI's ``--policy``), checked."""
+    if isinstance(policy, str) or (isinstance(policy, (list, tuple)) and all(isinstance(p, str) for p in policy)):
+        policy = parse_policy(policy)
+    elif policy is not None and not isinstance(policy, Mapping):
+        raise TypeError(f"policy must be a dict (keys: {', '.join(POLICY_KEYS)}) or 'key=value' strings, "
+                        f"got {type(policy).__name__}")
     out: dict[str, Any] = {}
     for key, value in (policy or {}).items():
         if key not in POLICY_KEYS:
@@ -197,8 +204,11 @@ def _check_policy(policy: Optional[Mapping[str, Any]]) -> dict[str, Any]:
                 raise TypeError(f"policy {key} must be a number, got {value!r}")
         elif key == "roundup_power2_divisions" and isinstance(value, (list, tuple, dict)):
             value = dict(value) if isinstance(value, dict) else list(value)  # MemPool checks the counts
-        elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise TypeError(f"policy {key} must be a non-negative int (bytes), got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"policy {key} must be a non-negative int (bytes), got {type(value).__name__} "
+                            f"{repr(value)[:40]}")
+        elif value < 0:
+            raise InvalidArgumentError(f"policy {key} must be a non-negative int (bytes), got {value}")
         out[key] = value
     return out
 
@@ -279,14 +289,15 @@ class ReplayResult:
 
 def replay(
     trace: Trace,
-    policy: Optional[Mapping[str, Any]] = None,
+    policy: Union[Mapping[str, Any], str, Sequence[str], None] = None,
     *,
     progress: Optional[ProgressFn] = None,
     progress_every: int = 10_000,
     recorded_policy: bool = True,
 ) -> ReplayResult:
     """Run ``trace`` on a fresh private sim pool configured by ``policy``
-    (keys: :data:`POLICY_KEYS`) and report peaks, fragmentation, backend
+    (a dict with keys of :data:`POLICY_KEYS`, or ``"key=value"`` strings as
+    :func:`parse_policy` reads them) and report peaks, fragmentation, backend
     calls and OOMs. With ``recorded_policy`` the settings the recording
     allocator had (``trace.meta["recorded_policy"]``, e.g. torch's
     max_split_size, expandable_segments and roundup_power2_divisions) fill
@@ -295,14 +306,14 @@ def replay(
     every ``progress_every`` events and at the end."""
     if not isinstance(trace, Trace):
         raise TypeError(f"trace must be a Trace, got {type(trace).__name__}")
-    pol = _check_policy(policy)
+    pol = given = _check_policy(policy)
     recorded = trace.meta.get("recorded_policy") if recorded_policy else None
     if isinstance(recorded, dict):
         pol = {**_check_policy({k: v for k, v in recorded.items() if k in POLICY_KEYS}), **pol}
     if pol.get("garbage_collection_threshold") and not pol.get("limit"):
         # The threshold is a fraction of the pool's limit: without one it
         # never triggers, and the replay would silently ignore it.
-        how = "" if policy and "garbage_collection_threshold" in policy else " (the recording's setting)"
+        how = "" if "garbage_collection_threshold" in given else " (the recording's setting)"
         warnings.warn(f"garbage_collection_threshold={pol['garbage_collection_threshold']}{how} has no effect "
                       "without limit: it is a fraction of the limit (add limit=..., e.g. the memory torch "
                       "was allowed)", UserWarning, stacklevel=2)
@@ -421,7 +432,8 @@ class _CallableModule(types.ModuleType):
     import parse_policy``), so the package attribute and the submodule can
     be one object."""
 
-    def __call__(self, trace: Trace, policy: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> ReplayResult:
+    def __call__(self, trace: Trace, policy: Union[Mapping[str, Any], str, Sequence[str], None] = None,
+                 **kwargs: Any) -> ReplayResult:
         return replay(trace, policy, **kwargs)
 
 

@@ -912,3 +912,21 @@ def test_garbage_collection_threshold_without_limit_warns(capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith("python -m gpumempool: warning: garbage_collection_threshold=0.5 has no effect"), err
     assert len(err.splitlines()) == 1
+
+
+def test_replay_policy_of_the_wrong_kind_is_a_clear_error() -> None:
+    """gmp.replay(trace, 5), (trace, 'limit=1GiB') and a list raised
+    AttributeError ('... has no attribute items'); {'limit': -1} a TypeError."""
+    tr = Trace.loads(HAND)
+    for bad in (5, 1.5, object(), [1, 2]):
+        with pytest.raises(TypeError, match="policy must be a dict"):
+            gmp.replay(tr, bad)  # type: ignore[arg-type]
+    # 'key=value' strings, as --policy takes them, are read with parse_policy
+    assert gmp.replay(tr, "limit=13MiB").ooms == 5
+    assert gmp.replay(tr, ["limit=13MiB", "expandable=false"]).policy == {"limit": 13 * MiB, "expandable": False}
+    with pytest.raises(ValueError, match="unknown policy key"):
+        gmp.replay(tr, "bogus=1")
+    with pytest.raises(ValueError, match="policy limit must be a non-negative int"):
+        gmp.replay(tr, {"limit": -1})
+    with pytest.raises(TypeError, match="policy limit must be a non-negative int"):
+        gmp.replay(tr, {"limit": "1GiB"})

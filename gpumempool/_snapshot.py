@@ -13,6 +13,7 @@ with the Python stack of each allocation made through the Python API
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pickle
 import tempfile
@@ -147,11 +148,18 @@ def snapshot() -> dict[str, Any]:
 def dump_snapshot(path: str, snap: Optional[dict[str, Any]] = None) -> None:
     """Write ``snap`` (default: :func:`snapshot`) as the pickle that
     pytorch.org/memory_viz and ``python -m torch.cuda._memory_viz`` read."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        # refused up front: the temporary file would go to its parent
+        raise IsADirectoryError(errno.EISDIR, "is a directory; dump_snapshot needs a file name", path)
     data = snapshot() if snap is None else snap
     # written aside and renamed over path: a failure (an unpicklable value,
     # a full disk, an interrupt) leaves the previous file as it was
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".gmp-snapshot-", dir=folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".gmp-snapshot-", dir=folder)
+    except OSError as exc:
+        raise _about(exc, path) from None
     try:
         with os.fdopen(fd, "wb") as f:
             pickle.dump(data, f)
@@ -163,10 +171,20 @@ def dump_snapshot(path: str, snap: Optional[dict[str, Any]] = None) -> None:
             mode = 0o644
         os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise _about(exc, path) from None
         raise
+
+
+def _about(exc: OSError, path: str) -> OSError:
+    """``exc`` naming the user's ``path``, not the temporary file the
+    snapshot was written to first."""
+    if exc.errno is None:
+        return exc
+    return type(exc)(exc.errno, exc.strerror, path)
 
 
 def record_history(enabled: bool = True, max_entries: int = 100_000, stacks: bool = False) -> None:

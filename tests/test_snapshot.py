@@ -221,3 +221,19 @@ def test_dump_snapshot_replaces_the_file_whole(tmp_path) -> None:
         gmp.dump_snapshot(str(path), {"segments": [{"bad": lambda: 0}], "device_traces": [[]]})
     assert path.read_bytes() == good, "a failed dump leaves the previous file"
     assert [p.name for p in tmp_path.iterdir()] == ["snap.pickle"], "no temporary file left"
+
+
+def test_dump_snapshot_errors_name_the_users_path(tmp_path) -> None:
+    """The error named the temporary file ('/nonexistent/.gmp-snapshot-...'),
+    and a directory made a temporary file in its parent ('/')."""
+    import os
+
+    missing = tmp_path / "nonexistent" / "x.pickle"
+    with pytest.raises(FileNotFoundError) as ei:
+        gmp.dump_snapshot(str(missing))
+    assert ei.value.filename == str(missing) and ".gmp-snapshot" not in str(ei.value)
+    (tmp_path / "d").mkdir()
+    with pytest.raises(IsADirectoryError, match="is a directory; dump_snapshot needs a file name") as di:
+        gmp.dump_snapshot(str(tmp_path / "d"))
+    assert di.value.filename == str(tmp_path / "d")
+    assert sorted(os.listdir(tmp_path)) == ["d"] and os.listdir(tmp_path / "d") == []

@@ -351,6 +351,10 @@ class Trace:
             raw.seek(0)
             stream: Any = gzip.GzipFile(fileobj=raw, mode="rb") if magic == b"\x1f\x8b" else raw
             try:
+                if stream.peek(1)[:1] == b"\x80":  # PROTO: a pickle (plain or gzip), not text
+                    raise TraceFormatError(
+                        f"{p}: a pickle (a memory snapshot?), not a {FORMAT} file: import a snapshot with "
+                        "gpumempool.from_torch_snapshot(path), which loads it safely")
                 with io.TextIOWrapper(stream, encoding="utf-8", newline="\n") as f:
                     return cls._read(f, p, max_events)
             except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:  # corrupt gzip or text

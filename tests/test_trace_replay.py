@@ -930,3 +930,17 @@ def test_replay_policy_of_the_wrong_kind_is_a_clear_error() -> None:
         gmp.replay(tr, {"limit": -1})
     with pytest.raises(TypeError, match="policy limit must be a non-negative int"):
         gmp.replay(tr, {"limit": "1GiB"})
+
+
+def test_load_trace_of_a_snapshot_pickle_says_what_to_use(tmp_path: Path) -> None:
+    """gmp.load_trace('snap.pickle') failed with a UTF-8 decode error."""
+    snap = {"segments": [], "device_traces": [[]]}
+    plain, zipped = tmp_path / "snap.pickle", tmp_path / "snap.pickle.gz"
+    gmp.dump_snapshot(str(plain), snap)
+    zipped.write_bytes(gzip.compress(plain.read_bytes()))
+    for path in (plain, zipped):
+        with pytest.raises(TraceFormatError, match=r"a pickle \(a memory snapshot\?\), not a gmptrace file: .*"
+                                                   r"from_torch_snapshot") as ei:
+            gmp.load_trace(path)
+        assert "utf-8" not in str(ei.value).lower()
+        assert isinstance(gmp.from_torch_snapshot(path), Trace)  # what the message says to use

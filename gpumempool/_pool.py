@@ -947,6 +947,7 @@ class MemPool:
         return self._report
 
     def __enter__(self) -> "MemPool":
+        self._handle()  # a closed pool is refused here, not at its first use inside
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -384,6 +384,7 @@ def cache_scope(
         raise TypeError(f"pool must be a gpumempool.MemPool, got {type(pool).__name__}")
     if not isinstance(name, str) or not name:
         raise TypeError("name must be a non-empty str")
+    pool._handle()  # PoolClosedError for a closed pool, before it is registered (and kept alive) here
     ps = _pool_scopes(pool)
     with _lock:
         scope = ps.scopes.get(name)
@@ -418,6 +419,11 @@ def invalidate(name: str, pool: Optional[MemPool] = None) -> int:
     """Free everything the cache scope ``name`` holds (of ``pool``, or of
     every pool when None) back to the pool; return the bytes freed. The next
     ``cache_scope`` with that name starts empty."""
+    # checked: a wrong argument would match no scope and return 0 silently
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a cache scope's name (a str), got {type(name).__name__}")
+    if pool is not None and not isinstance(pool, MemPool):
+        raise TypeError(f"pool must be a gpumempool.MemPool or None, got {type(pool).__name__}")
     with _lock:
         targets = [
             (ps, ps.scopes[name]) for ps in _registry.values() if name in ps.scopes and (pool is None or ps.pool is pool)

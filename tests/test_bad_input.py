@@ -201,3 +201,30 @@ def test_config_shows_the_backend_options() -> None:
         assert pool.config()["backend_options"] == {"expandable": False, "manual_events": True, "capacity": 1 << 30}
     with gmp.MemPool("sim") as pool:
         assert pool.config()["backend_options"] == {}
+
+
+def test_entering_a_closed_pool_or_its_cache_scope_is_refused() -> None:
+    """`with closed_pool:` and cache_scope(closed_pool, ...) entered without
+    complaint (the scope also registered the closed pool for good)."""
+    from gpumempool import scope
+
+    pool = gmp.MemPool("sim")
+    pool.close()
+    with pytest.raises(gmp.PoolClosedError):
+        with pool:
+            pass
+    with pytest.raises(gmp.PoolClosedError):
+        with gmp.cache_scope(pool, "x"):
+            pass
+    assert id(pool) not in scope._registry
+    with gmp.MemPool("sim") as open_pool:  # an open one is entered as before
+        with gmp.cache_scope(open_pool, "x"):
+            pass
+        gmp.invalidate("x", open_pool)
+
+
+@pytest.mark.parametrize("args", [(5,), (None,), (b"x",), ("x", 5), ("x", "pool")])
+def test_invalidate_of_a_wrong_argument_is_a_type_error(args: tuple) -> None:
+    """gmp.invalidate(5) returned 0, as if there were nothing to free."""
+    with pytest.raises(TypeError, match="must be"):
+        gmp.invalidate(*args)

@@ -203,6 +203,10 @@ def test_generic_handle_entry_points(pool: gmp.MemPool) -> None:
     n = lib.gmp_last_error(pool.handle, buf, 16)
     assert n > 16 and len(buf.value) == 15  # truncated like snprintf, NUL-terminated
     assert not lib.gmp_pool_alloc(999999, 512, 0, None)
+    # size 0 here is an error (as in pool.alloc); only torch's gmp_alloc_<i> takes it as an empty tensor
+    pool.last_error()
+    assert not lib.gmp_pool_alloc(pool.handle, 0, 0, None)
+    assert "size must be in" in (pool.last_error() or "")
 
 
 def _hooks(pool: gmp.MemPool) -> dict[str, ctypes._CFuncPtr]:

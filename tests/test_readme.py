@@ -21,3 +21,38 @@ def test_the_sim_examples_in_readme_run(capsys) -> None:
         exec(compile(block, str(README), "exec"), {"__name__": "readme_example"})
     out = capsys.readouterr().out.split()
     assert out[:2] == ["1024", "2097152"]  # peak allocated and reserved of the first example
+
+
+def _cpu_results() -> str:
+    return (README.parent / "benchmarks" / "results" / "cpu.md").read_text()
+
+
+def _table_row(text: str, label: str) -> list[str]:
+    row = next(ln for ln in text.splitlines() if ln.startswith(f"| {label}"))
+    return [c.strip() for c in row.strip("|").split("|")]
+
+
+def test_readme_prose_quotes_its_benchmark_tables() -> None:
+    """The prose said 'about 150 MB/s' next to a table of 101 MB/s, and that
+    a safe load costs 'about the same as pickle.loads' (0.367 s vs 0.240 s)."""
+    text = " ".join(README.read_text().split())
+    cpu = _cpu_results()
+    scan = float(_table_row(cpu, "opcode scan in Go")[2])
+    quoted = float(re.search(r"in Go \(`bindings/picklescan`, without the GIL\) at about (\d+) MB/s", text).group(1))
+    assert abs(quoted - scan) <= 0.1 * scan, (quoted, scan)
+    safe = float(_table_row(cpu, "load_pickle, Go scan")[1])
+    plain = float(_table_row(cpu, "plain pickle.loads")[1])
+    python = float(_table_row(cpu, "load_pickle, Python scan")[1])
+    m = re.search(r"a safe load of a 9.6 MB snapshot takes about ([\d.]+)× as long as a plain `pickle.loads` "
+                  r"\(([\d.]+) s against ([\d.]+) s;.*?with the Python scan and the walk \(([\d.]+) s\)", text)
+    assert m, "README's safe-load sentence changed"
+    assert abs(float(m.group(1)) - safe / plain) < 0.1
+    assert (float(m.group(2)), float(m.group(3)), float(m.group(4))) == (round(safe, 2), round(plain, 2), round(python, 1))
+
+
+def test_readme_says_what_a_size_0_c_abi_allocation_does() -> None:
+    """It said NULL 'with the message in pool.last_error()', which stays None
+    for torch's entry points (tests/test_cabi.py checks both)."""
+    rows = [ln for ln in README.read_text().splitlines() if ln.startswith("|") and "size 0" in ln]
+    assert any("gmp_alloc_<i>" in r and "no error" in r for r in rows), rows
+    assert not any(r.startswith("| C ABI: size 0,") for r in rows)

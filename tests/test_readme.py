@@ -56,3 +56,23 @@ def test_readme_says_what_a_size_0_c_abi_allocation_does() -> None:
     rows = [ln for ln in README.read_text().splitlines() if ln.startswith("|") and "size 0" in ln]
     assert any("gmp_alloc_<i>" in r and "no error" in r for r in rows), rows
     assert not any(r.startswith("| C ABI: size 0,") for r in rows)
+
+
+def _own_allocator_blocks() -> tuple[str, str]:
+    c_block = next(b for b in python_blocks() if "libmyalloc.so" in b)
+    py_block = next(b for b in python_blocks() if "def my_alloc" in b)
+    return c_block, py_block
+
+
+def test_the_own_allocator_examples_in_readme_run(clib, capsys) -> None:
+    """The 'Your own allocator' block had no imports and names that were
+    never defined: the Python variant runs as written, the C one with the
+    tests' C allocator (tests/csrc/testalloc.c) for its placeholders."""
+    c_block, py_block = _own_allocator_blocks()
+    exec(compile(py_block, str(README), "exec"), {"__name__": "readme_example"})
+    assert capsys.readouterr().out.split() == ["2097152", "0"]
+    clib.test_reset(-1)
+    c_block = (c_block.replace('"libmyalloc.so"', repr(clib._name))
+               .replace("my_alloc", "test_alloc").replace("my_free", "test_free"))
+    exec(compile(c_block, str(README), "exec"), {"__name__": "readme_example"})
+    assert clib.test_allocs() == 2 and clib.test_frees() == 2 and clib.test_live_bytes() == 0

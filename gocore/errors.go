@@ -19,8 +19,11 @@ var (
 	// ErrUnknownPointer: the address is not inside any segment of the pool.
 	ErrUnknownPointer = errors.New("pointer not owned by this pool")
 	// ErrDoubleFree: the address is inside the pool but is not the start of
-	// an allocated block (already freed, or an interior pointer).
+	// an allocated block, nor inside one: it was freed already.
 	ErrDoubleFree = errors.New("pointer is not an allocated block (double free?)")
+	// ErrInteriorPointer: the address is inside an allocated block (or one
+	// whose free waits for other streams) but is not its start.
+	ErrInteriorPointer = errors.New("pointer is inside an allocated block, not its start")
 	// ErrOutOfMemory is matched (errors.Is) by every *OutOfMemoryError.
 	ErrOutOfMemory = errors.New("out of memory")
 )

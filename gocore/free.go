@@ -66,6 +66,12 @@ func (p *Pool) notAllocatedLocked(op string, addr uint64) error {
 			continue
 		}
 		if s := d.segmentContaining(addr); s != nil {
+			for b := s.first; b != nil; b = b.next {
+				if (b.allocated || b.pending > 0) && addr > b.addr && addr < b.addr+b.size {
+					return fmt.Errorf("%s %#x in pool %q: %#x is %d bytes into the block %#x+%d: %w",
+						op, addr, p.name, addr, addr-b.addr, b.addr, b.size, ErrInteriorPointer)
+				}
+			}
 			return fmt.Errorf("%s %#x in pool %q (segment %#x+%d on device %d): %w",
 				op, addr, p.name, s.addr, s.size, d.id, ErrDoubleFree)
 		}

@@ -216,7 +216,7 @@ func Kind(err error) string {
 		return "OutOfMemoryError"
 	case errors.Is(err, gocore.ErrDoubleFree):
 		return "DoubleFreeError"
-	case errors.Is(err, gocore.ErrUnknownPointer):
+	case errors.Is(err, gocore.ErrUnknownPointer), errors.Is(err, gocore.ErrInteriorPointer):
 		return "InvalidPointerError"
 	case errors.Is(err, gocore.ErrClosed), errors.Is(err, ErrNoSuchPool):
 		return "PoolClosedError"

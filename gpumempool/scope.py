@@ -176,6 +176,9 @@ class CacheScope:
         self._prev: dict[Key, list[int]] = {}  # the same, previous entry
         self._count: dict[Key, int] = {}
         self._active = 0
+        # An entry with keep=False left while another thread was inside: the
+        # last entry to leave invalidates the scope.
+        self._pending = False
         self._torch_tag: Optional[tuple[str, str]] = None
         self.invalidated = False
         self.entries = 0
@@ -271,6 +274,8 @@ class CacheScope:
             # already: gpumempool.torch.forget_pool)
             _gmp_torch.release(self.pool, tag=self._torch_tag)
         with self._lock:
+            if self._active and not _closing:
+                raise ScopeError(f"cache scope {self.name!r} is entered; invalidate it after the with block")
             blocks = [(ptr, key[0]) for key, ptrs in self._free.items() for ptr in ptrs]
             self._free.clear()
             self._order.clear()
@@ -394,13 +399,18 @@ def cache_scope(
     stack = _stack()
     stack.append(scope)
     torch_cm: Optional[_gmp_torch.MempoolContext] = None
+    failed = False
     try:
         if torch:
             tag = ("cache_scope", name)
-            torch_cm = _gmp_torch.MempoolContext(pool, device, stream, tag=tag)
-            torch_cm.__enter__()
+            cm = _gmp_torch.MempoolContext(pool, device, stream, tag=tag)
+            cm.__enter__()
+            torch_cm = cm
             scope._torch_tag = tag
         yield scope
+    except BaseException:
+        failed = True
+        raise
     finally:
         try:
             if torch_cm is not None:
@@ -412,7 +422,13 @@ def cache_scope(
                 stack.remove(scope)
             scope._exit()
             if not keep:
-                invalidate(name, pool)
+                scope._pending = True
+            if scope._pending and not scope._active:
+                try:
+                    invalidate(name, pool)
+                except Exception:
+                    if not failed:  # never hide the body's exception behind this one
+                        raise
 
 
 def invalidate(name: str, pool: Optional[MemPool] = None) -> int:

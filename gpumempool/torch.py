@@ -417,6 +417,12 @@ _states: dict[int, _PoolState] = {}  # id(pool) -> state; the state keeps the po
 _closing: "weakref.WeakSet[MemPool]" = weakref.WeakSet()
 _tls = threading.local()
 _warned_process_wide = False
+# Lanes whose torch pools could not be released when they had to go (a
+# failed registration of a new lane, a pool closed while torch still used
+# it): dropping the last reference would run torch's MemPool destructor, which
+# aborts the process when a route is under way on the device. They are kept
+# here and dropped once no route is (_route_stopped).
+_orphans: list["_Lane"] = []
 
 
 def _frames() -> list["MempoolContext"]:
@@ -472,6 +478,7 @@ def _new_lane(torch: Any, caps: TorchCapabilities, st: _PoolState, device: int, 
                 _deregister_lane(reg, lane)
             reg.lanes.pop(lane, None)
         st.lanes.remove(lane)
+        _orphans.append(lane)
         raise
     return lane
 
@@ -578,14 +585,11 @@ class MempoolContext:
         cm = _route(self._torch, self._caps, self._lane.torch_pool, self.device, self._all_threads)
         # Recorded before torch begins the route and dropped after it ends, so
         # that release() never misses a route torch has under way.
-        recorded = self._caps.thread_local_routing
-        if recorded:
-            _route_started(self)
         try:
+            _route_started(self)
             cm.__enter__()
         except BaseException:
-            if recorded:
-                _route_stopped(self)
+            _route_stopped(self)
             raise
         self._route = cm
 
@@ -746,6 +750,8 @@ def _route_started(ctx: "MempoolContext") -> None:
         conflicts = [(c, t) for c, t, every in routes
                      if t != tid and (every or ctx._all_threads) and every != ctx._all_threads]
         routes.append((ctx, tid, ctx._all_threads))
+    if ctx._caps is None or not ctx._caps.thread_local_routing:
+        return  # routing is process-wide anyway (torch < 2.8): nothing to warn of
     for other, t in conflicts:
         wide, own = (ctx, other) if ctx._all_threads else (other, ctx)
         warnings.warn(
@@ -762,6 +768,10 @@ def _route_stopped(ctx: "MempoolContext") -> None:
     with _routes_lock:
         routes = _active_routes.get(ctx.device if ctx.device is not None else -1, [])
         routes[:] = [r for r in routes if r[0] is not ctx]
+        if _orphans and not any(_active_routes.values()):
+            # No route is under way, and none starts while the lock is held
+            # (as in release()): the torch pools' destructors may run now.
+            _orphans.clear()
 
 
 def mempool(
@@ -1436,6 +1446,9 @@ def _reset_for_tests() -> None:
         _warned_process_wide = False
         _nccl = None
     _tls.frames = []
+    with _routes_lock:
+        _active_routes.clear()
+        _orphans.clear()
     from ._native import bindings as _b
 
     _b.PoolTakeError(0)  # errors of calls on closed pools' slots, process-wide
@@ -1468,6 +1481,10 @@ def forget_pool(pool: MemPool) -> Optional[str]:
         release(pool)
     except TorchIntegrationError as exc:  # PoolInUseError, segments torch still holds
         problems.append(str(exc))
+        with _lock:
+            st2 = _states.get(id(pool))
+            if st2 is not None:
+                _orphans.extend(st2.lanes)
     except Exception as exc:  # noqa: BLE001 - closing must not raise
         problems.append(f"releasing torch's pools failed: {exc!r}")
     finally:

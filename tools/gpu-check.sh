@@ -255,11 +255,11 @@ EOF
   echo "$sha" >"$VENV/.gmp-wheel-sha"
 }
 
-venv_pip_install() {  # wheel: offline, without dependencies
+venv_pip_install() {  # wheel: offline, without dependencies; replaces an install of the same version
   if [[ -x "$VENV/bin/pip" ]]; then
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-index --no-deps "$1"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-index --no-deps --force-reinstall "$1"
   else
-    "$BASE_PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --target \
+    "$BASE_PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --upgrade --target \
       "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" "$1"
   fi
 }

@@ -1,0 +1,236 @@
+"""gmp.mempool, release/close and cache scopes at their edges: routes under
+way when torch pools would be destroyed (torch's MemPool destructor aborts
+the process then), failures while entering, threads sharing a scope."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+import warnings
+from typing import Any
+
+import pytest
+
+import gpumempool as gmp
+from gpumempool import scope as gscope
+from gpumempool import torch as gtorch
+
+from test_torch_logic import FakeBackend, FakeGroup, clean_state, install, sim  # noqa: F401 - fixtures
+
+
+def _abort_recorder(torch: Any, device: int = 0) -> list[Any]:
+    """torch's MemPool destructor empties the pool; synchronize_and_free_events
+    asserts captures_underway.empty() -> abort. Record when that would happen."""
+    world, aborts = torch._world, []
+    real_empty = world.empty_pool
+
+    def empty_pool(pid: Any) -> None:
+        if world.captures.get(device):
+            aborts.append(tuple(pid))
+        real_empty(pid)
+
+    world.empty_pool = empty_pool
+    return aborts
+
+
+def test_close_never_destroys_a_torch_pool_while_a_route_is_under_way(monkeypatch, sim):
+    torch = install(monkeypatch, "2.11")
+    other = gmp.MemPool("sim", name="other", capacity=1 << 26)
+    with gmp.mempool(sim):
+        pass  # sim has an idle torch pool
+    aborts = _abort_recorder(torch)
+    try:
+        with gmp.mempool(other):  # any route on cuda:0, this thread or another
+            with pytest.warns(gmp.LeakWarning):
+                sim.close()
+            gc.collect()
+            assert aborts == [], "MemPool destructor ran under a route: abort"
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("variant", ["2.5", "2.7"])
+def test_legacy_release_refuses_while_another_pool_routes_the_device(monkeypatch, sim, variant):
+    torch = install(monkeypatch, variant)
+    warnings.simplefilter("ignore", gtorch.ProcessWideRoutingWarning)
+    other = gmp.MemPool("sim", name="other", capacity=1 << 26)
+    with gmp.mempool(sim):
+        pass
+    aborts = _abort_recorder(torch)
+    try:
+        with gmp.mempool(other):
+            with pytest.raises(gtorch.PoolInUseError, match="active on cuda:0"):
+                gtorch.release(sim)
+        assert aborts == []
+    finally:
+        other.close()
+
+
+def test_failed_registration_of_a_new_lane_does_not_drop_a_torch_pool_under_a_route(monkeypatch, sim):
+    torch = install(monkeypatch, "2.11")
+    other = gmp.MemPool("sim", name="other", capacity=1 << 26)
+    b = FakeBackend(torch._world, "mem_pool")
+    gtorch.register(sim, FakeGroup(b))
+    gc.collect()
+    gtorch.release(sim)  # no lane left; the registration stays
+    b.comm_error = True
+    aborts = _abort_recorder(torch)
+    try:
+        with gmp.mempool(other):
+            try:
+                with gmp.mempool(sim):
+                    pass
+            except gtorch.TorchIntegrationError:
+                pass
+            gc.collect()
+            assert aborts == [], "MemPool destructor ran under a route: abort"
+    finally:
+        other.close()
+
+
+def test_cache_scope_torch_enter_error_is_not_replaced(monkeypatch, sim):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(gtorch.TorchVersionError):  # gets AssertionError
+        with gmp.cache_scope(sim, "s", torch=True):
+            pass
+
+
+def test_cache_scope_torch_enter_failure_does_not_free_the_outer_lane(monkeypatch, sim):
+    torch = install(monkeypatch, "2.11")
+
+    def bad_stream(s: Any) -> Any:
+        raise RuntimeError("bad stream")
+
+    with gmp.cache_scope(sim, "s", torch=True):
+        real_stream = torch.cuda.stream
+        torch.cuda.stream = bad_stream
+        inner_error: list[BaseException] = []
+        try:
+            with gmp.cache_scope(sim, "s", torch=True, stream=object()):
+                pass
+        except BaseException as exc:  # noqa: BLE001
+            inner_error.append(exc)
+        finally:
+            torch.cuda.stream = real_stream
+        errors: list[BaseException] = []
+
+        def other_thread() -> None:
+            try:
+                with gmp.cache_scope(sim, "s", torch=True):
+                    pass
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        th = threading.Thread(target=other_thread)
+        th.start()
+        th.join(10)
+        assert errors == [], f"outer entry's torch pool given to another thread: {errors!r} <- {errors[0].__context__!r}"
+    assert "bad stream" in str(inner_error[0]), inner_error
+
+
+def test_cache_scope_keep_false_does_not_mask_the_bodys_exception(monkeypatch, sim):
+    torch = install(monkeypatch, "2.11")
+    with pytest.raises(ValueError, match="boom"):  # gets PoolInUseError
+        with gmp.cache_scope(sim, "k", keep=False, torch=True):
+            t = torch.empty(1000)  # noqa: F841 - alive in the traceback's frame
+            raise ValueError("boom")
+
+
+def test_invalidate_never_invalidates_a_scope_entered_meanwhile(monkeypatch, sim):
+    install(monkeypatch, "2.11")
+    with gmp.cache_scope(sim, "w", torch=True):
+        pass
+    entered, leave = threading.Event(), threading.Event()
+    got: dict[str, Any] = {}
+
+    def worker() -> None:
+        try:
+            with gmp.cache_scope(sim, "w") as sc:
+                entered.set()
+                leave.wait(10)
+                try:
+                    sc.free(sc.alloc(4096))
+                except BaseException as exc:  # noqa: BLE001
+                    got["err"] = exc
+        except gscope.ScopeError as exc:  # also fine: entering refused meanwhile
+            got["refused"] = exc
+        finally:
+            entered.set()
+
+    real_release = gtorch.release
+
+    def release_while_another_thread_enters(*a: Any, **k: Any) -> int:
+        n = real_release(*a, **k)
+        got["th"] = th = threading.Thread(target=worker)
+        th.start()
+        assert entered.wait(10)
+        return n
+
+    monkeypatch.setattr(gtorch, "release", release_while_another_thread_enters)
+    try:
+        try:
+            gmp.invalidate("w", sim)
+        except gscope.ScopeError:
+            pass  # the right answer: the scope is entered
+    finally:
+        leave.set()
+        got["th"].join(10)
+    assert "err" not in got, f"entered scope invalidated under its thread: {got.get('err')!r}"
+
+
+def test_keep_false_exit_while_another_thread_is_inside_does_not_raise(sim):
+    inside, leave = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            with gmp.cache_scope(sim, "loop", keep=False) as sc:
+                sc.free(sc.alloc(4096))
+                inside.set()
+                leave.wait(10)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    th = threading.Thread(target=worker)
+    th.start()
+    assert inside.wait(10)
+    try:
+        with gmp.cache_scope(sim, "loop", keep=False) as sc:
+            sc.free(sc.alloc(4096))
+    except gscope.ScopeError as exc:
+        errors.append(exc)
+    finally:
+        leave.set()
+        th.join(10)
+    assert errors == [], errors
+    assert sc.invalidated and sim.stats()["allocated_bytes.all.current"] == 0
+
+
+def test_routing_conflict_warning_as_error_leaves_no_phantom_route(monkeypatch, sim):
+    install(monkeypatch, "2.11")
+    other = gmp.MemPool("sim", name="theirs", capacity=1 << 26)
+    entered, leave = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        with gmp.mempool(other):
+            entered.set()
+            leave.wait(10)
+
+    th = threading.Thread(target=worker)
+    th.start()
+    assert entered.wait(10)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", gtorch.RoutingConflictWarning)
+            with pytest.raises(gtorch.RoutingConflictWarning):
+                with gmp.mempool(sim, all_threads=True):
+                    pass
+    finally:
+        leave.set()
+        th.join(10)
+    try:
+        assert gtorch._active_routes.get(0) == [], gtorch._active_routes
+        gtorch.release(sim)  # nobody routes cuda:0 any more
+    finally:
+        other.close()

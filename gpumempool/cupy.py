@@ -78,6 +78,18 @@ def _count_dropped(exc: BaseException) -> None:
 _dropped = [0]  # frees that failed inside __del__ (closed pool, shutdown)
 
 
+def _current_stream(cuda: Any, device: Optional[int]) -> int:
+    """CuPy's current stream of ``device`` (None: of the current device). A
+    fixed device's own: the current device's stream belongs to another
+    context, where the pool's events could not be recorded."""
+    if device is None:
+        return int(cuda.get_current_stream().ptr or 0)
+    try:
+        return int(cuda.get_current_stream(device).ptr or 0)
+    except TypeError:  # a CuPy without the device_id argument: the legacy stream
+        return 0
+
+
 def allocator(pool: MemPool, device: Any = None) -> Callable[[int], Any]:
     """A CuPy allocator function over ``pool`` (for cupy.cuda.set_allocator
     or using_allocator). ``device``: allocate on this device instead of
@@ -92,7 +104,7 @@ def allocator(pool: MemPool, device: Any = None) -> Callable[[int], Any]:
         dev = fixed if fixed is not None else int(cuda.runtime.getDevice())
         if size <= 0:
             return cuda.MemoryPointer(cuda.UnownedMemory(0, 0, None, dev), 0)
-        stream = int(cuda.get_current_stream().ptr or 0)
+        stream = _current_stream(cuda, fixed)
         ptr = _scope.alloc(pool, int(size), dev, stream)
         owner = _Block(pool, ptr)
         try:

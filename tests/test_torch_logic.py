@@ -1610,7 +1610,8 @@ def make_cupy() -> types.ModuleType:
         get_allocator=lambda: state["allocator"],
         using_allocator=using_allocator,
         alloc=alloc,
-        get_current_stream=lambda: types.SimpleNamespace(ptr=state["stream"]),
+        get_current_stream=lambda device_id=None: types.SimpleNamespace(
+            ptr=state.get("streams", {}).get(state["device"] if device_id is None else device_id, state["stream"])),
         runtime=types.SimpleNamespace(getDevice=lambda: state["device"]),
     )
     cp._state = state  # type: ignore[attr-defined]
@@ -1656,6 +1657,20 @@ def test_cupy_set_and_reset_allocator(monkeypatch, sim):
     del keep, other
     gc.collect()
     assert allocated(sim) == 0
+
+
+def test_cupy_on_a_fixed_device_uses_that_devices_stream(monkeypatch):
+    cp = make_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    cp._state.update(device=0, streams={0: 0x99, 1: 0x77})
+    with gmp.MemPool("sim", devices=2, capacity=1 << 30) as pool:
+        with gmp.cupy.using(pool, device=1):
+            a = cp.cuda.alloc(1000)  # the current device is 0
+        with gmp.cupy.using(pool):
+            b = cp.cuda.alloc(1000)
+        assert {(s["device"], s["stream"]) for s in pool.segments()} == {(1, 0x77), (0, 0x99)}
+        del a, b
+        gc.collect()
 
 
 def test_cupy_inside_a_cache_scope(monkeypatch, sim):

@@ -41,7 +41,7 @@ func (p *Pool) alloc(size uint64, dev int, stream Stream, callerSegments bool) (
 	if err != nil {
 		return 0, fmt.Errorf("alloc %d bytes: %w", size, err)
 	}
-	if len(d.pending) > 0 {
+	if len(d.pending) > 0 || len(d.unrecorded) > 0 {
 		p.processEventsLocked(d)
 	}
 	// A caller that sizes its segments applied its rounding options itself
@@ -159,6 +159,9 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 			Reserved:  uint64(d.stats.ReservedBytes[0].Current),
 			Limit:     p.limitLocked(d.id),
 		}
+		if shared := p.budget.Reserved(d.id); shared != oom.Reserved {
+			oom.SharedReserved = shared
+		}
 		if !errors.Is(err, errLimit) {
 			oom.Cause = err
 		}
@@ -181,7 +184,7 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 	p.trace(ActionSegmentAlloc, d.id, addr, segSize, stream)
 	d.stats.NumDeviceAlloc++
 	d.stats.Segment.add(kind, 1)
-	p.addReserved(d, kind, int64(segSize))
+	d.stats.ReservedBytes.add(kind, int64(segSize)) // the budget counted it in backendAlloc
 	p.syncOversize(d, seg)
 	return b, nil
 }
@@ -190,8 +193,12 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 // ErrBackendOutOfMemory so that it takes the same release-and-retry path.
 var errLimit = fmt.Errorf("pool limit reached: %w", ErrBackendOutOfMemory)
 
+// backendAlloc obtains a segment of size bytes, counted in the budget
+// (reserved there before the backend is asked, so that pools sharing the
+// budget cannot pass its limit together); the caller counts it in the
+// device's stats.
 func (p *Pool) backendAlloc(d *deviceState, size uint64, stream Stream) (uint64, error) {
-	if p.overLimitLocked(d, size) {
+	if !p.budget.reserve(d.id, size) {
 		return 0, errLimit
 	}
 	addr, err := p.backend.Alloc(d.id, size, stream)
@@ -202,6 +209,9 @@ func (p *Pool) backendAlloc(d *deviceState, size uint64, stream Stream) (uint64,
 		if ferr := p.backend.Free(d.id, 0, size, stream); ferr != nil {
 			err = fmt.Errorf("%w (and freeing it failed: %w)", err, ferr)
 		}
+	}
+	if err != nil {
+		p.budget.add(d.id, -int64(size))
 	}
 	return addr, err
 }
@@ -249,10 +259,11 @@ func (p *Pool) growLocked(d *deviceState, rounded uint64, stream Stream) (*block
 		need -= last.size
 	}
 	extra := roundUp(need, p.expander.Granularity())
-	if p.overLimitLocked(d, extra) {
+	if !p.budget.reserve(d.id, extra) {
 		return nil, nil
 	}
 	if err := p.expander.Expand(d.id, seg.addr, seg.size, extra, stream); err != nil {
+		p.budget.add(d.id, -int64(extra))
 		if errors.Is(err, ErrBackendOutOfMemory) {
 			return nil, nil
 		}
@@ -262,8 +273,8 @@ func (p *Pool) growLocked(d *deviceState, rounded uint64, stream Stream) (*block
 	p.trace(ActionSegmentMap, d.id, seg.addr+seg.size-extra, extra, stream)
 	d.stats.NumDeviceAlloc++
 	d.stats.NumExpansions++
-	p.addReserved(d, kindLarge, int64(extra))
-	p.syncOversize(d, seg) // growing may make it oversize
+	d.stats.ReservedBytes.add(kindLarge, int64(extra)) // the budget counted it above
+	p.syncOversize(d, seg)                             // growing may make it oversize
 	if last.inFree {
 		d.removeFree(d.freeList(stream), last)
 		last.size += extra

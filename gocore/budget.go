@@ -81,9 +81,24 @@ func (b *Budget) add(device int, delta int64) {
 	}
 }
 
-// wouldExceed reports whether reserving extra more bytes on device would
-// pass its limit.
-func (b *Budget) wouldExceed(device int, extra uint64) bool {
+// reserve counts n more reserved bytes on device if that keeps it within
+// its limit, checking and counting in one step: pools sharing the budget
+// allocate at once, each under its own lock. It reports false, counting
+// nothing, when the limit would be passed. A pool reserves before it asks
+// the backend and gives the bytes back (add) if the backend fails.
+func (b *Budget) reserve(device int, n uint64) bool {
+	if device < 0 || device >= len(b.reserved) {
+		return false
+	}
 	l := b.Limit(device)
-	return l != 0 && b.Reserved(device)+extra > l
+	r := &b.reserved[device]
+	for {
+		cur := r.Load()
+		if l != 0 && uint64(cur)+n > l {
+			return false
+		}
+		if r.CompareAndSwap(cur, cur+int64(n)) {
+			return true
+		}
+	}
 }

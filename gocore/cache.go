@@ -183,7 +183,7 @@ func (p *Pool) shrinkTailLocked(d *deviceState, s *segment) (uint64, error) {
 // releaseCachedLocked is trimLocked after freeing parked blocks whose events
 // completed.
 func (p *Pool) releaseCachedLocked(d *deviceState, keep uint64) (uint64, error) {
-	if len(d.pending) > 0 {
+	if len(d.pending) > 0 || len(d.unrecorded) > 0 {
 		p.processEventsLocked(d)
 	}
 	return p.trimLocked(d, keep)
@@ -201,7 +201,8 @@ func (p *Pool) collectGarbageLocked(d *deviceState) {
 		return
 	}
 	threshold := uint64(p.cfg.GarbageCollectionThreshold * float64(limit))
-	reserved := uint64(d.stats.ReservedBytes[0].Current)
+	// Against the limit's whole budget, as torch counts its graph pools in.
+	reserved := p.budget.Reserved(d.id)
 	if reserved <= threshold {
 		return
 	}

@@ -40,6 +40,10 @@ type OutOfMemoryError struct {
 	Allocated uint64 // bytes allocated to callers on the device by this pool
 	Reserved  uint64 // bytes reserved from the backend on the device by this pool
 	Limit     uint64 // the pool's byte limit on the device, 0 when unlimited
+	// SharedReserved is what the pools sharing the limit (Config.Budget:
+	// the graphs' private pools of a pool torch uses) reserve on the device
+	// together, this one included; 0 when the budget is the pool's alone.
+	SharedReserved uint64
 	// DeviceFree and DeviceTotal come from Backend.Capacity; both are 0 when
 	// the backend cannot tell.
 	DeviceFree, DeviceTotal uint64
@@ -57,6 +61,9 @@ func (e *OutOfMemoryError) Error() string {
 		"(segment of %s); pool has %s allocated, %s reserved, limit %s",
 		e.Pool, e.Backend, e.Device, FormatBytes(e.Requested), FormatBytes(e.Segment),
 		FormatBytes(e.Allocated), FormatBytes(e.Reserved), limit)
+	if e.SharedReserved > 0 {
+		msg += fmt.Sprintf(" (%s reserved by the pools sharing it)", FormatBytes(e.SharedReserved))
+	}
 	if e.DeviceTotal > 0 {
 		msg += fmt.Sprintf("; device has %s free of %s", FormatBytes(e.DeviceFree), FormatBytes(e.DeviceTotal))
 	}

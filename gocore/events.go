@@ -92,21 +92,43 @@ func (p *Pool) eventLocked(d *deviceState) (Event, error) {
 	return p.backend.NewEvent(d.id)
 }
 
+// capturingLocked reports whether a capture is under way, the pool's own
+// or any in the process: no event may be recorded or queried, no memory
+// freed.
+func (p *Pool) capturingLocked() bool { return p.captures > 0 || processCaptures.Load() > 0 }
+
 // processEventsLocked frees the parked blocks whose events have completed.
-// An event whose query fails is treated as not completed. Nothing is queried
-// during a capture (EnterCapture).
+// Nothing is recorded or queried during a capture; after one ended
+// elsewhere in the process, the blocks freed meanwhile get their events and
+// the release threshold is applied (the pool's own captures do that in
+// ExitCapture). An event whose query fails is treated as not completed;
+// the stream's later events are still queried, as the failure may be the
+// event's own.
 func (p *Pool) processEventsLocked(d *deviceState) {
-	if p.captures > 0 || processCaptures.Load() > 0 {
+	if p.capturingLocked() {
 		return
+	}
+	if len(d.unrecorded) > 0 {
+		for _, b := range d.unrecorded {
+			b.pending = 0
+			_ = p.deferFreeLocked(d, b) // a block whose event fails stays out of use (as in Free)
+		}
+		clear(d.unrecorded)
+		d.unrecorded = d.unrecorded[:0]
+		p.applyReleaseThresholdLocked(d, nil)
 	}
 	kept := d.pending[:0]
 	for _, q := range d.pending {
-		n := 0
-		for ; n < len(q.items); n++ {
-			pf := q.items[n]
+		items := q.items[:0]
+		for i, pf := range q.items {
 			done, err := p.backend.QueryEvent(pf.event)
-			if err != nil || !done {
-				break // later events of the stream cannot be done either
+			if err == nil && !done {
+				items = append(items, q.items[i:]...) // later events of the stream cannot be done either
+				break
+			}
+			if err != nil {
+				items = append(items, pf)
+				continue
 			}
 			d.events = append(d.events, pf.event)
 			pf.block.pending--
@@ -114,8 +136,8 @@ func (p *Pool) processEventsLocked(d *deviceState) {
 				p.freeBlockLocked(d, pf.block)
 			}
 		}
-		clear(q.items[:n])
-		if q.items = q.items[n:]; len(q.items) > 0 {
+		clear(q.items[len(items):])
+		if q.items = items; len(q.items) > 0 {
 			kept = append(kept, q)
 		}
 	}
@@ -178,6 +200,9 @@ func (p *Pool) ExitCapture() error {
 	p.captures--
 	if p.captures > 0 || p.closed {
 		return nil
+	}
+	if processCaptures.Load() > 0 {
+		return nil // another capture is under way: processEventsLocked records them after it
 	}
 	var errs []error
 	for _, d := range p.devices {

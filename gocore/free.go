@@ -32,9 +32,11 @@ func (p *Pool) Free(addr uint64) error {
 	// (a pending block still counts, as in active_bytes).
 	p.trace(ActionFreeRequested, d.id, b.addr, b.requested, b.seg.stream)
 	if len(b.streamUses) > 0 {
-		if p.captures > 0 {
-			// No event may be recorded during a capture: the block
-			// waits, unusable, for ExitCapture to record them.
+		if p.capturingLocked() {
+			// No event may be recorded during a capture (in the process:
+			// one on the legacy stream would break a blocking stream's):
+			// the block waits, unusable, for ExitCapture or, after another
+			// pool's capture, the next processing of events, to record them.
 			b.pending = 1
 			d.unrecorded = append(d.unrecorded, b)
 			return nil

@@ -273,14 +273,9 @@ func (p *Pool) Limit(device int) uint64 {
 
 func (p *Pool) limitLocked(device int) uint64 { return p.budget.Limit(device) }
 
-// overLimitLocked reports whether reserving extra more bytes on d would pass
-// its limit, counting what the pools sharing its budget reserve.
-func (p *Pool) overLimitLocked(d *deviceState, extra uint64) bool {
-	return p.budget.wouldExceed(d.id, extra)
-}
-
 // addReserved counts delta more reserved bytes of kind on d, in the stats
-// and in the budget.
+// and in the budget (segments obtained are counted in the budget before the
+// backend call: backendAlloc).
 func (p *Pool) addReserved(d *deviceState, k poolKind, delta int64) {
 	d.stats.ReservedBytes.add(k, delta)
 	p.budget.add(d.id, delta)
@@ -433,7 +428,7 @@ func (p *Pool) Close() (CloseReport, error) {
 		// there: wait for that work before their segments go. (Not during a
 		// capture, which forbids it; a pool closed then frees at once.)
 		waiter, wait := p.backend.(EventSynchronizer)
-		wait = wait && p.captures == 0
+		wait = wait && !p.capturingLocked()
 		d.allPending(func(pf pendingFree) {
 			if wait {
 				if err := waiter.SynchronizeEvent(pf.event); err != nil {

@@ -4,7 +4,10 @@ import (
 	"errors"
 	"math"
 	"math/rand/v2"
+	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -563,6 +566,67 @@ func TestPendingFreesAreQueriedPerStream(t *testing.T) {
 	require.NoError(t, p.CheckInvariants())
 }
 
+// failingQuery is a sim backend whose query of one event fails.
+type failingQuery struct {
+	*SimBackend
+	bad Event
+}
+
+func (b *failingQuery) QueryEvent(ev Event) (bool, error) {
+	if ev == b.bad {
+		return false, errors.New("query failed")
+	}
+	return b.SimBackend.QueryEvent(ev)
+}
+
+// An event whose query fails keeps its own block out of use, not the
+// stream's later ones.
+func TestAFailingEventQueryHoldsOnlyItsBlock(t *testing.T) {
+	sim, err := NewSimBackend(SimConfig{})
+	require.NoError(t, err)
+	be := &failingQuery{SimBackend: sim, bad: 1} // the first event made
+	p, err := NewPool(Config{Backend: be})
+	require.NoError(t, err)
+	var addrs []uint64
+	for range 10 {
+		a := mustAlloc(t, p, 4096, 0, 0)
+		require.NoError(t, p.RecordStream(a, 7))
+		addrs = append(addrs, a)
+	}
+	for _, a := range addrs {
+		require.NoError(t, p.Free(a))
+	}
+	n, err := p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Equal(t, 1, n)
+	require.NoError(t, p.CheckInvariants())
+}
+
+// Blocks freed while another pool's capture runs get no event until it
+// ends (one on the legacy stream would break a blocking stream's capture),
+// then get them at the next processing of events.
+func TestFreesDuringAnotherPoolsCaptureRecordTheirEventsAfterIt(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	a := mustAlloc(t, p, 4096, 0, 0)
+	require.NoError(t, p.RecordStream(a, 7))
+	AddProcessCaptures(1)
+	require.NoError(t, p.Free(a))
+	assert.Zero(t, be.Stats().EventsCreated)
+	n, err := p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Equal(t, 1, n, "waiting, without an event")
+	AddProcessCaptures(-1)
+	n, err = p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Equal(t, 1, n, "now waiting on its event")
+	assert.EqualValues(t, 1, be.Stats().EventsCreated)
+	be.CompleteAll()
+	n, err = p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Zero(t, n)
+	assert.Equal(t, a, mustAlloc(t, p, 4096, 0, 0))
+}
+
 // A huge MaxNonSplitRoundingSize means any cached oversize block may serve
 // a large request; the bound must not wrap around.
 func TestHugeMaxNonSplitRoundingLetsCachedBlocksServe(t *testing.T) {
@@ -605,6 +669,76 @@ func TestPoolsSharingABudgetShareItsLimit(t *testing.T) {
 	cfg.Backend = other
 	_, err = NewPool(cfg)
 	assert.ErrorIs(t, err, ErrInvalidArgument, "a budget for 2 devices over a 3-device backend")
+}
+
+// slowAlloc is a sim backend whose Alloc waits for a second caller (at
+// most a second), so that two pools sharing a budget allocate at once.
+type slowAlloc struct {
+	*SimBackend
+	wg sync.WaitGroup
+}
+
+func (b *slowAlloc) Alloc(device int, size uint64, stream Stream) (uint64, error) {
+	b.wg.Done()
+	done := make(chan struct{})
+	go func() { b.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(time.Second):
+	}
+	return b.SimBackend.Alloc(device, size, stream)
+}
+
+// Pools sharing a budget check and count a new segment in one step: two
+// allocating at once cannot both pass the limit.
+func TestSharedBudgetHoldsUnderConcurrentAllocations(t *testing.T) {
+	sim, err := NewSimBackend(SimConfig{})
+	require.NoError(t, err)
+	be := &slowAlloc{SimBackend: sim}
+	be.wg.Add(2)
+	p, err := NewPool(Config{Backend: be, Limit: 20 * MiB})
+	require.NoError(t, err)
+	q, err := NewPool(p.Config())
+	require.NoError(t, err)
+	var g errgroup.Group
+	var ooms atomic.Int32
+	for _, pool := range []*Pool{p, q} {
+		g.Go(func() error {
+			if _, err := pool.Alloc(20*MiB, 0, 0); errors.Is(err, ErrOutOfMemory) {
+				ooms.Add(1)
+			} else if err != nil {
+				return err
+			}
+			return nil
+		})
+	}
+	require.NoError(t, g.Wait())
+	assert.EqualValues(t, 1, ooms.Load())
+	assert.EqualValues(t, 20*MiB, p.Budget().Reserved(0))
+	assert.EqualValues(t, 20*MiB, sim.UsedBytes(0))
+}
+
+// The numbers of an OOM under a shared limit explain it; garbage
+// collection counts what the pools sharing the limit reserve.
+func TestSharedBudgetInOOMErrorsAndGarbageCollection(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{Limit: 2 * MiB})
+	q, err := NewPool(p.Config())
+	require.NoError(t, err)
+	mustAlloc(t, q, MiB, 0, 0)
+	_, err = p.Alloc(MiB, 0, 0)
+	var oom *OutOfMemoryError
+	require.ErrorAs(t, err, &oom)
+	assert.EqualValues(t, 0, oom.Reserved)
+	assert.EqualValues(t, 2*MiB, oom.SharedReserved)
+	assert.Contains(t, err.Error(), "(2.00 MiB reserved by the pools sharing it)")
+
+	gp, _ := newTestPool(t, SimConfig{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.5})
+	gq, err := NewPool(gp.Config())
+	require.NoError(t, err)
+	mustAlloc(t, gq, 40*MiB, 0, 0)
+	require.NoError(t, gp.Free(mustAlloc(t, gp, 20*MiB, 0, 0)))
+	mustAlloc(t, gp, 22*MiB, 0, 0) // 82 MiB reserved in all: over half the limit
+	assert.NotZero(t, stats(t, gp).NumGCReleases, "the cached 20 MiB segment went")
 }
 
 func TestCloseReportsLiveBlocksAndReturnsEverything(t *testing.T) {

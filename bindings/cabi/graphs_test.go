@@ -600,7 +600,13 @@ func TestOtherPoolsHoldTheirMemoryDuringACapture(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 1, waiting, "y's event is not even queried")
 	assert.Equal(t, frees, beB.Stats().Frees, "pool b gave memory back while pool a captures")
+	assert.EqualValues(t, 0, beB.Stats().EventsCreated, "no event recorded during the capture either")
 	require.NoError(t, endCapture(a, 0, id))
+	waiting, err = b.Pool.ProcessEvents() // y's event is recorded now
+	require.NoError(t, err)
+	assert.Equal(t, 1, waiting)
+	assert.EqualValues(t, 1, beB.Stats().EventsCreated)
+	beB.CompleteAll()
 	_, err = b.Pool.EmptyCache() // (the release threshold may take them first)
 	require.NoError(t, err)
 	assert.Zero(t, beB.UsedBytes(0), "after the capture everything goes")

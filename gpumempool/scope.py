@@ -427,7 +427,10 @@ def cache_scope(
                 try:
                     invalidate(name, pool)
                 except Exception:
-                    if not failed:  # never hide the body's exception behind this one
+                    # Another thread entered meanwhile: it invalidates the
+                    # scope when it leaves (_pending), or has by now. And
+                    # never hide the body's exception behind this one.
+                    if not failed and not scope._active and not scope.invalidated:
                         raise
 
 

@@ -234,3 +234,43 @@ def test_routing_conflict_warning_as_error_leaves_no_phantom_route(monkeypatch, 
         gtorch.release(sim)  # nobody routes cuda:0 any more
     finally:
         other.close()
+
+
+def test_keep_false_exit_while_another_thread_enters_meanwhile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A keep=False entry leaving while another thread enters the same scope
+    (after the exit's check that nobody is inside, before invalidate's locked
+    re-check) leaves the invalidation to the last thread out: no ScopeError
+    from a body that succeeded."""
+    pool = gmp.MemPool("sim", name="rv")
+    entered, leave = threading.Event(), threading.Event()
+
+    def other():
+        with gmp.cache_scope(pool, "x"):  # keep=True
+            entered.set()
+            leave.wait(5)
+
+    real = gscope.invalidate
+
+    raced = []
+
+    def racing(name, p=None):
+        if raced:
+            return real(name, p)
+        raced.append(1)
+        t = threading.Thread(target=other)
+        t.start()
+        entered.wait(5)  # the other thread is inside now
+        try:
+            return real(name, p)
+        finally:
+            leave.set()
+            t.join()
+
+    monkeypatch.setattr(gscope, "invalidate", racing)
+    try:
+        with gmp.cache_scope(pool, "x", keep=False) as s:
+            s.free(s.alloc(4096))
+        assert s.invalidated and raced
+    finally:
+        monkeypatch.setattr(gscope, "invalidate", real)
+        pool.close()

@@ -326,6 +326,9 @@ func sweepFreeable(e *registry.Entry) (int, error) {
 		errs = append(errs, err)
 		g.mu.Unlock()
 	}
+	done, err := retryLingering()
+	n += done
+	errs = append(errs, err)
 	return n, errors.Join(errs...)
 }
 
@@ -636,6 +639,9 @@ func closeGraphPools(e *registry.Entry) (total gocore.CloseReport, captured bool
 	for _, pp := range g.pools {
 		rep, err := pp.pool.Close()
 		delete(g.pools, poolKey{pp.device, pp.id})
+		if err != nil {
+			g.unreleased = append(g.unreleased, pp.pool) // segments the backend refused
+		}
 		errs = append(errs, err)
 		total.LiveBlocks = append(total.LiveBlocks, rep.LiveBlocks...)
 		total.LiveBytes += rep.LiveBytes
@@ -647,8 +653,39 @@ func closeGraphPools(e *registry.Entry) (total gocore.CloseReport, captured bool
 		privateBlocks.Add(-1)
 		return true
 	})
-	// The last chance for what the backend refused earlier.
-	_, err = g.closeUnreleasedLocked()
+	// What the backend refused, now and earlier: offered again now unless a
+	// capture forbids it, and what is still refused then goes to the
+	// process's lingering pools, retried by every sweep.
+	_, err = g.retryUnreleasedLocked()
 	errs = append(errs, err)
+	if len(g.unreleased) > 0 {
+		lingeringMu.Lock()
+		lingering = append(lingering, g.unreleased...)
+		lingeringMu.Unlock()
+		g.unreleased = nil
+	}
 	return total, captured, errors.Join(errs...)
+}
+
+var (
+	// lingering holds closed private pools of pools that closed themselves
+	// while the backend still refused some of their segments (a release
+	// refused during a capture, say): sweepFreeable offers them again.
+	lingering   []*gocore.Pool
+	lingeringMu sync.Mutex
+)
+
+// retryLingering offers the backend the segments of lingering pools again,
+// unless a capture is under way, and returns how many pools are now wholly
+// given back.
+func retryLingering() (int, error) {
+	lingeringMu.Lock()
+	defer lingeringMu.Unlock()
+	if len(lingering) == 0 {
+		return 0, nil
+	}
+	g := graphState{unreleased: lingering}
+	n, err := g.retryUnreleasedLocked()
+	lingering = g.unreleased
+	return n, err
 }

@@ -612,3 +612,30 @@ func TestOtherPoolsHoldTheirMemoryDuringACapture(t *testing.T) {
 	assert.Zero(t, beB.UsedBytes(0), "after the capture everything goes")
 	require.NoError(t, releaseGraphPool(a, 0, id))
 }
+
+// A pool that closes while the backend refuses its graph pools' segments
+// leaves them lingering: a later sweep gives them back.
+func TestGraphPoolSegmentsRefusedWhenThePoolClosesLinger(t *testing.T) {
+	sim, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 30})
+	require.NoError(t, err)
+	be := &refusingFree{SimBackend: sim}
+	p, err := gocore.NewPool(gocore.Config{Name: "torch", Backend: be})
+	require.NoError(t, err)
+	e := registry.Add(p, sim, nil)
+	t.Cleanup(func() { registry.Remove(e.ID) })
+	var released atomic.Int32
+	require.NoError(t, beginCapture(e, 0, graphPoolID{0, 77}, goFilter{stream: 0x10, released: &released}))
+	_, err = AllocFor(e, mib, 0, 0x10)
+	require.NoError(t, err)
+	be.refuse.Store(true)
+	_, err = e.Pool.Close()
+	require.NoError(t, err)
+	_, err = CloseGraphPools(e)
+	require.ErrorContains(t, err, "refused")
+	require.NotZero(t, sim.UsedBytes(0))
+	be.refuse.Store(false)
+	n, err := sweepFreeable(nil)
+	require.NoError(t, err)
+	assert.Equal(t, 1, n)
+	assert.Zero(t, sim.UsedBytes(0))
+}

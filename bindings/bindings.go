@@ -63,6 +63,7 @@ type poolOptions struct {
 	FreeFn           uint64      `json:"free_fn"`
 	Devices          int         `json:"devices"`
 	Alignment        uint64      `json:"alignment"`
+	PythonCallbacks  bool        `json:"python_callbacks"`
 	GPU              gpuOptions  `json:"gpu"`
 }
 
@@ -121,7 +122,7 @@ func buildBackend(o poolOptions) (be gocore.Backend, sim *gocore.SimBackend, err
 		return sim, sim, err
 	case "callback":
 		be, err = callback.New(callback.Config{Alloc: uintptr(o.AllocFn), Free: uintptr(o.FreeFn),
-			Name: o.Name, Devices: o.Devices, Alignment: o.Alignment})
+			Name: o.Name, Devices: o.Devices, Alignment: o.Alignment, Python: o.PythonCallbacks})
 		return be, nil, err
 	case "cuda", "async", "vmm", "nccl", "host":
 		be, err = gpuBackend(o.Backend, o.GPU)
@@ -355,6 +356,15 @@ func poolCheck(id int64) (err error) {
 		return err
 	}
 	return e.Pool.CheckInvariants()
+}
+
+// PythonExiting stops pools whose allocator functions are Python callables
+// from calling them (callback.PythonExiting): Python's atexit calls it,
+// before the interpreter tears those functions down.
+func PythonExiting() (ok bool, err error) {
+	defer guard(&err)
+	callback.PythonExiting()
+	return true, nil
 }
 
 // PoolRetireSlot keeps the pool's C slot from ever serving another pool

@@ -153,6 +153,10 @@ type deviceState struct {
 	stats        Stats
 }
 
+// MaxDevices bounds the devices of a pool's backend: a pool keeps state
+// per device, and a GPU node has a handful.
+const MaxDevices = 1024
+
 // NewPool validates cfg and returns an empty pool.
 func NewPool(cfg Config) (*Pool, error) {
 	if cfg.Backend == nil {
@@ -180,9 +184,9 @@ func NewPool(cfg Config) (*Pool, error) {
 		cfg.Name = "pool"
 	}
 	n := cfg.Backend.Devices()
-	if n <= 0 {
-		return nil, fmt.Errorf("new pool %q: backend %s reports %d devices: %w",
-			cfg.Name, cfg.Backend.Name(), n, ErrInvalidArgument)
+	if n <= 0 || n > MaxDevices {
+		return nil, fmt.Errorf("new pool %q: backend %s reports %d devices (at most %d): %w",
+			cfg.Name, cfg.Backend.Name(), n, MaxDevices, ErrInvalidArgument)
 	}
 	var ex Expander
 	if e, ok := cfg.Backend.(Expander); ok && e.Expandable() {

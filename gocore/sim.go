@@ -219,8 +219,8 @@ func simAlignUp(v, a uint64) (uint64, bool) {
 // NewSimBackend validates cfg, applies its defaults and returns a backend
 // with every device empty.
 func NewSimBackend(cfg SimConfig) (*SimBackend, error) {
-	if cfg.Devices < 0 {
-		return nil, fmt.Errorf("sim: invalid config: Devices %d is negative", cfg.Devices)
+	if cfg.Devices < 0 || cfg.Devices > MaxDevices {
+		return nil, fmt.Errorf("sim: invalid config: Devices %d is not in [0, %d]", cfg.Devices, MaxDevices)
 	}
 	if cfg.Devices == 0 {
 		cfg.Devices = 1

@@ -43,6 +43,19 @@ _open_lock = threading.Lock()
 #: close() drops the entry.
 _callback_refs: dict[int, tuple[Any, ...]] = {}
 
+_exit_watched = False
+
+
+def _watch_python_exit() -> None:
+    """Once per process with Python allocator functions: at exit, before
+    the interpreter tears their ctypes thunks down, the engine stops calling
+    them (C code such as torch may still allocate or free through a pool
+    then: the allocation fails, the free is skipped)."""
+    global _exit_watched
+    if not _exit_watched:
+        _exit_watched = True
+        atexit.register(_b.PythonExiting)
+
 
 def _now_us() -> int:
     """Wall-clock microseconds, the clock of the engine's history."""
@@ -416,12 +429,16 @@ class MemPool:
         else:
             for key in CALLBACK_OPTIONS:
                 if key in options:
-                    cfg[key] = _check_int(key, options[key], 0, 1 << 31)
+                    # devices: the engine keeps state per device (callback.MaxDevices)
+                    cfg[key] = _check_int(key, options[key], 0, 1025 if key == "devices" else 1 << 31)
             assert alloc is not None and free is not None
             cfg["alloc_fn"], keep_a, py_a = function_address(alloc, "alloc", self._callback_errors)
             cfg["free_fn"], keep_f, py_f = function_address(free, "free", self._callback_errors)
             self._keep += [k for k in (keep_a, keep_f) if k is not None]
             self._py_callbacks = py_a or py_f
+            if self._py_callbacks:
+                cfg["python_callbacks"] = True  # not called once the interpreter exits (_python_exiting)
+                _watch_python_exit()
         self._id = self._native(_b.NewPool, json.dumps(cfg))
         if self._keep:
             _callback_refs[self._id] = tuple(self._keep)

@@ -710,3 +710,70 @@ def test_a_failing_python_alloc_function_is_not_reported_as_out_of_memory(case: 
         assert msg.endswith('(pool "cb" could not allocate 100 B on device 0)'), msg
         assert "NULL" not in msg and "out of memory" not in msg
         assert not isinstance(ei.value, MemoryError)
+
+
+_ATEXIT_C = r"""
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+typedef uintptr_t (*afn)(int64_t, size_t, int, uintptr_t);
+static afn f; static int64_t h;
+static void late(void) { fprintf(stderr, "late alloc -> %#lx\n", (unsigned long)f(h, 64 << 20, 0, 0)); }
+void arm(void *fn, int64_t handle) { f = (afn)fn; h = handle; atexit(late); }
+"""
+
+
+def test_python_callback_pool_called_from_c_after_interpreter_exit(tmp_path) -> None:
+    """A pool left open at exit (torch may still free into it) whose alloc
+    is a Python function, called from C after the interpreter finalized (a
+    C atexit handler here; torch's destructors in practice): the thunk is
+    gone, so the engine must not call it. The call gets NULL, the process
+    exits cleanly (it crashed with SIGSEGV)."""
+    src = tmp_path / "late.c"
+    src.write_text(_ATEXIT_C)
+    so = tmp_path / "liblate.so"
+    subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    code = textwrap.dedent("""
+        import ctypes, sys, gpumempool as gmp
+        lib = ctypes.CDLL(gmp.library_path()); late = ctypes.CDLL(sys.argv[1])
+        late.arm.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        keep = {}
+        def alloc(s, d, st):
+            b = ctypes.create_string_buffer(s + 512); a = (ctypes.addressof(b) + 511) // 512 * 512
+            keep[a] = b
+            return a
+        pool = gmp.MemPool(alloc=alloc, free=lambda p, *a: keep.pop(p, None))
+        pool.free(pool.alloc(100))  # the functions work while Python runs
+        late.arm(ctypes.cast(lib.gmp_pool_alloc, ctypes.c_void_p).value, pool.handle)
+    """)
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code, str(so)], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONSAFEPATH": "1"}, cwd="/")
+    assert r.returncode == 0, r.stderr[-600:]
+    assert "late alloc -> 0" in r.stderr
+
+
+def test_allocator_addresses_that_wrap_or_overlap_are_refused() -> None:
+    """A segment running past the end of the address space, or overlapping
+    one the function returned before and still holds, is a broken
+    allocator: refused (and given back), never served."""
+    top = (1 << 64) - 512
+    freed: list[int] = []
+    with gmp.MemPool(alloc=lambda s, d, st: top, free=lambda p, *a: freed.append(p)) as pool:
+        for _ in range(3):
+            with pytest.raises(gmp.BackendError, match="past the end of the address space"):
+                pool.alloc(100)
+        pool.check()
+    assert freed == [top] * 3
+    seq = iter([0x10000000, 0x10000000 + 2048])
+    with gmp.MemPool(alloc=lambda s, d, st: next(seq), free=lambda *a: None) as pool:
+        a = pool.alloc(30 * MiB)
+        with pytest.raises(gmp.BackendError, match="overlaps the segment 0x10000000"):
+            pool.alloc(30 * MiB)
+        pool.free(a)
+
+
+def test_device_count_is_bounded() -> None:
+    with pytest.raises(ValueError, match="devices"):
+        gmp.MemPool(alloc=lambda *a: None, free=lambda *a: None, devices=2**31 - 1)
+    with gmp.MemPool(alloc=lambda *a: None, free=lambda *a: None, devices=1024) as pool:
+        assert pool.config()["name"]

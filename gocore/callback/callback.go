@@ -52,6 +52,7 @@ import "C"
 import (
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 
@@ -72,7 +73,28 @@ type Config struct {
 	// of two; default DefaultAlignment, the alignment the pool promises for
 	// its blocks (1 turns the check off).
 	Alignment uint64
+	// Python marks functions that run Python code (ctypes thunks): once
+	// the interpreter is exiting (PythonExiting) they are not called any
+	// more, since the thunks die with it and no thread can take the GIL.
+	Python bool
 }
+
+// MaxDevices bounds Config.Devices, as gocore.MaxDevices bounds a pool's.
+const MaxDevices = gocore.MaxDevices
+
+// pythonExiting is set by PythonExiting.
+var pythonExiting atomic.Bool
+
+// PythonExiting stops every backend made with Config.Python from calling
+// its functions: an allocation then fails as out of memory and a free is
+// skipped (the memory dies with the process). Called from Python's atexit,
+// before the interpreter tears the functions down: torch or other C code
+// may still allocate or free through a pool at that point.
+func PythonExiting() { pythonExiting.Store(true) }
+
+// errPythonExited is returned by the functions of a Python backend after
+// PythonExiting.
+var errPythonExited = errors.New("the Python interpreter is exiting, so its allocator functions are not called any more")
 
 // DefaultAlignment is the alignment of Config.Alignment 0: torch's 512-byte
 // block alignment, which the pool's blocks keep only if segments start on it.
@@ -112,8 +134,8 @@ func New(cfg Config) (*Backend, error) {
 	if cfg.Devices == 0 {
 		cfg.Devices = 1
 	}
-	if cfg.Devices < 0 {
-		return nil, fmt.Errorf("callback backend %q: %d devices: %w", cfg.Name, cfg.Devices, gocore.ErrInvalidArgument)
+	if cfg.Devices < 0 || cfg.Devices > MaxDevices {
+		return nil, fmt.Errorf("callback backend %q: %d devices (at most %d): %w", cfg.Name, cfg.Devices, MaxDevices, gocore.ErrInvalidArgument)
 	}
 	if cfg.Alignment == 0 {
 		cfg.Alignment = DefaultAlignment
@@ -150,23 +172,38 @@ func (b *Backend) Alloc(device int, size uint64, stream gocore.Stream) (uint64, 
 	if device < 0 || device >= b.cfg.Devices {
 		return 0, fmt.Errorf("callback backend %q: device %d out of range [0, %d): %w", b.cfg.Name, device, b.cfg.Devices, gocore.ErrInvalidDevice)
 	}
+	if b.cfg.Python && pythonExiting.Load() {
+		return 0, fmt.Errorf("callback backend %q: alloc(%d): %w: %w", b.cfg.Name, size, errPythonExited, gocore.ErrBackendOutOfMemory)
+	}
 	addr := uint64(C.gmp_call_alloc(C.uintptr_t(b.owner), C.uintptr_t(b.cfg.Alloc), C.size_t(size), C.int(device), C.uintptr_t(stream)))
 	if addr == 0 {
 		return 0, fmt.Errorf("callback backend %q: alloc(%d, device %d) returned NULL: %w", b.cfg.Name, size, device, gocore.ErrBackendOutOfMemory)
 	}
-	if addr%b.cfg.Alignment != 0 {
+	giveBack := func() {
 		// Not ours to keep: hand it back so that nothing leaks (without
 		// b.mu: the user's function runs unlocked, as in Free).
 		C.gmp_call_free(C.uintptr_t(b.owner), C.uintptr_t(b.cfg.Free), C.uintptr_t(addr), C.size_t(size), C.int(device), C.uintptr_t(stream))
+	}
+	if addr%b.cfg.Alignment != 0 {
+		giveBack()
 		return 0, fmt.Errorf("callback backend %q: alloc(%d) returned %#x, not aligned to %d bytes (the backend's "+
 			"alignment; the address was given back with the free function)", b.cfg.Name, size, addr, b.cfg.Alignment)
 	}
+	if addr > math.MaxUint64-size {
+		giveBack()
+		return 0, fmt.Errorf("callback backend %q: alloc(%d) returned %#x, whose %d bytes would run past the end of "+
+			"the address space (the address was given back with the free function)", b.cfg.Name, size, addr, size)
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if _, dup := b.live[addr]; dup {
-		// The function handed out memory that is still in use: never free
-		// it twice, report the broken allocator.
-		return 0, fmt.Errorf("callback backend %q: alloc(%d) returned %#x, which is still allocated", b.cfg.Name, size, addr)
+	// The function must not hand out memory that is still in use: never
+	// serve it twice, report the broken allocator. A linear scan: this runs
+	// once per segment, next to a call of the user's allocator.
+	for a, n := range b.live {
+		if addr < a+n && a < addr+size {
+			return 0, fmt.Errorf("callback backend %q: alloc(%d) returned %#x, which overlaps the segment %#x+%d "+
+				"it returned before and still holds", b.cfg.Name, size, addr, a, n)
+		}
 	}
 	b.live[addr] = size
 	return addr, nil
@@ -183,6 +220,9 @@ func (b *Backend) Free(device int, addr, size uint64, stream gocore.Stream) erro
 	b.mu.Unlock()
 	if !ok || got != size {
 		return fmt.Errorf("callback backend %q: free(%#x, %d): not a live segment of that size: %w", b.cfg.Name, addr, size, gocore.ErrInvalidArgument)
+	}
+	if b.cfg.Python && pythonExiting.Load() {
+		return nil // the memory dies with the process
 	}
 	C.gmp_call_free(C.uintptr_t(b.owner), C.uintptr_t(b.cfg.Free), C.uintptr_t(addr), C.size_t(size), C.int(device), C.uintptr_t(stream))
 	return nil

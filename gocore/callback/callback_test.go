@@ -73,7 +73,7 @@ func TestBrokenAllocatorIsReported(t *testing.T) {
 	require.NoError(t, err)
 	_, err = p.Alloc(12<<20, 0, 0)
 	require.Error(t, err)
-	assert.Contains(t, err.Error(), "still allocated")
+	assert.Contains(t, err.Error(), "overlaps the segment")
 	require.NoError(t, p.CheckInvariants())
 }
 
@@ -129,4 +129,28 @@ func TestDefaultAlignmentIs512(t *testing.T) {
 	require.ErrorContains(t, err, "not aligned to 512 bytes")
 	assert.Equal(t, uintptr(8), freed%512, "the misaligned memory is handed back")
 	assert.Zero(t, be.LiveSegments())
+}
+
+// Once the interpreter is exiting, functions that run Python are not
+// called: an allocation fails as out of memory, a free is skipped.
+func TestPythonFunctionsAreNotCalledOnceItExits(t *testing.T) {
+	testalloc.Reset(-1)
+	be, err := New(Config{Alloc: testalloc.Alloc(), Free: testalloc.Free(), Python: true})
+	require.NoError(t, err)
+	plain, err := New(Config{Alloc: testalloc.Alloc(), Free: testalloc.Free()})
+	require.NoError(t, err)
+	a, err := be.Alloc(0, 4096, 0)
+	require.NoError(t, err)
+	PythonExiting()
+	t.Cleanup(func() { pythonExiting.Store(false) })
+	_, err = be.Alloc(0, 4096, 0)
+	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory)
+	assert.ErrorContains(t, err, "interpreter is exiting")
+	require.NoError(t, be.Free(0, a, 4096, 0))
+	allocs, frees, _ := testalloc.Counters()
+	assert.EqualValues(t, 1, allocs)
+	assert.Zero(t, frees, "skipped")
+	b, err := plain.Alloc(0, 4096, 0) // C functions are still called
+	require.NoError(t, err)
+	require.NoError(t, plain.Free(0, b, 4096, 0))
 }

@@ -92,7 +92,9 @@ def backends() -> list[str]:
 
 def device_info() -> dict[str, Any]:
     """NVIDIA devices seen by NVML: ``{"devices": [...], "reason": str}``.
-    Without a driver the list is empty and ``reason`` says why."""
+    Without a driver the list is empty and ``reason`` says why; a device
+    NVML cannot open (hidden by cgroup device limits, or lost) is left out
+    of the list and named in ``reason`` (``index`` keeps NVML's numbering)."""
     return json.loads(_native.bindings.Devices())
 
 

@@ -37,6 +37,12 @@ type Info struct {
 // ErrUnavailable is wrapped when NVML cannot be initialised (no driver).
 var ErrUnavailable = errors.New("NVML is not available")
 
+// ErrDeviceSkipped is wrapped, next to the list of the other devices, when
+// some device could not be opened (a GPU hidden by cgroup device limits
+// answers NO_PERMISSION, a lost one GPU_IS_LOST): nvidia-smi lists the
+// rest, and so does List.
+var ErrDeviceSkipped = errors.New("device skipped")
+
 // symGetNumaNodeId is newer than R525: looked up before it is called.
 const symGetNumaNodeId = "nvmlDeviceGetNumaNodeId"
 
@@ -56,7 +62,9 @@ func optional(lib nvml.Interface, name string) bool {
 
 // List queries every device through lib (the real library for ListSystem,
 // a go-nvml mock in tests, which must set ExtensionsFunc). Calls are
-// serialised with every other List and ListSystem of the process.
+// serialised with every other List and ListSystem of the process. A device
+// that cannot be opened is left out (Index keeps NVML's numbering), and the
+// error, wrapping ErrDeviceSkipped, comes with the list of the others.
 func List(lib nvml.Interface) ([]Info, error) {
 	mu.Lock()
 	defer mu.Unlock()
@@ -70,10 +78,12 @@ func List(lib nvml.Interface) ([]Info, error) {
 	}
 	hasNuma := optional(lib, symGetNumaNodeId)
 	out := make([]Info, 0, n)
+	var skipped []error
 	for i := range n {
 		dev, ret := lib.DeviceGetHandleByIndex(i)
 		if ret != nvml.SUCCESS {
-			return nil, fmt.Errorf("nvmlDeviceGetHandleByIndex(%d): %s", i, lib.ErrorString(ret))
+			skipped = append(skipped, fmt.Errorf("%w: nvmlDeviceGetHandleByIndex(%d): %s", ErrDeviceSkipped, i, lib.ErrorString(ret)))
+			continue
 		}
 		info := Info{Index: i, NUMANode: -1}
 		if s, ret := dev.GetName(); ret == nvml.SUCCESS {
@@ -95,7 +105,7 @@ func List(lib nvml.Interface) ([]Info, error) {
 		}
 		out = append(out, info)
 	}
-	return out, nil
+	return out, errors.Join(skipped...)
 }
 
 // ListSystem lists the devices of this machine.

@@ -196,3 +196,23 @@ func TestFakeLibrary(t *testing.T) {
 		})
 	}
 }
+
+// A GPU that cannot be opened (hidden by cgroup device limits, or lost)
+// is left out; the others are listed, with the reason.
+func TestListSkipsAnInaccessibleDevice(t *testing.T) {
+	for _, ret := range []nvml.Return{nvml.ERROR_NO_PERMISSION, nvml.ERROR_GPU_IS_LOST} {
+		lib := fakeLib(nvml.SUCCESS, symGetNumaNodeId)
+		good, _ := lib.DeviceGetHandleByIndex(0)
+		lib.DeviceGetHandleByIndexFunc = func(i int) (nvml.Device, nvml.Return) {
+			if i == 0 {
+				return nil, ret
+			}
+			return good, nvml.SUCCESS
+		}
+		infos, err := List(lib)
+		require.ErrorIs(t, err, ErrDeviceSkipped)
+		assert.Contains(t, err.Error(), "nvmlDeviceGetHandleByIndex(0)")
+		require.Len(t, infos, 1)
+		assert.Equal(t, 1, infos[0].Index)
+	}
+}

@@ -46,6 +46,16 @@ _callback_refs: dict[int, tuple[Any, ...]] = {}
 _exit_watched = False
 
 
+def _raise_interrupt(errs: list[tuple[str, BaseException]]) -> None:
+    """Raise the first KeyboardInterrupt, SystemExit (any exception that is
+    no Exception) a Python allocator function raised during a call: the
+    engine took it for a failure of the function, but the program must
+    still be interrupted, not get a BackendError or a warning."""
+    for _, exc in errs:
+        if not isinstance(exc, Exception):
+            raise exc
+
+
 def _watch_python_exit() -> None:
     """Once per process with Python allocator functions: at exit, before
     the interpreter tears their ctypes thunks down, the engine stops calling
@@ -474,6 +484,7 @@ class MemPool:
                 raise translate(exc) from None
         result, errs = self._native_collect(fn, *args)
         if errs:
+            _raise_interrupt(errs)
             kind, first = errs[0]
             raise BackendError(_callback_failure(kind, first)) from first
         return result
@@ -493,6 +504,7 @@ class MemPool:
         except RuntimeError as exc:
             err = translate(exc)
             if errs:
+                _raise_interrupt(errs)
                 kind, first = errs[0]
                 raise BackendError(_callback_error_message(kind, first, err)) from first
             raise err from None
@@ -590,6 +602,9 @@ class MemPool:
         would leak the block."""
         ptr, errs = self._native_collect(fn, handle, size, device, stream)
         if errs:
+            if any(not isinstance(e, Exception) for _, e in errs):
+                self._free_quietly(ptr)  # the caller is being interrupted: it will never free the block
+                _raise_interrupt(errs)
             try:
                 for kind, exc in errs:
                     warnings.warn(

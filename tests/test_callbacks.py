@@ -777,3 +777,28 @@ def test_device_count_is_bounded() -> None:
         gmp.MemPool(alloc=lambda *a: None, free=lambda *a: None, devices=2**31 - 1)
     with gmp.MemPool(alloc=lambda *a: None, free=lambda *a: None, devices=1024) as pool:
         assert pool.config()["name"]
+
+
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_inside_an_allocator_function_interrupts(exc_type: type) -> None:
+    """Ctrl-C (or sys.exit) inside a Python alloc function stays itself,
+    whether the engine's retry then succeeded (the block goes back) or not;
+    it was a BackendError or a RuntimeWarning."""
+    pa = PyAllocator()
+    calls = [0]
+
+    def interrupted(size: int, device: int, stream: int) -> int:
+        calls[0] += 1
+        if calls[0] in (2, 4, 5):
+            raise exc_type()
+        return pa.alloc(size, device, stream)
+
+    with gmp.MemPool(alloc=interrupted, free=pa.free) as pool:
+        pool.free(pool.alloc(100))  # call 1: a cached segment
+        with pytest.raises(exc_type):
+            pool.alloc(30 * MiB)  # call 2 raises; the retry (3) succeeds
+        assert pool.stats()["allocation.all.current"] == 0, "the block went back"
+        pool.empty_cache()
+        with pytest.raises(exc_type):
+            pool.alloc(30 * MiB)  # calls 4 and 5 raise: the allocation fails
+    assert not pa.buffers

@@ -802,3 +802,37 @@ def test_an_interrupt_inside_an_allocator_function_interrupts(exc_type: type) ->
         with pytest.raises(exc_type):
             pool.alloc(30 * MiB)  # calls 4 and 5 raise: the allocation fails
     assert not pa.buffers
+
+
+def test_reentry_through_another_pool_is_refused_not_deadlocked(clib) -> None:
+    """A's Python alloc function uses pool B, whose C alloc function calls
+    A's C entry point: A's lock is held by this thread, so that call is
+    refused (NULL) instead of waiting for it forever (only the innermost
+    pool's function used to count). In a child process: a deadlock there
+    is a timeout here."""
+    code = textwrap.dedent("""
+        import ctypes, sys, gpumempool as gmp
+        lib = ctypes.CDLL(sys.argv[1])
+        lib.reentry_result.restype = ctypes.c_size_t
+        lib.caller_open.argtypes = [ctypes.c_char_p] * 3
+        bufs = {}
+        def a_alloc(size, dev, st):
+            B.free(B.alloc(64))
+            b = ctypes.create_string_buffer(size + 512)
+            a = (ctypes.addressof(b) + 511) // 512 * 512
+            bufs[a] = b
+            return a
+        A = gmp.MemPool(alloc=a_alloc, free=lambda p, *x: bufs.pop(p, None), name="A")
+        B = gmp.MemPool(alloc=ctypes.cast(lib.reentrant_alloc, ctypes.c_void_p).value,
+                        free=ctypes.cast(lib.test_free, ctypes.c_void_p).value, name="B")
+        assert lib.caller_open(*(s.encode() for s in A.pluggable_symbols())) == 0
+        A.alloc(100)
+        print(lib.reentry_result())
+    """)
+    try:
+        r = subprocess.run([sys.executable, "-W", "ignore", "-c", code, clib._name], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "PYTHONSAFEPATH": "1"}, cwd="/")
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlock: A's C entry point, called from B's allocator inside A's, waited for A's lock")
+    assert r.returncode == 0, r.stderr[-600:]
+    assert r.stdout.strip() == "0"

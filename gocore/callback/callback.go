@@ -24,28 +24,38 @@ package callback
 typedef void* (*gmp_alloc_fn)(size_t, int, void*);
 typedef void (*gmp_free_fn)(void*, size_t, int, void*);
 
-// The backend whose user function this thread is running (0: none), so
-// that a call back into the same pool from inside it can be refused
-// instead of waiting for the pool's lock forever (CalledFromCallback). A
+// The backends whose user functions this thread is running, innermost
+// first: a linked list of frames on the C stack. A call back into any of
+// those pools from inside (directly, or through another pool's function:
+// A's function allocating from B, whose function calls A) is refused
+// instead of waiting for that pool's lock forever (CalledFromCallback). A
 // C thread-local: Go code that C calls back runs on the same thread.
-static __thread uintptr_t gmp_cb_owner;
+struct gmp_cb_frame { uintptr_t owner; struct gmp_cb_frame *prev; };
+static __thread struct gmp_cb_frame *gmp_cb_top;
 
 static uintptr_t gmp_call_alloc(uintptr_t owner, uintptr_t fn, size_t size, int device, uintptr_t stream) {
-	uintptr_t prev = gmp_cb_owner;
-	gmp_cb_owner = owner;
+	struct gmp_cb_frame f = { owner, gmp_cb_top };
+	gmp_cb_top = &f;
 	uintptr_t p = (uintptr_t)((gmp_alloc_fn)fn)(size, device, (void*)stream);
-	gmp_cb_owner = prev;
+	gmp_cb_top = f.prev;
 	return p;
 }
 
 static void gmp_call_free(uintptr_t owner, uintptr_t fn, uintptr_t ptr, size_t size, int device, uintptr_t stream) {
-	uintptr_t prev = gmp_cb_owner;
-	gmp_cb_owner = owner;
+	struct gmp_cb_frame f = { owner, gmp_cb_top };
+	gmp_cb_top = &f;
 	((gmp_free_fn)fn)((void*)ptr, size, device, (void*)stream);
-	gmp_cb_owner = prev;
+	gmp_cb_top = f.prev;
 }
 
-static uintptr_t gmp_callback_owner(void) { return gmp_cb_owner; }
+static int gmp_callback_running(uintptr_t owner) {
+	for (struct gmp_cb_frame *f = gmp_cb_top; f; f = f->prev) {
+		if (f->owner == owner) {
+			return 1;
+		}
+	}
+	return 0;
+}
 */
 import "C"
 
@@ -148,9 +158,10 @@ func New(cfg Config) (*Backend, error) {
 }
 
 // CalledFromCallback reports whether the calling thread is inside one of
-// b's user functions (a C function calling back into its own pool, which
-// would wait forever for the pool's lock). It costs one cgo call.
-func (b *Backend) CalledFromCallback() bool { return uintptr(C.gmp_callback_owner()) == b.owner }
+// b's user functions, however deep (a C function calling back into its own
+// pool, maybe through another pool's function, would wait forever for the
+// pool's lock). It costs one cgo call.
+func (b *Backend) CalledFromCallback() bool { return C.gmp_callback_running(C.uintptr_t(b.owner)) != 0 }
 
 // Name returns the configured name.
 func (b *Backend) Name() string { return b.cfg.Name }

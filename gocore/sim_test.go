@@ -156,7 +156,8 @@ func TestSimConfigValidation(t *testing.T) {
 		{"free fail rate above one", SimConfig{FreeFailRate: 1.0001}, "FreeFailRate"},
 		{"NaN free fail rate", SimConfig{FreeFailRate: math.NaN()}, "FreeFailRate"},
 		{"capacity overflows", SimConfig{Capacity: math.MaxUint64}, "Capacity"},
-		{"devices overflow address space", SimConfig{Devices: 1 << 24}, "overflow"},
+		{"devices overflow address space", SimConfig{Devices: MaxDevices, Capacity: 1 << 56}, "overflow"},
+		{"too many devices", SimConfig{Devices: MaxDevices + 1}, "Devices"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

@@ -16,7 +16,8 @@ import gpumempool as gmp
 from gpumempool import scope as gscope
 from gpumempool import torch as gtorch
 
-from test_torch_logic import FakeBackend, FakeGroup, clean_state, install, sim  # noqa: F401 - fixtures
+from test_torch_logic import (  # noqa: F401 - fixtures
+    FakeBackend, FakeGroup, clean_state, inside_in_another_thread, install, sim)
 
 
 def _abort_recorder(torch: Any, device: int = 0) -> list[Any]:
@@ -210,25 +211,12 @@ def test_keep_false_exit_while_another_thread_is_inside_does_not_raise(sim):
 def test_routing_conflict_warning_as_error_leaves_no_phantom_route(monkeypatch, sim):
     install(monkeypatch, "2.11")
     other = gmp.MemPool("sim", name="theirs", capacity=1 << 26)
-    entered, leave = threading.Event(), threading.Event()
-
-    def worker() -> None:
-        with gmp.mempool(other):
-            entered.set()
-            leave.wait(10)
-
-    th = threading.Thread(target=worker)
-    th.start()
-    assert entered.wait(10)
-    try:
+    with inside_in_another_thread(other):
         with warnings.catch_warnings():
             warnings.simplefilter("error", gtorch.RoutingConflictWarning)
             with pytest.raises(gtorch.RoutingConflictWarning):
                 with gmp.mempool(sim, all_threads=True):
                     pass
-    finally:
-        leave.set()
-        th.join(10)
     try:
         assert gtorch._active_routes.get(0) == [], gtorch._active_routes
         gtorch.release(sim)  # nobody routes cuda:0 any more

@@ -24,7 +24,7 @@ import sys
 import threading
 import types
 import warnings
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import pytest
 
@@ -945,24 +945,32 @@ def test_python_callbacks_as_torchs_allocator_warn(monkeypatch):
         pyfn.close()
 
 
-def test_release_while_inside_is_refused(monkeypatch, sim):
-    install(monkeypatch)
+@contextlib.contextmanager
+def inside_in_another_thread(pool: gmp.MemPool, name: str = "holder") -> Iterator[None]:
+    """A thread named ``name`` sits inside ``gmp.mempool(pool)`` for the
+    length of the block."""
     entered, leave = threading.Event(), threading.Event()
 
     def worker() -> None:
-        with gmp.mempool(sim):
+        with gmp.mempool(pool):
             entered.set()
             leave.wait(10)
 
-    th = threading.Thread(target=worker, name="holder")
+    th = threading.Thread(target=worker, name=name)
     th.start()
-    entered.wait(10)
+    assert entered.wait(10)
     try:
-        with pytest.raises(gtorch.PoolInUseError, match="still inside.*'holder'"):
-            gtorch.release(sim)
+        yield
     finally:
         leave.set()
         th.join()
+
+
+def test_release_while_inside_is_refused(monkeypatch, sim):
+    install(monkeypatch)
+    with inside_in_another_thread(sim):
+        with pytest.raises(gtorch.PoolInUseError, match="still inside.*'holder'"):
+            gtorch.release(sim)
     assert gtorch.release(sim) == 0
 
 
@@ -980,22 +988,9 @@ def test_release_while_another_pool_routes_the_device_is_refused(monkeypatch, si
             gtorch.release(sim)
     assert gtorch.torch_pools(sim), "nothing was touched"
 
-    entered, leave = threading.Event(), threading.Event()
-
-    def worker() -> None:
-        with gmp.mempool(other):
-            entered.set()
-            leave.wait(10)
-
-    th = threading.Thread(target=worker)
-    th.start()
-    entered.wait(10)
-    try:
+    with inside_in_another_thread(other):
         with pytest.raises(gtorch.PoolInUseError, match="in any thread"):
             gtorch.release(sim)
-    finally:
-        leave.set()
-        th.join()
     gtorch.release(sim)
     assert gtorch.torch_pools(sim) == []
     other.close()

@@ -43,8 +43,6 @@ _open_lock = threading.Lock()
 #: close() drops the entry.
 _callback_refs: dict[int, tuple[Any, ...]] = {}
 
-_exit_watched = False
-
 
 def _raise_interrupt(errs: list[tuple[str, BaseException]]) -> None:
     """Raise the first KeyboardInterrupt, SystemExit (any exception that is
@@ -54,17 +52,6 @@ def _raise_interrupt(errs: list[tuple[str, BaseException]]) -> None:
     for _, exc in errs:
         if not isinstance(exc, Exception):
             raise exc
-
-
-def _watch_python_exit() -> None:
-    """Once per process with Python allocator functions: at exit, before
-    the interpreter tears their ctypes thunks down, the engine stops calling
-    them (C code such as torch may still allocate or free through a pool
-    then: the allocation fails, the free is skipped)."""
-    global _exit_watched
-    if not _exit_watched:
-        _exit_watched = True
-        atexit.register(_b.PythonExiting)
 
 
 def _now_us() -> int:
@@ -109,6 +96,14 @@ def _report_leaks_at_exit() -> None:
             )
 
 
+# At exit, once every atexit handler registered after this module's import
+# has run (they may still close pools, whose Python allocator functions then
+# run as usual), the engine stops calling Python allocator functions: C code
+# such as torch may still allocate or free through a pool while the
+# interpreter tears down, when their ctypes thunks are gone (an allocation
+# then fails, a free is skipped). Registered before the leak report, so that
+# it runs after it.
+atexit.register(_native.bindings.PythonExiting)
 atexit.register(_report_leaks_at_exit)
 
 _b = _native.bindings
@@ -447,8 +442,7 @@ class MemPool:
             self._keep += [k for k in (keep_a, keep_f) if k is not None]
             self._py_callbacks = py_a or py_f
             if self._py_callbacks:
-                cfg["python_callbacks"] = True  # not called once the interpreter exits (_python_exiting)
-                _watch_python_exit()
+                cfg["python_callbacks"] = True  # not called once the interpreter exits (PythonExiting)
         self._id = self._native(_b.NewPool, json.dumps(cfg))
         if self._keep:
             _callback_refs[self._id] = tuple(self._keep)

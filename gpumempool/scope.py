@@ -426,11 +426,13 @@ def cache_scope(
             if scope._pending and not scope._active:
                 try:
                     invalidate(name, pool)
-                except Exception:
+                except ScopeError:
                     # Another thread entered meanwhile: it invalidates the
-                    # scope when it leaves (_pending), or has by now. And
-                    # never hide the body's exception behind this one.
+                    # scope when it leaves (_pending), or has by now.
                     if not failed and not scope._active and not scope.invalidated:
+                        raise
+                except Exception:
+                    if not failed:  # never hide the body's exception behind this one
                         raise
 
 

@@ -836,3 +836,29 @@ def test_reentry_through_another_pool_is_refused_not_deadlocked(clib) -> None:
         pytest.fail("deadlock: A's C entry point, called from B's allocator inside A's, waited for A's lock")
     assert r.returncode == 0, r.stderr[-600:]
     assert r.stdout.strip() == "0"
+
+
+def test_a_pool_closed_by_an_atexit_handler_still_calls_its_python_free() -> None:
+    """The engine stops calling Python allocator functions at exit only
+    after the atexit handlers registered since gpumempool's import ran: one
+    of those closing a pool still gets its memory back."""
+    code = textwrap.dedent("""
+        import atexit, ctypes, gpumempool as gmp
+        keep = {}
+        state = {}
+        def cleanup():
+            state["pool"].close()
+            print("outstanding", len(keep), flush=True)
+        atexit.register(cleanup)
+        def alloc(s, d, st):
+            b = ctypes.create_string_buffer(s + 512); a = (ctypes.addressof(b) + 511) // 512 * 512
+            keep[a] = b
+            return a
+        pool = gmp.MemPool(alloc=alloc, free=lambda p, *a: keep.pop(p, None))
+        pool.free(pool.alloc(100))  # one cached segment
+        state["pool"] = pool
+    """)
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONSAFEPATH": "1"}, cwd="/")
+    assert r.returncode == 0, r.stderr[-600:]
+    assert r.stdout.strip() == "outstanding 0", r.stdout

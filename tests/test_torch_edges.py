@@ -262,3 +262,30 @@ def test_keep_false_exit_while_another_thread_enters_meanwhile(monkeypatch: pyte
     finally:
         monkeypatch.setattr(gscope, "invalidate", real)
         pool.close()
+
+
+def test_keep_false_exit_does_not_swallow_a_failing_free() -> None:
+    """Only the ScopeError of another thread entering meanwhile is left to
+    that thread; an error freeing the scope's blocks is raised."""
+    import ctypes
+
+    bufs: dict[int, Any] = {}
+
+    def alloc(size: int, dev: int, st: int) -> int:
+        b = ctypes.create_string_buffer(size + 512)
+        a = (ctypes.addressof(b) + 511) // 512 * 512
+        bufs[a] = b
+        return a
+
+    def free(p: int, *a: Any) -> None:
+        raise ValueError("free failed")
+
+    pool = gmp.MemPool(alloc=alloc, free=free, release_threshold=1)
+    try:
+        with pytest.raises(gmp.BackendError):
+            with gmp.cache_scope(pool, "s", keep=False) as sc:
+                sc.free(sc.alloc(4096))
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pool.close()

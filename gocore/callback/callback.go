@@ -205,19 +205,29 @@ func (b *Backend) Alloc(device int, size uint64, stream gocore.Stream) (uint64, 
 		return 0, fmt.Errorf("callback backend %q: alloc(%d) returned %#x, whose %d bytes would run past the end of "+
 			"the address space (the address was given back with the free function)", b.cfg.Name, size, addr, size)
 	}
+	if a, n, overlap := b.add(addr, size); overlap {
+		giveBack()
+		return 0, fmt.Errorf("callback backend %q: alloc(%d) returned %#x, which overlaps the segment %#x+%d "+
+			"it returned before and still holds (the address was given back with the free function)",
+			b.cfg.Name, size, addr, a, n)
+	}
+	return addr, nil
+}
+
+// add records the live segment [addr, addr+size) unless it overlaps one
+// recorded already (a, n), which the function still holds: memory must
+// never be served twice. A linear scan: it runs once per segment, next to a
+// call of the user's allocator.
+func (b *Backend) add(addr, size uint64) (a, n uint64, overlap bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	// The function must not hand out memory that is still in use: never
-	// serve it twice, report the broken allocator. A linear scan: this runs
-	// once per segment, next to a call of the user's allocator.
 	for a, n := range b.live {
 		if addr < a+n && a < addr+size {
-			return 0, fmt.Errorf("callback backend %q: alloc(%d) returned %#x, which overlaps the segment %#x+%d "+
-				"it returned before and still holds", b.cfg.Name, size, addr, a, n)
+			return a, n, true
 		}
 	}
 	b.live[addr] = size
-	return addr, nil
+	return 0, 0, false
 }
 
 // Free calls the user's free function with the size and stream of the

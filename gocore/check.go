@@ -162,6 +162,11 @@ func (p *Pool) CheckInvariants() error {
 		if d.lastFree != nil && d.streams[d.lastStream] != d.lastFree {
 			bad("device %d: cached free lists of stream %#x are not its lists", d.id, uint64(d.lastStream))
 		}
+		// The budget counts this pool's segments (and those of the pools
+		// sharing it): never less than this pool's own.
+		if own, budget := uint64(want.ReservedBytes[0].Current), p.budget.Reserved(d.id); budget < own {
+			bad("device %d: budget counts %d reserved bytes, the pool alone holds %d", d.id, budget, own)
+		}
 	}
 	if allocatedSeen != p.live.len() {
 		bad("%d blocks in the live map, %d allocated blocks in segments", p.live.len(), allocatedSeen)

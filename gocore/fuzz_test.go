@@ -77,9 +77,15 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Every third input, the pools share one budget, as a pool and its CUDA
+	// graphs' private pools do.
+	shared := len(data)%3 == 0
 	var pools [2]*Pool
 	for i := range pools {
 		cfg := Config{Backend: be}
+		if shared && i == 1 {
+			cfg.Budget = pools[0].Budget()
+		}
 		if flags&8 != 0 {
 			cfg.MaxSplitSize = 24 * MiB
 		}
@@ -103,7 +109,9 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 		pool int
 		addr uint64
 	}
-	var paused [2]int // EnterCapture not yet resumed, per pool
+	var paused [2]int   // EnterCapture not yet resumed, per pool
+	var elsewhere int64 // captures of other pools of the process (AddProcessCaptures)
+	defer func() { AddProcessCaptures(-elsewhere) }()
 	var live []liveBlock
 	// Invariant checks are O(blocks) after every step: cap the steps so that
 	// a long input costs time linear in the cap, not quadratic in its length.
@@ -157,6 +165,14 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 				if err := p.ExitCapture(); err != nil && !errors.Is(err, ErrClosed) {
 					t.Fatalf("step %d: resume events: %v", step, err)
 				}
+			case arg&7 == 7: // another pool of the process begins or ends a capture
+				if elsewhere == 0 {
+					AddProcessCaptures(1)
+					elsewhere = 1
+				} else {
+					AddProcessCaptures(-1)
+					elsewhere = 0
+				}
 			default:
 				be.CompleteStream(Stream(arg & 3))
 				if _, err := p.ProcessEvents(); err != nil && !errors.Is(err, ErrClosed) {
@@ -201,9 +217,27 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 			}
 		}
 	}
+	if shared && !pools[0].Closed() && !pools[1].Closed() {
+		for dev := range 2 {
+			var sum uint64
+			for _, q := range pools {
+				if s, err := q.Stats(dev); err == nil {
+					sum += uint64(s.ReservedBytes[0].Current)
+				}
+			}
+			if got := pools[0].Budget().Reserved(dev); got != sum {
+				t.Fatalf("device %d: the shared budget counts %d reserved bytes, the pools hold %d", dev, got, sum)
+			}
+		}
+	}
 	for _, p := range pools {
 		if _, err := p.Close(); err != nil && !errors.Is(err, ErrClosed) {
 			t.Fatalf("final close: %v", err)
+		}
+	}
+	for dev := range 2 {
+		if got := pools[0].Budget().Reserved(dev) + pools[1].Budget().Reserved(dev)*uint64(boolInt(!shared)); got != 0 {
+			t.Fatalf("device %d: budgets still count %d reserved bytes after both pools closed", dev, got)
 		}
 	}
 	if st := be.Stats(); st.LiveSegments != 0 || st.LiveBytes != 0 || st.LiveEvents != 0 {
@@ -211,4 +245,11 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 			st.LiveSegments, st.LiveBytes, st.LiveEvents, be.LiveSegmentsList())
 	}
 	return ops
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }

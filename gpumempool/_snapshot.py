@@ -83,6 +83,9 @@ def pool_snapshot(pool: "MemPool", raw: dict[str, Any], history: list[dict[str, 
         entry = {
             "action": e["action"],
             "addr": e["addr"],
+            # Pools hand out the same addresses (sim pools, or pools over
+            # one cached allocator): a merged snapshot keeps them apart.
+            "pool_handle": pool.handle,
             "size": e["size"],
             "stream": e["stream"],
             "time_us": e["time_us"],

@@ -92,13 +92,13 @@ def timeline(snapshot: Union[PathLike, dict[str, Any]],
     merged = list(heapq.merge(*[[(_time(e), d, i, e)
                                  for i, e in enumerate(t)] for d, t in enumerate(traces)], key=lambda x: x[0]))
     entries = [(t, d, e) for t, d, _, e in merged if isinstance(e, dict)]
-    sizes: dict[tuple[int, int], int] = {}
+    sizes: dict[tuple[int, int, Any], int] = {}
     d_alloc = d_res = 0
     steps: list[tuple[int, int]] = []
     total = len(entries)
     for n, (_, d, e) in enumerate(entries):
         a = e.get("action")
-        k = (d, _int(e.get("addr")))
+        k = (d, _int(e.get("addr")), e.get("pool_handle"))  # merged pools reuse addresses
         size = _int(e.get("size"))
         da = dr = 0
         if a == "alloc":
@@ -116,15 +116,14 @@ def timeline(snapshot: Union[PathLike, dict[str, Any]],
         if progress is not None and (n + 1) % 50_000 == 0:
             progress(n + 1, total)
     end_alloc = end_res = 0
-    ours = isinstance(snap.get("allocator_settings"), dict) and (
-        "pools" in snap["allocator_settings"] or "backend" in snap["allocator_settings"])
     for s in snap.get("segments", []):
         if not isinstance(s, dict):
             continue
         end_res += _int(s.get("total_size"))
         for b in s.get("blocks", []) if isinstance(s.get("blocks"), list) else []:
             if isinstance(b, dict) and b.get("state") in ("active_allocated", "active_pending_free"):
-                end_alloc += _int(b.get("size")) if ours else (_int(b.get("requested_size")) or _int(b.get("size")))
+                # history entries hold requested sizes, ours as torch's
+                end_alloc += _int(b.get("requested_size")) or _int(b.get("size"))
     if snap.get("segments"):
         base_alloc = max(0, end_alloc - d_alloc)
         base_res = max(0, end_res - d_res)
@@ -258,7 +257,10 @@ def plot_snapshot(
     if title:
         fig.suptitle(title)
     out_path = os.fspath(out)
-    fig.savefig(out_path, dpi=dpi)
+    # The format from the extension, PNG without one: given explicitly, so
+    # that matplotlib writes out_path itself (it would add ".png").
+    ext = os.path.splitext(out_path)[1].lstrip(".").lower()
+    fig.savefig(out_path, dpi=dpi, format=ext or "png")
     return {
         "output": out_path,
         "events": events,

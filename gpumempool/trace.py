@@ -57,9 +57,11 @@ with :meth:`~gpumempool.MemPool.record_history` on) and
 ``torch.cuda.memory._record_memory_history()`` + ``_dump_snapshot()`` (or
 its dict). Both read the same torch-format ``device_traces``:
 
-* ``alloc`` / ``free_requested`` become ``a`` / ``f``. gpumempool records
-  the block size of an allocation (rounded up, and the whole block when it
-  was not split), torch the requested size.
+* ``alloc`` / ``free_requested`` become ``a`` / ``f`` (``A`` for
+  gpumempool's caller-sized allocations), with the requested size, as both
+  record it. gpumempool's entries carry their pool's handle, so that a
+  snapshot of several pools (``gmp.snapshot()``), whose addresses may
+  repeat, keeps their blocks apart.
 * A free that waited for other streams (gpumempool: its block had
   ``record_stream`` entries; torch, which records none: its
   ``free_completed`` did not follow at once) gets a *virtual stream*
@@ -99,7 +101,7 @@ import time
 import warnings
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Optional, TypeGuard, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeGuard, Union
 
 from ._safepickle import MAX_PICKLE_BYTES, UnsafePickleError, load_pickle
 
@@ -545,6 +547,24 @@ _IMPORTED = ("alloc", "free_requested", "free_completed", "segment_alloc", "segm
              "segment_unmap", "oom", "record_stream")
 
 
+def _akey(addr: Any, handle: Any) -> Any:
+    """The key of an address in a snapshot that may merge several pools
+    (``gmp.snapshot()``): ours carry their pool's handle (entries:
+    ``pool_handle``; segments: ``segment_pool_id``), torch's none."""
+    if type(handle) is int and 0 < handle < 1 << 31:
+        return (handle << 64) + addr
+    return addr
+
+
+def _entry_key(e: dict[str, Any]) -> Any:
+    return _akey(e.get("addr", 0), e.get("pool_handle"))
+
+
+def _segment_handle(s: dict[str, Any]) -> Any:
+    pid = s.get("segment_pool_id")
+    return pid[1] if isinstance(pid, (tuple, list)) and len(pid) == 2 and s.get("pool") is not None else None
+
+
 @dataclass
 class _Marker:
     t0: int
@@ -574,6 +594,8 @@ def _check_snapshot(snap: Any) -> tuple[list[list[dict[str, Any]]], list[dict[st
             seen.add(id(e))
             if e["action"] in _IMPORTED:
                 for k, hi in _ENTRY_INTS.items():
+                    if k == "size" and e["action"] == "oom":
+                        hi = _U64  # the rounded size of any failed request; not used
                     v = e.get(k, 0)
                     if type(v) is not int or not 0 <= v < hi:
                         raise TraceFormatError(f"device_traces[{d}][{i}] ({e['action']}): {k} must be a non-negative "
@@ -647,7 +669,7 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
         for i, e in enumerate(tr):
             if e["action"] == "free_requested" and i + 1 < len(tr):
                 nxt = tr[i + 1]
-                imm[i] = nxt["action"] == "free_completed" and nxt.get("addr") == e.get("addr")
+                imm[i] = nxt["action"] == "free_completed" and _entry_key(nxt) == _entry_key(e)
         immediate.append(imm)
 
     # One list in time order (each device's own order kept).
@@ -669,7 +691,7 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
     pre: list[tuple[int, int, int, int]] = []  # (device, addr, size, stream)
     for d, _, e in imported:
         a = e["action"]
-        k = (d, e.get("addr", 0))
+        k = (d, _entry_key(e))
         if a == "alloc":
             live[k] = (e["size"], e.get("stream", 0))
             seen.add(k)
@@ -690,9 +712,9 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
             size = b.get("requested_size") or b.get("size")
             if not _in_range(addr, 0, _U64) or not _in_range(size, 1, 1 << 63):
                 continue
-            k = (d, addr)
+            k = (d, _akey(addr, _segment_handle(s)))
             if k not in live and k not in seen:
-                pre.append((d, addr, size, stream))
+                pre.append((d, k[1], size, stream))
                 seen.add(k)
 
     # Reserved bytes at the start: the segments at the end minus the trace's changes.
@@ -757,12 +779,12 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
             while j < n and imported[j][2].get("time_us", 0) < m.t1:
                 d2, _, e2 = imported[j]
                 if e2["action"] == "free_completed":
-                    sync_completion((d2, e2.get("addr", 0)))
+                    sync_completion((d2, _entry_key(e2)))
                 j += 1
             out.append(m.event)
             counts["recorder_calls"] += 1
             mi += 1
-        k = (d, e.get("addr", 0))
+        k = (d, _entry_key(e))
         if a == "alloc":
             if e["size"] <= 0:
                 continue
@@ -799,8 +821,12 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                     vstream_of[bid] = vstreams.take()
                     out.append(RecordStream(bid, vstream_of[bid]))
                 pending[k] = bid
-            elif bid in vstream_of:  # recorded on a stream but freed at once
-                vstreams.give(vstream_of.pop(bid))
+            elif bid in vstream_of:  # recorded on a stream but freed at once: that stream was done
+                vs = vstream_of.pop(bid)
+                out.append(Free(bid))
+                out.append(Sync(vs))
+                vstreams.give(vs)
+                continue
             out.append(Free(bid))
         elif a == "free_completed":
             if k in pending:
@@ -815,7 +841,10 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                     while j < n and imported[j][2]["action"] in ("segment_free", "segment_unmap"):
                         j += 1
                     after = imported[j][2]["action"] if j < n else ""
-                    if after not in ("segment_alloc", "segment_map", "oom", "alloc"):
+                    # Inside one allocation a release is followed by a new
+                    # segment (or an OOM); anything else, a cache hit
+                    # included, means empty_cache() ran.
+                    if after not in ("segment_alloc", "segment_map", "oom"):
                         out.append(EmptyCache())
                         counts["inferred_empty_cache"] += 1
             reserved[d] = reserved.get(d, 0) + (e["size"] if grow else -e["size"])
@@ -973,22 +1002,29 @@ class TraceRecorder:
         markers = self._markers
         empty_cache, trim = pool.empty_cache, pool.trim
 
-        def recorded_empty_cache() -> int:
+        def recorded(call: Callable[[], int], event: Callable[[], Event]) -> int:
+            """Run call and record event: a call the pool refused (bad
+            arguments) did nothing and is not recorded; one that failed on
+            the way (a backend error) may have released some, and is."""
             t0 = _next_tick_us()
             try:
-                return empty_cache()
-            finally:
-                markers.append(_Marker(t0, _next_tick_us(), EmptyCache()))
+                released = call()
+            except (ValueError, TypeError):
+                raise
+            except BaseException:
+                markers.append(_Marker(t0, _next_tick_us(), event()))
+                raise
+            markers.append(_Marker(t0, _next_tick_us(), event()))
+            return released
+
+        def recorded_empty_cache() -> int:
+            return recorded(empty_cache, EmptyCache)
 
         def recorded_trim(keep_bytes: int = 0, device: Optional[Any] = None) -> int:
             from ._pool import _device_index
 
-            t0 = _next_tick_us()
-            try:
-                return trim(keep_bytes, device)
-            finally:
-                dev = None if device is None else _device_index(device)
-                markers.append(_Marker(t0, _next_tick_us(), Trim(int(keep_bytes), dev)))
+            return recorded(lambda: trim(keep_bytes, device),
+                            lambda: Trim(int(keep_bytes), None if device is None else _device_index(device)))
 
         recorded_empty_cache.__doc__ = empty_cache.__doc__
         recorded_trim.__doc__ = trim.__doc__

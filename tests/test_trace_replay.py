@@ -7,7 +7,9 @@ import json
 import os
 import pickle
 import time
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -944,3 +946,107 @@ def test_load_trace_of_a_snapshot_pickle_says_what_to_use(tmp_path: Path) -> Non
             gmp.load_trace(path)
         assert "utf-8" not in str(ei.value).lower()
         assert isinstance(gmp.from_torch_snapshot(path), Trace)  # what the message says to use
+
+
+# -- edge cases found by review ------------------------------------------------
+
+
+def _e(action: str, addr: int, size: int, t: int, **kw: Any) -> dict[str, Any]:
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t, "frames": [], **kw}
+
+
+def test_global_snapshot_of_two_sim_pools_imports_both_blocks() -> None:
+    # Two sim pools hand out the same addresses; gmp.snapshot() merges their
+    # histories and the importer then mistakes the second alloc for a lost free.
+    gmp.record_history(True)
+    try:
+        p1 = gmp.MemPool("sim", capacity=1 << 30, name="r1")
+        p2 = gmp.MemPool("sim", capacity=1 << 30, name="r2")
+        try:
+            a, b = p1.alloc(1000), p2.alloc(2000)
+            p1.free(a)
+            p2.free(b)
+            tr = from_history(gmp.snapshot())
+        finally:
+            p1.close()
+            p2.close()
+    finally:
+        gmp.record_history(False)
+    assert "repaired_allocs" not in tr.meta and "unmatched_frees" not in tr.meta, tr.meta
+    assert tr.peak_requested() == 3000  # both blocks were live at once
+
+
+def test_trace_recorder_does_not_record_a_refused_trim() -> None:
+    with gmp.MemPool("sim", capacity=1 << 30) as pool:
+        with TraceRecorder(pool) as rec:
+            p = pool.alloc(1000)
+            with pytest.raises(ValueError):
+                pool.trim(0, 5)  # no device 5: refused, nothing happened
+            pool.free(p)
+    assert Trim(0, 5) not in rec.trace.events
+    replay(rec.trace)  # today: InvalidArgumentError "device 5 out of range"
+
+
+def test_preexisting_block_with_record_stream_freed_at_once_comes_back_in_replay() -> None:
+    with gmp.MemPool("sim", capacity=1 << 30) as pool:
+        x = pool.alloc(12 * MiB)  # before history: a pre-existing block
+        pool.record_history(True)
+        pool.record_stream(x, 5)
+        pool.free(x)  # completes at once (free_completed follows)
+        y = pool.alloc(12 * MiB)  # reuses x's memory
+        recorded_peak = pool.stats()["reserved_bytes.all.peak"]
+        tr = from_history(pool)
+        pool.free(y)
+    assert recorded_peak == 12 * MiB
+    # RecordStream(1, V) + Free(1) without Sync(V): the replay holds the block forever.
+    assert replay(tr).peak_reserved == 12 * MiB
+
+
+def test_empty_cache_followed_by_a_cache_hit_is_inferred() -> None:
+    A, L, M = 0x7F0000000000, 0x7F0010000000, 0x7F0020000000
+    trace = [
+        _e("segment_alloc", A, 2 * MiB, 1),
+        _e("alloc", A, 512, 2),
+        _e("segment_alloc", L, 20 * MiB, 3),
+        _e("alloc", L, 12 * MiB, 4),
+        _e("free_requested", L, 12 * MiB, 5),
+        _e("free_completed", L, 12 * MiB, 6),
+        _e("segment_free", L, 20 * MiB, 7),  # torch.cuda.empty_cache()
+        _e("alloc", A + 512, 512, 8),  # next allocation: a hit in the small segment
+        _e("segment_alloc", M, 30 * MiB, 9),
+        _e("alloc", M, 30 * MiB, 10),
+    ]
+    tr = from_torch_snapshot({"segments": [], "device_traces": [trace]})
+    assert EmptyCache() in tr.events, tr.events
+    assert tr.recorded_peak_reserved() == 32 * MiB
+    assert replay(tr).peak_reserved == 32 * MiB  # today 52 MiB: the 20 MiB segment stays cached
+
+
+def test_oom_entry_of_a_huge_request_does_not_reject_the_snapshot() -> None:
+    # torch records the (rounded) size of the request that failed; a request of
+    # 2**63 bytes or more is a valid, caught torch.OutOfMemoryError.
+    trace = [_e("alloc", 0x1000, 512, 1), _e("oom", 1 << 30, 1 << 63, 2, device_free=1 << 30)]
+    tr = from_torch_snapshot({"segments": [], "device_traces": [trace]})
+    assert tr.meta["recorded_ooms"] == 1
+
+
+def test_timeline_of_our_snapshot_starts_at_zero() -> None:
+    from gpumempool.plot import timeline
+
+    with gmp.MemPool("sim", capacity=1 << 30) as pool:
+        pool.record_history(True)  # before anything: history covers the pool's whole life
+        x = pool.alloc(1000)
+        y = pool.alloc(3 * MiB + 1)
+        tl = timeline(pool.snapshot())
+        pool.free(x)
+        pool.free(y)
+    assert tl["allocated"][0] == 0, tl["allocated"]  # today 535: block rounding minus requested sizes
+
+
+def test_plot_reports_the_file_it_wrote(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from gpumempool.plot import plot_snapshot
+
+    out = tmp_path / "figure"  # no extension: matplotlib writes figure.png
+    summary = plot_snapshot({"segments": [], "device_traces": [[]]}, out)
+    assert Path(summary["output"]).is_file(), (summary["output"], sorted(p.name for p in tmp_path.iterdir()))

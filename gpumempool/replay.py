@@ -309,7 +309,8 @@ def replay(
     pol = given = _check_policy(policy)
     recorded = trace.meta.get("recorded_policy") if recorded_policy else None
     if isinstance(recorded, dict):
-        pol = {**_check_policy({k: v for k, v in recorded.items() if k in POLICY_KEYS}), **pol}
+        # The recording allocator's settings; not the simulated device's size.
+        pol = {**_check_policy({k: v for k, v in recorded.items() if k in POLICY_KEYS and k != "capacity"}), **pol}
     if pol.get("garbage_collection_threshold") and not pol.get("limit"):
         # The threshold is a fraction of the pool's limit: without one it
         # never triggers, and the replay would silently ignore it.
@@ -317,6 +318,7 @@ def replay(
         warnings.warn(f"garbage_collection_threshold={pol['garbage_collection_threshold']}{how} has no effect "
                       "without limit: it is a fraction of the limit (add limit=..., e.g. the memory torch "
                       "was allowed)", UserWarning, stacklevel=2)
+    trace.validate()  # ids allocated once, freed only while allocated (a hand-written trace may not be)
     events = trace.events
     total = len(events)
     devices = max([_meta_devices(trace.meta.get("devices", 1))] + [e.device + 1 for e in events if type(e) is Alloc])

@@ -1050,3 +1050,14 @@ def test_plot_reports_the_file_it_wrote(tmp_path: Path) -> None:
     out = tmp_path / "figure"  # no extension: matplotlib writes figure.png
     summary = plot_snapshot({"segments": [], "device_traces": [[]]}, out)
     assert Path(summary["output"]).is_file(), (summary["output"], sorted(p.name for p in tmp_path.iterdir()))
+
+
+def test_replay_refuses_an_invalid_trace_and_ignores_a_recorded_capacity() -> None:
+    """A hand-written trace allocating one id twice replayed silently (a
+    block leaked); a recorded_policy's capacity shrank the device."""
+    with pytest.raises(TraceFormatError, match="allocated twice"):
+        replay(Trace.loads("gmptrace 1\na 1 1000 0\na 1 1000 0\n"))
+    tr = Trace.loads("gmptrace 1\na 1 4096 0\nf 1\n")
+    tr.meta["recorded_policy"] = {"capacity": 1000}
+    res = replay(tr)
+    assert res.ooms == 0 and res.capacity > 1000

@@ -19,6 +19,9 @@ var processCaptures atomic.Int64
 // torch begins and ends allocating to a graph's pool.
 func AddProcessCaptures(n int64) { processCaptures.Add(n) }
 
+// ProcessCaptures reports the captures under way in the process.
+func ProcessCaptures() int64 { return processCaptures.Load() }
+
 // pendingFree is one event a freed block waits for.
 type pendingFree struct {
 	event Event
@@ -109,13 +112,7 @@ func (p *Pool) processEventsLocked(d *deviceState) {
 		return
 	}
 	if len(d.unrecorded) > 0 {
-		for _, b := range d.unrecorded {
-			b.pending = 0
-			_ = p.deferFreeLocked(d, b) // a block whose event fails stays out of use (as in Free)
-		}
-		clear(d.unrecorded)
-		d.unrecorded = d.unrecorded[:0]
-		p.applyReleaseThresholdLocked(d, nil)
+		_ = p.recordDeferredLocked(d) // a block whose event fails stays out of use (as in Free)
 	}
 	kept := d.pending[:0]
 	for _, q := range d.pending {
@@ -209,13 +206,22 @@ func (p *Pool) ExitCapture() error {
 		if d == nil {
 			continue
 		}
-		for _, b := range d.unrecorded {
-			b.pending = 0
-			errs = append(errs, p.deferFreeLocked(d, b))
-		}
-		d.unrecorded = nil
-		// Frees during the capture could give nothing back.
-		p.applyReleaseThresholdLocked(d, nil)
+		errs = append(errs, p.recordDeferredLocked(d))
 	}
+	return errors.Join(errs...)
+}
+
+// recordDeferredLocked records the events of the blocks freed on d during a
+// capture, now over (see Free), and applies the release threshold the
+// capture held back.
+func (p *Pool) recordDeferredLocked(d *deviceState) error {
+	var errs []error
+	for _, b := range d.unrecorded {
+		b.pending = 0
+		errs = append(errs, p.deferFreeLocked(d, b))
+	}
+	clear(d.unrecorded)
+	d.unrecorded = d.unrecorded[:0]
+	p.applyReleaseThresholdLocked(d, nil)
 	return errors.Join(errs...)
 }

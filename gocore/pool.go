@@ -245,8 +245,7 @@ func (p *Pool) SetLimit(limit uint64) error {
 	if p.closed {
 		return fmt.Errorf("set limit on pool %q: %w", p.name, ErrClosed)
 	}
-	p.cfg.Limit = limit
-	p.budget.setLimit(limit)
+	p.budget.setLimit(limit) // Config reads it back from there
 	return nil
 }
 

@@ -111,13 +111,13 @@ var (
 	graphMu sync.RWMutex
 	graphs  = map[*registry.Entry]*graphState{}
 
-	// activeCaptures and privateBlocks let the allocation hot path skip all
-	// of this with one atomic load while no capture runs and no private
-	// block lives.
-	activeCaptures atomic.Int64
-	privateBlocks  atomic.Int64
+	// privateBlocks and gocore.ProcessCaptures (the captures under way,
+	// which every pool of the process holds back for) let the allocation
+	// hot path skip all of this with one atomic load while no capture runs
+	// and no private block lives.
+	privateBlocks atomic.Int64
 
-	// captureGate orders a capture's start (activeCaptures going up, in
+	// captureGate orders a capture's start (the captures going up, in
 	// beginCapture, before torch begins capturing) against the close of a
 	// private pool that found no capture under way: that close finishes
 	// before any capture of the process, through any pool, can begin.
@@ -155,7 +155,7 @@ func graphStateOf(e *registry.Entry, create bool) *graphState {
 // device accepts stream; ok is false when none does (the slot pool serves
 // it then).
 func privateAlloc(e *registry.Entry, size uint64, device int, stream uintptr) (addr uint64, ok bool, err error) {
-	if activeCaptures.Load() == 0 {
+	if gocore.ProcessCaptures() == 0 {
 		return 0, false, nil
 	}
 	g := graphStateOf(e, false)
@@ -278,7 +278,7 @@ func (g *graphState) closeIfDoneLocked(pp *privatePool) (bool, error) {
 	}
 	captureGate.RLock()
 	defer captureGate.RUnlock()
-	if activeCaptures.Load() > 0 {
+	if gocore.ProcessCaptures() > 0 {
 		return false, nil
 	}
 	waiting, err := pp.pool.ProcessEvents()
@@ -351,35 +351,39 @@ func (g *graphState) closeLocked(pp *privatePool) error {
 
 // retryUnreleasedLocked offers the backend again the segments it refused
 // when private pools closed, and returns how many pools are now wholly
-// given back. Like a close, it must not run during a capture.
+// given back.
 func (g *graphState) retryUnreleasedLocked() (int, error) {
-	if len(g.unreleased) == 0 {
-		return 0, nil
+	var done int
+	var err error
+	g.unreleased, done, err = retryUnreleased(g.unreleased)
+	return done, err
+}
+
+// retryUnreleased closes again (gocore.Pool.Close retries exactly the
+// segments the backend refused) the pools whose segments the backend
+// refused, unless a capture is under way, when that must not happen. It
+// returns those still holding some, and how many are now wholly given back.
+func retryUnreleased(pools []*gocore.Pool) (kept []*gocore.Pool, done int, err error) {
+	if len(pools) == 0 {
+		return pools, 0, nil
 	}
 	captureGate.RLock()
 	defer captureGate.RUnlock()
-	if activeCaptures.Load() > 0 {
-		return 0, nil
+	if gocore.ProcessCaptures() > 0 {
+		return pools, 0, nil
 	}
-	return g.closeUnreleasedLocked()
-}
-
-func (g *graphState) closeUnreleasedLocked() (int, error) {
-	done := 0
 	var errs []error
-	kept := g.unreleased[:0]
-	for _, p := range g.unreleased {
-		_, err := p.Close()
-		if err != nil && !errors.Is(err, gocore.ErrClosed) {
+	kept = pools[:0]
+	for _, p := range pools {
+		if _, err := p.Close(); err != nil && !errors.Is(err, gocore.ErrClosed) {
 			kept = append(kept, p)
 			errs = append(errs, err)
 			continue
 		}
 		done++
 	}
-	clear(g.unreleased[len(kept):])
-	g.unreleased = kept
-	return done, errors.Join(errs...)
+	clear(pools[len(kept):])
+	return kept, done, errors.Join(errs...)
 }
 
 // privateBlock describes the live block at addr in a private pool.
@@ -470,7 +474,6 @@ func beginCapture(e *registry.Entry, device int, id graphPoolID, f streamFilter)
 	g.captures = append(g.captures, capture{device: device, id: id, filter: f})
 	stored = true
 	captureGate.Lock()
-	activeCaptures.Add(1)
 	gocore.AddProcessCaptures(1)
 	captureGate.Unlock()
 	return g.captureLocked(e, true)
@@ -481,7 +484,7 @@ func beginCapture(e *registry.Entry, device int, id graphPoolID, f streamFilter)
 // are closed (sweepFreeable).
 func endCapture(e *registry.Entry, device int, id graphPoolID) error {
 	err := endCaptureLocking(e, device, id)
-	if activeCaptures.Load() == 0 {
+	if gocore.ProcessCaptures() == 0 {
 		_, serr := sweepFreeable(nil)
 		err = errors.Join(err, serr)
 	}
@@ -497,7 +500,6 @@ func endCaptureLocking(e *registry.Entry, device int, id graphPoolID) error {
 			if c.device == device && c.id == id {
 				c.filter.release()
 				g.captures = append(g.captures[:i], g.captures[i+1:]...)
-				activeCaptures.Add(-1)
 				gocore.AddProcessCaptures(-1)
 				return g.captureLocked(e, false)
 			}
@@ -609,7 +611,7 @@ func AddGraphStats(e *registry.Entry, dev int, s *gocore.Stats) error {
 // that waited for them to end are closed too, as at an endCapture.
 func CloseGraphPools(e *registry.Entry) (gocore.CloseReport, error) {
 	rep, captured, err := closeGraphPools(e)
-	if captured && activeCaptures.Load() == 0 {
+	if captured && gocore.ProcessCaptures() == 0 {
 		_, serr := sweepFreeable(nil)
 		err = errors.Join(err, serr)
 	}
@@ -630,7 +632,6 @@ func closeGraphPools(e *registry.Entry) (total gocore.CloseReport, captured bool
 	captured = len(g.captures) > 0
 	for _, c := range g.captures {
 		c.filter.release()
-		activeCaptures.Add(-1)
 		gocore.AddProcessCaptures(-1)
 	}
 	g.captures = nil
@@ -681,11 +682,8 @@ var (
 func retryLingering() (int, error) {
 	lingeringMu.Lock()
 	defer lingeringMu.Unlock()
-	if len(lingering) == 0 {
-		return 0, nil
-	}
-	g := graphState{unreleased: lingering}
-	n, err := g.retryUnreleasedLocked()
-	lingering = g.unreleased
-	return n, err
+	var done int
+	var err error
+	lingering, done, err = retryUnreleased(lingering)
+	return done, err
 }

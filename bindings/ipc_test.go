@@ -45,6 +45,16 @@ func newGPUPool(t *testing.T, backend, lib string) int64 {
 
 // export returns the handle of the block at addr, decoded, and closes its
 // descriptors at the end of the test.
+// exportNewBlock makes a vmm pool over the fake driver lib, allocates a
+// 1 MiB block on device dev and exports it.
+func exportNewBlock(t *testing.T, lib string, dev int64) (id int64, addr uint64, h map[string]any) {
+	t.Helper()
+	id = newGPUPool(t, "vmm", lib)
+	addr, err := PoolAlloc(id, 1<<20, dev, 0)
+	require.NoError(t, err)
+	return id, addr, export(t, id, addr)
+}
+
 func export(t *testing.T, id int64, addr uint64) map[string]any {
 	t.Helper()
 	js, err := PoolExport(id, addr)
@@ -99,11 +109,7 @@ func closeImport(t *testing.T, r map[string]any) {
 // The handle names the exporting GPU by UUID, and the importer maps it to
 // its own ordinal: torchrun ranks each see their GPU as device 0.
 func TestImportMemoryFindsTheExportersGPUByUUID(t *testing.T) {
-	exporter := buildFake(t)
-	id := newGPUPool(t, "vmm", exporter)
-	a, err := PoolAlloc(id, 1<<20, 1, 0)
-	require.NoError(t, err)
-	h := export(t, id, a)
+	id, a, h := exportNewBlock(t, buildFake(t), 1)
 	assert.EqualValues(t, 1, h["device"])
 	assert.Equal(t, "fa4ec0da000040008000000000000001", h["uuid"])
 
@@ -287,10 +293,7 @@ func TestWithin(t *testing.T) {
 // have is refused rather than wrapped into range.
 func TestImportMemoryRefusesCraftedHandles(t *testing.T) {
 	lib := buildFake(t)
-	id := newGPUPool(t, "vmm", lib)
-	a, err := PoolAlloc(id, 1<<20, 0, 0)
-	require.NoError(t, err)
-	h := export(t, id, a)
+	id, _, h := exportNewBlock(t, lib, 0)
 	for _, c := range []struct {
 		change map[string]any
 		want   string

@@ -18,7 +18,17 @@ loop runs in full-replacement mode (``gmp.set_torch_allocator``) and
 natively (goal <= 1.3x per operation).
 
 Every mode runs in a fresh process (the full replacement must precede CUDA
-initialisation; peaks start from zero). Needs an NVIDIA GPU, torch with
+initialisation; peaks start from zero). Timing on a shared cloud machine
+drifts by 10-30 % between processes and even within one run (the step time
+of a run alone swings between 25 and 37 ms on an H100 host), so the timed
+figures do not come from those runs:
+
+* step time: one more process trains one model per mode (same seed, same
+  batches) and alternates them step by step, rotating their order, so every
+  mode sees the same machine; the ratio is of the medians of that run;
+* the loop: ``--rounds`` processes of each mode, alternated (native,
+  replacement, native, ...); each process reports its best of 3 passes and
+  the ratio is of the medians over the rounds. Needs an NVIDIA GPU, torch with
 CUDA and transformers; run on the device machine:
 
     python benchmarks/gpt2_train.py [--steps 300] [--out benchmarks/results]
@@ -53,6 +63,7 @@ BANNER = (
 MiB = 1 << 20
 TRAIN_MODES = ["native", "mempool-vmm", "mempool-nccl"]
 LOOP_MODES = ["loop-native", "loop-replacement"]
+INTERLEAVED = "interleaved"  # the timing run of TRAIN_MODES
 GOALS = {"step_time_ratio": 1.02, "peak_reserved_ratio": 1.0, "loop_ratio": 1.3}
 
 
@@ -205,6 +216,70 @@ def worker_train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def worker_interleaved(modes: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """One model per mode in this process, trained on the same batches, one
+    step of each in turn (the order rotating every step): the step times of
+    the modes are comparable because the machine was the same for all."""
+    import contextlib
+
+    import torch
+
+    import gpumempool as gmp
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dev = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(args.seed)
+    data = torch.randint(0, args.vocab, (args.steps, args.batch, args.seq), generator=g)
+    warm_up_blas(dev)
+    runs: list[dict[str, Any]] = []
+    pools: list[Any] = []
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            pool = None
+            if mode.startswith("mempool-"):
+                pool = stack.enter_context(gmp.MemPool(mode.split("-", 1)[1], device=0, name=f"{mode}-interleaved"))
+                pools.append(pool)
+            ctx = (lambda p=pool: gmp.mempool(p, device=dev, all_threads=True)) if pool is not None \
+                else contextlib.nullcontext
+            with ctx():
+                torch.manual_seed(args.seed)
+                model = build_model(args).to(dev)
+                opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+            runs.append({"mode": mode, "ctx": ctx, "model": model, "opt": opt, "times": [], "losses": []})
+        del model, opt  # the runs hold them: dropping the runs frees them
+        x = None
+        for step in range(args.steps):
+            x = data[step].to(dev)
+            k = step % len(runs)
+            for r in runs[k:] + runs[:k]:
+                with r["ctx"]():
+                    loss, seconds = train_step(r["model"], r["opt"], x, dev)
+                r["times"].append(seconds)
+                r["losses"].append(loss)
+            if (step + 1) % 50 == 0 or step == 0:
+                say(f"  [{INTERLEAVED}] step {step + 1}/{args.steps}: "
+                    + ", ".join(f"{r['mode']} {r['times'][-1] * 1e3:.2f} ms" for r in runs))
+        res: dict[str, Any] = {"mode": INTERLEAVED, "modes": modes, "runs": {}}
+        for r in runs:
+            res["runs"][r["mode"]] = {
+                "step_times_s": r["times"],
+                "median_step_s": statistics.median(r["times"][args.warmup:] or r["times"]),
+                "losses": r["losses"],
+            }
+        # the pools close (ExitStack) once their tensors are gone and torch gave their segments back
+        for r in runs:
+            del r["model"], r["opt"]
+        runs.clear()
+        x = None
+        gc.collect()
+        torch.cuda.synchronize(dev)
+        for pool in pools:
+            gmp.torch.release(pool)
+    return res
+
+
 def worker_loop(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch  # CUDA not initialised yet: full replacement is still possible
 
@@ -266,30 +341,53 @@ def run_worker(mode: str, args: argparse.Namespace) -> Optional[dict[str, Any]]:
         return res
 
 
+def loop_figures(r: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """A loop mode's rounds summed up: the median over its processes of
+    each variant's ns/op (None when no round ran)."""
+    rounds = (r or {}).get("rounds") or []
+    if not rounds:
+        return None
+    out: dict[str, Any] = {"rounds": len(rounds)}
+    for variant in ("empty_del", "window32"):
+        values = [x[f"{variant}_ns_per_op"] for x in rounds]
+        out[f"{variant}_ns_per_op"] = statistics.median(values)
+        out[f"{variant}_all"] = values
+    return out
+
+
 def summarize(results: dict[str, Any], args: argparse.Namespace, device: dict[str, Any], versions: dict[str, str]) -> dict[str, Any]:
     native = results.get("native")
+    side = (results.get(INTERLEAVED) or {}).get("runs", {})
     summary: dict[str, Any] = {"train": {}, "loop": {}}
     for mode in TRAIN_MODES[1:]:
         r = results.get(mode)
         if not r or not native:
             continue
         diffs = [abs(a - b) for a, b in zip(r["losses"], native["losses"], strict=False)]
+        separate = r["median_step_s"] / native["median_step_s"]
+        timed = side.get(mode) and side.get("native")
         summary["train"][mode] = {
             "losses_identical": r["losses"] == native["losses"],
             "max_loss_abs_diff": max(diffs) if diffs else None,
-            "step_time_ratio": r["median_step_s"] / native["median_step_s"],
+            # the goal's figure: side by side in one process when that ran
+            "step_time_ratio": side[mode]["median_step_s"] / side["native"]["median_step_s"] if timed else separate,
+            "step_time_from": INTERLEAVED if timed else "separate processes",
+            "step_time_ratio_separate": separate,
+            "interleaved_losses_identical": side[mode]["losses"] == side["native"]["losses"] if timed else None,
             "peak_reserved_ratio": r["peak_reserved"] / native["peak_reserved"],
             "reentry_device_allocs": r.get("reentry_device_allocs"),
         }
-    ln, lr = results.get("loop-native"), results.get("loop-replacement")
+    ln, lr = loop_figures(results.get("loop-native")), loop_figures(results.get("loop-replacement"))
     if ln and lr:
         for variant in ("empty_del", "window32"):
             summary["loop"][variant] = lr[f"{variant}_ns_per_op"] / ln[f"{variant}_ns_per_op"]
+        summary["loop"]["native"], summary["loop"]["replacement"] = ln, lr
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device,
         "versions": versions,
-        "config": {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seq", "vocab", "embd", "layers", "heads", "seed", "loop_ops", "loop_backend")},
+        "config": {k: getattr(args, k) for k in ("steps", "warmup", "batch", "seq", "vocab", "embd", "layers", "heads", "seed",
+                                                 "loop_ops", "loop_backend", "rounds", "interleaved")},
         "goals": GOALS,
         "summary": summary,
         "results": results,
@@ -299,6 +397,7 @@ def summarize(results: dict[str, Any], args: argparse.Namespace, device: dict[st
 def write_markdown(doc: dict[str, Any], path: Path) -> None:
     res, summ, cfg = doc["results"], doc["summary"], doc["config"]
     ok = lambda v, goal: "yes" if v is not None and v <= goal else "**no**"  # noqa: E731
+    side = (res.get(INTERLEAVED) or {}).get("runs", {})
     lines = [
         f"# GPT-2 training with gpumempool.mempool on {doc['device']['name']}",
         "",
@@ -309,38 +408,54 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
         "deterministic kernels. Median step time after "
         f"{cfg['warmup']} warm-up steps. Pools are entered with `gmp.mempool(pool, all_threads=True)`.",
         "",
+        "Each mode first trains alone in its own process: its losses (compared with native's), peak reserved "
+        "bytes and re-entry cost come from that run. "
+        + ("The step times come from one more process that trains one model per mode on the same batches, a "
+           "step of each in turn (the order rotating), so that drift of the machine hits every mode alike; "
+           "the median of the separate runs is shown for comparison."
+           if side else "The step times are the medians of the separate runs (no side-by-side run)."),
+        "",
         *([f"**Partial results**: {doc['partial']} ran (the run was cut short).", ""] if doc.get("partial") else []),
-        "| mode | median step (ms) | vs native (goal <= 1.02) | peak reserved (MiB) | vs native (goal <= 1.0) | losses identical | raw allocs on re-entry |",
-        "|---|---:|---:|---:|---:|---|---:|",
+        "| mode | median step (ms) | vs native (goal <= 1.02) | separate runs: ms, vs native | peak reserved (MiB) "
+        "| vs native (goal <= 1.0) | losses identical | raw allocs on re-entry |",
+        "|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for mode in TRAIN_MODES:
         r = res.get(mode)
         if not r:
-            lines.append(f"| {mode} | not run | | | | | |")
+            lines.append(f"| {mode} | not run | | | | | | |")
             continue
         s = summ["train"].get(mode, {})
-        st = s.get("step_time_ratio")
-        pr = s.get("peak_reserved_ratio")
+        st, sep, pr = s.get("step_time_ratio"), s.get("step_time_ratio_separate"), s.get("peak_reserved_ratio")
+        step_ms = (side.get(mode) or r)["median_step_s"] * 1e3
+        same = s.get("losses_identical", "-")
+        if s.get("interleaved_losses_identical") is False:
+            same = f"{same} (side by side: **False**)"
         lines.append(
-            f"| {mode} | {r['median_step_s'] * 1e3:.2f} | "
+            f"| {mode} | {step_ms:.2f} | "
             + (f"{st:.3f} ({ok(st, GOALS['step_time_ratio'])})" if st is not None else "-")
+            + f" | {r['median_step_s'] * 1e3:.2f}" + (f", {sep:.3f}" if sep is not None else "")
             + f" | {r['peak_reserved'] / MiB:.0f} | "
             + (f"{pr:.3f} ({ok(pr, GOALS['peak_reserved_ratio'])})" if pr is not None else "-")
-            + f" | {s.get('losses_identical', '-')} | {r.get('reentry_device_allocs', '-')} |"
+            + f" | {same} | {r.get('reentry_device_allocs', '-')} |"
         )
+    ln, lr = summ["loop"].get("native"), summ["loop"].get("replacement")
+    rounds = f"{ln['rounds']} processes per mode, alternated" if ln and lr else f"{cfg.get('rounds')} processes per mode"
     lines += [
         "",
         f"Full replacement (`gmp.set_torch_allocator`, {cfg['loop_backend']} backend): `torch.empty(n)` + `del` "
-        f"over {cfg['loop_ops']} sizes from 512 B to 16 MiB (best of 3 passes).",
+        f"over {cfg['loop_ops']} sizes from 512 B to 16 MiB; each process takes its best of 3 passes, and the "
+        f"figures are the medians over {rounds} (every process's figure in brackets).",
         "",
         "| loop | native (ns/op) | replacement (ns/op) | ratio (goal <= 1.3) |",
         "|---|---:|---:|---:|",
     ]
-    ln, lr = res.get("loop-native"), res.get("loop-replacement")
     for variant, label in (("empty_del", "empty then del"), ("window32", "32 tensors alive")):
         if ln and lr:
             ratio = summ["loop"][variant]
-            lines.append(f"| {label} | {ln[f'{variant}_ns_per_op']:.0f} | {lr[f'{variant}_ns_per_op']:.0f} | "
+            each = lambda f: ", ".join(f"{v:.0f}" for v in f[f"{variant}_all"])  # noqa: E731
+            lines.append(f"| {label} | {ln[f'{variant}_ns_per_op']:.0f} ({each(ln)}) | "
+                         f"{lr[f'{variant}_ns_per_op']:.0f} ({each(lr)}) | "
                          f"{ratio:.2f} ({ok(ratio, GOALS['loop_ratio'])}) |")
         else:
             lines.append(f"| {label} | not run | | |")
@@ -371,6 +486,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     _gpu_env.add_model_args(ap, batch=16, embd=512, heads=8)
     ap.add_argument("--loop-ops", type=int, default=20000, help="torch.empty/del operations of the loop (default 20000)")
     ap.add_argument("--loop-backend", default="cuda", help="gpumempool backend of the full replacement (default cuda)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="processes per loop mode, alternated; the ratio is of their medians (default 3)")
+    ap.add_argument("--no-interleaved", dest="interleaved", action="store_false",
+                    help="skip the run that times the training modes side by side (the step-time ratio then "
+                    "compares separate processes)")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per worker process (default 240)")
     ap.add_argument("--modes", default=",".join(TRAIN_MODES + LOOP_MODES),
                     help="comma-separated subset of " + ",".join(TRAIN_MODES + LOOP_MODES))
@@ -379,11 +499,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, not {args.rounds}")
     args.passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--worker")]
 
     if args.worker:
-        fn = worker_loop if args.worker.startswith("loop-") else worker_train
-        res = fn(args.worker, args)
+        if args.worker.startswith(INTERLEAVED + ":"):
+            res = worker_interleaved(args.worker.split(":", 1)[1].split(","), args)
+        else:
+            fn = worker_loop if args.worker.startswith("loop-") else worker_train
+            res = fn(args.worker, args)
         Path(args.worker_out).write_text(json.dumps(res))
         return 0
 
@@ -412,7 +537,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     wanted = [m for m in args.modes.split(",") if m]
     results: dict[str, Any] = {}
     skipped: dict[str, str] = {}
-    for mode in wanted:
+    bad = [m for m in wanted if m not in TRAIN_MODES + LOOP_MODES]
+    if bad:
+        ap.error(f"unknown mode(s) {', '.join(bad)}; modes: {', '.join(TRAIN_MODES + LOOP_MODES)}")
+    train = [m for m in TRAIN_MODES if m in wanted]
+    loops = [m for m in LOOP_MODES if m in wanted]
+    planned = len(train) + (1 if args.interleaved and len(train) > 1 else 0) + len(loops) * args.rounds
+    done = 0
+
+    def checkpoint() -> None:
+        # what has run so far, in case the caller's time limit kills the rest
+        if done < planned and "native" in results:
+            write_results(results, skipped, args, dev, versions, caps, partial=f"{done} of {planned} runs")
+
+    for mode in train:
         if mode.startswith("mempool-"):
             backend = mode.split("-", 1)[1]
             if backend not in gmp.backends():
@@ -424,14 +562,31 @@ def main(argv: Optional[list[str]] = None) -> int:
                 skipped[mode] = f"{backend} backend unavailable: {exc}"
                 continue
         r = run_worker(mode, args)
+        done += 1
         if r is None:
             skipped[mode] = "worker failed (see its output above)"
         else:
             results[mode] = r
-        if len(results) + len(skipped) < len(wanted) and "native" in results:
-            # what has run so far, in case the caller's time limit kills the rest
-            write_results(results, skipped, args, dev, versions, caps,
-                          partial=f"{len(results) + len(skipped)} of {len(wanted)} modes")
+        checkpoint()
+    side_by_side = [m for m in train if m in results]
+    if args.interleaved and len(side_by_side) > 1 and "native" in side_by_side:
+        r = run_worker(f"{INTERLEAVED}:{','.join(side_by_side)}", args)
+        done += 1
+        if r is None:
+            skipped[INTERLEAVED] = "worker failed (see its output above)"
+        else:
+            results[INTERLEAVED] = r
+        checkpoint()
+    for rnd in range(args.rounds):
+        # alternate which mode goes first, so that neither always follows the other
+        for mode in loops if rnd % 2 == 0 else loops[::-1]:
+            r = run_worker(mode, args)
+            done += 1
+            if r is None:
+                skipped[mode] = "worker failed (see its output above)"
+            else:
+                results.setdefault(mode, {"mode": mode, "rounds": []})["rounds"].append(r)
+            checkpoint()
     for mode, why in skipped.items():
         say(f"skipped {mode}: {why}")
 

@@ -42,7 +42,12 @@ Workloads:
     recorded with benchmarks/record_traces.py). Runs on CPU.
 
 Every figure is reported as a ratio to native torch measured in the same run
-(for replays: to torch's recorded peak). A configuration that fails or times
+(for replays: to torch's recorded peak). Timing on a shared cloud machine
+drifts by 10-30 % from one process to the next, so each configuration runs
+in ``--rounds`` processes (default 3), the configurations alternating in an
+order that rotates every round, and the times reported are the medians over
+those processes (each one's figure is kept in the JSON); peaks are the
+largest of the rounds. A configuration that fails or times
 out is reported as such. Writes suite_gpu_<device>.json, .md and .png
 (matplotlib) to --out. Needs an NVIDIA GPU, torch with CUDA, transformers and
 CuPy (the cupy configuration is reported as failed without it); only
@@ -418,6 +423,38 @@ def run_replays(traces: list[Path], args: argparse.Namespace) -> list[dict[str, 
     return rows
 
 
+TIMED = ("empty_del_ns_per_op", "window32_ns_per_op", "median_step_s", "mean_step_s")
+PEAKS = ("peak_reserved", "device_used_peak", "device_used_peak_at_step_end", "outside_pool_peak_reserved",
+         "torch_max_allocated")
+
+
+def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's processes (rounds) as one result: the first
+    one's fields, times replaced by their median over the rounds (each
+    round's in <key>_all), peaks by their largest; failed rounds are listed
+    in round_errors, and all of them failing is the first one's error."""
+    ok = [r for r in rounds if "error" not in r]
+    if not ok:
+        return dict(rounds[0])
+    res = dict(ok[0])
+    res["rounds"] = len(ok)
+    for k in TIMED:
+        values = [r[k] for r in ok if r.get(k) is not None]
+        if values:
+            res[k] = statistics.median(values)
+            res[f"{k}_all"] = values
+    for k in PEAKS:
+        values = [r[k] for r in ok if r.get(k) is not None]
+        if values:
+            res[k] = max(values)
+    if "losses" in res:
+        res["losses_same_every_round"] = all(r.get("losses") == res["losses"] for r in ok)
+    errors = [r["error"] for r in rounds if "error" in r]
+    if errors:
+        res["round_errors"] = errors
+    return res
+
+
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     if a is None or b is None or not b:
         return None
@@ -472,8 +509,9 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
         f"{doc['date']}; torch {doc['versions'].get('torch', '?')}, CUDA {doc['versions'].get('cuda', '?')}, "
         f"CuPy {doc['versions'].get('cupy', '?')}, RMM {doc['versions'].get('rmm', '-')}, "
         f"gpumempool {doc['versions'].get('gpumempool', '?')}; "
-        f"gpumempool pools use the `{cfg['backend']}` backend. Each configuration ran in its own process; "
-        "ratios are to native torch in this run (< 1: less time or memory).",
+        f"gpumempool pools use the `{cfg['backend']}` backend. Each configuration ran in "
+        f"{cfg.get('rounds', 1)} processes of its own, alternating with the others; times are medians over those "
+        "processes, peaks the largest; ratios are to native torch in this run (< 1: less time or memory).",
     ]
     if doc.get("partial"):
         lines += ["", f"**Partial results**: {doc['partial']} (the run was cut short; these are the runs that ended)."]
@@ -638,7 +676,7 @@ def build_doc(args: argparse.Namespace, configs: list[str], device: str, results
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device,
         "versions": vers,
-        "config": {k: getattr(args, k) for k in ("backend", "loop_ops", "rmm_initial_pool", "steps", "warmup", "batch",
+        "config": {k: getattr(args, k) for k in ("backend", "rounds", "loop_ops", "rmm_initial_pool", "steps", "warmup", "batch",
                                                  "seq", "vocab", "embd", "layers", "heads", "seed", "timeout")},
         "configs": configs,
         "goals": GOALS,
@@ -677,6 +715,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="directory of *.trace.gz to replay (repeatable; default benchmarks/traces)")
     ap.add_argument("--backend", default="cuda", help="gpumempool backend of gmp-context/gmp-replace (default cuda)")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per worker process (default 240)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="processes per configuration and GPU workload, alternated; times are their medians (default 3)")
     ap.add_argument("--loop-ops", type=int, default=20000)
     ap.add_argument("--rmm-initial-pool", type=int, default=2 * MiB,
                     help="bytes RMM's pool starts with (a multiple of 256; default 2 MiB)")
@@ -686,6 +726,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, not {args.rounds}")
     raw_argv = list(argv if argv is not None else sys.argv[1:])
     args.passthrough, skip = [], False
     for a in raw_argv:  # drop --worker*, --out, --traces and their values
@@ -727,12 +769,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     say(f"device: {device}; " + ", ".join(f"{k} {v}" for k, v in vers.items()))
 
     results: dict[str, dict[str, Any]] = {}
-    runs = [(c, w) for w in gpu_work for c in configs]
+    runs: list[tuple[str, str]] = []
+    for rnd in range(args.rounds):
+        for w in gpu_work:
+            # rotate the order, so that no configuration always runs first or after the same one
+            order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]
+            runs += [(c, w) for c in order if not (w == "gpt2" and c == "cupy")]
+    if "gpt2" in gpu_work and "cupy" in configs:
+        skipped["cupy:gpt2"] = "torch workload; not applicable to CuPy"
+    each: dict[str, list[dict[str, Any]]] = {}
     for i, (config, workload) in enumerate(runs, 1):
-        if workload == "gpt2" and config == "cupy":
-            skipped["cupy:gpt2"] = "torch workload; not applicable to CuPy"
-            continue
-        results[f"{config}:{workload}"] = run_worker(config, workload, args)
+        key = f"{config}:{workload}"
+        each.setdefault(key, []).append(run_worker(config, workload, args))
+        results[key] = combine_rounds(each[key])
         # what has run so far, in case the caller's time limit kills the rest
         doc = build_doc(args, configs, device, results, [], skipped, vers)
         doc["partial"] = f"{i} of {len(runs)} GPU runs" + (" (trace replays not run yet)" if "replay" in workloads else "")
@@ -749,7 +798,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     paths = write_outputs(doc, Path(args.out))
     print(paths[1].read_text())
     say("wrote " + ", ".join(str(p) for p in paths))
-    failed = [k for k, r in results.items() if "error" in r]
+    failed = [k for k, r in results.items() if "error" in r or r.get("round_errors")]
     failed += [f"replay {r['trace']}" for r in replays if any("error" in v for v in r["policies"].values())]
     if failed:
         say("failed: " + ", ".join(failed))

@@ -273,7 +273,7 @@ def test_record_traces_conversion_and_summary(tmp_path: Path) -> None:
 def test_suite_report_and_chart_from_results(tmp_path: Path) -> None:
     sg = load(PY_SCRIPTS[1])
     args = sg.argparse.Namespace(backend="cuda", loop_ops=100, rmm_initial_pool=2 * MiB, steps=20, warmup=5, batch=4,
-                                 seq=64, vocab=512, embd=64, layers=2, heads=2, seed=1, timeout=60)
+                                 seq=64, vocab=512, embd=64, layers=2, heads=2, seed=1, timeout=60, rounds=3)
     loop = lambda c, t, r: {"config": c, "workload": "loop", "empty_del_ns_per_op": t,  # noqa: E731
                             "window32_ns_per_op": 2 * t, "peak_reserved": r, "device_used_peak": r + MiB}
     gpt2 = lambda c, s, r: {"config": c, "workload": "gpt2", "median_step_s": s, "peak_reserved": r,  # noqa: E731
@@ -317,10 +317,34 @@ def test_suite_report_and_chart_from_results(tmp_path: Path) -> None:
     assert len(paths) == 2 and "**Partial results**: 3 of 10 GPU runs" in paths[1].read_text()
 
 
+def test_suite_combines_rounds_by_median_time_and_largest_peak() -> None:
+    sg = load(PY_SCRIPTS[1])
+    rounds = [
+        {"config": "gmp-replace", "workload": "loop", "empty_del_ns_per_op": 5600.0, "window32_ns_per_op": 5700.0,
+         "peak_reserved": 100, "device_used_peak": 120},
+        {"config": "gmp-replace", "workload": "loop", "empty_del_ns_per_op": 3000.0, "window32_ns_per_op": 3200.0,
+         "peak_reserved": 100, "device_used_peak": 130},
+        {"config": "gmp-replace", "workload": "loop", "error": "timed out after 60 s"},
+        {"config": "gmp-replace", "workload": "loop", "empty_del_ns_per_op": 3100.0, "window32_ns_per_op": 3150.0,
+         "peak_reserved": 110, "device_used_peak": 125},
+    ]
+    r = sg.combine_rounds(rounds)
+    assert r["rounds"] == 3 and r["round_errors"] == ["timed out after 60 s"]
+    assert r["empty_del_ns_per_op"] == 3100.0 and r["empty_del_ns_per_op_all"] == [5600.0, 3000.0, 3100.0]
+    assert r["window32_ns_per_op"] == 3200.0
+    assert r["peak_reserved"] == 110 and r["device_used_peak"] == 130
+    assert "error" not in r
+    assert sg.combine_rounds(rounds[2:3]) == rounds[2]  # every round failed: that is the result
+    gpt2 = [{"median_step_s": s, "losses": losses} for s, losses in ((0.03, [2.0, 1.5]), (0.02, [2.0, 1.5]),
+                                                                       (0.025, [2.0, 1.4]))]
+    r = sg.combine_rounds(gpt2)
+    assert r["median_step_s"] == 0.025 and r["losses"] == [2.0, 1.5] and r["losses_same_every_round"] is False
+
+
 def test_gpt2_report_partial_and_complete(tmp_path: Path) -> None:
     g2 = load(PY_SCRIPTS[2])
     args = g2.argparse.Namespace(steps=20, warmup=5, batch=4, seq=64, vocab=512, embd=64, layers=2, heads=2, seed=1,
-                                 loop_ops=100, loop_backend="cuda", out=str(tmp_path))
+                                 loop_ops=100, loop_backend="cuda", out=str(tmp_path), rounds=2, interleaved=True)
     run = lambda s, r, losses: {"median_step_s": s, "peak_reserved": r, "losses": losses,  # noqa: E731
                                 "reentry_device_allocs": 0}
     dev = {"name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-x", "total_bytes": 80 << 30}
@@ -332,16 +356,34 @@ def test_gpt2_report_partial_and_complete(tmp_path: Path) -> None:
     assert "| loop | native (ns/op)" in md and "| empty then del | not run | | |" in md
     results["mempool-vmm"] = run(0.0203, 990 * MiB, [2.0, 1.5])
     results["mempool-nccl"] = run(0.021, 1010 * MiB, [2.0, 1.4])
-    results["loop-native"] = {"empty_del_ns_per_op": 1000.0, "window32_ns_per_op": 2000.0}
-    results["loop-replacement"] = {"empty_del_ns_per_op": 1200.0, "window32_ns_per_op": 2800.0}
+    loop = lambda t, w: {"empty_del_ns_per_op": t, "window32_ns_per_op": w}  # noqa: E731
+    results["loop-native"] = {"rounds": [loop(1000.0, 2000.0), loop(1100.0, 2000.0)]}
+    results["loop-replacement"] = {"rounds": [loop(1200.0, 2800.0), loop(4000.0, 2800.0)]}
     doc, out, stem = g2.write_results(results, {}, args, dev, {"torch": "2.11"}, caps)
     md = (out / f"{stem}.md").read_text()
     assert "Partial" not in md and "partial" not in json.loads((out / f"{stem}.json").read_text())
     train = doc["summary"]["train"]
     assert train["mempool-vmm"]["losses_identical"] is True and train["mempool-nccl"]["losses_identical"] is False
     assert train["mempool-vmm"]["step_time_ratio"] == pytest.approx(1.015)
+    assert train["mempool-vmm"]["step_time_from"] == "separate processes"
     assert "1.015 (yes)" in md and "1.050 (**no**)" in md and "1.010 (**no**)" in md  # nccl misses both goals
-    assert "| 32 tensors alive | 2000 | 2800 | 1.40 (**no**) |" in md
+    # the loop: medians over the rounds (1050 and 2600 ns), every round's figure shown
+    assert doc["summary"]["loop"]["empty_del"] == pytest.approx(2600 / 1050)
+    assert "| empty then del | 1050 (1000, 1100) | 2600 (1200, 4000) | 2.48 (**no**) |" in md
+    assert "| 32 tensors alive | 2000 (2000, 2000) | 2800 (2800, 2800) | 1.40 (**no**) |" in md
+    # the side-by-side run, when it ran, gives the step-time figure; the separate runs stay beside it
+    side = lambda s, losses: {"median_step_s": s, "losses": losses}  # noqa: E731
+    results["interleaved"] = {"mode": "interleaved", "runs": {
+        "native": side(0.030, [2.0, 1.5]), "mempool-vmm": side(0.0303, [2.0, 1.5]), "mempool-nccl": side(0.0297, [2.0, 1.6])}}
+    doc, out, stem = g2.write_results(results, {}, args, dev, {"torch": "2.11"}, caps)
+    md = (out / f"{stem}.md").read_text()
+    train = doc["summary"]["train"]
+    assert train["mempool-vmm"]["step_time_ratio"] == pytest.approx(1.01)
+    assert train["mempool-vmm"]["step_time_ratio_separate"] == pytest.approx(1.015)
+    assert train["mempool-nccl"]["step_time_ratio"] == pytest.approx(0.99) and train["mempool-nccl"]["step_time_from"] == "interleaved"
+    assert train["mempool-nccl"]["interleaved_losses_identical"] is False
+    assert "| mempool-vmm | 30.30 | 1.010 (yes) | 20.30, 1.015 |" in md
+    assert "(side by side: **False**)" in md
 
 
 def test_suite_replays_the_shipped_traces_on_cpu(tmp_path: Path) -> None:

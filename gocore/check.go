@@ -117,6 +117,11 @@ func (p *Pool) CheckInvariants() error {
 		if n := d.indexedCount(); n != indexed {
 			bad("device %d: %d blocks indexed as free, %d free blocks in segments", d.id, n, indexed)
 		}
+		for st, f := range d.streams {
+			if err := f.small.bitmapError(); err != nil {
+				bad("device %d stream %#x: %v", d.id, uint64(st), err)
+			}
+		}
 		for i, s := range d.wholeFree {
 			if s.first == nil || s.first != s.last || !s.first.inFree {
 				bad("device %d: segment %#x is listed as wholly free but is not one free block", d.id, s.addr)
@@ -185,6 +190,22 @@ func (d *deviceState) isIndexed(b *block) bool {
 	}
 	got, ok := f.large.Get(b)
 	return ok && got == b
+}
+
+// bitmapError says how the small bins' bitmaps disagree with the bins
+// (nil when they agree): bestFit trusts them to find a class's blocks.
+func (s *smallBins) bitmapError() error {
+	for w, word := range s.nonEmpty {
+		for i := range 64 {
+			if has, set := len(s.bins[w*64+i]) > 0, word&(1<<i) != 0; has != set {
+				return fmt.Errorf("small class %d: %d free blocks, bitmap bit %v", w*64+i, len(s.bins[w*64+i]), set)
+			}
+		}
+		if set := s.nonEmptyWords&(1<<w) != 0; set != (word != 0) {
+			return fmt.Errorf("small bitmap word %d is %#x, summary bit %v", w, word, set)
+		}
+	}
+	return nil
 }
 
 func (d *deviceState) indexedCount() int {

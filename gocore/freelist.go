@@ -13,10 +13,17 @@ import (
 // however fragmented the pool is.
 type smallBins struct {
 	nonEmpty [smallClasses / 64]uint64
-	bins     [smallClasses][]*block
+	// Bit w is set while nonEmpty[w] is not zero: a block far above the
+	// requested class (typically a whole free 2 MiB segment, the last
+	// class) is found without scanning the words in between.
+	nonEmptyWords uint64
+	bins          [smallClasses][]*block
 }
 
 const smallClasses = SmallBuffer / MinBlockSize
+
+// nonEmptyWords has a bit per word of nonEmpty.
+var _ [64 - smallClasses/64]struct{}
 
 func smallClass(size uint64) int { return int(size/MinBlockSize) - 1 }
 
@@ -27,6 +34,7 @@ func (s *smallBins) insert(b *block) {
 	siftUp(h, b.heapIdx)
 	s.bins[c] = h
 	s.nonEmpty[c/64] |= 1 << (c % 64)
+	s.nonEmptyWords |= 1 << (c / 64)
 }
 
 func (s *smallBins) remove(b *block) {
@@ -47,6 +55,9 @@ func (s *smallBins) remove(b *block) {
 	s.bins[c] = h
 	if len(h) == 0 {
 		s.nonEmpty[c/64] &^= 1 << (c % 64)
+		if s.nonEmpty[c/64] == 0 {
+			s.nonEmptyWords &^= 1 << (c / 64)
+		}
 	}
 	b.heapIdx = -1
 }
@@ -57,11 +68,12 @@ func (s *smallBins) bestFit(size uint64) *block {
 	c := smallClass(size)
 	w := c / 64
 	m := s.nonEmpty[w] &^ (1<<(c%64) - 1)
-	for m == 0 {
-		w++
-		if w == len(s.nonEmpty) {
+	if m == 0 {
+		above := s.nonEmptyWords &^ (1<<(w+1) - 1)
+		if above == 0 {
 			return nil
 		}
+		w = bits.TrailingZeros64(above)
 		m = s.nonEmpty[w]
 	}
 	return s.bins[w*64+bits.TrailingZeros64(m)][0]

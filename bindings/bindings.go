@@ -590,6 +590,26 @@ func simSetManualEvents(id int64, manual bool) (err error) {
 	return nil
 }
 
+// SimPlaceNext asks the pool's simulated device to put the next segment of
+// exactly size bytes on device offset bytes into its placement window
+// (size 0 withdraws the request; see gocore.SimBackend.PlaceNext). Replay
+// uses it to give segments the address order the recording allocator's
+// device gave them.
+//
+// ok is true when err is nil (see okOf).
+func SimPlaceNext(id, device int64, offset, size uint64) (ok bool, err error) {
+	return okOf(simPlaceNext(id, device, offset, size))
+}
+
+func simPlaceNext(id, device int64, offset, size uint64) (err error) {
+	defer guard(&err)
+	s, err := simOf(id)
+	if err != nil {
+		return err
+	}
+	return s.PlaceNext(int(device), offset, size)
+}
+
 // SimStats returns the simulated device's counters as JSON.
 func SimStats(id int64) (js string, err error) {
 	defer guard(&err)
@@ -601,7 +621,7 @@ func SimStats(id int64) (js string, err error) {
 	return marshal(map[string]any{"allocs": st.Allocs, "frees": st.Frees, "failed_allocs": st.FailedAllocs,
 		"failed_frees": st.FailedFrees, "live_segments": st.LiveSegments, "live_bytes": st.LiveBytes,
 		"events_created": st.EventsCreated, "live_events": st.LiveEvents, "expansions": st.Expansions,
-		"shrinks": st.Shrinks})
+		"shrinks": st.Shrinks, "placed": st.Placed})
 }
 
 // Devices lists the machine's NVIDIA devices as JSON

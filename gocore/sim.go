@@ -126,6 +126,8 @@ type SimStats struct {
 	Expansions uint64
 	// Shrinks counts successful Shrink calls.
 	Shrinks uint64
+	// Placed counts Allocs that returned the address PlaceNext asked for.
+	Placed uint64
 }
 
 // SimSegment describes one live segment of a SimBackend.
@@ -151,6 +153,9 @@ type simDevice struct {
 	// reserved maps a segment start to the address space it holds when the
 	// backend is expandable (at least the rounded size).
 	reserved map[uint64]uint64
+	// place is the address PlaceNext asked for the next segment of
+	// placeSize bytes (placeSize 0: none).
+	place, placeSize uint64
 }
 
 // simStreamKey identifies a stream on a device.
@@ -427,6 +432,34 @@ func (b *SimBackend) allocLocked(device int, size uint64) (uint64, error) {
 	if b.cfg.Expandable {
 		span = max(rounded, b.reserve)
 	}
+	addr, ok := uint64(0), false
+	if dev.placeSize == size {
+		// One try: a placement that cannot be honoured (its range is taken)
+		// is dropped, and this segment goes where first fit puts it.
+		addr, ok = dev.takeAt(dev.place, span)
+		dev.place, dev.placeSize = 0, 0
+		if ok {
+			b.stats.Placed++
+		}
+	}
+	if !ok {
+		addr, ok = dev.takeFirstFit(span)
+	}
+	if !ok {
+		return 0, fmt.Errorf("sim: alloc of %d bytes on device %d: no contiguous free address range (%d of %d bytes in use): %w",
+			size, device, dev.used, b.cfg.Capacity, ErrBackendOutOfMemory)
+	}
+	if b.cfg.Expandable {
+		dev.reserved[addr] = span
+	}
+	dev.live[addr] = size
+	dev.used += size
+	return addr, nil
+}
+
+// takeFirstFit removes span bytes from the lowest free range that holds
+// them and returns their start.
+func (dev *simDevice) takeFirstFit(span uint64) (uint64, bool) {
 	for i := range dev.free {
 		r := &dev.free[i]
 		if r.end-r.start < span {
@@ -437,15 +470,84 @@ func (b *SimBackend) allocLocked(device int, size uint64) (uint64, error) {
 		if r.start == r.end {
 			dev.free = slices.Delete(dev.free, i, i+1)
 		}
-		if b.cfg.Expandable {
-			dev.reserved[addr] = span
-		}
-		dev.live[addr] = size
-		dev.used += size
-		return addr, nil
+		return addr, true
 	}
-	return 0, fmt.Errorf("sim: alloc of %d bytes on device %d: no contiguous free address range (%d of %d bytes in use): %w",
-		size, device, dev.used, b.cfg.Capacity, ErrBackendOutOfMemory)
+	return 0, false
+}
+
+// takeAt removes [addr, addr+span) from the free ranges if one free range
+// holds all of it.
+func (dev *simDevice) takeAt(addr, span uint64) (uint64, bool) {
+	end, carry := bits.Add64(addr, span, 0)
+	if carry != 0 {
+		return 0, false
+	}
+	// i is the last free range that starts at or before addr.
+	i := sort.Search(len(dev.free), func(i int) bool { return dev.free[i].start > addr }) - 1
+	if i < 0 || dev.free[i].end < end {
+		return 0, false
+	}
+	r := dev.free[i]
+	switch {
+	case r.start == addr && r.end == end:
+		dev.free = slices.Delete(dev.free, i, i+1)
+	case r.start == addr:
+		dev.free[i].start = end
+	case r.end == end:
+		dev.free[i].end = addr
+	default:
+		dev.free[i].end = addr
+		dev.free = slices.Insert(dev.free, i+1, simRange{start: end, end: r.end})
+	}
+	return addr, true
+}
+
+// PlaceNext asks that the next segment of exactly size bytes that Alloc
+// hands out on device start offset bytes into the device's placement
+// window: the upper half of its address range. First fit allocates from the
+// bottom of the range, so it leaves the window to placed segments, whose
+// addresses keep the order their offsets have. Replay uses it to give
+// segments the relative addresses the recording allocator's device gave
+// them: best fit breaks ties between free blocks of equal size by address,
+// so the order of segments decides which block is reused.
+//
+// The placement holds for one Alloc of that size on device (Allocs of other
+// sizes leave it); if its range is not free then, or lies beyond the window,
+// that segment is placed by first fit instead. size 0 withdraws the
+// placement. offset must be a multiple of Alignment.
+func (b *SimBackend) PlaceNext(device int, offset, size uint64) error {
+	if err := b.checkDevice("place next segment", device); err != nil {
+		return err
+	}
+	if offset%b.cfg.Alignment != 0 {
+		return fmt.Errorf("sim: place next segment on device %d at offset %#x: not a multiple of the alignment %d: %w",
+			device, offset, b.cfg.Alignment, ErrInvalidArgument)
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	dev := &b.devices[device]
+	if size == 0 {
+		dev.place, dev.placeSize = 0, 0
+		return nil
+	}
+	start, half := b.placementWindow(device)
+	if offset >= half {
+		// Beyond the window: nothing can go there; first fit will serve it.
+		dev.place, dev.placeSize = 0, 0
+		return nil
+	}
+	dev.place, dev.placeSize = start+offset, size
+	return nil
+}
+
+// placementWindow returns the start and size of device's placement window,
+// the upper half of its range (stride is a multiple of 1 TiB and of the
+// alignment, so the middle is aligned unless the alignment is the whole
+// stride; then the window is empty).
+func (b *SimBackend) placementWindow(device int) (start, size uint64) {
+	lo := b.cfg.Base + uint64(device)*b.stride
+	mid, _ := simAlignUp(lo+b.stride/2, b.cfg.Alignment) // below the range's end, which is aligned
+	return mid, lo + b.stride - mid
 }
 
 // Free releases the segment at addr on device, which must be the start of a

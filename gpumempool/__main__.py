@@ -223,7 +223,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         try:
-            result = replay(trace, policy, progress=bar, recorded_policy=not args.no_recorded_policy)
+            result = replay(trace, policy, progress=bar, recorded_policy=not args.no_recorded_policy,
+                            recorded_addresses=not args.no_recorded_addresses)
         except (ValueError, TypeError) as exc:
             return _fail(str(exc), 2, json_out=args.json)
     notes = [str(w.message) for w in caught]
@@ -248,6 +249,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                           f"{result.device_frees:,} releases)"),
         ("cache-hit rate", f"{100 * result.cache_hit_rate:.2f} %"),
     ]
+    if result.recorded_segments:
+        rows.append(("segments placed",
+                     f"{result.placed_segments:,} of the recording's {result.recorded_segments:,} in its address order"))
     if result.recorded_peak_reserved is not None:
         who = result.recorded_by or "recording"
         rows.append((f"{who} peak reserved", format_bytes(result.recorded_peak_reserved)))
@@ -444,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--no-recorded-policy", action="store_true",
                      help="do not apply the recording allocator's settings (torch's max_split_size, "
                      "expandable_segments, roundup_power2_divisions) where --policy leaves them out")
+    rep.add_argument("--no-recorded-addresses", action="store_true",
+                     help="do not put segments in the address order the recording's device gave them (the "
+                     "trace's S records); best fit then breaks ties by the simulated device's own order")
     rep.add_argument("--format", choices=("auto", "trace", "snapshot"), default="auto",
                      help="input format (default: by extension and content)")
     rep.add_argument("--no-infer-empty-cache", action="store_true",

@@ -893,6 +893,22 @@ class MemPool:
         """Make the simulated device's events complete only on sim_complete()."""
         self._native(_b.SimSetManualEvents, self._handle(), _check_bool("manual", manual))
 
+    def sim_place_next(self, offset: Optional[int], size: int = 0, device: Any = 0) -> None:
+        """Put the next segment of exactly ``size`` bytes that the pool's
+        simulated device hands out on ``device`` ``offset`` bytes into the
+        device's placement window (the upper half of its address range, which
+        first-fit allocation leaves alone), so that segments keep the address
+        order of their offsets; ``offset=None`` or ``size=0`` withdraws the
+        request. It holds for one segment of that size; if its range is taken
+        then, that segment is placed first fit. Replays use it to give segments
+        the address order the recording allocator's device gave them, which
+        decides ties in best fit. ``offset`` must be a multiple of the
+        device's alignment (512 bytes unless configured)."""
+        if offset is None:
+            offset, size = 0, 0
+        self._native(_b.SimPlaceNext, self._handle(), _device_index(device), _check_int("offset", offset, 0, _U64),
+                     _check_int("size", size, 0, _U64))
+
     def sim_stats(self) -> dict[str, int]:
         """Counters of the pool's simulated device (calls, live segments)."""
         return json.loads(self._native(_b.SimStats, self._handle()))

@@ -17,10 +17,22 @@ work).
 The sim pool uses manual events, so ``record_stream`` in the trace is
 honoured: a block freed after ``r ID STREAM`` comes back only after an
 ``s STREAM`` (or ``s``) event; at the end every stream completes.
+
+Where the trace says where the recording's device put its segments (``S``
+records, from the snapshot's ``segment_alloc`` entries), the simulated
+device puts them in the same address order. Best fit takes the free block
+of the smallest size and, among equal sizes, the lowest address, so the
+order of segments decides which of several equal blocks a request splits,
+and with it what merges later. CUDA's addresses do not grow with each
+allocation (on an H100, torch's second 2 MiB segment came below its
+first), while the simulated device's do: without the recorded order a
+replay of the same policy can leave torch's decisions and reserve more or
+less than torch did for the same requests.
 """
 
 from __future__ import annotations
 
+import bisect
 import inspect
 import math
 import sys
@@ -55,6 +67,13 @@ _BOOL_KEYS = {"expandable"}
 _FRACTION_KEYS = {"garbage_collection_threshold"}
 #: Device size when neither the policy nor the trace names one: an 80 GB H100.
 DEFAULT_CAPACITY = 80 << 30
+#: Boundary at which each run of recorded segments starts when they are
+#: packed into the simulated device's placement window (CUDA aligns
+#: segments of 2 MiB and more to it).
+_PLACEMENT_RUN_ALIGN = 2 << 20
+#: The simulated device's address alignment (its default, which replay keeps):
+#: placements must be multiples of it.
+_SIM_ALIGNMENT = 512
 
 ProgressFn = Callable[[int, int], None]
 
@@ -258,6 +277,9 @@ class ReplayResult:
     recorded_by: Optional[str] = None  # whose reserved bytes the trace recorded
     recorded_peak_reserved: Optional[int] = None
     reserved_vs_recorded: Optional[float] = None  # peak_reserved / recorded_peak_reserved
+    # segments put in the recording's address order (trace S records), of recorded_segments
+    placed_segments: int = 0
+    recorded_segments: int = 0
     stats: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -287,6 +309,46 @@ class ReplayResult:
         return d
 
 
+def _placements(trace: Trace, devices: int) -> dict[int, list[tuple[int, int, int]]]:
+    """The recorded segments (``trace.segments``) by the index of the event
+    that obtained them, as ``(device, offset, size)`` with offsets into the
+    simulated device's placement window (:meth:`MemPool.sim_place_next`)
+    that keep their address order. The ranges of a device are packed: each
+    run of overlapping or touching ranges keeps its layout, the runs follow
+    each other in address order from 2 MiB boundaries, and the gaps between
+    them, which order nothing, go (CUDA's address space is sparse; the
+    window holds at least the device's capacity)."""
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    for _, dev, addr, size in trace.segments:
+        if dev < devices:
+            ranges.setdefault(dev, []).append((addr, addr + size))
+    runs: dict[int, tuple[list[int], list[int]]] = {}  # device -> (run starts, their offsets)
+    for dev, rs in ranges.items():
+        merged: list[list[int]] = []
+        for lo, hi in sorted(rs):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        starts, offsets, cursor = [], [], 0
+        for lo, hi in merged:
+            off = -(-cursor // _PLACEMENT_RUN_ALIGN) * _PLACEMENT_RUN_ALIGN
+            starts.append(lo)
+            offsets.append(off)
+            cursor = off + hi - lo
+        runs[dev] = (starts, offsets)
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for idx, dev, addr, size in trace.segments:
+        if dev >= devices:
+            continue
+        starts, offsets = runs[dev]
+        k = bisect.bisect_right(starts, addr) - 1
+        off = offsets[k] + addr - starts[k]
+        if off % _SIM_ALIGNMENT == 0:  # recorded addresses are; a hand-written trace's may not be
+            out.setdefault(idx, []).append((dev, off, size))
+    return out
+
+
 def replay(
     trace: Trace,
     policy: Union[Mapping[str, Any], str, Sequence[str], None] = None,
@@ -294,6 +356,7 @@ def replay(
     progress: Optional[ProgressFn] = None,
     progress_every: int = 10_000,
     recorded_policy: bool = True,
+    recorded_addresses: bool = True,
 ) -> ReplayResult:
     """Run ``trace`` on a fresh private sim pool configured by ``policy``
     (a dict with keys of :data:`POLICY_KEYS`, or ``"key=value"`` strings as
@@ -302,8 +365,13 @@ def replay(
     allocator had (``trace.meta["recorded_policy"]``, e.g. torch's
     max_split_size, expandable_segments and roundup_power2_divisions) fill
     in what ``policy`` leaves out, so that the comparison with torch's
-    recorded reserve is like for like. ``progress(done, total)`` is called
-    every ``progress_every`` events and at the end."""
+    recorded reserve is like for like. With ``recorded_addresses`` a segment
+    that the replay obtains while serving the event that the recording
+    obtained one of the same size for (``trace.segments``) goes where that
+    one went in the address order (see the module doc); not in expandable
+    replays, whose one growing segment per stream has no counterpart in the
+    recording. ``progress(done, total)`` is called every ``progress_every``
+    events and at the end."""
     if not isinstance(trace, Trace):
         raise TypeError(f"trace must be a Trace, got {type(trace).__name__}")
     pol = given = _check_policy(policy)
@@ -345,12 +413,23 @@ def replay(
     sizes: dict[int, int] = {}
     allocs = frees = ooms = skipped = 0
     cur = peak_req = 0
+    # An expandable replay grows one segment per stream: the recording's
+    # segments have no counterpart there.
+    placements = _placements(trace, devices) if recorded_addresses and not pol.get("expandable") else {}
+    placing: set[int] = set()  # devices with a placement asked for the next allocation
     start = time.perf_counter()
     step = max(1, int(progress_every))
     try:
         alloc, alloc_segment, free, record_stream = pool.alloc, pool.alloc_segment, pool.free, pool.record_stream
+        place = pool.sim_place_next
         for i, e in enumerate(events):
             t = type(e)
+            if placements and i in placements:
+                # The recording obtained these while serving event i (or, if
+                # the importer put an event before it, the next allocation).
+                for dev, offset, size in placements[i]:
+                    place(offset, size, dev)
+                    placing.add(dev)
             if t is Alloc:
                 allocs += 1
                 cur += e.size  # type: ignore[union-attr]
@@ -363,6 +442,10 @@ def replay(
                 except OutOfMemoryError:
                     ooms += 1
                     ptrs[e.id] = None  # type: ignore[union-attr]
+                if placing:  # a placement is for the allocation it was recorded in, not a later one
+                    for dev in placing:
+                        place(None, device=dev)
+                    placing.clear()
             elif t is Free:
                 ptr = ptrs.pop(e.id, None)  # type: ignore[union-attr]
                 cur -= sizes.pop(e.id, 0)  # type: ignore[union-attr]
@@ -388,6 +471,7 @@ def replay(
         pool.sim_complete()
         pool.process_events()
         stats = pool.stats()
+        placed = pool.sim_stats().get("placed", 0)
     finally:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", LeakWarning)
@@ -423,6 +507,8 @@ def replay(
         recorded_by=trace.recorded_by if recorded is not None else None,
         recorded_peak_reserved=recorded,
         reserved_vs_recorded=(peak_res / recorded) if recorded else None,
+        placed_segments=placed,
+        recorded_segments=len(trace.segments),
         stats=stats,
     )
 

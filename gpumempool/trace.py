@@ -6,12 +6,15 @@ free, record_stream, stream completion, empty_cache), with stable block ids
 instead of addresses, so that :func:`gpumempool.replay.replay` can feed the
 same requests to a pool with another policy and compare.
 
-File format ``gmptrace`` version 1
+File format ``gmptrace`` version 2
 ----------------------------------
 UTF-8 text, one record per line, fields separated by one space; gzip
 compressed when the file name ends in ``.gz``. The first line is the header
-``gmptrace 1``. Integers are decimal; streams may also be written in hex
-(``0x...``), and are when saved. Then, in any order:
+``gmptrace 2``, or ``gmptrace 1`` for a file without ``S`` records (version 1
+is version 2 without them, so that a trace without segment addresses stays
+readable by older readers, and is saved as version 1). Integers are decimal;
+streams may also be written in hex (``0x...``), and are when saved. Then, in
+any order:
 
 ``# text``
     a comment, ignored.
@@ -48,6 +51,16 @@ compressed when the file name ends in ``.gz``. The first line is the header
     of events before it; a point at INDEX 0 before any change is the start).
     Written just before that event; several may share an INDEX. Replay
     reports the peak of this series next to its own.
+``S INDEX ADDR SIZE [DEVICE]``
+    reference data, not replayed (version 2): while it served event INDEX the
+    recording allocator obtained the segment [ADDR, ADDR+SIZE) on DEVICE
+    (its ``segment_alloc``). Best fit breaks ties between free blocks of
+    equal size by address, so which block a request reuses depends on where
+    the device put each segment, and CUDA's addresses do not grow with each
+    allocation: replay puts a segment of the same size obtained while serving
+    the same event at the same place in the address order (see
+    :func:`gpumempool.replay.replay`). Written just before that event, after
+    its ``R`` records.
 
 Importers
 ---------
@@ -76,6 +89,11 @@ its dict). Both read the same torch-format ``device_traces``:
 * ``segment_alloc`` / ``segment_map`` add to and ``segment_free`` /
   ``segment_unmap`` subtract from the recorded reserved bytes (``R``),
   starting from the snapshot's segments minus what the trace changed.
+  ``segment_alloc`` entries also keep their address and size (``S``): the
+  address order of the segments decides which of several equal free blocks
+  best fit reuses. (Growths of expandable segments, ``segment_map``, are not
+  kept: a replay grows its own segment in place. The segments of blocks
+  allocated before the trace started have none.)
 * Neither allocator records ``empty_cache`` calls. For torch traces a run of
   segment releases that is not followed by a new segment (or an OOM) inside
   the same allocation is taken for an ``empty_cache()``; for gpumempool,
@@ -129,7 +147,10 @@ __all__ = [
 ]
 
 FORMAT = "gmptrace"
-VERSION = 1
+#: The newest version this module reads and writes (see the module doc).
+VERSION = 2
+#: The versions it reads.
+VERSIONS = (1, 2)
 #: Streams at or above this are virtual streams made by the importers.
 VIRTUAL_STREAM_BASE = 1 << 63
 _U64 = 1 << 64
@@ -226,11 +247,16 @@ class Trace:
     torch traces, torch's own): ``(index, device, bytes)`` points in order,
     meaning that reserved bytes on ``device`` became ``bytes`` while event
     ``index`` was served (the first point of a device is its start).
+
+    ``segments`` are the segments the recording allocator obtained, as
+    ``(index, device, addr, size)`` in order: while serving event ``index``
+    it got ``size`` bytes at ``addr`` on ``device`` (``S`` records).
     """
 
     events: list[Event] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     reserved: list[tuple[int, int, int]] = field(default_factory=list)
+    segments: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.events)
@@ -324,22 +350,24 @@ class Trace:
         return buf.getvalue()
 
     def _write(self, f: Any) -> None:
-        f.write(f"{FORMAT} {VERSION}\n")
+        f.write(f"{FORMAT} {VERSION if self.segments else 1}\n")
         if self.meta:
             f.write("@ " + json.dumps(self.meta, sort_keys=True, separators=(",", ":")) + "\n")
-        ref = sorted(self.reserved, key=lambda r: r[0])
+        # R then S records of each index, each in their own order.
+        ref = sorted([(r[0], 0, i, _ref_line(r)) for i, r in enumerate(self.reserved)]
+                     + [(g[0], 1, i, _segment_line(g)) for i, g in enumerate(self.segments)])
         j = 0
         buf: list[str] = []
         for i, e in enumerate(self.events):
             while j < len(ref) and ref[j][0] <= i:
-                buf.append(_ref_line(ref[j]))
+                buf.append(ref[j][3])
                 j += 1
             buf.append(_event_line(e))
             if len(buf) >= 8192:
                 f.write("\n".join(buf) + "\n")
                 buf.clear()
         while j < len(ref):
-            buf.append(_ref_line(ref[j]))
+            buf.append(ref[j][3])
             j += 1
         if buf:
             f.write("\n".join(buf) + "\n")
@@ -374,7 +402,7 @@ class Trace:
         header = next(it, "").rstrip("\n").split()
         if len(header) != 2 or header[0] != FORMAT:
             raise TraceFormatError(f"{name}: not a {FORMAT} file (first line must be '{FORMAT} {VERSION}')")
-        if header[1] != str(VERSION):
+        if header[1] not in [str(v) for v in VERSIONS]:
             raise TraceFormatError(f"{name}: {FORMAT} version {header[1][:20]} is not supported "
                                    f"(this reader: {VERSION})")
         tr = cls()
@@ -404,11 +432,17 @@ class Trace:
                 elif op == "R" and 3 <= n <= 4:
                     tr.reserved.append((_u64(parts[1]), _dev(parts[3]) if n == 4 else 0, _u64(parts[2])))
                     continue
+                elif op == "S" and 4 <= n <= 5 and header[1] != "1":
+                    tr.segments.append((_u64(parts[1]), _dev(parts[4]) if n == 5 else 0, _u64(parts[2]),
+                                        _size(parts[3])))
+                    continue
                 elif op == "@":
                     tr.meta.update(_parse_meta(line[1:]))
                     continue
                 elif op.startswith("#"):
                     continue
+                elif op == "S" and header[1] == "1":
+                    raise ValueError(f"S records need {FORMAT} 2 (this file says version 1)")
                 else:
                     raise ValueError(f"unknown record {op!r} with {n - 1} field(s)")
             except ValueError as exc:
@@ -480,6 +514,11 @@ def _parse_meta(text: str) -> dict[str, Any]:
 def _ref_line(r: tuple[int, int, int]) -> str:
     idx, dev, b = r
     return f"R {idx} {b}" if not dev else f"R {idx} {b} {dev}"
+
+
+def _segment_line(g: tuple[int, int, int, int]) -> str:
+    idx, dev, addr, size = g
+    return f"S {idx} {addr:#x} {size}" if not dev else f"S {idx} {addr:#x} {size} {dev}"
 
 
 def _int(text: str) -> int:
@@ -849,6 +888,9 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                         counts["inferred_empty_cache"] += 1
             reserved[d] = reserved.get(d, 0) + (e["size"] if grow else -e["size"])
             series.append((len(out), d, min(max(0, reserved[d]), _U64 - 1)))
+            if a == "segment_alloc" and e["size"] > 0:
+                # Where the device put it: replay keeps the segments' address order.
+                tr_out.segments.append((len(out), d, e.get("addr", 0), e["size"]))
         elif a == "oom":
             counts["recorded_ooms"] += 1
     while mi < len(marks):

@@ -86,6 +86,20 @@ def test_format_round_trip(tmp_path: Path, name: str) -> None:
     back.validate()
 
 
+def test_segment_records_round_trip(tmp_path: Path) -> None:
+    tr = sample_trace()
+    tr.segments = [(0, 0, 0x7FC437E00000, 2 * MiB), (1, 1, 0x7FC41D400000, 20 * MiB), (1, 0, 0x10000, 2 * MiB)]
+    text = tr.dumps()
+    # Version 2 only when there are S records; each comes after the R records of its index.
+    assert text.startswith("gmptrace 2\n")
+    assert "\nR 0 2097152\nS 0 0x7fc437e00000 2097152\na 1 1000 0\n" in text
+    assert "\nR 1 20971520 1\nS 1 0x7fc41d400000 20971520 1\nS 1 0x10000 2097152\na 2 " in text
+    tr.save(tmp_path / "t.trace.gz")
+    back = Trace.load(tmp_path / "t.trace.gz")
+    assert back.segments == tr.segments and back.events == tr.events and back.reserved == tr.reserved
+    assert sample_trace().dumps().startswith("gmptrace 1\n")  # readable by version-1 readers
+
+
 def test_gzip_output_is_reproducible(tmp_path: Path) -> None:
     sample_trace().save(tmp_path / "a.trace.gz")
     sample_trace().save(tmp_path / "b.trace.gz")
@@ -96,7 +110,9 @@ def test_gzip_output_is_reproducible(tmp_path: Path) -> None:
     "text, message",
     [
         ("hello\n", "not a gmptrace file"),
-        ("gmptrace 2\na 1 10 0\n", "version 2 is not supported"),
+        ("gmptrace 3\na 1 10 0\n", "version 3 is not supported"),
+        ("gmptrace 1\nS 0 0x7f0000000000 2097152\n", "S records need gmptrace 2"),
+        ("gmptrace 2\nS 0 0x7f0000000000 0\n", "size 0 out of range"),
         ("gmptrace 1\na 1 -5 0\n", ":2:"),
         ("gmptrace 1\na 0 5 0\n", "block ids are positive"),
         ("gmptrace 1\nf 1\nx 3\n", "unknown record 'x'"),
@@ -390,8 +406,10 @@ def test_multi_device_torch_snapshot() -> None:
     assert tr.events == [Alloc(1, 512, 0, 0), Alloc(2, 8 * MiB, 0, 1), Free(1)]
     assert tr.meta["devices"] == 2
     assert tr.recorded_peak_reserved() == 22 * MiB
+    assert tr.segments == [(0, 0, A, 2 * MiB), (1, 1, A, 20 * MiB)]  # where torch's device put them
     res = replay(tr)
     assert res.peak_reserved == 22 * MiB  # a 2 MiB small segment on device 0, 20 MiB on device 1
+    assert (res.placed_segments, res.recorded_segments) == (2, 2)
 
 
 def test_our_own_snapshot_pickle_imports_like_history(tmp_path: Path) -> None:
@@ -568,6 +586,80 @@ def test_replay_with_garbage_collection_threshold() -> None:
     assert gc.peak_reserved == 90 * MiB and gc.policy["garbage_collection_threshold"] == 0.5
     with pytest.raises(TypeError):
         replay(Trace.loads(text), {"garbage_collection_threshold": "high"})
+
+
+# The first decision in which a replay of torch's gpt2-train trace left torch's
+# (entry 1246 of its history): two free small blocks of equal size in two
+# 2 MiB segments; best fit takes the one at the lower address. CUDA had put
+# the second segment (B) below the first (A); the simulated device, placing
+# segments by first fit, put it above. The replay then split A's block,
+# which could no longer merge into a block big enough for a later request,
+# and reserved a segment more than torch (1,138 vs 1,136 MiB on that trace).
+TIE_TRACE = """gmptrace 2
+R 0 0
+R 0 2097152
+S 0 {a:#x} 2097152
+a 1 524288 0
+a 2 524288 0
+a 3 1048576 0
+R 3 4194304
+S 3 {b:#x} 2097152
+a 4 524288 0
+a 5 1048576 0
+a 6 524288 0
+f 1
+f 4
+a 7 262144 0
+f 2
+a 8 1048576 0
+"""
+
+
+def test_replay_keeps_the_recorded_segment_order() -> None:
+    torch_order = Trace.loads(TIE_TRACE.format(a=0x7FC437E00000, b=0x7FC41D400000))  # H100 addresses, B below A
+    res = replay(torch_order)
+    assert (res.placed_segments, res.recorded_segments) == (2, 2)
+    assert res.peak_reserved == torch_order.recorded_peak_reserved() == 4 * MiB, "a 7 reuses B's block, as torch did"
+    # Without the recorded order, the simulated device's own (B above A) decides.
+    blind = replay(torch_order, recorded_addresses=False)
+    assert blind.placed_segments == 0 and blind.peak_reserved == 6 * MiB
+    # The replay follows the recorded order, whichever it is.
+    ascending = Trace.loads(TIE_TRACE.format(a=0x7FC41D400000, b=0x7FC437E00000))
+    assert replay(ascending).peak_reserved == 6 * MiB
+    # An expandable replay grows its own segment: nothing to place.
+    assert replay(torch_order, {"expandable": True}).placed_segments == 0
+
+
+def test_placement_needs_the_same_size_and_a_free_range() -> None:
+    with gmp.MemPool("sim", capacity=1 << 30) as pool:
+        pool.sim_place_next(4 * MiB, 2 * MiB)
+        big = pool.alloc(3 * MiB)  # a 20 MiB segment: not the size asked for, first fit
+        high = pool.alloc(1000)  # the 2 MiB small segment, in the placement window
+        pool.sim_place_next(0, 2 * MiB)
+        pool.sim_place_next(None)  # withdrawn
+        low = pool.alloc(MiB + 512)  # 20 MiB: best fit in big's segment, no new segment
+        assert pool.sim_stats()["placed"] == 1
+        assert big < high and high - big > 1 << 38  # the window is the upper half of the range
+        assert low == big + 3 * MiB
+        with pytest.raises(gmp.InvalidArgumentError, match="alignment"):
+            pool.sim_place_next(100, 2 * MiB)
+        for p in (big, high, low):
+            pool.free(p)
+
+
+def test_shipped_torch_traces_replay_like_torch() -> None:
+    # Recorded with torch 2.11's native allocator on an H100, with the
+    # addresses of its segments: the default policy reproduces torch's peak.
+    for name in ("gpt2-train", "cnn-train", "gpt2-infer"):
+        tr = Trace.load(SHIPPED.parent / f"{name}.trace.gz")
+        assert tr.recorded_by == "torch" and tr.segments
+        res = replay(tr)
+        assert res.reserved_vs_recorded == 1.0, name
+        assert res.placed_segments == res.recorded_segments == len(tr.segments)
+    # gpt2-train is the one whose ties the segment order decides: in the
+    # simulated device's own order the replay needs a 2 MiB segment more.
+    train = Trace.load(SHIPPED.parent / "gpt2-train.trace.gz")
+    assert replay(train, recorded_addresses=False).peak_reserved == train.recorded_peak_reserved() + 2 * MiB
 
 
 def test_shipped_synthetic_trace_replays_exactly() -> None:

@@ -1,11 +1,12 @@
-"""What the GPU benchmark scripts share (record_traces.py, suite_gpu.py and
-gpt2_train.py import it from their own folder): the checks made before they
-start, the options of the small GPT-2 they train, and the timed
-allocation loop."""
+"""What the GPU benchmark scripts share (record_traces.py, suite_gpu.py,
+gpt2_train.py and gpu_stress.py import it from their own folder): the checks
+made before they start, the options of the small GPT-2 they train, the timed
+allocation loop, and torch tensors over raw device memory."""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import time
 from typing import Any, Callable, Optional
 
@@ -85,3 +86,35 @@ def gpu_problem(need_transformers: bool = False) -> Optional[str]:
         except Exception as exc:  # noqa: BLE001
             return f"transformers is not installed ({exc})"
     return None
+
+
+class DLManagedTensor(ctypes.Structure):  # DLPack's DLTensor (device, dtype inlined) + manager_ctx, deleter
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
+                ("ndim", ctypes.c_int32), ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
+                ("lanes", ctypes.c_uint16), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("byte_offset", ctypes.c_uint64), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_capsule = ctypes.pythonapi.PyCapsule_New
+_capsule.restype, _capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_libc = ctypes.CDLL(None)
+_libc.malloc.restype, _libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+_DL = ctypes.sizeof(DLManagedTensor)
+
+
+def device_tensor(torch: Any, ptr: int, count: int, dtype: str) -> Any:
+    """A 1-d tensor of count int32 or uint8 (dtype) over device 0's memory at ptr, no copy.
+    DLPack names the device; with __cuda_array_interface__ torch would ask
+    cudaPointerGetAttributes. The struct and its shape are malloc'ed, libc's
+    free the deleter torch calls when the storage dies (not when Python drops
+    a reference: a Python-owned struct freed first would be read after free)."""
+    mem = _libc.malloc(_DL + 8)
+    if not mem:
+        raise MemoryError("malloc of a DLPack struct failed")
+    ctypes.c_int64.from_address(mem + _DL).value = count
+    dl = DLManagedTensor.from_address(mem)
+    dl.data, dl.device_type, dl.device_id, dl.ndim = ptr, 2, 0, 1  # kDLCUDA
+    dl.code, dl.bits, dl.lanes = {"int32": (0, 32, 1), "uint8": (1, 8, 1)}[dtype]  # kDLInt, kDLUInt
+    dl.shape, dl.strides, dl.byte_offset, dl.manager_ctx = mem + _DL, None, 0, None
+    dl.deleter = ctypes.cast(_libc.free, ctypes.c_void_p).value
+    return torch.utils.dlpack.from_dlpack(_capsule(mem, b"dltensor", None))

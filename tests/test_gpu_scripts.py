@@ -1,9 +1,10 @@
 """CPU checks of the scripts a GPU session runs: tools/build-gpu-wheel.sh,
-tools/gpu-check.sh, benchmarks/record_traces.py and benchmarks/suite_gpu.py.
-Their GPU work cannot run here; what can is checked: syntax, --help without
-torch, a clear "no GPU" refusal, gpu-check.sh without a wheel, and the
-CPU-side halves (snapshot conversion and replay summary, the suite's report
-and chart, trace replays)."""
+tools/gpu-check.sh, benchmarks/record_traces.py, benchmarks/suite_gpu.py and
+benchmarks/gpu_stress.py. Their GPU work cannot run here; what can is
+checked: syntax, --help without torch, a clear "no GPU" refusal, gpu-check.sh
+without a wheel, and the CPU-side halves (snapshot conversion and replay
+summary, the suite's report and chart, trace replays, the stress report),
+plus gpu_stress.py whole over the stand-in CUDA where torch is installed."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SHELL_SCRIPTS = [ROOT / "tools" / name for name in ("build-gpu-wheel.sh", "gpu-check.sh", "gpu-dryrun.sh")]
-PY_SCRIPTS = [ROOT / "benchmarks" / name for name in ("record_traces.py", "suite_gpu.py", "gpt2_train.py")]
+PY_SCRIPTS = [ROOT / "benchmarks" / name for name in ("record_traces.py", "suite_gpu.py", "gpt2_train.py",
+                                                      "gpu_stress.py")]
 MiB = 1 << 20
 
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -195,7 +197,7 @@ def test_gpu_check_arguments(tmp_path: Path) -> None:
     assert r.returncode == 2 and "unknown stage or group 'bogus'" in r.stderr
     r = gpu_check(tmp_path, "--help")
     assert r.returncode == 0
-    for word in ("part1", "part2", "gputests", "sanitizer", 'carry=["wheelhouse"]'):
+    for word in ("part1", "part2", "part3", "gputests", "sanitizer", "stress", 'carry=["wheelhouse"]'):
         assert word in r.stdout
 
 
@@ -397,3 +399,123 @@ def test_suite_replays_the_shipped_traces_on_cpu(tmp_path: Path) -> None:
     assert "demo-synthetic.trace.gz" in names
     demo = doc["replays"][names.index("demo-synthetic.trace.gz")]["policies"]["default"]
     assert demo["recorded_by"] == "gpumempool" and demo["reserved_vs_recorded"] == pytest.approx(1.0)
+
+
+# -- benchmarks/gpu_stress.py ------------------------------------------------------
+
+STRESS = PY_SCRIPTS[3]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backends", "cuda,bogus"], "unknown backend(s) bogus"),
+    (["--threads", "1"], "--threads must be at least 2"),
+    (["--threads", "16", "--streams", "2"], "at most 31"),
+    (["--seconds", "0"], "--seconds more than 0"),
+])
+def test_gpu_stress_rejects_bad_arguments(args: list[str], message: str, tmp_path: Path) -> None:
+    r = run([sys.executable, str(STRESS), "--out", str(tmp_path / "out"), *args], tmp_path)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def stress_row(**kw: Any) -> dict[str, Any]:
+    row = {"backend": "cuda", "threads": 8, "c_abi_threads": 4, "wall_s": 50.2, "operations": 1_000_000,
+           "allocs": 400_000, "frees": 400_000, "ooms": 12, "record_streams": 70_000, "bytes_touched": 3 << 40,
+           "verified": 400_000, "corrupted": 0, "leaked_bytes": 2 * MiB, "errors": [], "violations": []}
+    return {**row, **kw}
+
+
+def test_gpu_stress_report_goals(tmp_path: Path) -> None:
+    gs = load(STRESS)
+    doc: dict[str, Any] = {
+        "date": "today", "device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "gpumempool": "0.1.0",
+        "sanitizer_friendly": False, "backends": {"cuda": stress_row()},
+        "config": {"seconds": 50.0, "threads": 8, "streams": 2, "seed": 1, "max_mib": 64, "live_mib": 1024,
+                   "leak_tolerance_mib": 64.0}}
+    assert gs.write_report(doc, tmp_path) is True
+    md = (tmp_path / "gpu_stress.md").read_text()
+    assert "| cuda | 8 (4) | 50.2 | 1,000,000 | 400,000 | 12 | 70,000 | 3,072.0 | 400,000 | 0 | 0 | 2.0 | 0 | ok |" in md
+    assert "NVIDIA H100 80GB HBM3" in md and "goal <= 64 MiB" in md
+    # each goal missed on its own row: corruption, a violation, a leak, an error, a worker with no result
+    doc["backends"].update({
+        "vmm": stress_row(backend="vmm", corrupted=3, first_unconfirmed="thread 2, 7.0 s in: 3 of 900"),
+        "vmm-expandable": stress_row(backend="vmm-expandable", violations=["stats num_ooms = 3, the operations say 2"]),
+        "async": stress_row(backend="async", leaked_bytes=65 * MiB, errors=["thread 1: RuntimeError('x')\ntrace"]),
+        "nothing": {"backend": "nothing", "errors": ["the worker process exited with status -11 and no result"]},
+    })
+    assert gs.write_report(doc, tmp_path) is False
+    back = json.loads((tmp_path / "gpu_stress.json").read_text())
+    assert back["ok"] is False and back["backends"]["cuda"]["goals_missed"] == []
+    missed = {name: row["goals_missed"] for name, row in back["backends"].items()}
+    assert missed["vmm"] == ["3 of 400000 tag verifications not confirmed by the GPU"]
+    assert missed["vmm-expandable"] == ["1 violations"]
+    assert missed["async"] == ["1 errors", "device memory 65.0 MiB short after close"]
+    assert missed["nothing"] == ["1 errors", "tags not verified"]
+    md = (tmp_path / "gpu_stress.md").read_text()
+    assert "* vmm: first seen at a checkpoint: thread 2, 7.0 s in: 3 of 900" in md
+    assert "* async, error: `thread 1: RuntimeError('x')`" in md and "trace" not in md  # first lines only
+    assert "| nothing | - (-) | - | 0 | 0 | 0 | 0 | 0.0 | - | - | 0 | - | 1 | **1 errors; tags not verified** |" in md
+    # no verification at all is no pass, and no leak goal under memcheck
+    doc["backends"] = {"cuda": stress_row(verified=0, leaked_bytes=900 * MiB)}
+    doc["config"]["leak_tolerance_mib"], doc["sanitizer_friendly"] = None, True
+    assert gs.write_report(doc, tmp_path, stem="gpu_stress_sanitizer") is False
+    md = (tmp_path / "gpu_stress_sanitizer.md").read_text()
+    assert "sanitizer-friendly" in md and "not a goal here" in md and "0 of 0 tag verifications" in md
+    assert "MiB short" not in md
+
+
+@pytest.fixture(scope="session")
+def fake_gpu_with_nvml(fake_gpu_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """fake_gpu_env plus a stand-in libnvidia-ml, which the scripts' "is there
+    a GPU" check asks (as tools/gpu-dryrun.sh builds it)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler for the stand-in NVML")
+    lib = tmp_path_factory.mktemp("fakenvml")
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", str(lib / "libnvidia-ml.so.1"),
+                    str(ROOT / "gocore" / "nvmldev" / "testdata" / "fake_nvml.c")], check=True)
+    return {**fake_gpu_env, "LD_LIBRARY_PATH": f"{lib}:{fake_gpu_env['LD_LIBRARY_PATH']}"}
+
+
+def run_stress(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    # PYTHONDONTWRITEBYTECODE, not run()'s PYTHONPYCACHEPREFIX: with an empty
+    # prefix each worker process would compile torch's Python sources again
+    return subprocess.run([sys.executable, str(STRESS), "--out", str(tmp_path / "out"), *args], capture_output=True,
+                          text=True, env={**env, "PYTHONSAFEPATH": "1", "PYTHONDONTWRITEBYTECODE": "1"}, cwd=tmp_path,
+                          timeout=600, check=False)
+
+
+def test_gpu_stress_over_the_stand_in_cuda(fake_gpu_with_nvml: dict[str, str], tmp_path: Path) -> None:
+    """The whole script over real torch and the stand-in CUDA (kernels do
+    nothing): threads through the C ABI and the Python API, streams, limits,
+    handoffs and record_stream run; the stats come out exact and the pools
+    close clean; and since no kernel ran, no tag is confirmed, which must
+    fail the run rather than pass it."""
+    out = tmp_path / "out"
+    r = run_stress(tmp_path, fake_gpu_with_nvml, "--seconds", "1", "--threads", "3", "--max-mib", "1",
+                   "--live-mib", "4")
+    assert r.returncode == 1, r.stderr[-3000:]
+    doc = json.loads((out / "gpu_stress.json").read_text())
+    assert list(doc["backends"]) == ["cuda", "vmm", "vmm-expandable", "async"] and doc["ok"] is False
+    for name, row in doc["backends"].items():
+        assert row["errors"] == [] and row["violations"] == [], (name, row["errors"], row["violations"])
+        assert row["c_abi_threads"] == 1 and row["allocs"] == row["frees"] > 100
+        assert row["record_streams"] > 0 and row["handoffs"] > 0
+        assert row["verified"] == row["allocs"] and row["corrupted"] == row["verified"], name
+        n = row["verified"]
+        assert row["goals_missed"] == [f"{n} of {n} tag verifications not confirmed by the GPU"]
+    assert "**" in (out / "gpu_stress.md").read_text()
+    assert not list(out.glob(".gpu_stress_*"))  # the workers' results are read and removed
+
+
+@pytest.mark.gpu
+def test_gpu_stress_short_run_on_a_gpu(tmp_path: Path) -> None:
+    """A few seconds of the stress on a real GPU: every goal met."""
+    from conftest import import_or_skip
+
+    import_or_skip("torch")
+    r = run_stress(tmp_path, dict(os.environ), "--seconds", "3", "--threads", "4", "--backends",
+                   "cuda,vmm-expandable,async")
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    doc = json.loads((tmp_path / "out" / "gpu_stress.json").read_text())
+    assert doc["ok"] and all(row["verified"] > 0 for row in doc["backends"].values())

@@ -9,6 +9,7 @@
 #    fresh machine, so each installs the wheel again; ~10 s):
 #      run(command="bash tools/gpu-check.sh part1", carry=["wheelhouse"], timeout_s=600)
 #      run(command="bash tools/gpu-check.sh part2", carry=["wheelhouse"], timeout_s=600)
+#      run(command="bash tools/gpu-check.sh part3", carry=["wheelhouse"], timeout_s=600)
 #    or name stages: run(command="bash tools/gpu-check.sh gputests bench", carry=["wheelhouse"])
 # 3. Back here, under the reply's files_at: summary.md (read this first),
 #    gpu-check.tar.gz (logs/, results/), traces.tar.gz (recorded traces and
@@ -28,8 +29,12 @@
 #   traces     benchmarks/record_traces.py (GPT-2 train, CNN, inference)     (~1-3 min)
 #   suite      benchmarks/suite_gpu.py (native/async/gmp/CuPy + replays)     (~3-5 min)
 #   sanitizer  compute-sanitizer memcheck over cuda/vmm/async pools + CuPy   (~1-2 min)
+#   stress     benchmarks/gpu_stress.py: threads x streams on cuda, vmm,      (~5-6 min)
+#              vmm-expandable and async, tags checked on the GPU (~3.5 min),
+#              then its short mode under compute-sanitizer memcheck (~1 min)
 # Groups: part1 = info gputests bench sanitizer cputests
 #         part2 = info traces gpt2 suite          (suite also replays the traces just recorded)
+#         part3 = info stress gpt2 suite          (stress takes most of one call: what is left runs)
 #         all   = every stage but `tests` (the default; the deadline skips what does not fit)
 # The whole invocation stops starting stages at GMP_CHECK_DEADLINE seconds
 # (default 570, for the run tool's 600-s limit) and caps each stage's
@@ -41,7 +46,10 @@
 # GMP_WORK (default /tmp/gmp-check: logs/results/traces, kept between calls on
 # a warm machine), GMP_CHECK_DEADLINE, GMP_T_<STAGE> (a stage's time budget in
 # seconds, e.g. GMP_T_SUITE=400), GMP_GPT2_ARGS / GMP_TRACES_ARGS /
-# GMP_SUITE_ARGS / GMP_BENCH_ARGS / GMP_PYTEST_ARGS (extra arguments),
+# GMP_SUITE_ARGS / GMP_BENCH_ARGS / GMP_PYTEST_ARGS / GMP_STRESS_ARGS (extra
+# arguments; GMP_STRESS_ARGS for the full stress run, not the memcheck one),
+# GMP_STRESS_SECONDS (seconds per backend of the stress run, default 45),
+# GMP_STRESS_SANITIZER_T (cap on its memcheck run in seconds, default 120),
 # GMP_ALLOW_STALE_WHEEL=1 (run a wheel built from other sources than the
 # checkout's; refused otherwise, see tools/source-digest.sh).
 # Exit status: 0 every stage of this call ok; 1 some stage failed, timed out,
@@ -54,12 +62,13 @@ T_START=$SECONDS
 # shellcheck source=tools/source-digest.sh
 . "$ROOT/tools/source-digest.sh"
 
-ALL_STAGES=(info gputests cputests tests bench gpt2 traces suite sanitizer)
+ALL_STAGES=(info gputests cputests tests bench gpt2 traces suite sanitizer stress)
 declare -A BUDGET=([info]=60 [gputests]=300 [cputests]=180 [tests]=420 [bench]=300 [gpt2]=360
-                   [traces]=300 [suite]=420 [sanitizer]=240)
+                   [traces]=300 [suite]=420 [sanitizer]=240 [stress]=420)
 declare -A STAGE_GROUPS=([part1]="info gputests bench sanitizer cputests"
                          [part2]="info traces gpt2 suite"
-                         [all]="info gputests bench traces gpt2 suite sanitizer cputests")
+                         [part3]="info stress gpt2 suite"
+                         [all]="info gputests bench traces gpt2 suite sanitizer stress cputests")
 
 usage() {
   sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -366,13 +375,21 @@ stage_cmd() {  # the stage's command, run from the repository root
       "$PY" benchmarks/suite_gpu.py --out "$WORK/results" "${tr[@]}" ${GMP_SUITE_ARGS:-} ;;
     sanitizer)
       run_sanitizer ;;
+    stress)
+      run_stress ;;
   esac
+}
+
+sanitizer_path() {  # compute-sanitizer's path, or nothing
+  local cs
+  cs=$(command -v compute-sanitizer || true)
+  [[ -z "$cs" && -x /usr/local/cuda/bin/compute-sanitizer ]] && cs=/usr/local/cuda/bin/compute-sanitizer
+  echo "$cs"
 }
 
 run_sanitizer() {
   local cs
-  cs=$(command -v compute-sanitizer || true)
-  [[ -z "$cs" && -x /usr/local/cuda/bin/compute-sanitizer ]] && cs=/usr/local/cuda/bin/compute-sanitizer
+  cs=$(sanitizer_path)
   if [[ -z "$cs" ]]; then
     echo "compute-sanitizer not found: skipped"
     return 99
@@ -437,6 +454,47 @@ EOF
   return "$rc"
 }
 
+run_stress() {
+  # The stress run (a child process per backend; ~50 s each), then its short
+  # mode in one process under memcheck: the stage fails if either does. The
+  # memcheck run is capped (GMP_STRESS_SANITIZER_T, default 120 s) so that a
+  # slow sanitizer leaves the first run's results and a clear cause.
+  local rc=0 src cs log=$WORK/logs/stress-sanitizer.raw md=$WORK/results/gpu_stress_sanitizer.md
+  rm -f "$WORK"/results/gpu_stress.{md,json} "$WORK"/results/gpu_stress_sanitizer.{md,json}
+  "$PY" benchmarks/gpu_stress.py --out "$WORK/results" --seconds "${GMP_STRESS_SECONDS:-45}" ${GMP_STRESS_ARGS:-} || rc=$?
+  echo "== gpu_stress.py: exit status $rc"
+  cs=$(sanitizer_path)
+  if [[ -z "$cs" ]]; then
+    echo "compute-sanitizer not found: the memcheck run is skipped"
+    printf '# gpu_stress under compute-sanitizer\n\nskipped: compute-sanitizer not found\n' >"$md"
+    return "$rc"
+  fi
+  echo "+ $cs --tool memcheck --leak-check full --error-exitcode 7 $PY gpu_stress.py --sanitizer-friendly"
+  (cd /tmp && timeout -k 10 "${GMP_STRESS_SANITIZER_T:-120}" "$cs" --tool memcheck --leak-check full \
+      --error-exitcode 7 --print-limit 100 "$PY" "$ROOT/benchmarks/gpu_stress.py" --sanitizer-friendly \
+      --out "$WORK/results" --stem gpu_stress_sanitizer) 2>&1 | tee "$log"
+  src=${PIPESTATUS[0]}
+  [[ -f "$md" ]] || printf '# gpu_stress under compute-sanitizer\n\nno report written\n' >"$md"
+  {
+    echo
+    if grep -q "Device not supported" "$log"; then
+      src=0
+      echo "compute-sanitizer does not support this device/runtime: not checked"
+    else
+      case $src in
+        0) echo "Run under \`compute-sanitizer --tool memcheck --leak-check full\`: exit status 0." ;;
+        7) echo "**compute-sanitizer memcheck found errors** (exit status 7; logs/stress-sanitizer.raw)." ;;
+        124|137) echo "**The memcheck run timed out** after ${GMP_STRESS_SANITIZER_T:-120} s (logs/stress-sanitizer.raw)." ;;
+        1) echo "Memcheck's verdict below; **the short run missed a goal** (its table above)." ;;
+        *) echo "**The memcheck run failed** with exit status $src (logs/stress-sanitizer.raw)." ;;
+      esac
+    fi
+    grep -E "ERROR SUMMARY|LEAK SUMMARY" "$log" | tail -n 2 | sed 's/^/    /'
+  } >>"$md"
+  (( rc != 0 )) && return "$rc"
+  return "$src"
+}
+
 run_stage() {
   local stage=$1 budget elapsed left t rc t0 var
   var="GMP_T_${stage^^}"
@@ -453,7 +511,7 @@ run_stage() {
   t0=$SECONDS
   (
     echo "== $stage, run $RUN_ID, timeout ${t}s, $(date -u +%H:%M:%S)"
-    export -f stage_cmd run_sanitizer
+    export -f stage_cmd sanitizer_path run_sanitizer run_stress
     export PY WORK ROOT
     timeout -k 15 "$t" bash -c "$(declare -p PYTEST_EXTRA); stage_cmd $stage"
     rc=$?

@@ -247,15 +247,22 @@ def worker_interleaved(modes: list[str], args: argparse.Namespace) -> dict[str, 
                 torch.manual_seed(args.seed)
                 model = build_model(args).to(dev)
                 opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-            runs.append({"mode": mode, "ctx": ctx, "model": model, "opt": opt, "times": [], "losses": []})
+            # Dropout draws from the generators: each model keeps its own
+            # state, as if it trained alone, so that its losses are those of
+            # the separate run (one shared state gave every model other masks).
+            rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev))
+            runs.append({"mode": mode, "ctx": ctx, "model": model, "opt": opt, "rng": rng, "times": [], "losses": []})
         del model, opt  # the runs hold them: dropping the runs frees them
         x = None
         for step in range(args.steps):
             x = data[step].to(dev)
             k = step % len(runs)
             for r in runs[k:] + runs[:k]:
+                torch.set_rng_state(r["rng"][0])
+                torch.cuda.set_rng_state(r["rng"][1], dev)
                 with r["ctx"]():
                     loss, seconds = train_step(r["model"], r["opt"], x, dev)
+                r["rng"] = (torch.get_rng_state(), torch.cuda.get_rng_state(dev))
                 r["times"].append(seconds)
                 r["losses"].append(loss)
             if (step + 1) % 50 == 0 or step == 0:

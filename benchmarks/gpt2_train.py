@@ -125,17 +125,24 @@ def warm_up_blas(dev: Any) -> None:
     torch.cuda.synchronize(dev)
 
 
+def training_setup(args: argparse.Namespace) -> tuple[Any, Any]:
+    """Deterministic kernels without TF32 (the allocator must not change the
+    losses) and the run's token batches: (device, batches on the CPU)."""
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    g = torch.Generator().manual_seed(args.seed)
+    return torch.device("cuda", 0), torch.randint(0, args.vocab, (args.steps, args.batch, args.seq), generator=g)
+
+
 def worker_train(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import gpumempool as gmp
 
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    dev = torch.device("cuda", 0)
-    g = torch.Generator().manual_seed(args.seed)
-    data = torch.randint(0, args.vocab, (args.steps, args.batch, args.seq), generator=g)
+    dev, data = training_setup(args)
     pool: Optional[gmp.MemPool] = None
     if mode.startswith("mempool-"):
         pool = gmp.MemPool(mode.split("-", 1)[1], device=0, name=mode)
@@ -226,12 +233,7 @@ def worker_interleaved(modes: list[str], args: argparse.Namespace) -> dict[str, 
 
     import gpumempool as gmp
 
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    dev = torch.device("cuda", 0)
-    g = torch.Generator().manual_seed(args.seed)
-    data = torch.randint(0, args.vocab, (args.steps, args.batch, args.seq), generator=g)
+    dev, data = training_setup(args)
     warm_up_blas(dev)
     runs: list[dict[str, Any]] = []
     pools: list[Any] = []
@@ -557,6 +559,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         if done < planned and "native" in results:
             write_results(results, skipped, args, dev, versions, caps, partial=f"{done} of {planned} runs")
 
+    def run(mode: str) -> Optional[dict[str, Any]]:
+        nonlocal done
+        r = run_worker(mode, args)
+        done += 1
+        if r is None:
+            skipped[mode.split(":")[0]] = "worker failed (see its output above)"
+        return r
+
     for mode in train:
         if mode.startswith("mempool-"):
             backend = mode.split("-", 1)[1]
@@ -568,30 +578,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             except gmp.GpuMemPoolError as exc:
                 skipped[mode] = f"{backend} backend unavailable: {exc}"
                 continue
-        r = run_worker(mode, args)
-        done += 1
-        if r is None:
-            skipped[mode] = "worker failed (see its output above)"
-        else:
+        if (r := run(mode)) is not None:
             results[mode] = r
         checkpoint()
     side_by_side = [m for m in train if m in results]
     if args.interleaved and len(side_by_side) > 1 and "native" in side_by_side:
-        r = run_worker(f"{INTERLEAVED}:{','.join(side_by_side)}", args)
-        done += 1
-        if r is None:
-            skipped[INTERLEAVED] = "worker failed (see its output above)"
-        else:
+        if (r := run(f"{INTERLEAVED}:{','.join(side_by_side)}")) is not None:
             results[INTERLEAVED] = r
         checkpoint()
     for rnd in range(args.rounds):
         # alternate which mode goes first, so that neither always follows the other
         for mode in loops if rnd % 2 == 0 else loops[::-1]:
-            r = run_worker(mode, args)
-            done += 1
-            if r is None:
-                skipped[mode] = "worker failed (see its output above)"
-            else:
+            if (r := run(mode)) is not None:
                 results.setdefault(mode, {"mode": mode, "rounds": []})["rounds"].append(r)
             checkpoint()
     for mode, why in skipped.items():

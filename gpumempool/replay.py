@@ -344,7 +344,10 @@ def _placements(trace: Trace, devices: int) -> dict[int, list[tuple[int, int, in
         starts, offsets = runs[dev]
         k = bisect.bisect_right(starts, addr) - 1
         off = offsets[k] + addr - starts[k]
-        if off % _SIM_ALIGNMENT == 0:  # recorded addresses are; a hand-written trace's may not be
+        # Recorded addresses are aligned; a hand-written trace's may not be. An
+        # offset past 64 bits (runs of a hostile trace, each near 2**63 bytes)
+        # is beyond any placement window: such a segment goes first fit.
+        if off % _SIM_ALIGNMENT == 0 and off < 1 << 64:
             out.setdefault(idx, []).append((dev, off, size))
     return out
 

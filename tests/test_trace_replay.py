@@ -630,6 +630,18 @@ def test_replay_keeps_the_recorded_segment_order() -> None:
     assert replay(torch_order, {"expandable": True}).placed_segments == 0
 
 
+def test_segment_records_far_apart_replay_without_placement() -> None:
+    # Three disjoint recorded runs whose packed offsets reach 2**64 (each run
+    # nearly 2**63 bytes): an offset no window holds is not placed, instead of
+    # failing the replay with an argument error about the offset.
+    big = (1 << 63) - 1
+    text = (f"gmptrace 2\nS 0 0x0 {big}\nS 0 {1 << 63:#x} {(1 << 63) - 1024}\nS 0 {(1 << 64) - 512:#x} 2097152\n"
+            "a 1 1000 0\nf 1\n")
+    res = replay(Trace.loads(text))
+    assert res.placed_segments == 0 and res.recorded_segments == 3
+    assert res.peak_reserved == 2 * MiB
+
+
 def test_placement_needs_the_same_size_and_a_free_range() -> None:
     with gmp.MemPool("sim", capacity=1 << 30) as pool:
         pool.sim_place_next(4 * MiB, 2 * MiB)

@@ -374,7 +374,9 @@ class Trace:
 
     @classmethod
     def load(cls, path: PathLike, *, max_events: int = 100_000_000) -> "Trace":
-        """Read a trace file (gzip-compressed or not, detected by content)."""
+        """Read a trace file (gzip-compressed or not, detected by content).
+        More than ``max_events`` events, or ``R`` or ``S`` records of either
+        kind, is refused (a gzip bomb of one repeated line)."""
         p = os.fspath(path)
         with open(p, "rb") as raw:
             magic = raw.read(2)
@@ -431,10 +433,14 @@ class Trace:
                     ev = Trim(_u64(parts[1]), _dev(parts[2]) if n == 3 else None)
                 elif op == "R" and 3 <= n <= 4:
                     tr.reserved.append((_u64(parts[1]), _dev(parts[3]) if n == 4 else 0, _u64(parts[2])))
+                    if len(tr.reserved) > max_events:
+                        raise ValueError(f"more than {max_events} R records (raise max_events)")
                     continue
                 elif op == "S" and 4 <= n <= 5 and header[1] != "1":
                     tr.segments.append((_u64(parts[1]), _dev(parts[4]) if n == 5 else 0, _u64(parts[2]),
                                         _size(parts[3])))
+                    if len(tr.segments) > max_events:
+                        raise ValueError(f"more than {max_events} S records (raise max_events)")
                     continue
                 elif op == "@":
                     tr.meta.update(_parse_meta(line[1:]))

@@ -137,6 +137,13 @@ def test_validate_catches_bad_sequences() -> None:
 def test_load_refuses_too_many_events() -> None:
     with pytest.raises(TraceFormatError, match="more than 2 events"):
         Trace.loads("gmptrace 1\na 1 1 0\na 2 1 0\na 3 1 0\n", max_events=2)
+    # Reference records are bounded too: a file of nothing but S (or R)
+    # lines, a gzip bomb say, must not grow its lists without end.
+    with pytest.raises(TraceFormatError, match="more than 2 S records"):
+        Trace.loads("gmptrace 2\n" + "S 0 0x0 512\n" * 3, max_events=2)
+    with pytest.raises(TraceFormatError, match="more than 2 R records"):
+        Trace.loads("gmptrace 1\n" + "R 0 512\n" * 3, max_events=2)
+    assert len(Trace.loads("gmptrace 2\n" + "S 0 0x0 512\nR 0 512\n" * 2, max_events=2).segments) == 2
 
 
 # -- from_history and the recorder ------------------------------------------

@@ -464,9 +464,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.leak_tolerance_mib is None and not args.sanitizer_friendly:
         args.leak_tolerance_mib = 64.0
     if not 2 <= args.threads or args.threads * args.streams > 31 or min(args.streams, args.max_mib, args.live_mib) < 1 \
-            or args.seconds <= 0:
+            or not 0 < args.seconds < math.inf or not 0 <= args.check_every < math.inf:
         ap.error("--threads must be at least 2 (threads use each other's streams), --threads x --streams at most 31 "
-                 "(torch pools 32 streams), --streams, --max-mib and --live-mib at least 1, --seconds more than 0")
+                 "(torch pools 32 streams), --streams, --max-mib and --live-mib at least 1, --seconds more than 0 "
+                 "and --check-every at least 0 (both finite)")
     names = [n for n in args.backends.split(",") if n]
     unknown = [n for n in names if n not in BACKENDS]
     if unknown or not names:

@@ -411,6 +411,10 @@ STRESS = PY_SCRIPTS[3]
     (["--threads", "1"], "--threads must be at least 2"),
     (["--threads", "16", "--streams", "2"], "at most 31"),
     (["--seconds", "0"], "--seconds more than 0"),
+    # float() takes these: a NaN deadline ended every thread at once, an infinite one never (and int() of it failed)
+    (["--seconds", "nan"], "--seconds more than 0"),
+    (["--seconds", "inf"], "--seconds more than 0"),
+    (["--check-every", "nan"], "--check-every"),
 ])
 def test_gpu_stress_rejects_bad_arguments(args: list[str], message: str, tmp_path: Path) -> None:
     r = run([sys.executable, str(STRESS), "--out", str(tmp_path / "out"), *args], tmp_path)

@@ -591,6 +591,10 @@ def write_markdown(doc: dict[str, Any], path: Path) -> None:
         lines.append("")
         lines.append("Goal: ours / torch <= 1.0 on every trace recorded by torch; traces recorded by "
                      "gpumempool itself show a policy's effect, not a comparison with torch.")
+    failed_rounds = {k: r["round_errors"] for k, r in res.items() if r.get("round_errors")}
+    if failed_rounds:
+        lines += ["", "Rounds that failed (the figures above are from the others): " + "; ".join(
+            f"{k}: {len(v)} ({v[0][:80]})" for k, v in failed_rounds.items())]
     if doc.get("skipped"):
         lines += ["", "Not run: " + "; ".join(f"{k}: {v}" for k, v in doc["skipped"].items())]
     path.write_text("\n".join(lines) + "\n")

@@ -893,7 +893,7 @@ class MemPool:
         """Make the simulated device's events complete only on sim_complete()."""
         self._native(_b.SimSetManualEvents, self._handle(), _check_bool("manual", manual))
 
-    def sim_place_next(self, offset: Optional[int], size: int = 0, device: Any = 0) -> None:
+    def sim_place_next(self, offset: Optional[int], size: Optional[int] = None, device: Any = 0) -> None:
         """Put the next segment of exactly ``size`` bytes that the pool's
         simulated device hands out on ``device`` ``offset`` bytes into the
         device's placement window (the upper half of its address range, which
@@ -903,9 +903,12 @@ class MemPool:
         then, that segment is placed first fit. Replays use it to give segments
         the address order the recording allocator's device gave them, which
         decides ties in best fit. ``offset`` must be a multiple of the
-        device's alignment (512 bytes unless configured)."""
+        device's alignment (512 bytes unless configured). A size is required
+        with an offset: without one the call would silently withdraw."""
         if offset is None:
             offset, size = 0, 0
+        elif size is None:
+            raise ValueError("sim_place_next: give the segment size to place (offset=None withdraws the request)")
         self._native(_b.SimPlaceNext, self._handle(), _device_index(device), _check_int("offset", offset, 0, _U64),
                      _check_int("size", size, 0, _U64))
 

@@ -307,6 +307,7 @@ def test_suite_report_and_chart_from_results(tmp_path: Path) -> None:
     assert [p.name for p in paths][:2] == ["suite_gpu_h200.json", "suite_gpu_h200.md"]
     md = paths[1].read_text()
     assert "| gmp-replace | failed: timed out after 60 s |" in md
+    assert "Rounds that failed" not in md
     assert "1.010" in md and "1.050 **(goal <= 1.02)**" in md  # async step time misses the goal
     assert "1.100 **(goal <= 1)**" in md  # expandable replay over torch's
     assert "| rmm | 19.90 | 0.995 | 1,024.0 | 1.024 **(goal <= 1)** | True |" in md
@@ -319,7 +320,7 @@ def test_suite_report_and_chart_from_results(tmp_path: Path) -> None:
     assert len(paths) == 2 and "**Partial results**: 3 of 10 GPU runs" in paths[1].read_text()
 
 
-def test_suite_combines_rounds_by_median_time_and_largest_peak() -> None:
+def test_suite_combines_rounds_by_median_time_and_largest_peak(tmp_path: Path) -> None:
     sg = load(PY_SCRIPTS[1])
     rounds = [
         {"config": "gmp-replace", "workload": "loop", "empty_del_ns_per_op": 5600.0, "window32_ns_per_op": 5700.0,
@@ -337,6 +338,13 @@ def test_suite_combines_rounds_by_median_time_and_largest_peak() -> None:
     assert r["peak_reserved"] == 110 and r["device_used_peak"] == 130
     assert "error" not in r
     assert sg.combine_rounds(rounds[2:3]) == rounds[2]  # every round failed: that is the result
+    doc = {"date": "today", "device": "NVIDIA H100", "versions": {}, "config": {"backend": "cuda", "rounds": 4,
+           "loop_ops": 100}, "configs": ["native", "gmp-replace"], "results": {"native:loop": rounds[1],
+           "gmp-replace:loop": r}, "summary": {"loop": {}, "gpt2": {}, "replay": {}}, "replays": [], "skipped": {}}
+    md_path = tmp_path / "suite.md"
+    sg.write_markdown(doc, md_path)
+    assert "Rounds that failed (the figures above are from the others): gmp-replace:loop: 1 (timed out after 60 s)" \
+        in md_path.read_text()
     gpt2 = [{"median_step_s": s, "losses": losses} for s, losses in ((0.03, [2.0, 1.5]), (0.02, [2.0, 1.5]),
                                                                        (0.025, [2.0, 1.4]))]
     r = sg.combine_rounds(gpt2)

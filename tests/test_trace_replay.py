@@ -656,6 +656,8 @@ def test_placement_needs_the_same_size_and_a_free_range() -> None:
         high = pool.alloc(1000)  # the 2 MiB small segment, in the placement window
         pool.sim_place_next(0, 2 * MiB)
         pool.sim_place_next(None)  # withdrawn
+        with pytest.raises(ValueError, match="size"):
+            pool.sim_place_next(4 * MiB)  # no size: an error, not a silent withdrawal
         low = pool.alloc(MiB + 512)  # 20 MiB: best fit in big's segment, no new segment
         assert pool.sim_stats()["placed"] == 1
         assert big < high and high - big > 1 << 38  # the window is the upper half of the range

@@ -181,29 +181,14 @@ def test_invalidate_never_invalidates_a_scope_entered_meanwhile(monkeypatch, sim
 
 
 def test_keep_false_exit_while_another_thread_is_inside_does_not_raise(sim):
-    inside, leave = threading.Event(), threading.Event()
     errors: list[BaseException] = []
-
-    def worker() -> None:
+    with inside_in_another_thread(enter=lambda: gmp.cache_scope(sim, "loop", keep=False),
+                                  body=lambda sc: sc.free(sc.alloc(4096))):
         try:
             with gmp.cache_scope(sim, "loop", keep=False) as sc:
                 sc.free(sc.alloc(4096))
-                inside.set()
-                leave.wait(10)
-        except BaseException as exc:  # noqa: BLE001
+        except gscope.ScopeError as exc:
             errors.append(exc)
-
-    th = threading.Thread(target=worker)
-    th.start()
-    assert inside.wait(10)
-    try:
-        with gmp.cache_scope(sim, "loop", keep=False) as sc:
-            sc.free(sc.alloc(4096))
-    except gscope.ScopeError as exc:
-        errors.append(exc)
-    finally:
-        leave.set()
-        th.join(10)
     assert errors == [], errors
     assert sc.invalidated and sim.stats()["allocated_bytes.all.current"] == 0
 

@@ -24,7 +24,7 @@ import sys
 import threading
 import types
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
@@ -946,24 +946,34 @@ def test_python_callbacks_as_torchs_allocator_warn(monkeypatch):
 
 
 @contextlib.contextmanager
-def inside_in_another_thread(pool: gmp.MemPool, name: str = "holder") -> Iterator[None]:
-    """A thread named ``name`` sits inside ``gmp.mempool(pool)`` for the
-    length of the block."""
+def inside_in_another_thread(pool: Optional[gmp.MemPool] = None, name: str = "holder", *,
+                             enter: Optional[Callable[[], Any]] = None,
+                             body: Callable[[Any], Any] = lambda _: None) -> Iterator[None]:
+    """A thread named ``name`` sits inside ``gmp.mempool(pool)`` (or the
+    context ``enter()`` gives) for the length of the block, after running
+    ``body`` on what the context yields; what it raises fails the test once
+    the thread has left."""
     entered, leave = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
 
     def worker() -> None:
-        with gmp.mempool(pool):
-            entered.set()
-            leave.wait(10)
+        try:
+            with (enter() if enter is not None else gmp.mempool(pool)) as value:
+                body(value)
+                entered.set()
+                leave.wait(10)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller's thread
+            errors.append(exc)
 
     th = threading.Thread(target=worker, name=name)
     th.start()
-    assert entered.wait(10)
+    assert entered.wait(10), f"the thread did not get inside: {errors!r}"
     try:
         yield
     finally:
         leave.set()
         th.join()
+    assert errors == [], errors
 
 
 def test_release_while_inside_is_refused(monkeypatch, sim):
@@ -1062,20 +1072,9 @@ def test_failed_deregister_tries_every_lane_and_keeps_the_failed_ones(monkeypatc
     retry deregisters what failed."""
     torch = install(monkeypatch, "2.11")
     backend = torch._backend
-    inside, leave = threading.Event(), threading.Event()
-
-    def worker() -> None:
+    with inside_in_another_thread(sim):
         with gmp.mempool(sim):
-            inside.set()
-            leave.wait(10)
-
-    th = threading.Thread(target=worker)
-    th.start()
-    inside.wait(10)
-    with gmp.mempool(sim):
-        pass
-    leave.set()
-    th.join()
+            pass
     tps = gtorch.torch_pools(sim, 0)
     assert len(tps) == 2
     gtorch.register(sim)
@@ -1361,27 +1360,10 @@ def test_register_on_old_torch_is_lifted_while_inside(monkeypatch, sim):
 
     # registering while a thread is inside: done when it leaves
     other = gmp.MemPool("sim", capacity=1 << 30)
-    inside, leave = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
-
-    def worker() -> None:
-        try:
-            with gmp.mempool(other):
-                torch.empty(1000)
-                inside.set()
-                leave.wait(10)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    th = threading.Thread(target=worker)
-    th.start()
-    inside.wait(10)
-    gtorch.register(other)
-    (tpo,) = gtorch.torch_pools(other)
-    assert ("register", tpo.id) not in backend.calls
-    leave.set()
-    th.join()
-    assert errors == []
+    with inside_in_another_thread(other, body=lambda _: torch.empty(1000)):
+        gtorch.register(other)
+        (tpo,) = gtorch.torch_pools(other)
+        assert ("register", tpo.id) not in backend.calls
     assert backend.calls[-1] == ("register", tpo.id) and len(backend.registered(tpo.id)) == 1
     del x, y, tp, tpo
     gc.collect()

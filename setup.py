@@ -17,6 +17,7 @@ pyproject.toml; only the build logic is here.
 
 import importlib.util
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -29,6 +30,16 @@ from setuptools.command.build_ext import build_ext
 from setuptools.errors import CompileError
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "buildtools"))
+import gmp_toolchain  # noqa: E402  (Go and the C/C++ compilers: this machine's or PyPI's)
+
+# Cross-compiling (GMP_ZIG_TARGET=aarch64-... on x86-64): the wheel's
+# platform tag and the extension's file names are the target's.
+HOST_ARCH = platform.machine().lower()
+TARGET_ARCH = gmp_toolchain.target_arch() if sys.platform.startswith("linux") else HOST_ARCH
+CROSS = TARGET_ARCH != {"amd64": "x86_64", "arm64": "aarch64"}.get(HOST_ARCH, HOST_ARCH)
+if CROSS:
+    os.environ["_PYTHON_HOST_PLATFORM"] = f"linux-{TARGET_ARCH}"
 
 # The extension module as setuptools sees it. It has no C sources: it is a
 # placeholder that makes wheels platform-specific and makes build_ext run.
@@ -43,22 +54,11 @@ GO_TOOLS = (
     ("goimports", "golang.org/x/tools/cmd/goimports"),
 )
 GO_MOD_FILES = ("go.mod", "go.sum")
-MIN_GO = "1.23"
 EXE = ".exe" if os.name == "nt" else ""
 
 
 def say(msg):
     print(f"gpumempool: {msg}", flush=True)
-
-
-def go_mod_version():
-    """The `go` directive of go.mod (the oldest Go that builds the module)."""
-    try:
-        with open(os.path.join(ROOT, "go.mod"), encoding="utf-8") as f:
-            m = re.search(r"^go\s+(\S+)", f.read(), re.MULTILINE)
-        return m.group(1) if m else None
-    except OSError:
-        return None
 
 
 def run(cmd, env):
@@ -87,20 +87,33 @@ def run_logged(cmd, env, what):
 class GopyBuildExt(build_ext):
     """build_ext that builds the Go extension with gopy instead of a C compiler."""
 
+    def run(self):
+        # The compilers are chosen before build_ext makes its own (for
+        # _fastcall.c): setuptools reads CC/CXX/LDSHARED when it does.
+        try:
+            self.toolchain = gmp_toolchain.toolchain(os.path.join(ROOT, "build"))
+        except gmp_toolchain.ToolchainError as exc:
+            raise CompileError(str(exc)) from None
+        say("toolchain: " + self.toolchain.describe())
+        if self.toolchain.zig:
+            os.environ["CC"] = self.toolchain.env["CC"]
+            os.environ["CXX"] = self.toolchain.env["CXX"]
+            os.environ.pop("LDSHARED", None)  # derived from CC
+        # A C extension built earlier by other compilers (or for another
+        # CPU) would look up to date: build it again, it takes a second.
+        self.force = True
+        super().run()
+
+    def get_ext_filename(self, ext_name):
+        name = super().get_ext_filename(ext_name)
+        if CROSS:  # sysconfig's suffix is this Python's: .cpython-311-x86_64-linux-gnu.so
+            name = name.replace(f"-{HOST_ARCH}-linux-gnu", f"-{TARGET_ARCH}-linux-gnu")
+        return name
+
     def build_extension(self, ext):
         if ext.name != EXT_NAME:
             return super().build_extension(ext)
 
-        go = shutil.which("go")
-        if go is None:
-            want = go_mod_version()
-            raise CompileError(
-                "gpumempool is written in Go and needs the Go toolchain to build: "
-                f"`go` was not found on PATH. Install Go >= {MIN_GO}"
-                + (f" (this checkout's go.mod says `go {want}`)" if want else "")
-                + " from https://go.dev/dl/ and put its bin/ directory on PATH."
-                " C and C++ compilers (gcc and g++, or clang) are needed too, for cgo."
-            )
         if importlib.util.find_spec("pybindgen") is None:
             raise CompileError(
                 f"gopy needs the pybindgen package in the building Python "
@@ -108,8 +121,7 @@ class GopyBuildExt(build_ext):
                 "otherwise run `pip install pybindgen`."
             )
 
-        env = dict(os.environ)
-        env["CGO_ENABLED"] = "1"
+        go, env = self.toolchain.go, dict(self.toolchain.env)
         # VCS stamping is useless for the extension, and fails in checkouts
         # git does not trust or that have no commits.
         if "-buildvcs" not in env.get("GOFLAGS", ""):
@@ -207,9 +219,13 @@ class GopyBuildExt(build_ext):
                 with open(os.path.join(gomod_dir, name), "wb") as f:
                     f.write(data)
         modfile = os.path.join(gomod_dir, "go.mod")
+        # Tools run here: built for this machine (the extension may be
+        # cross-compiled) and in pure Go.
+        tool_env = {k: v for k, v in env.items() if k not in ("GOOS", "GOARCH")}
+        tool_env["CGO_ENABLED"] = "0"
         run_logged(
             [go, "build", f"-modfile={modfile}", "-mod=mod", "-o", path, pkg],
-            env,
+            tool_env,
             f"building {os.path.basename(path)}",
         )
 

@@ -456,6 +456,51 @@ def test_graph_capture_allocates_from_a_private_pool(cxx_caller) -> None:
         pool.check()
 
 
+@pytest.mark.parametrize("kind", [2, 0], ids=["filter-stored-inline", "filter-on-the-heap"])
+def test_torch_filters_are_moved_called_and_destroyed_through_libstdcxx_abi(cxx_caller, kind: int) -> None:
+    """The hooks are C (no C++ library in the extension): torch's
+    std::function filter is moved, called and destroyed through libstdc++'s
+    layout. Torch's filters are small lambdas that std::function stores
+    inside itself (kind 2); a big functor lives on the heap (kind 0). Both
+    must route the captured stream only, and leave no copy behind."""
+    S0, S1 = 0x30, 0x31
+    with gmp.MemPool("sim", capacity=64 * MiB) as pool:
+        path, a_sym, _ = pool.pluggable_symbols()
+        hooks = pool.pluggable_hooks()
+        alloc = getattr(ctypes.CDLL(path), a_sym)
+        alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        begin, end, release = (hooks[k].encode() for k in (
+            "set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool"))
+        calls = cxx_caller.filter_call_count()
+        assert cxx_caller.call_begin(path.encode(), begin, 0, 9, 0, S1, kind) == 0
+        a = alloc(MiB, 0, S1)
+        b = alloc(MiB, 0, S0)
+        assert cxx_caller.filter_call_count() >= calls + 2  # the filter itself was asked, for both streams
+        (gp,) = pool.graph_pools()
+        assert gp["live_blocks"] == 1  # only S1's block is the graph's
+        assert cxx_caller.call_end(path.encode(), end, 0, 9, 0) == 0
+        pool.free(a)
+        pool.free(b)
+        assert cxx_caller.call_end(path.encode(), release, 0, 9, 0) == 0
+        assert pool.graph_pools() == [] and pool.last_error() is None
+        assert cxx_caller.live_filters() == 0
+
+
+def test_an_empty_torch_filter_accepts_nothing(cxx_caller) -> None:
+    S1 = 0x41
+    with gmp.MemPool("sim", capacity=64 * MiB) as pool:
+        path, a_sym, _ = pool.pluggable_symbols()
+        hooks = pool.pluggable_hooks()
+        alloc = getattr(ctypes.CDLL(path), a_sym)
+        alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        begin, end = (hooks[k].encode() for k in ("set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn"))
+        assert cxx_caller.call_begin(path.encode(), begin, 0, 10, 0, S1, 3) == 0
+        a = alloc(MiB, 0, S1)
+        assert a and pool.graph_pools() == []  # served by the shared pool
+        assert cxx_caller.call_end(path.encode(), end, 0, 10, 0) == 0
+        pool.free(a)
+
+
 def test_graph_capture_pauses_events(cxx_caller) -> None:
     """During a capture no event is recorded or queried (either would break
     the capture on a GPU): a block freed after use on another stream waits
@@ -523,12 +568,14 @@ def test_graph_hooks_survive_bad_calls_and_close(cxx_caller) -> None:
 
 
 def test_graph_hook_types_match_torch_headers(tmp_path) -> None:
-    """The C++ hooks of zz_torch.cpp have exactly the function types of the
-    installed torch's CUDAPluggableAllocator setters (the std::function
-    arguments of set_begin_allocate_to_pool & co. in its header, which its
-    Python binding casts our addresses to), with torch's MempoolId_t. The
-    types are read from the headers and compiled next to our declarations
-    (torch's own headers would need CUDA's)."""
+    """The C hooks of zz_torch.c are called by torch through the function
+    types of the installed torch's CUDAPluggableAllocator setters (the
+    std::function arguments of set_begin_allocate_to_pool & co. in its
+    header, which its Python binding casts our addresses to), with torch's
+    MempoolId_t. tests/csrc/torch_caller.cpp calls them through exactly those
+    types in the tests above (which prove the C side takes them as the C++
+    ABI passes them); here its types are compiled against the types read
+    from torch's headers (torch's own headers would need CUDA's)."""
     import re
     import shutil
     import subprocess
@@ -561,7 +608,7 @@ def test_graph_hook_types_match_torch_headers(tmp_path) -> None:
                    if "MempoolId_t" in p.read_text(errors="ignore"))
     assert re.search(r"using CaptureId_t = unsigned long long;", defs)
     assert re.search(r"using MempoolId_t = std::pair<CaptureId_t, CaptureId_t>;", defs)
-    generated = Path(__file__).resolve().parents[1] / "bindings" / "cabi" / "zz_torch.cpp"
+    caller = Path(__file__).resolve().parent / "csrc" / "torch_caller.cpp"
     check = tmp_path / "check.cpp"
     check.write_text(f"""
 #include <functional>
@@ -573,11 +620,11 @@ using CaptureId_t = unsigned long long;
 using MempoolId_t = std::pair<CaptureId_t, CaptureId_t>;
 namespace cuda {{ using c10::MempoolId_t; }}
 }}
-#include "{generated}"
-static_assert(std::is_same_v<decltype(gmp_begin_allocate_to_pool_0), {types["set_begin_allocate_to_pool"]}>, "begin");
-static_assert(std::is_same_v<decltype(gmp_end_allocate_to_pool_0), {types["set_end_allocate_to_pool_fn"]}>, "end");
-static_assert(std::is_same_v<decltype(gmp_release_pool_0), {types["set_release_pool"]}>, "release");
-static_assert(std::is_same_v<decltype(gmp_alloc_or_throw_0), void*(std::size_t, int, void*)>, "alloc");
+#include "{caller}"
+static_assert(std::is_same_v<begin_fn, {types["set_begin_allocate_to_pool"]}*>, "begin");
+static_assert(std::is_same_v<end_fn, {types["set_end_allocate_to_pool_fn"]}*>, "end");
+static_assert(std::is_same_v<end_fn, {types["set_release_pool"]}*>, "release");
+static_assert(std::is_same_v<alloc_fn, void*(*)(std::size_t, int, void*)>, "alloc");
 """)
     r = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", str(check)], capture_output=True, text=True)
     assert r.returncode == 0, (types, r.stderr[-3000:])

@@ -12,8 +12,8 @@
 // gmp_last_error to read why a call returned NULL or -1.
 //
 // Besides: torch's optional hooks per slot (hooks.go), the CUDA-graph hooks
-// and their private pools (graphs.go, zz_torch.cpp), the C++ throwing alloc
-// (zz_torch.cpp), and the Python API's fast path (pyfast.go).
+// and their private pools (graphs.go, zz_torch.c), the throwing alloc
+// (zz_torch.c), and the Python API's fast path (pyfast.go).
 //
 // Every entry point recovers Go panics: a panic becomes a NULL return (or -1)
 // and an error message kept for Python, never a crash of the host process.
@@ -228,7 +228,7 @@ func slotFree(slot int, ptr C.uintptr_t) {
 
 // gmp_slot_alloc_ex is gmp_alloc_<slot> reporting its own failure: the
 // error into buf (n bytes) and *oom = 1 when it was an out-of-memory one.
-// The C++ entry point of full replacement (zz_torch.cpp) throws it; the
+// The entry point of full replacement (zz_torch.c) throws it; the
 // pool's last error could meanwhile be another thread's.
 //
 //export gmp_slot_alloc_ex

@@ -1,9 +1,14 @@
 package cabi
 
 /*
+// Unwind tables for C: a C++ exception thrown by gmp_alloc_or_throw unwinds
+// through the C frames of torch_glue.c on its way to torch.
+#cgo CFLAGS: -fexceptions
+#cgo CXXFLAGS: -fexceptions
+#cgo LDFLAGS: -ldl
 #include <stdint.h>
 
-// torch_glue.cpp: call and delete torch's std::function<bool(cudaStream_t)>.
+// torch_glue.c: call and delete torch's std::function<bool(cudaStream_t)>.
 int gmp_filter_accepts(void *filter, uintptr_t stream);
 void gmp_filter_delete(void *filter);
 */
@@ -32,8 +37,8 @@ import (
 // captured with, so if the blocks it freed during capture went back to the
 // shared cache, tensors allocated later would be overwritten by every
 // replay. Torch's own caching allocator keeps such pools; a pluggable
-// allocator must do it itself, through the three hooks below (C++ wrappers
-// in zz_torch.cpp and torch_glue.cpp, because torch passes the filter as a
+// allocator must do it itself, through the three hooks below (C wrappers
+// in zz_torch.c and torch_glue.c, because torch passes the filter as a
 // std::function).
 //
 // Each private pool is a gocore.Pool of its own over the slot pool's backend
@@ -63,7 +68,7 @@ type streamFilter interface {
 }
 
 // cppFilter is torch's filter: a heap copy of its std::function, owned
-// (torch_glue.cpp).
+// (torch_glue.c).
 type cppFilter struct{ p unsafe.Pointer }
 
 func (f cppFilter) accepts(stream uintptr) bool {
@@ -405,7 +410,7 @@ func privateRecordStream(e *registry.Entry, addr uint64, stream gocore.Stream) (
 	return true, pp.pool.RecordStream(addr, stream)
 }
 
-// gmp_graph_begin is beginAllocateToPool: the C++ wrapper hands over a heap
+// gmp_graph_begin is beginAllocateToPool: the C wrapper hands over a heap
 // copy of torch's filter, which is owned from here on.
 //
 //export gmp_graph_begin

@@ -1,38 +1,69 @@
-// The C++ side of the entry points torch's CUDAPluggableAllocator needs C++
-// for (generated per slot in zz_torch.cpp, which includes this): torch's
-// types, and the helpers the generated wrappers call. The code is in
-// torch_glue.cpp; the Go functions it calls are exported by cabi.
+/* The C side of the entry points torch's CUDAPluggableAllocator calls with
+ * C++ types (generated per slot in zz_torch.c, which includes this), and the
+ * helpers they call. The code is in torch_glue.c; the Go functions it calls
+ * are exported by cabi.
+ *
+ * No C++ compiler or C++ standard library is needed to build it: the C++
+ * values torch hands over are used through the Itanium C++ ABI, which x86-64
+ * and aarch64 Linux share, and through libstdc++'s ABI, which torch is built
+ * with (torch_glue.c says which parts and why they are stable). Whatever
+ * C++ runtime the process runs (the one torch loaded) is looked up at run
+ * time, so the extension itself needs no libstdc++ and stays within the
+ * manylinux policies. */
 #ifndef GMP_TORCH_GLUE_H
 #define GMP_TORCH_GLUE_H
 
-#include <cstddef>
-#include <cstdint>
-#include <functional>
-#include <utility>
+#include <stddef.h>
+#include <stdint.h>
 
-struct CUstream_st;  // cudaStream_t is CUstream_st*, opaque here
+/* torch's c10::MempoolId_t, std::pair<unsigned long long, unsigned long long>.
+ * The pair is trivially copyable, so by value it is passed exactly like this
+ * struct (two integer registers on x86-64 and aarch64). */
+typedef struct gmp_mempool_id {
+  unsigned long long first;
+  unsigned long long second;
+} gmp_mempool_id;
 
-// torch's c10::MempoolId_t, and the stream filter of beginAllocateToPool.
-using gmp_mempool_id = std::pair<unsigned long long, unsigned long long>;
-using gmp_stream_filter = std::function<bool(CUstream_st*)>;
+/* libstdc++'s std::function<bool(cudaStream_t)>: _Any_data (16 bytes), the
+ * manager, the invoker. It is not trivially copyable, so a by-value argument
+ * is passed as a pointer to the caller's temporary, which the caller
+ * destroys after the call (Itanium C++ ABI). */
+typedef struct gmp_std_function {
+  void* functor[2];
+  int (*manager)(void* dest, const void* source, int op);
+  /* bool(const _Any_data&, CUstream_st*&&): the argument by reference. */
+  _Bool (*invoker)(const void* functor, void** stream);
+} gmp_std_function;
 
-// Exported by Go (cabi.go, graphs.go).
-extern "C" std::uintptr_t gmp_slot_alloc_ex(int slot, std::size_t size, int device, std::uintptr_t stream, char* buf,
-                                            std::size_t n, int* oom);
-extern "C" void gmp_graph_begin(int slot, int device, std::uint64_t id0, std::uint64_t id1, void* filter);
-extern "C" void gmp_graph_end(int slot, int device, std::uint64_t id0, std::uint64_t id1);
-extern "C" void gmp_graph_release(int slot, int device, std::uint64_t id0, std::uint64_t id1);
+/* Exported by Go (cabi.go, graphs.go). */
+extern uintptr_t gmp_slot_alloc_ex(int slot, size_t size, int device, uintptr_t stream, char* buf, size_t n,
+                                   int* oom);
+extern void gmp_graph_begin(int slot, int device, uint64_t id0, uint64_t id1, void* filter);
+extern void gmp_graph_end(int slot, int device, uint64_t id0, uint64_t id1);
+extern void gmp_graph_release(int slot, int device, uint64_t id0, uint64_t id1);
 
-namespace gmp {
+/* Allocates through slot; a failure (size > 0) is thrown as a C++
+ * std::runtime_error (torch turns it into a Python RuntimeError). Where no
+ * C++ runtime is in the process to throw with, it returns NULL. */
+void* gmp_alloc_or_throw(int slot, size_t size, int device, void* stream);
 
-// Allocates through slot; a failure (size > 0) is thrown as a
-// std::runtime_error (torch turns it into a Python RuntimeError).
-void* alloc_or_throw(int slot, std::size_t size, int device, void* stream);
+/* Moves torch's filter into a heap copy Go owns from then on, and begins
+ * the allocation to pool id. */
+void gmp_begin_allocate_to_pool(int slot, int device, gmp_mempool_id id, gmp_std_function* filter);
 
-// Hands torch's filter to Go (a heap copy Go owns from then on) with the
-// beginning of an allocation to pool id.
-void begin_allocate_to_pool(int slot, int device, gmp_mempool_id id, gmp_stream_filter&& filter);
-
-}  // namespace gmp
+/* The four entry points of slot i, with the types torch casts their
+ * addresses to: void*(size_t, int, cudaStream_t), void(int, MempoolId_t,
+ * std::function<bool(cudaStream_t)>) and twice void(int, MempoolId_t). */
+#define GMP_TORCH_ENTRY_POINTS(i)                                                                   \
+  void* gmp_alloc_or_throw_##i(size_t size, int device, void* stream) {                            \
+    return gmp_alloc_or_throw(i, size, device, stream);                                            \
+  }                                                                                                \
+  void gmp_begin_allocate_to_pool_##i(int device, gmp_mempool_id id, gmp_std_function* filter) {   \
+    gmp_begin_allocate_to_pool(i, device, id, filter);                                             \
+  }                                                                                                \
+  void gmp_end_allocate_to_pool_##i(int device, gmp_mempool_id id) {                               \
+    gmp_graph_end(i, device, id.first, id.second);                                                 \
+  }                                                                                                \
+  void gmp_release_pool_##i(int device, gmp_mempool_id id) { gmp_graph_release(i, device, id.first, id.second); }
 
 #endif

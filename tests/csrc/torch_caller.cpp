@@ -97,14 +97,30 @@ int call_alloc(const char* path, const char* sym, std::size_t size, int device, 
 }
 
 // call_begin calls the begin-allocate-to-pool hook sym like torch does when
-// a capture on capture_stream begins (throwing_filter: a filter that
-// throws). Returns 0, 1 when the hook threw, -1 when sym was not found.
+// a capture on capture_stream begins, with a filter of kind: 0 the counted
+// StreamFilter (too big and not trivially copyable: std::function keeps it
+// on the heap), 1 one that throws, 2 a lambda capturing the stream (small
+// and trivially copyable: std::function keeps it inside itself, as it keeps
+// torch's own filters), 3 an empty std::function. Returns 0, 1 when the
+// hook threw, -1 when sym was not found.
 int call_begin(const char* path, const char* sym, int device, unsigned long long id0, unsigned long long id1,
-               void* capture_stream, int throwing_filter) {
+               void* capture_stream, int kind) {
   auto fn = reinterpret_cast<begin_fn>(lookup(path, sym));
   if (fn == nullptr) return -1;
   try {
-    fn(device, mempool_id{id0, id1}, StreamFilter(capture_stream, throwing_filter != 0));
+    switch (kind) {
+      case 2:
+        fn(device, mempool_id{id0, id1}, [capture_stream](CUstream_st* s) {
+          ++filter_calls;
+          return static_cast<void*>(s) == capture_stream;
+        });
+        break;
+      case 3:
+        fn(device, mempool_id{id0, id1}, std::function<bool(CUstream_st*)>());
+        break;
+      default:
+        fn(device, mempool_id{id0, id1}, StreamFilter(capture_stream, kind == 1));
+    }
     return 0;
   } catch (...) {
     return 1;

@@ -13,8 +13,8 @@
 // (never with the backend's own): they must not call into their own pool.
 // The C ABI refuses such a call (CalledFromCallback, ErrReentry) rather
 // than deadlock.
-// A Python callback (ctypes) takes the GIL on entry; see the package README
-// for the deadlock this can cause under torch's allocator lock.
+// A Python callback (ctypes) takes the GIL on entry; see docs/api.md (Your
+// own allocator) for the deadlock this can cause under torch's allocator lock.
 package callback
 
 /*

@@ -255,7 +255,9 @@ stage install
 WORK=$(cd "$(mktemp -d "${TMPDIR:-/tmp}/gmp-aarch64.XXXXXX")" && pwd -P)
 trap 'rm -rf "$WORK"' EXIT
 SITE=$WORK/site
+# Every manylinux tag the sysroot's glibc (2.36) runs: pip expands none of them.
 TARGET=(--platform manylinux2014_aarch64 --python-version 3.11 --implementation cp --abi cp311 --only-binary=:all:)
+for v in $(seq 17 36); do TARGET+=(--platform "manylinux_2_${v}_aarch64"); done
 PIP=("$HOST_PY" -m pip -q --disable-pip-version-check)
 export PIP_ROOT_USER_ACTION=ignore
 # tqdm, pytest and their dependencies (pure Python), downloaded once into the
@@ -269,7 +271,7 @@ if [[ "${GMP_AARCH64_REFRESH:-0}" != 0 || ! -f "$WHEELS/.complete" ]]; then
 fi
 say "pip: $(basename "$WHEEL") (--no-deps) into $SITE"
 "${PIP[@]}" install --no-warn-script-location --target "$SITE" "${TARGET[@]}" --no-deps "$WHEEL" >&2 \
-  || die "pip could not install $WHEEL for manylinux2014_aarch64/cp311"
+  || die "pip could not install $WHEEL for cp311 manylinux2014/manylinux_2_17..2_36 aarch64"
 say "pip: tqdm, pytest (from $WHEELS)"
 "${PIP[@]}" install --no-warn-script-location --upgrade --target "$SITE" "${TARGET[@]}" --no-index --find-links "$WHEELS" tqdm pytest >&2 \
   || die "pip could not install tqdm and pytest from $WHEELS (GMP_AARCH64_REFRESH=1 fetches them again)"

@@ -139,6 +139,7 @@ from ._pool import MemPool
 __all__ = [
     "AllocatorInitializedError",
     "MempoolContext",
+    "OOMErrorFallbackWarning",
     "PoolInUseError",
     "ProcessWideRoutingWarning",
     "PythonCallbackWarning",
@@ -159,6 +160,13 @@ __all__ = [
     "torch_memory_summary",
     "torch_pools",
 ]
+
+
+class OOMErrorFallbackWarning(RuntimeWarning):
+    """``set_torch_allocator(pool, oom_error="torch")`` could not build its
+    shim (the message says why) and installed the pool with
+    ``oom_error="runtime"``: out of memory is a ``RuntimeError`` worded like
+    torch's."""
 
 
 class TorchIntegrationError(GpuMemPoolError, RuntimeError):
@@ -1326,7 +1334,10 @@ def set_torch_allocator(pool: MemPool, *, oom_error: str = "runtime") -> tuple[s
         a second, once per torch and compiler: the library is cached in
         ``$GMP_CACHE_DIR`` (default ``~/.cache/gpumempool``) when nobody but
         the user or root can write there, else in ``<tmp>/gpumempool-<uid>``.
-        :class:`TorchIntegrationError` says what is missing when it cannot.
+        Where the shim cannot be built (no C++ compiler, as on a machine
+        with only Python and pip, or a torch without its headers), one
+        :class:`OOMErrorFallbackWarning` says why and the pool is installed
+        as with ``"runtime"``.
 
     Other failures read "gpumempool: cannot allocate N bytes on device D:
     ..." (a ``RuntimeError`` either way).
@@ -1365,13 +1376,20 @@ def set_torch_allocator(pool: MemPool, *, oom_error: str = "runtime") -> tuple[s
         # Torch's pluggable allocator uses the pointer without a NULL check:
         # the C++ alloc entry point throws instead (a RuntimeError in Python).
         path, alloc_sym, free_sym = pool.pluggable_symbols(throw_on_oom=True)
+        alloc_path = path
         if oom_error == "torch":
             try:
                 alloc_path, alloc_sym, free_sym = _torch_oom.install(torch, path, alloc_sym, free_sym)
             except _torch_oom.ShimBuildError as exc:
-                raise TorchIntegrationError(str(exc)) from exc
-        else:
-            alloc_path = path
+                # No compiler, no headers, no usable cache: what "runtime"
+                # gives is the next best thing, and the job can still run.
+                warnings.warn(
+                    f"gmp.set_torch_allocator(oom_error='torch'): {exc}. Falling back to oom_error='runtime': "
+                    "out of memory raises a RuntimeError worded like torch's ('CUDA out of memory. Tried to "
+                    "allocate ...'), not torch.OutOfMemoryError",
+                    OOMErrorFallbackWarning,
+                    stacklevel=2,
+                )
         cpa = torch.cuda.memory.CUDAPluggableAllocator(alloc_path, alloc_sym, free_sym)
         raw = cpa.allocator()
         lib = ctypes.CDLL(path)  # the library already loaded: same handle

@@ -1174,14 +1174,26 @@ def test_set_torch_allocator_oom_error_is_checked_before_anything_is_installed(m
     with pytest.raises(gmp.InvalidArgumentError, match="oom_error must be one of 'runtime', 'torch', got 'c10'"):
         gmp.set_torch_allocator(sim, oom_error="c10")
     assert isinstance(gmp.InvalidArgumentError("x"), ValueError)
-    # The fake torch has no files, so no headers to build the shim with.
-    with pytest.raises(gtorch.TorchIntegrationError, match="needs torch's C\\+\\+ headers.*oom_error='runtime'"):
-        gmp.set_torch_allocator(sim, oom_error="torch")
     assert gtorch.torch_allocator_pool() is None
     gmp.set_torch_allocator(sim)
     with pytest.raises(gtorch.AllocatorInitializedError, match="installed with oom_error='runtime'"):
         gmp.set_torch_allocator(sim, oom_error="torch")
     assert gmp.set_torch_allocator(sim, oom_error="runtime")  # the same call again: nothing to do
+
+
+def test_oom_error_torch_without_a_shim_falls_back_to_runtime_with_one_warning(monkeypatch, sim):
+    """A machine with only Python and pip has no C++ compiler for the shim
+    (and the fake torch has no headers either): the allocator is installed
+    as with oom_error="runtime", and one warning says why."""
+    torch = install(monkeypatch)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.warns(gtorch.OOMErrorFallbackWarning, match="needs torch's C\\+\\+ headers.*Falling back") as rec:
+        gmp.set_torch_allocator(sim, oom_error="torch")
+    assert len(rec) == 1 and issubclass(rec[0].category, RuntimeWarning)
+    assert gtorch.torch_allocator_pool() is sim
+    path, alloc_sym, _ = torch.cuda.memory.change_current_allocator.last.source
+    assert alloc_sym.startswith("gmp_alloc_or_throw_") and path == gmp.library_path()
+    assert gmp.set_torch_allocator(sim, oom_error="torch")  # the same call again: nothing to do, no warning
 
 
 def test_oom_error_torch_throws_c10s_out_of_memory_error(monkeypatch, sim, torch_headers, c10_caller, tmp_path):

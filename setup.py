@@ -104,6 +104,15 @@ class GopyBuildExt(build_ext):
         self.force = True
         super().run()
 
+    def build_extensions(self):
+        # Python's own link flags may carry -Wl,-rpath,<its lib dir> (pyenv,
+        # --enable-shared builds): an extension needs no run path, and a
+        # wheel must not carry the build machine's.
+        linker = getattr(self.compiler, "linker_so", None)
+        if isinstance(linker, list):
+            self.compiler.linker_so = [a for a in linker if not a.startswith(("-Wl,-rpath", "-Wl,-R"))]
+        super().build_extensions()
+
     def get_ext_filename(self, ext_name):
         name = super().get_ext_filename(ext_name)
         if CROSS:  # sysconfig's suffix is this Python's: .cpython-311-x86_64-linux-gnu.so

@@ -16,11 +16,11 @@
 # stdout. wheelhouse/ is git-ignored: carry it to the device machine with the
 # run tool's carry=["wheelhouse"], then `bash tools/gpu-check.sh` there.
 #
-# Needs Go (>= 1.23) and a C compiler, and a CPython 3.12: $GMP_PY312 if
-# set, else python3.12 on PATH, else pyenv's 3.12.*. The build happens in a
-# throwaway virtualenv (setuptools, wheel, pybindgen) with
-# `pip wheel --no-deps --no-build-isolation .`; the checkout is not modified
-# apart from the git-ignored build/ and wheelhouse/ directories.
+# Needs a CPython 3.12: $GMP_PY312 if set, else python3.12 on PATH, else
+# pyenv's 3.12.*. The wheel is the manylinux one users get, built by
+# tools/build-wheels.sh (zig for glibc 2.17, Go and zig from PyPI where
+# missing, auditwheel) from a copy of the working tree; the checkout is not
+# modified apart from the git-ignored wheelhouse/ directory.
 #
 # Environment: GMP_PY312 (interpreter), GMP_NO_TQDM_WHEEL=1 (don't fetch tqdm),
 # GMP_NO_RMM_WHEELS=1 (don't fetch RMM), GMP_RMM_SPEC (default rmm-cu13==26.10.*, the
@@ -36,10 +36,7 @@ WHEELHOUSE=$ROOT/wheelhouse
 say() { echo "build-gpu-wheel: $*" >&2; }
 die() { echo "build-gpu-wheel: error: $*" >&2; exit 1; }
 
-# -- tools ------------------------------------------------------------------
-command -v go >/dev/null || die "Go is not on PATH (needs Go >= 1.23; https://go.dev/dl/)"
-command -v cc >/dev/null || command -v gcc >/dev/null || die "no C compiler (cc/gcc) on PATH; cgo needs one"
-
+# -- tools: Go and zig come from PyPI where missing (tools/build-wheels.sh) --
 is_py312() { "$1" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else 1)' 2>/dev/null; }
 PY=""
 if [[ -n "${GMP_PY312:-}" ]]; then
@@ -55,7 +52,7 @@ else
   done
   [[ -n "$PY" ]] || die "no CPython 3.12 found (tried: ${candidates[*]}); set GMP_PY312=/path/to/python3.12"
 fi
-say "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])')); $(go version)"
+say "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
 
 # -- a throwaway build virtualenv -------------------------------------------
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/gmp-wheel.XXXXXX")
@@ -65,41 +62,25 @@ cleanup() {
 trap cleanup EXIT
 VENV=$TMP/venv
 "$PY" -m venv "$VENV"
-say "installing the build requirements (setuptools, wheel, pybindgen) into a temporary virtualenv"
-"$VENV/bin/pip" install -q --disable-pip-version-check 'setuptools>=64' wheel 'pybindgen>=0.22' \
-  || die "pip could not install setuptools/wheel/pybindgen"
+say "a temporary virtualenv (to check the wheel in and to download with)"
 
 # -- build ----------------------------------------------------------------
-# From a copy of the working tree (tracked and untracked-but-not-ignored
-# files, as the device machine gets it), so that the build neither shares
-# build/ with a concurrent `pip install .` of the checkout nor sees stale
-# build outputs. Go's build cache makes this cheap; build/tools (gopy,
-# goimports) is reused when the checkout has it.
-SRC=$ROOT
-if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
-  SRC=$TMP/src
-  mkdir -p "$SRC"
-  (cd "$ROOT" && git ls-files -z --cached --others --exclude-standard \
-     | while IFS= read -r -d '' f; do [[ -f "$f" ]] && printf '%s\0' "$f"; done \
-     | xargs -0 -r cp --parents -t "$SRC") || die "could not copy the working tree to $SRC"
-  if [[ -d "$ROOT/build/tools" ]]; then
-    mkdir -p "$SRC/build" && cp -r "$ROOT/build/tools" "$SRC/build/tools"
-  fi
-else
-  say "note: not a git checkout; building in place"
-fi
+# The manylinux wheel users get (tools/build-wheels.sh: zig, glibc 2.17,
+# auditwheel), not one linked against this machine's glibc: the GPU check
+# then runs what users install.
 OUTDIR=$TMP/dist
-say "pip wheel --no-deps --no-build-isolation . (the Go build takes ~20 s with a warm Go cache, minutes without)"
+say "tools/build-wheels.sh for $PY, x86_64 (the Go build takes ~30 s with warm caches, minutes without)"
 t0=$SECONDS
-if ! "$VENV/bin/pip" wheel -q --disable-pip-version-check --no-deps --no-build-isolation "$SRC" -w "$OUTDIR" >"$TMP/build.log" 2>&1; then
+if ! GMP_WHEEL_PYTHONS=$PY GMP_WHEEL_ARCHES=x86_64 GMP_WHEEL_TESTS=demo GMP_WHEEL_OUT=$OUTDIR \
+    bash "$ROOT/tools/build-wheels.sh" >"$TMP/build.log" 2>&1; then
   tail -n 60 "$TMP/build.log" >&2
-  die "pip wheel failed (last 60 lines of its output above)"
+  die "tools/build-wheels.sh failed (last 60 lines of its output above)"
 fi
 shopt -s nullglob
-built=("$OUTDIR"/gpumempool-*-cp312-*.whl)
+built=("$OUTDIR"/gpumempool-*-cp312-*manylinux*_x86_64.whl)
 shopt -u nullglob
-[[ ${#built[@]} -eq 1 ]] || { ls -l "$OUTDIR" >&2; die "expected one gpumempool cp312 wheel in $OUTDIR"; }
-say "built $(basename "${built[0]}") in $((SECONDS - t0)) s"
+[[ ${#built[@]} -eq 1 ]] || { ls -l "$OUTDIR" >&2; die "expected one gpumempool cp312 manylinux wheel in $OUTDIR"; }
+say "built $(basename "${built[0]}") in $((SECONDS - t0)) s: $(grep -oE 'manylinux_2_[0-9]+_x86_64' "$OUTDIR/SUMMARY.md" | head -n 1)"
 
 # -- check it: installs, imports outside the checkout, allocates on sim ------
 "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall "${built[0]}"
@@ -171,7 +152,7 @@ fi
   echo "wheel: $(basename "$WHEEL")"
   echo "sha256: $(sha256sum "$WHEEL" | cut -d' ' -f1)"
   echo "sources: $(source_digest)"
-  echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) with $("$PY" -c 'import sys; print(sys.version.split()[0])') and $(go version | cut -d' ' -f3)"
+  echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) with $("$PY" -c 'import sys; print(sys.version.split()[0])') and zig (tools/build-wheels.sh; $(grep -oE 'manylinux_2_[0-9]+_x86_64' "$OUTDIR/SUMMARY.md" | head -n 1))"
   if git -C "$ROOT" rev-parse --git-dir >/dev/null 2>&1; then
     echo "commit: $(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo none)"
     echo "modified tracked files: $(git -C "$ROOT" status --porcelain --untracked-files=no 2>/dev/null | wc -l)"

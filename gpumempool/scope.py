@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from . import torch as _gmp_torch
 from ._errors import GpuMemPoolError, InvalidArgumentError, InvalidPointerError
+from . import _native
 from . import _pool as _pool_module
 from ._pool import MemPool, _device_index, as_stream
 
@@ -318,6 +319,18 @@ class _PoolScopes:
 _lock = _Lock()
 _registry: dict[int, _PoolScopes] = {}  # id(pool) -> its scopes (keeps the pool alive)
 _tls = threading.local()
+
+
+def _new_locks_after_fork() -> None:
+    """In a forked child: locks another thread may have held, made anew."""
+    global _lock
+    _lock = _Lock()
+    for ps in _registry.values():
+        for scope in ps.scopes.values():
+            scope._lock = _Lock()
+
+
+_native.after_fork_in_child(_new_locks_after_fork)
 
 
 def _stack() -> list[CacheScope]:

@@ -132,7 +132,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from . import _torch_oom
+from . import _native, _torch_oom
 from ._errors import GpuMemPoolError, InvalidArgumentError, PoolClosedError
 from ._pool import MemPool
 
@@ -748,6 +748,14 @@ class MempoolContext:
 # depends on the order, and no order is right for both versions.
 _routes_lock = threading.RLock()  # release() holds it across destructors that may run finalizers
 _active_routes: dict[int, list[tuple["MempoolContext", int, bool]]] = {}
+
+
+def _new_locks_after_fork() -> None:
+    global _lock, _routes_lock
+    _lock, _routes_lock = threading.RLock(), threading.RLock()
+
+
+_native.after_fork_in_child(_new_locks_after_fork)
 
 
 def _route_started(ctx: "MempoolContext") -> None:

@@ -12,11 +12,15 @@
 // gmp_last_error to read why a call returned NULL or -1.
 //
 // Besides: torch's optional hooks per slot (hooks.go), the CUDA-graph hooks
-// and their private pools (graphs.go, zz_torch.c), the throwing alloc
-// (zz_torch.c), and the Python API's fast path (pyfast.go).
+// and their private pools (graphs.go, zz_slots.c), the throwing alloc
+// (zz_slots.c), and the Python API's fast path (pyfast.go).
 //
-// Every entry point recovers Go panics: a panic becomes a NULL return (or -1)
-// and an error message kept for Python, never a crash of the host process.
+// Every entry point is a C function (exports.c, zz_slots.c) that refuses a
+// forked child before it could enter Go, whose runtime does not survive
+// fork(): NULL (or -1) with the reason in gmp_last_error, never a hang. The
+// Go functions behind them are named gmpgo_*. Every one recovers Go panics:
+// a panic becomes a NULL return (or -1) and an error message kept for
+// Python, never a crash of the host process.
 package cabi
 
 /*
@@ -226,13 +230,13 @@ func slotFree(slot int, ptr C.uintptr_t) {
 	entryFree(e, "gmp_free", ptr)
 }
 
-// gmp_slot_alloc_ex is gmp_alloc_<slot> reporting its own failure: the
+// gmpgo_slot_alloc_ex (in C gmp_slot_alloc_ex, exports.c, which first refuses a forked child) is gmp_alloc_<slot> reporting its own failure: the
 // error into buf (n bytes) and *oom = 1 when it was an out-of-memory one.
-// The entry point of full replacement (zz_torch.c) throws it; the
+// The entry point of full replacement (zz_slots.c) throws it; the
 // pool's last error could meanwhile be another thread's.
 //
-//export gmp_slot_alloc_ex
-func gmp_slot_alloc_ex(slot C.int, size C.size_t, device C.int, stream C.uintptr_t, buf *C.char, n C.size_t, oom *C.int) C.uintptr_t {
+//export gmpgo_slot_alloc_ex
+func gmpgo_slot_alloc_ex(slot C.int, size C.size_t, device C.int, stream C.uintptr_t, buf *C.char, n C.size_t, oom *C.int) C.uintptr_t {
 	addr, err := slotAlloc(int(slot), size, device, stream)
 	if err != nil {
 		copyCString(err.Error(), buf, n)
@@ -243,10 +247,10 @@ func gmp_slot_alloc_ex(slot C.int, size C.size_t, device C.int, stream C.uintptr
 	return addr
 }
 
-// gmp_pool_alloc allocates from the pool with handle pool; NULL on error.
+// gmpgo_pool_alloc (in C gmp_pool_alloc, exports.c, which first refuses a forked child) allocates from the pool with handle pool; NULL on error.
 //
-//export gmp_pool_alloc
-func gmp_pool_alloc(pool C.int64_t, size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_pool_alloc
+func gmpgo_pool_alloc(pool C.int64_t, size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	e, err := registry.Get(int64(pool))
 	if err != nil {
 		registry.SetOrphanError("gmp_pool_alloc: " + err.Error())
@@ -255,11 +259,11 @@ func gmp_pool_alloc(pool C.int64_t, size C.size_t, device C.int, stream C.uintpt
 	return entryAlloc(e, "gmp_pool_alloc", size, device, stream)
 }
 
-// gmp_pool_free frees ptr in the pool with handle pool; 0 on success, -1 on
+// gmpgo_pool_free (in C gmp_pool_free, exports.c, which first refuses a forked child) frees ptr in the pool with handle pool; 0 on success, -1 on
 // error (see gmp_last_error).
 //
-//export gmp_pool_free
-func gmp_pool_free(pool C.int64_t, ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) C.int {
+//export gmpgo_pool_free
+func gmpgo_pool_free(pool C.int64_t, ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) C.int {
 	e, err := registry.Get(int64(pool))
 	if err != nil {
 		registry.SetOrphanError("gmp_pool_free: " + err.Error())
@@ -287,13 +291,13 @@ func copyCString(msg string, buf *C.char, n C.size_t) C.size_t {
 	return C.size_t(len(msg))
 }
 
-// gmp_last_error copies the last error of pool (or, for pool 0, of calls no
+// gmpgo_last_error (in C gmp_last_error, exports.c, which first refuses a forked child) copies the last error of pool (or, for pool 0, of calls no
 // pool owned) into buf as a NUL-terminated string, clears it, and returns its
 // full length (0 when there was none). Like snprintf, it writes at most n
 // bytes.
 //
-//export gmp_last_error
-func gmp_last_error(pool C.int64_t, buf *C.char, n C.size_t) C.size_t {
+//export gmpgo_last_error
+func gmpgo_last_error(pool C.int64_t, buf *C.char, n C.size_t) C.size_t {
 	var msg string
 	if pool == 0 {
 		msg = registry.TakeOrphanError()

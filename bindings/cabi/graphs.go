@@ -38,7 +38,7 @@ import (
 // shared cache, tensors allocated later would be overwritten by every
 // replay. Torch's own caching allocator keeps such pools; a pluggable
 // allocator must do it itself, through the three hooks below (C wrappers
-// in zz_torch.c and torch_glue.c, because torch passes the filter as a
+// in zz_slots.c and torch_glue.c, because torch passes the filter as a
 // std::function).
 //
 // Each private pool is a gocore.Pool of its own over the slot pool's backend
@@ -410,11 +410,11 @@ func privateRecordStream(e *registry.Entry, addr uint64, stream gocore.Stream) (
 	return true, pp.pool.RecordStream(addr, stream)
 }
 
-// gmp_graph_begin is beginAllocateToPool: the C wrapper hands over a heap
+// gmpgo_graph_begin (in C gmp_graph_begin, exports.c, which first refuses a forked child) is beginAllocateToPool: the C wrapper hands over a heap
 // copy of torch's filter, which is owned from here on.
 //
-//export gmp_graph_begin
-func gmp_graph_begin(slot, device C.int, id0, id1 C.uint64_t, filter unsafe.Pointer) {
+//export gmpgo_graph_begin
+func gmpgo_graph_begin(slot, device C.int, id0, id1 C.uint64_t, filter unsafe.Pointer) {
 	f := cppFilter{filter}
 	e := registry.BySlot(int(slot))
 	if e == nil {
@@ -432,21 +432,21 @@ func gmp_graph_begin(slot, device C.int, id0, id1 C.uint64_t, filter unsafe.Poin
 	}
 }
 
-// gmp_graph_end is endAllocateToPool: the capture (or use_mem_pool) begun
+// gmpgo_graph_end (in C gmp_graph_end, exports.c, which first refuses a forked child) is endAllocateToPool: the capture (or use_mem_pool) begun
 // for (device, id) stops routing allocations.
 //
-//export gmp_graph_end
-func gmp_graph_end(slot, device C.int, id0, id1 C.uint64_t) {
+//export gmpgo_graph_end
+func gmpgo_graph_end(slot, device C.int, id0, id1 C.uint64_t) {
 	slotHook(int(slot), "gmp_end_allocate_to_pool", func(e *registry.Entry) error {
 		return endCapture(e, int(device), graphPoolID{uint64(id0), uint64(id1)})
 	})
 }
 
-// gmp_graph_release is releasePool: the graph (or torch.cuda.MemPool) is
+// gmpgo_graph_release (in C gmp_graph_release, exports.c, which first refuses a forked child) is releasePool: the graph (or torch.cuda.MemPool) is
 // gone, so the pool's segments go back once its last block is freed.
 //
-//export gmp_graph_release
-func gmp_graph_release(slot, device C.int, id0, id1 C.uint64_t) {
+//export gmpgo_graph_release
+func gmpgo_graph_release(slot, device C.int, id0, id1 C.uint64_t) {
 	slotHook(int(slot), "gmp_release_pool", func(e *registry.Entry) error {
 		return releaseGraphPool(e, int(device), graphPoolID{uint64(id0), uint64(id1)})
 	})

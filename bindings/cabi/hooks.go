@@ -28,7 +28,7 @@ import (
 //	void  gmp_record_stream_<i>(void* ptr, cudaStream_t stream);
 //	void* gmp_base_alloc_<i>(void* ptr, size_t* size);
 //
-// and, in C (zz_torch.c, graphs.go), the CUDA-graph / MemPool hooks
+// and, in C (zz_slots.c, graphs.go), the CUDA-graph / MemPool hooks
 // gmp_begin_allocate_to_pool_<i>, gmp_end_allocate_to_pool_<i> and
 // gmp_release_pool_<i>.
 

@@ -21,7 +21,7 @@ const (
 	pickleFailed    = 3 // a Go panic, recovered; the message is in why
 )
 
-// gmp_pickle_scan checks the pickle in data[0:n] before Python unpickles it
+// gmpgo_pickle_scan (in C gmp_pickle_scan, exports.c, which first refuses a forked child) checks the pickle in data[0:n] before Python unpickles it
 // (picklescan.Scan; gpumempool's loader of snapshots calls it through
 // gpumempool._fastcall). It returns 0 when the pickle may be unpickled, 1
 // when it is refused (the reason in why, NUL-terminated, at most why_len
@@ -30,8 +30,8 @@ const (
 // *depth receive the bound of picklescan.Shape, or *depth = -1 when it has
 // none. data is only read, and not kept.
 //
-//export gmp_pickle_scan
-func gmp_pickle_scan(data *C.uint8_t, n C.size_t, maxDepth C.int64_t, ops, pos *C.int64_t, why *C.char, whyLen C.size_t,
+//export gmpgo_pickle_scan
+func gmpgo_pickle_scan(data *C.uint8_t, n C.size_t, maxDepth C.int64_t, ops, pos *C.int64_t, why *C.char, whyLen C.size_t,
 	nodes *C.uint64_t, depth *C.int64_t) C.int {
 	*nodes, *depth = 0, -1
 	err := panicFree(func() error {

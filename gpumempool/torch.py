@@ -1296,7 +1296,8 @@ class _Installed:
     pool: MemPool
     allocator: Any
     hooks: tuple[str, ...]
-    oom_error: str
+    oom_error: str  # what torch has: "runtime" where "torch" fell back
+    fell_back: bool = False  # oom_error="torch" was asked for and fell back
 
 
 _installed: Optional[_Installed] = None
@@ -1361,7 +1362,9 @@ def set_torch_allocator(pool: MemPool, *, oom_error: str = "runtime") -> tuple[s
         raise TorchVersionError(f"torch {caps.version} has no CUDAPluggableAllocator/change_current_allocator")
     with _lock:
         if _installed is not None:
-            if _installed.pool is pool and _installed.oom_error == oom_error:
+            if _installed.pool is pool and (
+                _installed.oom_error == oom_error or (oom_error == "torch" and _installed.fell_back)
+            ):
                 _check_open(pool)
                 return _installed.hooks
             if _installed.pool is pool:
@@ -1385,6 +1388,7 @@ def set_torch_allocator(pool: MemPool, *, oom_error: str = "runtime") -> tuple[s
         # the C++ alloc entry point throws instead (a RuntimeError in Python).
         path, alloc_sym, free_sym = pool.pluggable_symbols(throw_on_oom=True)
         alloc_path = path
+        installed_as, fell_back = oom_error, False
         if oom_error == "torch":
             try:
                 alloc_path, alloc_sym, free_sym = _torch_oom.install(torch, path, alloc_sym, free_sym)
@@ -1398,6 +1402,7 @@ def set_torch_allocator(pool: MemPool, *, oom_error: str = "runtime") -> tuple[s
                     OOMErrorFallbackWarning,
                     stacklevel=2,
                 )
+                installed_as, fell_back = "runtime", True
         cpa = torch.cuda.memory.CUDAPluggableAllocator(alloc_path, alloc_sym, free_sym)
         raw = cpa.allocator()
         lib = ctypes.CDLL(path)  # the library already loaded: same handle
@@ -1415,7 +1420,7 @@ def set_torch_allocator(pool: MemPool, *, oom_error: str = "runtime") -> tuple[s
                     "before anything initialises CUDA, in a fresh process"
                 ) from exc
             raise
-        _installed = _Installed(pool, cpa, tuple(wired), oom_error)
+        _installed = _Installed(pool, cpa, tuple(wired), installed_as, fell_back)
         return _installed.hooks
 
 

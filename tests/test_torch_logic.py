@@ -1196,6 +1196,19 @@ def test_oom_error_torch_without_a_shim_falls_back_to_runtime_with_one_warning(m
     assert gmp.set_torch_allocator(sim, oom_error="torch")  # the same call again: nothing to do, no warning
 
 
+def test_after_the_oom_error_fallback_the_installed_mode_is_runtime(monkeypatch, sim):
+    """Once oom_error="torch" fell back, what torch has is the "runtime"
+    allocator: asking for exactly that (a library calling
+    set_torch_allocator(pool) with the default) is the same call again, not
+    an AllocatorInitializedError claiming it was installed with 'torch'."""
+    install(monkeypatch)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.warns(gtorch.OOMErrorFallbackWarning):
+        hooks = gmp.set_torch_allocator(sim, oom_error="torch")
+    assert gmp.set_torch_allocator(sim) == hooks
+    assert gmp.set_torch_allocator(sim, oom_error="runtime") == hooks
+
+
 def test_oom_error_torch_throws_c10s_out_of_memory_error(monkeypatch, sim, torch_headers, c10_caller, tmp_path):
     """oom_error="torch": torch's pluggable allocator gets the shim's alloc,
     which throws c10::OutOfMemoryError (torch.OutOfMemoryError in Python)

@@ -568,7 +568,7 @@ def test_graph_hooks_survive_bad_calls_and_close(cxx_caller) -> None:
 
 
 def test_graph_hook_types_match_torch_headers(tmp_path) -> None:
-    """The C hooks of zz_torch.c are called by torch through the function
+    """The C hooks of zz_slots.c are called by torch through the function
     types of the installed torch's CUDAPluggableAllocator setters (the
     std::function arguments of set_begin_allocate_to_pool & co. in its
     header, which its Python binding casts our addresses to), with torch's

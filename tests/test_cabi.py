@@ -7,6 +7,7 @@ import ctypes
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -456,6 +457,18 @@ def test_graph_capture_allocates_from_a_private_pool(cxx_caller) -> None:
         pool.check()
 
 
+def _graph_hooks(pool: gmp.MemPool) -> tuple[bytes, Any, bytes, bytes, bytes]:
+    """The library path, the slot's alloc (as ctypes) and the names of the
+    begin / end / release graph hooks, as torch_caller.cpp takes them."""
+    path, a_sym, _ = pool.pluggable_symbols()
+    hooks = pool.pluggable_hooks()
+    alloc = getattr(ctypes.CDLL(path), a_sym)
+    alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    begin, end, release = (hooks[k].encode() for k in (
+        "set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool"))
+    return path.encode(), alloc, begin, end, release
+
+
 @pytest.mark.parametrize("kind", [2, 0], ids=["filter-stored-inline", "filter-on-the-heap"])
 def test_torch_filters_are_moved_called_and_destroyed_through_libstdcxx_abi(cxx_caller, kind: int) -> None:
     """The hooks are C (no C++ library in the extension): torch's
@@ -465,23 +478,18 @@ def test_torch_filters_are_moved_called_and_destroyed_through_libstdcxx_abi(cxx_
     must route the captured stream only, and leave no copy behind."""
     S0, S1 = 0x30, 0x31
     with gmp.MemPool("sim", capacity=64 * MiB) as pool:
-        path, a_sym, _ = pool.pluggable_symbols()
-        hooks = pool.pluggable_hooks()
-        alloc = getattr(ctypes.CDLL(path), a_sym)
-        alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        begin, end, release = (hooks[k].encode() for k in (
-            "set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool"))
+        path, alloc, begin, end, release = _graph_hooks(pool)
         calls = cxx_caller.filter_call_count()
-        assert cxx_caller.call_begin(path.encode(), begin, 0, 9, 0, S1, kind) == 0
+        assert cxx_caller.call_begin(path, begin, 0, 9, 0, S1, kind) == 0
         a = alloc(MiB, 0, S1)
         b = alloc(MiB, 0, S0)
         assert cxx_caller.filter_call_count() >= calls + 2  # the filter itself was asked, for both streams
         (gp,) = pool.graph_pools()
         assert gp["live_blocks"] == 1  # only S1's block is the graph's
-        assert cxx_caller.call_end(path.encode(), end, 0, 9, 0) == 0
+        assert cxx_caller.call_end(path, end, 0, 9, 0) == 0
         pool.free(a)
         pool.free(b)
-        assert cxx_caller.call_end(path.encode(), release, 0, 9, 0) == 0
+        assert cxx_caller.call_end(path, release, 0, 9, 0) == 0
         assert pool.graph_pools() == [] and pool.last_error() is None
         assert cxx_caller.live_filters() == 0
 
@@ -489,15 +497,11 @@ def test_torch_filters_are_moved_called_and_destroyed_through_libstdcxx_abi(cxx_
 def test_an_empty_torch_filter_accepts_nothing(cxx_caller) -> None:
     S1 = 0x41
     with gmp.MemPool("sim", capacity=64 * MiB) as pool:
-        path, a_sym, _ = pool.pluggable_symbols()
-        hooks = pool.pluggable_hooks()
-        alloc = getattr(ctypes.CDLL(path), a_sym)
-        alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        begin, end = (hooks[k].encode() for k in ("set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn"))
-        assert cxx_caller.call_begin(path.encode(), begin, 0, 10, 0, S1, 3) == 0
+        path, alloc, begin, end, _ = _graph_hooks(pool)
+        assert cxx_caller.call_begin(path, begin, 0, 10, 0, S1, 3) == 0
         a = alloc(MiB, 0, S1)
         assert a and pool.graph_pools() == []  # served by the shared pool
-        assert cxx_caller.call_end(path.encode(), end, 0, 10, 0) == 0
+        assert cxx_caller.call_end(path, end, 0, 10, 0) == 0
         pool.free(a)
 
 
@@ -532,13 +536,7 @@ def test_graph_capture_pauses_events(cxx_caller) -> None:
 def test_graph_hooks_survive_bad_calls_and_close(cxx_caller) -> None:
     S1 = 0x21
     pool = gmp.MemPool("sim", capacity=64 * MiB)
-    path, a_sym, _ = pool.pluggable_symbols()
-    hooks = pool.pluggable_hooks()
-    alloc = getattr(ctypes.CDLL(path), a_sym)
-    alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    begin, end, release = (hooks[k].encode() for k in (
-        "set_begin_allocate_to_pool", "set_end_allocate_to_pool_fn", "set_release_pool"))
-    p = path.encode()
+    p, alloc, begin, end, release = _graph_hooks(pool)
 
     assert cxx_caller.call_end(p, end, 0, 1, 2) == 0  # end without begin: an error kept, not a crash
     assert "no allocation to this pool was begun" in (pool.last_error() or "")

@@ -134,7 +134,9 @@ for py in "${pythons[@]}"; do
       "$TMP/repaired-$ver-$arch"/gpumempool-*.whl >/dev/null
     mv "$TMP/repaired-$ver-$arch"/gpumempool-*.whl "$OUT/"
     whl=$(ls -t "$OUT"/gpumempool-*cp${ver/./}-*"$arch".whl | head -n 1)
-    show=$(PATH=$venv/bin:$PATH auditwheel show "$whl" 2>&1)
+    # -v: without it, show stops after the glibc paragraph once symbols
+    # constrain the tag, before it says whether libraries are needed.
+    show=$(PATH=$venv/bin:$PATH auditwheel -v show "$whl" 2>&1)
     flat=$(tr '\n' ' ' <<<"$show" | tr -s ' ')  # auditwheel wraps its sentences
     tag=$(grep -oE 'platform tag: "[^"]+"' <<<"$flat" | head -n 1 | cut -d'"' -f2 || true)
     line=$(grep -oE 'is consistent with the following platform tag: "[^"]+"' <<<"$flat" || true)

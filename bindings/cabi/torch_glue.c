@@ -10,11 +10,13 @@
  *  - torch's stream filter, a std::function<bool(cudaStream_t)>: moved the
  *    way libstdc++'s move constructor does (the 32 bytes, then the source's
  *    manager and invoker cleared), called through its invoker, destroyed
- *    through its manager. That layout has been libstdc++'s ABI since GCC 4.x
- *    and the invoker has taken its arguments by reference since GCC 5;
- *    torch 2.x is built with GCC >= 9. A call that throws is caught in
- *    filter_call.cpp, the package's only C++, which needs no C++ library:
- *    its catch uses the runtime's functions through the forwarders below.
+ *    through its manager, as the libstdc++ of the GCC releases torch 2.x is
+ *    built with (9 and later; checked against GCC 12's <bits/std_function.h>
+ *    and by tests/csrc/torch_caller.cpp, built with the system g++) lays it
+ *    out: the layout is part of libstdc++'s stable ABI. A call that throws
+ *    is caught in filter_call.cpp, the package's only C++, which needs no
+ *    C++ library: its catch uses the runtime's functions through the
+ *    forwarders below.
  */
 #define _GNU_SOURCE
 #include "torch_glue.h"

@@ -17,8 +17,9 @@
 #include <stdint.h>
 
 /* torch's c10::MempoolId_t, std::pair<unsigned long long, unsigned long long>.
- * The pair is trivially copyable, so by value it is passed exactly like this
- * struct (two integer registers on x86-64 and aarch64). */
+ * The pair's copy and move constructors are trivial and its destructor too,
+ * so by value it is passed exactly like this struct (two integer registers
+ * on x86-64 and aarch64). */
 typedef struct gmp_mempool_id {
   unsigned long long first;
   unsigned long long second;

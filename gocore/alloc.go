@@ -90,6 +90,7 @@ func (p *Pool) alloc(size uint64, dev int, stream Stream, callerSegments bool) (
 	}
 	b.allocated = true
 	b.requested = size
+	b.callerSized = callerSegments
 	p.live.put(b)
 	st := &d.stats
 	st.Allocation.add(kind, 1)

@@ -38,12 +38,15 @@ type block struct {
 	seg        *segment
 	addr, size uint64
 	requested  uint64 // the caller's size, before rounding
-	allocated  bool
-	pending    int    // outstanding events before the block may be reused
-	prev, next *block // address-ordered neighbours in the same segment
-	heapIdx    int    // index in a small bin while free, else -1
-	inFree     bool
-	streamUses []Stream // streams other than seg.stream that used the block
+	// callerSized: allocated by AllocSegment, whose caller rounded the
+	// request itself (only the 512-byte rounding applies, not the pool's).
+	callerSized bool
+	allocated   bool
+	pending     int    // outstanding events before the block may be reused
+	prev, next  *block // address-ordered neighbours in the same segment
+	heapIdx     int    // index in a small bin while free, else -1
+	inFree      bool
+	streamUses  []Stream // streams other than seg.stream that used the block
 }
 
 // isSplit reports whether the block shares its segment with other blocks.

@@ -3,6 +3,7 @@ package gocore
 import (
 	"errors"
 	"fmt"
+	"math/bits"
 )
 
 // ErrInvariant is wrapped by every violation CheckInvariants reports.
@@ -12,7 +13,8 @@ var ErrInvariant = errors.New("allocator invariant violated")
 // violation found (nil when consistent): each segment is tiled exactly by its
 // blocks, no two free blocks are adjacent, free blocks are indexed under
 // their own stream and nothing else is, live blocks are exactly the
-// allocated ones, and the current values of the stats equal a recount. It
+// allocated ones, every active block covers its request rounded by the
+// pool's policy, and the current values of the stats equal a recount. It
 // takes the pool's lock and is O(blocks): for tests and debugging.
 func (p *Pool) CheckInvariants() error {
 	p.mu.Lock()
@@ -75,6 +77,11 @@ func (p *Pool) CheckInvariants() error {
 					want.Active.add(s.kind, 1)
 					want.ActiveBytes.add(s.kind, int64(b.size))
 					want.RequestedBytes.add(s.kind, int64(b.requested))
+					if b.requested == 0 {
+						bad("active block %#x (%d bytes) records no requested size", b.addr, b.size)
+					} else if least := p.leastBlockSize(b.requested, b.callerSized); b.size < least {
+						bad("block %#x: %d bytes for a %d-byte request that rounds to %d", b.addr, b.size, b.requested, least)
+					}
 					if b.inFree {
 						bad("active block %#x is in a free list", b.addr)
 					}
@@ -177,6 +184,28 @@ func (p *Pool) CheckInvariants() error {
 		bad("%d blocks in the live map, %d allocated blocks in segments", p.live.len(), allocatedSeen)
 	}
 	return errors.Join(errs...)
+}
+
+// leastBlockSize is the smallest block the pool's rounding policy gives a
+// request of size bytes: 512-byte rounding, and for a block not sized by
+// its caller (AllocSegment) the pool's roundup_power2_divisions. It is
+// written apart from roundSize and roundPower2Divisions on purpose, so that
+// a fault in those is caught here rather than repeated.
+func (p *Pool) leastBlockSize(size uint64, callerSized bool) uint64 {
+	least := (size + MinBlockSize - 1) &^ (MinBlockSize - 1) // MinBlockSize is a power of two
+	if callerSized {
+		return least
+	}
+	divisions := p.cfg.RoundupPower2Divisions
+	if by := p.cfg.RoundupPower2DivisionsBySize; by != nil {
+		// Interval 0 holds sizes under 2 MiB, interval i [2^(20+i), 2^(21+i)).
+		divisions = by[min(max(bits.Len64(size)-21, 0), len(by)-1)]
+	}
+	if divisions < 2 || size <= MinBlockSize*divisions || bits.OnesCount64(size) == 1 {
+		return least
+	}
+	step := (uint64(1) << (bits.Len64(size) - 1)) / divisions
+	return max(least, size+(step-size%step)%step)
 }
 
 func (d *deviceState) isIndexed(b *block) bool {

@@ -123,6 +123,7 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 	d.stats.RequestedBytes.add(kind, -int64(b.requested))
 	p.trace(ActionFreeCompleted, d.id, b.addr, b.requested, b.seg.stream)
 	b.requested = 0
+	b.callerSized = false
 	b.streamUses = b.streamUses[:0]
 	f := d.freeList(b.seg.stream)
 	if n := b.next; n != nil && n.inFree {

@@ -1,0 +1,84 @@
+package gocore
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// liveBlock returns the allocated block at addr (white box).
+func liveBlock(t *testing.T, p *Pool, addr uint64) *block {
+	t.Helper()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	b := p.live.get(addr)
+	require.NotNil(t, b)
+	return b
+}
+
+// The checker's own statement of the rounding policy, against numbers worked
+// out by hand (not by the engine's rounding functions).
+func TestLeastBlockSizeFollowsThePolicy(t *testing.T) {
+	plain, _ := newTestPool(t, SimConfig{}, Config{})
+	div4, _ := newTestPool(t, SimConfig{}, Config{RoundupPower2Divisions: 4})
+	by := make([]uint64, RoundupIntervals)
+	by[2] = 8 // [4 MiB, 8 MiB) in eighths
+	bySize, _ := newTestPool(t, SimConfig{}, Config{RoundupPower2DivisionsBySize: by})
+	for _, c := range []struct {
+		p           *Pool
+		size, least uint64
+		callerSized bool
+	}{
+		{plain, 1, 512, false},
+		{plain, 512, 512, false},
+		{plain, 513, 1024, false},
+		{plain, 5*MiB + 1, 5*MiB + 512, false},
+		{div4, 2048, 2048, false},                 // up to 512*4: plain
+		{div4, 2049, 2560, false},                 // [2048, 4096) in steps of 512
+		{div4, 5*MiB + 1, 6 * MiB, false},         // [4, 8) MiB in steps of 1 MiB
+		{div4, 4 * MiB, 4 * MiB, false},           // a power of two stays
+		{div4, 5*MiB + 1, 5*MiB + 512, true},      // AllocSegment: only 512-byte rounding
+		{bySize, 5*MiB + 1, 5*MiB + MiB/2, false}, // interval 2: eighths of 4 MiB
+		{bySize, 3*MiB + 1, 3*MiB + 512, false},   // interval 1: no divisions
+	} {
+		assert.Equal(t, c.least, c.p.leastBlockSize(c.size, c.callerSized), "size %d caller-sized %v", c.size, c.callerSized)
+	}
+}
+
+// A block smaller than its rounded request is a violation: an audit made
+// 512-byte rounding give a 513-byte request a 512-byte block, and nothing
+// noticed.
+func TestCheckInvariantsCatchesABlockThatDoesNotCoverItsRequest(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{})
+	a := mustAlloc(t, p, 513, 0, 0)
+	require.NoError(t, p.CheckInvariants())
+	b := liveBlock(t, p, a)
+	require.EqualValues(t, 1024, b.size)
+	b.requested = 1025 // as if the block were rounded down
+	err := p.CheckInvariants()
+	require.ErrorIs(t, err, ErrInvariant)
+	assert.Contains(t, err.Error(), "1024 bytes for a 1025-byte request that rounds to 1536")
+	b.requested = 0
+	require.ErrorIs(t, p.CheckInvariants(), ErrInvariant, "an active block must record its request")
+	b.requested = 513
+	require.NoError(t, p.CheckInvariants())
+}
+
+// The pool's roundup_power2_divisions counts, not only 512-byte rounding: a
+// block rounded without the divisions breaks the invariant, and a block
+// that AllocSegment's caller sized does not.
+func TestCheckInvariantsAppliesThePoolsRounding(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{})
+	a := mustAlloc(t, p, 5*MiB+1, 0, 0)
+	s := mustAlloc(t, p, 5*MiB+1, 0, 1)
+	liveBlock(t, p, s).callerSized = true
+	require.NoError(t, p.CheckInvariants())
+	p.cfg.RoundupPower2Divisions = 4 // the policy wants 6 MiB for 5 MiB + 1
+	err := p.CheckInvariants()
+	require.ErrorIs(t, err, ErrInvariant)
+	assert.Contains(t, err.Error(), "request that rounds to 6291456")
+	assert.NotContains(t, err.Error(), "in a free list")
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.CheckInvariants(), "a caller-sized block is held to 512-byte rounding only")
+}

@@ -1670,3 +1670,52 @@ func TestAllocSegmentIgnoresThePoolsRounding(t *testing.T) {
 	require.NoError(t, err)
 	assert.EqualValues(t, 28*MiB, info.Size)
 }
+
+// Trim and the release threshold give back wholly free segments largest
+// first (the fewest backend calls to reach the target; torch's
+// release_available_cached_blocks also frees its largest blocks first),
+// equal sizes by address, lowest first.
+func TestTrimReleasesTheLargestWholeSegmentsFirst(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{}, Config{})
+	small := mustAlloc(t, p, 12*MiB, 0, 0) // a segment of its own size
+	mid := mustAlloc(t, p, 40*MiB, 0, 0)
+	large := mustAlloc(t, p, 60*MiB, 0, 0)
+	for _, a := range []uint64{small, mid, large} {
+		require.NoError(t, p.Free(a))
+	}
+	// 112 MiB unused; keep 90: the 60 MiB segment alone is enough (smallest
+	// first would release 12 and 40 instead).
+	released, err := p.Trim(0, 90*MiB)
+	require.NoError(t, err)
+	assert.EqualValues(t, 60*MiB, released)
+	assert.Equal(t, 2, be.Stats().LiveSegments)
+	assert.Equal(t, small, mustAlloc(t, p, 12*MiB, 0, 0), "the 12 MiB segment stays cached")
+	assert.Equal(t, mid, mustAlloc(t, p, 40*MiB, 0, 0), "the 40 MiB segment stays cached")
+
+	// Equal sizes: the lowest address goes first.
+	q, qbe := newTestPool(t, SimConfig{}, Config{})
+	x := mustAlloc(t, q, 12*MiB, 0, 0)
+	y := mustAlloc(t, q, 12*MiB, 0, 0)
+	require.Less(t, x, y)
+	require.NoError(t, q.Free(y))
+	require.NoError(t, q.Free(x))
+	released, err = q.Trim(0, 20*MiB)
+	require.NoError(t, err)
+	assert.EqualValues(t, 12*MiB, released)
+	assert.Equal(t, 1, qbe.Stats().LiveSegments)
+	assert.Equal(t, y, mustAlloc(t, q, 12*MiB, 0, 0), "the higher segment stays cached")
+
+	// The release threshold takes the same path.
+	r, rbe := newTestPool(t, SimConfig{}, Config{ReleaseThreshold: 90 * MiB})
+	small = mustAlloc(t, r, 12*MiB, 0, 0)
+	mid = mustAlloc(t, r, 40*MiB, 0, 0)
+	large = mustAlloc(t, r, 60*MiB, 0, 0)
+	for _, a := range []uint64{small, mid, large} {
+		require.NoError(t, r.Free(a))
+	}
+	assert.Equal(t, 2, rbe.Stats().LiveSegments, "only the 60 MiB segment went back")
+	assert.Equal(t, mid, mustAlloc(t, r, 40*MiB, 0, 0))
+	require.NoError(t, p.CheckInvariants())
+	require.NoError(t, q.CheckInvariants())
+	require.NoError(t, r.CheckInvariants())
+}

@@ -53,27 +53,17 @@ func (p *Pool) alloc(size uint64, dev int, stream Stream, callerSegments bool) (
 		rounded = p.roundRequest(size)
 	}
 	kind := kindOf(rounded)
-	f := d.freeList(stream)
-	var b *block
-	if kind == kindSmall {
-		b = f.small.bestFit(rounded)
-	} else {
-		d.largeLookups++
-		b = f.bestFitLarge(rounded, p.cfg.MaxSplitSize, p.cfg.MaxNonSplitRoundingSize)
-	}
-	if b != nil {
-		d.removeFree(f, b)
-		d.stats.NumCacheHits++
-	} else {
+	b := p.takeCachedLocked(d, rounded, kind, stream)
+	if b == nil {
 		if kind == kindLarge && p.cfg.GarbageCollectionThreshold > 0 {
 			p.collectGarbageLocked(d)
 		}
 		if b, err = p.newSegmentBlock(d, size, rounded, kind, stream, callerSegments); err != nil {
 			return 0, err
 		}
-		// Releasing cached segments may have dropped the stream's lists.
-		f = d.freeList(stream)
 	}
+	// Releasing cached segments may have dropped the stream's lists.
+	f := d.freeList(stream)
 	if p.shouldSplit(b, rounded) {
 		rest := p.newBlock()
 		*rest = block{seg: b.seg, addr: b.addr + rounded, size: b.size - rounded,
@@ -107,6 +97,25 @@ func (p *Pool) alloc(size uint64, dev int, stream Stream, callerSegments bool) (
 	return b.addr, nil
 }
 
+// takeCachedLocked takes the best cached block of stream for a rounded
+// request out of the free lists (best fit by size, then address), or
+// returns nil when none fits.
+func (p *Pool) takeCachedLocked(d *deviceState, rounded uint64, kind poolKind, stream Stream) *block {
+	f := d.freeList(stream)
+	var b *block
+	if kind == kindSmall {
+		b = f.small.bestFit(rounded)
+	} else {
+		d.largeLookups++
+		b = f.bestFitLarge(rounded, p.cfg.MaxSplitSize, p.cfg.MaxNonSplitRoundingSize)
+	}
+	if b != nil {
+		d.removeFree(f, b)
+		d.stats.NumCacheHits++
+	}
+	return b
+}
+
 func (p *Pool) isOversize(size uint64) bool {
 	return p.cfg.MaxSplitSize != 0 && size >= p.cfg.MaxSplitSize
 }
@@ -125,7 +134,9 @@ func (p *Pool) shouldSplit(b *block, rounded uint64) bool {
 }
 
 // newSegmentBlock obtains a segment for a request that no cached block can
-// serve, with the release-and-retry OOM path, and returns it as one block.
+// serve, with the release-and-retry OOM path, and returns it as one block;
+// or, when the retry finds that a block whose events completed meanwhile
+// fits, that block, taken out of the free lists as a cache hit.
 func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKind, stream Stream, callerSegments bool) (*block, error) {
 	segSize := segmentSize(rounded)
 	if callerSegments && kind == kindLarge {
@@ -143,8 +154,14 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 	// A pool that holds its segments has nothing to release: no retry.
 	if err != nil && errors.Is(err, ErrBackendOutOfMemory) && !p.holdingSegmentsLocked() {
 		d.stats.NumAllocRetries++
-		// Events may have completed since; then everything cached can go.
+		// Events may have completed since: a block freed on another
+		// stream may now serve the request from the cache, with no
+		// segment given back or made (torch releases and reallocates).
+		// Else everything cached can go.
 		p.processEventsLocked(d)
+		if b := p.takeCachedLocked(d, rounded, kind, stream); b != nil {
+			return b, nil
+		}
 		p.releaseCachedLocked(d, 0)
 		addr, err = p.backendAlloc(d, segSize, stream)
 	}

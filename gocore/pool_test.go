@@ -1719,3 +1719,61 @@ func TestTrimReleasesTheLargestWholeSegmentsFirst(t *testing.T) {
 	require.NoError(t, q.CheckInvariants())
 	require.NoError(t, r.CheckInvariants())
 }
+
+// oomCompletes is a sim backend on which the work of every stream completes
+// while an allocation fails for lack of memory: the time a failing
+// cudaMalloc takes, in which other streams finish.
+type oomCompletes struct {
+	*SimBackend
+}
+
+func (b *oomCompletes) Alloc(device int, size uint64, stream Stream) (uint64, error) {
+	addr, err := b.SimBackend.Alloc(device, size, stream)
+	if errors.Is(err, ErrBackendOutOfMemory) {
+		b.CompleteAll()
+	}
+	return addr, err
+}
+
+// The OOM retry processes events first: a block freed after use on another
+// stream, whose event completed since the allocation began, serves the
+// retry from the cache, with no backend call, even in a segment that cannot
+// go back; and a wholly free one goes back so that the retry fits.
+func TestOOMRetryProcessesEventsFirst(t *testing.T) {
+	sim, err := NewSimBackend(SimConfig{ManualEvents: true, Capacity: 24 * MiB})
+	require.NoError(t, err)
+	p, err := NewPool(Config{Backend: &oomCompletes{sim}})
+	require.NoError(t, err)
+	a := mustAlloc(t, p, 8*MiB, 0, 0) // one 20 MiB segment: a, b and 4 MiB free
+	b := mustAlloc(t, p, 8*MiB, 0, 0)
+	require.NoError(t, p.RecordStream(a, 1))
+	require.NoError(t, p.Free(a)) // waits for stream 1
+	before := sim.Stats()
+	c := mustAlloc(t, p, 8*MiB, 0, 0) // no room for a new 20 MiB segment
+	assert.Equal(t, a, c, "the retry reuses the block whose event completed")
+	after := sim.Stats()
+	assert.Equal(t, before.Allocs, after.Allocs, "no segment made")
+	assert.Equal(t, before.Frees, after.Frees, "no segment given back")
+	s := stats(t, p)
+	assert.EqualValues(t, 1, s.NumAllocRetries)
+	assert.Zero(t, s.NumOOMs)
+	assert.EqualValues(t, 20*MiB, s.ReservedBytes[0].Current)
+	require.NoError(t, p.Free(b))
+	require.NoError(t, p.Free(c))
+	_, err = p.Close()
+	require.NoError(t, err)
+
+	// A wholly free segment whose block waited goes back for the retry.
+	sim, err = NewSimBackend(SimConfig{ManualEvents: true, Capacity: 24 * MiB})
+	require.NoError(t, err)
+	p, err = NewPool(Config{Backend: &oomCompletes{sim}})
+	require.NoError(t, err)
+	a = mustAlloc(t, p, 12*MiB, 0, 0)
+	require.NoError(t, p.RecordStream(a, 1))
+	require.NoError(t, p.Free(a))
+	mustAlloc(t, p, 14*MiB, 0, 0)
+	s = stats(t, p)
+	assert.EqualValues(t, 1, s.NumAllocRetries)
+	assert.Zero(t, s.NumOOMs)
+	assert.EqualValues(t, 14*MiB, s.ReservedBytes[0].Current)
+}

@@ -2,6 +2,7 @@ package gocore
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"sync"
@@ -951,45 +952,85 @@ func randomWorkload(t *testing.T, expandable bool) {
 	assert.Zero(t, be.Stats().LiveEvents)
 }
 
+// Pools working side by side on one backend, each with its own pool and
+// one they share: the invariants of both hold while they work, each Close
+// gives the backend exactly the segments its pool held (live blocks
+// included), and in the end the backend holds nothing.
 func TestConcurrentPoolsShareBackend(t *testing.T) {
 	be, err := NewSimBackend(SimConfig{Capacity: 8 << 30})
 	require.NoError(t, err)
 	shared, err := NewPool(Config{Name: "shared", Backend: be})
 	require.NoError(t, err)
+	const workers, rounds, keepEvery = 16, 2000, 500
+	var ownFreed atomic.Uint64
 	var g errgroup.Group
-	for w := range 16 {
+	for w := range workers {
 		g.Go(func() error {
 			own, err := NewPool(Config{Name: "own", Backend: be})
 			if err != nil {
 				return err
 			}
 			rng := rand.New(rand.NewPCG(uint64(w), 9))
-			for range 2000 {
+			kept := 0
+			for i := range rounds {
 				for _, p := range []*Pool{shared, own} {
 					a, err := p.Alloc(uint64(1+rng.IntN(3*MiB)), 0, Stream(w%3))
 					if err != nil {
 						return err
 					}
+					if p == own && i%keepEvery == 0 {
+						kept++ // left for Close
+						continue
+					}
 					if err := p.Free(a); err != nil {
 						return err
 					}
 				}
+				if i%100 == 0 {
+					if err := errors.Join(own.CheckInvariants(), shared.CheckInvariants()); err != nil {
+						return fmt.Errorf("worker %d round %d: %w", w, i, err)
+					}
+				}
 			}
-			if _, err := own.Close(); err != nil {
+			if err := own.CheckInvariants(); err != nil {
 				return err
 			}
-			return own.CheckInvariants()
+			held, err := own.Stats(-1)
+			if err != nil {
+				return err
+			}
+			rep, err := own.Close()
+			if err != nil {
+				return err
+			}
+			if rep.BytesFreed != uint64(held.ReservedBytes[0].Current) || rep.SegmentsFreed != int(held.Segment[0].Current) ||
+				len(rep.LiveBlocks) != kept || held.Segment[0].Current == 0 {
+				return fmt.Errorf("worker %d: close gave back %d segments (%d bytes) with %d live blocks; the pool held %d (%d bytes) and %d live blocks",
+					w, rep.SegmentsFreed, rep.BytesFreed, len(rep.LiveBlocks), held.Segment[0].Current, held.ReservedBytes[0].Current, kept)
+			}
+			if s, err := own.Stats(-1); err != nil || s.ReservedBytes[0].Current != 0 {
+				return fmt.Errorf("worker %d: a closed pool still counts %d reserved bytes (%v)", w, s.ReservedBytes[0].Current, err)
+			}
+			ownFreed.Add(rep.BytesFreed)
+			return nil
 		})
 	}
 	require.NoError(t, g.Wait())
 	s := stats(t, shared)
 	assert.Zero(t, s.AllocatedBytes[0].Current)
-	assert.EqualValues(t, 16*2000, s.Allocation[0].Allocated)
-	assert.EqualValues(t, 16*2000, s.Allocation[0].Freed)
+	assert.EqualValues(t, workers*rounds, s.Allocation[0].Allocated)
+	assert.EqualValues(t, workers*rounds, s.Allocation[0].Freed)
+	// The backend holds the shared pool's segments and nothing else.
+	bs := be.Stats()
+	assert.EqualValues(t, s.Segment[0].Current, bs.LiveSegments)
+	assert.EqualValues(t, s.ReservedBytes[0].Current, bs.LiveBytes)
+	assert.Positive(t, ownFreed.Load())
 	rep, err := shared.Close()
 	require.NoError(t, err)
 	assert.Empty(t, rep.LiveBlocks)
+	assert.EqualValues(t, s.ReservedBytes[0].Current, rep.BytesFreed)
 	assert.Zero(t, be.Stats().LiveSegments)
+	assert.Zero(t, be.Stats().LiveBytes)
 }
 
 func TestExpandableSegmentGrowsInPlace(t *testing.T) {

@@ -437,8 +437,23 @@ func gmpgo_graph_begin(slot, device C.int, id0, id1 C.uint64_t, filter unsafe.Po
 //
 //export gmpgo_graph_end
 func gmpgo_graph_end(slot, device C.int, id0, id1 C.uint64_t) {
-	slotHook(int(slot), "gmp_end_allocate_to_pool", func(e *registry.Entry) error {
-		return endCapture(e, int(device), graphPoolID{uint64(id0), uint64(id1)})
+	graphEnd(int(slot), int(device), graphPoolID{uint64(id0), uint64(id1)})
+}
+
+// graphEnd is gmpgo_graph_end. When no pool holds the slot any more, its
+// pool closed during its own capture: the backend may then have refused
+// the private pools' segments (the stream still captured: the CUDA
+// backends' ErrCaptureUnderway), which linger. Torch ends the allocation
+// to the pool after the capture ended, so they are offered again now;
+// otherwise they would wait for another pool's sweep, maybe forever.
+func graphEnd(slot, device int, id graphPoolID) {
+	if registry.BySlot(slot) == nil {
+		if _, err := retryLingering(); err != nil {
+			registry.SetOrphanError(fmt.Sprintf("gmp_end_allocate_to_pool_%d: give back the segments of a pool closed during its capture: %v", slot, err))
+		}
+	}
+	slotHook(slot, "gmp_end_allocate_to_pool", func(e *registry.Entry) error {
+		return endCapture(e, device, id)
 	})
 }
 
@@ -683,12 +698,20 @@ var (
 
 // retryLingering offers the backend the segments of lingering pools again,
 // unless a capture is under way, and returns how many pools are now wholly
-// given back.
+// given back. It takes the pools out of the list under the lock and frees
+// outside it (a backend's free may wait for a device), then puts back those
+// still refused: a pool closing meanwhile adds its own without waiting, and
+// concurrent retries offer disjoint pools.
 func retryLingering() (int, error) {
 	lingeringMu.Lock()
-	defer lingeringMu.Unlock()
-	var done int
-	var err error
-	lingering, done, err = retryUnreleased(lingering)
+	pools := lingering
+	lingering = nil
+	lingeringMu.Unlock()
+	kept, done, err := retryUnreleased(pools)
+	if len(kept) > 0 {
+		lingeringMu.Lock()
+		lingering = append(lingering, kept...)
+		lingeringMu.Unlock()
+	}
 	return done, err
 }

@@ -639,3 +639,100 @@ func TestGraphPoolSegmentsRefusedWhenThePoolClosesLinger(t *testing.T) {
 	assert.Equal(t, 1, n)
 	assert.Zero(t, sim.UsedBytes(0))
 }
+
+// A pool closed during its own capture: the backend refuses its private
+// pools' segments while the stream still captures (the CUDA backends'
+// ErrCaptureUnderway). When torch then ends the allocation to the pool, on
+// a slot no pool holds any more, they go back; before, they waited for
+// another pool's sweep.
+func TestGraphPoolSegmentsOfAPoolClosedDuringItsCaptureGoBackAtItsEnd(t *testing.T) {
+	sim, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 30})
+	require.NoError(t, err)
+	be := &refusingFree{SimBackend: sim}
+	p, err := gocore.NewPool(gocore.Config{Name: "torch", Backend: be})
+	require.NoError(t, err)
+	e := registry.Add(p, sim, nil)
+	slot, err := registry.AssignSlot(e)
+	require.NoError(t, err)
+	removed := false
+	t.Cleanup(func() {
+		if !removed {
+			registry.Remove(e.ID)
+		}
+	})
+	id := graphPoolID{0, 78}
+	var released atomic.Int32
+	require.NoError(t, beginCapture(e, 0, id, goFilter{stream: 0x10, released: &released}))
+	_, err = AllocFor(e, mib, 0, 0x10)
+	require.NoError(t, err)
+	be.refuse.Store(true) // the capture still runs
+	_, err = e.Pool.Close()
+	require.NoError(t, err)
+	_, err = CloseGraphPools(e)
+	require.ErrorContains(t, err, "refused")
+	registry.Remove(e.ID) // the slot goes with the pool
+	removed = true
+	require.NotZero(t, sim.UsedBytes(0))
+	be.refuse.Store(false) // the capture ended; torch ends the allocation to the pool
+	graphEnd(slot, 0, id)
+	assert.Zero(t, sim.UsedBytes(0), "the refused segments went back")
+}
+
+// blockingFree is a sim backend whose frees wait until they are let go.
+type blockingFree struct {
+	*gocore.SimBackend
+	entered chan struct{}
+	letGo   chan struct{}
+}
+
+func (b *blockingFree) Free(device int, addr, size uint64, stream gocore.Stream) error {
+	b.entered <- struct{}{}
+	<-b.letGo
+	return b.SimBackend.Free(device, addr, size, stream)
+}
+
+// retryLingering frees outside its lock: while a backend free waits (for a
+// device, say), other pools can still add their lingering pools.
+func TestRetryLingeringFreesOutsideItsLock(t *testing.T) {
+	sim, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 30})
+	require.NoError(t, err)
+	be := &refusingFree{SimBackend: sim}
+	p, err := gocore.NewPool(gocore.Config{Name: "lingering", Backend: be})
+	require.NoError(t, err)
+	_, err = p.Alloc(mib, 0, 0)
+	require.NoError(t, err)
+	be.refuse.Store(true)
+	_, err = p.Close()
+	require.Error(t, err)
+	// p lingers later; p2, on a backend whose free waits, lingers now.
+	blocking := &blockingFree{SimBackend: sim, entered: make(chan struct{}), letGo: make(chan struct{})}
+	be.refuse.Store(false)
+	p2, err := gocore.NewPool(gocore.Config{Name: "blocking", Backend: blocking})
+	require.NoError(t, err)
+	_, err = p2.Alloc(mib, 0, 0)
+	require.NoError(t, err)
+	lingeringMu.Lock()
+	lingering = append(lingering, p2)
+	lingeringMu.Unlock()
+	p2closing := make(chan struct{})
+	go func() { // retryUnreleased closes p2, which frees its segment
+		defer close(p2closing)
+		_, _ = retryLingering()
+	}()
+	<-blocking.entered // the retry is inside the backend's free
+	free := lingeringMu.TryLock()
+	if free {
+		lingering = append(lingering, p) // another pool adds its refused segments meanwhile
+		lingeringMu.Unlock()
+	}
+	close(blocking.letGo)
+	<-p2closing
+	require.True(t, free, "retryLingering held its lock while the backend freed")
+	n, err := retryLingering()
+	require.NoError(t, err)
+	assert.Equal(t, 1, n)
+	assert.Zero(t, sim.UsedBytes(0))
+	lingeringMu.Lock()
+	assert.Empty(t, lingering)
+	lingeringMu.Unlock()
+}

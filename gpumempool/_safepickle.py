@@ -514,11 +514,26 @@ def load_pickle(source: Union[PathLike, bytes], *, max_bytes: int = MAX_PICKLE_B
         raise UnsafePickleError(f"{name}: {len(data)} bytes is over the limit of {max_bytes} (raise max_bytes)")
     if data[:2] == b"\x1f\x8b":
         data = _gunzip(data, name, max_bytes)
-    bound = _scan_pickle(data, name)
+    if bytes(data[:8]) == b"gmptrace":
+        raise UnsafePickleError(f"{name}: a gmptrace file, not a snapshot pickle: read it with "
+                                "gpumempool.trace.Trace.load (or python -m gpumempool replay)")
+    try:
+        bound = _scan_pickle(data, name)
+    except UnsafePickleError as exc:
+        if data[:1] == b"\x80":
+            raise
+        # Not protocol 2 or later (which every snapshot writer uses): most
+        # likely no pickle at all, which "a crafted pickle" would misname.
+        why = str(exc)[len(name) + 2:] if str(exc).startswith(f"{name}: ") else str(exc)
+        raise UnsafePickleError(f"{name}: not a snapshot pickle (those start with byte 0x80; this data starts with "
+                                f"{bytes(data[:12])!r}); as a pickle: {why}") from None
     try:
         obj = _PlainDataUnpickler(io.BytesIO(data)).load()
-    except UnsafePickleError:
-        raise
+    except UnsafePickleError as exc:
+        # find_class and persistent_load do not know the file: name it
+        if str(exc).startswith(f"{name}: "):
+            raise
+        raise UnsafePickleError(f"{name}: {exc}") from None
     except Exception as exc:  # truncated or corrupt data raise all sorts
         raise UnsafePickleError(f"{name}: not a readable pickle: {type(exc).__name__}: {str(exc)[:200]}") from None
     max_nodes = max(MIN_PICKLE_NODES, PICKLE_NODES_PER_BYTE * len(data))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import math
 import os
@@ -134,25 +135,46 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _file_kind(path: str) -> str:
+    """``"trace"`` or ``"snapshot"`` by content (and, for pickles, by
+    extension); ValueError naming the file when it is neither."""
+    from .trace import is_trace_file
+
+    if is_trace_file(path):
+        return "trace"
+    with open(path, "rb") as f:
+        head = f.read(2)
+        if head == b"\x1f\x8b":  # what the gzip holds decides
+            f.seek(0)
+            try:
+                with gzip.GzipFile(fileobj=f, mode="rb") as gz:
+                    head = gz.read(8)
+            except (OSError, EOFError, zlib.error) as exc:
+                raise ValueError(f"{path}: corrupt gzip data: {str(exc)[:200] or type(exc).__name__}") from None
+            inner = "gzip data that"
+        else:
+            inner = "it"
+    if head[:1] == b"\x80":
+        return "snapshot"
+    if path.endswith((".pickle", ".pkl", ".pickle.gz", ".pkl.gz")):
+        return "snapshot"  # the safe loader says what is wrong with it
+    raise ValueError(f"{path}: neither a gmptrace file nor a snapshot pickle: {inner} starts with {head!r} (a gmptrace "
+                     "file starts with 'gmptrace', a snapshot pickle with byte 0x80; --format forces one)")
+
+
 def _load_trace(path: str, args: argparse.Namespace) -> Any:
-    """A gmptrace file, or a torch (or gpumempool) snapshot pickle with history."""
-    from .trace import Trace, from_torch_snapshot, is_trace_file
+    """A gmptrace file (read as a stream: :class:`~gpumempool.trace.TraceFile`),
+    or a torch (or gpumempool) snapshot pickle with history."""
+    from ._progress import Progress
+    from .trace import TraceFile, from_torch_snapshot
 
     kind = args.format
     if kind == "auto":
-        if is_trace_file(path):
-            kind = "trace"
-        elif path.endswith((".pickle", ".pkl", ".pickle.gz", ".pkl.gz")):
-            kind = "snapshot"
-        else:
-            with open(path, "rb") as f:
-                head = f.read(2)
-            if head[:1] == b"\x80" or head == b"\x1f\x8b":
-                kind = "snapshot"
-            else:
-                raise ValueError(f"{path}: neither a gmptrace file nor a snapshot pickle (use --format)")
+        kind = _file_kind(path)
     if kind == "trace":
-        return Trace.load(path)
+        # The bar follows the bytes read; it is closed (its line ended) before any error is printed.
+        with Progress("load", unit="B", enabled=not (args.json or args.no_progress)) as bar:
+            return TraceFile(path, progress=bar)
     return from_torch_snapshot(path, infer_empty_cache=not args.no_infer_empty_cache)
 
 
@@ -219,6 +241,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             trace.save(args.save_trace)
         except OSError as exc:
             return _fail(f"--save-trace: {exc}", json_out=args.json)
+    error: Optional[Exception] = None
     with Progress("replay", unit="ev", enabled=not (args.json or args.no_progress), total=len(trace)) as bar, \
             warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
@@ -226,7 +249,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             result = replay(trace, policy, progress=bar, recorded_policy=not args.no_recorded_policy,
                             recorded_addresses=not args.no_recorded_addresses)
         except (ValueError, TypeError) as exc:
-            return _fail(str(exc), 2, json_out=args.json)
+            error = exc
+    if error is not None:  # reported once the bar is closed, so that it starts a line of its own
+        return _fail(str(error), 2, json_out=args.json)
     notes = [str(w.message) for w in caught]
     for note in notes:  # one line each, as the errors
         print(f"{_prog()}: warning: {note}", file=sys.stderr)
@@ -272,23 +297,30 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
     from ._progress import Progress
     from .plot import MissingDependencyError, _require_matplotlib, plot_snapshot
-    from .trace import TraceFormatError, is_trace_file
+    from .trace import TraceFormatError
 
     try:  # before the progress bar: nothing can be drawn without it
         _require_matplotlib()
     except MissingDependencyError as exc:
         return _fail(str(exc), 2, json_out=args.json)
-    if is_trace_file(args.snapshot):
+    try:
+        kind = _file_kind(args.snapshot)
+    except (OSError, ValueError) as exc:
+        return _fail(str(exc), json_out=args.json)
+    if kind == "trace":
         return _fail(f"{args.snapshot} is a gmptrace file; plot reads snapshot pickles "
                      "(gmp.dump_snapshot or torch.cuda.memory._dump_snapshot)", 2, json_out=args.json)
+    error: Optional[tuple[str, int]] = None
     with Progress("plot", unit="ev", enabled=not (args.json or args.no_progress)) as bar:
         try:
             summary = plot_snapshot(args.snapshot, args.output, title=args.title,
                                     max_segments=args.max_segments, progress=bar)
         except MissingDependencyError as exc:
-            return _fail(str(exc), 2, json_out=args.json)
+            error = (str(exc), 2)
         except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError) as exc:
-            return _fail(str(exc), json_out=args.json)
+            error = (str(exc), 1)
+    if error is not None:  # reported once the bar is closed, so that it starts a line of its own
+        return _fail(error[0], error[1], json_out=args.json)
     if args.json:
         _print_json(summary)
     else:

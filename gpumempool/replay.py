@@ -35,6 +35,7 @@ from __future__ import annotations
 import bisect
 import inspect
 import math
+import os
 import sys
 import time
 import types
@@ -44,7 +45,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from ._errors import InvalidArgumentError, LeakWarning, OutOfMemoryError
 from ._pool import ROUNDUP_INTERVALS, MemPool
-from .trace import Alloc, EmptyCache, Free, RecordStream, Sync, Trace, Trim
+from .trace import Alloc, EmptyCache, Free, PathLike, RecordStream, Sync, Trace, TraceFile, Trim
 
 __all__ = ["POLICY_KEYS", "ReplayResult", "parse_policy", "parse_size", "replay"]
 
@@ -309,7 +310,7 @@ class ReplayResult:
         return d
 
 
-def _placements(trace: Trace, devices: int) -> dict[int, list[tuple[int, int, int]]]:
+def _placements(trace: Union[Trace, TraceFile], devices: int) -> dict[int, list[tuple[int, int, int]]]:
     """The recorded segments (``trace.segments``) by the index of the event
     that obtained them, as ``(device, offset, size)`` with offsets into the
     simulated device's placement window (:meth:`MemPool.sim_place_next`)
@@ -353,7 +354,7 @@ def _placements(trace: Trace, devices: int) -> dict[int, list[tuple[int, int, in
 
 
 def replay(
-    trace: Trace,
+    trace: Union[Trace, TraceFile, PathLike],
     policy: Union[Mapping[str, Any], str, Sequence[str], None] = None,
     *,
     progress: Optional[ProgressFn] = None,
@@ -374,9 +375,15 @@ def replay(
     one went in the address order (see the module doc); not in expandable
     replays, whose one growing segment per stream has no counterpart in the
     recording. ``progress(done, total)`` is called every ``progress_every``
-    events and at the end."""
-    if not isinstance(trace, Trace):
-        raise TypeError(f"trace must be a Trace, got {type(trace).__name__}")
+    events and at the end.
+
+    ``trace`` may be a :class:`~gpumempool.trace.TraceFile` or the path of
+    a gmptrace file (read as one): the events are then read from the file
+    as they are replayed, never held all at once."""
+    if isinstance(trace, (str, os.PathLike)):
+        trace = TraceFile(trace)
+    if not isinstance(trace, (Trace, TraceFile)):
+        raise TypeError(f"trace must be a Trace, a TraceFile or a path, got {type(trace).__name__}")
     pol = given = _check_policy(policy)
     recorded = trace.meta.get("recorded_policy") if recorded_policy else None
     if isinstance(recorded, dict):
@@ -389,10 +396,14 @@ def replay(
         warnings.warn(f"garbage_collection_threshold={pol['garbage_collection_threshold']}{how} has no effect "
                       "without limit: it is a fraction of the limit (add limit=..., e.g. the memory torch "
                       "was allowed)", UserWarning, stacklevel=2)
-    trace.validate()  # ids allocated once, freed only while allocated (a hand-written trace may not be)
-    events = trace.events
-    total = len(events)
-    devices = max([_meta_devices(trace.meta.get("devices", 1))] + [e.device + 1 for e in events if type(e) is Alloc])
+    if isinstance(trace, Trace):
+        # freed only while allocated (a hand-written trace may not be); a TraceFile was checked as it was read
+        trace.validate()
+        used = max([e.device + 1 for e in trace.events if type(e) is Alloc] + [1])
+    else:
+        used = trace.devices_used
+    total = len(trace)
+    devices = max(_meta_devices(trace.meta.get("devices", 1)), used)
     capacity = pol.get("capacity") or trace.meta.get("capacity")
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
         capacity = DEFAULT_CAPACITY
@@ -425,7 +436,7 @@ def replay(
     try:
         alloc, alloc_segment, free, record_stream = pool.alloc, pool.alloc_segment, pool.free, pool.record_stream
         place = pool.sim_place_next
-        for i, e in enumerate(events):
+        for i, e in enumerate(trace):
             t = type(e)
             if placements and i in placements:
                 # The recording obtained these while serving event i (or, if

@@ -25,7 +25,10 @@ any order:
     hold), ``devices``, ``notes``, and counts from the importer.
 ``a ID SIZE STREAM [DEVICE]``
     allocate SIZE bytes for work on STREAM (DEVICE defaults to 0); the block
-    is called ID (a positive integer, unique in the trace) from now on.
+    is called ID (a positive integer) until its free. An ID names one block
+    at a time: it may name a new block after its free (the importers never
+    reuse one; a reader that checked that ids never repeat would need
+    memory for every id of the file).
 ``A ID SIZE STREAM [DEVICE]``
     as ``a``, made by a caller that sizes its segments itself (torch's
     caching allocator above a ``torch.cuda.MemPool`` the pool serves:
@@ -110,11 +113,14 @@ references that multiply the work).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import heapq
 import io
 import json
 import os
+import secrets
+import stat
 import time
 import warnings
 import zlib
@@ -134,6 +140,7 @@ __all__ = [
     "RecordStream",
     "Sync",
     "Trace",
+    "TraceFile",
     "TraceFormatError",
     "TraceRecorder",
     "Trim",
@@ -309,39 +316,23 @@ class Trace:
         return out
 
     def validate(self) -> None:
-        """Check that ids are allocated once, and freed or recorded only
-        while allocated; raises :class:`TraceFormatError`."""
-        live: set[int] = set()
-        seen: set[int] = set()
+        """Check that a block is allocated only while its id is free, and
+        freed or recorded only while allocated (the rule the reader checks
+        line by line); raises :class:`TraceFormatError`."""
+        check = _Checker()
         for i, e in enumerate(self.events):
-            t = type(e)
-            if t is Alloc:
-                if e.id in seen:  # type: ignore[union-attr]
-                    raise TraceFormatError(f"event {i}: block {e.id} allocated twice")  # type: ignore[union-attr]
-                if e.size <= 0:  # type: ignore[union-attr]
-                    raise TraceFormatError(f"event {i}: block {e.id} has size {e.size}")  # type: ignore[union-attr]
-                seen.add(e.id)  # type: ignore[union-attr]
-                live.add(e.id)  # type: ignore[union-attr]
-            elif t is Free:
-                if e.id not in live:  # type: ignore[union-attr]
-                    raise TraceFormatError(f"event {i}: free of block {e.id}, which is not allocated")  # type: ignore[union-attr]
-                live.discard(e.id)  # type: ignore[union-attr]
-            elif t is RecordStream:
-                if e.id not in live:  # type: ignore[union-attr]
-                    raise TraceFormatError(f"event {i}: record_stream of block {e.id}, which is not allocated")  # type: ignore[union-attr]
+            why = check(e)
+            if why:
+                raise TraceFormatError(f"event {i}: {why}")
 
     # -- files ------------------------------------------------------------
 
     def save(self, path: PathLike) -> None:
-        """Write the trace (gzip when ``path`` ends in ``.gz``)."""
-        p = os.fspath(path)
-        if p.endswith(".gz"):
-            with open(p, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
-                with io.TextIOWrapper(gz, encoding="utf-8", newline="\n") as f:
-                    self._write(f)
-        else:
-            with open(p, "w", encoding="utf-8", newline="\n") as f:
-                self._write(f)
+        """Write the trace (gzip when ``path`` ends in ``.gz``), atomically:
+        into a new file beside ``path`` that then replaces it, so that a
+        failure on the way (a full disk, an exception) leaves an existing
+        ``path`` as it was."""
+        _save_atomically(path, self._write)
 
     def dumps(self) -> str:
         """The trace as text."""
@@ -373,111 +364,390 @@ class Trace:
             f.write("\n".join(buf) + "\n")
 
     @classmethod
-    def load(cls, path: PathLike, *, max_events: int = 100_000_000) -> "Trace":
-        """Read a trace file (gzip-compressed or not, detected by content).
-        More than ``max_events`` events, or ``R`` or ``S`` records of either
-        kind, is refused (a gzip bomb of one repeated line)."""
-        p = os.fspath(path)
-        with open(p, "rb") as raw:
-            magic = raw.read(2)
-            raw.seek(0)
-            stream: Any = gzip.GzipFile(fileobj=raw, mode="rb") if magic == b"\x1f\x8b" else raw
-            try:
-                if stream.peek(1)[:1] == b"\x80":  # PROTO: a pickle (plain or gzip), not text
-                    raise TraceFormatError(
-                        f"{p}: a pickle (a memory snapshot?), not a {FORMAT} file: import a snapshot with "
-                        "gpumempool.from_torch_snapshot(path), which loads it safely")
-                with io.TextIOWrapper(stream, encoding="utf-8", newline="\n") as f:
-                    return cls._read(f, p, max_events)
-            except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:  # corrupt gzip or text
-                what = "corrupt gzip data: " if isinstance(exc, (zlib.error, EOFError, gzip.BadGzipFile)) else ""
-                raise TraceFormatError(f"{p}: not a readable {FORMAT} file: {what}{str(exc)[:200] or type(exc).__name__}") from None
+    def load(cls, path: PathLike, *, max_events: int = 100_000_000,
+             progress: Optional[Callable[[int, int], None]] = None) -> "Trace":
+        """Read a trace file (gzip-compressed or not, detected by content)
+        into memory, checking each line as it is read (an error names its
+        line). More than ``max_events`` events, or ``R`` or ``S`` records of
+        either kind, is refused (a gzip bomb of one repeated line).
+        ``progress(bytes_read, file_size)`` is called as it reads. For a
+        trace too large to hold, see :class:`TraceFile`."""
+        return cls._collect(_file_records(os.fspath(path), max_events, progress))
 
     @classmethod
     def loads(cls, text: str, *, max_events: int = 100_000_000) -> "Trace":
         """Parse a trace from text."""
-        return cls._read(io.StringIO(text), "<string>", max_events)
+        return cls._collect(_records(io.StringIO(text), "<string>", max_events))
 
     @classmethod
-    def _read(cls, f: Any, name: str, max_events: int) -> "Trace":
-        it = _lines(f, name)
-        header = next(it, "").rstrip("\n").split()
-        if len(header) != 2 or header[0] != FORMAT:
-            raise TraceFormatError(f"{name}: not a {FORMAT} file (first line must be '{FORMAT} {VERSION}')")
-        if header[1] not in [str(v) for v in VERSIONS]:
-            raise TraceFormatError(f"{name}: {FORMAT} version {header[1][:20]} is not supported "
-                                   f"(this reader: {VERSION})")
+    def _collect(cls, records: Iterator[Any]) -> "Trace":
         tr = cls()
-        events = tr.events
-        append = events.append
-        lineno = 1
-        for lineno, line in enumerate(it, start=2):
-            parts = line.split()
-            if not parts:
-                continue
-            op = parts[0]
-            try:
-                n = len(parts)
-                if (op == "a" or op == "A") and 4 <= n <= 5:
-                    ev: Event = Alloc(_id(parts[1]), _size(parts[2]), _u64(parts[3]), _dev(parts[4]) if n == 5 else 0,
-                                      op == "A")
-                elif op == "f" and n == 2:
-                    ev = Free(_id(parts[1]))
-                elif op == "r" and n == 3:
-                    ev = RecordStream(_id(parts[1]), _u64(parts[2]))
-                elif op == "s" and n <= 2:
-                    ev = Sync(_u64(parts[1]) if n == 2 else None)
-                elif op == "e" and n == 1:
-                    ev = EmptyCache()
-                elif op == "t" and 2 <= n <= 3:
-                    ev = Trim(_u64(parts[1]), _dev(parts[2]) if n == 3 else None)
-                elif op == "R" and 3 <= n <= 4:
-                    tr.reserved.append((_u64(parts[1]), _dev(parts[3]) if n == 4 else 0, _u64(parts[2])))
-                    if len(tr.reserved) > max_events:
-                        raise ValueError(f"more than {max_events} R records (raise max_events)")
-                    continue
-                elif op == "S" and 4 <= n <= 5 and header[1] != "1":
-                    tr.segments.append((_u64(parts[1]), _dev(parts[4]) if n == 5 else 0, _u64(parts[2]),
-                                        _size(parts[3])))
-                    if len(tr.segments) > max_events:
-                        raise ValueError(f"more than {max_events} S records (raise max_events)")
-                    continue
-                elif op == "@":
-                    tr.meta.update(_parse_meta(line[1:]))
-                    continue
-                elif op.startswith("#"):
-                    continue
-                elif op == "S" and header[1] == "1":
-                    raise ValueError(f"S records need {FORMAT} 2 (this file says version 1)")
-                else:
-                    raise ValueError(f"unknown record {op!r} with {n - 1} field(s)")
-            except ValueError as exc:
-                raise TraceFormatError(f"{name}:{lineno}: {exc}: {line.strip()[:80]!r}") from None
-            append(ev)
-            if len(events) > max_events:
-                raise TraceFormatError(f"{name}: more than {max_events} events (raise max_events)")
+        events, reserved, segments = tr.events, tr.reserved, tr.segments
+        for r in records:
+            if type(r) is _Meta:
+                tr.meta.update(r.meta)
+            elif type(r) is not tuple:
+                events.append(r)
+            elif len(r) == 3:
+                reserved.append(r)
+            else:
+                segments.append(r)
         return tr
+
+
+def _save_atomically(path: PathLike, write: Callable[[Any], None]) -> None:
+    """Call ``write(text_file)`` on a new file in the directory of ``path``
+    (gzip when it ends in ``.gz``), then put that file in place of ``path``
+    with ``os.replace``: readers see the old file or the whole new one, and
+    a failure on the way leaves the old one and removes the new one."""
+    p = os.path.realpath(os.fspath(path))  # through a symlink: replace its target, not the link
+    d, base = os.path.split(p)
+    while True:
+        tmp = os.path.join(d, f".{base}.{secrets.token_hex(4)}.tmp")
+        try:
+            # mode 0o666 as open() uses, so that the umask decides as it did
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+            break
+        except FileExistsError:
+            continue
+        except OSError as exc:  # the name the caller gave, not the temporary one
+            raise OSError(exc.errno, exc.strerror, os.fspath(path)) from None
+    try:
+        with contextlib.suppress(OSError):
+            os.chmod(tmp, stat.S_IMODE(os.stat(p).st_mode))  # an existing file keeps its mode
+        with open(fd, "wb") as raw:
+            if p.endswith(".gz"):
+                with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz, \
+                        io.TextIOWrapper(gz, encoding="utf-8", newline="\n") as f:
+                    write(f)
+            else:
+                text = io.TextIOWrapper(raw, encoding="utf-8", newline="\n")
+                write(text)
+                text.flush()
+                text.detach()
+            raw.flush()
+            os.fsync(raw.fileno())  # the data is on disk before the name points at it
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class TraceFile:
+    """A gmptrace file read as a stream, for traces of any length: holds
+    what a replay needs besides the events, never the events themselves.
+
+    Opening it reads the file once, checking every line as it comes (an
+    error names its line and is raised when that line is read) and keeping
+    the metadata, the ``S`` records (:attr:`segments`, which a replay needs
+    before its first event), the peak of the ``R`` series per device, the
+    counts of each kind of event and the blocks allocated at each moment
+    (to check that frees match allocations). Iterating over it reads the
+    file again and yields its events. Memory thus grows with the blocks
+    alive at once and the ``S`` records (at most one per event plus
+    :data:`SEGMENT_SLACK`), not with the number of events; see
+    docs/traces.md for the figures. :func:`gpumempool.replay.replay` takes
+    one, or a path, as it takes a :class:`Trace`.
+
+    The file must not change while the object is used: a later pass that
+    finds other content raises :class:`TraceFormatError`.
+    """
+
+    def __init__(self, path: PathLike, *, max_events: int = 100_000_000,
+                 progress: Optional[Callable[[int, int], None]] = None) -> None:
+        self.path = os.fspath(path)
+        self.max_events = max_events
+        self.meta: dict[str, Any] = {}
+        self.segments: list[tuple[int, int, int, int]] = []
+        self._peaks: dict[int, int] = {}  # device -> peak of its R series
+        names = {"a": "alloc", "A": "alloc", "f": "free", "r": "record_stream", "s": "sync", "e": "empty_cache",
+                 "t": "trim"}
+        by_op = dict.fromkeys(names, 0)
+        check = _Checker()
+        for r in _file_records(self.path, max_events, progress, check, events=False):
+            t = type(r)
+            if t is str:
+                by_op[r] += 1  # type: ignore[index]
+            elif t is tuple:
+                if len(r) == 3:  # type: ignore[arg-type]
+                    _, dev, b = r  # type: ignore[misc]
+                    if b > self._peaks.get(dev, -1):
+                        self._peaks[dev] = b
+                else:
+                    self.segments.append(r)  # type: ignore[arg-type]
+            else:
+                self.meta.update(r.meta)  # type: ignore[union-attr]
+        counts = dict.fromkeys(names.values(), 0)
+        for op, k in by_op.items():
+            counts[names[op]] += k
+        self._len = sum(by_op.values())
+        self._counts = counts
+        self._peak_requested = check.peak
+        #: 1 + the highest device an allocation names.
+        self.devices_used = check.devices
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Event]:
+        n = 0
+        for r in _file_records(self.path, self.max_events):
+            if type(r) is not tuple and type(r) is not _Meta:
+                n += 1
+                yield r  # type: ignore[misc]
+        if n != self._len:
+            raise TraceFormatError(f"{self.path}: changed while in use ({n} events now, {self._len} before)")
+
+    @property
+    def source(self) -> str:
+        return str(self.meta.get("source", "unknown"))
+
+    @property
+    def recorded_by(self) -> Optional[str]:
+        """The allocator whose reserved bytes the ``R`` records hold."""
+        rb = self.meta.get("recorded_by")
+        return str(rb) if rb else None
+
+    def recorded_peak_reserved(self) -> Optional[int]:
+        """As :meth:`Trace.recorded_peak_reserved`."""
+        return sum(self._peaks.values()) if self._peaks else None
+
+    def peak_requested(self) -> int:
+        """As :meth:`Trace.peak_requested`."""
+        return self._peak_requested
+
+    def counts(self) -> dict[str, int]:
+        """Number of events of each kind."""
+        return dict(self._counts)
+
+    def save(self, path: PathLike) -> None:
+        """Write the trace to ``path`` as :meth:`Trace.save` does (atomically;
+        the metadata merged into one line at the top, the records in the
+        order of this file), one line at a time."""
+        if os.path.realpath(os.fspath(path)) == os.path.realpath(self.path):
+            return  # the same file: it is already this trace
+
+        def write(f: Any) -> None:
+            f.write(f"{FORMAT} {VERSION if self.segments else 1}\n")
+            if self.meta:
+                f.write("@ " + json.dumps(self.meta, sort_keys=True, separators=(",", ":")) + "\n")
+            buf: list[str] = []
+            for r in _file_records(self.path, self.max_events):
+                t = type(r)
+                if t is _Meta:
+                    continue
+                buf.append((_ref_line(r) if len(r) == 3 else _segment_line(r)) if t is tuple  # type: ignore[arg-type]
+                           else _event_line(r))  # type: ignore[arg-type]
+                if len(buf) >= 8192:
+                    f.write("\n".join(buf) + "\n")
+                    buf.clear()
+            if buf:
+                f.write("\n".join(buf) + "\n")
+
+        _save_atomically(path, write)
 
 
 #: Longest line a trace file may have.
 MAX_LINE = 1 << 20
 #: Deepest nesting of the JSON of an ``@`` metadata line.
 MAX_META_DEPTH = 32
+#: ``S`` records a reader takes beyond one per event read so far. The
+#: importers write at most one per event (a segment obtained while serving
+#: it, just before it); the slack is for hand-written files. Without a cap,
+#: a small gzip of one repeated ``S`` line would grow the kept list without
+#: bound.
+SEGMENT_SLACK = 1 << 16
+#: Lines between two calls of a reader's progress function.
+_PROGRESS_LINES = 1 << 16
 
 
-def _lines(f: Any, name: str) -> Iterator[str]:
-    """The lines of ``f``, each read with a bounded ``readline`` (a file
-    without newlines, or a gzip bomb of one line, is refused after
-    :data:`MAX_LINE` characters instead of being read whole)."""
-    lineno = 0
+@dataclass
+class _Meta:
+    """An ``@`` record, as the reader yields it."""
+
+    meta: dict[str, Any]
+
+
+class _Checker:
+    """The rule of block ids, checked one event at a time: a block is
+    allocated only while its id names no allocated block, and freed or
+    recorded only while allocated. It keeps the sizes of the blocks
+    allocated at the moment, nothing per event, so that checking a file
+    takes memory that grows with the blocks alive in it, not with its
+    length. (An id may name a new block after its free; the importers never
+    reuse one, and a replay serves a reused id as a new block.)"""
+
+    __slots__ = ("live", "cur", "peak", "devices")
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.cur = self.peak = 0
+        self.devices = 1  # 1 + the highest device an allocation names
+
+    def __call__(self, e: Event) -> Optional[str]:
+        if isinstance(e, Alloc):
+            if e.id in self.live:
+                return f"block {e.id} allocated twice (no free in between)"
+            if e.size <= 0:
+                return f"block {e.id} has size {e.size}"
+            self.live[e.id] = e.size
+            self.cur += e.size
+            if self.cur > self.peak:
+                self.peak = self.cur
+            if e.device >= self.devices:
+                self.devices = e.device + 1
+        elif isinstance(e, Free):
+            size = self.live.pop(e.id, -1)
+            if size < 0:
+                return f"free of block {e.id}, which is not allocated"
+            self.cur -= size
+        elif isinstance(e, RecordStream) and e.id not in self.live:
+            return f"record_stream of block {e.id}, which is not allocated"
+        return None
+
+
+#: What a reader yields: an event, an ``R`` record ``(index, device,
+#: bytes)``, an ``S`` record ``(index, device, addr, size)`` or metadata.
+Record = Union[Event, tuple[int, int, int], tuple[int, int, int, int], _Meta]
+
+
+def _records(f: Any, name: str, max_events: int, tick: Optional[Callable[[], None]] = None,
+             checker: Optional[_Checker] = None, events: bool = True) -> Iterator[Record]:
+    """The records of a gmptrace text stream, each checked as its line is
+    read: the syntax, the block-id rule of :class:`_Checker` and the limits
+    (``max_events`` events, and as many ``R`` records; ``S`` records at most
+    one per event so far plus :data:`SEGMENT_SLACK`). An error is raised at
+    the line that makes it, naming the line. Holds one line at a time; the
+    caller decides what to keep. Without ``events``, an event is yielded as
+    its record letter (a pass that only counts them skips building objects,
+    most of the time a line takes). ``tick()`` is called every
+    :data:`_PROGRESS_LINES` lines. ``checker`` is left with the blocks
+    allocated at the end, the peak of their bytes and the devices used."""
+    readline = f.readline
+    header = readline(MAX_LINE + 1).rstrip("\n").split()
+    if len(header) != 2 or header[0] != FORMAT:
+        raise TraceFormatError(f"{name}: not a {FORMAT} file (first line must be '{FORMAT} {VERSION}')")
+    if header[1] not in [str(v) for v in VERSIONS]:
+        raise TraceFormatError(f"{name}: {FORMAT} version {header[1][:20]} is not supported "
+                               f"(this reader: {VERSION})")
+    v1 = header[1] == "1"
+    check = checker if checker is not None else _Checker()
+    # The checker's rule, inlined: a call per line would cost a fifth of the time.
+    live = check.live
+    cur, peak, devices = check.cur, check.peak, check.devices
+    nev = nref = nseg = 0
+    lineno = 1
+    ev: Any
     while True:
-        line = f.readline(MAX_LINE + 1)
+        line = readline(MAX_LINE + 1)
         if not line:
-            return
+            break
         lineno += 1
         if len(line) > MAX_LINE:
             raise TraceFormatError(f"{name}:{lineno}: line longer than {MAX_LINE >> 20} MiB")
-        yield line
+        if tick is not None and lineno % _PROGRESS_LINES == 0:
+            tick()
+        parts = line.split()
+        if not parts:
+            continue
+        op = parts[0]
+        why = None
+        try:
+            n = len(parts)
+            if (op == "a" or op == "A") and 4 <= n <= 5:
+                bid, size, stream, dev = _id(parts[1]), _size(parts[2]), _u64(parts[3]), _dev(parts[4]) if n == 5 else 0
+                if bid in live:
+                    why = f"block {bid} allocated twice (no free in between)"
+                else:
+                    live[bid] = size
+                    cur += size
+                    if cur > peak:
+                        peak = cur
+                    if dev >= devices:
+                        devices = dev + 1
+                ev = Alloc(bid, size, stream, dev, op == "A") if events else op
+            elif op == "f" and n == 2:
+                bid = _id(parts[1])
+                size = live.pop(bid, -1)
+                if size < 0:
+                    why = f"free of block {bid}, which is not allocated"
+                else:
+                    cur -= size
+                ev = Free(bid) if events else op
+            elif op == "r" and n == 3:
+                bid, stream = _id(parts[1]), _u64(parts[2])
+                if bid not in live:
+                    why = f"record_stream of block {bid}, which is not allocated"
+                ev = RecordStream(bid, stream) if events else op
+            elif op == "s" and n <= 2:
+                ev = Sync(_u64(parts[1]) if n == 2 else None) if events else op
+            elif op == "e" and n == 1:
+                ev = EmptyCache() if events else op
+            elif op == "t" and 2 <= n <= 3:
+                ev = Trim(_u64(parts[1]), _dev(parts[2]) if n == 3 else None) if events else op
+            elif op == "R" and 3 <= n <= 4:
+                nref += 1
+                if nref > max_events:
+                    raise TraceFormatError(f"{name}:{lineno}: more than {max_events} R records (raise max_events)")
+                yield (_u64(parts[1]), _dev(parts[3]) if n == 4 else 0, _u64(parts[2]))
+                continue
+            elif op == "S" and 4 <= n <= 5 and not v1:
+                nseg += 1
+                if nseg > max_events:
+                    raise TraceFormatError(f"{name}:{lineno}: more than {max_events} S records (raise max_events)")
+                if nseg > nev + SEGMENT_SLACK:
+                    raise TraceFormatError(f"{name}:{lineno}: {nseg} S records before event {nev}: more than one "
+                                           f"per event plus {SEGMENT_SLACK} (each comes just before its event)")
+                yield (_u64(parts[1]), _dev(parts[4]) if n == 5 else 0, _u64(parts[2]), _size(parts[3]))
+                continue
+            elif op == "@":
+                yield _Meta(_parse_meta(line[1:]))
+                continue
+            elif op.startswith("#"):
+                continue
+            elif op == "S" and v1:
+                raise ValueError(f"S records need {FORMAT} 2 (this file says version 1)")
+            else:
+                raise ValueError(f"unknown record {op!r} with {n - 1} field(s)")
+        except ValueError as exc:
+            if isinstance(exc, TraceFormatError):
+                raise
+            raise TraceFormatError(f"{name}:{lineno}: {exc}: {line.strip()[:80]!r}") from None
+        if why is not None:
+            raise TraceFormatError(f"{name}:{lineno}: event {nev}: {why}")
+        nev += 1
+        if nev > max_events:
+            raise TraceFormatError(f"{name}:{lineno}: more than {max_events} events (raise max_events)")
+        yield ev
+    check.cur, check.peak, check.devices = cur, peak, devices
+    if tick is not None:
+        tick()
+
+
+def _file_records(p: str, max_events: int, progress: Optional[Callable[[int, int], None]] = None,
+                  checker: Optional[_Checker] = None, events: bool = True) -> Iterator[Record]:
+    """:func:`_records` of the file ``p`` (gzip or not, detected by
+    content), with unreadable data reported as :class:`TraceFormatError`
+    naming the file. ``progress(bytes_read, file_size)`` follows the
+    (compressed) bytes read."""
+    with open(p, "rb") as raw:
+        size = os.fstat(raw.fileno()).st_size
+        magic = raw.read(2)
+        raw.seek(0)
+        stream: Any = gzip.GzipFile(fileobj=raw, mode="rb") if magic == b"\x1f\x8b" else raw
+        tick = None if progress is None else (lambda: progress(min(raw.tell(), size), size))
+        try:
+            if stream.peek(1)[:1] == b"\x80":  # PROTO: a pickle (plain or gzip), not text
+                raise TraceFormatError(
+                    f"{p}: a pickle (a memory snapshot?), not a {FORMAT} file: import a snapshot with "
+                    "gpumempool.from_torch_snapshot(path), which loads it safely")
+            with io.TextIOWrapper(stream, encoding="utf-8", newline="\n") as f:
+                yield from _records(f, p, max_events, tick, checker, events)
+        except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:  # corrupt gzip or text
+            what = "corrupt gzip data: " if isinstance(exc, (zlib.error, EOFError, gzip.BadGzipFile)) else ""
+            raise TraceFormatError(f"{p}: not a readable {FORMAT} file: {what}"
+                                   f"{str(exc)[:200] or type(exc).__name__}") from None
 
 
 def _finite_float(text: str) -> float:

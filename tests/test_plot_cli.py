@@ -323,6 +323,8 @@ def _clean_error(capsys, argv: list[str], code: Optional[int] = None) -> str:
     rc = main(argv)
     out, err = capsys.readouterr()
     assert rc != 0 and (code is None or rc == code), (rc, out, err)
+    # a progress bar (its line ended) may come first: the message is the last line
+    err = err.rsplit("\n", 2)[-2] + "\n" if err.count("\n") > 1 else err
     assert "Traceback" not in err and err.startswith("python -m gpumempool: error: "), err
     return err
 

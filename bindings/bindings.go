@@ -32,11 +32,14 @@ func Version() string { return "0.1.0" }
 // NumSlots returns how many pools can expose C entry points at once.
 func NumSlots() int64 { return registry.NumSlots }
 
-// simOptions mirrors gocore.SimConfig for JSON.
+// simOptions mirrors gocore.SimConfig for JSON. The options whose zero
+// gocore takes as "use the default" are pointers, so that an option given as
+// 0 (MemPool("sim", capacity=0)) is refused instead of silently becoming
+// the default; leaving the option out asks for the default.
 type simOptions struct {
-	Devices        int     `json:"devices"`
-	Capacity       uint64  `json:"capacity"`
-	Alignment      uint64  `json:"alignment"`
+	Devices        *int    `json:"devices"`
+	Capacity       *uint64 `json:"capacity"`
+	Alignment      *uint64 `json:"alignment"`
 	LatencyNS      int64   `json:"latency_ns"`
 	FailOnNthAlloc int     `json:"fail_on_nth_alloc"`
 	FailRate       float64 `json:"fail_rate"`
@@ -44,7 +47,80 @@ type simOptions struct {
 	FreeFailRate   float64 `json:"free_fail_rate"`
 	ManualEvents   bool    `json:"manual_events"`
 	Expandable     bool    `json:"expandable"`
-	Granularity    uint64  `json:"granularity"`
+	Granularity    *uint64 `json:"granularity"`
+}
+
+// simOptionNames maps gocore.SimConfig's fields to the option names users
+// give (the JSON keys above, MemPool's keyword arguments).
+var simOptionNames = map[string]string{
+	"Devices": "devices", "Capacity": "capacity", "Alignment": "alignment", "Latency": "latency_ns",
+	"FailOnNthAlloc": "fail_on_nth_alloc", "FailRate": "fail_rate", "Seed": "seed",
+	"FreeFailRate": "free_fail_rate", "ManualEvents": "manual_events", "Expandable": "expandable",
+	"Granularity": "granularity",
+}
+
+// simDefaults says, for each option whose 0 would mean "the default", what
+// leaving it out gives.
+var simDefaults = []struct {
+	field, deflt string
+	zero         func(s *simOptions) bool // given as 0
+}{
+	{"Devices", "1", func(s *simOptions) bool { return s.Devices != nil && *s.Devices == 0 }},
+	{"Capacity", gocore.FormatBytes(gocore.DefaultSimCapacity),
+		func(s *simOptions) bool { return s.Capacity != nil && *s.Capacity == 0 }},
+	{"Alignment", fmt.Sprint(gocore.DefaultSimAlignment),
+		func(s *simOptions) bool { return s.Alignment != nil && *s.Alignment == 0 }},
+	{"Granularity", gocore.FormatBytes(gocore.DefaultSimGranularity) + ", or the alignment if larger",
+		func(s *simOptions) bool { return s.Granularity != nil && *s.Granularity == 0 }},
+}
+
+// simConfig turns the options into a gocore.SimConfig and builds the
+// simulator. Every check of the values is gocore.NewSimBackend's; this only
+// refuses a 0 given for an option whose 0 gocore would take as the default,
+// and names the option in the user's terms.
+func simConfig(s *simOptions) (*gocore.SimBackend, error) {
+	for _, d := range simDefaults {
+		if d.zero(s) {
+			return nil, simOptionError(&gocore.SimConfigError{Field: d.field, Value: 0,
+				Reason: "must be positive (leave the option out for the default, " + d.deflt + ")"})
+		}
+	}
+	deref := func(p *uint64) uint64 {
+		if p == nil {
+			return 0
+		}
+		return *p
+	}
+	cfg := gocore.SimConfig{
+		Capacity: deref(s.Capacity), Alignment: deref(s.Alignment), Granularity: deref(s.Granularity),
+		Latency: time.Duration(s.LatencyNS), FailOnNthAlloc: s.FailOnNthAlloc, FailRate: s.FailRate,
+		Seed: s.Seed, FreeFailRate: s.FreeFailRate, ManualEvents: s.ManualEvents, Expandable: s.Expandable,
+	}
+	if s.Devices != nil {
+		cfg.Devices = *s.Devices
+	}
+	sim, err := gocore.NewSimBackend(cfg)
+	if err != nil {
+		return nil, simOptionError(err)
+	}
+	return sim, nil
+}
+
+// simOptionError names the option behind a *gocore.SimConfigError.
+func simOptionError(err error) error {
+	var ce *gocore.SimConfigError
+	if !errors.As(err, &ce) {
+		return fmt.Errorf("%v: %w", err, gocore.ErrInvalidArgument)
+	}
+	name, ok := simOptionNames[ce.Field]
+	if !ok {
+		name = ce.Field
+	}
+	value := ce.Value
+	if d, isDur := value.(time.Duration); isDur {
+		value = int64(d) // latency_ns is given in nanoseconds
+	}
+	return fmt.Errorf("sim option %s=%v %s: %w", name, value, ce.Reason, gocore.ErrInvalidArgument)
 }
 
 // poolOptions is the JSON accepted by NewPool.
@@ -108,16 +184,7 @@ func buildBackend(o poolOptions) (be gocore.Backend, sim *gocore.SimBackend, err
 		if o.Sim == nil {
 			sim, err = sharedSim()
 		} else {
-			s := o.Sim
-			sim, err = gocore.NewSimBackend(gocore.SimConfig{
-				Devices: s.Devices, Capacity: s.Capacity, Alignment: s.Alignment,
-				Latency: time.Duration(s.LatencyNS), FailOnNthAlloc: s.FailOnNthAlloc, FailRate: s.FailRate,
-				Seed: s.Seed, FreeFailRate: s.FreeFailRate, ManualEvents: s.ManualEvents,
-				Expandable: s.Expandable, Granularity: s.Granularity,
-			})
-			if err != nil {
-				err = fmt.Errorf("%v: %w", err, gocore.ErrInvalidArgument)
-			}
+			sim, err = simConfig(o.Sim)
 		}
 		return sim, sim, err
 	case "callback":

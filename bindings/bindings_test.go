@@ -118,3 +118,39 @@ func TestBenchBackendMeasuresRawAndCached(t *testing.T) {
 	_, err = BenchBackend(`{"backend":"sim"}`, "12", 0, 0, 0)
 	assert.ErrorContains(t, err, "ValueError")
 }
+
+// TestSimOptionsRefusedByName: every nonsensical sim option is refused as a
+// ValueError naming the option as the user gave it; an option given as 0
+// whose 0 would mean "the default" is refused, not silently defaulted.
+func TestSimOptionsRefusedByName(t *testing.T) {
+	cases := []struct{ sim, msg string }{
+		{`{"capacity":0}`, "sim option capacity=0 must be positive (leave the option out for the default, 80.00 GiB)"},
+		{`{"alignment":0}`, "sim option alignment=0 must be positive"},
+		{`{"devices":0}`, "sim option devices=0 must be positive"},
+		{`{"granularity":0}`, "sim option granularity=0 must be positive"},
+		{`{"alignment":384}`, "sim option alignment=384 is not a power of two"},
+		{`{"alignment":1024,"granularity":1536}`, "sim option granularity=1536 is not a multiple of Alignment 1024"},
+		{`{"latency_ns":-5}`, "sim option latency_ns=-5 is negative"},
+		{`{"fail_on_nth_alloc":-1}`, "sim option fail_on_nth_alloc=-1 is negative"},
+		{`{"fail_rate":1.5}`, "sim option fail_rate=1.5 is not a probability in [0, 1]"},
+		{`{"free_fail_rate":-0.25}`, "sim option free_fail_rate=-0.25 is not a probability in [0, 1]"},
+		{`{"devices":-1}`, "sim option devices=-1 is not in [0, "},
+		{`{"devices":100000}`, "sim option devices=100000 is not in [0, "},
+		{`{"capacity":18446744073709551615}`, "sim option capacity=18446744073709551615 is too large"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.sim, func(t *testing.T) {
+			_, err := NewPool(`{"backend":"sim","sim":` + tc.sim + `}`)
+			require.Error(t, err)
+			assert.True(t, strings.HasPrefix(err.Error(), "ValueError: "), err.Error())
+			assert.Contains(t, err.Error(), tc.msg)
+		})
+	}
+	// Leaving the options out, or giving them in range, still works.
+	for _, sim := range []string{`{}`, `{"capacity":1048576,"alignment":1,"devices":1,"granularity":4096}`} {
+		id, err := NewPool(`{"backend":"sim","sim":` + sim + `}`)
+		require.NoError(t, err, sim)
+		_, err = PoolClose(id)
+		require.NoError(t, err)
+	}
+}

@@ -206,6 +206,30 @@ var (
 	_ Shrinker = (*SimBackend)(nil)
 )
 
+// SimConfigError is the error NewSimBackend returns for a SimConfig it
+// refuses: Field names the SimConfig field, Value is its value as given and
+// Reason says what is wrong with it. It matches ErrInvalidArgument
+// (errors.Is). Every check of a SimConfig lives in NewSimBackend, so a caller
+// that maps its own option names onto SimConfig fields (the bindings) can
+// name the offending option from Field.
+type SimConfigError struct {
+	Field  string
+	Value  any
+	Reason string
+}
+
+// Error says which field is wrong and why.
+func (e *SimConfigError) Error() string {
+	return fmt.Sprintf("sim: invalid config: %s %v %s", e.Field, e.Value, e.Reason)
+}
+
+// Unwrap makes errors.Is(err, ErrInvalidArgument) hold.
+func (e *SimConfigError) Unwrap() error { return ErrInvalidArgument }
+
+func simConfigErr(field string, value any, reason string) error {
+	return &SimConfigError{Field: field, Value: value, Reason: reason}
+}
+
 // simValidRate reports whether r is a probability.
 func simValidRate(r float64) bool {
 	return !math.IsNaN(r) && r >= 0 && r <= 1
@@ -225,7 +249,7 @@ func simAlignUp(v, a uint64) (uint64, bool) {
 // with every device empty.
 func NewSimBackend(cfg SimConfig) (*SimBackend, error) {
 	if cfg.Devices < 0 || cfg.Devices > MaxDevices {
-		return nil, fmt.Errorf("sim: invalid config: Devices %d is not in [0, %d]", cfg.Devices, MaxDevices)
+		return nil, simConfigErr("Devices", cfg.Devices, fmt.Sprintf("is not in [0, %d]", MaxDevices))
 	}
 	if cfg.Devices == 0 {
 		cfg.Devices = 1
@@ -237,37 +261,37 @@ func NewSimBackend(cfg SimConfig) (*SimBackend, error) {
 		cfg.Alignment = DefaultSimAlignment
 	}
 	if cfg.Alignment&(cfg.Alignment-1) != 0 {
-		return nil, fmt.Errorf("sim: invalid config: Alignment %d is not a power of two", cfg.Alignment)
+		return nil, simConfigErr("Alignment", cfg.Alignment, "is not a power of two")
 	}
 	if cfg.Base == 0 {
 		// The default base is 1 TiB-aligned; round it up for larger
 		// alignments.
 		base, ok := simAlignUp(DefaultSimBase, cfg.Alignment)
 		if !ok {
-			return nil, fmt.Errorf("sim: invalid config: Alignment %d too large for the address space", cfg.Alignment)
+			return nil, simConfigErr("Alignment", cfg.Alignment, "is too large for the address space")
 		}
 		cfg.Base = base
 	}
 	if cfg.Base%cfg.Alignment != 0 {
-		return nil, fmt.Errorf("sim: invalid config: Base %#x is not a multiple of Alignment %d", cfg.Base, cfg.Alignment)
+		return nil, simConfigErr("Base", fmt.Sprintf("%#x", cfg.Base), fmt.Sprintf("is not a multiple of Alignment %d", cfg.Alignment))
 	}
 	if cfg.Granularity == 0 {
 		cfg.Granularity = max(DefaultSimGranularity, cfg.Alignment)
 	}
 	if cfg.Granularity%cfg.Alignment != 0 {
-		return nil, fmt.Errorf("sim: invalid config: Granularity %d is not a multiple of Alignment %d", cfg.Granularity, cfg.Alignment)
+		return nil, simConfigErr("Granularity", cfg.Granularity, fmt.Sprintf("is not a multiple of Alignment %d", cfg.Alignment))
 	}
 	if cfg.Latency < 0 {
-		return nil, fmt.Errorf("sim: invalid config: Latency %v is negative", cfg.Latency)
+		return nil, simConfigErr("Latency", cfg.Latency, "is negative")
 	}
 	if cfg.FailOnNthAlloc < 0 {
-		return nil, fmt.Errorf("sim: invalid config: FailOnNthAlloc %d is negative", cfg.FailOnNthAlloc)
+		return nil, simConfigErr("FailOnNthAlloc", cfg.FailOnNthAlloc, "is negative")
 	}
 	if !simValidRate(cfg.FailRate) {
-		return nil, fmt.Errorf("sim: invalid config: FailRate %v is not in [0, 1]", cfg.FailRate)
+		return nil, simConfigErr("FailRate", cfg.FailRate, "is not a probability in [0, 1]")
 	}
 	if !simValidRate(cfg.FreeFailRate) {
-		return nil, fmt.Errorf("sim: invalid config: FreeFailRate %v is not in [0, 1]", cfg.FreeFailRate)
+		return nil, simConfigErr("FreeFailRate", cfg.FreeFailRate, "is not a probability in [0, 1]")
 	}
 
 	// Each device gets a range of stride bytes: at least 1 TiB and at least
@@ -276,7 +300,7 @@ func NewSimBackend(cfg SimConfig) (*SimBackend, error) {
 	capRounded, ok := simAlignUp(cfg.Capacity, cfg.Alignment)
 	hi, twice := bits.Mul64(capRounded, 2)
 	if !ok || hi != 0 {
-		return nil, fmt.Errorf("sim: invalid config: Capacity %d too large for the address space", cfg.Capacity)
+		return nil, simConfigErr("Capacity", cfg.Capacity, "is too large for the address space")
 	}
 	minStride := max(twice, simDeviceStride)
 	var reserve uint64
@@ -291,21 +315,21 @@ func NewSimBackend(cfg SimConfig) (*SimBackend, error) {
 		hi, r := bits.Mul64(granules, cfg.Granularity)
 		hi2, all := bits.Mul64(r, SimExpandableSegments)
 		if hi != 0 || hi2 != 0 {
-			return nil, fmt.Errorf("sim: invalid config: Capacity %d too large for the address space of %d expandable segments",
-				cfg.Capacity, SimExpandableSegments)
+			return nil, simConfigErr("Capacity", cfg.Capacity,
+				fmt.Sprintf("is too large for the address space of %d expandable segments", SimExpandableSegments))
 		}
 		reserve = r
 		minStride = max(minStride, all)
 	}
 	stride, ok := simAlignUp(minStride, max(simDeviceStride, cfg.Alignment))
 	if !ok {
-		return nil, fmt.Errorf("sim: invalid config: Capacity %d too large for the address space", cfg.Capacity)
+		return nil, simConfigErr("Capacity", cfg.Capacity, "is too large for the address space")
 	}
 	hi, span := bits.Mul64(stride, uint64(cfg.Devices))
 	_, carry := bits.Add64(cfg.Base, span, 0)
 	if hi != 0 || carry != 0 {
-		return nil, fmt.Errorf("sim: invalid config: %d devices of %d bytes from Base %#x overflow the address space",
-			cfg.Devices, stride, cfg.Base)
+		return nil, simConfigErr("Devices", cfg.Devices,
+			fmt.Sprintf("overflow the address space (ranges of %d bytes from Base %#x)", stride, cfg.Base))
 	}
 
 	b := &SimBackend{

@@ -156,7 +156,7 @@ func TestSimConfigValidation(t *testing.T) {
 		{"free fail rate above one", SimConfig{FreeFailRate: 1.0001}, "FreeFailRate"},
 		{"NaN free fail rate", SimConfig{FreeFailRate: math.NaN()}, "FreeFailRate"},
 		{"capacity overflows", SimConfig{Capacity: math.MaxUint64}, "Capacity"},
-		{"devices overflow address space", SimConfig{Devices: MaxDevices, Capacity: 1 << 56}, "overflow"},
+		{"devices overflow address space", SimConfig{Devices: MaxDevices, Capacity: 1 << 56}, "Devices"},
 		{"too many devices", SimConfig{Devices: MaxDevices + 1}, "Devices"},
 	}
 	for _, tc := range cases {
@@ -165,6 +165,12 @@ func TestSimConfigValidation(t *testing.T) {
 			require.Error(t, err)
 			assert.Nil(t, b)
 			assert.Contains(t, err.Error(), tc.msg)
+			// Every refusal names its field, for the bindings to name the
+			// option, and is an ErrInvalidArgument.
+			var ce *SimConfigError
+			require.ErrorAs(t, err, &ce)
+			assert.Equal(t, tc.msg, ce.Field)
+			assert.ErrorIs(t, err, ErrInvalidArgument)
 		})
 	}
 	// Boundary values are accepted.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import collections
 import json
+import math
 import os
 import re
 import threading
@@ -437,19 +438,22 @@ class MemPool:
         if backend == "sim":
             if options:
                 sim: dict[str, Any] = {}
+                # Only the types, and what JSON cannot carry, are checked
+                # here; the engine validates the values (gocore.SimConfig's
+                # checks, in one place) and names the option it refuses.
                 for key, value in options.items():
                     if key in ("fail_rate", "free_fail_rate"):
                         if isinstance(value, bool) or not isinstance(value, (int, float)):
                             raise TypeError(f"{key} must be a number, got {type(value).__name__}")
-                        # checked here: NaN or an infinity would reach the
-                        # engine as JSON it cannot parse
-                        if not 0 <= value <= 1:
-                            raise InvalidArgumentError(f"{key} must be a probability in [0, 1], got {value!r}")
+                        if not math.isfinite(value):  # JSON has no NaN or infinity
+                            raise InvalidArgumentError(f"sim option {key}={value!r} is not a probability in [0, 1]")
                         sim[key] = float(value)
                     elif key in ("manual_events", "expandable"):
                         sim[key] = _check_bool(key, value)
-                    else:
-                        sim[key] = _check_int(key, value, 0 if key != "seed" else -(1 << 63), 1 << 63)
+                    elif key in ("capacity", "alignment", "granularity"):
+                        sim[key] = _check_int(key, value, 0, _U64)
+                    else:  # int64 in the engine: devices, latency_ns, fail_on_nth_alloc, seed
+                        sim[key] = _check_int(key, value, -(1 << 63), 1 << 63)
                 cfg["sim"] = sim
                 self._options = dict(sim)
         elif backend in GPU_OPTIONS:

@@ -85,15 +85,16 @@ def test_pointer_of_another_pool(pool: gmp.MemPool) -> None:
         ({"backend": "cuda9"}, ValueError, "valid backends: async, callback, cuda, host, nccl, sim, vmm"),
         ({"bogus": 1}, ValueError, "unknown option"),
         ({"capacity": -1}, ValueError, "capacity"),
-        ({"fail_rate": 2.0}, ValueError, r"fail_rate must be a probability in \[0, 1\], got 2.0"),
-        ({"fail_rate": float("nan")}, ValueError, r"fail_rate must be a probability in \[0, 1\], got nan"),
-        ({"free_fail_rate": float("inf")}, ValueError, r"free_fail_rate must be a probability .* got inf"),
-        ({"free_fail_rate": -0.5}, ValueError, "free_fail_rate must be a probability"),
+        ({"fail_rate": 2.0}, ValueError, r"sim option fail_rate=2 is not a probability in \[0, 1\]"),
+        ({"fail_rate": float("nan")}, ValueError, r"sim option fail_rate=nan is not a probability in \[0, 1\]"),
+        ({"free_fail_rate": float("inf")}, ValueError, r"sim option free_fail_rate=inf is not a probability"),
+        ({"free_fail_rate": -0.5}, ValueError, r"sim option free_fail_rate=-0.5 is not a probability"),
         ({"garbage_collection_threshold": float("nan")}, ValueError, r"garbage_collection_threshold must be in \[0, 1\), got nan"),
         ({"fail_rate": "x"}, TypeError, "fail_rate"),
         ({"limit": -1}, ValueError, "limit"),
         ({"max_split_size": 5}, ValueError, "max split size"),
         ({"alignment": 3}, ValueError, "not a power of two"),
+        ({"alignment": 3, "backend": "sim"}, ValueError, "sim option alignment=3 is not a power of two"),
         ({"backend": 7}, TypeError, "backend"),
         ({"name": 7}, TypeError, "name"),
         ({"alloc": 1}, ValueError, "both alloc and free"),
@@ -105,6 +106,41 @@ def test_pointer_of_another_pool(pool: gmp.MemPool) -> None:
 def test_bad_pool_options(kwargs: dict, exc: type, match: str) -> None:
     with pytest.raises(exc, match=match):
         gmp.MemPool(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "option, match",
+    [
+        ({"capacity": 0}, r"sim option capacity=0 must be positive \(leave the option out for the default, 80.00 GiB\)"),
+        ({"alignment": 0}, r"sim option alignment=0 must be positive \(leave the option out for the default, 512\)"),
+        ({"devices": 0}, r"sim option devices=0 must be positive"),
+        ({"granularity": 0}, r"sim option granularity=0 must be positive"),
+        ({"alignment": 768}, r"sim option alignment=768 is not a power of two"),
+        ({"alignment": 1024, "granularity": 1536}, r"sim option granularity=1536 is not a multiple of Alignment 1024"),
+        ({"latency_ns": -1}, r"sim option latency_ns=-1 is negative"),
+        ({"fail_on_nth_alloc": -3}, r"sim option fail_on_nth_alloc=-3 is negative"),
+        ({"fail_rate": -0.01}, r"sim option fail_rate=-0.01 is not a probability in \[0, 1\]"),
+        ({"free_fail_rate": 1.5}, r"sim option free_fail_rate=1.5 is not a probability in \[0, 1\]"),
+        ({"devices": 5000}, r"sim option devices=5000 is not in \[0, "),
+        ({"capacity": (1 << 64) - 1}, r"sim option capacity=18446744073709551615 is too large"),
+    ],
+)
+def test_nonsensical_sim_options_are_refused_by_name(option: dict, match: str) -> None:
+    """Issue 18: MemPool("sim", capacity=0) used to be accepted (0 meant the
+    80 GiB default) and then allocated. Every nonsensical sim option is an
+    InvalidArgumentError naming the option, from the engine's one check of
+    the simulator's configuration."""
+    with pytest.raises(gmp.InvalidArgumentError, match=match):
+        gmp.MemPool("sim", **option)
+
+
+def test_sim_options_in_range_still_work() -> None:
+    with gmp.MemPool("sim", capacity=1 << 20, alignment=1, devices=1, granularity=4096, latency_ns=0,
+                     fail_on_nth_alloc=0, fail_rate=0, free_fail_rate=1.0) as pool:
+        assert pool.config()["backend_options"]["capacity"] == 1 << 20
+    with gmp.MemPool("sim", capacity=1 << 20) as pool:
+        with pytest.raises(gmp.OutOfMemoryError):
+            pool.alloc(2 << 20)
 
 
 def test_errors_subclass_builtins() -> None:

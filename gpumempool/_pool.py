@@ -880,7 +880,14 @@ class MemPool:
         it sizes and carves itself, so a cache miss reserves just the
         request from the backend instead of carving it, like any request
         under 10 MiB, from a 20 MiB buffer of its own (which left up to
-        18 MiB reserved and unused beneath torch's 2 MiB segments)."""
+        18 MiB reserved and unused beneath torch's 2 MiB segments).
+
+        The functions live in one of 64 numbered slots, held until the pool
+        closes. A pool closed while blocks its C functions handed out are
+        still allocated retires its slot for the rest of the process (the
+        caller may still free them through it), as does one given to torch
+        for good (``throw_on_oom``); a pool whose functions were never
+        called gives its slot back on close whatever it still holds."""
         if throw_on_oom and segments:
             raise InvalidArgumentError("pluggable_symbols: throw_on_oom and segments exclude each other")
         kind = "throwing" if throw_on_oom else "segments" if segments else "plain"

@@ -679,3 +679,49 @@ def test_installed_extensions_carry_no_run_path() -> None:
     for so in sos:
         tags = _elf_dynamic_tags(str(so))
         assert tags and 15 not in tags and 29 not in tags, f"{so} has a run path"
+
+
+def test_slots_of_pools_never_called_through_c_are_not_retired() -> None:
+    """Issue 18: after 64 pools that had called pluggable_symbols() were
+    closed with live blocks, every new pool's pluggable_symbols() failed with
+    "close a pool" (no pool held a slot) and blamed torch (never used). A
+    slot whose C functions nobody called is given back; one that handed a
+    C caller blocks still live at close is retired, and when all are, the
+    error says so and how to recover, without blaming torch. In a child
+    process: retired slots stay retired for the life of the process."""
+    code = r'''
+import ctypes, warnings
+import gpumempool as gmp
+from gpumempool import _native
+n = _native.bindings.NumSlots()
+warnings.simplefilter("ignore", gmp.LeakWarning)
+for _ in range(2 * n):
+    p = gmp.MemPool("sim", capacity=1 << 30)
+    p.pluggable_symbols()
+    p.alloc(4096)
+    assert p.close().live_blocks
+with gmp.MemPool("sim") as p:
+    p.pluggable_symbols()
+print("reused")
+for _ in range(n):
+    p = gmp.MemPool("sim", capacity=1 << 30)
+    path, alloc_sym, _free = p.pluggable_symbols()
+    fn = getattr(ctypes.CDLL(path), alloc_sym)
+    fn.restype, fn.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    assert fn(4096, 0, None)
+    assert p.close().live_blocks
+try:
+    gmp.MemPool("sim", name="late").pluggable_symbols()
+except gmp.BackendError as e:
+    print(e)
+'''
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "reused", r.stdout
+    msg = lines[1]
+    assert 'pool "late" needs C entry points but all 64 are taken: 64 retired because their pools were closed ' \
+        "while blocks allocated through their C functions were still live" in msg, msg
+    assert "free every block a C caller got from a pool (drop its torch tensors) before closing the pool" in msg
+    assert "retired slots come back only in a new process" in msg
+    assert "close a pool that" not in msg and "torch could" not in msg and "kept for torch" not in msg

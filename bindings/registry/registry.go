@@ -7,6 +7,7 @@ package registry
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -38,8 +39,12 @@ type Entry struct {
 	// fault injection proving that no panic crosses the C boundary.
 	PanicNext atomic.Bool
 
-	slot    atomic.Int32 // -1 when none
-	pinned  atomic.Bool  // the slot is never reused (AssignPinnedSlot)
+	slot   atomic.Int32 // -1 when none
+	pinned atomic.Bool  // the slot is never reused (AssignPinnedSlot)
+	// called: a C entry point of the slot found this pool (BySlot), so a C
+	// caller (torch, cupy, anyone who resolved the names) holds the
+	// functions and may still call them, e.g. to free a block it got.
+	called  atomic.Bool
 	lastErr atomic.Pointer[string]
 }
 
@@ -76,7 +81,10 @@ var (
 		}
 		return s
 	}()
-	retiredSlots int
+	// retiredSlots counts the slots retired because their pool closed with
+	// live blocks after C callers had used the slot; pinnedSlots those kept
+	// for torch (AssignPinnedSlot, KeepSlotRetired).
+	retiredSlots, pinnedSlots int
 	// orphanErr holds errors from C calls on slots with no pool.
 	orphanErr atomic.Pointer[string]
 )
@@ -128,11 +136,14 @@ func Unregister(id int64) *Entry {
 	return e
 }
 
-// FreeSlot ends the hold of an unregistered entry on its slot. With
-// reusable (no block of the pool outlived it, so torch holds none of its
-// pointers) and unless the slot is pinned, the slot goes to the back of the
-// queue; otherwise it is retired for the life of the process, and calls of
-// it keep failing cleanly.
+// FreeSlot ends the hold of an unregistered entry on its slot. The slot goes
+// to the back of the queue unless it is pinned (torch may call it for the
+// rest of the process) or reusable is false (blocks of the pool outlived it)
+// and a C caller has used the slot (it may still free one of those blocks
+// through it); then it is retired for the life of the process, and calls of
+// it keep failing cleanly. A slot whose names were handed out but never
+// called is reused even after a close with live blocks: nobody outside
+// holds a block through it.
 func FreeSlot(e *Entry, reusable bool) {
 	mu.Lock()
 	defer mu.Unlock()
@@ -141,10 +152,13 @@ func FreeSlot(e *Entry, reusable bool) {
 		return // no slot, already freed, or still registered
 	}
 	e.slot.Store(-1)
-	if reusable && !e.pinned.Load() {
-		freeSlots = append(freeSlots, int(s))
-	} else {
+	switch {
+	case e.pinned.Load():
+		pinnedSlots++
+	case !reusable && e.called.Load():
 		retiredSlots++
+	default:
+		freeSlots = append(freeSlots, int(s))
 	}
 }
 
@@ -188,9 +202,7 @@ func assignSlot(e *Entry, pin bool) (int, error) {
 		return int(s), nil
 	}
 	if len(freeSlots) == 0 {
-		return -1, fmt.Errorf("pool %q needs C entry points but %d pools hold them and %d are retired "+
-			"(their pools were closed while torch could still call them); close a pool: %w",
-			e.Pool.Name(), NumSlots-retiredSlots, retiredSlots, ErrNoFreeSlot)
+		return -1, fmt.Errorf("pool %q needs C entry points but %s: %w", e.Pool.Name(), noSlotReason(), ErrNoFreeSlot)
 	}
 	i := freeSlots[0]
 	freeSlots = freeSlots[1:]
@@ -199,13 +211,45 @@ func assignSlot(e *Entry, pin bool) (int, error) {
 	return i, nil
 }
 
+// noSlotReason says where the NumSlots slots went and what can be done,
+// naming only the causes that apply. Called with mu held.
+func noSlotReason() string {
+	held := NumSlots - retiredSlots - pinnedSlots
+	var where, fixes []string
+	if held > 0 {
+		where = append(where, fmt.Sprintf("%d held by open pools", held))
+		fixes = append(fixes, "close a pool that called pluggable_symbols() or was given to torch "+
+			"(its slot is reused once nothing outside holds a block of it)")
+	}
+	if retiredSlots > 0 {
+		where = append(where, fmt.Sprintf("%d retired because their pools were closed while blocks "+
+			"allocated through their C functions were still live (a caller may still free those through them)",
+			retiredSlots))
+		fixes = append(fixes, "free every block a C caller got from a pool (drop its torch tensors) "+
+			"before closing the pool, so its slot is reused")
+	}
+	if pinnedSlots > 0 {
+		where = append(where, fmt.Sprintf("%d kept for torch, which may call them for the rest of the "+
+			"process (set_torch_allocator, or torch objects over a pool that was closed)", pinnedSlots))
+	}
+	if retiredSlots+pinnedSlots > 0 {
+		fixes = append(fixes, "retired slots come back only in a new process")
+	}
+	return fmt.Sprintf("all %d are taken: %s; %s", NumSlots, strings.Join(where, ", "), strings.Join(fixes, "; "))
+}
+
 // BySlot returns the entry behind a C slot, or nil. It takes no lock: the C
-// hot path calls it on every allocation.
+// hot path calls it on every call, and marks the entry as called (one
+// atomic load once it is).
 func BySlot(i int) *Entry {
 	if i < 0 || i >= NumSlots {
 		return nil
 	}
-	return slots[i].Load()
+	e := slots[i].Load()
+	if e != nil && !e.called.Load() {
+		e.called.Store(true)
+	}
+	return e
 }
 
 // Kind names the Python exception for err (gpumempool's exception classes,

@@ -1,6 +1,7 @@
 package registry
 
 import (
+	"fmt"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -31,7 +32,7 @@ func resetSlots(t *testing.T) {
 	for i := range NumSlots {
 		freeSlots = append(freeSlots, i)
 	}
-	retiredSlots = 0
+	retiredSlots, pinnedSlots = 0, 0
 }
 
 // A closed pool's slot goes to the back of the queue: the next pools get
@@ -73,6 +74,7 @@ func TestSlotsRetired(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, sp, again)
 
+	require.Same(t, leaky, BySlot(sl), "a C caller used the leaky pool's slot")
 	require.Same(t, leaky, Unregister(leaky.ID))
 	assert.Nil(t, Unregister(leaky.ID), "a second close finds nothing")
 	assert.Nil(t, BySlot(sl), "calls through the slot find no pool")
@@ -89,7 +91,12 @@ func TestSlotsRetired(t *testing.T) {
 		s, err := AssignSlot(e)
 		if err != nil {
 			require.ErrorIs(t, err, ErrNoFreeSlot)
-			assert.ErrorContains(t, err, "2 are retired")
+			assert.ErrorContains(t, err, "all 64 are taken: 62 held by open pools, "+
+				"1 retired because their pools were closed while blocks allocated through their C functions "+
+				"were still live")
+			assert.ErrorContains(t, err, "1 kept for torch, which may call them for the rest of the process")
+			assert.ErrorContains(t, err, "close a pool that called pluggable_symbols()")
+			assert.ErrorContains(t, err, "retired slots come back only in a new process")
 			break
 		}
 		got = append(got, s)
@@ -114,4 +121,63 @@ func TestFreeSlotNeedsUnregister(t *testing.T) {
 	assert.Same(t, e, BySlot(s))
 	assert.Equal(t, s, e.Slot())
 	Remove(e.ID)
+}
+
+// Issue 18: a pool that handed out its slot's names but whose C functions
+// were never called holds no block of anybody's: closing it with live
+// blocks gives the slot back, however many such pools come and go. Only a
+// pool whose slot was called, or that was pinned for torch, retires it.
+func TestSlotOfUncalledPoolClosedWithLiveBlocksIsReused(t *testing.T) {
+	resetSlots(t)
+	for range 3 * NumSlots {
+		e := newEntry(t)
+		_, err := AssignSlot(e)
+		require.NoError(t, err)
+		require.Same(t, e, Unregister(e.ID))
+		FreeSlot(e, false) // closed with live blocks
+	}
+	called := newEntry(t)
+	s, err := AssignSlot(called)
+	require.NoError(t, err)
+	BySlot(s) // a C call
+	require.Same(t, called, Unregister(called.ID))
+	FreeSlot(called, false)
+	var held []*Entry
+	for {
+		e := newEntry(t)
+		if _, err := AssignSlot(e); err != nil {
+			require.ErrorIs(t, err, ErrNoFreeSlot)
+			// Nothing blames torch, which had no part here.
+			assert.Equal(t, fmt.Sprintf("pool %q needs C entry points but all 64 are taken: 63 held by open pools, "+
+				"1 retired because their pools were closed while blocks allocated through their C functions were "+
+				"still live (a caller may still free those through them); close a pool that called "+
+				"pluggable_symbols() or was given to torch (its slot is reused once nothing outside holds a block of "+
+				"it); free every block a C caller got from a pool (drop its torch tensors) before closing the pool, so "+
+				"its slot is reused; retired slots come back only in a new process: %v", e.Pool.Name(), ErrNoFreeSlot),
+				err.Error())
+			break
+		}
+		held = append(held, e)
+	}
+	assert.Len(t, held, NumSlots-1)
+	for _, e := range held {
+		Remove(e.ID)
+	}
+	// With every slot retired and none held, the error says so and does
+	// not ask to close a pool.
+	resetSlots(t)
+	for range NumSlots {
+		e := newEntry(t)
+		s, err := AssignSlot(e)
+		require.NoError(t, err)
+		BySlot(s)
+		Unregister(e.ID)
+		FreeSlot(e, false)
+	}
+	_, err = AssignSlot(newEntry(t))
+	require.ErrorIs(t, err, ErrNoFreeSlot)
+	assert.NotContains(t, err.Error(), "close a pool")
+	assert.NotContains(t, err.Error(), "torch, which")
+	assert.Contains(t, err.Error(), "all 64 are taken: 64 retired because")
+	resetSlots(t)
 }

@@ -22,6 +22,9 @@ import zlib
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ._summary import figure_label
+from ._units import format_bytes
+
 
 def _cmd_info(args: argparse.Namespace) -> int:
     import gpumempool as gmp
@@ -122,7 +125,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     try:
         result = run_demo(steps=args.steps, layers=args.layers, seed=args.seed,
-                          progress=not args.no_progress and not args.json)
+                          progress=not args.no_progress and not args.json, snapshot=args.snapshot)
+    except OSError as exc:  # --snapshot: a directory, a missing folder, a full disk
+        return _fail(f"--snapshot: {exc}", json_out=args.json)
     except OutOfMemoryError as exc:
         # --layers (weights, activations and gradients per layer) outgrew
         # the demo's 64 GiB simulated device
@@ -224,7 +229,6 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     import pickle
 
     from ._progress import Progress
-    from ._units import format_bytes
     from .replay import parse_policy, replay
     from .trace import TraceFormatError
 
@@ -265,14 +269,14 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     rows = [
         ("trace", f"{os.path.basename(args.trace)} ({trace.source}, {len(trace):,} events)"),
         ("policy", pol),
-        ("allocations", f"{result.allocations:,} ({result.ooms:,} OOM)"),
-        ("peak requested", format_bytes(result.peak_requested)),
-        ("peak allocated", format_bytes(result.peak_allocated)),
-        ("peak reserved", format_bytes(result.peak_reserved)),
-        ("fragmentation", f"{result.fragmentation:.3f} (peak reserved / peak allocated)"),
-        ("backend calls", f"{result.backend_calls:,} ({result.device_allocs:,} segment allocations or growths, "
-                          f"{result.device_frees:,} releases)"),
-        ("cache-hit rate", f"{100 * result.cache_hit_rate:.2f} %"),
+        (figure_label("allocations"), f"{result.allocations:,} ({result.ooms:,} OOM)"),
+        (figure_label("peak_requested"), format_bytes(result.peak_requested)),
+        (figure_label("peak_allocated"), format_bytes(result.peak_allocated)),
+        (figure_label("peak_reserved"), format_bytes(result.peak_reserved)),
+        (figure_label("fragmentation"), f"{result.fragmentation:.3f} (peak reserved / peak allocated)"),
+        (figure_label("backend_calls"), f"{result.backend_calls:,} ({result.device_allocs:,} segment allocations "
+                                        f"or growths, {result.device_frees:,} releases)"),
+        (figure_label("cache_hit_rate"), f"{100 * result.cache_hit_rate:.2f} %"),
     ]
     if result.recorded_segments:
         rows.append(("segments placed",
@@ -325,7 +329,9 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         _print_json(summary)
     else:
         print(f"wrote {summary['output']}: {summary['events']:,} history events, {summary['segments']:,} segments, "
-              f"{summary['blocks']:,} blocks")
+              f"{summary['blocks']:,} blocks; {figure_label('peak_requested')} "
+              f"{format_bytes(summary['peak_requested'])}, {figure_label('peak_reserved')} "
+              f"{format_bytes(summary['peak_reserved'])}")
     return 0
 
 
@@ -463,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--json", action="store_true", help="print the summary as JSON")
+    demo.add_argument("--snapshot", metavar="FILE",
+                      help="record the pool's history and write its snapshot pickle to FILE (atomically), "
+                           "for `plot FILE` and `replay FILE`")
     demo.set_defaults(func=_cmd_demo)
 
     rep = sub.add_parser(

@@ -12,6 +12,33 @@ from ._units import format_bytes
 
 __all__ = ["memory_summary"]
 
+#: One name for each figure that ``demo``, ``replay`` and ``plot`` report
+#: (their ``--json`` keys, :class:`~gpumempool.replay.ReplayResult`'s and
+#: :class:`~gpumempool.demo.DemoResult`'s fields), with the label their
+#: tables use. A command that cannot know a figure leaves it out; it never
+#: reports another figure under its name.
+FIGURES: dict[str, tuple[str, str]] = {
+    # Not requested_bytes.all.peak: torch (and the pool) count a block
+    # freed while other streams use it until its free completes.
+    "peak_requested": ("peak requested",
+                       "peak of the bytes the program asked for and had not freed yet (from each "
+                       "allocation to its free call, as a trace records them)"),
+    "peak_allocated": ("peak allocated",
+                       "peak of the bytes of allocated blocks, sizes rounded up (allocated_bytes.all.peak)"),
+    "peak_reserved": ("peak reserved", "peak of the bytes reserved from the backend (reserved_bytes.all.peak)"),
+    "fragmentation": ("fragmentation", "peak reserved / peak allocated"),
+    "backend_calls": ("backend calls",
+                      "segment allocations (or growths) and releases the backend served "
+                      "(num_device_alloc + num_device_free)"),
+    "cache_hit_rate": ("cache-hit rate", "allocations served from the cache / allocations"),
+    "allocations": ("allocations", "allocation requests"),
+}
+
+
+def figure_label(key: str) -> str:
+    """The table label of figure ``key`` (a key of :data:`FIGURES`)."""
+    return FIGURES[key][0]
+
 #: (title, stat key prefix, is a byte count)
 _METRICS = (
     ("Allocated memory", "allocated_bytes", True),

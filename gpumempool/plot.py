@@ -1,4 +1,4 @@
-"""Plots of a memory snapshot (ours or torch's): allocated vs reserved bytes
+"""Plots of a memory snapshot (ours or torch's): requested vs reserved bytes
 over the recorded history, and a segment map (one bar per segment, its
 blocks coloured by state).
 
@@ -82,17 +82,23 @@ def _time(e: Any) -> int:
 
 def timeline(snapshot: Union[PathLike, dict[str, Any]],
              progress: Optional[Callable[[int, int], None]] = None) -> dict[str, list[int]]:
-    """Allocated and reserved bytes (all devices) after each history entry:
-    ``{"allocated": [...], "reserved": [...], "time_us": [...]}``, starting
+    """Requested and reserved bytes (all devices) after each history entry:
+    ``{"requested": [...], "reserved": [...], "time_us": [...]}``, starting
     from the state before the first entry (derived from the segments at the
-    end minus what the history changed). Allocations count from ``alloc``
-    to ``free_completed``."""
+    end minus what the history changed). A block counts from its ``alloc``
+    to its ``free_requested`` (its ``free_completed`` when the history has
+    no request), with the size the history holds, the requested one
+    (torch's and ours): the bytes the program held, whose peak ``replay``
+    calls ``peak_requested`` too (a block freed while other streams use it
+    stops counting at the free, though it stays reserved until they
+    finish)."""
     snap = _load(snapshot)
     traces = snap.get("device_traces", [])
     merged = list(heapq.merge(*[[(_time(e), d, i, e)
                                  for i, e in enumerate(t)] for d, t in enumerate(traces)], key=lambda x: x[0]))
     entries = [(t, d, e) for t, d, _, e in merged if isinstance(e, dict)]
     sizes: dict[tuple[int, int, Any], int] = {}
+    requested_free: set[tuple[int, int, Any]] = set()  # freed, completion to come
     d_alloc = d_res = 0
     steps: list[tuple[int, int]] = []
     total = len(entries)
@@ -104,8 +110,14 @@ def timeline(snapshot: Union[PathLike, dict[str, Any]],
         if a == "alloc":
             sizes[k] = size
             da = size
-        elif a == "free_completed":
+        elif a == "free_requested":
             da = -sizes.pop(k, size)
+            requested_free.add(k)
+        elif a == "free_completed":
+            if k in requested_free:
+                requested_free.discard(k)  # counted at the request
+            else:
+                da = -sizes.pop(k, size)
         elif a in ("segment_alloc", "segment_map"):
             dr = size
         elif a in ("segment_free", "segment_unmap"):
@@ -121,7 +133,8 @@ def timeline(snapshot: Union[PathLike, dict[str, Any]],
             continue
         end_res += _int(s.get("total_size"))
         for b in s.get("blocks", []) if isinstance(s.get("blocks"), list) else []:
-            if isinstance(b, dict) and b.get("state") in ("active_allocated", "active_pending_free"):
+            # a pending free was requested: the program no longer holds it
+            if isinstance(b, dict) and b.get("state") == "active_allocated":
                 # history entries hold requested sizes, ours as torch's
                 end_alloc += _int(b.get("requested_size")) or _int(b.get("size"))
     if snap.get("segments"):
@@ -133,7 +146,7 @@ def timeline(snapshot: Union[PathLike, dict[str, Any]],
     if progress is not None:
         progress(total, total)
     return {
-        "allocated": [base_alloc] + [base_alloc + a for a, _ in steps],
+        "requested": [base_alloc] + [base_alloc + a for a, _ in steps],
         "reserved": [base_res] + [base_res + r for _, r in steps],
         "time_us": [entries[0][0] if entries else 0] + [t for t, _, _ in entries],
     }
@@ -176,9 +189,12 @@ def plot_snapshot(
 ) -> dict[str, Any]:
     """Draw ``snapshot`` (a pickle path, ours or torch's, or the dict) to
     ``out`` (PNG, or any format matplotlib knows by the extension): a
-    timeline of allocated vs reserved bytes over the recorded history and a
+    timeline of requested vs reserved bytes over the recorded history and a
     segment map of the segments at the end (at most ``max_segments``, the
-    largest). Returns a summary (peaks, counts, output path)."""
+    largest). Returns a summary (peaks, counts, output path); its figures
+    have the names ``replay`` and ``demo`` give them
+    (:data:`gpumempool._summary.FIGURES`): the history holds requested
+    sizes, so the peak is ``peak_requested``."""
     _, Figure = _require_matplotlib()
     from matplotlib.patches import Patch
     from matplotlib.ticker import FuncFormatter, MultipleLocator
@@ -197,13 +213,13 @@ def plot_snapshot(
     ax_t, ax_s = fig.subplots(2, 1, height_ratios=[1, 1.3])
     byte_fmt = FuncFormatter(lambda v, _pos: _fmt_bytes(v))
 
-    events = len(tl["allocated"]) - 1
+    events = len(tl["requested"]) - 1
     if events > 0:
         xs, ys = _downsample(tl["reserved"], 4000)
         ax_t.fill_between(xs, ys, step="post", color="#ffbb78", alpha=0.6, label="reserved (segments)")
         ax_t.plot(xs, ys, drawstyle="steps-post", color="#ff7f0e", linewidth=1)
-        xs, ys = _downsample(tl["allocated"], 4000)
-        ax_t.fill_between(xs, ys, step="post", color="#aec7e8", alpha=0.8, label="allocated (blocks)")
+        xs, ys = _downsample(tl["requested"], 4000)
+        ax_t.fill_between(xs, ys, step="post", color="#aec7e8", alpha=0.8, label="requested (live blocks)")
         ax_t.plot(xs, ys, drawstyle="steps-post", color="#1f77b4", linewidth=1)
         ax_t.set_xlim(0, events)
         ax_t.set_ylim(bottom=0)
@@ -212,11 +228,11 @@ def plot_snapshot(
         ax_t.text(0.5, 0.5, "no history recorded\n(record_history() / torch.cuda.memory._record_memory_history())",
                   ha="center", va="center", transform=ax_t.transAxes, color="gray")
     ax_t.yaxis.set_major_formatter(byte_fmt)
-    ax_t.yaxis.set_major_locator(MultipleLocator(_byte_step(max(tl["reserved"] + tl["allocated"] + [1]))))
+    ax_t.yaxis.set_major_locator(MultipleLocator(_byte_step(max(tl["reserved"] + tl["requested"] + [1]))))
     ax_t.set_xlabel("allocator events")
-    peak_a, peak_r = max(tl["allocated"]), max(tl["reserved"])
-    frag = f", peak reserved / peak allocated {peak_r / peak_a:.3f}" if peak_a else ""
-    ax_t.set_title(f"allocated vs reserved: peaks {_fmt_bytes(peak_a)} / {_fmt_bytes(peak_r)}{frag}")
+    peak_q, peak_r = max(tl["requested"]), max(tl["reserved"])
+    ratio = f", peak reserved / peak requested {peak_r / peak_q:.3f}" if peak_q else ""
+    ax_t.set_title(f"requested vs reserved: peaks {_fmt_bytes(peak_q)} / {_fmt_bytes(peak_r)}{ratio}")
 
     blocks = 0
     for row, s in enumerate(shown):
@@ -267,7 +283,7 @@ def plot_snapshot(
         "segments": len(segments),
         "segments_shown": len(shown),
         "blocks": blocks,
-        "peak_allocated": peak_a,
+        "peak_requested": peak_q,
         "peak_reserved": peak_r,
         "reserved_at_end": reserved,
     }

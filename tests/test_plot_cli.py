@@ -206,9 +206,9 @@ def test_plot_timeline_and_torch_snapshot(tmp_path: Path) -> None:
     tl = timeline(snap)
     # Before the trace: 20 MiB reserved, nothing allocated (torch counts requested bytes).
     assert tl["reserved"] == [20 * MiB, 20 * MiB, 20 * MiB, 20 * MiB, 22 * MiB, 22 * MiB]
-    assert tl["allocated"] == [0, 12 * MiB, 12 * MiB, 0, 0, 100]
+    assert tl["requested"] == [0, 12 * MiB, 0, 0, 0, 100]  # from alloc to free_requested
     summary = plot_snapshot(snap, tmp_path / "t.png", max_segments=1)
-    assert summary["peak_reserved"] == 22 * MiB and summary["peak_allocated"] == 12 * MiB
+    assert summary["peak_reserved"] == 22 * MiB and summary["peak_requested"] == 12 * MiB
     assert summary["segments"] == 2 and summary["segments_shown"] == 1
     assert (tmp_path / "t.png").read_bytes()[:8] == PNG
     # A snapshot without history still gets its segment map.
@@ -371,7 +371,7 @@ def test_non_numeric_time_of_an_unknown_action(tmp_path: Path, capsys) -> None:
     from gpumempool.plot import timeline
 
     tl = timeline(snap)  # the plot takes what it can: unusable times count as 0
-    assert tl["allocated"][-1] == 1024 and tl["time_us"] == [0, 0, 0, 1]
+    assert tl["requested"][-1] == 1024 and tl["time_us"] == [0, 0, 0, 1]
 
 
 def test_corrupt_gzip_inputs_are_clean_errors(tmp_path: Path, capsys) -> None:
@@ -424,3 +424,79 @@ def test_a_reader_that_goes_away_is_no_error() -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_demo_snapshot_then_plot_and_replay(tmp_path: Path) -> None:
+    """Issue 18: nothing in the CLI saved a snapshot, so the docs' `plot
+    snapshot.pickle` had no input a newcomer could make. `demo --snapshot`
+    writes one (atomically) that `plot` draws and `replay` replays."""
+    pytest.importorskip("matplotlib")
+    snap = tmp_path / "demo.pickle"
+    r = run_cli("demo", "--steps", "6", "--layers", "3", "--no-progress", "--snapshot", str(snap), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"| snapshot " in r.stdout and str(snap) in r.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["demo.pickle"], "no temporary file is left"
+    data = pickle.loads(snap.read_bytes())
+    assert data["device_traces"][0] and data["segments"]
+    png = tmp_path / "x.png"
+    r = run_cli("plot", str(snap), "-o", str(png), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:8] == PNG
+    r = run_cli("plot", str(snap), "-o", str(tmp_path / "y.png"), "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["events"] == len(data["device_traces"][0])
+    r = run_cli("replay", str(snap), "--json", "--no-progress", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ooms"] == 0
+
+
+def test_demo_snapshot_refuses_a_bad_path_before_the_run(tmp_path: Path) -> None:
+    old = tmp_path / "keep.pickle"
+    old.write_bytes(b"old")
+    for target, why in ((tmp_path, "is a directory"), (tmp_path / "no" / "f.pickle", "no such directory")):
+        r = run_cli("demo", "--steps", "2", "--layers", "2", "--no-progress", "--snapshot", str(target), cwd=tmp_path)
+        assert r.returncode == 1 and why in r.stderr and "--snapshot" in r.stderr, r.stderr
+        assert "peak reserved" not in r.stdout, "refused before the demo ran"
+        assert "Traceback" not in r.stderr
+    assert old.read_bytes() == b"old"
+
+
+def test_demo_replay_and_plot_name_each_figure_alike(tmp_path: Path) -> None:
+    """Issue 18: `plot --json`'s `peak_allocated` was what replay calls
+    `peak_requested`. For one recording, every figure the three commands
+    report has one name (gpumempool._summary.FIGURES) and, where two of them
+    measure the same run, the same value; their tables use the same labels."""
+    pytest.importorskip("matplotlib")
+    from gpumempool._summary import FIGURES
+
+    snap = tmp_path / "demo.pickle"
+    r = run_cli("demo", "--steps", "8", "--layers", "4", "--json", "--snapshot", str(snap), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    demo = json.loads(r.stdout)
+    r = run_cli("plot", str(snap), "-o", str(tmp_path / "p.png"), "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    plot = json.loads(r.stdout)
+    r = run_cli("replay", str(snap), "--json", "--no-progress", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+
+    figures = set(FIGURES)
+    assert figures <= set(demo) and figures <= set(rep), "demo and replay report every figure"
+    assert set(plot) & figures == {"peak_requested", "peak_reserved"}, "plot's history holds requested sizes only"
+    # the same names mean the same numbers: the demo's pool, its recorded
+    # history (plot) and a replay of that history under the recorded policy
+    assert plot["peak_requested"] == demo["peak_requested"] == rep["peak_requested"] > 0
+    assert plot["peak_reserved"] == demo["peak_reserved"] == rep["recorded_peak_reserved"] > 0
+    assert rep["peak_allocated"] == demo["peak_allocated"] >= demo["peak_requested"]
+    assert rep["peak_reserved"] == demo["peak_reserved"]
+    assert rep["fragmentation"] == pytest.approx(demo["fragmentation"])
+    assert rep["backend_calls"] == demo["backend_calls"] and rep["allocations"] == demo["allocations"]
+    # the tables
+    r = run_cli("demo", "--steps", "8", "--layers", "4", "--no-progress", cwd=tmp_path)
+    demo_rows = {line.split("|")[1].strip() for line in r.stdout.splitlines() if line.startswith("| ")}
+    r = run_cli("replay", str(snap), "--no-progress", cwd=tmp_path)
+    rep_rows = {line.split("|")[1].strip() for line in r.stdout.splitlines() if line.startswith("| ")}
+    labels = {label for label, _ in FIGURES.values()}
+    assert labels <= demo_rows and labels <= rep_rows, (demo_rows, rep_rows)
+    r = run_cli("plot", str(snap), "-o", str(tmp_path / "q.png"), cwd=tmp_path)
+    assert "peak requested" in r.stdout and "peak reserved" in r.stdout and "peak allocated" not in r.stdout

@@ -11,8 +11,10 @@
    with the opcode scan in Go and, as the baseline, in Python; plain
    pickle.loads (which would run any code in the pickle) for scale.
 
-Writes benchmarks/results/cpu.json and cpu.md. Run from the repo root with
-gpumempool installed:  python benchmarks/cpu_bench.py
+Writes cpu.json and cpu.md to --out (default benchmarks/results). Run from
+the repo root with gpumempool installed:  python benchmarks/cpu_bench.py
+(``python -m gpumempool bench`` passes --out: its own --out, or the current
+directory).
 """
 
 from __future__ import annotations
@@ -164,7 +166,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--go-count", type=int, default=int(os.environ.get("GMP_BENCH_COUNT", "5")),
                     help="runs of each Go benchmark (default 5, or $GMP_BENCH_COUNT)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
+    out = args.out
     go = go_benchmarks(count=args.go_count)
     cabi = c_abi_benchmark(iters=1_000_000, repeats=5)
     py, py_gopy = python_benchmark(iters=100_000, repeats=5)
@@ -181,8 +185,8 @@ def main() -> None:
         "snapshot_load": snap,
         "goals": {"cache_hit_ns": 150, "growth": 2.0, "c_abi_ns": 400},
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cpu.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         f"# CPU benchmarks ({result['date']}, {result['machine']})",
         "",
@@ -220,7 +224,7 @@ def main() -> None:
         f"| scan speedup / load speedup | {snap['scan_python_s'] / snap['scan_go_s']:.0f}x / "
         f"{snap['load_python_s'] / snap['load_go_s']:.2f}x | |",
     ]
-    (RESULTS / "cpu.md").write_text("\n".join(lines) + "\n")
+    (out / "cpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

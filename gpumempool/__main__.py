@@ -357,7 +357,7 @@ _GPU_BENCHMARKS = (
 )
 
 
-def _bench_plan(root: Path) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+def _bench_plan(root: Path, out: Path) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     import importlib.util
 
     import gpumempool as gmp
@@ -371,7 +371,7 @@ def _bench_plan(root: Path) -> tuple[list[dict[str, str]], list[dict[str, str]]]
     if missing:
         skip.append({"name": cpu, "reason": f"needs {' and '.join(missing)} on PATH"})
     else:
-        run.append({"name": cpu, "writes": "benchmarks/results/cpu.json, cpu.md", "result": "cpu.json"})
+        run.append({"name": cpu, "writes": f"{out / 'cpu.json'}, cpu.md", "result": "cpu.json"})
     info = gmp.device_info()
     for script, what, modules, result in _GPU_BENCHMARKS:
         name = f"{script} ({what})"
@@ -387,8 +387,7 @@ def _bench_plan(root: Path) -> tuple[list[dict[str, str]], list[dict[str, str]]]
         elif absent:
             skip.append({"name": name, "reason": f"needs {', '.join(absent)} (not installed)"})
         else:
-            run.append({"name": name, "writes": f"benchmarks/results/{result.replace('*', '<device>')}",
-                        "result": result})
+            run.append({"name": name, "writes": str(out / result.replace('*', '<device>')), "result": result})
     return run, skip
 
 
@@ -399,15 +398,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _fail(f"bench runs the benchmarks of a source checkout, and none was found in {where} "
                      "(benchmarks/cpu_bench.py); run it from the repository root or pass --root", 2,
                      json_out=args.json)
-    run, skip = _bench_plan(root)
+    # The results go where asked, or to the current directory: never over
+    # the checkout's tracked benchmarks/results/ unless --out names it.
+    out = Path(args.out if args.out is not None else os.getcwd()).resolve()
+    if out.exists() and not out.is_dir():
+        return _fail(f"--out {args.out}: not a directory", 2, json_out=args.json)
+    run, skip = _bench_plan(root, out)
     if not args.json:
-        print(f"gpumempool bench in {root}")
+        print(f"gpumempool bench in {root}, results to {out}")
         for r in run:
             print(f"  will run:   {r['name']}")
         for s in skip:
             print(f"  cannot run: {s['name']}: {s['reason']}")
         sys.stdout.flush()
-    report: dict[str, Any] = {"root": str(root), "run": run, "not_run": skip, "results": {}}
+    report: dict[str, Any] = {"root": str(root), "out": str(out), "run": run, "not_run": skip, "results": {}}
     if args.dry_run:
         if args.json:
             print(json.dumps(report, indent=2))
@@ -417,20 +421,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             report["error"] = "nothing this machine can run (see not_run)"
             print(json.dumps(report, indent=2))
         return _fail("nothing this machine can run (see above)" if not args.json else "nothing this machine can run")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return _fail(f"--out: {exc}", json_out=args.json)
     env = dict(os.environ, PYTHONSAFEPATH="1")
     if args.count:
         env["GMP_BENCH_COUNT"] = str(args.count)
     rc = 0
     for r in run:
         script = r["name"].split(" ", 1)[0]
-        cmd = [sys.executable, str(root / script)]
+        cmd = [sys.executable, str(root / script), "--out", str(out)]
         proc = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.PIPE if args.json else None, text=True)
         r["returncode"] = str(proc.returncode)
         rc = rc or proc.returncode
         stem = Path(script).stem.replace("_bench", "")
         # the newest file of the script's name pattern (the GPU ones name the device)
-        found = sorted((root / "benchmarks" / "results").glob(r["result"]), key=lambda f: f.stat().st_mtime)
-        result_file = found[-1] if found else root / "benchmarks" / "results" / f"{stem}.json"
+        found = sorted(out.glob(r["result"]), key=lambda f: f.stat().st_mtime)
+        result_file = found[-1] if found else out / f"{stem}.json"
         if proc.returncode == 0 and result_file.is_file():
             try:
                 report["results"][stem] = json.loads(result_file.read_text())
@@ -525,8 +533,11 @@ def build_parser() -> argparse.ArgumentParser:
         "snapshot load; "
         "they need go and a C compiler) and, with an NVIDIA GPU, benchmarks/gpu_backends.py, and with torch "
         "and transformers too, benchmarks/gpt2_train.py and benchmarks/suite_gpu.py; says what it cannot run "
-        "and why. Results go to benchmarks/results/.",
+        "and why. Results go to --out DIR, else to the current directory (never into the checkout's "
+        "benchmarks/results/ unless --out names it).",
     )
+    bench.add_argument("--out", metavar="DIR",
+                       help="folder for the result files (created if missing; default: the current directory)")
     bench.add_argument("--root", help="the repository root (default: found from the current directory)")
     bench.add_argument("--count", type=_positive, help="runs of each Go benchmark (GMP_BENCH_COUNT, default 5)")
     bench.add_argument("--dry-run", action="store_true", help="only say what would run and what cannot")

@@ -295,16 +295,62 @@ def test_bench_lists_the_gpu_scripts_of_the_checkout(monkeypatch, capsys) -> Non
     assert [r["reason"] for r in plan["not_run"] if "gpt2_train" in r["name"]] == ["needs transformers (not installed)"]
 
 
+#: A stand-in cpu_bench.py: writes its result file to --out (default, as the
+#: real one, the checkout's benchmarks/results/).
+_STUB_CPU_BENCH = (
+    "import argparse, json, os, pathlib\n"
+    "ap = argparse.ArgumentParser()\n"
+    "ap.add_argument('--out', type=pathlib.Path, default=pathlib.Path(__file__).parent / 'results')\n"
+    "out = ap.parse_args().out\n"
+    "(out / 'cpu.json').write_text(json.dumps({'count': os.environ.get('GMP_BENCH_COUNT')}))\n"
+    "print('| stub | 1 |')\n"
+)
+
+
+def test_bench_writes_to_out_or_the_current_directory_never_the_checkout(tmp_path: Path) -> None:
+    """Issue 18: `python -m gpumempool bench` overwrote the tracked files in
+    the checkout's benchmarks/results/. The results go to --out DIR, else to
+    the current directory; the checkout's results only when --out names
+    them."""
+    checkout = tmp_path / "checkout"
+    (checkout / "benchmarks" / "results").mkdir(parents=True)
+    (checkout / "benchmarks" / "cpu_bench.py").write_text(_STUB_CPU_BENCH)
+    tracked = checkout / "benchmarks" / "results" / "cpu.json"
+    tracked.write_text("tracked")
+    tools = tmp_path / "bin"  # what the plan looks for on PATH; the stub needs neither
+    tools.mkdir()
+    for name in ("go", "cc"):
+        (tools / name).write_text("#!/bin/sh\nexit 0\n")
+        (tools / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{tools}{os.pathsep}{os.environ.get('PATH', '')}")
+    work = tmp_path / "work"
+    work.mkdir()
+    r = run_cli("bench", "--root", str(checkout), "--json", cwd=work, env=env)
+    assert r.returncode == 0, r.stderr
+    assert tracked.read_text() == "tracked", "the checkout's tracked result was overwritten"
+    assert (work / "cpu.json").is_file()
+    report = json.loads(r.stdout)
+    assert report["out"] == str(work.resolve()) and report["results"]["cpu"] == {"count": None}
+    out = tmp_path / "results" / "new"
+    r = run_cli("bench", "--root", str(checkout), "--out", str(out), cwd=work, env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"results to {out.resolve()}" in r.stdout and "| stub | 1 |" in r.stdout
+    assert (out / "cpu.json").is_file() and tracked.read_text() == "tracked"
+    plan = json.loads(run_cli("bench", "--root", str(checkout), "--dry-run", "--json", "--out", str(out),
+                              cwd=work, env=env).stdout)
+    assert plan["run"][0]["writes"].startswith(str(out.resolve() / "cpu.json"))
+    # asked for: the checkout's own results folder
+    r = run_cli("bench", "--root", str(checkout), "--out", str(tracked.parent), cwd=work, env=env)
+    assert r.returncode == 0 and tracked.read_text() != "tracked", r.stderr
+    r = run_cli("bench", "--root", str(checkout), "--out", str(tracked), cwd=work, env=env)
+    assert r.returncode == 2 and "not a directory" in r.stderr
+
+
 def test_bench_runs_the_cpu_script_of_a_checkout(tmp_path: Path) -> None:
     """A stand-in checkout whose cpu_bench.py only writes its result file."""
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
-    (tmp_path / "benchmarks" / "cpu_bench.py").write_text(
-        "import json, os, pathlib\n"
-        "out = pathlib.Path(__file__).parent / 'results' / 'cpu.json'\n"
-        "out.write_text(json.dumps({'count': os.environ.get('GMP_BENCH_COUNT')}))\n"
-        "print('| stub | 1 |')\n"
-    )
-    r = run_cli("bench", "--root", str(tmp_path), "--count", "2", "--json")
+    (tmp_path / "benchmarks" / "cpu_bench.py").write_text(_STUB_CPU_BENCH)
+    r = run_cli("bench", "--root", str(tmp_path), "--count", "2", "--json", cwd=tmp_path)
     report = json.loads(r.stdout)
     if report["run"] and "cpu_bench" in report["run"][0]["name"]:
         assert r.returncode == 0, r.stderr

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -518,6 +519,32 @@ def test_gpu_stress_over_the_stand_in_cuda(fake_gpu_with_nvml: dict[str, str], t
         assert row["goals_missed"] == [f"{n} of {n} tag verifications not confirmed by the GPU"]
     assert "**" in (out / "gpu_stress.md").read_text()
     assert not list(out.glob(".gpu_stress_*"))  # the workers' results are read and removed
+
+
+def _stage_command(stage: str) -> str:
+    script = (ROOT / "tools" / "gpu-check.sh").read_text()
+    start = script.index("stage_cmd() {")
+    m = re.search(rf"^\s*{stage}\)\n(.*?);;", script[start:], re.M | re.S)
+    assert m, f"gpu-check.sh has no {stage} stage"
+    return m.group(1)
+
+
+def test_every_gpu_marked_test_runs_in_a_gpu_check_stage() -> None:
+    """Issue 18: test_gpu_stress_short_run_on_a_gpu was marked gpu but no
+    stage of tools/gpu-check.sh ran it (gputests named two files). Every
+    test the suite marks gpu is in what the gputests stage runs."""
+    cmd = _stage_command("gputests")
+    assert "-m gpu" in cmd
+    paths = set(re.findall(r"(?<![\w/.-])tests(?:/[\w.]+\.py)?(?![\w/.-])", cmd))
+    assert paths, cmd
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                        "tests"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONSAFEPATH="1"))  # the installed package, not the source tree
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    collected = [line.strip() for line in r.stdout.splitlines() if "::" in line]
+    assert "tests/test_gpu_scripts.py::test_gpu_stress_short_run_on_a_gpu" in collected
+    missed = sorted({t for t in collected if "tests" not in paths and t.split("::")[0] not in paths})
+    assert not missed, f"gpu-marked tests no gpu-check.sh stage runs: {missed}"
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -262,9 +263,13 @@ def test_release_and_reentry_without_backend_cost(record_property) -> None:
         with gmp.mempool(pool):
             x = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
         first_s = time.perf_counter() - t0
+        x.fill_(0xA5)  # after the timing: a pattern the refused release must leave alone
+        held = allocated(pool)
         with pytest.raises(gmp.torch.PoolInUseError, match="still alive"):
             gmp.torch.release(pool)
-        assert x.sum().item() >= 0  # untouched by the refused release
+        # untouched by the refused release: still the pool's, still the pattern
+        assert allocated(pool) == held >= 256 * MiB
+        assert bool(x.eq(0xA5).all()) and int(x[-1]) == 0xA5
         del x
         n_alloc = pool.stats()["num_device_alloc"]
         assert gmp.torch.release(pool) >= 256 * MiB
@@ -580,12 +585,15 @@ with gmp.mempool(pool, device=dev):
     t = torch.full((1 << 20,), float(rank + 1), device=dev)
 dist.all_reduce(t)
 expect = world * (world + 1) / 2
-res = {"small": bool(t.eq(expect).all()), "segments_before": pool.stats()["segment.all.current"]}
+res = {"small": bool(t.eq(expect).all()), "segments_before": pool.stats()["segment.all.current"],
+       "mode": gmp.torch._state(pool).registrations[0].mode}
 with gmp.mempool(pool, device=dev):  # the pool grows: the registration has to follow
     big = torch.full((64 << 20,), 2.0 * (rank + 1), device=dev)
 dist.all_reduce(big)
 res["big"] = bool(big.eq(2 * expect).all())
 res["segments_after"] = pool.stats()["segment.all.current"]
+# what the collectives used: each must lie in a range NCCL registered
+res["buffers"] = [[t.data_ptr(), t.numel() * t.element_size()], [big.data_ptr(), big.numel() * big.element_size()]]
 dist.barrier()
 gmp.torch.deregister(pool)
 del t, big
@@ -597,14 +605,32 @@ print(json.dumps(res))
 """
 
 
-def test_nccl_world_size_one() -> None:
+#: NCCL's debug line for each ncclCommRegister that reached its
+#: registration cache (src/register/register.cc, NCCL_DEBUG_SUBSYS=REG), or
+#: that it skipped (registration turned off, or memory it cannot register).
+_NCCL_REGISTERED = re.compile(r"(?:register comm \S+ buffer|Skipping registration for buffer) (0x[0-9a-fA-F]+) size (\d+)")
+
+
+def test_nccl_world_size_one(tmp_path: Path) -> None:
+    """The collectives work, and NCCL itself saw the registrations: its debug
+    output names a registered range around each buffer the collectives
+    used, the one made before the pool grew and the one after (registration
+    doing nothing would leave no such line)."""
     if not nccl_ok():
         pytest.skip("no NCCL >= 2.19 for the nccl backend")
-    out = run_script(NCCL_SCRIPT, env={"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    log = tmp_path / "nccl.%p.log"
+    out = run_script(NCCL_SCRIPT, env={"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                                       "MASTER_PORT": str(free_port()), "NCCL_DEBUG": "INFO",
+                                       "NCCL_DEBUG_SUBSYS": "INIT,REG", "NCCL_DEBUG_FILE": str(log)})
     print("\n", out)
     assert out["small"] and out["big"]
     assert out["segments_after"] > out["segments_before"]
     assert out["released"] > 64 << 20
+    text = "".join(f.read_text(errors="replace") for f in tmp_path.glob("nccl.*.log"))
+    ranges = [(int(a, 16), int(n)) for a, n in _NCCL_REGISTERED.findall(text)]
+    assert ranges, f"NCCL logged no registration ({out['mode']} mode):\n{text[-3000:]}"
+    for ptr, size in out["buffers"]:
+        assert any(a <= ptr and ptr + size <= a + n for a, n in ranges), (hex(ptr), size, ranges)
 
 
 def test_nccl_two_ranks() -> None:

@@ -1435,6 +1435,45 @@ def test_register_falls_back_to_nccl_comm_register(monkeypatch, sim):
     assert nccl.handles == {}
 
 
+def test_register_reaches_libnccl_with_the_pool_s_ranges(monkeypatch, sim, fake_nccl):
+    """ncclCommRegister through the real ctypes path (_NcclLib) into the
+    fake libnccl, which records the ranges it was given: registration is
+    observed where NCCL would see it, not in a Python stand-in. Each tensor
+    lies in a range registered with the group's communicator, the pool's
+    growth is registered too, and deregister leaves nothing registered."""
+    path, lib = fake_nccl
+    lib.fake_nccl_registered.argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_void_p),
+                                         ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)]
+    lib.fake_nccl_registrations.restype = ctypes.c_long
+
+    def registered() -> list[tuple[int, int, int]]:
+        out, i = [], 0
+        comm, buf, size = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_size_t()
+        while lib.fake_nccl_registered(i, ctypes.byref(comm), ctypes.byref(buf), ctypes.byref(size)):
+            out.append((comm.value or 0, buf.value or 0, size.value))
+            i += 1
+        return out
+
+    torch = install(monkeypatch, "2.5", nccl_mode="comm")
+    warnings.simplefilter("ignore", gtorch.ProcessWideRoutingWarning)
+    monkeypatch.setattr(gtorch, "_nccl", gtorch._NcclLib(ctypes.CDLL(path)))
+    before, calls = registered(), lib.fake_nccl_registrations()
+    gtorch.register(sim)
+    assert registered() == before  # no segment yet
+    with gmp.mempool(sim):
+        x = torch.empty(1000)
+    with gmp.mempool(sim):  # the pool grows: the registration follows
+        y = torch.empty(3 * MiB)
+    new = [r for r in registered() if r not in before]
+    assert sorted((b, n) for _, b, n in new) == sorted([(x.ptr, 2 * MiB), (y.ptr, 20 * MiB)])
+    assert {c for c, _, _ in new} == {0xC0FFEE}
+    for t, n in ((x, 1000), (y, 3 * MiB)):
+        assert any(b <= t.ptr and t.ptr + n <= b + size for _, b, size in new)
+    assert lib.fake_nccl_registrations() - calls == 2
+    gtorch.deregister(sim)
+    assert registered() == before
+
+
 def test_register_without_any_nccl_api(monkeypatch, sim):
     install(monkeypatch, nccl_mode="none")
     with pytest.raises(gtorch.TorchVersionError, match="register_mem_pool"):

@@ -21,8 +21,9 @@
 # Stages (each under `timeout`, logging to logs/<stage>.log; a failure is
 # recorded and the next stage runs):
 #   info       python -m gpumempool info --json, nvidia-smi, versions          (~10 s)
-#   gputests   pytest -m gpu tests/test_gpu.py tests/test_torch_gpu.py         (~1-3 min)
-#              tests/test_fork.py (a forked child of a CUDA pool)
+#   gputests   pytest -m gpu tests: every gpu-marked test of the suite         (~1-3 min)
+#              (test_gpu.py, test_torch_gpu.py, the short gpu_stress run of
+#              test_gpu_scripts.py, a forked child of a CUDA pool in test_fork.py)
 #   cputests   pytest -m "not gpu" tests (the rest of the suite)              (~30-60 s)
 #   tests      pytest tests (the whole suite, GPU tests included)             (~2-4 min)
 #   bench      benchmarks/gpu_backends.py (raw vs cached, per backend)       (~1-3 min)
@@ -358,7 +359,7 @@ stage_cmd() {  # the stage's command, run from the repository root
       "$PY" -m gpumempool info --json >"$WORK/results/info.json" && cat "$WORK/results/info.json" ;;
     gputests)
       "$PY" -m pytest -m gpu -q -rs "${PYTEST_EXTRA[@]}" --junitxml="$WORK/results/junit-gputests.xml" \
-        tests/test_gpu.py tests/test_torch_gpu.py tests/test_fork.py ${GMP_PYTEST_ARGS:-} ;;
+        tests ${GMP_PYTEST_ARGS:-} ;;
     cputests)
       "$PY" -m pytest -m "not gpu" -q -rs "${PYTEST_EXTRA[@]}" --junitxml="$WORK/results/junit-cputests.xml" \
         tests ${GMP_PYTEST_ARGS:-} ;;

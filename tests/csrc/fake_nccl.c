@@ -17,6 +17,11 @@
  *   ncclGetLastError    the last warning, process-wide and never cleared:
  *                       "Cuda failure 2 'out of memory'" after a request
  *                       beyond the cap, or an injected failure's text.
+ *   ncclCommRegister/ncclCommDeregister  record the registered ranges
+ *                       (comm, buffer, size) behind opaque handles, as NCCL's
+ *                       registration cache does; deregistering a handle
+ *                       that is not registered is ncclInvalidUsage, as
+ *                       NCCL's "Could not find handle".
  *
  * Compiled with -DFAKE_NCCL_OLD it leaves out ncclMemAlloc and ncclMemFree,
  * like NCCL < 2.19, for the too-old test.
@@ -45,6 +50,10 @@
  *                                turns failure injection off and re-reads
  *                                FAKE_NCCL_CAPACITY. Live allocations stay
  *                                (they are real memory someone may still free).
+ *   fake_nccl_registered_count() ranges registered now.
+ *   fake_nccl_registered(i, &comm, &buf, &size) the i-th of them, oldest
+ *                                first (0: there is no i-th).
+ *   fake_nccl_registrations()    ncclCommRegister calls that succeeded.
  *   fake_ctx_push/fake_ctx_pop   the fake cuCtxPushCurrent/cuCtxPopCurrent.
  *   fake_ctx_exchange_capture_mode / fake_ctx_capture_mode
  *                                a fake cuThreadExchangeStreamCaptureMode and
@@ -371,4 +380,74 @@ void fake_nccl_reset(void) {
     ctx_balance = 0;
     capacity = -1;
     pthread_mutex_unlock(&mu);
+}
+
+/* Registered ranges, oldest first (guarded by mu). The handle NCCL returns
+ * is opaque: here it is the record itself. */
+struct fake_reg {
+    void *comm, *buf;
+    size_t size;
+    struct fake_reg *next;
+};
+static struct fake_reg *regs;
+static long registrations;
+
+ncclResult_t ncclCommRegister(void *comm, void *buf, size_t size, void **handle) {
+    if (comm == NULL || handle == NULL) return ncclInvalidArgument;
+    struct fake_reg *r = calloc(1, sizeof *r);
+    if (r == NULL) return ncclSystemError;
+    r->comm = comm;
+    r->buf = buf;
+    r->size = size;
+    pthread_mutex_lock(&mu);
+    struct fake_reg **pp = &regs;
+    while (*pp != NULL) pp = &(*pp)->next;
+    *pp = r;
+    registrations++;
+    pthread_mutex_unlock(&mu);
+    *handle = r;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclCommDeregister(void *comm, void *handle) {
+    pthread_mutex_lock(&mu);
+    struct fake_reg **pp = &regs;
+    while (*pp != NULL && *pp != handle) pp = &(*pp)->next;
+    if (*pp == NULL || (*pp)->comm != comm) {
+        pthread_mutex_unlock(&mu);
+        return ncclInvalidUsage;
+    }
+    struct fake_reg *r = *pp;
+    *pp = r->next;
+    pthread_mutex_unlock(&mu);
+    free(r);
+    return ncclSuccess;
+}
+
+long fake_nccl_registered_count(void) {
+    pthread_mutex_lock(&mu);
+    long n = 0;
+    for (struct fake_reg *r = regs; r != NULL; r = r->next) n++;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+int fake_nccl_registered(long i, void **comm, void **buf, size_t *size) {
+    pthread_mutex_lock(&mu);
+    struct fake_reg *r = regs;
+    while (r != NULL && i-- > 0) r = r->next;
+    if (r != NULL) {
+        *comm = r->comm;
+        *buf = r->buf;
+        *size = r->size;
+    }
+    pthread_mutex_unlock(&mu);
+    return r != NULL;
+}
+
+long fake_nccl_registrations(void) {
+    pthread_mutex_lock(&mu);
+    long v = registrations;
+    pthread_mutex_unlock(&mu);
+    return v;
 }

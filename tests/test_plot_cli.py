@@ -357,7 +357,7 @@ def test_bench_runs_the_cpu_script_of_a_checkout(tmp_path: Path) -> None:
         assert report["results"]["cpu"] == {"count": "2"}
     else:  # no go or no C compiler here: said so, nothing run
         assert r.returncode == 1 and "needs" in report["not_run"][0]["reason"]
-    r = run_cli("bench", "--root", str(tmp_path), "--count", "1")
+    r = run_cli("bench", "--root", str(tmp_path), "--count", "1", cwd=tmp_path)
     assert "| stub | 1 |" in r.stdout or r.returncode == 1
 
 

@@ -297,9 +297,9 @@ stage demo
 stage pytest
 RUN=$WORK/run
 mkdir -p "$RUN"
-# tests/ with what its files read from the checkout (tests/../README.md,
+# tests/ with what its files read from the checkout (tests/../README.md, docs/,
 # tests/../benchmarks/), and pyproject.toml for pytest's settings.
-cp -r "$HERE/tests" "$HERE/benchmarks" "$HERE/pyproject.toml" "$HERE/README.md" "$RUN/"
+cp -r "$HERE/tests" "$HERE/benchmarks" "$HERE/docs" "$HERE/pyproject.toml" "$HERE/README.md" "$RUN/"
 for f in "${TEST_FILES[@]}"; do
   [[ -f "$RUN/tests/$f" ]] || die "no tests/$f in $HERE"
 done

@@ -24,16 +24,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PROG = "python -m gpumempool"
 
 #: Runs the CLI in this process and prints, as the last line of stdout, the
-#: peak resident memory it reached (kB on Linux), so that a test can bound it.
+#: peak resident memory it reached (kB), so that a test can bound it. VmHWM,
+#: not getrusage's ru_maxrss: Linux carries ru_maxrss across exec, so a child
+#: of a big pytest process would report pytest's size.
 _MEASURED = """
-import json, resource, sys
+import json, re, resource, sys
 from gpumempool.__main__ import main
 try:
     rc = main(sys.argv[1:])
 except SystemExit as exc:
     rc = exc.code
 sys.stdout.flush()
-print(json.dumps({"rc": rc, "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+try:
+    with open("/proc/self/status") as f:
+        peak = int(re.search(r"^VmHWM:\\s+(\\d+) kB", f.read(), re.M).group(1))
+except (OSError, AttributeError):
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"rc": rc, "maxrss_kb": peak}))
 """
 
 

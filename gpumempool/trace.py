@@ -552,6 +552,10 @@ class TraceFile:
 MAX_LINE = 1 << 20
 #: Deepest nesting of the JSON of an ``@`` metadata line.
 MAX_META_DEPTH = 32
+#: Bytes of ``@`` metadata lines a file may carry in all. Every one is merged
+#: into the metadata a reader keeps: without a cap, a small gzip of many
+#: long metadata lines with distinct keys would grow it without bound.
+MAX_META_BYTES = 4 * MAX_LINE
 #: ``S`` records a reader takes beyond one per event read so far. The
 #: importers write at most one per event (a segment obtained while serving
 #: it, just before it); the slack is for hand-written files. Without a cap,
@@ -636,7 +640,7 @@ def _records(f: Any, name: str, max_events: int, tick: Optional[Callable[[], Non
     # The checker's rule, inlined: a call per line would cost a fifth of the time.
     live = check.live
     cur, peak, devices = check.cur, check.peak, check.devices
-    nev = nref = nseg = 0
+    nev = nref = nseg = meta_bytes = 0
     lineno = 1
     ev: Any
     while True:
@@ -702,6 +706,10 @@ def _records(f: Any, name: str, max_events: int, tick: Optional[Callable[[], Non
                 yield (_u64(parts[1]), _dev(parts[4]) if n == 5 else 0, _u64(parts[2]), _size(parts[3]))
                 continue
             elif op == "@":
+                meta_bytes += len(line)
+                if meta_bytes > MAX_META_BYTES:
+                    raise TraceFormatError(f"{name}:{lineno}: metadata lines total more than "
+                                           f"{MAX_META_BYTES >> 20} MiB")
                 yield _Meta(_parse_meta(line[1:]))
                 continue
             elif op.startswith("#"):

@@ -119,6 +119,31 @@ def test_many_s_records_without_events_are_refused(tmp_path: Path) -> None:
         TraceFile(path)
 
 
+def test_many_metadata_lines_are_refused_in_bounded_memory(tmp_path: Path) -> None:
+    """Review: every ``@`` line is merged into the kept metadata, so a small
+    gzip of many 1 MB metadata lines with distinct keys (300 of them: 0.3 MB
+    of gzip) grew TraceFile.meta to 300 MB; the metadata a file may carry
+    in all is bounded, and the error names the line that passes the bound."""
+    from gpumempool import trace
+    from gpumempool.trace import TraceFile
+    MAX_META_BYTES = getattr(trace, "MAX_META_BYTES", 4 << 20)
+    path = tmp_path / "meta.trace.gz"
+    big = "x" * 1_000_000
+    lines = 2 + MAX_META_BYTES // len(big) + 300
+    with gzip.open(path, "wt", compresslevel=1) as f:
+        f.write("gmptrace 2\n")
+        for i in range(lines - 2):
+            f.write('@ {"k%d":"%s"}\n' % (i, big))
+        f.write("a 1 512 0\nf 1\n")
+    assert path.stat().st_size < 2 << 20
+    first_bad = 2 + MAX_META_BYTES // (len(big) + 10)
+    with pytest.raises(TraceFormatError, match=rf"meta\.trace\.gz:{first_bad}: metadata lines total more than"):
+        TraceFile(path)
+    res, err, _ = run_measured("replay", str(path), "--no-progress", timeout=60)
+    assert res["rc"] == 1 and "metadata lines total more than" in err, err
+    assert res["maxrss_kb"] < RSS_BOUND_KB, res
+
+
 def test_trace_file_replays_as_the_loaded_trace(tmp_path: Path) -> None:
     from gpumempool.trace import TraceFile
     demo = ROOT / "benchmarks" / "traces" / "demo-synthetic.trace.gz"

@@ -188,13 +188,13 @@ def _scan_pickle(data: Union[bytes, bytearray], name: str) -> Optional[tuple[int
     or call code end the scan: the unpickler refuses them when it gets
     there, before anything after them.
 
-    Runs the Go scanner when the C fast path is built, else
-    :func:`_scan_pickle_py`; both raise the same errors. The Go scanner
+    Runs the Go scanner when the C fast path is built, else (and in a
+    forked child, which must not enter Go) :func:`_scan_pickle_py`; both raise the same errors. The Go scanner
     also bounds what the pickle builds: ``(nodes, depth)`` as
     :func:`_check_structure` counts them, each at least the real figure
     (``bindings/picklescan/shape.go``), or None when it cannot."""
     fast = _native.fastcall
-    if fast is None:
+    if fast is None or _native.forked():  # a forked child must not enter Go: this needs no pool
         _scan_pickle_py(data, name)
         return None
     res = fast.scan_pickle(data, MAX_PICKLE_DEPTH)

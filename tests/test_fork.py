@@ -158,6 +158,40 @@ def test_a_child_that_exits_normally_with_live_blocks_does_not_enter_go() -> Non
     assert "Traceback" not in r.stderr and "LeakWarning" not in r.stderr, r.stderr[-2000:]
 
 
+def test_a_child_loads_snapshot_pickles_without_the_engine() -> None:
+    """Review: loading a snapshot pickle is data work that needs no pool, but
+    its scan went through the Go scanner (the C fast path), replaced by the
+    refusal in a child: a fork worker that analyses snapshots got
+    ForkedProcessError. It scans in Python there, with the same checks."""
+    run_case("""
+        import pickle, tempfile
+        from gpumempool._safepickle import load_pickle
+        from gpumempool._safepickle import UnsafePickleError
+        pool = gmp.MemPool("sim", capacity=256 * MiB)
+        live = pool.alloc(MiB)
+        path = os.path.join(tempfile.mkdtemp(), "snap.pickle")
+        gmp.dump_snapshot(path)
+        want = load_pickle(path)
+        class Evil:
+            def __reduce__(self):
+                return (os.system, ("true",))
+        evil = pickle.dumps(Evil(), protocol=4)
+        def child(i):
+            assert load_pickle(path) == want
+            try:
+                load_pickle(evil)
+            except UnsafePickleError:
+                pass
+            else:
+                raise AssertionError("a malicious pickle was loaded")
+            refused(pool.stats)
+            return 0
+        run(child)
+        pool.free(live)
+        pool.close()
+    """)
+
+
 def test_a_fork_while_other_threads_are_inside_the_engine_never_hangs_the_child() -> None:
     """Threads hammer pools (the Python fast path, gopy's wrappers, the
     callback backend) while the main thread forks: locks they held at fork

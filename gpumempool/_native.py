@@ -181,3 +181,31 @@ def _fence_off_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_fence_off_in_child)
+
+
+class _GuardedExtension:
+    """What gopy's wrappers (``bindings.py``, ``go.py``) see as the extension
+    module: each function they look up is looked up in a process checked
+    for being a forked child first. Python's fork hooks do not run for a
+    fork() made in C (an extension calling libc's fork), which runs only
+    the C flag's handler (exports.c); such a child is fenced off at its
+    first call of the extension instead of entering Go."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        if not _forked and os.getpid() != _parent_pid:
+            _fence_off_in_child()
+        return getattr(_gmpcore_module, name)
+
+
+def _guard_gopy_wrappers() -> None:
+    from ._core import go
+
+    guard = _GuardedExtension()
+    for module in (bindings, go):
+        if getattr(module, "_gmpcore", None) is _gmpcore_module:
+            module._gmpcore = guard
+
+
+_guard_gopy_wrappers()

@@ -228,6 +228,47 @@ def test_a_fork_while_other_threads_are_inside_the_engine_never_hangs_the_child(
     """)
 
 
+def test_a_fork_that_skips_pythons_fork_hooks_never_hangs_the_child() -> None:
+    """Review: a fork from C (libc's fork() called by an extension, here with
+    the GIL held) runs the C flag's pthread_atfork handler but not Python's
+    os.register_at_fork hooks, so the gopy functions were not replaced and
+    the child entered Go through them: with threads inside the engine at the
+    fork, most such children hung. The extension's functions check the
+    process as they are looked up and fence the child off then."""
+    run_case("""
+        import ctypes
+        libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held across fork()
+        libc.fork.restype = ctypes.c_int
+        os.fork = libc.fork  # the harness's forks skip Python's hooks
+        pools = [gmp.MemPool("sim", capacity=512 * MiB) for _ in range(2)]
+        stop = threading.Event()
+        def hammer(pool):
+            while not stop.is_set():
+                p = pool.alloc(4096)
+                pool.stats()
+                pool.free(p)
+                pool.snapshot()
+        threads = [threading.Thread(target=hammer, args=(p,)) for p in pools for _ in range(2)]
+        for t in threads:
+            t.start()
+        def child(i):
+            refused(pools[i % 2].snapshot)
+            refused(pools[i % 2].stats)
+            refused(pools[i % 2].alloc, 4096)
+            refused(gmp.devices)
+            return 0
+        try:
+            run(child)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        for pool in pools:
+            pool.check()
+            pool.close()
+    """)
+
+
 def test_children_that_never_touch_gpumempool_work_as_before() -> None:
     """Pure-Python multiprocessing workers (fork start method), fork + exec
     and subprocess from a parent that has used pools."""

@@ -297,10 +297,14 @@ func NewSimBackend(cfg SimConfig) (*SimBackend, error) {
 	// Each device gets a range of stride bytes: at least 1 TiB and at least
 	// twice the rounded capacity (slack against fragmentation), rounded to a
 	// multiple of 1 TiB and of the alignment.
+	if hi, _ := bits.Mul64(cfg.Capacity, 2); hi != 0 {
+		return nil, simConfigErr("Capacity", cfg.Capacity, "is too large for the address space")
+	}
 	capRounded, ok := simAlignUp(cfg.Capacity, cfg.Alignment)
 	hi, twice := bits.Mul64(capRounded, 2)
-	if !ok || hi != 0 {
-		return nil, simConfigErr("Capacity", cfg.Capacity, "is too large for the address space")
+	if !ok || hi != 0 { // the capacity fits: rounded up to the alignment it does not
+		return nil, simConfigErr("Alignment", cfg.Alignment,
+			fmt.Sprintf("is too large for the address space (Capacity %d rounded up to it)", cfg.Capacity))
 	}
 	minStride := max(twice, simDeviceStride)
 	var reserve uint64

@@ -158,6 +158,9 @@ func TestSimConfigValidation(t *testing.T) {
 		{"capacity overflows", SimConfig{Capacity: math.MaxUint64}, "Capacity"},
 		{"devices overflow address space", SimConfig{Devices: MaxDevices, Capacity: 1 << 56}, "Devices"},
 		{"too many devices", SimConfig{Devices: MaxDevices + 1}, "Devices"},
+		// The default capacity fits; rounded up to this alignment it does
+		// not: the alignment is at fault, not a capacity left out.
+		{"alignment too large for the capacity", SimConfig{Alignment: 1 << 63}, "Alignment"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

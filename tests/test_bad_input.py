@@ -123,6 +123,8 @@ def test_bad_pool_options(kwargs: dict, exc: type, match: str) -> None:
         ({"free_fail_rate": 1.5}, r"sim option free_fail_rate=1.5 is not a probability in \[0, 1\]"),
         ({"devices": 5000}, r"sim option devices=5000 is not in \[0, "),
         ({"capacity": (1 << 64) - 1}, r"sim option capacity=18446744073709551615 is too large"),
+        # review: the default capacity rounded up to this alignment overflows; it named capacity
+        ({"alignment": 1 << 63}, r"sim option alignment=9223372036854775808 is too large for the address space"),
     ],
 )
 def test_nonsensical_sim_options_are_refused_by_name(option: dict, match: str) -> None:

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 # that each exits 0 within CHILD_TIMEOUT_S. The parent uses pools before and
 # after. Prints "OK <n>" at the end.
 HARNESS = textwrap.dedent(f"""
-    import os, sys, time, signal, threading, warnings
+    import contextlib, os, sys, time, signal, threading, warnings
     import gpumempool as gmp
 
     REPEAT, CHILD_TIMEOUT_S = {REPEAT}, {CHILD_TIMEOUT_S}
@@ -63,6 +63,30 @@ HARNESS = textwrap.dedent(f"""
             if os.WEXITSTATUS(status) != 0:
                 sys.exit(f"child {{i}} exited {{os.WEXITSTATUS(status)}}")
         print("OK", REPEAT, flush=True)
+
+    @contextlib.contextmanager
+    def engine_busy(pools):
+        # Two threads per pool in the engine (fast path, gopy, snapshots)
+        # for as long as the block runs; the pools are checked and closed after.
+        stop = threading.Event()
+        def hammer(pool):
+            while not stop.is_set():
+                p = pool.alloc(4096)
+                pool.stats()
+                pool.free(p)
+                pool.snapshot()
+        threads = [threading.Thread(target=hammer, args=(p,)) for p in pools for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        for pool in pools:
+            pool.check()
+            pool.close()
 
     def refused(fn, *args, **kwargs):
         try:
@@ -198,16 +222,6 @@ def test_a_fork_while_other_threads_are_inside_the_engine_never_hangs_the_child(
     are made anew in the child, and every call there is refused."""
     run_case("""
         pools = [gmp.MemPool("sim", capacity=512 * MiB) for _ in range(2)]
-        stop = threading.Event()
-        def hammer(pool):
-            while not stop.is_set():
-                p = pool.alloc(4096)
-                pool.stats()
-                pool.free(p)
-                pool.snapshot()
-        threads = [threading.Thread(target=hammer, args=(p,)) for p in pools for _ in range(2)]
-        for t in threads:
-            t.start()
         def child(i):
             for pool in pools:
                 refused(pool.stats)
@@ -216,15 +230,8 @@ def test_a_fork_while_other_threads_are_inside_the_engine_never_hangs_the_child(
             from gpumempool._pool import open_pools
             refused(open_pools()[0].snapshot)
             return 0
-        try:
+        with engine_busy(pools):
             run(child)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join()
-        for pool in pools:
-            pool.check()
-            pool.close()
     """)
 
 
@@ -241,31 +248,14 @@ def test_a_fork_that_skips_pythons_fork_hooks_never_hangs_the_child() -> None:
         libc.fork.restype = ctypes.c_int
         os.fork = libc.fork  # the harness's forks skip Python's hooks
         pools = [gmp.MemPool("sim", capacity=512 * MiB) for _ in range(2)]
-        stop = threading.Event()
-        def hammer(pool):
-            while not stop.is_set():
-                p = pool.alloc(4096)
-                pool.stats()
-                pool.free(p)
-                pool.snapshot()
-        threads = [threading.Thread(target=hammer, args=(p,)) for p in pools for _ in range(2)]
-        for t in threads:
-            t.start()
         def child(i):
             refused(pools[i % 2].snapshot)
             refused(pools[i % 2].stats)
             refused(pools[i % 2].alloc, 4096)
             refused(gmp.devices)
             return 0
-        try:
+        with engine_busy(pools):
             run(child)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join()
-        for pool in pools:
-            pool.check()
-            pool.close()
     """)
 
 

@@ -613,25 +613,41 @@ func TestOtherPoolsHoldTheirMemoryDuringACapture(t *testing.T) {
 	require.NoError(t, releaseGraphPool(a, 0, id))
 }
 
-// A pool that closes while the backend refuses its graph pools' segments
-// leaves them lingering: a later sweep gives them back.
-func TestGraphPoolSegmentsRefusedWhenThePoolClosesLinger(t *testing.T) {
+// refusingPool is a pool named name over a simulated device whose frees a
+// test can refuse (refusingFree.refuse).
+func refusingPool(t *testing.T, name string) (*gocore.Pool, *refusingFree, *gocore.SimBackend) {
+	t.Helper()
 	sim, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 30})
 	require.NoError(t, err)
 	be := &refusingFree{SimBackend: sim}
-	p, err := gocore.NewPool(gocore.Config{Name: "torch", Backend: be})
+	p, err := gocore.NewPool(gocore.Config{Name: name, Backend: be})
 	require.NoError(t, err)
-	e := registry.Add(p, sim, nil)
-	t.Cleanup(func() { registry.Remove(e.ID) })
+	return p, be, sim
+}
+
+// closeRefusingGraphPool allocates in graph pool id of e (a capture on
+// stream 0x10) and closes e's pool while the backend refuses frees: the
+// graph pool's segment lingers.
+func closeRefusingGraphPool(t *testing.T, e *registry.Entry, be *refusingFree, id graphPoolID) {
+	t.Helper()
 	var released atomic.Int32
-	require.NoError(t, beginCapture(e, 0, graphPoolID{0, 77}, goFilter{stream: 0x10, released: &released}))
-	_, err = AllocFor(e, mib, 0, 0x10)
+	require.NoError(t, beginCapture(e, 0, id, goFilter{stream: 0x10, released: &released}))
+	_, err := AllocFor(e, mib, 0, 0x10)
 	require.NoError(t, err)
 	be.refuse.Store(true)
 	_, err = e.Pool.Close()
 	require.NoError(t, err)
 	_, err = CloseGraphPools(e)
 	require.ErrorContains(t, err, "refused")
+}
+
+// A pool that closes while the backend refuses its graph pools' segments
+// leaves them lingering: a later sweep gives them back.
+func TestGraphPoolSegmentsRefusedWhenThePoolClosesLinger(t *testing.T) {
+	p, be, sim := refusingPool(t, "torch")
+	e := registry.Add(p, sim, nil)
+	t.Cleanup(func() { registry.Remove(e.ID) })
+	closeRefusingGraphPool(t, e, be, graphPoolID{0, 77})
 	require.NotZero(t, sim.UsedBytes(0))
 	be.refuse.Store(false)
 	n, err := sweepFreeable(nil)
@@ -646,11 +662,7 @@ func TestGraphPoolSegmentsRefusedWhenThePoolClosesLinger(t *testing.T) {
 // a slot no pool holds any more, they go back; before, they waited for
 // another pool's sweep.
 func TestGraphPoolSegmentsOfAPoolClosedDuringItsCaptureGoBackAtItsEnd(t *testing.T) {
-	sim, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 30})
-	require.NoError(t, err)
-	be := &refusingFree{SimBackend: sim}
-	p, err := gocore.NewPool(gocore.Config{Name: "torch", Backend: be})
-	require.NoError(t, err)
+	p, be, sim := refusingPool(t, "torch")
 	e := registry.Add(p, sim, nil)
 	slot, err := registry.AssignSlot(e)
 	require.NoError(t, err)
@@ -661,16 +673,8 @@ func TestGraphPoolSegmentsOfAPoolClosedDuringItsCaptureGoBackAtItsEnd(t *testing
 		}
 	})
 	id := graphPoolID{0, 78}
-	var released atomic.Int32
-	require.NoError(t, beginCapture(e, 0, id, goFilter{stream: 0x10, released: &released}))
-	_, err = AllocFor(e, mib, 0, 0x10)
-	require.NoError(t, err)
-	be.refuse.Store(true) // the capture still runs
-	_, err = e.Pool.Close()
-	require.NoError(t, err)
-	_, err = CloseGraphPools(e)
-	require.ErrorContains(t, err, "refused")
-	registry.Remove(e.ID) // the slot goes with the pool
+	closeRefusingGraphPool(t, e, be, id) // refused: the capture still runs
+	registry.Remove(e.ID)                // the slot goes with the pool
 	removed = true
 	require.NotZero(t, sim.UsedBytes(0))
 	be.refuse.Store(false) // the capture ended; torch ends the allocation to the pool
@@ -694,12 +698,8 @@ func (b *blockingFree) Free(device int, addr, size uint64, stream gocore.Stream)
 // retryLingering frees outside its lock: while a backend free waits (for a
 // device, say), other pools can still add their lingering pools.
 func TestRetryLingeringFreesOutsideItsLock(t *testing.T) {
-	sim, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 30})
-	require.NoError(t, err)
-	be := &refusingFree{SimBackend: sim}
-	p, err := gocore.NewPool(gocore.Config{Name: "lingering", Backend: be})
-	require.NoError(t, err)
-	_, err = p.Alloc(mib, 0, 0)
+	p, be, sim := refusingPool(t, "lingering")
+	_, err := p.Alloc(mib, 0, 0)
 	require.NoError(t, err)
 	be.refuse.Store(true)
 	_, err = p.Close()

@@ -50,6 +50,11 @@
 #   GMP_AARCH64_CC         an aarch64 C compiler command (e.g. a `zig cc -target
 #                          aarch64-linux-gnu` wrapper): the tests that build
 #                          tests/csrc C helpers then run instead of skipping
+#   GMP_AARCH64_CXX        the aarch64 C++ compiler that builds tests/csrc/torch_caller.cpp,
+#                          the stand-in for torch that calls the C entry points with
+#                          libstdc++'s std::function and catches their C++ exceptions
+#                          (default aarch64-linux-gnu-g++, Debian's g++-aarch64-linux-gnu,
+#                          installed with apt-get when missing; "none" skips those tests)
 #   GMP_AARCH64_TIMEOUT    seconds the pytest step may take (default 1800)
 set -euo pipefail
 
@@ -78,12 +83,14 @@ QEMU=qemu-aarch64-static
 #                       ctypes)
 #   test_cli.py         python -m gpumempool info/demo (subprocesses)
 #   test_readme.py      README's sim examples run as written
+#   test_fork.py        a forked child of a process with pools is refused, never
+#                       hangs (pthread_atfork and the Go runtime on aarch64)
 # Left out: test_ipc_fake.py, test_gpu_backends_fake.py (built fake
 # libcuda/libnccl for every test), test_torch_*.py, test_gpu*.py (torch or a
 # GPU), test_cuda_headers.py (a C compiler and CUDA headers), test_plot_cli.py
 # (matplotlib).
 TEST_FILES=(test_pool.py test_bad_input.py test_reliability.py test_snapshot.py test_trace_replay.py
-            test_safepickle.py test_callbacks.py test_cabi.py test_cli.py test_readme.py)
+            test_safepickle.py test_callbacks.py test_cabi.py test_cli.py test_readme.py test_fork.py)
 if [[ -n "${GMP_AARCH64_TESTS:-}" ]]; then
   read -r -a TEST_FILES <<<"$GMP_AARCH64_TESTS"
 fi
@@ -151,6 +158,20 @@ if ! command -v "$QEMU" >/dev/null; then
 fi
 QEMU=$(command -v "$QEMU")
 say "$("$QEMU" --version | head -1)"
+# torch's C++ ABI on aarch64 (std::function, exceptions): a g++ with
+# libstdc++ builds the stand-in caller; the sysroot has the run-time libstdc++.
+CXX_AARCH64=${GMP_AARCH64_CXX:-aarch64-linux-gnu-g++}
+if [[ "$CXX_AARCH64" != none ]] && ! command -v "${CXX_AARCH64%% *}" >/dev/null; then
+  if [[ -z "${GMP_AARCH64_CXX:-}" && $(id -u) -eq 0 ]]; then
+    say "installing g++-aarch64-linux-gnu with apt-get (the C++ caller of the torch entry points)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++-aarch64-linux-gnu >&2 \
+      || { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++-aarch64-linux-gnu >&2; } \
+      || die "apt-get install g++-aarch64-linux-gnu failed (GMP_AARCH64_CXX=none skips the C++ caller's tests)"
+  else
+    die "no aarch64 C++ compiler '$CXX_AARCH64' (install g++-aarch64-linux-gnu, or GMP_AARCH64_CXX=none)"
+  fi
+fi
+[[ "$CXX_AARCH64" == none ]] || say "C++ caller built with: $("${CXX_AARCH64%% *}" --version | head -1)"
 
 # -- sysroot ------------------------------------------------------------------
 stage sysroot
@@ -316,7 +337,9 @@ import os
 import pytest
 
 C_HELPERS = {"clib", "fake_cuda", "fake_nccl", "fake_gpu_env"}
-ALWAYS = {"cxx_caller", "c10_caller", "torch_headers"}
+# cxx_caller (tests/csrc/torch_caller.cpp) builds with GMP_AARCH64_CXX;
+# c10_caller and torch_headers need torch.
+ALWAYS = {"c10_caller", "torch_headers"} | (set() if os.environ.get("GMP_AARCH64_CXX_OK") else {"cxx_caller"})
 
 
 def _runs_cc(item):
@@ -339,10 +362,13 @@ def pytest_collection_modifyitems(config, items):
                 reason=f"builds {', '.join(need)} with a compiler: none for aarch64 here (GMP_AARCH64_CC)"))
 EOF
 # A compiler call the plugin did not foresee fails loudly, not with an x86_64 .so.
-# (GMP_AARCH64_CC is only a C compiler: C++ helpers always skip.)
+# (GMP_AARCH64_CC is a C compiler; the C++ caller builds with GMP_AARCH64_CXX.)
 printf '#!/bin/sh\necho "check-aarch64: no aarch64 compiler here (GMP_AARCH64_CC names a C one)" >&2\nexit 1\n' >"$RUN/plugin/no-cc"
 chmod +x "$RUN/plugin/no-cc"
 export CC=${GMP_AARCH64_CC:-$RUN/plugin/no-cc} CXX=$RUN/plugin/no-cc
+if [[ "$CXX_AARCH64" != none ]]; then
+  export CXX=$CXX_AARCH64 GMP_AARCH64_CXX_OK=1
+fi
 export PYTHONPATH=$SITE:$RUN/plugin
 say "running: python -m pytest -q -p no:cacheprovider -p gmp_aarch64 ${TEST_FILES[*]/#/tests/} (emulated: slow, a dot per test)"
 rc=0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build gpumempool's manylinux wheels: one per CPython 3.10-3.13 found here
 # and per CPU (x86_64, aarch64), all with zig targeting glibc 2.17, so they
-# install on RHEL/Rocky 8 and Ubuntu 20.04 and newer. One command, from
+# install on RHEL/CentOS 7 and Ubuntu 18.04 and newer. One command, from
 # anywhere:
 #
 #     bash tools/build-wheels.sh

@@ -246,8 +246,25 @@ def _event_line(e: Event) -> str:
 # -- the trace ------------------------------------------------------------
 
 
+class _Provenance:
+    """Where a trace came from, as its ``meta`` says (for :class:`Trace` and
+    :class:`TraceFile`, which both keep the file's metadata there)."""
+
+    meta: dict[str, Any]
+
+    @property
+    def source(self) -> str:
+        return str(self.meta.get("source", "unknown"))
+
+    @property
+    def recorded_by(self) -> Optional[str]:
+        """The allocator whose reserved bytes the ``R`` records hold."""
+        rb = self.meta.get("recorded_by")
+        return str(rb) if rb else None
+
+
 @dataclass
-class Trace:
+class Trace(_Provenance):
     """A list of allocator :data:`Event` objects plus metadata.
 
     ``reserved`` is the recording allocator's reserved-bytes series (for
@@ -270,16 +287,6 @@ class Trace:
 
     def __iter__(self) -> Iterator[Event]:
         return iter(self.events)
-
-    @property
-    def source(self) -> str:
-        return str(self.meta.get("source", "unknown"))
-
-    @property
-    def recorded_by(self) -> Optional[str]:
-        """The allocator whose reserved bytes :attr:`reserved` holds."""
-        rb = self.meta.get("recorded_by")
-        return str(rb) if rb else None
 
     def recorded_peak_reserved(self) -> Optional[int]:
         """Peak of :attr:`reserved` (summed over devices of each device's
@@ -434,7 +441,7 @@ def _save_atomically(path: PathLike, write: Callable[[Any], None]) -> None:
         raise
 
 
-class TraceFile:
+class TraceFile(_Provenance):
     """A gmptrace file read as a stream, for traces of any length: holds
     what a replay needs besides the events, never the events themselves.
 
@@ -498,16 +505,6 @@ class TraceFile:
                 yield r  # type: ignore[misc]
         if n != self._len:
             raise TraceFormatError(f"{self.path}: changed while in use ({n} events now, {self._len} before)")
-
-    @property
-    def source(self) -> str:
-        return str(self.meta.get("source", "unknown"))
-
-    @property
-    def recorded_by(self) -> Optional[str]:
-        """The allocator whose reserved bytes the ``R`` records hold."""
-        rb = self.meta.get("recorded_by")
-        return str(rb) if rb else None
 
     def recorded_peak_reserved(self) -> Optional[int]:
         """As :meth:`Trace.recorded_peak_reserved`."""

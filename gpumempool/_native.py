@@ -71,9 +71,6 @@ def _load() -> Any:
         sys.setdlopenflags(os.RTLD_LAZY)
     try:
         from ._core import _gmpcore, bindings
-
-        global _gmpcore_module
-        _gmpcore_module = _gmpcore
     except ModuleNotFoundError as exc:
         if exc.name in (f"{__package__}._core", f"{__package__}._core._gmpcore"):
             raise ImportError(_not_built_message(), name=exc.name) from exc
@@ -96,11 +93,11 @@ def _load() -> Any:
                     os.chdir(old_cwd)
             except OSError:
                 pass
-    return bindings, os.path.abspath(_gmpcore.__file__)
+    return bindings, _gmpcore
 
 
-_gmpcore_module: Any = None
-bindings, _LIBRARY_PATH = _load()
+bindings, _gmpcore_module = _load()
+_LIBRARY_PATH = os.path.abspath(_gmpcore_module.__file__)
 
 
 def library_path() -> str:
@@ -194,7 +191,7 @@ class _GuardedExtension:
     __slots__ = ()
 
     def __getattr__(self, name: str) -> Any:
-        if not _forked and os.getpid() != _parent_pid:
+        if not _forked and forked():
             _fence_off_in_child()
         return getattr(_gmpcore_module, name)
 

@@ -37,7 +37,7 @@ import gmp_toolchain  # noqa: E402  (Go and the C/C++ compilers: this machine's 
 # platform tag and the extension's file names are the target's.
 HOST_ARCH = platform.machine().lower()
 TARGET_ARCH = gmp_toolchain.target_arch() if sys.platform.startswith("linux") else HOST_ARCH
-CROSS = TARGET_ARCH != {"amd64": "x86_64", "arm64": "aarch64"}.get(HOST_ARCH, HOST_ARCH)
+CROSS = TARGET_ARCH != gmp_toolchain.ARCHES.get(HOST_ARCH, ("", HOST_ARCH))[1]
 if CROSS:
     os.environ["_PYTHON_HOST_PLATFORM"] = f"linux-{TARGET_ARCH}"
 
@@ -133,15 +133,6 @@ class GopyBuildExt(build_ext):
         self.force = True
         super().run()
 
-    def build_extensions(self):
-        # Python's own link flags may carry -Wl,-rpath,<its lib dir> (pyenv,
-        # --enable-shared builds): an extension needs no run path, and a
-        # wheel must not carry the build machine's.
-        linker = getattr(self.compiler, "linker_so", None)
-        if isinstance(linker, list):
-            self.compiler.linker_so = [a for a in linker if not a.startswith(("-Wl,-rpath", "-Wl,-R"))]
-        super().build_extensions()
-
     def get_ext_filename(self, ext_name):
         name = super().get_ext_filename(ext_name)
         if CROSS:  # sysconfig's suffix is this Python's: .cpython-311-x86_64-linux-gnu.so
@@ -150,7 +141,12 @@ class GopyBuildExt(build_ext):
 
     def build_extension(self, ext):
         if ext.name != EXT_NAME:
-            return super().build_extension(ext)
+            super().build_extension(ext)
+            # Python's own link flags may carry -Wl,-rpath,<its lib dir>
+            # (pyenv, --enable-shared builds): an extension needs no run
+            # path, and a wheel must not carry the build machine's.
+            drop_run_paths(self.get_ext_fullpath(ext.name))
+            return
 
         if importlib.util.find_spec("pybindgen") is None:
             raise CompileError(
@@ -215,9 +211,8 @@ class GopyBuildExt(build_ext):
         dest_dir = os.path.dirname(dest_so)
         os.makedirs(dest_dir, exist_ok=True)
         shutil.copyfile(built_so, dest_so)
-        # gopy links with Python's LDSHARED flags, which carry
-        # -Wl,-rpath,<its lib dir> on pyenv and --enable-shared Pythons
-        # (gopy sets CGO_LDFLAGS itself, so they cannot be filtered first).
+        # gopy links with Python's LDSHARED flags too (as build_extension
+        # says for the C extension).
         if drop_run_paths(dest_so):
             say(f"removed the build Python's run path from {os.path.basename(dest_so)}")
         for name in GOPY_PY_FILES:

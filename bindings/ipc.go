@@ -205,8 +205,14 @@ func checkedDevice(drv *cuda.Driver, dev int) (int, error) {
 //
 // Async blocks share their imports: the exporter's pool is imported once
 // and each of its segments once, however many blocks of it are imported
-// (cuda.ImportAsyncSegment).
-func ImportMemory(handleJSON, fdsJSON, libcuda string) (js string, err error) {
+// (cuda.ImportAsyncSegment). The pool a handle names is looked up among
+// the pools imported from the same peer only: peer says who sent the
+// handle (gpumempool.IpcHandle.recv takes it from the socket's SO_PEERCRED,
+// which the kernel vouches for), or is "" for handles the caller vouches
+// for. Without it a peer could send its own pool's descriptor under
+// another exporter's pool name, and every later block of that exporter
+// would be looked for in the wrong pool ("squatting").
+func ImportMemory(handleJSON, fdsJSON, libcuda, peer string) (js string, err error) {
 	defer guard(&err)
 	var keys map[string]json.RawMessage
 	if err := json.Unmarshal([]byte(handleJSON), &keys); err != nil {
@@ -262,7 +268,7 @@ func ImportMemory(handleJSON, fdsJSON, libcuda string) (js string, err error) {
 	var ptr uint64
 	switch h.Kind {
 	case "async":
-		seg, err := cuda.ImportAsyncSegment(drv, dev, h.Pool, h.FDs[0], data)
+		seg, err := cuda.ImportAsyncSegment(drv, dev, sharedPoolName(peer, h.Pool), h.FDs[0], data)
 		if err != nil {
 			return "", err
 		}
@@ -292,6 +298,15 @@ func ImportMemory(handleJSON, fdsJSON, libcuda string) (js string, err error) {
 	imports[id] = closer
 	importsMu.Unlock()
 	return marshal(map[string]any{"id": id, "ptr": ptr, "size": h.Size, "device": dev})
+}
+
+// sharedPoolName is the name an exporter's pool is imported under: the
+// handle's pool name within the sender's namespace.
+func sharedPoolName(peer, pool string) string {
+	if peer == "" {
+		return pool
+	}
+	return fmt.Sprintf("%q/%s", peer, pool)
 }
 
 // importKeys are the keys of PoolExport's JSON that ImportMemory takes,

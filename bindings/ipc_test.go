@@ -43,8 +43,6 @@ func newGPUPool(t *testing.T, backend, lib string) int64 {
 	return id
 }
 
-// export returns the handle of the block at addr, decoded, and closes its
-// descriptors at the end of the test.
 // exportNewBlock makes a vmm pool over the fake driver lib, allocates a
 // 1 MiB block on device dev and exports it.
 func exportNewBlock(t *testing.T, lib string, dev int64) (id int64, addr uint64, h map[string]any) {
@@ -55,6 +53,8 @@ func exportNewBlock(t *testing.T, lib string, dev int64) (id int64, addr uint64,
 	return id, addr, export(t, id, addr)
 }
 
+// export returns the handle of the block at addr, decoded, and closes its
+// descriptors at the end of the test.
 func export(t *testing.T, id int64, addr uint64) map[string]any {
 	t.Helper()
 	js, err := PoolExport(id, addr)
@@ -71,6 +71,11 @@ func export(t *testing.T, id int64, addr uint64) map[string]any {
 
 // importHandle imports h (with changes) and returns the result, decoded.
 func importHandle(h map[string]any, lib string, change map[string]any) (map[string]any, error) {
+	return importHandleFrom(h, lib, change, "")
+}
+
+// importHandleFrom is importHandle for a handle sent by peer.
+func importHandleFrom(h map[string]any, lib string, change map[string]any, peer string) (map[string]any, error) {
 	m := map[string]any{}
 	for k, v := range h {
 		m[k] = v
@@ -91,7 +96,7 @@ func importHandle(h map[string]any, lib string, change map[string]any) (map[stri
 	if err != nil {
 		return nil, err
 	}
-	out, err := ImportMemory(string(js), string(fds), lib)
+	out, err := ImportMemory(string(js), string(fds), lib, peer)
 	if err != nil {
 		return nil, err
 	}
@@ -245,6 +250,58 @@ func TestImportMemoryAsync(t *testing.T) {
 	}
 	_, err = PoolClose(id)
 	require.NoError(t, err)
+}
+
+// A peer that sends its own pool's descriptor under another exporter's pool
+// name ("squatting") gets its pool imported in its own namespace only: the
+// exporter's blocks, sent by the exporter, still import (and share one
+// pool import between them). Handles without a peer share one namespace:
+// there the squat makes the exporter's import fail (the driver refuses
+// pointer data of another pool), which is what the peer scoping prevents.
+func TestImportMemoryPoolNamesAreScopedByPeer(t *testing.T) {
+	lib := buildFake(t)
+	victim, squatter := newGPUPool(t, "async", lib), newGPUPool(t, "async", lib)
+	var blocks []uint64
+	alloc := func(id int64) uint64 {
+		addr, err := PoolAlloc(id, 4096, 0, 0)
+		require.NoError(t, err)
+		blocks = append(blocks, addr)
+		return addr
+	}
+	v1, v2, s1 := alloc(victim), alloc(victim), alloc(squatter)
+	hv1, hv2, hs := export(t, victim, v1), export(t, victim, v2), export(t, squatter, s1)
+	require.NotEqual(t, hv1["pool"], hs["pool"])
+	squat := map[string]any{"pool": hv1["pool"]}
+
+	rs, err := importHandleFrom(hs, lib, squat, "pid 2 uid 1000")
+	require.NoError(t, err, "the squatter's own block imports (in its namespace)")
+	assert.EqualValues(t, s1, rs["ptr"])
+	r1, err := importHandleFrom(hv1, lib, nil, "pid 1 uid 1000")
+	require.NoError(t, err, "the exporter's block is not looked for in the squatter's pool")
+	r2, err := importHandleFrom(hv2, lib, nil, "pid 1 uid 1000")
+	require.NoError(t, err, "a second block of the exporter's segment shares its import")
+	assert.EqualValues(t, v1, r1["ptr"])
+	assert.EqualValues(t, v2, r2["ptr"])
+	for _, r := range []map[string]any{rs, r1, r2} {
+		closeImport(t, r)
+	}
+
+	// The same squat among handles nobody vouched a peer for.
+	rs, err = importHandleFrom(hs, lib, squat, "")
+	require.NoError(t, err)
+	_, err = importHandleFrom(hv1, lib, nil, "")
+	require.Error(t, err, "unscoped handles share pool names")
+	closeImport(t, rs)
+
+	for i, id := range []int64{victim, victim, squatter} {
+		ok, err := PoolFree(id, blocks[i])
+		require.NoError(t, err)
+		require.True(t, ok)
+	}
+	for _, id := range []int64{victim, squatter} {
+		_, err = PoolClose(id)
+		require.NoError(t, err)
+	}
 }
 
 type failingBase struct{ chunks []cuda.Chunk }

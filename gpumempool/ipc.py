@@ -36,6 +36,7 @@ import array
 import json
 import os
 import socket
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -50,10 +51,18 @@ _MAX_MESSAGE = 1 << 16
 @dataclass
 class IpcHandle:
     """An exported block: ``meta`` (JSON-able) plus the file descriptors
-    (``fds``) that carry the physical memory."""
+    (``fds``) that carry the physical memory.
+
+    ``peer`` says who sent it (set by :meth:`recv` from the socket's peer
+    credentials, which the kernel vouches for); :func:`import_pool` looks up
+    the exporter's pool among those imported from the same peer only, so a
+    peer cannot pass its own pool off under another exporter's pool name.
+    Handles made by hand have none and share one namespace: build them only
+    from what you trust."""
 
     meta: dict[str, Any]
     fds: list[int] = field(default_factory=list)
+    peer: Optional[str] = None
 
     def send(self, sock: socket.socket) -> None:
         """Send over a connected AF_UNIX socket; the fds travel as SCM_RIGHTS."""
@@ -88,7 +97,7 @@ class IpcHandle:
                 except OSError:
                     pass
             raise
-        return cls(meta, list(fds))
+        return cls(meta, list(fds), _peer_of(sock))
 
     def close(self) -> None:
         """Close this process's descriptors (idempotent)."""
@@ -104,6 +113,18 @@ class IpcHandle:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _peer_of(sock: socket.socket) -> Optional[str]:
+    """The process at the other end of a UNIX socket, as the kernel saw it
+    connect (SO_PEERCRED: for a socketpair, the process that made the pair),
+    or None where the socket has no peer credentials."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return None
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return f"pid {pid} uid {uid}" if pid > 0 else None
 
 
 def _recv_fds(sock: socket.socket, max_fds: int) -> tuple[bytes, list[int], int]:
@@ -155,7 +176,7 @@ def import_pool(handle: IpcHandle, libcuda: Optional[str] = None) -> ImportedMem
     meta = {k: v for k, v in handle.meta.items() if k != "fds"}
     try:
         out = json.loads(_native.bindings.ImportMemory(json.dumps(meta), json.dumps(list(handle.fds)),
-                                                       os.fspath(libcuda) if libcuda else ""))
+                                                       os.fspath(libcuda) if libcuda else "", handle.peer or ""))
     except RuntimeError as exc:
         raise translate(exc) from None
     return ImportedMemory(out["id"], out["ptr"], out["size"])

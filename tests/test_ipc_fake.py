@@ -5,6 +5,7 @@ share it). The same tests on a GPU are in test_gpu.py."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import socket
 import subprocess
@@ -188,6 +189,57 @@ def test_async_blocks_of_one_segment_share_one_import(fake_cuda) -> None:
                 gmp.import_pool(old, libcuda=path)
         pool.free(a)
         pool.free(b)
+
+
+def test_pool_names_are_scoped_by_the_sending_process(fake_cuda, tmp_path) -> None:
+    """A peer that sends its own pool's descriptor under another exporter's
+    pool name ("squatting") does not capture that name: handles received
+    from different processes (SO_PEERCRED of their connections) are looked
+    up among their own sender's pools, so the exporter's block still
+    imports. Two child processes relay the handles (the fake driver's pools
+    live in this process), one of them with the squatted name."""
+    path, _ = fake_cuda
+    relay = textwrap.dedent(
+        """
+        import json, socket, sys
+        meta, fds = json.loads(sys.argv[2]), json.loads(sys.argv[3])
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(sys.argv[1])
+        socket.send_fds(sock, [json.dumps(meta).encode()], fds)
+        sock.recv(1)  # until the importer is done
+        """
+    )
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "importer.sock"))
+    listener.listen(2)
+
+    def relayed(meta: dict, fds: list[int]) -> tuple[gmp.IpcHandle, socket.socket, subprocess.Popen]:
+        proc = subprocess.Popen([sys.executable, "-c", relay, str(tmp_path / "importer.sock"), json.dumps(meta),
+                                 json.dumps(fds)], pass_fds=fds, cwd="/")
+        conn, _ = listener.accept()
+        return gmp.IpcHandle.recv(conn), conn, proc
+
+    with listener, gmp.MemPool("async", libcuda=path, ipc=True) as victim, \
+            gmp.MemPool("async", libcuda=path, ipc=True) as squatter:
+        v, s = victim.alloc(4096), squatter.alloc(4096)
+        with victim.export(v) as hv, squatter.export(s) as hs:
+            squat, sconn, sproc = relayed(dict(hs.meta, pool=hv.meta["pool"]), hs.fds)
+            honest, vconn, vproc = relayed(hv.meta, hv.fds)
+            with squat, honest, sconn, vconn:
+                assert squat.peer == f"pid {sproc.pid} uid {os.getuid()}"
+                assert honest.peer == f"pid {vproc.pid} uid {os.getuid()}"
+                with gmp.import_pool(squat, libcuda=path) as ms, gmp.import_pool(honest, libcuda=path) as mv:
+                    assert (ms.ptr, mv.ptr) == (s, v)  # one process: the exporters' addresses
+                # Handles nobody vouched a sender for share one namespace.
+                with dup_handle(squat) as ds, dup_handle(honest) as dh, gmp.import_pool(ds, libcuda=path):
+                    assert ds.peer is None and dh.peer is None
+                    with pytest.raises(gmp.GpuMemPoolError, match="CUDA_ERROR_INVALID_VALUE"):
+                        gmp.import_pool(dh, libcuda=path)
+                sconn.sendall(b"x")
+                vconn.sendall(b"x")
+            assert sproc.wait(timeout=60) == 0 and vproc.wait(timeout=60) == 0
+        victim.free(v)
+        squatter.free(s)
 
 
 @pytest.mark.parametrize("message,sent,max_fds,match", [

@@ -296,6 +296,79 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from ._errors import InvalidArgumentError
+    from ._progress import Progress
+    from .replay import parse_size
+    from .trace import TraceFormatError
+    from .tune import tune
+
+    limit = None
+    if args.limit is not None:
+        try:
+            limit = parse_size(args.limit)
+        except ValueError as exc:
+            return _fail(f"--limit: {exc}", 2, json_out=args.json)
+        if limit == 0:
+            return _fail("--limit: must be more than 0 bytes", 2, json_out=args.json)
+    try:
+        trace = _load_trace(args.trace, args)
+    except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError) as exc:
+        return _fail(str(exc), json_out=args.json)
+    try:
+        with Progress("tune", unit="replay", enabled=not (args.json or args.no_progress)) as bar:
+            result = tune(trace, limit=limit, extra=not args.no_extra, jobs=args.jobs, progress=bar)
+    except InvalidArgumentError as exc:
+        return _fail(str(exc), 2, json_out=args.json)
+    except (ValueError, TraceFormatError) as exc:
+        return _fail(str(exc), json_out=args.json)
+    best, default, extra = result.best, result.default, result.best_extra
+    if args.json:
+        out = result.as_dict(n=args.top)
+        out["trace"] = {"path": args.trace, "meta": trace.meta}
+        _print_json(out)
+        return 0 if best.fits else 1
+    name = os.path.basename(args.trace)
+    stopped = sum(not c.complete for c in result.candidates)
+    print(f"gpumempool tune: {name} ({trace.source}, {len(trace):,} events): {result.replays} settings replayed on "
+          f"the simulated device in {result.seconds:.1f} s" + (f" ({stopped} stopped early, once they reserved "
+                                                                 "a quarter more than the best)" if stopped else ""))
+    for note in result.notes:
+        print(f"note: {note}")
+    print()
+    saving = default.peak_reserved - best.peak_reserved
+    if not best.fits:
+        print(f"no torch setting fits this run in {format_bytes(limit or 0)}: the best still fails "
+              f"{best.result.ooms:,} allocations")
+    elif not best.settings:
+        print(f"best: torch's defaults ({format_bytes(best.peak_reserved)} peak reserved); no setting tried does "
+              "better")
+    else:
+        print(f"best torch setting: {format_bytes(best.peak_reserved)} peak reserved, "
+              f"{best.peak_reserved / default.peak_reserved:.3f} of the default's "
+              f"{format_bytes(default.peak_reserved)} (saves {format_bytes(saving)})")
+        print(f"  PYTORCH_CUDA_ALLOC_CONF={best.alloc_conf}")
+        print(f"  {best.mempool_call}")
+    left = best.peak_reserved - result.lower_bound
+    print(f"lower bound: {format_bytes(result.lower_bound)} (the most bytes the run holds allocated at once; "
+          f"{format_bytes(max(0, left))} above it)")
+    if result.recorded_peak_reserved is not None:
+        print(f"{result.recorded_by or 'the recording'} reserved {format_bytes(result.recorded_peak_reserved)} "
+              f"at its peak; the default's replay: {format_bytes(default.peak_reserved)}")
+    if limit is not None:
+        print(f"with --limit: give torch the same memory, torch.cuda.set_per_process_memory_fraction("
+              f"{format_bytes(limit)} / total), for the same behaviour")
+    print()
+    print(result.table(args.top))
+    if extra is not None:
+        print()
+        print(f"gpumempool pools only: {extra.describe()}: {format_bytes(extra.peak_reserved)} "
+              f"({extra.peak_reserved / default.peak_reserved:.3f} of the default, "
+              f"{extra.result.backend_calls:,} backend calls)")
+        print(f"  {extra.mempool_call}")
+    return 0 if best.fits else 1
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     import pickle
 
@@ -508,6 +581,31 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--no-progress", action="store_true", help="no progress bar")
     rep.add_argument("--json", action="store_true", help="print the result as JSON")
     rep.set_defaults(func=_cmd_replay)
+
+    tun = sub.add_parser(
+        "tune",
+        help="the allocator settings that would have used the least memory for a recorded run",
+        description="Replay TRACE (a gmptrace file, or a torch snapshot pickle with history) on the simulated "
+        "device under the settings torch's caching allocator accepts (expandable_segments, max_split_size_mb, "
+        "roundup_power2_divisions, max_non_split_rounding_mb; garbage_collection_threshold with --limit) and, "
+        "listed apart, those only gpumempool's pools accept; print the best as a PYTORCH_CUDA_ALLOC_CONF line "
+        "and as gmp.MemPool arguments, with a table of the best few, the default and the lower bound. Exit "
+        "status 1 when no setting fits in --limit.",
+    )
+    tun.add_argument("trace", metavar="TRACE", help="a .trace[.gz] file or a .pickle/.pkl snapshot with history")
+    tun.add_argument("--limit", metavar="BYTES",
+                     help="memory the run may use (e.g. 40GiB): settings that cannot serve it within that are "
+                     "marked and ranked last")
+    tun.add_argument("--jobs", type=_positive, help="replays run in parallel (default: the CPU count, at most 8)")
+    tun.add_argument("--top", type=_positive, default=5, help="rows of the table (default 5)")
+    tun.add_argument("--no-extra", action="store_true", help="only the settings torch accepts")
+    tun.add_argument("--format", choices=("auto", "trace", "snapshot"), default="auto",
+                     help="input format (default: by extension and content)")
+    tun.add_argument("--no-infer-empty-cache", action="store_true",
+                     help="torch snapshots: do not treat released segments outside an allocation as empty_cache()")
+    tun.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tun.add_argument("--json", action="store_true", help="print the result as JSON")
+    tun.set_defaults(func=_cmd_tune)
 
     plot = sub.add_parser(
         "plot",

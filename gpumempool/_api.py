@@ -35,6 +35,11 @@ else:
     # `import gpumempool.replay as r` to give the module.
     replay = sys.modules[f"{__package__}.replay"]
 from .trace import Trace, TraceRecorder, from_history, from_torch_snapshot, load_trace
+from .tune import Candidate, TuneResult
+if TYPE_CHECKING:
+    from .tune import tune
+else:
+    tune = sys.modules[f"{__package__}.tune"]  # callable as the function, as replay is
 
 __all__ = [
     "ALLOC_FN",
@@ -77,6 +82,9 @@ __all__ = [
     "from_torch_snapshot",
     "load_trace",
     "replay",
+    "Candidate",
+    "TuneResult",
+    "tune",
 ]
 
 __version__: str = _native.bindings.Version()

@@ -72,6 +72,8 @@ DEFAULT_CAPACITY = 80 << 30
 #: packed into the simulated device's placement window (CUDA aligns
 #: segments of 2 MiB and more to it).
 _PLACEMENT_RUN_ALIGN = 2 << 20
+#: How often (in events) a replay with ``stop_above`` looks at its peak.
+STOP_CHECK_EVENTS = 2048
 #: The simulated device's address alignment (its default, which replay keeps):
 #: placements must be multiples of it.
 _SIM_ALIGNMENT = 512
@@ -281,14 +283,18 @@ class ReplayResult:
     # segments put in the recording's address order (trace S records), of recorded_segments
     placed_segments: int = 0
     recorded_segments: int = 0
+    # replay(stop_above=...) stopped after this many events (its figures are
+    # those of the events up to there); None: it ran to the end
+    stopped_at: Optional[int] = None
     stats: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
     def comparable(self) -> bool:
         """Whether the replay served every allocation, so that its peaks
         can be set against the recording's: with OOMs it held less memory
-        than the program did, and a lower peak says nothing."""
-        return self.ooms == 0
+        than the program did, and a lower peak says nothing. Nor can a
+        replay that stopped early (``stop_above``)."""
+        return self.ooms == 0 and self.stopped_at is None
 
     @property
     def torch_peak_reserved(self) -> Optional[int]:
@@ -361,6 +367,7 @@ def replay(
     progress_every: int = 10_000,
     recorded_policy: bool = True,
     recorded_addresses: bool = True,
+    stop_above: Optional[int] = None,
 ) -> ReplayResult:
     """Run ``trace`` on a fresh private sim pool configured by ``policy``
     (a dict with keys of :data:`POLICY_KEYS`, or ``"key=value"`` strings as
@@ -375,7 +382,10 @@ def replay(
     one went in the address order (see the module doc); not in expandable
     replays, whose one growing segment per stream has no counterpart in the
     recording. ``progress(done, total)`` is called every ``progress_every``
-    events and at the end.
+    events and at the end. With ``stop_above`` (bytes) the replay stops
+    once its peak reserved bytes exceed it (checked every
+    :data:`STOP_CHECK_EVENTS` events; :attr:`ReplayResult.stopped_at` says
+    where), for searches that only need to know it is worse than that.
 
     ``trace`` may be a :class:`~gpumempool.trace.TraceFile` or the path of
     a gmptrace file (read as one): the events are then read from the file
@@ -433,6 +443,9 @@ def replay(
     placing: set[int] = set()  # devices with a placement asked for the next allocation
     start = time.perf_counter()
     step = max(1, int(progress_every))
+    stopped_at: Optional[int] = None
+    if stop_above is not None and (isinstance(stop_above, bool) or not isinstance(stop_above, int)):
+        raise TypeError(f"stop_above must be an int (bytes) or None, got {type(stop_above).__name__}")
     try:
         alloc, alloc_segment, free, record_stream = pool.alloc, pool.alloc_segment, pool.free, pool.record_stream
         place = pool.sim_place_next
@@ -482,6 +495,10 @@ def replay(
                 pool.trim(e.keep, e.device)  # type: ignore[union-attr]
             if progress is not None and (i + 1) % step == 0:
                 progress(i + 1, total)
+            if stop_above is not None and (i + 1) % STOP_CHECK_EVENTS == 0 and \
+                    pool.stats().get("reserved_bytes.all.peak", 0) > stop_above:
+                stopped_at = i + 1
+                break
         pool.sim_complete()
         pool.process_events()
         stats = pool.stats()
@@ -523,6 +540,7 @@ def replay(
         reserved_vs_recorded=(peak_res / recorded) if recorded else None,
         placed_segments=placed,
         recorded_segments=len(trace.segments),
+        stopped_at=stopped_at,
         stats=stats,
     )
 

@@ -1,0 +1,191 @@
+"""gmp.tune / `python -m gpumempool tune`: the settings with the least peak
+reserved memory for a trace, found by replaying it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gpumempool as gmp
+from gpumempool.replay import replay
+from gpumempool.trace import Alloc, Free, Trace
+from gpumempool.tune import Candidate, _torch_expressible
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACES = ROOT / "benchmarks" / "traces"
+CNN = TRACES / "cnn-train.trace.gz"
+MiB = 1 << 20
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpumempool", "tune", "--no-progress", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd="/")
+
+
+@pytest.fixture(scope="module")
+def cnn() -> gmp.TuneResult:
+    return gmp.tune(CNN, jobs=1)
+
+
+def test_best_is_never_worse_than_the_default_and_is_a_torch_setting(cnn: gmp.TuneResult) -> None:
+    best, default = cnn.best, cnn.default
+    assert default.settings == {} and default.alloc_conf == ""
+    assert best.torch and best.fits
+    assert best.peak_reserved <= default.peak_reserved
+    # On this trace expandable segments save memory (replay_policies.md: 0.879 of the default).
+    assert best.peak_reserved < default.peak_reserved
+    assert best.settings.get("expandable") is True
+    assert best.alloc_conf is not None and "expandable_segments:True" in best.alloc_conf
+    assert cnn.lower_bound <= best.result.peak_allocated <= best.peak_reserved
+    ranked = [c.peak_reserved for c in cnn.candidates if c.fits]
+    assert ranked == sorted(ranked)
+    assert cnn.replays == len(cnn.candidates) >= 20
+
+
+def test_each_prediction_is_exactly_a_replay_of_its_setting(cnn: gmp.TuneResult) -> None:
+    for c in [cnn.best, cnn.default, *cnn.top(3, torch=None)]:
+        r = replay(Trace.load(CNN), c.settings, recorded_policy=False)
+        assert (r.peak_reserved, r.peak_allocated, r.backend_calls, r.alloc_retries, r.ooms) == \
+            (c.result.peak_reserved, c.result.peak_allocated, c.result.backend_calls, c.result.alloc_retries,
+             c.result.ooms), c.describe()
+
+
+def test_worker_processes_find_what_one_process_finds(cnn: gmp.TuneResult) -> None:
+    par = gmp.tune(CNN, jobs=2)
+    assert {tuple(sorted(c.settings.items())): c.peak_reserved for c in par.candidates} == \
+        {tuple(sorted(c.settings.items())): c.peak_reserved for c in cnn.candidates}
+    assert par.best.settings == cnn.best.settings
+
+
+def test_mempool_arguments_make_a_pool() -> None:
+    c = Candidate({"expandable": True, "max_split_size": 64 * MiB, "roundup_power2_divisions": 4,
+                   "release_threshold": 256 * MiB}, result=None, torch=False, limit=2 << 30)  # type: ignore[arg-type]
+    kw = c.mempool_kwargs
+    assert kw.pop("backend") == "vmm"
+    assert c.mempool_call == ("gmp.MemPool('vmm', expandable=True, max_split_size=64 << 20, "
+                              "roundup_power2_divisions=4, release_threshold=256 << 20, limit=2048 << 20)")
+    with gmp.MemPool("sim", **kw) as pool:  # the same policy keys the real backends take
+        assert pool.alloc(MiB)
+    assert c.alloc_conf is None  # torch has no release threshold
+
+
+@pytest.mark.parametrize("settings,ok", [
+    ({"max_split_size": 21 * MiB}, True),
+    ({"max_split_size": 20 * MiB}, False),  # torch: max_split_size_mb must be > 20
+    ({"max_split_size": 64 * MiB + 1}, False),  # not whole MiB
+    ({"roundup_power2_divisions": 4}, True),
+    ({"roundup_power2_divisions": 3}, False),  # not a power of two
+    ({"garbage_collection_threshold": 0.8}, True),
+    ({"release_threshold": MiB}, False),
+])
+def test_what_torch_can_express(settings: dict, ok: bool) -> None:
+    assert _torch_expressible(settings) is ok
+
+
+def test_limit_marks_the_settings_that_do_not_fit() -> None:
+    # cnn-train: 542 MiB at once at most; the default reserves 628 MiB
+    # unconstrained and expandable segments 552 MiB.
+    r = gmp.tune(CNN, limit=555 * MiB, jobs=1, extra=False)
+    assert r.limit == 555 * MiB and r.best.fits and r.best.peak_reserved <= 555 * MiB
+    assert r.best.mempool_kwargs["limit"] == 555 * MiB
+    misfits = [c for c in r.candidates if not c.fits]
+    assert misfits, "some settings cannot serve the run in 555 MiB"
+    first_misfit = r.candidates.index(misfits[0])
+    assert all(c.fits for c in r.candidates[:first_misfit]) and not any(c.fits for c in r.candidates[first_misfit:])
+    assert any("garbage_collection_threshold" in c.settings for c in r.candidates), "tried with a limit"
+
+
+def test_limit_below_the_lower_bound_is_refused() -> None:
+    with pytest.raises(gmp.InvalidArgumentError, match="below the trace's lower bound"):
+        gmp.tune(CNN, limit=100 * MiB)
+    p = run_cli(str(CNN), "--limit", "100MiB")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "below the trace's lower bound 542.41 MiB" in p.stderr
+
+
+def test_bad_input_is_a_message_not_a_traceback(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.trace"
+    Trace([], {}).save(empty)
+    p = run_cli(str(empty))
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert "the trace has no allocations" in p.stderr
+    with pytest.raises(ValueError, match="no allocations"):
+        gmp.tune(Trace([], {}))
+
+    import pickle
+    nohist = tmp_path / "nohist.pickle"
+    nohist.write_bytes(pickle.dumps({"segments": []}))
+    p = run_cli(str(nohist))
+    assert p.returncode == 1 and "Traceback" not in p.stderr and "record history first" in p.stderr
+
+    for args, match in [(["--limit", "lots"], "--limit: not a size"), (["--limit", "0"], "more than 0"),
+                        (["--jobs", "0"], "must be positive")]:
+        p = run_cli(str(CNN), *args)
+        assert p.returncode == 2 and match in p.stderr and "Traceback" not in p.stderr, p.stderr
+    p = run_cli(str(tmp_path / "missing.trace"))
+    assert p.returncode == 1 and "No such file" in p.stderr and "Traceback" not in p.stderr
+    with pytest.raises(gmp.InvalidArgumentError, match="jobs"):
+        gmp.tune(CNN, jobs=0)
+
+
+def test_settings_torch_cannot_express_in_the_recording_are_noted() -> None:
+    events = [Alloc(1, 3 * MiB, 0, 0), Alloc(2, MiB, 0, 0), Free(1), Alloc(3, 2 * MiB, 0, 0), Free(2), Free(3)]
+    r = gmp.tune(Trace(events, {"recorded_policy": {"release_threshold": 1 << 30}}), jobs=1)
+    assert any("release_threshold=1073741824" in n and "torch's defaults" in n for n in r.notes)
+    assert r.best.peak_reserved <= r.default.peak_reserved
+
+
+def test_cli_text_and_json(tmp_path: Path) -> None:
+    p = run_cli(str(CNN), "--jobs", "2")
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in out
+    assert "gmp.MemPool('vmm', expandable=True)" in out
+    assert "lower bound: 542.41 MiB" in out and "torch reserved 628.00 MiB" in out
+    assert "| defaults " in out  # the default's row
+
+    p = run_cli(str(CNN), "--json", "--top", "3", "--no-extra")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["best"]["alloc_conf"] == "expandable_segments:True"
+    assert d["default"]["peak_reserved"] == 628 * MiB and d["best"]["peak_reserved"] == 552 * MiB
+    assert d["lower_bound"] < d["best"]["peak_reserved"] and 0 < d["saving"] < 1
+    assert len(d["candidates"]) == 3 and d["best_extra"] is None
+    assert all(c["torch"] for c in d["candidates"])
+
+
+def test_snapshot_with_history_is_tuned(tmp_path: Path) -> None:
+    snap = tmp_path / "demo.pickle"
+    p = subprocess.run([sys.executable, "-m", "gpumempool", "demo", "--steps", "3", "--layers", "4",
+                        "--no-progress", "--snapshot", str(snap)], capture_output=True, text=True, timeout=120,
+                       cwd="/")
+    assert p.returncode == 0, p.stderr
+    p = run_cli(str(snap), "--jobs", "2", "--json")  # the workers read it from a temporary trace file
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["best"]["peak_reserved"] <= d["default"]["peak_reserved"]
+    assert d["events"] > 0
+
+
+def test_replay_stops_once_it_reserves_more_than_asked() -> None:
+    trace = Trace.load(CNN)
+    full = replay(trace, {}, recorded_policy=False)
+    same = replay(trace, {}, recorded_policy=False, stop_above=full.peak_reserved)
+    assert same.stopped_at is None and same.peak_reserved == full.peak_reserved and same.comparable
+    early = replay(trace, {}, recorded_policy=False, stop_above=full.peak_reserved // 2)
+    assert early.stopped_at is not None and early.stopped_at < len(trace) and not early.comparable
+    assert full.peak_reserved // 2 < early.peak_reserved <= full.peak_reserved
+    with pytest.raises(TypeError, match="stop_above"):
+        replay(trace, {}, stop_above=1.5)  # type: ignore[arg-type]
+
+
+def test_stopped_candidates_are_not_listed_as_the_best_few(cnn: gmp.TuneResult) -> None:
+    stopped = [c for c in cnn.candidates if not c.complete]
+    assert stopped, "replays worse than the best by a quarter stop early"
+    best = cnn.best.peak_reserved
+    assert all(c.peak_reserved > best * 1.25 for c in stopped)
+    assert all(c.complete for c in cnn.top(10, torch=None))

@@ -48,6 +48,8 @@ import _gpu_env  # noqa: E402  (shared GPU checks, next to this script)
 
 MiB = 1 << 20
 WORKLOADS = ("gpt2-train", "cnn-train", "gpt2-infer")
+#: Recorded only when asked for (benchmarks/tune_proof.py does).
+EXTRA_WORKLOADS = ("gpt2-varlen-train",)
 POLICIES: dict[str, dict[str, Any]] = {"default": {}, "expandable": {"expandable": True}}
 
 
@@ -177,29 +179,63 @@ def work_gpt2_infer(torch: Any, args: argparse.Namespace, dev: Any, notes: dict[
                          f"decode steps ({decoded} decoded tokens in all)")
 
 
-WORKERS = {"gpt2-train": work_gpt2_train, "cnn-train": work_cnn_train, "gpt2-infer": work_gpt2_infer}
+def work_gpt2_varlen_train(torch: Any, args: argparse.Namespace, dev: Any, notes: dict[str, Any]) -> None:
+    """GPT-2 training where every batch has its own shape (batch size and
+    sequence length drawn per step, as with unpadded, length-bucketed
+    data): activations of ever-different sizes, the classic way to
+    fragment a caching allocator."""
+    import random
+
+    rng = random.Random(args.seed)
+    model = _gpt2(torch, args, args.max_len).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    for step in range(args.steps):
+        batch = rng.choice((2, 4, 8, 12, 16))
+        seq = rng.randint(16, args.max_len)
+        x = torch.randint(0, args.vocab, (batch, seq), device=dev)
+        out = model(input_ids=x, labels=x)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step == 0 or (step + 1) % 10 == 0:
+            say(f"  [gpt2-varlen-train] step {step + 1}/{args.steps} (batch {batch} x {seq}) loss "
+                f"{float(out.loss):.3f}")
+    notes["workload"] = (f"GPT-2 training with a new shape every step ({args.layers} layers, width {args.embd}): "
+                         f"batch 2-16 x 16-{args.max_len} random tokens, {args.steps} AdamW steps")
+
+
+WORKERS = {"gpt2-train": work_gpt2_train, "cnn-train": work_cnn_train, "gpt2-infer": work_gpt2_infer,
+           "gpt2-varlen-train": work_gpt2_varlen_train}
 
 
 def worker(name: str, args: argparse.Namespace, out_json: Path) -> None:
+    """Run workload ``name`` with torch's allocator as PYTORCH_CUDA_ALLOC_CONF
+    sets it and write its figures to out_json; with --worker-snapshot, also
+    its memory history (recorded while it ran) as a gzip'ed snapshot."""
     import torch
 
     torch.manual_seed(args.seed)
     dev = torch.device("cuda", 0)
     torch.cuda.init()
-    how = _start_history(torch, args.max_entries)
-    notes: dict[str, Any] = {"history": how, "max_entries": args.max_entries}
+    record = bool(args.worker_snapshot)
+    notes: dict[str, Any] = {}
+    if record:
+        notes.update(history=_start_history(torch, args.max_entries), max_entries=args.max_entries)
     t0 = time.perf_counter()
+    snap: dict[str, Any] = {}
     try:
         WORKERS[name](torch, args, dev, notes)
         torch.cuda.synchronize(dev)
         seconds = time.perf_counter() - t0
-        snap = torch.cuda.memory._snapshot()
+        if record:
+            snap = torch.cuda.memory._snapshot()
     finally:
-        _stop_history(torch)
+        if record:
+            _stop_history(torch)
     entries = sum(len(t) for t in snap.get("device_traces", []))
-    raw = Path(args.worker_snapshot)
-    with gzip.open(raw, "wb", compresslevel=6) as f:
-        pickle.dump(snap, f, protocol=pickle.HIGHEST_PROTOCOL)
+    if record:
+        with gzip.open(Path(args.worker_snapshot), "wb", compresslevel=6) as f:
+            pickle.dump(snap, f, protocol=pickle.HIGHEST_PROTOCOL)
     stats = torch.cuda.memory_stats(dev)
     props = torch.cuda.get_device_properties(dev)
     res = {
@@ -208,6 +244,7 @@ def worker(name: str, args: argparse.Namespace, out_json: Path) -> None:
         "history_entries": entries,
         "history_overflowed": entries >= args.max_entries,
         "torch_max_reserved": int(stats.get("reserved_bytes.all.peak", 0)),
+        "torch_max_memory_reserved": int(torch.cuda.max_memory_reserved(dev)),
         "torch_max_allocated": int(stats.get("allocated_bytes.all.peak", 0)),
         "torch_num_alloc_retries": int(stats.get("num_alloc_retries", 0)),
         "torch_num_device_alloc": int(stats.get("num_device_alloc", 0)),
@@ -395,11 +432,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(
         prog="record_traces.py",
         description=__doc__.split("\n\n")[0] + " Needs an NVIDIA GPU, torch and transformers.",
-        epilog="Workloads: " + ", ".join(WORKLOADS) + ". Output: NAME.trace.gz, raw/NAME.pickle.gz, replay_summary.json/.md.",
+        epilog="Workloads: " + ", ".join(WORKERS) + " (default: " + ", ".join(WORKLOADS) + "). Output: NAME.trace.gz, raw/NAME.pickle.gz, replay_summary.json/.md.",
     )
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "traces"),
                     help="output directory (default: benchmarks/traces)")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset (default: all three)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help="comma-separated (default: " + ",".join(WORKLOADS) + ")")
     ap.add_argument("--steps", type=int, default=30, help="training steps of gpt2-train and cnn-train (default 30)")
     ap.add_argument("--requests", type=int, default=100, help="requests of gpt2-infer (default 100)")
     ap.add_argument("--max-entries", type=int, default=1_000_000,
@@ -434,9 +472,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
 
     names = [n for n in args.workloads.split(",") if n]
-    unknown = [n for n in names if n not in WORKLOADS]
+    unknown = [n for n in names if n not in WORKERS]
     if unknown:
-        ap.error(f"unknown workload(s) {', '.join(unknown)}; valid: {', '.join(WORKLOADS)}")
+        ap.error(f"unknown workload(s) {', '.join(unknown)}; valid: {', '.join(WORKERS)}")
     problem = gpu_problem()
     if problem:
         print(f"record_traces: cannot run here: {problem}", file=sys.stderr, flush=True)

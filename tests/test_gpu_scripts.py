@@ -25,7 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SHELL_SCRIPTS = [ROOT / "tools" / name for name in ("build-gpu-wheel.sh", "gpu-check.sh", "gpu-dryrun.sh")]
 PY_SCRIPTS = [ROOT / "benchmarks" / name for name in ("record_traces.py", "suite_gpu.py", "gpt2_train.py",
-                                                      "gpu_stress.py")]
+                                                      "gpu_stress.py", "tune_proof.py")]
 MiB = 1 << 20
 
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -90,6 +90,32 @@ def test_refuses_clearly_without_a_gpu(script: Path, tmp_path: Path) -> None:
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "cannot run here: no GPU" in r.stderr
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_tune_proof_dry_run(tmp_path: Path) -> None:
+    """Issue 20's torch proof, on a CPU: the shipped trace stands in for the
+    recording, gmp.tune picks the settings to measure, the report is
+    written with the predictions (and a workload recorded on the GPU only is
+    skipped, not failed)."""
+    import gpumempool as gmp
+
+    out = tmp_path / "out"
+    r = run([sys.executable, str(PY_SCRIPTS[4]), "--dry-run", "--workloads", "cnn-train,gpt2-varlen-train",
+             "--out", str(out), "--jobs", "2"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads((out / "tune_dry-run.json").read_text())
+    cnn, varlen = doc["workloads"]
+    assert "skipped" in varlen and "recorded on the GPU only" in varlen["skipped"]
+    expect = gmp.tune(ROOT / "benchmarks" / "traces" / "cnn-train.trace.gz", jobs=1, extra=False)
+    runs = cnn["runs"]
+    assert runs[0]["alloc_conf"] == "" and runs[0]["predicted"] == expect.default.peak_reserved
+    assert runs[1]["alloc_conf"] == expect.best.alloc_conf and runs[1]["predicted"] == expect.best.peak_reserved
+    assert all("measured" not in run for run in runs)
+    md = (out / "tune_dry-run.md").read_text()
+    assert "| cnn-train | `expandable_segments:True` | 552.0 | - |" in md
+    assert "skipped: no shipped trace gpt2-varlen-train.trace.gz" in md
+    r = run([sys.executable, str(PY_SCRIPTS[4]), "--dry-run", "--workloads", "bogus"], tmp_path)
+    assert r.returncode == 2 and "unknown workload" in r.stderr
 
 
 def test_record_traces_rejects_unknown_workload(tmp_path: Path) -> None:

@@ -31,12 +31,17 @@
 #   traces     benchmarks/record_traces.py (GPT-2 train, CNN, inference)     (~1-3 min)
 #   suite      benchmarks/suite_gpu.py (native/async/gmp/CuPy + replays)     (~3-5 min)
 #   sanitizer  compute-sanitizer memcheck over cuda/vmm/async pools + CuPy   (~1-2 min)
+#   tune       benchmarks/tune_proof.py: record 4 workloads with torch, run    (~6-9 min)
+#              `gpumempool tune` on each, then measure torch's max_memory_reserved
+#              under the default and the best settings in fresh processes
+#              (issue 20: prediction within 1%)
 #   stress     benchmarks/gpu_stress.py: threads x streams on cuda, vmm,      (~5-6 min)
 #              vmm-expandable and async, tags checked on the GPU (~3.5 min),
 #              then its short mode under compute-sanitizer memcheck (~1 min)
 # Groups: part1 = info gputests bench sanitizer cputests
 #         part2 = info traces gpt2 suite          (suite also replays the traces just recorded)
 #         part3 = info stress gpt2 suite          (stress takes most of one call: what is left runs)
+#         part4 = info tune                       (the tune proof takes most of one call)
 #         all   = every stage but `tests` (the default; the deadline skips what does not fit)
 # The whole invocation stops starting stages at GMP_CHECK_DEADLINE seconds
 # (default 570, for the run tool's 600-s limit) and caps each stage's
@@ -48,7 +53,7 @@
 # GMP_WORK (default /tmp/gmp-check: logs/results/traces, kept between calls on
 # a warm machine), GMP_CHECK_DEADLINE, GMP_T_<STAGE> (a stage's time budget in
 # seconds, e.g. GMP_T_SUITE=400), GMP_GPT2_ARGS / GMP_TRACES_ARGS /
-# GMP_SUITE_ARGS / GMP_BENCH_ARGS / GMP_PYTEST_ARGS / GMP_STRESS_ARGS (extra
+# GMP_SUITE_ARGS / GMP_TUNE_ARGS / GMP_BENCH_ARGS / GMP_PYTEST_ARGS / GMP_STRESS_ARGS (extra
 # arguments; GMP_STRESS_ARGS for the full stress run, not the memcheck one),
 # GMP_STRESS_SECONDS (seconds per backend of the stress run, default 45),
 # GMP_STRESS_SANITIZER_T (cap on its memcheck run in seconds, default 120),
@@ -64,12 +69,13 @@ T_START=$SECONDS
 # shellcheck source=tools/source-digest.sh
 . "$ROOT/tools/source-digest.sh"
 
-ALL_STAGES=(info gputests cputests tests bench gpt2 traces suite sanitizer stress)
+ALL_STAGES=(info gputests cputests tests bench gpt2 traces suite sanitizer stress tune)
 declare -A BUDGET=([info]=60 [gputests]=300 [cputests]=180 [tests]=420 [bench]=300 [gpt2]=360
-                   [traces]=300 [suite]=420 [sanitizer]=240 [stress]=420)
+                   [traces]=300 [suite]=420 [sanitizer]=240 [stress]=420 [tune]=540)
 declare -A STAGE_GROUPS=([part1]="info gputests bench sanitizer cputests"
                          [part2]="info traces gpt2 suite"
                          [part3]="info stress gpt2 suite"
+                         [part4]="info tune"
                          [all]="info gputests bench traces gpt2 suite sanitizer stress cputests")
 
 usage() {
@@ -375,6 +381,8 @@ stage_cmd() {  # the stage's command, run from the repository root
       local tr=(--traces "$ROOT/benchmarks/traces")
       compgen -G "$WORK/traces/*.trace.gz" >/dev/null && tr+=(--traces "$WORK/traces")
       "$PY" benchmarks/suite_gpu.py --out "$WORK/results" "${tr[@]}" ${GMP_SUITE_ARGS:-} ;;
+    tune)
+      "$PY" benchmarks/tune_proof.py --out "$WORK/results" ${GMP_TUNE_ARGS:-} ;;
     sanitizer)
       run_sanitizer ;;
     stress)

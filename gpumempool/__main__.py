@@ -380,6 +380,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         _require_matplotlib()
     except MissingDependencyError as exc:
         return _fail(str(exc), 2, json_out=args.json)
+    if os.path.isdir(args.snapshot):
+        return _plot_ranks(args)
     try:
         kind = _file_kind(args.snapshot)
     except (OSError, ValueError) as exc:
@@ -405,6 +407,30 @@ def _cmd_plot(args: argparse.Namespace) -> int:
               f"{summary['blocks']:,} blocks; {figure_label('peak_requested')} "
               f"{format_bytes(summary['peak_requested'])}, {figure_label('peak_reserved')} "
               f"{format_bytes(summary['peak_reserved'])}")
+    return 0
+
+
+def _plot_ranks(args: argparse.Namespace) -> int:
+    """plot DIRECTORY: the ranks' snapshots (gpumempool.distributed.dump_snapshots) side by side."""
+    from ._progress import Progress
+    from .plot import plot_ranks
+    from .trace import TraceFormatError
+
+    error: Optional[str] = None
+    with Progress("plot", unit="rank", enabled=not (args.json or args.no_progress)) as bar:
+        try:
+            summary = plot_ranks(args.snapshot, args.output, title=args.title, progress=bar)
+        except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError) as exc:
+            error = str(exc)
+    if error is not None:
+        return _fail(error, json_out=args.json)
+    if args.json:
+        _print_json(summary)
+        return 0
+    peak = next(r for r in summary["ranks"] if r["rank"] == summary["peak_rank"])
+    print(f"wrote {summary['output']}: {len(summary['ranks'])} ranks side by side; rank {peak['rank']} reserves the "
+          f"most ({figure_label('peak_reserved')} {format_bytes(peak['peak_reserved'])}, "
+          f"{figure_label('peak_requested')} {format_bytes(peak['peak_requested'])})")
     return 0
 
 
@@ -615,7 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
         "over the recorded history and a map of the segments with their blocks coloured by state. "
         "Needs matplotlib (pip install 'gpumempool[plot]').",
     )
-    plot.add_argument("snapshot", metavar="SNAPSHOT", help="snapshot pickle")
+    plot.add_argument("snapshot", metavar="SNAPSHOT",
+                      help="snapshot pickle, or a directory of per-rank snapshots (gpumempool.distributed."
+                      "dump_snapshots) to draw side by side")
     plot.add_argument("-o", "--output", required=True, metavar="OUT", help="image to write (.png, .svg, .pdf)")
     plot.add_argument("--title", help="figure title")
     plot.add_argument("--max-segments", type=_positive, default=120, help="segments drawn at most (default 120)")

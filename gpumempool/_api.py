@@ -22,6 +22,7 @@ from ._errors import (
 )
 from ._pool import CloseReport, LiveBlock, MemPool
 from . import cupy as cupy  # noqa: F401  (gmp.cupy: CuPy from a pool; imports CuPy lazily)
+from . import distributed as distributed  # noqa: F401  (gmp.distributed: ranks' memory; imports torch lazily)
 from .scope import cache_scope, invalidate
 from .torch import mempool, set_torch_allocator, torch_memory_stats, torch_memory_summary  # imports torch lazily
 from ._snapshot import dump_snapshot, record_history, snapshot

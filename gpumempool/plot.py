@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Union
 from ._units import format_bytes
 from .trace import PathLike, TraceFormatError, load_pickle
 
-__all__ = ["MissingDependencyError", "plot_snapshot", "timeline"]
+__all__ = ["MissingDependencyError", "plot_ranks", "plot_snapshot", "rank_snapshots", "timeline"]
 
 STATE_COLORS = {
     "active_allocated": "#1f77b4",
@@ -287,3 +287,93 @@ def plot_snapshot(
         "peak_reserved": peak_r,
         "reserved_at_end": reserved,
     }
+
+
+def rank_snapshots(directory: PathLike) -> list[tuple[int, str]]:
+    """The per-rank snapshots in ``directory`` (``rankNNNNN.pickle``, as
+    :func:`gpumempool.distributed.dump_snapshots` writes them), as
+    ``(rank, path)`` in rank order. Raises :class:`TraceFormatError` when
+    there are none."""
+    d = os.fspath(directory)
+    found = []
+    for name in os.listdir(d):
+        stem, ext = os.path.splitext(name)
+        if ext == ".pickle" and stem.startswith("rank") and stem[4:].isdigit():
+            found.append((int(stem[4:]), os.path.join(d, name)))
+    if not found:
+        raise TraceFormatError(f"{d}: no rank snapshots (rankNNNNN.pickle, from gpumempool.distributed."
+                               "dump_snapshots) in this directory")
+    return sorted(found)
+
+
+def plot_ranks(
+    directory: PathLike,
+    out: PathLike,
+    *,
+    title: Optional[str] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+    dpi: int = 110,
+) -> dict[str, Any]:
+    """Draw the ranks of ``directory`` side by side (see
+    :func:`rank_snapshots`): one timeline of requested vs reserved bytes per
+    rank, on one byte scale, and a bar per rank of its peaks, so the rank
+    that peaks stands out. Returns a summary: per rank its peaks and
+    reserved bytes at the end, and the rank with the highest reserved peak."""
+    _, Figure = _require_matplotlib()
+    from matplotlib.ticker import FuncFormatter, MultipleLocator
+
+    ranks = rank_snapshots(directory)
+    lines: list[tuple[int, dict[str, list[int]], int]] = []
+    for i, (rank, path) in enumerate(ranks):
+        try:
+            snap = _load(path)
+        except (TraceFormatError, ValueError, OSError) as exc:
+            raise TraceFormatError(f"{path}: {exc}") from None
+        end = sum(_int(s.get("total_size")) for s in snap.get("segments", []) if isinstance(s, dict))
+        lines.append((rank, timeline(snap), end))
+        if progress is not None:
+            progress(i + 1, len(ranks))
+    n = len(lines)
+    cols = min(n, 4)
+    rows = -(-n // cols)
+    fig = Figure(figsize=(4 * cols, 2.8 * rows + 3), layout="constrained")
+    grid = fig.add_gridspec(rows + 1, cols, height_ratios=[1] * rows + [1.1])
+    byte_fmt = FuncFormatter(lambda v, _pos: _fmt_bytes(v))
+    top = max([max(tl["reserved"] + tl["requested"]) for _, tl, _ in lines] + [1])
+    summary = []
+    for i, (rank, tl, end) in enumerate(lines):
+        ax = fig.add_subplot(grid[i // cols, i % cols])
+        events = len(tl["requested"]) - 1
+        peak_q, peak_r = max(tl["requested"]), max(tl["reserved"])
+        if events > 0:
+            for key, fill, edge in (("reserved", "#ffbb78", "#ff7f0e"), ("requested", "#aec7e8", "#1f77b4")):
+                xs, ys = _downsample(tl[key], 1500)
+                ax.fill_between(xs, ys, step="post", color=fill, alpha=0.7)
+                ax.plot(xs, ys, drawstyle="steps-post", color=edge, linewidth=0.8)
+            ax.set_xlim(0, events)
+        else:
+            ax.text(0.5, 0.5, "no history", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.set_ylim(0, top * 1.05)
+        ax.yaxis.set_major_formatter(byte_fmt)
+        ax.yaxis.set_major_locator(MultipleLocator(_byte_step(top)))
+        ax.set_title(f"rank {rank}: peaks {_fmt_bytes(peak_q)} / {_fmt_bytes(peak_r)}", fontsize=9)
+        summary.append({"rank": rank, "events": events, "peak_requested": peak_q, "peak_reserved": peak_r,
+                        "reserved_at_end": end})
+    ax_b = fig.add_subplot(grid[rows, :])
+    xs = list(range(n))
+    ax_b.bar([x - 0.2 for x in xs], [r["peak_requested"] for r in summary], width=0.4, color="#1f77b4",
+             label="peak requested")
+    ax_b.bar([x + 0.2 for x in xs], [r["peak_reserved"] for r in summary], width=0.4, color="#ff7f0e",
+             label="peak reserved")
+    ax_b.set_xticks(xs)
+    ax_b.set_xticklabels([f"rank {r['rank']}" for r in summary], fontsize=8)
+    ax_b.yaxis.set_major_formatter(byte_fmt)
+    ax_b.legend(loc="upper right", fontsize=8)
+    peak = max(summary, key=lambda r: r["peak_reserved"])
+    ax_b.set_title(f"peaks per rank: rank {peak['rank']} reserves the most ({_fmt_bytes(peak['peak_reserved'])})")
+    if title:
+        fig.suptitle(title)
+    out_path = os.fspath(out)
+    ext = os.path.splitext(out_path)[1].lstrip(".").lower()
+    fig.savefig(out_path, dpi=dpi, format=ext or "png")
+    return {"output": out_path, "ranks": summary, "peak_rank": peak["rank"]}

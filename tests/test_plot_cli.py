@@ -8,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Optional
 
@@ -546,3 +547,38 @@ def test_demo_replay_and_plot_name_each_figure_alike(tmp_path: Path) -> None:
     assert labels <= demo_rows and labels <= rep_rows, (demo_rows, rep_rows)
     r = run_cli("plot", str(snap), "-o", str(tmp_path / "q.png"), cwd=tmp_path)
     assert "peak requested" in r.stdout and "peak reserved" in r.stdout and "peak allocated" not in r.stdout
+
+
+def test_plot_directory_of_rank_snapshots(tmp_path: Path) -> None:
+    """plot DIRECTORY draws the ranks' snapshots (gpumempool.distributed.
+    dump_snapshots' rankNNNNN.pickle files) side by side and names the rank
+    that reserves the most; a directory without them is a message."""
+    pytest.importorskip("matplotlib")
+    snaps = tmp_path / "snaps"
+    snaps.mkdir()
+    code = textwrap.dedent(f"""
+        import gpumempool as gmp
+        gmp.record_history(True)
+        for rank, mib in enumerate([3, 9, 5]):
+            with gmp.MemPool("sim", name=f"r{{rank}}") as pool:
+                ptrs = [pool.alloc(mib << 20) for _ in range(3)]
+                for p in ptrs:
+                    pool.free(p)
+                gmp.dump_snapshot({str(snaps)!r} + f"/rank{{rank:05d}}.pickle", pool.snapshot())
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (snaps / "notes.txt").write_text("not a snapshot")  # other files are left alone
+    r = run_cli("plot", str(snaps), "-o", str(tmp_path / "ranks.png"), "--json", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert [x["rank"] for x in summary["ranks"]] == [0, 1, 2] and summary["peak_rank"] == 1
+    assert summary["ranks"][1]["peak_requested"] == 27 << 20
+    assert (tmp_path / "ranks.png").stat().st_size > 10_000
+    r = run_cli("plot", str(snaps), "-o", str(tmp_path / "ranks.png"), "--no-progress")
+    assert r.returncode == 0 and "3 ranks side by side; rank 1 reserves the most" in r.stdout
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = run_cli("plot", str(empty), "-o", str(tmp_path / "x.png"))
+    assert r.returncode == 1 and "no rank snapshots" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,140 @@
+"""gpumempool.distributed: every rank's pools on rank 0, and one snapshot per
+rank drawn side by side; torch.distributed's gloo backend on CPU in 2 and 4
+processes, each with its own sim pools (skipped without torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import import_or_skip
+
+import_or_skip("torch", module_level=True)
+import_or_skip("torch.distributed", module_level=True)
+
+MiB = 1 << 20
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch.distributed as dist
+    import gpumempool as gmp
+    import gpumempool.distributed as gd
+
+    out = sys.argv[1]
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    rank = dist.get_rank()
+    gmp.record_history(True)
+    # Every rank has "weights"; odd ranks also "activations"; rank 1 holds the most.
+    weights = gmp.MemPool("sim", name="weights")
+    keep = [weights.alloc((rank + 1) * 3 << 20) for _ in range(2)]
+    pools = [weights]
+    if rank % 2:
+        acts = gmp.MemPool("sim", name="activations")
+        pools.append(acts)
+        big = [acts.alloc(40 << 20), acts.alloc(8 << 20)]
+        acts.free(big.pop(0))  # 40 MiB cached but free
+    report = gd.memory_report()
+    paths = gd.dump_snapshots(os.path.join(out, "snaps"))
+    assert len(paths) == dist.get_world_size()
+    if rank == 0:
+        assert report is not None
+        with open(os.path.join(out, "report.json"), "w") as f:
+            json.dump({"table": report.table(), "report": report.as_dict(), "paths": paths}, f)
+    else:
+        assert report is None, "only rank 0 gets the report"
+    dist.barrier()
+    for ptr in keep:
+        weights.free(ptr)
+    if rank % 2:
+        acts.free(big.pop())
+    for p in pools:
+        p.close()
+    dist.destroy_process_group()
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(n: int, tmp_path: Path) -> dict:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    port = str(free_port())
+    procs = []
+    for r in range(n):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   PYTHONSAFEPATH="1", PYTHONWARNINGS="ignore")
+        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=240))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a rank hung")
+    for r, (p, (so, se)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r}: {se[-3000:]}"
+    return json.loads((tmp_path / "report.json").read_text())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_memory_report_across_ranks(world: int, tmp_path: Path) -> None:
+    doc = run_ranks(world, tmp_path)
+    rep = doc["report"]
+    assert rep["world_size"] == world and [r["rank"] for r in rep["ranks"]] == list(range(world))
+    for r in rep["ranks"]:
+        pools = {p["pool"]: p for p in r["pools"]}
+        w = pools["weights"]
+        assert w["allocated"] == 2 * (r["rank"] + 1) * 3 * MiB
+        assert w["top_blocks"][:2] == [(r["rank"] + 1) * 3 * MiB] * 2
+        if r["rank"] % 2:
+            a = pools["activations"]
+            assert a["cached_free"] >= 40 * MiB and a["allocated"] == 8 * MiB
+            assert a["peak_allocated"] == 48 * MiB
+        else:
+            assert "activations" not in pools
+    odd = [r for r in range(world) if r % 2]
+    # which rank peaks, which pool, how much is cached but free
+    peak = rep["peak"]
+    assert (peak["rank"], peak["pool"]) == (odd[-1], "activations")
+    assert rep["rank_totals"][str(odd[-1])]["cached_free"] >= 40 * MiB
+    table = doc["table"]
+    assert f"peak: rank {odd[-1]}, pool 'activations'" in table
+    assert f"pool 'activations' exists on rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} only" \
+        in table
+    assert "cached but free now:" in table
+    # one snapshot per rank, drawn side by side
+    snaps = tmp_path / "snaps"
+    assert sorted(os.listdir(snaps)) == [f"rank{r:05d}.pickle" for r in range(world)]
+    assert doc["paths"] == [str(snaps / f"rank{r:05d}.pickle") for r in range(world)]
+    import_or_skip("matplotlib")
+    png = tmp_path / "ranks.png"
+    p = subprocess.run([sys.executable, "-m", "gpumempool", "plot", str(snaps), "-o", str(png), "--json",
+                        "--no-progress"], capture_output=True, text=True, timeout=120, cwd="/")
+    assert p.returncode == 0, p.stderr
+    summary = json.loads(p.stdout)
+    assert [r["rank"] for r in summary["ranks"]] == list(range(world))
+    assert summary["peak_rank"] == odd[-1] and png.stat().st_size > 10_000
+
+
+def test_without_an_initialized_process_group_is_an_error() -> None:
+    import gpumempool.distributed as gd
+
+    with pytest.raises(RuntimeError, match="not initialized"):
+        gd.memory_report()
+    with pytest.raises(RuntimeError, match="not initialized"):
+        gd.dump_snapshots("/nonexistent")

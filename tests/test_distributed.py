@@ -32,15 +32,15 @@ RANK_SCRIPT = textwrap.dedent(
     dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     rank = dist.get_rank()
     gmp.record_history(True)
-    # Every rank has "weights"; odd ranks also "activations"; rank 1 holds the most.
+    # Every rank has "weights"; odd ranks also "activations"; the last odd rank peaks.
     weights = gmp.MemPool("sim", name="weights")
     keep = [weights.alloc((rank + 1) * 3 << 20) for _ in range(2)]
     pools = [weights]
     if rank % 2:
         acts = gmp.MemPool("sim", name="activations")
         pools.append(acts)
-        big = [acts.alloc(40 << 20), acts.alloc(8 << 20)]
-        acts.free(big.pop(0))  # 40 MiB cached but free
+        big = [acts.alloc((40 + rank) << 20), acts.alloc(8 << 20)]
+        acts.free(big.pop(0))  # 40+ MiB cached but free
     report = gd.memory_report()
     paths = gd.dump_snapshots(os.path.join(out, "snaps"))
     assert len(paths) == dist.get_world_size()
@@ -104,7 +104,7 @@ def test_memory_report_across_ranks(world: int, tmp_path: Path) -> None:
         if r["rank"] % 2:
             a = pools["activations"]
             assert a["cached_free"] >= 40 * MiB and a["allocated"] == 8 * MiB
-            assert a["peak_allocated"] == 48 * MiB
+            assert a["peak_allocated"] >= (48 + r["rank"]) * MiB  # large blocks round up to 2 MiB
         else:
             assert "activations" not in pools
     odd = [r for r in range(world) if r % 2]

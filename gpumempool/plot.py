@@ -368,7 +368,8 @@ def plot_ranks(
     ax_b.set_xticks(xs)
     ax_b.set_xticklabels([f"rank {r['rank']}" for r in summary], fontsize=8)
     ax_b.yaxis.set_major_formatter(byte_fmt)
-    ax_b.legend(loc="upper right", fontsize=8)
+    ax_b.yaxis.set_major_locator(MultipleLocator(_byte_step(top)))
+    ax_b.legend(loc="upper left", fontsize=8)
     peak = max(summary, key=lambda r: r["peak_reserved"])
     ax_b.set_title(f"peaks per rank: rank {peak['rank']} reserves the most ({_fmt_bytes(peak['peak_reserved'])})")
     if title:

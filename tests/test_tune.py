@@ -189,3 +189,12 @@ def test_stopped_candidates_are_not_listed_as_the_best_few(cnn: gmp.TuneResult) 
     best = cnn.best.peak_reserved
     assert all(c.peak_reserved > best * 1.25 for c in stopped)
     assert all(c.complete for c in cnn.top(10, torch=None))
+
+
+def test_docs_quote_what_tune_finds(cnn: gmp.TuneResult) -> None:
+    """docs/tune.md's table of the shipped traces, its cnn-train row."""
+    row = next(ln for ln in (ROOT / "docs" / "tune.md").read_text().splitlines() if ln.startswith("| cnn-train |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2] == f"{cnn.default.peak_reserved // MiB} MiB"
+    assert cells[3] == f"{cnn.best.peak_reserved // MiB} MiB ({cnn.best.peak_reserved / cnn.default.peak_reserved:.3f})"
+    assert cells[4] == f"`{cnn.best.alloc_conf}`"

@@ -619,9 +619,9 @@ using MempoolId_t = std::pair<CaptureId_t, CaptureId_t>;
 namespace cuda {{ using c10::MempoolId_t; }}
 }}
 #include "{caller}"
-static_assert(std::is_same_v<begin_fn, {types["set_begin_allocate_to_pool"]}*>, "begin");
-static_assert(std::is_same_v<end_fn, {types["set_end_allocate_to_pool_fn"]}*>, "end");
-static_assert(std::is_same_v<end_fn, {types["set_release_pool"]}*>, "release");
+static_assert(std::is_same_v<begin_fn, std::add_pointer_t<{types["set_begin_allocate_to_pool"]}>>, "begin");
+static_assert(std::is_same_v<end_fn, std::add_pointer_t<{types["set_end_allocate_to_pool_fn"]}>>, "end");
+static_assert(std::is_same_v<end_fn, std::add_pointer_t<{types["set_release_pool"]}>>, "release");
 static_assert(std::is_same_v<alloc_fn, void*(*)(std::size_t, int, void*)>, "alloc");
 """)
     r = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", str(check)], capture_output=True, text=True)

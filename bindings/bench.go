@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/gpumempool/gpumempool/gocore"
-	"github.com/gpumempool/gpumempool/gocore/cuda"
+	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
 )
 
 // benchRow is one size of BenchBackend's result.
@@ -29,7 +29,7 @@ type benchRow struct {
 // cuda.AsyncBackend (cuMemPoolTrimTo, after the stream has run the frees).
 type drainable interface {
 	Trim(dev int, keep uint64) error
-	Driver() *cuda.Driver
+	Driver() *driver.Driver
 }
 
 // timeCold times iters alloc+free pairs of be, emptying its driver-side

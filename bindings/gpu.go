@@ -5,6 +5,7 @@ import (
 
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/cuda"
+	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
 	"github.com/gpumempool/gpumempool/gocore/nccl"
 )
 
@@ -40,7 +41,7 @@ type gpuOptions struct {
 
 // gpuBackend builds a backend over the CUDA driver.
 func gpuBackend(name string, o gpuOptions) (gocore.Backend, error) {
-	drv, err := cuda.Load(o.Libcuda)
+	drv, err := driver.Load(o.Libcuda)
 	if err != nil {
 		return nil, fmt.Errorf("%s backend: %w", name, err)
 	}

@@ -13,6 +13,7 @@ import (
 	"github.com/gpumempool/gpumempool/bindings/cabi"
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/cuda"
+	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
 )
 
 // ipcHandle is what PoolExport returns and ImportMemory takes: everything but
@@ -77,7 +78,7 @@ func PoolExport(id int64, addr uint64) (js string, err error) {
 			closeFDs(h.FDs)
 		}
 	}()
-	var drv *cuda.Driver
+	var drv *driver.Driver
 	switch be := e.Keep.(type) {
 	case *cuda.AsyncBackend:
 		drv = be.Driver()
@@ -105,7 +106,7 @@ func PoolExport(id int64, addr uint64) (js string, err error) {
 	switch {
 	case err == nil:
 		h.UUID = hex.EncodeToString(uuid[:])
-	case errors.Is(err, cuda.ErrDriverTooOld): // no cuDeviceGetUuid_v2: the importer uses the ordinal
+	case errors.Is(err, driver.ErrDriverTooOld): // no cuDeviceGetUuid_v2: the importer uses the ordinal
 	default:
 		return "", err
 	}
@@ -154,11 +155,11 @@ func within(off, size, total uint64) bool { return size <= total && off <= total
 // importDevice returns this process's ordinal of the exporter's device: the
 // one with the handle's UUID, or the exporter's ordinal for a handle
 // without one (or a driver here without cuDeviceGetUuid_v2).
-func importDevice(drv *cuda.Driver, h *ipcHandle) (int, error) {
+func importDevice(drv *driver.Driver, h *ipcHandle) (int, error) {
 	if h.UUID == "" {
 		return checkedDevice(drv, h.Device)
 	}
-	var u cuda.UUID
+	var u driver.UUID
 	if len(h.UUID) != 2*len(u) {
 		return 0, fmt.Errorf("IPC handle uuid of %d characters: want %d hex digits: %w", len(h.UUID), 2*len(u),
 			gocore.ErrInvalidArgument)
@@ -168,7 +169,7 @@ func importDevice(drv *cuda.Driver, h *ipcHandle) (int, error) {
 	}
 	dev, ok, err := drv.DeviceByUUID(u)
 	switch {
-	case errors.Is(err, cuda.ErrDriverTooOld):
+	case errors.Is(err, driver.ErrDriverTooOld):
 		return checkedDevice(drv, h.Device)
 	case err != nil:
 		return 0, fmt.Errorf("IPC handle: find the exporting GPU %s: %w", u, err)
@@ -181,7 +182,7 @@ func importDevice(drv *cuda.Driver, h *ipcHandle) (int, error) {
 
 // checkedDevice refuses an ordinal this process has no device for (a handle
 // may carry any number; C.int would wrap 2^32 to device 0).
-func checkedDevice(drv *cuda.Driver, dev int) (int, error) {
+func checkedDevice(drv *driver.Driver, dev int) (int, error) {
 	n, err := drv.DeviceCount()
 	if err != nil {
 		return 0, fmt.Errorf("IPC handle: %w", err)
@@ -256,7 +257,7 @@ func ImportMemory(handleJSON, fdsJSON, libcuda, peer string) (js string, err err
 	default:
 		return "", fmt.Errorf("IPC handle kind %q (want async or vmm): %w", h.Kind, gocore.ErrInvalidArgument)
 	}
-	drv, err := cuda.Load(libcuda)
+	drv, err := driver.Load(libcuda)
 	if err != nil {
 		return "", err
 	}

@@ -19,9 +19,16 @@ type Stream uint64
 // Event is an opaque backend event handle (for CUDA, a CUevent).
 type Event uint64
 
-// Backend is where a pool gets its segments from and how it learns that work
-// queued on a stream has finished. Implementations must be safe for
-// concurrent use: many pools may share one backend.
+// Backend is where a pool gets its segments from (the methods below) and
+// how it learns that work queued on a stream has finished (its
+// EventSource). Implementations must be safe for concurrent use: many pools
+// may share one backend.
+//
+// The two halves are separate concerns: a backend that allocates through
+// one library and orders work with another's events (the GPU backends all
+// use CUDA events) embeds a value that implements EventSource (and, where
+// it can wait, EventSynchronizer), rather than forwarding each event method
+// by hand; Go promotes the embedded value's methods.
 type Backend interface {
 	// Name identifies the backend in errors and stats ("sim", "callback", ...).
 	Name() string
@@ -41,6 +48,14 @@ type Backend interface {
 	Alloc(device int, size uint64, stream Stream) (addr uint64, err error)
 	// Free returns a segment obtained from Alloc.
 	Free(device int, addr, size uint64, stream Stream) error
+	// The events that order the reuse of blocks across streams.
+	EventSource
+}
+
+// EventSource is the event half of a Backend: events that capture the work
+// queued on a stream, so that the engine reuses a block freed on one stream
+// on another only once that work has completed.
+type EventSource interface {
 	// NewEvent creates an event on device.
 	NewEvent(device int) (Event, error)
 	// RecordEvent captures the work queued so far on stream into ev.

@@ -1,7 +1,7 @@
 """The driver declarations gpumempool builds with agree with NVIDIA's headers.
 
-gpumempool builds without CUDA or NCCL headers: package cuda declares the
-cuda.h types, constants and entry points it uses (gocore/cuda/cuda_types.h,
+gpumempool builds without CUDA or NCCL headers: package cuda/driver declares the
+cuda.h types, constants and entry points it uses (gocore/cuda/driver/cuda_types.h,
 shim.h, consts.go) and package nccl the NCCL ones (gocore/nccl/nccl_api.h,
 errors.go). A wrong offset or argument there would only show on a GPU, as
 memory corruption. These tests compile tests/csrc/cuda_abi_check.cpp
@@ -28,9 +28,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "tests" / "csrc" / "cuda_abi_check.cpp"
-SHIM = ROOT / "gocore" / "cuda" / "shim.h"
-CUDA_TYPES = ROOT / "gocore" / "cuda" / "cuda_types.h"
-CUDA_CONSTS = ROOT / "gocore" / "cuda" / "consts.go"
+SHIM = ROOT / "gocore" / "cuda" / "driver" / "shim.h"
+CUDA_TYPES = ROOT / "gocore" / "cuda" / "driver" / "cuda_types.h"
+CUDA_CONSTS = ROOT / "gocore" / "cuda" / "driver" / "consts.go"
 NCCL_ERRORS = ROOT / "gocore" / "nccl" / "errors.go"
 
 

@@ -2,9 +2,9 @@ package cuda
 
 import (
 	"fmt"
-	"sync"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
 )
 
 // Alignment is what Backend and HostBackend guarantee for every address
@@ -20,23 +20,20 @@ import (
 const Alignment = 512
 
 // Backend is a gocore.Backend over device memory from cuMemAlloc_v2. Its
-// events are CUDA events created with CU_EVENT_DISABLE_TIMING on the
-// device the pool asks for; each is recorded, queried and destroyed under
-// that device's context. Streams are the caller's CUstream values (0: the
-// legacy default stream). It is safe for concurrent use.
+// events (Events) are CUDA events on the device the pool asks for. Streams
+// are the caller's CUstream values (0: the legacy default stream). It is
+// safe for concurrent use.
 type Backend struct {
-	drv     *Driver
+	*Events
+	drv     *driver.Driver
 	devices int
-
-	mu     sync.Mutex
-	events map[gocore.Event]int // live event -> its device
 }
 
 var _ gocore.Backend = (*Backend)(nil)
 
 // NewBackend returns a Backend over drv's devices. It fails when drv is nil
 // or sees no device.
-func NewBackend(drv *Driver) (*Backend, error) {
+func NewBackend(drv *driver.Driver) (*Backend, error) {
 	if drv == nil {
 		return nil, fmt.Errorf("cuda backend: nil driver: %w", gocore.ErrInvalidArgument)
 	}
@@ -47,7 +44,9 @@ func NewBackend(drv *Driver) (*Backend, error) {
 	if n == 0 {
 		return nil, fmt.Errorf("cuda backend: the driver (%s) sees no CUDA device: %w", drv.Path(), gocore.ErrInvalidDevice)
 	}
-	return &Backend{drv: drv, devices: n, events: make(map[gocore.Event]int)}, nil
+	b := &Backend{drv: drv, devices: n}
+	b.Events = newEvents(drv, "cuda backend", func(op string, dev int) (int, error) { return dev, b.checkDevice(op, dev) })
+	return b, nil
 }
 
 // Name returns "cuda".
@@ -60,7 +59,7 @@ func (b *Backend) Devices() int { return b.devices }
 func (b *Backend) Alignment() uint64 { return Alignment }
 
 // Driver returns the driver b allocates through.
-func (b *Backend) Driver() *Driver { return b.drv }
+func (b *Backend) Driver() *driver.Driver { return b.drv }
 
 func (b *Backend) checkDevice(op string, dev int) error {
 	if dev < 0 || dev >= b.devices {
@@ -105,86 +104,4 @@ func (b *Backend) Free(dev int, addr, size uint64, stream gocore.Stream) error {
 		return err
 	}
 	return b.drv.MemFree(dev, addr)
-}
-
-// NewEvent creates an event on dev.
-func (b *Backend) NewEvent(dev int) (gocore.Event, error) {
-	if err := b.checkDevice("new event", dev); err != nil {
-		return 0, err
-	}
-	ev, err := b.drv.EventCreate(dev)
-	if err != nil {
-		return 0, err
-	}
-	b.mu.Lock()
-	b.events[gocore.Event(ev)] = dev
-	b.mu.Unlock()
-	return gocore.Event(ev), nil
-}
-
-func (b *Backend) eventDevice(op string, ev gocore.Event) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	dev, ok := b.events[ev]
-	if !ok {
-		return 0, fmt.Errorf("cuda backend: %s unknown event %#x: %w", op, uint64(ev), gocore.ErrInvalidArgument)
-	}
-	return dev, nil
-}
-
-// RecordEvent records ev on stream, a stream of the event's device.
-func (b *Backend) RecordEvent(ev gocore.Event, stream gocore.Stream) error {
-	dev, err := b.eventDevice("record", ev)
-	if err != nil {
-		return err
-	}
-	return b.drv.EventRecord(dev, uint64(ev), uint64(stream))
-}
-
-// QueryEvent reports whether the work captured by ev has completed.
-func (b *Backend) QueryEvent(ev gocore.Event) (bool, error) {
-	dev, err := b.eventDevice("query", ev)
-	if err != nil {
-		return false, err
-	}
-	return b.drv.EventQuery(dev, uint64(ev))
-}
-
-// SynchronizeEvent waits for the work captured by ev
-// (gocore.EventSynchronizer).
-func (b *Backend) SynchronizeEvent(ev gocore.Event) error {
-	dev, err := b.eventDevice("synchronize", ev)
-	if err != nil {
-		return err
-	}
-	return b.drv.EventSynchronize(dev, uint64(ev))
-}
-
-// DestroyEvent destroys ev. The entry leaves the event table before
-// cuEventDestroy: once the driver destroyed the event it may hand the same
-// handle to a NewEvent on another thread, whose fresh entry a later delete
-// would remove. Should cuEventDestroy fail, the event is still alive and its
-// entry is put back.
-func (b *Backend) DestroyEvent(ev gocore.Event) error {
-	b.mu.Lock()
-	dev, ok := b.events[ev]
-	delete(b.events, ev)
-	b.mu.Unlock()
-	if !ok {
-		return fmt.Errorf("cuda backend: destroy unknown event %#x: %w", uint64(ev), gocore.ErrInvalidArgument)
-	}
-	if err := b.drv.EventDestroy(dev, uint64(ev)); err != nil {
-		b.mu.Lock()
-		b.events[ev] = dev // still alive, so its handle cannot have been reused
-		b.mu.Unlock()
-		return err
-	}
-	return nil
-}
-
-// LiveEvents reports how many events b has created and not destroyed.
-func (b *Backend) LiveEvents() int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return len(b.events)
 }

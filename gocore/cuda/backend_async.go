@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
 	"github.com/gpumempool/gpumempool/gocore/internal/segtrack"
 )
 
@@ -64,9 +65,10 @@ type AsyncOptions struct {
 // calls that use a pool or a private stream to finish before destroying
 // them.
 type AsyncBackend struct {
-	cu   *Backend
-	drv  *Driver
-	opts AsyncOptions
+	*Events // the cu backend's
+	cu      *Backend
+	drv     *driver.Driver
+	opts    AsyncOptions
 
 	live *segtrack.Table // the segments allocated and not freed
 
@@ -125,7 +127,7 @@ var asyncSymbols = []string{
 // NewAsyncBackend returns an AsyncBackend over drv's devices. It fails when
 // drv is nil, sees no device or lacks the stream-ordered allocator (CUDA
 // 11.2+) or cuStreamIsCapturing. No pool is created until a device is used.
-func NewAsyncBackend(drv *Driver, opts AsyncOptions) (*AsyncBackend, error) {
+func NewAsyncBackend(drv *driver.Driver, opts AsyncOptions) (*AsyncBackend, error) {
 	cu, err := NewBackend(drv)
 	if err != nil {
 		return nil, fmt.Errorf("async backend: %w", err)
@@ -136,12 +138,12 @@ func NewAsyncBackend(drv *Driver, opts AsyncOptions) (*AsyncBackend, error) {
 	if opts.MaxSize > 0 {
 		// Older drivers read CUmemPoolProps.maxSize as reserved bytes and
 		// would refuse every pool with CUDA_ERROR_INVALID_VALUE.
-		if err := requireVersion(drv, "async backend", "MaxSize (CUmemPoolProps.maxSize)", 12020); err != nil {
+		if err := drv.RequireVersion("async backend", "MaxSize (CUmemPoolProps.maxSize)", 12020); err != nil {
 			return nil, err
 		}
 	}
 	return &AsyncBackend{
-		cu: cu, drv: drv, opts: opts,
+		Events: cu.Events, cu: cu, drv: drv, opts: opts,
 		pools:     make([]uint64, cu.Devices()),
 		streams:   make([]uint64, cu.Devices()),
 		live:      segtrack.New("async backend"),
@@ -151,10 +153,10 @@ func NewAsyncBackend(drv *Driver, opts AsyncOptions) (*AsyncBackend, error) {
 
 // requireSymbols fails with ErrDriverTooOld naming the first missing entry
 // point.
-func requireSymbols(drv *Driver, who string, names []string) error {
+func requireSymbols(drv *driver.Driver, who string, names []string) error {
 	for _, name := range names {
 		if !drv.HasSymbol(name) {
-			return fmt.Errorf("%s: %s: %w: %s missing", who, drv.Path(), ErrDriverTooOld, name)
+			return fmt.Errorf("%s: %s: %w: %s missing", who, drv.Path(), driver.ErrDriverTooOld, name)
 		}
 	}
 	return nil
@@ -170,7 +172,7 @@ func (b *AsyncBackend) Devices() int { return b.cu.Devices() }
 func (b *AsyncBackend) Alignment() uint64 { return Alignment }
 
 // Driver returns the driver b allocates through.
-func (b *AsyncBackend) Driver() *Driver { return b.drv }
+func (b *AsyncBackend) Driver() *driver.Driver { return b.drv }
 
 // Options returns the options b was made with.
 func (b *AsyncBackend) Options() AsyncOptions { return b.opts }
@@ -178,26 +180,6 @@ func (b *AsyncBackend) Options() AsyncOptions { return b.opts }
 // Capacity reports the device's total and free memory (cuMemGetInfo_v2).
 // Memory cached by the CUDA pool counts as used.
 func (b *AsyncBackend) Capacity(dev int) (total, free uint64, err error) { return b.cu.Capacity(dev) }
-
-// NewEvent creates an event on dev (see Backend.NewEvent).
-func (b *AsyncBackend) NewEvent(dev int) (gocore.Event, error) { return b.cu.NewEvent(dev) }
-
-// RecordEvent records ev on stream (see Backend.RecordEvent).
-func (b *AsyncBackend) RecordEvent(ev gocore.Event, stream gocore.Stream) error {
-	return b.cu.RecordEvent(ev, stream)
-}
-
-// QueryEvent reports whether the work captured by ev has completed.
-func (b *AsyncBackend) QueryEvent(ev gocore.Event) (bool, error) { return b.cu.QueryEvent(ev) }
-
-// SynchronizeEvent waits for the work captured by ev.
-func (b *AsyncBackend) SynchronizeEvent(ev gocore.Event) error { return b.cu.SynchronizeEvent(ev) }
-
-// DestroyEvent destroys ev.
-func (b *AsyncBackend) DestroyEvent(ev gocore.Event) error { return b.cu.DestroyEvent(ev) }
-
-// LiveEvents reports how many events b has created and not destroyed.
-func (b *AsyncBackend) LiveEvents() int { return b.cu.LiveEvents() }
 
 // pool returns dev's CUDA pool, creating it on first use. Creation holds
 // b.mu: it happens once per device, and holding the lock keeps two first
@@ -226,10 +208,10 @@ func (b *AsyncBackend) pool(op string, dev int) (uint64, error) {
 // createPool creates dev's pool and applies the options; on any failure
 // the pool is destroyed again so that nothing half-configured is used.
 func (b *AsyncBackend) createPool(dev int) (uint64, error) {
-	props := PoolProps{HandleType: MemHandleTypeNone, LocationType: MemLocationTypeDevice, LocationID: dev,
+	props := driver.PoolProps{HandleType: driver.MemHandleTypeNone, LocationType: driver.MemLocationTypeDevice, LocationID: dev,
 		MaxSize: b.opts.MaxSize}
 	if b.opts.IPC {
-		props.HandleType = MemHandleTypePosixFD
+		props.HandleType = driver.MemHandleTypePosixFD
 	}
 	p, err := b.drv.MemPoolCreate(dev, props)
 	if err != nil {
@@ -241,14 +223,14 @@ func (b *AsyncBackend) createPool(dev int) (uint64, error) {
 		attr  int
 		value uint64
 	}
-	settings := []setting{{MemPoolAttrReleaseThreshold, b.opts.ReleaseThreshold}}
+	settings := []setting{{driver.MemPoolAttrReleaseThreshold, b.opts.ReleaseThreshold}}
 	for _, r := range []struct {
 		attr int
 		on   *bool
 	}{
-		{MemPoolAttrReuseFollowEventDependencies, b.opts.ReuseFollowEventDependencies},
-		{MemPoolAttrReuseAllowOpportunistic, b.opts.ReuseAllowOpportunistic},
-		{MemPoolAttrReuseAllowInternalDependencies, b.opts.ReuseAllowInternalDependencies},
+		{driver.MemPoolAttrReuseFollowEventDependencies, b.opts.ReuseFollowEventDependencies},
+		{driver.MemPoolAttrReuseAllowOpportunistic, b.opts.ReuseAllowOpportunistic},
+		{driver.MemPoolAttrReuseAllowInternalDependencies, b.opts.ReuseAllowInternalDependencies},
 	} {
 		if r.on != nil {
 			settings = append(settings, setting{r.attr, boolValue(*r.on)})
@@ -328,7 +310,7 @@ func (b *AsyncBackend) privateStream(dev int) (uint64, error) {
 	if s := b.streams[dev]; s != 0 {
 		return s, nil
 	}
-	s, err := b.drv.StreamCreate(dev, StreamNonBlocking)
+	s, err := b.drv.StreamCreate(dev, driver.StreamNonBlocking)
 	if err != nil {
 		return 0, fmt.Errorf("async backend: private stream for allocations during a graph capture: %w", err)
 	}
@@ -542,7 +524,7 @@ func (b *AsyncBackend) ExportPool(dev int) (int, error) {
 	if err != nil {
 		return -1, err
 	}
-	fd, err := b.drv.MemPoolExportToShareableHandle(dev, p, MemHandleTypePosixFD)
+	fd, err := b.drv.MemPoolExportToShareableHandle(dev, p, driver.MemHandleTypePosixFD)
 	if err != nil {
 		return -1, fmt.Errorf("async backend: %w", err)
 	}

@@ -1,3 +1,5 @@
+//go:build cgo
+
 package cuda
 
 import (
@@ -13,10 +15,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
 	"github.com/gpumempool/gpumempool/gocore/cuda/internal/fakecuda"
 )
 
-func newAsync(t *testing.T, drv *Driver, opts AsyncOptions) *AsyncBackend {
+func newAsync(t *testing.T, drv *driver.Driver, opts AsyncOptions) *AsyncBackend {
 	t.Helper()
 	be, err := NewAsyncBackend(drv, opts)
 	require.NoError(t, err)
@@ -51,11 +54,11 @@ func TestAsyncBackendPoolCycle(t *testing.T) {
 	assert.EqualValues(t, stream, f.LastStream("cuMemFreeAsync"))
 
 	// The CUDA pool keeps what the engine gave back until trimmed.
-	reserved, err := be.Attribute(1, MemPoolAttrReservedMemCurrent)
+	reserved, err := be.Attribute(1, driver.MemPoolAttrReservedMemCurrent)
 	require.NoError(t, err)
 	assert.EqualValues(t, gocore.SmallBuffer, reserved)
 	require.NoError(t, be.Trim(1, 0))
-	reserved, err = be.Attribute(1, MemPoolAttrReservedMemCurrent)
+	reserved, err = be.Attribute(1, driver.MemPoolAttrReservedMemCurrent)
 	require.NoError(t, err)
 	assert.Zero(t, reserved)
 	require.NoError(t, be.Trim(0, 0), "no pool on device 0 yet: nothing to do")
@@ -85,20 +88,20 @@ func TestAsyncBackendAttributes(t *testing.T) {
 		require.NoError(t, err)
 		return v
 	}
-	assert.EqualValues(t, 64*mib, attr(1, MemPoolAttrReleaseThreshold))
-	assert.Zero(t, attr(1, MemPoolAttrReuseAllowOpportunistic))
-	assert.EqualValues(t, 1, attr(1, MemPoolAttrReuseFollowEventDependencies))
-	assert.EqualValues(t, 1, attr(1, MemPoolAttrReuseAllowInternalDependencies), "nil keeps the driver default")
+	assert.EqualValues(t, 64*mib, attr(1, driver.MemPoolAttrReleaseThreshold))
+	assert.Zero(t, attr(1, driver.MemPoolAttrReuseAllowOpportunistic))
+	assert.EqualValues(t, 1, attr(1, driver.MemPoolAttrReuseFollowEventDependencies))
+	assert.EqualValues(t, 1, attr(1, driver.MemPoolAttrReuseAllowInternalDependencies), "nil keeps the driver default")
 	assert.Equal(t, 3, f.Calls("cuMemPoolSetAttribute"), "the threshold and the two reuse policies given")
 	locType, locID, handles, maxSize := f.LastPoolCreate()
-	assert.Equal(t, MemLocationTypeDevice, locType)
+	assert.Equal(t, driver.MemLocationTypeDevice, locType)
 	assert.Equal(t, 1, locID)
-	assert.Equal(t, MemHandleTypeNone, handles, "not exportable without IPC")
+	assert.Equal(t, driver.MemHandleTypeNone, handles, "not exportable without IPC")
 	assert.EqualValues(t, 32*mib, maxSize)
 	assert.Equal(t, 1, f.LivePools())
 
 	// A pool per device, each configured.
-	assert.EqualValues(t, 64*mib, attr(0, MemPoolAttrReleaseThreshold))
+	assert.EqualValues(t, 64*mib, attr(0, driver.MemPoolAttrReleaseThreshold))
 	assert.Equal(t, 2, f.LivePools())
 	assert.Equal(t, 2, f.Calls("cuMemPoolCreate"), "device 1's pool was reused")
 
@@ -114,10 +117,10 @@ func TestAsyncBackendAttributes(t *testing.T) {
 
 	// IPC pools are created exportable as file descriptors.
 	ipc := newAsync(t, drv, AsyncOptions{IPC: true})
-	_, err = ipc.Attribute(0, MemPoolAttrReleaseThreshold)
+	_, err = ipc.Attribute(0, driver.MemPoolAttrReleaseThreshold)
 	require.NoError(t, err)
 	_, _, handles, _ = f.LastPoolCreate()
-	assert.Equal(t, MemHandleTypePosixFD, handles)
+	assert.Equal(t, driver.MemHandleTypePosixFD, handles)
 	require.NoError(t, ipc.Close())
 }
 
@@ -174,9 +177,9 @@ func TestAsyncBackendOutOfMemory(t *testing.T) {
 	require.ErrorAs(t, err, &oom)
 	assert.Equal(t, "async", oom.Backend)
 	assert.EqualValues(t, 64*mib, oom.DeviceTotal, "capacity comes from the cuda backend")
-	var cerr *Error
+	var cerr *driver.Error
 	require.ErrorAs(t, err, &cerr)
-	assert.Equal(t, CodeOutOfMemory, cerr.Code)
+	assert.Equal(t, driver.CodeOutOfMemory, cerr.Code)
 	assert.Equal(t, "cuMemAllocFromPoolAsync", cerr.Op)
 	st = poolStats(t, p, 0)
 	assert.EqualValues(t, 1, st.NumOOMs)
@@ -203,7 +206,7 @@ func TestAsyncBackendErrors(t *testing.T) {
 	require.ErrorIs(t, err, gocore.ErrUnsupported)
 
 	// A pool whose options cannot be applied is destroyed again.
-	f.Fail("cuMemPoolSetAttribute", CodeInvalidValue, 0)
+	f.Fail("cuMemPoolSetAttribute", driver.CodeInvalidValue, 0)
 	_, err = be.Alloc(0, mib, 0)
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "cuMemPoolSetAttribute")
@@ -214,7 +217,7 @@ func TestAsyncBackendErrors(t *testing.T) {
 	require.NoError(t, err)
 	require.ErrorIs(t, be.Free(0, a, mib, 7), gocore.ErrInvalidArgument, "wrong size")
 	require.ErrorIs(t, be.Free(1, a, 2*mib, 7), gocore.ErrInvalidArgument, "wrong device")
-	f.Fail("cuMemFreeAsync", CodeUnknown, 0)
+	f.Fail("cuMemFreeAsync", driver.CodeUnknown, 0)
 	require.Error(t, be.Free(0, a, 2*mib, 7))
 	f.Fail("cuMemFreeAsync", 0, 0)
 
@@ -228,7 +231,7 @@ func TestAsyncBackendErrors(t *testing.T) {
 	require.ErrorIs(t, be.Close(), ErrBackendClosed)
 	_, err = be.Alloc(0, mib, 0)
 	require.ErrorIs(t, err, ErrBackendClosed)
-	_, err = be.Attribute(0, MemPoolAttrReleaseThreshold)
+	_, err = be.Attribute(0, driver.MemPoolAttrReleaseThreshold)
 	require.ErrorIs(t, err, ErrBackendClosed)
 	require.ErrorIs(t, be.Trim(0, 0), ErrBackendClosed)
 }
@@ -236,11 +239,11 @@ func TestAsyncBackendErrors(t *testing.T) {
 func TestGPUBackendsNeedTheirEntryPoints(t *testing.T) {
 	_, drv := setupHiding(t, "cuMemFreeAsync", "cuMemMap")
 	_, err := NewAsyncBackend(drv, AsyncOptions{})
-	require.ErrorIs(t, err, ErrDriverTooOld)
+	require.ErrorIs(t, err, driver.ErrDriverTooOld)
 	require.ErrorIs(t, err, gocore.ErrUnsupported, "callers can fall back with one check")
 	assert.Contains(t, err.Error(), "cuMemFreeAsync missing")
 	_, err = NewVMMBackend(drv, VMMOptions{})
-	require.ErrorIs(t, err, ErrDriverTooOld)
+	require.ErrorIs(t, err, driver.ErrDriverTooOld)
 	assert.Contains(t, err.Error(), "cuMemMap missing")
 }
 
@@ -250,10 +253,10 @@ func TestGPUBackendsNeedTheirEntryPoints(t *testing.T) {
 func TestGPUBackendsNeedCaptureStatus(t *testing.T) {
 	_, drv := setupHiding(t, "cuStreamIsCapturing")
 	_, err := NewAsyncBackend(drv, AsyncOptions{})
-	require.ErrorIs(t, err, ErrDriverTooOld)
+	require.ErrorIs(t, err, driver.ErrDriverTooOld)
 	assert.Contains(t, err.Error(), "cuStreamIsCapturing missing")
 	_, err = NewVMMBackend(drv, VMMOptions{})
-	require.ErrorIs(t, err, ErrDriverTooOld)
+	require.ErrorIs(t, err, driver.ErrDriverTooOld)
 	assert.Contains(t, err.Error(), "cuStreamIsCapturing missing")
 }
 
@@ -349,7 +352,7 @@ func TestAsyncBackendAllocDuringCaptureUsesPrivateStream(t *testing.T) {
 	dev, flags, ok := f.StreamInfo(side)
 	require.True(t, ok, "a stream the backend created")
 	assert.Equal(t, 1, dev, "of the segment's device")
-	assert.Equal(t, StreamNonBlocking, flags, "no implicit synchronization with the legacy stream")
+	assert.Equal(t, driver.StreamNonBlocking, flags, "no implicit synchronization with the legacy stream")
 	assert.Equal(t, side, f.LastStream("cuStreamSynchronize"), "waited for the private stream")
 	assert.Equal(t, 1, f.PtrDevice(b))
 	assert.Zero(t, f.CaptureViolations())
@@ -421,7 +424,7 @@ func TestAsyncBackendPoolDuringCapture(t *testing.T) {
 
 // captureTestBackends makes a VMM and an async backend over drv, each
 // closed (and checked to close cleanly) at the end of the test.
-func captureTestBackends(t *testing.T, drv *Driver) map[string]gocore.Backend {
+func captureTestBackends(t *testing.T, drv *driver.Driver) map[string]gocore.Backend {
 	t.Helper()
 	vmm, async := newVMM(t, drv, VMMOptions{}), newAsync(t, drv, AsyncOptions{})
 	t.Cleanup(func() {
@@ -521,16 +524,16 @@ func TestAsyncBackendCaptureFailures(t *testing.T) {
 	assert.Equal(t, 2, f.CaptureViolations())
 
 	// Failures on the way are reported, and leave nothing behind.
-	f.Fail("cuStreamIsCapturing", CodeInvalidValue, 0)
+	f.Fail("cuStreamIsCapturing", driver.CodeInvalidValue, 0)
 	_, err = be.Alloc(0, 2*mib, captured)
 	require.ErrorContains(t, err, "cuStreamIsCapturing: CUDA_ERROR_INVALID_VALUE")
 	f.Fail("cuStreamIsCapturing", 0, 0)
-	f.Fail("cuStreamCreate", CodeOutOfMemory, 0)
+	f.Fail("cuStreamCreate", driver.CodeOutOfMemory, 0)
 	_, err = be.Alloc(0, 2*mib, captured)
 	require.ErrorContains(t, err, "private stream")
 	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory)
 	f.Fail("cuStreamCreate", 0, 0)
-	f.Fail("cuStreamSynchronize", CodeIllegalAddress, 0)
+	f.Fail("cuStreamSynchronize", driver.CodeIllegalAddress, 0)
 	_, err = be.Alloc(0, 2*mib, captured)
 	require.ErrorContains(t, err, "cuStreamSynchronize: CUDA_ERROR_ILLEGAL_ADDRESS")
 	f.Fail("cuStreamSynchronize", 0, 0)
@@ -538,7 +541,7 @@ func TestAsyncBackendCaptureFailures(t *testing.T) {
 	assert.Equal(t, 2, f.CaptureViolations(), "no refused call by the backend")
 	f.SetStreamCapturing(captured, false)
 
-	f.Fail("cuStreamDestroy_v2", CodeInvalidContext, 0)
+	f.Fail("cuStreamDestroy_v2", driver.CodeInvalidContext, 0)
 	require.ErrorContains(t, be.Close(), "cuStreamDestroy_v2")
 }
 
@@ -620,7 +623,7 @@ func TestAsyncBackendCloseWaitsForOperationsOnItsPools(t *testing.T) {
 		}},
 		{"trim", func(be *AsyncBackend) error { return be.Trim(0, 0) }},
 		{"attribute", func(be *AsyncBackend) error {
-			_, err := be.Attribute(0, MemPoolAttrReleaseThreshold)
+			_, err := be.Attribute(0, driver.MemPoolAttrReleaseThreshold)
 			return err
 		}},
 		{"export pool", func(be *AsyncBackend) error {
@@ -636,17 +639,17 @@ func TestAsyncBackendCloseWaitsForOperationsOnItsPools(t *testing.T) {
 			for round := 0; round < 12; round++ {
 				f, drv := setup(t)
 				be := newAsync(t, drv, AsyncOptions{IPC: true})
-				_, err := be.Attribute(0, MemPoolAttrReleaseThreshold) // the pool exists
+				_, err := be.Attribute(0, driver.MemPoolAttrReleaseThreshold) // the pool exists
 				require.NoError(t, err)
 
-				drv.closeMu.Lock() // park every driver call
+				f.Hold(true) // park every driver call
 				opErr := make(chan error, 1)
 				go func() { opErr <- op.do(be) }()
 				time.Sleep(20 * time.Millisecond) // the operation holds the pool's handle, waits in the driver
 				closeErr := make(chan error, 1)
 				go func() { closeErr <- be.Close() }()
 				time.Sleep(20 * time.Millisecond) // Close runs meanwhile
-				drv.closeMu.Unlock()
+				f.Hold(false)
 				err = <-opErr
 				if err != nil && !errors.Is(err, ErrBackendClosed) {
 					t.Fatalf("round %d: the operation used a pool Close destroyed: %v", round, err)

@@ -1,3 +1,5 @@
+//go:build cgo
+
 package cuda
 
 import (
@@ -13,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
 	"github.com/gpumempool/gpumempool/gocore/cuda/internal/fakecuda"
 )
 
@@ -23,7 +26,7 @@ func newPool(t *testing.T, be gocore.Backend) *gocore.Pool {
 	return p
 }
 
-func newBackend(t *testing.T, drv *Driver) *Backend {
+func newBackend(t *testing.T, drv *driver.Driver) *Backend {
 	t.Helper()
 	be, err := NewBackend(drv)
 	require.NoError(t, err)
@@ -41,8 +44,8 @@ func poolStats(t *testing.T, p *gocore.Pool, dev int) gocore.Stats {
 // devices) says about itself.
 func checkGPUBackend(t *testing.T, be interface {
 	gocore.Backend
-	Driver() *Driver
-}, name string, drv *Driver) {
+	Driver() *driver.Driver
+}, name string, drv *driver.Driver) {
 	t.Helper()
 	assert.Equal(t, name, be.Name())
 	assert.Equal(t, 2, be.Devices())
@@ -183,9 +186,9 @@ func TestOutOfMemoryReleasesCacheAndRetries(t *testing.T) {
 	assert.Equal(t, "cuda", oom.Backend)
 	assert.Equal(t, uint64(64<<20), oom.DeviceTotal, "capacity from cuMemGetInfo_v2")
 	assert.Equal(t, uint64(24<<20), oom.DeviceFree)
-	var cerr *Error
+	var cerr *driver.Error
 	require.ErrorAs(t, err, &cerr)
-	assert.Equal(t, CodeOutOfMemory, cerr.Code)
+	assert.Equal(t, driver.CodeOutOfMemory, cerr.Code)
 	st = poolStats(t, p, 0)
 	assert.EqualValues(t, 1, st.NumOOMs)
 	assert.EqualValues(t, 2, st.NumAllocRetries)
@@ -199,7 +202,7 @@ func TestInjectedOutOfMemory(t *testing.T) {
 	f, drv := setup(t)
 	be := newBackend(t, drv)
 	p := newPool(t, be)
-	f.Fail("cuMemAlloc_v2", CodeOutOfMemory, 0)
+	f.Fail("cuMemAlloc_v2", driver.CodeOutOfMemory, 0)
 	_, err := p.Alloc(4096, 1, 0)
 	require.ErrorIs(t, err, gocore.ErrOutOfMemory)
 	assert.Contains(t, err.Error(), "cuMemAlloc_v2: CUDA_ERROR_OUT_OF_MEMORY (2)")
@@ -215,15 +218,15 @@ func TestOtherDriverErrorsAreNotOutOfMemory(t *testing.T) {
 	f, drv := setup(t)
 	be := newBackend(t, drv)
 	p := newPool(t, be)
-	f.Fail("cuMemAlloc_v2", CodeInvalidValue, 0)
+	f.Fail("cuMemAlloc_v2", driver.CodeInvalidValue, 0)
 	_, err := p.Alloc(4096, 0, 0)
 	require.Error(t, err)
 	assert.NotErrorIs(t, err, gocore.ErrOutOfMemory)
 	assert.NotErrorIs(t, err, gocore.ErrBackendOutOfMemory)
 	assert.Contains(t, err.Error(), "CUDA_ERROR_INVALID_VALUE")
-	var cerr *Error
+	var cerr *driver.Error
 	require.ErrorAs(t, err, &cerr)
-	assert.Equal(t, &Error{Op: "cuMemAlloc_v2", Code: 1, Name: "CUDA_ERROR_INVALID_VALUE"}, cerr)
+	assert.Equal(t, &driver.Error{Op: "cuMemAlloc_v2", Code: 1, Name: "CUDA_ERROR_INVALID_VALUE"}, cerr)
 	st := poolStats(t, p, 0)
 	assert.Zero(t, st.NumAllocRetries, "no release-and-retry for a non-OOM error")
 	assert.Equal(t, 1, f.Calls("cuMemAlloc_v2"))
@@ -233,7 +236,7 @@ func TestOtherDriverErrorsAreNotOutOfMemory(t *testing.T) {
 	a, err := p.Alloc(4096, 0, 0)
 	require.NoError(t, err)
 	require.NoError(t, p.Free(a))
-	f.Fail("cuMemFree_v2", CodeIllegalAddress, 0)
+	f.Fail("cuMemFree_v2", driver.CodeIllegalAddress, 0)
 	_, err = p.EmptyCache()
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "cuMemFree_v2: CUDA_ERROR_ILLEGAL_ADDRESS (700)")
@@ -342,7 +345,7 @@ func TestDestroyEventFailureKeepsTheEvent(t *testing.T) {
 	for _, be := range []gocore.Backend{newBackend(t, drv), host} {
 		ev, err := be.NewEvent(0)
 		require.NoError(t, err)
-		f.Fail("cuEventDestroy_v2", CodeUnknown, 0)
+		f.Fail("cuEventDestroy_v2", driver.CodeUnknown, 0)
 		require.Error(t, be.DestroyEvent(ev), "%s backend", be.Name())
 		f.Fail("cuEventDestroy_v2", 0, 0)
 		require.NoError(t, be.RecordEvent(ev, 0), "%s backend: the event is still known", be.Name())
@@ -365,7 +368,7 @@ func TestHostBackendPinsMemory(t *testing.T) {
 	require.NoError(t, err)
 	flags, err := hb.Flags(a)
 	require.NoError(t, err, "the pool's block is pinned host memory")
-	assert.EqualValues(t, HostAllocPortable, flags, "portable by default")
+	assert.EqualValues(t, driver.HostAllocPortable, flags, "portable by default")
 	assert.Equal(t, -1, f.PtrDevice(a))
 	assert.EqualValues(t, gocore.SmallBuffer, f.LiveBytes(-1))
 	assert.Zero(t, f.LiveBytes(0))
@@ -403,13 +406,13 @@ func TestHostBackendPinsMemory(t *testing.T) {
 	assert.Zero(t, f.LiveBytes(-1))
 	assert.Zero(t, f.LiveEvents(0))
 
-	wc, err := NewHostBackend(drv, HostAllocPortable|HostAllocWriteCombined)
+	wc, err := NewHostBackend(drv, driver.HostAllocPortable|driver.HostAllocWriteCombined)
 	require.NoError(t, err)
 	h, err := wc.Alloc(0, 4096, 0)
 	require.NoError(t, err)
 	flags, err = wc.Flags(h)
 	require.NoError(t, err)
-	assert.EqualValues(t, HostAllocPortable|HostAllocWriteCombined, flags)
+	assert.EqualValues(t, driver.HostAllocPortable|driver.HostAllocWriteCombined, flags)
 	require.NoError(t, wc.Free(0, h, 4096, 0))
 	_, err = wc.Flags(h)
 	require.Error(t, err, "freed memory is no longer pinned")
@@ -429,7 +432,7 @@ func TestHostBackendOnAnotherDevice(t *testing.T) {
 	require.NoError(t, err)
 	flags, err := hb.Flags(a)
 	require.NoError(t, err)
-	assert.EqualValues(t, HostAllocPortable, flags)
+	assert.EqualValues(t, driver.HostAllocPortable, flags)
 	require.NoError(t, p.RecordStream(a, 0x22))
 	require.NoError(t, p.Free(a))
 	assert.Equal(t, 1, f.LiveEvents(1), "device 1's event")
@@ -443,7 +446,7 @@ func TestHostBackendOnAnotherDevice(t *testing.T) {
 	assert.Equal(t, 1, f.Retained(1))
 
 	// Its events cannot be recorded on another device's stream.
-	s0, err := drv.StreamCreate(0, StreamDefault)
+	s0, err := drv.StreamCreate(0, driver.StreamDefault)
 	require.NoError(t, err)
 	ev, err := hb.NewEvent(0)
 	require.NoError(t, err)

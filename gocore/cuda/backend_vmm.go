@@ -11,6 +11,7 @@ import (
 	"syscall"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
 )
 
 // Values of VMMOptions.Location and VMMOptions.Granularity.
@@ -75,8 +76,9 @@ type VMMOptions struct {
 // Events, devices and capacity are those of the cuda backend (Backend). It
 // is safe for concurrent use; driver calls run without the backend's lock.
 type VMMBackend struct {
+	*Events    // the cu backend's
 	cu         *Backend
-	drv        *Driver
+	drv        *driver.Driver
 	opts       VMMOptions // normalized: defaults filled in, AccessDevices deduplicated
 	granOption int
 	handleType int
@@ -161,7 +163,7 @@ var vmmSymbols = []string{
 // torch's expandable segments do, so that NICs can read and write it
 // (GPUDirect RDMA, e.g. NCCL over InfiniBand). Host NUMA memory is created
 // without it.
-func NewVMMBackend(drv *Driver, opts VMMOptions) (*VMMBackend, error) {
+func NewVMMBackend(drv *driver.Driver, opts VMMOptions) (*VMMBackend, error) {
 	cu, err := NewBackend(drv)
 	if err != nil {
 		return nil, fmt.Errorf("vmm backend: %w", err)
@@ -180,19 +182,19 @@ func NewVMMBackend(drv *Driver, opts VMMOptions) (*VMMBackend, error) {
 	if opts.Location == VMMLocationHostNUMA {
 		// CU_MEM_LOCATION_TYPE_HOST_NUMA is new in CUDA 12.2; an older
 		// driver rejects it as an invalid value, which says nothing useful.
-		if err := requireVersion(drv, "vmm backend", "host NUMA memory (CU_MEM_LOCATION_TYPE_HOST_NUMA)", 12020); err != nil {
+		if err := drv.RequireVersion("vmm backend", "host NUMA memory (CU_MEM_LOCATION_TYPE_HOST_NUMA)", 12020); err != nil {
 			return nil, err
 		}
 	}
 	b := &VMMBackend{
-		cu: cu, drv: drv, opts: opts, granOption: granOption, handleType: MemHandleTypeNone,
+		Events: cu.Events, cu: cu, drv: drv, opts: opts, granOption: granOption, handleType: driver.MemHandleTypeNone,
 		devs:   make([]vmmDevice, cu.Devices()),
 		gran:   DefaultVMMGranularity,
 		totals: make([]uint64, cu.Devices()),
 		segs:   make(map[uint64]*vmmSegment),
 	}
 	if opts.IPC {
-		b.handleType = MemHandleTypePosixFD
+		b.handleType = driver.MemHandleTypePosixFD
 	}
 	return b, nil
 }
@@ -221,9 +223,9 @@ func normalizeVMMOptions(opts VMMOptions, devices int) (VMMOptions, int, error) 
 	var granOption int
 	switch opts.Granularity {
 	case "", VMMGranularityRecommended:
-		opts.Granularity, granOption = VMMGranularityRecommended, MemAllocGranularityRecommended
+		opts.Granularity, granOption = VMMGranularityRecommended, driver.MemAllocGranularityRecommended
 	case VMMGranularityMinimum:
-		granOption = MemAllocGranularityMinimum
+		granOption = driver.MemAllocGranularityMinimum
 	default:
 		return bad("unknown granularity %q (want %q or %q)", opts.Granularity, VMMGranularityRecommended, VMMGranularityMinimum)
 	}
@@ -236,8 +238,8 @@ func normalizeVMMOptions(opts VMMOptions, devices int) (VMMOptions, int, error) 
 			access = append(access, d)
 		}
 	}
-	if len(access) >= maxAccessDevices {
-		return bad("%d access devices, at most %d", len(access), maxAccessDevices-1)
+	if len(access) >= driver.MaxAccessDevices {
+		return bad("%d access devices, at most %d", len(access), driver.MaxAccessDevices-1)
 	}
 	opts.AccessDevices = access
 	return opts, granOption, nil
@@ -255,7 +257,7 @@ func (b *VMMBackend) Devices() int { return b.cu.Devices() }
 func (b *VMMBackend) Alignment() uint64 { return Alignment }
 
 // Driver returns the driver b allocates through.
-func (b *VMMBackend) Driver() *Driver { return b.drv }
+func (b *VMMBackend) Driver() *driver.Driver { return b.drv }
 
 // Options returns the options b uses, defaults filled in.
 func (b *VMMBackend) Options() VMMOptions {
@@ -275,26 +277,6 @@ func (b *VMMBackend) Capacity(dev int) (total, free uint64, err error) {
 	return b.cu.Capacity(dev)
 }
 
-// NewEvent creates an event on dev (see Backend.NewEvent).
-func (b *VMMBackend) NewEvent(dev int) (gocore.Event, error) { return b.cu.NewEvent(dev) }
-
-// RecordEvent records ev on stream (see Backend.RecordEvent).
-func (b *VMMBackend) RecordEvent(ev gocore.Event, stream gocore.Stream) error {
-	return b.cu.RecordEvent(ev, stream)
-}
-
-// QueryEvent reports whether the work captured by ev has completed.
-func (b *VMMBackend) QueryEvent(ev gocore.Event) (bool, error) { return b.cu.QueryEvent(ev) }
-
-// SynchronizeEvent waits for the work captured by ev.
-func (b *VMMBackend) SynchronizeEvent(ev gocore.Event) error { return b.cu.SynchronizeEvent(ev) }
-
-// DestroyEvent destroys ev.
-func (b *VMMBackend) DestroyEvent(ev gocore.Event) error { return b.cu.DestroyEvent(ev) }
-
-// LiveEvents reports how many events b has created and not destroyed.
-func (b *VMMBackend) LiveEvents() int { return b.cu.LiveEvents() }
-
 // Expandable reports VMMOptions.Expandable.
 func (b *VMMBackend) Expandable() bool { return b.opts.Expandable }
 
@@ -313,11 +295,11 @@ func (b *VMMBackend) Granularity() uint64 {
 
 // prop describes the physical memory of a segment of dev; rdma sets
 // GPUDirectRDMACapable (device memory only).
-func (b *VMMBackend) prop(dev int, rdma bool) AllocProp {
+func (b *VMMBackend) prop(dev int, rdma bool) driver.AllocProp {
 	if b.opts.Location == VMMLocationHostNUMA {
-		return AllocProp{LocationType: MemLocationTypeHostNUMA, LocationID: b.opts.NUMANode, HandleType: b.handleType}
+		return driver.AllocProp{LocationType: driver.MemLocationTypeHostNUMA, LocationID: b.opts.NUMANode, HandleType: b.handleType}
 	}
-	return AllocProp{LocationType: MemLocationTypeDevice, LocationID: dev, HandleType: b.handleType,
+	return driver.AllocProp{LocationType: driver.MemLocationTypeDevice, LocationID: dev, HandleType: b.handleType,
 		GPUDirectRDMACapable: rdma}
 }
 
@@ -342,7 +324,7 @@ func (b *VMMBackend) access(dev int) []int {
 // device returns dev's granularity and the properties of its physical
 // memory, queried on first use. The queries run without the lock; two
 // first users may both ask, which is harmless.
-func (b *VMMBackend) device(dev int) (uint64, AllocProp, error) {
+func (b *VMMBackend) device(dev int) (uint64, driver.AllocProp, error) {
 	b.mu.Lock()
 	d := b.devs[dev]
 	b.mu.Unlock()
@@ -350,21 +332,21 @@ func (b *VMMBackend) device(dev int) (uint64, AllocProp, error) {
 		return d.gran, b.prop(dev, d.rdma), nil
 	}
 	if b.opts.Location == VMMLocationDevice {
-		v, known, err := b.attribute(dev, DeviceAttrGPUDirectRDMAWithCUDAVMMSupported)
+		v, known, err := b.attribute(dev, driver.DeviceAttrGPUDirectRDMAWithCUDAVMMSupported)
 		if err != nil {
-			return 0, AllocProp{}, err
+			return 0, driver.AllocProp{}, err
 		}
 		d.rdma = known && v == 1 // a driver older than the attribute: no RDMA flag
 	}
 	if b.opts.Location == VMMLocationHostNUMA {
 		// Without this check the first cuMemCreate fails with a bare
 		// CUDA_ERROR_INVALID_VALUE (or NOT_SUPPORTED) on such a device.
-		v, known, err := b.attribute(dev, DeviceAttrHostNUMAVMMSupported)
+		v, known, err := b.attribute(dev, driver.DeviceAttrHostNUMAVMMSupported)
 		if err != nil {
-			return 0, AllocProp{}, err
+			return 0, driver.AllocProp{}, err
 		}
 		if known && v != 1 {
-			return 0, AllocProp{}, fmt.Errorf("vmm backend: device %d does not support host NUMA memory with cuMemCreate "+
+			return 0, driver.AllocProp{}, fmt.Errorf("vmm backend: device %d does not support host NUMA memory with cuMemCreate "+
 				"(CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0; a container may need "+
 				"NUMA support, e.g. Docker's --cap-add SYS_NICE): %w", dev, gocore.ErrUnsupported)
 		}
@@ -372,10 +354,10 @@ func (b *VMMBackend) device(dev int) (uint64, AllocProp, error) {
 	prop := b.prop(dev, d.rdma)
 	g, err := b.drv.MemGetAllocationGranularity(dev, prop, b.granOption)
 	if err != nil {
-		return 0, AllocProp{}, fmt.Errorf("vmm backend: %w", err)
+		return 0, driver.AllocProp{}, fmt.Errorf("vmm backend: %w", err)
 	}
 	if g == 0 || g&(g-1) != 0 || g%Alignment != 0 {
-		return 0, AllocProp{}, fmt.Errorf("vmm backend: device %d reports granularity %d, not a power of two multiple of %d",
+		return 0, driver.AllocProp{}, fmt.Errorf("vmm backend: device %d reports granularity %d, not a power of two multiple of %d",
 			dev, g, Alignment)
 	}
 	d.gran = g
@@ -396,9 +378,9 @@ func (b *VMMBackend) attribute(dev, attr int) (v int, known bool, err error) {
 		return 0, false, nil
 	}
 	v, err = b.drv.DeviceAttribute(dev, attr)
-	var cerr *Error
+	var cerr *driver.Error
 	switch {
-	case errors.As(err, &cerr) && cerr.Code == CodeInvalidValue && cerr.Op == "cuDeviceGetAttribute":
+	case errors.As(err, &cerr) && cerr.Code == driver.CodeInvalidValue && cerr.Op == "cuDeviceGetAttribute":
 		return 0, false, nil
 	case err != nil:
 		return 0, false, fmt.Errorf("vmm backend: %w", err)
@@ -905,7 +887,7 @@ func (b *VMMBackend) ExportSegment(dev int, addr uint64) ([]Chunk, error) {
 	b.mu.Unlock()
 	out := make([]Chunk, 0, len(chunks))
 	for _, c := range chunks {
-		fd, err := b.drv.MemExportToShareableHandle(dev, c.handle, MemHandleTypePosixFD)
+		fd, err := b.drv.MemExportToShareableHandle(dev, c.handle, driver.MemHandleTypePosixFD)
 		if err != nil {
 			for _, done := range out {
 				_ = syscall.Close(done.FD) // ours until returned

@@ -1,3 +1,5 @@
+//go:build cgo
+
 package cuda
 
 import (
@@ -12,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
 	"github.com/gpumempool/gpumempool/gocore/cuda/internal/fakecuda"
 )
 
@@ -79,7 +82,7 @@ func TestVMMBackendShrinkThroughPool(t *testing.T) {
 	assert.Equal(t, a+4*mib, d)
 	assert.Equal(t, 1, f.Calls("cuMemAddressReserve"), "the reservation was kept")
 	assert.EqualValues(t, 10*mib, f.LiveBytes(0))
-	assert.Equal(t, MemAccessProtReadWrite, f.Access(a+4*mib, 1), "the peer got the regrown chunk too")
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a+4*mib, 1), "the peer got the regrown chunk too")
 	fakecuda.Write(d+6*mib-4, []byte("tail"))
 	assert.Equal(t, []byte("tail"), fakecuda.Read(d+6*mib-4, 4))
 
@@ -253,7 +256,7 @@ func TestVMMBackendShrinkFailures(t *testing.T) {
 
 	// A failed wait or first unmap changes nothing.
 	for _, fn := range []string{"cuStreamSynchronize", "cuMemUnmap"} {
-		f.Fail(fn, CodeIllegalAddress, 0)
+		f.Fail(fn, driver.CodeIllegalAddress, 0)
 		n, err := be.Shrink(0, a, 6*mib, 4*mib, 0)
 		require.ErrorContains(t, err, fn)
 		assert.Zero(t, n)
@@ -264,7 +267,7 @@ func TestVMMBackendShrinkFailures(t *testing.T) {
 	assert.Equal(t, []byte("last"), fakecuda.Read(a+6*mib-4, 4))
 
 	// The second unmap fails: the last chunk went, the middle one stays.
-	f.Fail("cuMemUnmap", CodeIllegalAddress, 1)
+	f.Fail("cuMemUnmap", driver.CodeIllegalAddress, 1)
 	n, err := be.Shrink(0, a, 6*mib, 4*mib, 0)
 	f.Fail("cuMemUnmap", 0, 0)
 	require.NoError(t, err, "memory went: the engine must learn it")
@@ -273,7 +276,7 @@ func TestVMMBackendShrinkFailures(t *testing.T) {
 	assert.EqualValues(t, 4*mib, f.LiveBytes(0))
 
 	// A failed release leaks that chunk's memory; the segment shrinks.
-	f.Fail("cuMemRelease", CodeIllegalAddress, 0)
+	f.Fail("cuMemRelease", driver.CodeIllegalAddress, 0)
 	n, err = be.Shrink(0, a, 4*mib, 2*mib, 0)
 	f.Fail("cuMemRelease", 0, 0)
 	require.NoError(t, err)
@@ -298,7 +301,7 @@ func TestVMMBackendShrinkFailureThroughPool(t *testing.T) {
 	p := newPool(t, be)
 	a, b := withFreeTail(t, p, 0)
 
-	f.Fail("cuMemUnmap", CodeIllegalAddress, 0)
+	f.Fail("cuMemUnmap", driver.CodeIllegalAddress, 0)
 	released, err := p.EmptyCache()
 	f.Fail("cuMemUnmap", 0, 0)
 	require.ErrorContains(t, err, "cuMemUnmap")

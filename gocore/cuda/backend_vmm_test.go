@@ -1,3 +1,5 @@
+//go:build cgo
+
 package cuda
 
 import (
@@ -9,10 +11,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
 	"github.com/gpumempool/gpumempool/gocore/cuda/internal/fakecuda"
 )
 
-func newVMM(t *testing.T, drv *Driver, opts VMMOptions) *VMMBackend {
+func newVMM(t *testing.T, drv *driver.Driver, opts VMMOptions) *VMMBackend {
 	t.Helper()
 	be, err := NewVMMBackend(drv, opts)
 	require.NoError(t, err)
@@ -37,10 +40,10 @@ func TestVMMBackendPoolCycle(t *testing.T) {
 	assert.Zero(t, f.LiveBytes(0))
 	assert.Equal(t, 3, f.VMMObjects(), "a handle, a reservation, a mapping")
 	assert.Zero(t, a%(2*mib), "reservations start on the granularity")
-	assert.Equal(t, MemAccessProtReadWrite, f.Access(a, 1), "the owning device may read and write")
-	assert.Equal(t, MemAccessProtNone, f.Access(a, 0), "no peer was asked for")
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a, 1), "the owning device may read and write")
+	assert.Equal(t, driver.MemAccessProtNone, f.Access(a, 0), "no peer was asked for")
 	locType, locID, handles := f.LastMemCreate()
-	assert.Equal(t, [3]int{MemLocationTypeDevice, 1, MemHandleTypeNone}, [3]int{locType, locID, handles})
+	assert.Equal(t, [3]int{driver.MemLocationTypeDevice, 1, driver.MemHandleTypeNone}, [3]int{locType, locID, handles})
 	pattern := bytes.Repeat([]byte{0x5A, 0xA5}, 500)
 	fakecuda.Write(a, pattern)
 	assert.Equal(t, pattern, fakecuda.Read(a, len(pattern)))
@@ -123,17 +126,17 @@ func TestVMMBackendAccess(t *testing.T) {
 
 	a, err := be.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)
-	assert.Equal(t, MemAccessProtReadWrite, f.Access(a, 0))
-	assert.Equal(t, MemAccessProtReadWrite, f.Access(a, 2))
-	assert.Equal(t, MemAccessProtNone, f.Access(a, 1))
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a, 0))
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a, 2))
+	assert.Equal(t, driver.MemAccessProtNone, f.Access(a, 1))
 
 	b, err := be.Alloc(2, 2*mib, 0)
 	require.NoError(t, err)
 	assert.Equal(t, -2, f.PtrDevice(b), "VMM ranges are no cuMemAlloc allocations")
 	assert.EqualValues(t, 2*mib, f.LiveBytes(2))
-	assert.Equal(t, MemAccessProtReadWrite, f.Access(b, 2))
-	assert.Equal(t, MemAccessProtReadWrite, f.Access(b, 0))
-	assert.Equal(t, MemAccessProtNone, f.Access(b, 1))
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(b, 2))
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(b, 0))
+	assert.Equal(t, driver.MemAccessProtNone, f.Access(b, 1))
 
 	require.NoError(t, be.Free(0, a, 2*mib, 0))
 	require.NoError(t, be.Free(2, b, 2*mib, 0))
@@ -148,13 +151,13 @@ func TestVMMBackendHostNUMA(t *testing.T) {
 	a, err := p.Alloc(1000, 0, 0) // device 0, NUMA node 1: the two ids differ
 	require.NoError(t, err)
 	locType, locID, handles := f.LastMemCreate()
-	assert.Equal(t, MemLocationTypeHostNUMA, locType, "the location reached cuMemCreate")
+	assert.Equal(t, driver.MemLocationTypeHostNUMA, locType, "the location reached cuMemCreate")
 	assert.Equal(t, 1, locID, "the NUMA node, not the device")
-	assert.Equal(t, MemHandleTypePosixFD, handles)
+	assert.Equal(t, driver.MemHandleTypePosixFD, handles)
 	assert.Zero(t, f.LiveBytes(0)+f.LiveBytes(1), "host memory is charged to no device")
 	assert.Equal(t, 3, f.VMMObjects())
-	assert.Equal(t, MemAccessProtReadWrite, f.Access(a, 0), "the device the engine asked for")
-	assert.Equal(t, MemAccessProtReadWrite, f.Access(a, 1), "and the peers")
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a, 0), "the device the engine asked for")
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a, 1), "and the peers")
 	fakecuda.Write(a, []byte("egm"))
 	assert.Equal(t, []byte("egm"), fakecuda.Read(a, 3))
 	_, _, err = be.Capacity(0)
@@ -172,8 +175,8 @@ func TestVMMBackendHostNUMA(t *testing.T) {
 // or a driver older than the attribute, goes ahead.
 func TestVMMBackendHostNUMAUnsupportedDevice(t *testing.T) {
 	f, drv := setup(t)
-	f.SetDeviceAttribute(0, DeviceAttrHostNUMAVMMSupported, 0)
-	f.SetDeviceAttribute(1, DeviceAttrHostNUMAVMMSupported, 1)
+	f.SetDeviceAttribute(0, driver.DeviceAttrHostNUMAVMMSupported, 0)
+	f.SetDeviceAttribute(1, driver.DeviceAttrHostNUMAVMMSupported, 1)
 	be := newVMM(t, drv, VMMOptions{Location: VMMLocationHostNUMA})
 	creates := f.Calls("cuMemCreate")
 	_, err := be.Alloc(0, 2*mib, 0)
@@ -222,8 +225,8 @@ func TestVMMBackendExpandable(t *testing.T) {
 	across := []byte("across the chunk boundary")
 	fakecuda.Write(a+4*mib-10, across)
 	assert.Equal(t, across, fakecuda.Read(a+4*mib-10, len(across)))
-	assert.Equal(t, MemAccessProtReadWrite, f.Access(a+4*mib, 0), "the new chunk got the owner's access")
-	assert.Equal(t, MemAccessProtReadWrite, f.Access(a+4*mib, 1), "and the peers'")
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a+4*mib, 0), "the new chunk got the owner's access")
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a+4*mib, 1), "and the peers'")
 
 	require.NoError(t, p.Free(a))
 	require.NoError(t, p.Free(b))
@@ -320,7 +323,7 @@ func TestVMMBackendExpandFailures(t *testing.T) {
 
 	// Out of device memory: the growth and the new segment both fail, the
 	// engine reports an OutOfMemoryError, the segment is as it was.
-	f.Fail("cuMemCreate", CodeOutOfMemory, 0)
+	f.Fail("cuMemCreate", driver.CodeOutOfMemory, 0)
 	_, err = p.Alloc(3*mib, 0, 0)
 	var oom *gocore.OutOfMemoryError
 	require.ErrorAs(t, err, &oom)
@@ -332,7 +335,7 @@ func TestVMMBackendExpandFailures(t *testing.T) {
 	// Failures after the memory was created release it again.
 	for _, fn := range []string{"cuMemMap", "cuMemSetAccess"} {
 		releases := f.Calls("cuMemRelease")
-		f.Fail(fn, CodeInvalidValue, 0)
+		f.Fail(fn, driver.CodeInvalidValue, 0)
 		_, err = p.Alloc(3*mib, 0, 0)
 		require.Error(t, err, fn)
 		assert.Contains(t, err.Error(), fn)
@@ -341,7 +344,7 @@ func TestVMMBackendExpandFailures(t *testing.T) {
 		f.Fail(fn, 0, 0)
 	}
 	assert.Equal(t, []byte("kept"), fakecuda.Read(a, 4))
-	assert.Equal(t, MemAccessProtReadWrite, f.Access(a, 1))
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a, 1))
 
 	b, err := p.Alloc(3*mib, 0, 0)
 	require.NoError(t, err)
@@ -376,12 +379,12 @@ func TestVMMBackendAllocAndFreeFailures(t *testing.T) {
 	_, err = be.Alloc(0, 0, 0)
 	require.ErrorIs(t, err, gocore.ErrInvalidArgument)
 
-	f.Fail("cuMemCreate", CodeOutOfMemory, 0)
+	f.Fail("cuMemCreate", driver.CodeOutOfMemory, 0)
 	_, err = be.Alloc(0, 2*mib, 0)
 	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory, "the engine's release-and-retry path")
 	f.Fail("cuMemCreate", 0, 0)
 	for _, fn := range []string{"cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"} {
-		f.Fail(fn, CodeInvalidValue, 0)
+		f.Fail(fn, driver.CodeInvalidValue, 0)
 		_, err = be.Alloc(0, 2*mib, 0)
 		require.Error(t, err, fn)
 		assert.Contains(t, err.Error(), fn)
@@ -392,11 +395,11 @@ func TestVMMBackendAllocAndFreeFailures(t *testing.T) {
 	a, err := be.Alloc(0, 2*mib, 0x9)
 	require.NoError(t, err)
 	// A failed wait changes nothing: the segment stays and can be freed later.
-	f.Fail("cuStreamSynchronize", CodeIllegalAddress, 0)
+	f.Fail("cuStreamSynchronize", driver.CodeIllegalAddress, 0)
 	require.Error(t, be.Free(0, a, 2*mib, 0x9))
 	assert.Equal(t, 3, f.VMMObjects())
 	f.Fail("cuStreamSynchronize", 0, 0)
-	f.Fail("cuMemUnmap", CodeInvalidValue, 0)
+	f.Fail("cuMemUnmap", driver.CodeInvalidValue, 0)
 	require.Error(t, be.Free(0, a, 2*mib, 0x9))
 	assert.Equal(t, 3, f.VMMObjects())
 	f.Fail("cuMemUnmap", 0, 0)
@@ -419,7 +422,7 @@ func TestVMMBackendFreeFailureAfterUnmapIsReportedAtClose(t *testing.T) {
 	be := newVMM(t, drv, VMMOptions{})
 	a, err := be.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)
-	f.Fail("cuMemAddressFree", CodeInvalidValue, 0)
+	f.Fail("cuMemAddressFree", driver.CodeInvalidValue, 0)
 	require.NoError(t, be.Free(0, a, 2*mib, 0), "unmapped: the segment is gone for the engine")
 	f.Fail("cuMemAddressFree", 0, 0)
 	assert.Zero(t, be.LiveSegments())
@@ -516,7 +519,7 @@ func TestVMMBackendTouchesOnlyDevicesItUses(t *testing.T) {
 // torch's expandable segments do; the fake refuses the flag elsewhere.
 func TestVMMBackendGPUDirectRDMA(t *testing.T) {
 	f, drv := setup(t)
-	f.SetDeviceAttribute(1, DeviceAttrGPUDirectRDMAWithCUDAVMMSupported, 1)
+	f.SetDeviceAttribute(1, driver.DeviceAttrGPUDirectRDMAWithCUDAVMMSupported, 1)
 	be := newVMM(t, drv, VMMOptions{Expandable: true, ReserveBytes: 8 * mib})
 	a, err := be.Alloc(1, 2*mib, 0)
 	require.NoError(t, err)
@@ -532,8 +535,8 @@ func TestVMMBackendGPUDirectRDMA(t *testing.T) {
 
 	// A driver that does not know the attribute: no flag.
 	f.Reset()
-	f.SetDeviceAttribute(0, DeviceAttrGPUDirectRDMAWithCUDAVMMSupported, 1)
-	f.Fail("cuDeviceGetAttribute", CodeInvalidValue, 0)
+	f.SetDeviceAttribute(0, driver.DeviceAttrGPUDirectRDMAWithCUDAVMMSupported, 1)
+	f.Fail("cuDeviceGetAttribute", driver.CodeInvalidValue, 0)
 	be = newVMM(t, drv, VMMOptions{})
 	a, err = be.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)
@@ -543,7 +546,7 @@ func TestVMMBackendGPUDirectRDMA(t *testing.T) {
 
 	// Another failure of the query fails the allocation.
 	f.Reset()
-	f.Fail("cuDeviceGetAttribute", CodeUnknown, 0)
+	f.Fail("cuDeviceGetAttribute", driver.CodeUnknown, 0)
 	be = newVMM(t, drv, VMMOptions{})
 	_, err = be.Alloc(0, 2*mib, 0)
 	require.ErrorContains(t, err, "cuDeviceGetAttribute: CUDA_ERROR_UNKNOWN")
@@ -553,7 +556,7 @@ func TestVMMBackendGPUDirectRDMA(t *testing.T) {
 	// Host NUMA memory is not flagged; the one attribute asked (once) is
 	// whether the device supports host NUMA memory.
 	f.Reset()
-	f.SetDeviceAttribute(0, DeviceAttrGPUDirectRDMAWithCUDAVMMSupported, 1)
+	f.SetDeviceAttribute(0, driver.DeviceAttrGPUDirectRDMAWithCUDAVMMSupported, 1)
 	be = newVMM(t, drv, VMMOptions{Location: VMMLocationHostNUMA})
 	a, err = be.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)

@@ -3,6 +3,8 @@ package cuda
 import (
 	"errors"
 	"fmt"
+
+	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
 )
 
 // ErrCaptureUnderway is wrapped by the errors of the calls that give memory
@@ -25,10 +27,10 @@ var ErrCaptureUnderway = errors.New("a CUDA graph capture is under way")
 // device captures (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT). It returns "" when
 // neither holds, else why, for an error message; err is the driver's error
 // when the question itself failed.
-func streamCapture(drv *Driver, dev int, stream uint64) (why string, err error) {
+func streamCapture(drv *driver.Driver, dev int, stream uint64) (why string, err error) {
 	status, err := drv.StreamIsCapturing(dev, stream)
-	var cerr *Error
-	if errors.As(err, &cerr) && cerr.Code == CodeStreamCaptureImplicit && cerr.Op == "cuStreamIsCapturing" {
+	var cerr *driver.Error
+	if errors.As(err, &cerr) && cerr.Code == driver.CodeStreamCaptureImplicit && cerr.Op == "cuStreamIsCapturing" {
 		return fmt.Sprintf("stream %#x is the legacy default stream and a blocking stream of device %d is capturing a CUDA graph",
 			stream, dev), nil
 	}
@@ -36,9 +38,9 @@ func streamCapture(drv *Driver, dev int, stream uint64) (why string, err error) 
 		return "", err
 	}
 	switch status {
-	case StreamCaptureStatusNone:
+	case driver.StreamCaptureStatusNone:
 		return "", nil
-	case StreamCaptureStatusInvalidated:
+	case driver.StreamCaptureStatusInvalidated:
 		return fmt.Sprintf("stream %#x is capturing a CUDA graph (an invalidated capture, not ended yet)", stream), nil
 	default:
 		return fmt.Sprintf("stream %#x is capturing a CUDA graph", stream), nil
@@ -50,7 +52,7 @@ func streamCapture(drv *Driver, dev int, stream uint64) (why string, err error) 
 // cannot, or the driver's error when asking failed; format and args name
 // the operation at the start of the error ("vmm backend: free %#x on device
 // %d").
-func refuseDuringCapture(drv *Driver, dev int, stream uint64, format string, args ...any) error {
+func refuseDuringCapture(drv *driver.Driver, dev int, stream uint64, format string, args ...any) error {
 	why, err := streamCapture(drv, dev, stream)
 	if err != nil {
 		return fmt.Errorf("%s: %w", fmt.Sprintf(format, args...), err)

@@ -7,9 +7,9 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"sync"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
 )
 
 // HostBackend is a gocore.Backend over page-locked (pinned) host memory
@@ -22,12 +22,10 @@ import (
 // recording an event on a stream of another device fails. No other
 // device's context is created. It is safe for concurrent use.
 type HostBackend struct {
-	drv    *Driver
-	flags  uint32
-	device int // the CUDA device whose context is used
-
-	mu     sync.Mutex
-	events map[gocore.Event]struct{}
+	*Events // on device, whatever device (0) the pool asks for
+	drv     *driver.Driver
+	flags   uint32
+	device  int // the CUDA device whose context is used
 }
 
 var _ gocore.Backend = (*HostBackend)(nil)
@@ -38,7 +36,7 @@ var _ gocore.Backend = (*HostBackend)(nil)
 // pinned for every context, as torch's host allocator does. The driver must
 // see at least one device; device 0's context holds the allocations and
 // events (see NewHostBackendOn).
-func NewHostBackend(drv *Driver, flags uint32) (*HostBackend, error) {
+func NewHostBackend(drv *driver.Driver, flags uint32) (*HostBackend, error) {
 	return NewHostBackendOn(drv, flags, 0)
 }
 
@@ -47,15 +45,15 @@ func NewHostBackend(drv *Driver, flags uint32) (*HostBackend, error) {
 // rank's cuda:LOCAL_RANK), so that no context is created on another GPU,
 // and whose streams record the backend's events. An ordinal the driver does
 // not see fails with an error wrapping gocore.ErrInvalidDevice.
-func NewHostBackendOn(drv *Driver, flags uint32, device int) (*HostBackend, error) {
+func NewHostBackendOn(drv *driver.Driver, flags uint32, device int) (*HostBackend, error) {
 	if drv == nil {
 		return nil, fmt.Errorf("host backend: nil driver: %w", gocore.ErrInvalidArgument)
 	}
-	if flags&^hostAllocAll != 0 {
-		return nil, fmt.Errorf("host backend: unknown cuMemHostAlloc flags %#x: %w", flags&^hostAllocAll, gocore.ErrInvalidArgument)
+	if flags&^driver.HostAllocAll != 0 {
+		return nil, fmt.Errorf("host backend: unknown cuMemHostAlloc flags %#x: %w", flags&^driver.HostAllocAll, gocore.ErrInvalidArgument)
 	}
 	if flags == 0 {
-		flags = HostAllocPortable
+		flags = driver.HostAllocPortable
 	}
 	n, err := drv.DeviceCount()
 	if err != nil {
@@ -68,7 +66,9 @@ func NewHostBackendOn(drv *Driver, flags uint32, device int) (*HostBackend, erro
 	if device < 0 || device >= n {
 		return nil, fmt.Errorf("host backend: CUDA device %d out of range [0, %d): %w", device, n, gocore.ErrInvalidDevice)
 	}
-	return &HostBackend{drv: drv, flags: flags, device: device, events: make(map[gocore.Event]struct{})}, nil
+	b := &HostBackend{drv: drv, flags: flags, device: device}
+	b.Events = newEvents(drv, "host backend", func(op string, dev int) (int, error) { return b.device, b.checkDevice(op, dev) })
+	return b, nil
 }
 
 // CUDADevice returns the CUDA device whose context b works under.
@@ -87,7 +87,7 @@ func (b *HostBackend) Alignment() uint64 { return Alignment }
 // Flags returns the flags ptr's pinned allocation was made with
 // (cuMemHostGetFlags); it fails for memory that is not pinned by the
 // driver, so tests can prove that a pool's blocks are.
-func (b *HostBackend) Flags(ptr uint64) (uint32, error) { return b.drv.memHostGetFlags(b.device, ptr) }
+func (b *HostBackend) Flags(ptr uint64) (uint32, error) { return b.drv.MemHostGetFlags(b.device, ptr) }
 
 func (b *HostBackend) checkDevice(op string, dev int) error {
 	if dev != 0 {
@@ -147,12 +147,12 @@ func (b *HostBackend) Alloc(dev int, size uint64, stream gocore.Stream) (uint64,
 	if err := b.checkDevice("alloc", dev); err != nil {
 		return 0, err
 	}
-	addr, err := b.drv.memHostAlloc(b.device, size, b.flags)
+	addr, err := b.drv.MemHostAlloc(b.device, size, b.flags)
 	if err != nil {
 		return 0, err
 	}
 	if addr%Alignment != 0 {
-		_ = b.drv.memFreeHost(b.device, addr)
+		_ = b.drv.MemFreeHost(b.device, addr)
 		return 0, fmt.Errorf("host backend: cuMemHostAlloc returned %#x, not aligned to %d bytes", addr, Alignment)
 	}
 	return addr, nil
@@ -163,73 +163,5 @@ func (b *HostBackend) Free(dev int, addr, size uint64, stream gocore.Stream) err
 	if err := b.checkDevice("free", dev); err != nil {
 		return err
 	}
-	return b.drv.memFreeHost(b.device, addr)
-}
-
-// NewEvent creates an event on b's CUDA device.
-func (b *HostBackend) NewEvent(dev int) (gocore.Event, error) {
-	if err := b.checkDevice("new event", dev); err != nil {
-		return 0, err
-	}
-	ev, err := b.drv.EventCreate(b.device)
-	if err != nil {
-		return 0, err
-	}
-	b.mu.Lock()
-	b.events[gocore.Event(ev)] = struct{}{}
-	b.mu.Unlock()
-	return gocore.Event(ev), nil
-}
-
-func (b *HostBackend) checkEvent(op string, ev gocore.Event) error {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if _, ok := b.events[ev]; !ok {
-		return fmt.Errorf("host backend: %s unknown event %#x: %w", op, uint64(ev), gocore.ErrInvalidArgument)
-	}
-	return nil
-}
-
-// RecordEvent records ev on stream, a stream of b's CUDA device.
-func (b *HostBackend) RecordEvent(ev gocore.Event, stream gocore.Stream) error {
-	if err := b.checkEvent("record", ev); err != nil {
-		return err
-	}
-	return b.drv.EventRecord(b.device, uint64(ev), uint64(stream))
-}
-
-// QueryEvent reports whether the work captured by ev has completed.
-func (b *HostBackend) QueryEvent(ev gocore.Event) (bool, error) {
-	if err := b.checkEvent("query", ev); err != nil {
-		return false, err
-	}
-	return b.drv.EventQuery(b.device, uint64(ev))
-}
-
-// SynchronizeEvent waits for the work captured by ev.
-func (b *HostBackend) SynchronizeEvent(ev gocore.Event) error {
-	if err := b.checkEvent("synchronize", ev); err != nil {
-		return err
-	}
-	return b.drv.EventSynchronize(b.device, uint64(ev))
-}
-
-// DestroyEvent destroys ev. As in Backend.DestroyEvent, the entry leaves
-// the event table before cuEventDestroy, which frees the handle for reuse
-// by a concurrent NewEvent, and comes back if cuEventDestroy fails.
-func (b *HostBackend) DestroyEvent(ev gocore.Event) error {
-	b.mu.Lock()
-	_, ok := b.events[ev]
-	delete(b.events, ev)
-	b.mu.Unlock()
-	if !ok {
-		return fmt.Errorf("host backend: destroy unknown event %#x: %w", uint64(ev), gocore.ErrInvalidArgument)
-	}
-	if err := b.drv.EventDestroy(b.device, uint64(ev)); err != nil {
-		b.mu.Lock()
-		b.events[ev] = struct{}{} // still alive, so its handle cannot have been reused
-		b.mu.Unlock()
-		return err
-	}
-	return nil
+	return b.drv.MemFreeHost(b.device, addr)
 }

@@ -9,6 +9,7 @@ import (
 	"sync"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
 )
 
 // Chunk is one physical allocation of an exported VMM segment
@@ -23,7 +24,7 @@ type Chunk struct {
 // ImportedRange is another process's VMM segment mapped into this one
 // (ImportVMM). It is safe for concurrent use.
 type ImportedRange struct {
-	drv    *Driver
+	drv    *driver.Driver
 	dev    int
 	addr   uint64
 	size   uint64
@@ -46,7 +47,7 @@ type importedChunk struct {
 // reference once imported). The chunks must tile [0, total) in order of
 // offset, each a multiple of dev's minimum granularity, which cuMemMap
 // requires of sizes and addresses. On failure nothing stays mapped.
-func ImportVMM(drv *Driver, dev int, chunks []Chunk, accessDevices []int) (*ImportedRange, error) {
+func ImportVMM(drv *driver.Driver, dev int, chunks []Chunk, accessDevices []int) (*ImportedRange, error) {
 	if drv == nil {
 		return nil, fmt.Errorf("cuda: import VMM segment: nil driver: %w", gocore.ErrInvalidArgument)
 	}
@@ -59,8 +60,8 @@ func ImportVMM(drv *Driver, dev int, chunks []Chunk, accessDevices []int) (*Impo
 	chunks = slices.Clone(chunks)
 	sort.Slice(chunks, func(i, j int) bool { return chunks[i].Offset < chunks[j].Offset })
 	gran, err := drv.MemGetAllocationGranularity(dev,
-		AllocProp{LocationType: MemLocationTypeDevice, LocationID: dev, HandleType: MemHandleTypePosixFD},
-		MemAllocGranularityMinimum)
+		driver.AllocProp{LocationType: driver.MemLocationTypeDevice, LocationID: dev, HandleType: driver.MemHandleTypePosixFD},
+		driver.MemAllocGranularityMinimum)
 	if err != nil {
 		return nil, fmt.Errorf("cuda: import VMM segment: %w", err)
 	}
@@ -88,7 +89,7 @@ func ImportVMM(drv *Driver, dev int, chunks []Chunk, accessDevices []int) (*Impo
 		return nil, errors.Join(fmt.Errorf("cuda: import VMM segment: %w", err), r.teardown())
 	}
 	for _, c := range chunks {
-		h, err := drv.MemImportFromShareableHandle(dev, c.FD, MemHandleTypePosixFD)
+		h, err := drv.MemImportFromShareableHandle(dev, c.FD, driver.MemHandleTypePosixFD)
 		if err != nil {
 			return fail(err)
 		}
@@ -151,7 +152,7 @@ func (r *ImportedRange) teardown() error {
 // and counts references, since the driver must not import it twice (see
 // ImportPointer). Across ImportedPools, ImportAsyncSegment shares them.
 type ImportedPool struct {
-	drv  *Driver
+	drv  *driver.Driver
 	dev  int
 	pool uint64
 
@@ -172,7 +173,7 @@ type ImportedPool struct {
 // is another device, ImportAsyncPool gives dev read/write access
 // (cuMemPoolSetAccess), which needs peer access between the two devices;
 // failing that, the import fails.
-func ImportAsyncPool(drv *Driver, dev int, fd int) (*ImportedPool, error) {
+func ImportAsyncPool(drv *driver.Driver, dev int, fd int) (*ImportedPool, error) {
 	if drv == nil {
 		return nil, fmt.Errorf("cuda: import memory pool: nil driver: %w", gocore.ErrInvalidArgument)
 	}
@@ -182,12 +183,12 @@ func ImportAsyncPool(drv *Driver, dev int, fd int) (*ImportedPool, error) {
 	}); err != nil {
 		return nil, err
 	}
-	p, err := drv.MemPoolImportFromShareableHandle(dev, fd, MemHandleTypePosixFD)
+	p, err := drv.MemPoolImportFromShareableHandle(dev, fd, driver.MemHandleTypePosixFD)
 	if err != nil {
 		return nil, err
 	}
 	access, err := drv.MemPoolGetAccess(dev, p, dev)
-	if err == nil && access != MemAccessProtReadWrite {
+	if err == nil && access != driver.MemAccessProtReadWrite {
 		err = drv.MemPoolSetAccess(dev, p, []int{dev}) // dev is not the pool's resident device
 	}
 	if err != nil {
@@ -205,7 +206,7 @@ func (p *ImportedPool) grant(dev int) error {
 		return fmt.Errorf("cuda: imported pool %#x is closed: %w", p.pool, gocore.ErrInvalidArgument)
 	}
 	access, err := p.drv.MemPoolGetAccess(p.dev, p.pool, dev)
-	if err == nil && access != MemAccessProtReadWrite {
+	if err == nil && access != driver.MemAccessProtReadWrite {
 		err = p.drv.MemPoolSetAccess(p.dev, p.pool, []int{dev})
 	}
 	if err != nil {
@@ -318,7 +319,7 @@ type ImportedSegment struct {
 // sharedKey names an imported pool in this process: the driver it was
 // imported with and the exporter's pool identity.
 type sharedKey struct {
-	drv  *Driver
+	drv  *driver.Driver
 	pool string
 }
 
@@ -353,7 +354,7 @@ var (
 // address in a process, whatever the device: importing it for another
 // device gives that device access to the imported pool
 // (cuMemPoolSetAccess, which needs peer access), as ImportAsyncPool does.
-func ImportAsyncSegment(drv *Driver, dev int, poolID string, fd int, data [64]byte) (*ImportedSegment, error) {
+func ImportAsyncSegment(drv *driver.Driver, dev int, poolID string, fd int, data [64]byte) (*ImportedSegment, error) {
 	if poolID == "" {
 		return nil, fmt.Errorf("cuda: import pool allocation: no pool identity: %w", gocore.ErrInvalidArgument)
 	}

@@ -1,3 +1,5 @@
+//go:build cgo
+
 package cuda
 
 import (
@@ -8,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
 	"github.com/gpumempool/gpumempool/gocore/cuda/internal/fakecuda"
 )
 
@@ -54,7 +57,7 @@ func TestDeviceUUID(t *testing.T) {
 	f.SetVisibleOrder("")
 	require.NoError(t, drv.Close())
 	_, err = drv.DeviceUUID(0)
-	require.ErrorIs(t, err, ErrDriverClosed)
+	require.ErrorIs(t, err, driver.ErrDriverClosed)
 }
 
 // FAKE_CUDA_VISIBLE_ORDER sets the visible order when the fake starts (the
@@ -74,9 +77,9 @@ func TestDeviceUUIDVisibleOrderFromEnvironment(t *testing.T) {
 func TestDeviceUUIDNeedsCUDA114(t *testing.T) {
 	_, drv := setupHiding(t, "cuDeviceGetUuid_v2") // optional: the driver loads
 	_, err := drv.DeviceUUID(0)
-	require.ErrorIs(t, err, ErrDriverTooOld)
-	_, _, err = drv.DeviceByUUID(UUID{})
-	require.ErrorIs(t, err, ErrDriverTooOld)
+	require.ErrorIs(t, err, driver.ErrDriverTooOld)
+	_, _, err = drv.DeviceByUUID(driver.UUID{})
+	require.ErrorIs(t, err, driver.ErrDriverTooOld)
 }
 
 // Blocks of one exported segment share one import: the pool is imported
@@ -137,7 +140,7 @@ func TestImportAsyncSegmentShares(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, b, s4.Addr())
 	assert.Equal(t, 1, f.Calls("cuMemPoolSetAccess"))
-	assert.Equal(t, MemAccessProtReadWrite, f.PoolAccess(s4.shared.pool.pool, 1))
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.PoolAccess(s4.shared.pool.pool, 1))
 	assert.Equal(t, 2, f.LivePools())
 	s5, err := ImportAsyncSegment(drv, 1, "exporter:1:0", fd1, dataB)
 	require.NoError(t, err)
@@ -147,7 +150,7 @@ func TestImportAsyncSegmentShares(t *testing.T) {
 	assert.Equal(t, 2, f.ImportedPointers())
 
 	// Failing to give access (no peer access) fails that import only.
-	f.Fail("cuMemPoolSetAccess", CodeNotSupported, 0)
+	f.Fail("cuMemPoolSetAccess", driver.CodeNotSupported, 0)
 	f.SetVisibleOrder("0,1,2")
 	_, err = ImportAsyncSegment(drv, 2, "exporter:1:0", fd1, dataB)
 	require.ErrorIs(t, err, gocore.ErrUnsupported)
@@ -174,7 +177,7 @@ func TestImportAsyncSegmentShares(t *testing.T) {
 
 	_, err = ImportAsyncSegment(drv, 0, "", fd1, dataA)
 	require.ErrorIs(t, err, gocore.ErrInvalidArgument, "a pool identity is needed")
-	f.Fail("cuMemPoolImportPointer", CodeInvalidValue, 0)
+	f.Fail("cuMemPoolImportPointer", driver.CodeInvalidValue, 0)
 	_, err = ImportAsyncSegment(drv, 0, "exporter:1:0", fd1, dataA)
 	require.Error(t, err)
 	f.Fail("cuMemPoolImportPointer", 0, 0)

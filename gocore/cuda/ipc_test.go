@@ -1,3 +1,5 @@
+//go:build cgo
+
 package cuda
 
 import (
@@ -13,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
 	"github.com/gpumempool/gpumempool/gocore/cuda/internal/fakecuda"
 )
 
@@ -43,7 +46,7 @@ func TestVMMExportImportSegment(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, a+3*mib, b, "one grown segment")
 	_, _, handles := f.LastMemCreate()
-	assert.Equal(t, MemHandleTypePosixFD, handles, "exportable memory was asked for")
+	assert.Equal(t, driver.MemHandleTypePosixFD, handles, "exportable memory was asked for")
 	fakecuda.Write(a, []byte("written by the exporter"))
 	fakecuda.Write(a+4*mib-6, []byte("across chunks"))
 
@@ -67,8 +70,8 @@ func TestVMMExportImportSegment(t *testing.T) {
 	assert.EqualValues(t, 6*mib, r.Size())
 	assert.NotEqual(t, a, r.Addr(), "a mapping of its own")
 	assert.Equal(t, exporterObjects+5, f.VMMObjects(), "two imported handles, a reservation, two mappings")
-	assert.Equal(t, MemAccessProtReadWrite, f.Access(r.Addr(), 1))
-	assert.Equal(t, MemAccessProtReadWrite, f.Access(r.Addr()+4*mib, 0), "peers on every chunk")
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(r.Addr(), 1))
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(r.Addr()+4*mib, 0), "peers on every chunk")
 
 	assert.Equal(t, []byte("written by the exporter"), fakecuda.Read(r.Addr()+(a-base), 23))
 	assert.Equal(t, []byte("across chunks"), fakecuda.Read(r.Addr()+4*mib-6, 13))
@@ -110,7 +113,7 @@ func TestVMMExportSegmentErrors(t *testing.T) {
 
 	// A failure on the second chunk closes the descriptor of the first.
 	before := openFDs(t)
-	f.Fail("cuMemExportToShareableHandle", CodeUnknown, 1)
+	f.Fail("cuMemExportToShareableHandle", driver.CodeUnknown, 1)
 	_, err = be.ExportSegment(0, a)
 	require.Error(t, err)
 	f.Fail("cuMemExportToShareableHandle", 0, 0)
@@ -164,7 +167,7 @@ func TestImportVMMValidation(t *testing.T) {
 	_, err = ImportVMM(drv, 0, chunks, []int{7})
 	require.ErrorIs(t, err, gocore.ErrInvalidDevice, "access for a device that does not exist")
 	assert.Equal(t, objects, f.VMMObjects())
-	f.Fail("cuMemMap", CodeInvalidValue, 1)
+	f.Fail("cuMemMap", driver.CodeInvalidValue, 1)
 	_, err = ImportVMM(drv, 0, chunks, nil)
 	require.Error(t, err)
 	f.Fail("cuMemMap", 0, 0)
@@ -266,13 +269,13 @@ func TestAsyncPoolImportOnAnotherDevice(t *testing.T) {
 	same, err := ImportAsyncPool(drv, 0, fd)
 	require.NoError(t, err)
 	assert.Zero(t, f.Calls("cuMemPoolSetAccess"), "the resident device has access")
-	assert.Equal(t, MemAccessProtNone, f.PoolAccess(same.pool, 1))
+	assert.Equal(t, driver.MemAccessProtNone, f.PoolAccess(same.pool, 1))
 
 	other, err := ImportAsyncPool(drv, 1, fd)
 	require.NoError(t, err)
 	assert.Equal(t, 1, f.Calls("cuMemPoolSetAccess"))
-	assert.Equal(t, MemAccessProtReadWrite, f.PoolAccess(other.pool, 1), "device 1 was given access")
-	assert.Equal(t, MemAccessProtNone, f.PoolAccess(same.pool, 1), "per imported pool")
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.PoolAccess(other.pool, 1), "device 1 was given access")
+	assert.Equal(t, driver.MemAccessProtNone, f.PoolAccess(same.pool, 1), "per imported pool")
 	ptr, err := other.ImportPointer(data)
 	require.NoError(t, err)
 	_, err = drv.MemPoolImportPointer(1, same.pool, data)
@@ -284,7 +287,7 @@ func TestAsyncPoolImportOnAnotherDevice(t *testing.T) {
 	// Failing to grant access (no peer access) fails the import and
 	// destroys the imported pool.
 	pools := f.LivePools()
-	f.Fail("cuMemPoolSetAccess", CodeNotSupported, 0)
+	f.Fail("cuMemPoolSetAccess", driver.CodeNotSupported, 0)
 	_, err = ImportAsyncPool(drv, 1, fd)
 	require.ErrorIs(t, err, gocore.ErrUnsupported)
 	assert.Contains(t, err.Error(), "import memory pool for device 1")

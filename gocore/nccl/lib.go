@@ -75,7 +75,7 @@ static void gmp_last_after(uintptr_t last_error, const char* prev, gmp_nccl_resu
 // exchange, when not 0, is cuThreadExchangeStreamCaptureMode: the NCCL calls
 // then run in the relaxed capture mode (and the thread's mode is restored
 // after them), so that they are not refused while another thread records a
-// CUDA graph in the global mode (see GMP_IN_CTX in package cuda's shim.h).
+// CUDA graph in the global mode (see GMP_IN_CTX in package driver's shim.h).
 // The mode is per thread, not per context, so it may span the pop.
 static int gmp_relax(uintptr_t exchange, int* mode) {
 	*mode = 2; // CU_STREAM_CAPTURE_MODE_RELAXED

@@ -1,5 +1,5 @@
 // Compile-time proof that the driver declarations gpumempool builds with
-// (gocore/cuda/cuda_types.h and shim.h, gocore/nccl/nccl_api.h) agree with
+// (gocore/cuda/driver/cuda_types.h and shim.h, gocore/nccl/nccl_api.h) agree with
 // NVIDIA's real headers. We build without CUDA headers, so these
 // declarations are ours; a wrong struct offset or a missing argument would
 // only show up as memory corruption on a GPU. tests/test_cuda_headers.py
@@ -25,7 +25,7 @@
 #endif
 
 namespace ours {
-#include "cuda/shim.h"
+#include "cuda/driver/shim.h"
 #include "nccl/nccl_api.h"
 }  // namespace ours
 
@@ -187,7 +187,7 @@ GMP_SAME_SIGNATURE(cuMemPoolCreate, CUresult (*)(void **, CUmemPoolProps *));  /
 GMP_SAME_SIGNATURE(cuMemSetAccess, CUresult (*)(CUdeviceptr, size_t, const CUmemLocation *, size_t));  // wrong struct
 #endif
 
-// The enumerators of cuda_types.h and the constants of package cuda's
+// The enumerators of cuda_types.h and the constants of package driver's
 // consts.go are checked by assertions the test generates from those files.
 #ifdef GMP_EXTRA_CHECKS
 #include GMP_EXTRA_CHECKS

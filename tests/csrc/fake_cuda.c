@@ -85,7 +85,7 @@
  * that calls the real driver and for this fake (no CUDA headers on the
  * machines that build either). The path is relative to this file, so any
  * working directory builds it. The opaque handles are the fake's own. */
-#include "../../gocore/cuda/cuda_types.h"
+#include "../../gocore/cuda/driver/cuda_types.h"
 
 typedef struct fake_ctx *CUcontext;
 typedef struct fake_event *CUevent;
@@ -218,6 +218,9 @@ struct fake_mapping {
 #define VEC_DEL(vec, i) ((vec).v[(i)] = (vec).v[--(vec).n])
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+/* fake_cuda_hold: while held, every entry point waits on entry. */
+static int held;
+static pthread_cond_t unheld = PTHREAD_COND_INITIALIZER;
 static int initialized;
 static int n_devices = 2;
 /* The "physical" GPU each ordinal names (FAKE_CUDA_VISIBLE_ORDER), which
@@ -357,6 +360,7 @@ static int valid_dev(int dev) { return dev >= 0 && dev < n_devices; }
 
 #define ENTER(name)                                               \
     pthread_mutex_lock(&mu);                                      \
+    while (held) pthread_cond_wait(&unheld, &mu);                 \
     calls[F_##name]++;                                            \
     if (inject[F_##name].code != 0) {                             \
         if (inject[F_##name].after > 0) {                         \
@@ -1824,6 +1828,16 @@ EXPORT long fake_cuda_capture_violations(void) {
 /* The calling thread's stream-capture mode (checks that it was restored). */
 EXPORT int fake_cuda_capture_mode(void) { return tls_capture_mode; }
 
+/* Holds every entry point on entry (on), or lets them all go on (off):
+ * a test parks the driver calls of the code under test, to check what waits
+ * for a call in flight. */
+EXPORT void fake_cuda_hold(int on) {
+    pthread_mutex_lock(&mu);
+    held = on != 0;
+    if (!held) pthread_cond_broadcast(&unheld);
+    pthread_mutex_unlock(&mu);
+}
+
 EXPORT void fake_cuda_set_manual_events(int on) {
     pthread_mutex_lock(&mu);
     manual_events = on != 0;
@@ -1892,6 +1906,8 @@ EXPORT void fake_cuda_reset(void) {
     visible_override = NULL;
     gran_min = gran_rec = GRANULARITY;
     manual_events = 0;
+    held = 0;
+    pthread_cond_broadcast(&unheld);
     pushes = pops = 0;
     generation++;
     int was = initialized;

@@ -195,6 +195,7 @@ var controls = []string{
 	"fake_cuda_set_global_capture", "fake_cuda_capture_violations", "fake_cuda_capture_mode",
 	"fake_cuda_set_stream_capturing", "fake_cuda_live_streams", "fake_cuda_stream_info", "fake_cuda_pool_access",
 	"fake_cuda_set_device_attribute", "fake_cuda_last_mem_create_rdma", "fake_cuda_set_visible_order",
+	"fake_cuda_hold",
 }
 
 // Open builds the fake (once per process), loads it and resets it.
@@ -230,6 +231,17 @@ func OpenPath(t testing.TB, path string) *Fake {
 
 // Path returns the library's path, for cuda.Load.
 func (f *Fake) Path() string { return f.path }
+
+// Hold parks every driver entry point on entry (on) until Hold(false)
+// lets them go on: a test makes calls of the code under test wait in the
+// driver, to check what waits for them.
+func (f *Fake) Hold(on bool) {
+	v := C.int(0)
+	if on {
+		v = 1
+	}
+	C.fc_v_i(f.fns["fake_cuda_hold"], v)
+}
 
 // Reset frees everything the fake holds, clears counters, injected
 // failures, manual events, recorded and created streams, captures, device

@@ -1,4 +1,4 @@
-package cuda
+package driver
 
 /*
 #include "shim.h"
@@ -11,21 +11,6 @@ import (
 
 	"github.com/gpumempool/gpumempool/gocore"
 )
-
-// PoolProps describes a memory pool for MemPoolCreate (the fields of
-// CUmemPoolProps that matter on Linux; the allocation type is always
-// pinned and every other byte is zero).
-type PoolProps struct {
-	// HandleType is the shareable handle type allocations may be exported
-	// with: MemHandleTypeNone or MemHandleTypePosixFD.
-	HandleType int
-	// LocationType and LocationID say where the memory lives, normally
-	// MemLocationTypeDevice and a device ordinal.
-	LocationType int
-	LocationID   int
-	// MaxSize caps the pool's reserved bytes; 0 lets the driver choose.
-	MaxSize uint64
-}
 
 // MemPoolCreate creates a memory pool (cuMemPoolCreate) under dev's context.
 func (d *Driver) MemPoolCreate(dev int, props PoolProps) (uint64, error) {
@@ -136,9 +121,9 @@ func (d *Driver) MemPoolTrimTo(dev int, pool, keep uint64) error {
 // MemPoolSetAccess gives each device in accessDevices read/write access to
 // pool's memory (cuMemPoolSetAccess).
 func (d *Driver) MemPoolSetAccess(dev int, pool uint64, accessDevices []int) error {
-	if len(accessDevices) == 0 || len(accessDevices) > maxAccessDevices {
+	if len(accessDevices) == 0 || len(accessDevices) > MaxAccessDevices {
 		return fmt.Errorf("cuda: set access of memory pool %#x: %d devices, want 1 to %d: %w",
-			pool, len(accessDevices), maxAccessDevices, gocore.ErrInvalidArgument)
+			pool, len(accessDevices), MaxAccessDevices, gocore.ErrInvalidArgument)
 	}
 	if err := d.require(C.GMP_cuMemPoolSetAccess); err != nil {
 		return err

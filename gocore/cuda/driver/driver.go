@@ -1,20 +1,4 @@
-// Package cuda talks to the NVIDIA driver (libcuda.so.1), loaded at run time
-// with dlopen so that gpumempool builds and runs on machines without CUDA,
-// and provides gocore backends over it: Backend (device memory from
-// cuMemAlloc) and HostBackend (pinned host memory from cuMemHostAlloc).
-//
-// Every driver call that needs a context is made by one C helper that pushes
-// the device's primary context, calls the driver and pops the context again.
-// CUDA's current context is per OS thread and a goroutine may change threads
-// between two cgo calls, so pushing in one call and operating in the next
-// could run the operation under another thread's context; and callers such
-// as torch call us from their own threads, whose current context we must
-// leave as we found it. cgo is confined to this thin layer (shim.h and the
-// files that include it); the backends are plain Go.
-//
-// Tests run against a fake driver (tests/csrc/fake_cuda.c) that checks all
-// of this; see internal/fakecuda.
-package cuda
+package driver
 
 /*
 #cgo LDFLAGS: -ldl
@@ -24,7 +8,6 @@ package cuda
 import "C"
 
 import (
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"maps"
@@ -37,13 +20,6 @@ import (
 
 	"github.com/gpumempool/gpumempool/gocore"
 )
-
-// DefaultLibrary is the driver library Load opens when given no path and
-// $GMP_LIBCUDA is unset (the name the NVIDIA driver installs).
-const DefaultLibrary = "libcuda.so.1"
-
-// EnvLibrary names the environment variable that overrides DefaultLibrary.
-const EnvLibrary = "GMP_LIBCUDA"
 
 // Driver is a loaded driver library: its resolved entry points and the
 // primary context of each device it has used. It is safe for concurrent use.
@@ -309,25 +285,6 @@ func (d *Driver) Version() (int, error) {
 	return int(v), nil
 }
 
-// VersionString formats a CUDA version number as "major.minor", e.g.
-// VersionString(12020) == "12.2".
-func VersionString(v int) string { return fmt.Sprintf("%d.%d", v/1000, v%1000/10) }
-
-// requireVersion fails with ErrDriverTooOld when drv supports a CUDA version
-// older than min, for the feature named (who is the backend, for the
-// message).
-func requireVersion(drv *Driver, who, feature string, min int) error {
-	v, err := drv.Version()
-	if err != nil {
-		return fmt.Errorf("%s: %w", who, err)
-	}
-	if v < min {
-		return fmt.Errorf("%s: %s needs a driver for CUDA %s or newer; %s supports CUDA %s: %w",
-			who, feature, VersionString(min), drv.Path(), VersionString(v), ErrDriverTooOld)
-	}
-	return nil
-}
-
 // CaptureModeFunc returns the address of cuThreadExchangeStreamCaptureMode,
 // or 0 when the driver lacks it (nccl.CaptureModeSource: code outside this
 // package that calls allocating functions with a context pushed, such as
@@ -521,19 +478,6 @@ func (d *Driver) DeviceAttribute(dev, attr int) (int, error) {
 	return int(v), nil
 }
 
-// UUID is a device's UUID as cuDeviceGetUuid_v2 returns it: the same
-// device has the same UUID in every process, whatever ordinal
-// CUDA_VISIBLE_DEVICES gives it there (for a MIG instance, the instance's
-// own UUID).
-type UUID [16]byte
-
-// String formats u the way nvidia-smi does:
-// GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.
-func (u UUID) String() string {
-	h := hex.EncodeToString(u[:])
-	return "GPU-" + h[:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:]
-}
-
 // DeviceUUID returns dev's UUID (cuDeviceGetUuid_v2). It needs no context,
 // so it retains none. A driver older than CUDA 11.4 lacks the entry point:
 // the error wraps ErrDriverTooOld.
@@ -560,50 +504,11 @@ func (d *Driver) DeviceUUID(dev int) (UUID, error) {
 	return u, nil
 }
 
-// DeviceByUUID returns the ordinal under which this process sees the
-// device with UUID u; ok is false when none of its devices has it (another
-// CUDA_VISIBLE_DEVICES hides it).
-func (d *Driver) DeviceByUUID(u UUID) (dev int, ok bool, err error) {
-	n, err := d.DeviceCount()
-	if err != nil {
-		return 0, false, err
-	}
-	for i := 0; i < n; i++ {
-		got, err := d.DeviceUUID(i)
-		if err != nil {
-			return 0, false, err
-		}
-		if got == u {
-			return i, true, nil
-		}
-	}
-	return 0, false, nil
-}
-
-// hostDevice is the device whose context MemHostAlloc, MemFreeHost and
-// MemHostGetFlags work under: cuMemHostAlloc needs a context, any one will
-// do, and with HostAllocPortable the memory is pinned for all of them.
-// HostBackend picks its own (NewHostBackendOn).
-const hostDevice = 0
-
 // MemHostAlloc allocates size bytes of page-locked host memory
-// (cuMemHostAlloc) with flags (HostAllocPortable, ...), under device 0's
-// context.
-func (d *Driver) MemHostAlloc(size uint64, flags uint32) (uint64, error) {
-	return d.memHostAlloc(hostDevice, size, flags)
-}
-
-// MemFreeHost frees memory from MemHostAlloc.
-func (d *Driver) MemFreeHost(ptr uint64) error { return d.memFreeHost(hostDevice, ptr) }
-
-// MemHostGetFlags returns the flags ptr's pinned allocation was made with;
-// it fails for memory that is not from MemHostAlloc.
-func (d *Driver) MemHostGetFlags(ptr uint64) (uint32, error) {
-	return d.memHostGetFlags(hostDevice, ptr)
-}
-
-// memHostAlloc is MemHostAlloc under dev's context.
-func (d *Driver) memHostAlloc(dev int, size uint64, flags uint32) (uint64, error) {
+// (cuMemHostAlloc) with flags (HostAllocPortable, ...), under dev's
+// context: cuMemHostAlloc needs a context, any one will do, and with
+// HostAllocPortable the memory is pinned for all of them.
+func (d *Driver) MemHostAlloc(dev int, size uint64, flags uint32) (uint64, error) {
 	var p C.uint64_t
 	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res {
 		return C.gmp_host_alloc(d.fns, ctx, C.size_t(size), C.uint(flags), &p)
@@ -614,8 +519,8 @@ func (d *Driver) memHostAlloc(dev int, size uint64, flags uint32) (uint64, error
 	return uint64(p), nil
 }
 
-// memFreeHost is MemFreeHost under dev's context.
-func (d *Driver) memFreeHost(dev int, ptr uint64) error {
+// MemFreeHost frees memory from MemHostAlloc, under dev's context.
+func (d *Driver) MemFreeHost(dev int, ptr uint64) error {
 	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res { return C.gmp_host_free(d.fns, ctx, C.uint64_t(ptr)) })
 	if err != nil {
 		return fmt.Errorf("cuda: free pinned host memory %#x: %w", ptr, err)
@@ -623,8 +528,10 @@ func (d *Driver) memFreeHost(dev int, ptr uint64) error {
 	return nil
 }
 
-// memHostGetFlags is MemHostGetFlags under dev's context.
-func (d *Driver) memHostGetFlags(dev int, ptr uint64) (uint32, error) {
+// MemHostGetFlags returns the flags ptr's pinned allocation was made with
+// (cuMemHostGetFlags, under dev's context); it fails for memory that is not
+// from MemHostAlloc.
+func (d *Driver) MemHostGetFlags(dev int, ptr uint64) (uint32, error) {
 	var f C.uint
 	err := d.withCtx(dev, func(ctx C.uintptr_t) C.gmp_res {
 		return C.gmp_host_get_flags(d.fns, ctx, C.uint64_t(ptr), &f)

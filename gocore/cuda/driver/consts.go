@@ -1,4 +1,4 @@
-package cuda
+package driver
 
 // CUresult codes the package and its tests use, from cuda.h's
 // cudaError_enum (unchanged from CUDA 11 to 13).
@@ -67,7 +67,8 @@ const (
 	HostAllocPortable      = 0x1 // CU_MEMHOSTALLOC_PORTABLE: pinned for every context
 	HostAllocDeviceMap     = 0x2 // CU_MEMHOSTALLOC_DEVICEMAP: mapped into the device address space
 	HostAllocWriteCombined = 0x4 // CU_MEMHOSTALLOC_WRITECOMBINED
-	hostAllocAll           = HostAllocPortable | HostAllocDeviceMap | HostAllocWriteCombined
+	// HostAllocAll is every flag MemHostAlloc knows.
+	HostAllocAll = HostAllocPortable | HostAllocDeviceMap | HostAllocWriteCombined
 )
 
 // Memory location types (CUmemLocationType).

@@ -1,4 +1,4 @@
-package cuda
+package driver
 
 import (
 	"errors"
@@ -68,3 +68,8 @@ func (e *Error) Is(target error) bool {
 	}
 	return false
 }
+
+// errNoCgo is what every entry of the package fails with when it was built
+// without cgo (zz_nocgo.go): Load, and so every backend over it.
+var errNoCgo = fmt.Errorf("cuda: gpumempool was built without cgo (CGO_ENABLED=0), which loading libcuda needs: %w",
+	gocore.ErrUnsupported)

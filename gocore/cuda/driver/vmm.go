@@ -1,4 +1,4 @@
-package cuda
+package driver
 
 /*
 #include "shim.h"
@@ -11,35 +11,12 @@ import (
 	"github.com/gpumempool/gpumempool/gocore"
 )
 
-// AllocProp describes physical memory for MemCreate and
-// MemGetAllocationGranularity (the fields of CUmemAllocationProp that
-// matter on Linux; the type is always pinned and every other byte zero).
-type AllocProp struct {
-	// LocationType and LocationID say where the memory lives:
-	// MemLocationTypeDevice and a device ordinal, or
-	// MemLocationTypeHostNUMA and a NUMA node.
-	LocationType int
-	LocationID   int
-	// HandleType is the shareable handle type the memory may be exported
-	// with (MemHandleTypeNone or MemHandleTypePosixFD).
-	HandleType int
-	// GPUDirectRDMACapable sets allocFlags.gpuDirectRDMACapable: the memory
-	// will be used for GPUDirect RDMA (NICs reading and writing it). Only
-	// devices whose DeviceAttrGPUDirectRDMAWithCUDAVMMSupported is 1 accept
-	// it.
-	GPUDirectRDMACapable bool
-}
-
 func cbool(b bool) C.int {
 	if b {
 		return 1
 	}
 	return 0
 }
-
-// maxAccessDevices bounds MemSetAccess's device list (the C helper builds
-// the descriptors on its stack).
-const maxAccessDevices = 64
 
 // MemGetAllocationGranularity returns the granularity that sizes and
 // addresses of VMM calls for prop must be multiples of; option is
@@ -154,9 +131,9 @@ func (d *Driver) MemUnmap(dev int, ptr, size uint64) error {
 // MemSetAccess makes the mapped range [ptr, ptr+size) readable and writable
 // (CU_MEM_ACCESS_FLAGS_PROT_READWRITE) from each device in accessDevices.
 func (d *Driver) MemSetAccess(dev int, ptr, size uint64, accessDevices []int) error {
-	if len(accessDevices) == 0 || len(accessDevices) > maxAccessDevices {
+	if len(accessDevices) == 0 || len(accessDevices) > MaxAccessDevices {
 		return fmt.Errorf("cuda: set access of %#x+%d: %d devices, want 1 to %d: %w",
-			ptr, size, len(accessDevices), maxAccessDevices, gocore.ErrInvalidArgument)
+			ptr, size, len(accessDevices), MaxAccessDevices, gocore.ErrInvalidArgument)
 	}
 	if err := d.require(C.GMP_cuMemSetAccess); err != nil {
 		return err

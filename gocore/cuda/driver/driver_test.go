@@ -1,4 +1,6 @@
-package cuda
+//go:build cgo
+
+package driver
 
 import (
 	"os"
@@ -52,18 +54,8 @@ func TestLoadNamesMissingRequiredSymbol(t *testing.T) {
 	assert.Contains(t, err.Error(), "lacks required driver entry point cuEventQuery (")
 }
 
-var optionalSymbols = []string{
-	"cuMemPoolCreate", "cuMemPoolDestroy", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute",
-	"cuMemPoolGetAttribute", "cuMemPoolTrimTo", "cuMemPoolExportToShareableHandle",
-	"cuMemPoolImportFromShareableHandle", "cuMemPoolExportPointer", "cuMemPoolImportPointer",
-	"cuMemGetAllocationGranularity", "cuMemCreate", "cuMemRelease", "cuMemAddressReserve", "cuMemAddressFree",
-	"cuMemMap", "cuMemUnmap", "cuMemSetAccess", "cuMemExportToShareableHandle", "cuMemImportFromShareableHandle",
-	"cuStreamCreate", "cuStreamDestroy_v2", "cuStreamIsCapturing", "cuDeviceGetAttribute", "cuMemPoolSetAccess",
-	"cuMemPoolGetAccess", "cuDeviceGetUuid_v2", "cuMemGetAddressRange_v2",
-}
-
 func TestOldDriverLoadsWithoutOptionalSymbols(t *testing.T) {
-	f, drv := setupHiding(t, optionalSymbols...) // the stream-ordered allocator and VMM are optional
+	_, drv := setupHiding(t, fakecuda.OptionalSymbols...) // the stream-ordered allocator and VMM are optional
 	assert.True(t, drv.HasSymbol("cuMemAlloc_v2"))
 	assert.False(t, drv.HasSymbol("cuMemPoolCreate"))
 	assert.False(t, drv.HasSymbol("noSuchFunction"))
@@ -82,12 +74,6 @@ func TestOldDriverLoadsWithoutOptionalSymbols(t *testing.T) {
 	_, err = drv.DeviceUUID(0)
 	assert.ErrorIs(t, err, ErrDriverTooOld)
 
-	// The required part works.
-	be := newBackend(t, drv)
-	addr, err := be.Alloc(0, 4096, 0)
-	require.NoError(t, err)
-	assert.EqualValues(t, 4096, f.LiveBytes(0))
-	require.NoError(t, be.Free(0, addr, 4096, 0))
 }
 
 func TestLoadReturnsOneDriverPerLibrary(t *testing.T) {
@@ -127,11 +113,6 @@ func TestDriverWithoutDevices(t *testing.T) {
 	_, err = drv.MemAlloc(0, 512)
 	require.ErrorIs(t, err, gocore.ErrInvalidDevice)
 	assert.Contains(t, err.Error(), "CUDA_ERROR_NO_DEVICE")
-	_, err = NewBackend(drv)
-	require.ErrorIs(t, err, gocore.ErrInvalidDevice)
-	assert.Contains(t, err.Error(), "sees no CUDA device")
-	_, err = NewHostBackend(drv, 0)
-	require.ErrorIs(t, err, gocore.ErrInvalidDevice)
 }
 
 func TestDeviceCountAndRange(t *testing.T) {
@@ -200,9 +181,9 @@ func TestCallsRestoreCallersContext(t *testing.T) {
 		assert.Equal(t, uint64(1<<30), total)
 		assert.Equal(t, uint64(1<<30)-4096, free)
 		require.NoError(t, drv.MemFree(0, p))
-		h, err := drv.MemHostAlloc(100, HostAllocPortable)
+		h, err := drv.MemHostAlloc(0, 100, HostAllocPortable)
 		require.NoError(t, err)
-		require.NoError(t, drv.MemFreeHost(h))
+		require.NoError(t, drv.MemFreeHost(0, h))
 
 		assert.Equal(t, 1, f.CurrentDevice())
 		assert.Equal(t, 1, f.CtxDepth())
@@ -352,29 +333,29 @@ func TestContextFuncsWorkFromOtherCCode(t *testing.T) {
 
 func TestPinnedHostMemoryDriver(t *testing.T) {
 	f, drv := setup(t)
-	h, err := drv.MemHostAlloc(10000, HostAllocPortable|HostAllocDeviceMap)
+	h, err := drv.MemHostAlloc(0, 10000, HostAllocPortable|HostAllocDeviceMap)
 	require.NoError(t, err)
 	assert.Equal(t, -1, f.PtrDevice(h), "host memory, not a device's")
 	assert.EqualValues(t, 10000, f.LiveBytes(-1))
-	flags, err := drv.MemHostGetFlags(h)
+	flags, err := drv.MemHostGetFlags(0, h)
 	require.NoError(t, err)
 	assert.EqualValues(t, HostAllocPortable|HostAllocDeviceMap, flags)
-	flags, err = drv.MemHostGetFlags(h + 100)
+	flags, err = drv.MemHostGetFlags(0, h+100)
 	require.NoError(t, err, "any address inside the allocation")
 	assert.EqualValues(t, HostAllocPortable|HostAllocDeviceMap, flags)
 
 	dev, err := drv.MemAlloc(0, 512)
 	require.NoError(t, err)
-	_, err = drv.MemHostGetFlags(dev)
+	_, err = drv.MemHostGetFlags(0, dev)
 	require.Error(t, err, "device memory is not pinned host memory")
 	assert.Contains(t, err.Error(), "cuMemHostGetFlags: CUDA_ERROR_INVALID_VALUE (1)")
 	require.NoError(t, drv.MemFree(0, dev))
 
 	fakecuda.Write(h, []byte("pinned"))
 	assert.Equal(t, []byte("pinned"), fakecuda.Read(h, 6))
-	require.NoError(t, drv.MemFreeHost(h))
+	require.NoError(t, drv.MemFreeHost(0, h))
 	assert.Zero(t, f.LiveBytes(-1))
-	err = drv.MemFreeHost(h)
+	err = drv.MemFreeHost(0, h)
 	require.Error(t, err, "double free is the driver's error")
 	assert.True(t, strings.Contains(err.Error(), "cuMemFreeHost"), err.Error())
 }
@@ -432,10 +413,10 @@ func TestLibraryMissing(t *testing.T) {
 	assert.False(t, libraryMissing(existing), "there, but not loadable")
 }
 
-// Options that older drivers misread are refused up front, naming the CUDA
-// version they need; the same options work with a new enough driver.
-func TestDriverVersionGatesNewOptions(t *testing.T) {
-	f, drv := setup(t, "FAKE_CUDA_DRIVER_VERSION", "12010")
+// The driver's CUDA version, and RequireVersion, the gate of the options
+// that older drivers misread.
+func TestDriverVersion(t *testing.T) {
+	_, drv := setup(t, "FAKE_CUDA_DRIVER_VERSION", "12010")
 	v, err := drv.Version()
 	require.NoError(t, err)
 	assert.Equal(t, 12010, v)
@@ -446,36 +427,10 @@ func TestDriverVersionGatesNewOptions(t *testing.T) {
 	// with an error that says nothing about why.
 	_, err = drv.MemPoolCreate(0, PoolProps{LocationType: MemLocationTypeDevice, MaxSize: 32 << 20})
 	require.ErrorContains(t, err, "CUDA_ERROR_INVALID_VALUE")
-
-	_, err = NewAsyncBackend(drv, AsyncOptions{MaxSize: 32 << 20})
+	err = drv.RequireVersion("pool", "MaxSize", 12020)
 	require.ErrorIs(t, err, ErrDriverTooOld)
-	require.ErrorIs(t, err, gocore.ErrUnsupported, "callers can fall back")
-	assert.Contains(t, err.Error(), "MaxSize (CUmemPoolProps.maxSize) needs a driver for CUDA 12.2 or newer")
-	assert.Contains(t, err.Error(), "supports CUDA 12.1")
-	be, err := NewAsyncBackend(drv, AsyncOptions{})
-	require.NoError(t, err, "without MaxSize an old driver is fine")
-	require.NoError(t, be.Close())
-
-	_, err = NewVMMBackend(drv, VMMOptions{Location: VMMLocationHostNUMA})
-	require.ErrorIs(t, err, ErrDriverTooOld)
-	assert.Contains(t, err.Error(), "host NUMA memory (CU_MEM_LOCATION_TYPE_HOST_NUMA) needs a driver for CUDA 12.2")
-	vb, err := NewVMMBackend(drv, VMMOptions{})
-	require.NoError(t, err)
-	require.NoError(t, vb.Close())
-
-	t.Setenv("FAKE_CUDA_DRIVER_VERSION", "12020")
-	f.Reset()
-	be, err = NewAsyncBackend(drv, AsyncOptions{MaxSize: 32 << 20})
-	require.NoError(t, err)
-	p := newPool(t, be)
-	a, err := p.Alloc(1<<20, 0, 0)
-	require.NoError(t, err, "a 12.2 driver takes maxSize")
-	require.NoError(t, p.Free(a))
-	closePool(t, p)
-	require.NoError(t, be.Close())
-	vb, err = NewVMMBackend(drv, VMMOptions{Location: VMMLocationHostNUMA})
-	require.NoError(t, err)
-	require.NoError(t, vb.Close())
+	assert.EqualError(t, err, "pool: MaxSize needs a driver for CUDA 12.2 or newer; "+drv.Path()+" supports CUDA 12.1: driver too old")
+	require.NoError(t, drv.RequireVersion("pool", "MaxSize", 12010))
 
 	require.NoError(t, drv.Close())
 	_, err = drv.Version()
@@ -494,13 +449,13 @@ func TestDriverCallsRunInRelaxedCaptureMode(t *testing.T) {
 		p, err := drv.MemAlloc(0, 4096)
 		require.NoError(t, err, "cuMemAlloc during a global capture")
 		assert.Zero(t, f.CaptureMode(), "the thread's capture mode is restored")
-		h, err := drv.MemHostAlloc(4096, HostAllocPortable)
+		h, err := drv.MemHostAlloc(0, 4096, HostAllocPortable)
 		require.NoError(t, err)
 		assert.Zero(t, f.CaptureViolations())
 		err = drv.MemFree(0, p)
 		require.ErrorContains(t, err, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "the fake refuses frees during a capture")
 		f.SetGlobalCapture(false)
 		require.NoError(t, drv.MemFree(0, p))
-		require.NoError(t, drv.MemFreeHost(h))
+		require.NoError(t, drv.MemFreeHost(0, h))
 	})
 }

@@ -7,6 +7,7 @@ import (
 	"github.com/gpumempool/gpumempool/gocore/cuda"
 	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
 	"github.com/gpumempool/gpumempool/gocore/nccl"
+	"github.com/gpumempool/gpumempool/gocore/nccl/libnccl"
 )
 
 // gpuOptions are the options of the backends that load libcuda (and
@@ -51,7 +52,7 @@ func gpuBackend(name string, o gpuOptions) (gocore.Backend, error) {
 	case "host":
 		return cuda.NewHostBackendOn(drv, o.HostFlags, o.HostDevice)
 	case "nccl":
-		lib, err := nccl.Load(o.Libnccl)
+		lib, err := libnccl.Load(o.Libnccl)
 		if err != nil {
 			return nil, fmt.Errorf("nccl backend: %w", err)
 		}

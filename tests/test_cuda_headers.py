@@ -2,7 +2,7 @@
 
 gpumempool builds without CUDA or NCCL headers: package cuda/driver declares the
 cuda.h types, constants and entry points it uses (gocore/cuda/driver/cuda_types.h,
-shim.h, consts.go) and package nccl the NCCL ones (gocore/nccl/nccl_api.h,
+shim.h, consts.go) and package libnccl the NCCL ones (gocore/nccl/libnccl/nccl_api.h,
 errors.go). A wrong offset or argument there would only show on a GPU, as
 memory corruption. These tests compile tests/csrc/cuda_abi_check.cpp
 against the real cuda.h of every CUDA release found (CI fetches the headers
@@ -31,7 +31,7 @@ CHECK = ROOT / "tests" / "csrc" / "cuda_abi_check.cpp"
 SHIM = ROOT / "gocore" / "cuda" / "driver" / "shim.h"
 CUDA_TYPES = ROOT / "gocore" / "cuda" / "driver" / "cuda_types.h"
 CUDA_CONSTS = ROOT / "gocore" / "cuda" / "driver" / "consts.go"
-NCCL_ERRORS = ROOT / "gocore" / "nccl" / "errors.go"
+NCCL_ERRORS = ROOT / "gocore" / "nccl" / "libnccl" / "errors.go"
 
 
 def _dirs_from_env(name: str) -> list[Path]:
@@ -200,7 +200,7 @@ def test_the_check_fails_on_a_wrong_declaration(case: int, tmp_path: Path) -> No
 @pytest.mark.parametrize("nccl_dir", NCCL_DIRS or [None], ids=lambda d: "nccl" if d else "none")
 def test_nccl_declarations_match_nccl_h(nccl_dir: Path | None, tmp_path: Path) -> None:
     """nccl_api.h's function types have nccl.h's prototypes, and package
-    nccl's Result values are nccl.h's ncclResult_t."""
+    libnccl's Result values are nccl.h's ncclResult_t."""
     if nccl_dir is None:
         pytest.skip("no nccl.h found (install nvidia-nccl-cu12/13 or set GMP_NCCL_HEADERS)")
     _need_cuda_headers()

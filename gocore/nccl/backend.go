@@ -2,16 +2,16 @@
 // NCCL's ncclMemAlloc/ncclMemFree (NCCL >= 2.19): memory that NVLS
 // reductions and user-buffer registration (ncclCommRegister) can use.
 //
-// libnccl is opened at run time with dlopen (see Load), so the package
-// builds and its tests run without CUDA or NCCL. cgo is confined to the thin
-// dlopen layer in lib.go.
+// libnccl is opened at run time with dlopen by package libnccl, the only
+// package of the NCCL side with cgo, so that this one is plain Go and
+// builds without CUDA, NCCL or cgo.
 //
 // ncclMemAlloc allocates on the CUDA device current on the calling OS
 // thread. A goroutine may change threads between cgo calls and CUDA contexts
 // are per thread, so one C call pushes the device's primary context (from a
 // ContextSource), calls NCCL and pops it. Stream ordering is CUDA events'
-// business: the backend delegates its event methods to an EventSource (in
-// production the cuda backend).
+// business: the backend embeds an EventSource (in production the cuda
+// backend), whose event methods and capacity are the backend's.
 package nccl
 
 import (
@@ -21,6 +21,7 @@ import (
 
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/internal/segtrack"
+	"github.com/gpumempool/gpumempool/gocore/nccl/libnccl"
 )
 
 // ContextSource gives the primary CUDA context of a device and the addresses of
@@ -52,12 +53,13 @@ type CaptureModeSource interface {
 type EventSource interface {
 	Devices() int
 	Capacity(device int) (total, free uint64, err error)
-	NewEvent(device int) (gocore.Event, error)
-	RecordEvent(ev gocore.Event, stream gocore.Stream) error
-	QueryEvent(ev gocore.Event) (done bool, err error)
-	SynchronizeEvent(ev gocore.Event) error
-	DestroyEvent(ev gocore.Event) error
+	gocore.EventSource
+	gocore.EventSynchronizer
 }
+
+// deviceEvents is EventSource under the name the Backend embeds it by (an
+// unexported field, whose methods Backend promotes).
+type deviceEvents = EventSource
 
 // Segment is a live allocation of the backend, for registering buffers with
 // NCCL communicators (ncclCommRegister takes an address and a size).
@@ -77,23 +79,26 @@ const Alignment = 512
 // Backend allocates segments with ncclMemAlloc. It is safe for concurrent
 // use; NCCL calls run without the backend's lock.
 type Backend struct {
-	lib     *Lib
-	ctx     ContextSource
-	events  EventSource
-	devices int
-	live    *segtrack.Table // the segments allocated and not freed
+	deviceEvents // Capacity and the event methods (gocore.EventSynchronizer too)
+	lib          *libnccl.Lib
+	ctx          ContextSource
+	devices      int
+	live         *segtrack.Table // the segments allocated and not freed
 }
 
-var _ gocore.Backend = (*Backend)(nil)
+var (
+	_ gocore.Backend           = (*Backend)(nil)
+	_ gocore.EventSynchronizer = (*Backend)(nil) // ncclMemFree does not wait for other streams' work
+)
 
 // NewBackend returns a backend over lib. events is required. ctx may be nil:
 // then no context is pushed, the caller guarantees that device 0's context is
 // current on whatever thread the pool calls from (e.g. a single-GPU process
 // where torch made it current everywhere), and only device 0 is served
 // (Devices reports at most 1).
-func NewBackend(lib *Lib, ctx ContextSource, events EventSource) (*Backend, error) {
+func NewBackend(lib *libnccl.Lib, ctx ContextSource, events EventSource) (*Backend, error) {
 	if lib == nil {
-		return nil, fmt.Errorf("nccl backend: no library (see nccl.Load): %w", gocore.ErrInvalidArgument)
+		return nil, fmt.Errorf("nccl backend: no library (see libnccl.Load): %w", gocore.ErrInvalidArgument)
 	}
 	if events == nil {
 		return nil, fmt.Errorf("nccl backend: no event source: %w", gocore.ErrInvalidArgument)
@@ -105,41 +110,21 @@ func NewBackend(lib *Lib, ctx ContextSource, events EventSource) (*Backend, erro
 	if ctx == nil {
 		n = 1
 	}
-	return &Backend{lib: lib, ctx: ctx, events: events, devices: n, live: segtrack.New("nccl backend")}, nil
+	return &Backend{deviceEvents: events, lib: lib, ctx: ctx, devices: n, live: segtrack.New("nccl backend")}, nil
 }
 
 // Name returns "nccl".
 func (b *Backend) Name() string { return "nccl" }
 
 // Lib returns the library the backend calls.
-func (b *Backend) Lib() *Lib { return b.lib }
+func (b *Backend) Lib() *libnccl.Lib { return b.lib }
 
-// Devices is the event source's device count, or 1 without a ContextSource.
+// Devices is the event source's device count, or 1 without a ContextSource
+// (it hides the event source's own).
 func (b *Backend) Devices() int { return b.devices }
 
 // Alignment returns the package's Alignment.
 func (b *Backend) Alignment() uint64 { return Alignment }
-
-// Capacity is the event source's.
-func (b *Backend) Capacity(device int) (uint64, uint64, error) { return b.events.Capacity(device) }
-
-// NewEvent is the event source's.
-func (b *Backend) NewEvent(device int) (gocore.Event, error) { return b.events.NewEvent(device) }
-
-// RecordEvent is the event source's.
-func (b *Backend) RecordEvent(ev gocore.Event, stream gocore.Stream) error {
-	return b.events.RecordEvent(ev, stream)
-}
-
-// QueryEvent is the event source's.
-func (b *Backend) QueryEvent(ev gocore.Event) (bool, error) { return b.events.QueryEvent(ev) }
-
-// SynchronizeEvent is the event source's (gocore.EventSynchronizer):
-// ncclMemFree does not wait for the work of other streams.
-func (b *Backend) SynchronizeEvent(ev gocore.Event) error { return b.events.SynchronizeEvent(ev) }
-
-// DestroyEvent is the event source's.
-func (b *Backend) DestroyEvent(ev gocore.Event) error { return b.events.DestroyEvent(ev) }
 
 // Alloc calls ncclMemAlloc with device's context current. The memory is
 // usable on any stream once it returns (ncclMemAlloc is synchronous), so
@@ -153,33 +138,33 @@ func (b *Backend) Alloc(device int, size uint64, stream gocore.Stream) (uint64, 
 	if err != nil {
 		return 0, err
 	}
-	r := b.lib.memAllocOn(dc, size)
+	r := b.lib.MemAlloc(dc, size)
 	if err := b.callError("ncclMemAlloc", device, size, r); err != nil {
-		var nerr *Error
+		var nerr *libnccl.Error
 		if errors.As(err, &nerr) && nerr.OutOfMemory() {
 			return 0, fmt.Errorf("%w: %w", err, gocore.ErrBackendOutOfMemory)
 		}
 		return 0, err
 	}
-	if r.ptr == 0 {
+	if r.Ptr == 0 {
 		return 0, fmt.Errorf("nccl backend: ncclMemAlloc(%d bytes) on device %d returned NULL with ncclSuccess", size, device)
 	}
-	if r.ptr%Alignment != 0 {
+	if r.Ptr%Alignment != 0 {
 		// Hand it back rather than let the engine break its alignment
 		// promise; ignore a failure there, the report below matters more.
-		b.lib.memFreeOn(dc, r.ptr)
+		b.lib.MemFree(dc, r.Ptr)
 		return 0, fmt.Errorf("nccl backend: ncclMemAlloc(%d bytes) on device %d returned %#x, not aligned to %d bytes",
-			size, device, r.ptr, Alignment)
+			size, device, r.Ptr, Alignment)
 	}
 	// An address whose Free is in flight is fair game: NCCL may hand it
 	// out again as soon as ncclMemFree returns, before that Free takes the
 	// lock to forget it (it then leaves this new entry alone).
-	if !b.live.Add(segtrack.Segment{Device: device, Addr: r.ptr, Size: size}) {
+	if !b.live.Add(segtrack.Segment{Device: device, Addr: r.Ptr, Size: size}) {
 		// NCCL handed out memory we still hold: never free it twice.
 		return 0, fmt.Errorf("nccl backend: ncclMemAlloc(%d bytes) on device %d returned %#x, which is still allocated",
-			size, device, r.ptr)
+			size, device, r.Ptr)
 	}
-	return r.ptr, nil
+	return r.Ptr, nil
 }
 
 // Free waits for the work queued on stream, then calls ncclMemFree with
@@ -202,8 +187,8 @@ func (b *Backend) free(device int, addr, size uint64, stream gocore.Stream) erro
 	if err != nil {
 		return err
 	}
-	r := b.lib.memFreeOn(dc, addr)
-	if r.push == 0 && r.nccl == Success {
+	r := b.lib.MemFree(dc, addr)
+	if r.Push == 0 && r.NCCL == libnccl.Success {
 		// Freed, even if the pop failed: reporting an error would make the
 		// engine keep using memory that is gone.
 		return nil
@@ -215,18 +200,18 @@ func (b *Backend) free(device int, addr, size uint64, stream gocore.Stream) erro
 // EventSource has no blocking wait, so it polls with a backoff that stays
 // short: a free usually waits for at most the last kernel.
 func (b *Backend) waitStream(device int, stream gocore.Stream) error {
-	ev, err := b.events.NewEvent(device)
+	ev, err := b.deviceEvents.NewEvent(device)
 	if err != nil {
 		return fmt.Errorf("create event to wait for stream %#x: %w", uint64(stream), err)
 	}
 	// The event only served this wait: a failure to destroy it leaks an
 	// event, which must not keep the segment from being freed.
-	defer func() { _ = b.events.DestroyEvent(ev) }()
-	if err := b.events.RecordEvent(ev, stream); err != nil {
+	defer func() { _ = b.deviceEvents.DestroyEvent(ev) }()
+	if err := b.deviceEvents.RecordEvent(ev, stream); err != nil {
 		return fmt.Errorf("record event on stream %#x: %w", uint64(stream), err)
 	}
 	for delay := time.Microsecond; ; delay = min(2*delay, time.Millisecond) {
-		done, err := b.events.QueryEvent(ev)
+		done, err := b.deviceEvents.QueryEvent(ev)
 		if err != nil {
 			return fmt.Errorf("wait for stream %#x: %w", uint64(stream), err)
 		}
@@ -238,45 +223,45 @@ func (b *Backend) waitStream(device int, stream gocore.Stream) error {
 }
 
 // deviceCtx checks device and gets what makes it current.
-func (b *Backend) deviceCtx(op string, device int) (devCtx, error) {
+func (b *Backend) deviceCtx(op string, device int) (libnccl.DeviceContext, error) {
 	if device < 0 || device >= b.devices {
 		why := ""
 		if b.ctx == nil {
 			why = " (no ContextSource: only device 0)"
 		}
-		return devCtx{}, fmt.Errorf("nccl backend: %s on device %d: out of range [0, %d)%s: %w",
+		return libnccl.DeviceContext{}, fmt.Errorf("nccl backend: %s on device %d: out of range [0, %d)%s: %w",
 			op, device, b.devices, why, gocore.ErrInvalidDevice)
 	}
 	if b.ctx == nil {
-		return devCtx{}, nil
+		return libnccl.DeviceContext{}, nil
 	}
 	ctx, push, pop, err := b.ctx.ContextFuncs(device)
 	if err != nil {
-		return devCtx{}, fmt.Errorf("nccl backend: %s on device %d: get CUDA context: %w", op, device, err)
+		return libnccl.DeviceContext{}, fmt.Errorf("nccl backend: %s on device %d: get CUDA context: %w", op, device, err)
 	}
 	if ctx == 0 || push == 0 || pop == 0 {
-		return devCtx{}, fmt.Errorf("nccl backend: %s on device %d: context source gave ctx=%#x push=%#x pop=%#x: %w",
+		return libnccl.DeviceContext{}, fmt.Errorf("nccl backend: %s on device %d: context source gave ctx=%#x push=%#x pop=%#x: %w",
 			op, device, ctx, push, pop, gocore.ErrInvalidArgument)
 	}
-	c := devCtx{ctx: ctx, push: push, pop: pop}
+	c := libnccl.DeviceContext{Ctx: ctx, Push: push, Pop: pop}
 	if cm, ok := b.ctx.(CaptureModeSource); ok {
-		c.exchange = cm.CaptureModeFunc()
+		c.Exchange = cm.CaptureModeFunc()
 	}
 	return c, nil
 }
 
 // callError describes a failed push/NCCL/pop round trip, or returns nil.
-func (b *Backend) callError(fn string, device int, size uint64, r callResult) error {
+func (b *Backend) callError(fn string, device int, size uint64, r libnccl.CallResult) error {
 	switch {
-	case r.push != 0:
+	case r.Push != 0:
 		return fmt.Errorf("nccl backend: %s(%d bytes) on device %d: cuCtxPushCurrent failed with CUresult %d",
-			fn, size, device, r.push)
-	case r.nccl != Success:
+			fn, size, device, r.Push)
+	case r.NCCL != libnccl.Success:
 		return fmt.Errorf("nccl backend: %d bytes on device %d: %w",
-			size, device, &Error{Func: fn, Code: r.nccl, Text: b.lib.ErrorString(r.nccl), Detail: r.last})
-	case r.pop != 0:
+			size, device, &libnccl.Error{Func: fn, Code: r.NCCL, Text: b.lib.ErrorString(r.NCCL), Detail: r.Last})
+	case r.Pop != 0:
 		return fmt.Errorf("nccl backend: %s(%d bytes) on device %d: cuCtxPopCurrent failed with CUresult %d",
-			fn, size, device, r.pop)
+			fn, size, device, r.Pop)
 	}
 	return nil
 }

@@ -1,3 +1,5 @@
+//go:build cgo
+
 package nccl_test
 
 import (
@@ -13,6 +15,7 @@ import (
 
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/nccl"
+	"github.com/gpumempool/gpumempool/gocore/nccl/libnccl"
 )
 
 const mib = 1 << 20
@@ -172,7 +175,7 @@ func TestOOMReleasesCacheRetriesThenFails(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, p.Free(a)) // cached
 
-	s.fake.Fail(int(nccl.UnhandledCudaError), 0)
+	s.fake.Fail(int(libnccl.UnhandledCudaError), 0)
 	calls := s.fake.Calls()
 	_, err = p.Alloc(30*mib, 0, 0)
 	require.Error(t, err)
@@ -182,9 +185,9 @@ func TestOOMReleasesCacheRetriesThenFails(t *testing.T) {
 	assert.Equal(t, "nccl", oom.Backend)
 	assert.Contains(t, err.Error(), "unhandled cuda error", "NCCL's text")
 	assert.Contains(t, err.Error(), "ncclUnhandledCudaError = 1", "and code")
-	var nerr *nccl.Error
+	var nerr *libnccl.Error
 	require.ErrorAs(t, err, &nerr)
-	assert.Equal(t, nccl.Error{Func: "ncclMemAlloc", Code: nccl.UnhandledCudaError,
+	assert.Equal(t, libnccl.Error{Func: "ncclMemAlloc", Code: libnccl.UnhandledCudaError,
 		Text: "unhandled cuda error (run with NCCL_DEBUG=INFO for details)"}, *nerr)
 
 	assert.Equal(t, calls+2, s.fake.Calls(), "one try and one retry")
@@ -226,7 +229,7 @@ func TestLoggedWarningDecidesWhetherACudaFailureIsOOM(t *testing.T) {
 	p := s.pool(t)
 
 	s.fake.FailText("Cuda failure 700 'an illegal memory access was encountered'")
-	s.fake.Fail(int(nccl.UnhandledCudaError), 0)
+	s.fake.Fail(int(libnccl.UnhandledCudaError), 0)
 	calls := s.fake.Calls()
 	_, err := p.Alloc(mib, 0, 0)
 	require.Error(t, err)
@@ -238,7 +241,7 @@ func TestLoggedWarningDecidesWhetherACudaFailureIsOOM(t *testing.T) {
 	s.fake.Fail(0, 0)
 	_, err = s.backend.Alloc(0, 30*mib, 0) // beyond the capacity: CUDA's OOM warning
 	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory)
-	var nerr *nccl.Error
+	var nerr *libnccl.Error
 	require.ErrorAs(t, err, &nerr)
 	assert.Equal(t, "Cuda failure 2 'out of memory'", nerr.Detail)
 
@@ -249,7 +252,7 @@ func TestLoggedWarningDecidesWhetherACudaFailureIsOOM(t *testing.T) {
 	require.ErrorAs(t, err, &nerr)
 	assert.Equal(t, "Cuda failure 2 'out of memory'", nerr.Detail)
 	s.fake.FailText("Cuda failure 700 'an illegal memory access was encountered'")
-	s.fake.Fail(int(nccl.UnhandledCudaError), 0)
+	s.fake.Fail(int(libnccl.UnhandledCudaError), 0)
 	for i := range 3 { // a sticky error: never taken for out of memory, never retried
 		calls := s.fake.Calls()
 		_, err = p.Alloc(mib, 0, 0)
@@ -265,13 +268,13 @@ func TestLoggedWarningDecidesWhetherACudaFailureIsOOM(t *testing.T) {
 	s.fake.LogWarning("NET/IB : some other communicator's trouble")
 	_, err = s.backend.Alloc(0, 0, 0) // ncclInvalidArgument, which logs nothing in the fake
 	require.ErrorAs(t, err, &nerr)
-	assert.Equal(t, nccl.InvalidArgument, nerr.Code)
+	assert.Equal(t, libnccl.InvalidArgument, nerr.Code)
 	assert.Empty(t, nerr.Detail)
 }
 
 func TestSystemErrorIsOOM(t *testing.T) {
 	s := newSetup(t)
-	s.fake.Fail(int(nccl.SystemError), 0)
+	s.fake.Fail(int(libnccl.SystemError), 0)
 	_, err := s.pool(t).Alloc(mib, 0, 0)
 	require.ErrorIs(t, err, gocore.ErrOutOfMemory)
 	assert.Contains(t, err.Error(), "ncclSystemError = 2")
@@ -281,7 +284,7 @@ func TestSystemErrorIsOOM(t *testing.T) {
 func TestNonOOMErrorIsNotRetried(t *testing.T) {
 	s := newSetup(t)
 	p := s.pool(t)
-	s.fake.Fail(int(nccl.InvalidUsage), 1) // the first call still succeeds
+	s.fake.Fail(int(libnccl.InvalidUsage), 1) // the first call still succeeds
 	_, err := p.Alloc(mib, 0, 0)
 	require.NoError(t, err)
 
@@ -289,9 +292,9 @@ func TestNonOOMErrorIsNotRetried(t *testing.T) {
 	require.Error(t, err)
 	assert.NotErrorIs(t, err, gocore.ErrOutOfMemory)
 	assert.NotErrorIs(t, err, gocore.ErrBackendOutOfMemory)
-	var nerr *nccl.Error
+	var nerr *libnccl.Error
 	require.ErrorAs(t, err, &nerr)
-	assert.Equal(t, nccl.InvalidUsage, nerr.Code)
+	assert.Equal(t, libnccl.InvalidUsage, nerr.Code)
 	assert.Contains(t, err.Error(), "invalid usage")
 	assert.Contains(t, err.Error(), "ncclInvalidUsage = 5")
 	assert.Equal(t, 2, s.fake.Calls(), "no retry")
@@ -313,9 +316,9 @@ func TestFreeErrors(t *testing.T) {
 	assert.ErrorIs(t, err, gocore.ErrInvalidArgument, "wrong device")
 
 	// NCCL's failure carries its text and code; the segment stays live.
-	s.fake.FailFree(int(nccl.InternalError))
+	s.fake.FailFree(int(libnccl.InternalError))
 	err = s.backend.Free(1, addr, 2*mib, 0)
-	var nerr *nccl.Error
+	var nerr *libnccl.Error
 	require.ErrorAs(t, err, &nerr)
 	assert.Equal(t, "ncclMemFree", nerr.Func)
 	assert.Contains(t, err.Error(), "internal error")

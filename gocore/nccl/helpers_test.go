@@ -1,3 +1,5 @@
+//go:build cgo
+
 package nccl_test
 
 import (
@@ -14,6 +16,7 @@ import (
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/nccl"
 	"github.com/gpumempool/gpumempool/gocore/nccl/internal/fakenccl"
+	"github.com/gpumempool/gpumempool/gocore/nccl/libnccl"
 )
 
 func TestMain(m *testing.M) {
@@ -47,10 +50,10 @@ func copyLib(t *testing.T, src string) string {
 
 // freshLib loads a private copy of the fake and opens its controls, reset
 // (FAKE_NCCL_CAPACITY is read now: set it before calling).
-func freshLib(t *testing.T) (*nccl.Lib, *fakenccl.Fake) {
+func freshLib(t *testing.T) (*libnccl.Lib, *fakenccl.Fake) {
 	t.Helper()
 	path := copyLib(t, builtLibs(t).Fake)
-	lib, err := nccl.Load(path)
+	lib, err := libnccl.Load(path)
 	require.NoError(t, err)
 	fake, err := fakenccl.Open(path)
 	require.NoError(t, err)
@@ -199,7 +202,7 @@ func (c *fakeCtx) ContextFuncs(dev int) (uintptr, uintptr, uintptr, error) {
 // setup is a fresh fake library, a backend over it with two devices, and the
 // pieces to look at.
 type setup struct {
-	lib     *nccl.Lib
+	lib     *libnccl.Lib
 	fake    *fakenccl.Fake
 	events  *stubEvents
 	ctx     *fakeCtx

@@ -1,3 +1,5 @@
+//go:build cgo
+
 package nccl_test
 
 import (
@@ -11,8 +13,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/gpumempool/gpumempool/gocore/nccl"
 	"github.com/gpumempool/gpumempool/gocore/nccl/internal/fakenccl"
+	"github.com/gpumempool/gpumempool/gocore/nccl/libnccl"
 )
 
 func realPath(t *testing.T, p string) string {
@@ -24,29 +26,29 @@ func realPath(t *testing.T, p string) string {
 
 func TestLoadPath(t *testing.T) {
 	path := copyLib(t, builtLibs(t).Fake)
-	lib, err := nccl.Load(path)
+	lib, err := libnccl.Load(path)
 	require.NoError(t, err)
 	major, minor, patch := lib.Version()
 	assert.Equal(t, [3]int{2, 23, 4}, [3]int{major, minor, patch}, "FAKE_NCCL_VERSION defaults to 22304")
 	assert.Equal(t, realPath(t, path), lib.Path())
 	assert.Contains(t, lib.String(), "NCCL 2.23.4")
-	assert.Contains(t, lib.ErrorString(nccl.UnhandledCudaError), "unhandled cuda error")
+	assert.Contains(t, lib.ErrorString(libnccl.UnhandledCudaError), "unhandled cuda error")
 
-	again, err := nccl.Load(path)
+	again, err := libnccl.Load(path)
 	require.NoError(t, err)
 	assert.Same(t, lib, again, "cached by path")
 
 	link := filepath.Join(t.TempDir(), "libnccl.so.2")
 	require.NoError(t, os.Symlink(path, link))
-	viaLink, err := nccl.Load(link)
+	viaLink, err := libnccl.Load(link)
 	require.NoError(t, err)
 	assert.Same(t, lib, viaLink, "cached by resolved path")
 }
 
 func TestLoadFromEnv(t *testing.T) {
 	path := copyLib(t, builtLibs(t).Fake)
-	t.Setenv(nccl.EnvLibrary, path)
-	lib, err := nccl.Load("")
+	t.Setenv(libnccl.EnvLibrary, path)
+	lib, err := libnccl.Load("")
 	require.NoError(t, err)
 	assert.Equal(t, realPath(t, path), lib.Path())
 }
@@ -54,21 +56,21 @@ func TestLoadFromEnv(t *testing.T) {
 func TestLoadMissing(t *testing.T) {
 	missing := filepath.Join(t.TempDir(), "libnccl.so.2")
 
-	_, err := nccl.Load(missing)
-	require.ErrorIs(t, err, nccl.ErrNoNCCL)
+	_, err := libnccl.Load(missing)
+	require.ErrorIs(t, err, libnccl.ErrNoNCCL)
 	assert.Contains(t, err.Error(), missing)
 	assert.Contains(t, err.Error(), "GMP_LIBNCCL", "says how to point at the library")
 	assert.Contains(t, err.Error(), `"path" option`)
 
-	t.Setenv(nccl.EnvLibrary, missing)
-	_, err = nccl.Load("")
-	require.ErrorIs(t, err, nccl.ErrNoNCCL, "a GMP_LIBNCCL that does not load is an error, not a fallback")
+	t.Setenv(libnccl.EnvLibrary, missing)
+	_, err = libnccl.Load("")
+	require.ErrorIs(t, err, libnccl.ErrNoNCCL, "a GMP_LIBNCCL that does not load is an error, not a fallback")
 	assert.Contains(t, err.Error(), "GMP_LIBNCCL="+missing)
 }
 
 func TestLoadNotNCCL(t *testing.T) {
-	_, err := nccl.Load("libm.so.6")
-	require.ErrorIs(t, err, nccl.ErrNoNCCL)
+	_, err := libnccl.Load("libm.so.6")
+	require.ErrorIs(t, err, libnccl.ErrNoNCCL)
 	assert.Contains(t, err.Error(), "ncclGetVersion")
 }
 
@@ -80,14 +82,14 @@ func TestLoadTooOld(t *testing.T) {
 		t.Run(c.code, func(t *testing.T) {
 			path := copyLib(t, builtLibs(t).Fake)
 			t.Setenv("FAKE_NCCL_VERSION", c.code)
-			_, err := nccl.Load(path)
-			require.ErrorIs(t, err, nccl.ErrTooOld)
+			_, err := libnccl.Load(path)
+			require.ErrorIs(t, err, libnccl.ErrTooOld)
 			assert.Contains(t, err.Error(), c.want)
 			assert.Contains(t, err.Error(), "ncclMemAlloc needs NCCL >= 2.19")
 
 			// Failures are not cached: the same file, now new enough, loads.
 			require.NoError(t, os.Unsetenv("FAKE_NCCL_VERSION"))
-			lib, err := nccl.Load(path)
+			lib, err := libnccl.Load(path)
 			require.NoError(t, err)
 			major, minor, _ := lib.Version()
 			assert.Equal(t, [2]int{2, 23}, [2]int{major, minor})
@@ -96,8 +98,8 @@ func TestLoadTooOld(t *testing.T) {
 }
 
 func TestLoadMissingMemAlloc(t *testing.T) {
-	_, err := nccl.Load(builtLibs(t).Old)
-	require.ErrorIs(t, err, nccl.ErrTooOld)
+	_, err := libnccl.Load(builtLibs(t).Old)
+	require.ErrorIs(t, err, libnccl.ErrTooOld)
 	assert.Contains(t, err.Error(), "NCCL 2.23.4", "names the version found")
 	assert.Contains(t, err.Error(), "does not export ncclMemAlloc")
 	assert.Contains(t, err.Error(), "ncclMemAlloc needs NCCL >= 2.19")
@@ -120,7 +122,7 @@ func TestLoadSearchOrder(t *testing.T) {
 		{"preloaded-env-same", nil},
 		// GMP_LIBNCCL or a path naming another file: no second NCCL, an
 		// error saying which was loaded first (it used to be ignored).
-		{"preloaded-env-other", []string{nccl.EnvLibrary + "=" + libs.Old}},
+		{"preloaded-env-other", []string{libnccl.EnvLibrary + "=" + libs.Old}},
 		{"preloaded-path-other", nil},
 		// The loaded NCCL is too old: the advice is not "set GMP_LIBNCCL".
 		{"preloaded-too-old", []string{"FAKE_NCCL_VERSION=21805"}},
@@ -132,7 +134,7 @@ func TestLoadSearchOrder(t *testing.T) {
 		t.Run(c.mode, func(t *testing.T) {
 			cmd := exec.Command(os.Args[0], "-test.run=^TestChildProcess$", "-test.v", "-test.count=1")
 			for _, kv := range os.Environ() {
-				if !strings.HasPrefix(kv, nccl.EnvLibrary+"=") && !strings.HasPrefix(kv, "LD_LIBRARY_PATH=") {
+				if !strings.HasPrefix(kv, libnccl.EnvLibrary+"=") && !strings.HasPrefix(kv, "LD_LIBRARY_PATH=") {
 					cmd.Env = append(cmd.Env, kv)
 				}
 			}
@@ -159,7 +161,7 @@ func TestChildProcess(t *testing.T) {
 	case "preloaded":
 		_, err := fakenccl.Open(soname) // as torch would have
 		require.NoError(t, err)
-		lib, err := nccl.Load("")
+		lib, err := libnccl.Load("")
 		require.NoError(t, err)
 		assert.Equal(t, realPath(t, soname), lib.Path())
 	case "preloaded-env-same":
@@ -167,11 +169,11 @@ func TestChildProcess(t *testing.T) {
 		require.NoError(t, err)
 		link := filepath.Join(t.TempDir(), "mynccl.so")
 		require.NoError(t, os.Symlink(soname, link))
-		t.Setenv(nccl.EnvLibrary, link)
-		lib, err := nccl.Load("")
+		t.Setenv(libnccl.EnvLibrary, link)
+		lib, err := libnccl.Load("")
 		require.NoError(t, err)
 		assert.Equal(t, realPath(t, soname), lib.Path())
-		again, err := nccl.Load(soname) // the path option naming it
+		again, err := libnccl.Load(soname) // the path option naming it
 		require.NoError(t, err)
 		assert.Same(t, lib, again)
 	case "preloaded-env-other", "preloaded-path-other":
@@ -179,13 +181,13 @@ func TestChildProcess(t *testing.T) {
 		require.NoError(t, err)
 		var want, what, undo string
 		if mode == "preloaded-env-other" {
-			want, what, undo = os.Getenv(nccl.EnvLibrary), nccl.EnvLibrary+"=", "unset "+nccl.EnvLibrary
-			_, err = nccl.Load("")
+			want, what, undo = os.Getenv(libnccl.EnvLibrary), libnccl.EnvLibrary+"=", "unset "+libnccl.EnvLibrary
+			_, err = libnccl.Load("")
 		} else {
 			want, what, undo = os.Getenv("GMP_NCCL_TEST_OTHER"), "the path ", "leave the path (libnccl=) out"
-			_, err = nccl.Load(want)
+			_, err = libnccl.Load(want)
 		}
-		require.ErrorIs(t, err, nccl.ErrConflict)
+		require.ErrorIs(t, err, libnccl.ErrConflict)
 		msg := err.Error()
 		t.Log(msg)
 		assert.Contains(t, msg, what+want)
@@ -199,24 +201,24 @@ func TestChildProcess(t *testing.T) {
 	case "preloaded-too-old":
 		_, err := fakenccl.Open(soname)
 		require.NoError(t, err)
-		_, err = nccl.Load("")
-		require.ErrorIs(t, err, nccl.ErrTooOld)
+		_, err = libnccl.Load("")
+		require.ErrorIs(t, err, libnccl.ErrTooOld)
 		msg := err.Error()
 		t.Log(msg)
 		assert.Contains(t, msg, "NCCL 2.18.5")
 		assert.Contains(t, msg, "loaded before gpumempool")
 		assert.Contains(t, msg, "cannot replace an NCCL already in the process")
-		assert.NotContains(t, msg, "point "+nccl.EnvLibrary, "setting GMP_LIBNCCL would not help")
+		assert.NotContains(t, msg, "point "+libnccl.EnvLibrary, "setting GMP_LIBNCCL would not help")
 	case "loaderpath":
-		lib, err := nccl.Load("")
+		lib, err := libnccl.Load("")
 		require.NoError(t, err)
 		assert.Equal(t, realPath(t, soname), lib.Path())
 	case "nothing":
-		lib, err := nccl.Load("")
-		if err == nil || !errors.Is(err, nccl.ErrNoNCCL) && errors.Is(err, nccl.ErrTooOld) {
+		lib, err := libnccl.Load("")
+		if err == nil || !errors.Is(err, libnccl.ErrNoNCCL) && errors.Is(err, libnccl.ErrTooOld) {
 			t.Skipf("this machine has a libnccl on the loader path (%v, %v)", lib, err)
 		}
-		require.ErrorIs(t, err, nccl.ErrNoNCCL)
+		require.ErrorIs(t, err, libnccl.ErrNoNCCL)
 		assert.Contains(t, err.Error(), "GMP_LIBNCCL is unset")
 		assert.Contains(t, err.Error(), "libnccl.so.2")
 	default:

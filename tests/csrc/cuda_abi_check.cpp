@@ -1,6 +1,6 @@
 // Compile-time proof that the driver declarations gpumempool builds with
-// (gocore/cuda/driver/cuda_types.h and shim.h, gocore/nccl/nccl_api.h) agree with
-// NVIDIA's real headers. We build without CUDA headers, so these
+// (gocore/cuda/driver/cuda_types.h and shim.h, gocore/nccl/libnccl/nccl_api.h)
+// agree with NVIDIA's real headers. We build without CUDA headers, so these
 // declarations are ours; a wrong struct offset or a missing argument would
 // only show up as memory corruption on a GPU. tests/test_cuda_headers.py
 // compiles this file with -fsyntax-only against the cuda.h of several CUDA
@@ -26,7 +26,7 @@
 
 namespace ours {
 #include "cuda/driver/shim.h"
-#include "nccl/nccl_api.h"
+#include "nccl/libnccl/nccl_api.h"
 }  // namespace ours
 
 // ---------------------------------------------------------------------------
@@ -96,7 +96,7 @@ constexpr bool same_signature(RR (*)(RA...), OR (*)(OA...)) {
 GMP_FUNCS(GMP_CHECK_FUNC)
 #undef GMP_CHECK_FUNC
 
-// package nccl pushes and pops the device context itself.
+// package libnccl pushes and pops the device context itself.
 GMP_SAME_SIGNATURE(cuCtxPushCurrent_v2, ours::gmp_cu_push_fn);
 GMP_SAME_SIGNATURE(cuCtxPopCurrent_v2, ours::gmp_cu_pop_fn);
 GMP_SAME_SIGNATURE(cuThreadExchangeStreamCaptureMode, ours::gmp_cu_exchange_capture_mode_fn);

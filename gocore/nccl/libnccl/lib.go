@@ -1,4 +1,4 @@
-package nccl
+package libnccl
 
 /*
 #cgo LDFLAGS: -ldl
@@ -147,9 +147,6 @@ import (
 	"sync"
 	"unsafe"
 )
-
-// EnvLibrary names the environment variable Load reads when given no path.
-const EnvLibrary = "GMP_LIBNCCL"
 
 // sonames are what an NCCL loaded by someone else (torch) is known as; the
 // first is also the name dlopen searches the loader path for.
@@ -377,31 +374,22 @@ func (l *Lib) ErrorString(r Result) string {
 	return C.GoString(s)
 }
 
-// callResult is what one push/NCCL/pop round trip reports.
-type callResult struct {
-	nccl      Result
-	push, pop int // CUresults; 0 on success or when not called
-	ptr       uint64
-	last      string // ncclGetLastError's text for a failed call, when it set one
+// MemAlloc calls ncclMemAlloc(size) with c current, in one C call (CUDA
+// contexts are per OS thread).
+func (l *Lib) MemAlloc(c DeviceContext, size uint64) CallResult {
+	var r C.gmp_nccl_result
+	C.gmp_nccl_mem_alloc(C.uintptr_t(l.memAlloc), C.uintptr_t(l.memFree), C.uintptr_t(c.Push),
+		C.uintptr_t(c.Pop), C.uintptr_t(c.Exchange), C.uintptr_t(l.lastError), C.uintptr_t(c.Ctx), C.size_t(size), &r)
+	return CallResult{NCCL: Result(r.nccl), Push: int(r.push), Pop: int(r.pop), Ptr: uint64(r.ptr),
+		Last: l.detail(&r)}
 }
 
-// devCtx is what makes a device current around an NCCL call; the zero value
-// leaves the thread's current context alone.
-type devCtx struct{ ctx, push, pop, exchange uintptr }
-
-func (l *Lib) memAllocOn(c devCtx, size uint64) callResult {
+// MemFree calls ncclMemFree(addr) with c current, in one C call.
+func (l *Lib) MemFree(c DeviceContext, addr uint64) CallResult {
 	var r C.gmp_nccl_result
-	C.gmp_nccl_mem_alloc(C.uintptr_t(l.memAlloc), C.uintptr_t(l.memFree), C.uintptr_t(c.push),
-		C.uintptr_t(c.pop), C.uintptr_t(c.exchange), C.uintptr_t(l.lastError), C.uintptr_t(c.ctx), C.size_t(size), &r)
-	return callResult{nccl: Result(r.nccl), push: int(r.push), pop: int(r.pop), ptr: uint64(r.ptr),
-		last: l.detail(&r)}
-}
-
-func (l *Lib) memFreeOn(c devCtx, addr uint64) callResult {
-	var r C.gmp_nccl_result
-	C.gmp_nccl_mem_free(C.uintptr_t(l.memFree), C.uintptr_t(c.push), C.uintptr_t(c.pop),
-		C.uintptr_t(c.exchange), C.uintptr_t(l.lastError), C.uintptr_t(c.ctx), C.uintptr_t(addr), &r)
-	return callResult{nccl: Result(r.nccl), push: int(r.push), pop: int(r.pop), last: l.detail(&r)}
+	C.gmp_nccl_mem_free(C.uintptr_t(l.memFree), C.uintptr_t(c.Push), C.uintptr_t(c.Pop),
+		C.uintptr_t(c.Exchange), C.uintptr_t(l.lastError), C.uintptr_t(c.Ctx), C.uintptr_t(addr), &r)
+	return CallResult{NCCL: Result(r.nccl), Push: int(r.push), Pop: int(r.pop), Last: l.detail(&r)}
 }
 
 // detail is the warning NCCL logged for the failed call r, or "". NCCL's

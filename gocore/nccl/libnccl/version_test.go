@@ -1,4 +1,4 @@
-package nccl_test
+package libnccl_test
 
 import (
 	"fmt"
@@ -6,7 +6,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 
-	"github.com/gpumempool/gpumempool/gocore/nccl"
+	"github.com/gpumempool/gpumempool/gocore/nccl/libnccl"
 )
 
 func TestDecodeVersion(t *testing.T) {
@@ -25,14 +25,14 @@ func TestDecodeVersion(t *testing.T) {
 		{2000, 2, 0, 0},
 	} {
 		t.Run(fmt.Sprint(c.code), func(t *testing.T) {
-			major, minor, patch := nccl.DecodeVersion(c.code)
+			major, minor, patch := libnccl.DecodeVersion(c.code)
 			assert.Equal(t, [3]int{c.major, c.minor, c.patch}, [3]int{major, minor, patch})
 		})
 	}
 }
 
 func TestResultString(t *testing.T) {
-	assert.Equal(t, "ncclUnhandledCudaError", nccl.UnhandledCudaError.String())
-	assert.Equal(t, "ncclInProgress", nccl.InProgress.String())
-	assert.Equal(t, "ncclResult_t(42)", nccl.Result(42).String())
+	assert.Equal(t, "ncclUnhandledCudaError", libnccl.UnhandledCudaError.String())
+	assert.Equal(t, "ncclInProgress", libnccl.InProgress.String())
+	assert.Equal(t, "ncclResult_t(42)", libnccl.Result(42).String())
 }

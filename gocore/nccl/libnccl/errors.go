@@ -1,9 +1,11 @@
-package nccl
+package libnccl
 
 import (
 	"errors"
 	"fmt"
 	"strings"
+
+	"github.com/gpumempool/gpumempool/gocore"
 )
 
 var (
@@ -85,3 +87,8 @@ func (e *Error) OutOfMemory() bool {
 // ncclSystemError. Treating both as OOM lets the engine release its cache
 // and retry; at worst a different CUDA failure is retried once.
 func (r Result) outOfMemory() bool { return r == UnhandledCudaError || r == SystemError }
+
+// errNoCgo is what Load fails with when the package was built without cgo
+// (zz_nocgo.go).
+var errNoCgo = fmt.Errorf("nccl: gpumempool was built without cgo (CGO_ENABLED=0), which loading libnccl needs: %w",
+	gocore.ErrUnsupported)

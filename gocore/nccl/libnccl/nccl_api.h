@@ -1,4 +1,4 @@
-/* The entry points package nccl resolves with dlsym, as function pointer
+/* The entry points package libnccl resolves with dlsym, as function pointer
  * types. No NCCL or CUDA headers are needed to build: ncclResult_t and
  * CUresult are C enums (int), ncclComm_t and CUcontext opaque pointers.
  * tests/csrc/cuda_abi_check.cpp compiles these against the real nccl.h and

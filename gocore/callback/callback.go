@@ -9,6 +9,12 @@
 // Python through a ctypes callback). cgo is used only for the two trampolines that call the
 // function pointers.
 //
+// The package is itself a driver layer (a door to C code, as
+// gocore/cuda/driver is to libcuda): its segments exist only as C function
+// pointers, so without cgo there is nothing to call and the package, which
+// imports "C", is not built. Splitting the trampolines into a package of
+// their own would leave a backend that no CGO_ENABLED=0 build could use.
+//
 // The functions may be called from any OS thread, with the pool's lock held
 // (never with the backend's own): they must not call into their own pool.
 // The C ABI refuses such a call (CalledFromCallback, ErrReentry) rather

@@ -1,3 +1,5 @@
+//go:build cgo
+
 // Package nvmldev lists NVIDIA devices through NVML (github.com/NVIDIA/go-nvml,
 // which dlopens libnvidia-ml at run time). On a machine without a driver it
 // returns an error that says so; it never fails to load.
@@ -7,6 +9,10 @@
 // newer than the oldest driver supported (R525, the CUDA 12.0 era) are looked
 // up first (see optional). And go-nvml keeps the library's state in package
 // variables that each instance's Init rewrites, so every List is serialised.
+//
+// It is a driver layer, like gocore/cuda/driver: go-nvml calls NVML through
+// cgo, so the package builds with cgo only (its files say so), and only the
+// bindings, which need cgo anyway, import it.
 package nvmldev
 
 import (

@@ -38,7 +38,7 @@ def iters_for(size: int) -> int:
 
 
 def bench_backend(name: str, spec: dict) -> list[dict]:
-    opts = {"backend": spec.get("backend", name), "gpu": spec.get("gpu", {})}
+    opts = {"backend": spec.get("backend", name), "options": spec.get("gpu", {})}
     rows = []
     for size in SIZES:
         js = _native.bindings.BenchBackend(json.dumps(opts), str(size), iters_for(size), 0, 0)

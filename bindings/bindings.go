@@ -14,8 +14,6 @@ import (
 	"fmt"
 	"io"
 	"strings"
-	"sync"
-	"time"
 
 	// The C ABI lives in the same .so: importing it links its //export
 	// functions into the extension.
@@ -32,133 +30,25 @@ func Version() string { return "0.1.0" }
 // NumSlots returns how many pools can expose C entry points at once.
 func NumSlots() int64 { return registry.NumSlots }
 
-// simOptions mirrors gocore.SimConfig for JSON. The options whose zero
-// gocore takes as "use the default" are pointers, so that an option given as
-// 0 (MemPool("sim", capacity=0)) is refused instead of silently becoming
-// the default; leaving the option out asks for the default.
-type simOptions struct {
-	Devices        *int    `json:"devices"`
-	Capacity       *uint64 `json:"capacity"`
-	Alignment      *uint64 `json:"alignment"`
-	LatencyNS      int64   `json:"latency_ns"`
-	FailOnNthAlloc int     `json:"fail_on_nth_alloc"`
-	FailRate       float64 `json:"fail_rate"`
-	Seed           int64   `json:"seed"`
-	FreeFailRate   float64 `json:"free_fail_rate"`
-	ManualEvents   bool    `json:"manual_events"`
-	Expandable     bool    `json:"expandable"`
-	Granularity    *uint64 `json:"granularity"`
-}
-
-// simOptionNames maps gocore.SimConfig's fields to the option names users
-// give (the JSON keys above, MemPool's keyword arguments).
-var simOptionNames = map[string]string{
-	"Devices": "devices", "Capacity": "capacity", "Alignment": "alignment", "Latency": "latency_ns",
-	"FailOnNthAlloc": "fail_on_nth_alloc", "FailRate": "fail_rate", "Seed": "seed",
-	"FreeFailRate": "free_fail_rate", "ManualEvents": "manual_events", "Expandable": "expandable",
-	"Granularity": "granularity",
-}
-
-// simDefaults says, for each option whose 0 would mean "the default", what
-// leaving it out gives.
-var simDefaults = []struct {
-	field, deflt string
-	zero         func(s *simOptions) bool // given as 0
-}{
-	{"Devices", "1", func(s *simOptions) bool { return s.Devices != nil && *s.Devices == 0 }},
-	{"Capacity", gocore.FormatBytes(gocore.DefaultSimCapacity),
-		func(s *simOptions) bool { return s.Capacity != nil && *s.Capacity == 0 }},
-	{"Alignment", fmt.Sprint(gocore.DefaultSimAlignment),
-		func(s *simOptions) bool { return s.Alignment != nil && *s.Alignment == 0 }},
-	{"Granularity", gocore.FormatBytes(gocore.DefaultSimGranularity) + ", or the alignment if larger",
-		func(s *simOptions) bool { return s.Granularity != nil && *s.Granularity == 0 }},
-}
-
-// simConfig turns the options into a gocore.SimConfig and builds the
-// simulator. Every check of the values is gocore.NewSimBackend's; this only
-// refuses a 0 given for an option whose 0 gocore would take as the default,
-// and names the option in the user's terms.
-func simConfig(s *simOptions) (*gocore.SimBackend, error) {
-	for _, d := range simDefaults {
-		if d.zero(s) {
-			return nil, simOptionError(&gocore.SimConfigError{Field: d.field, Value: 0,
-				Reason: "must be positive (leave the option out for the default, " + d.deflt + ")"})
-		}
-	}
-	deref := func(p *uint64) uint64 {
-		if p == nil {
-			return 0
-		}
-		return *p
-	}
-	cfg := gocore.SimConfig{
-		Capacity: deref(s.Capacity), Alignment: deref(s.Alignment), Granularity: deref(s.Granularity),
-		Latency: time.Duration(s.LatencyNS), FailOnNthAlloc: s.FailOnNthAlloc, FailRate: s.FailRate,
-		Seed: s.Seed, FreeFailRate: s.FreeFailRate, ManualEvents: s.ManualEvents, Expandable: s.Expandable,
-	}
-	if s.Devices != nil {
-		cfg.Devices = *s.Devices
-	}
-	sim, err := gocore.NewSimBackend(cfg)
-	if err != nil {
-		return nil, simOptionError(err)
-	}
-	return sim, nil
-}
-
-// simOptionError names the option behind a *gocore.SimConfigError.
-func simOptionError(err error) error {
-	var ce *gocore.SimConfigError
-	if !errors.As(err, &ce) {
-		return fmt.Errorf("%v: %w", err, gocore.ErrInvalidArgument)
-	}
-	name, ok := simOptionNames[ce.Field]
-	if !ok {
-		name = ce.Field
-	}
-	value := ce.Value
-	if d, isDur := value.(time.Duration); isDur {
-		value = int64(d) // latency_ns is given in nanoseconds
-	}
-	return fmt.Errorf("sim option %s=%v %s: %w", name, value, ce.Reason, gocore.ErrInvalidArgument)
-}
-
 // poolOptions is the JSON accepted by NewPool.
 type poolOptions struct {
-	Backend          string      `json:"backend"`
-	Name             string      `json:"name"`
-	Limit            uint64      `json:"limit"`
-	MaxSplitSize     uint64      `json:"max_split_size"`
-	RoundupDivisions uint64      `json:"roundup_power2_divisions"`
-	RoundupBySize    []uint64    `json:"roundup_power2_divisions_by_size"`
-	GCThreshold      float64     `json:"garbage_collection_threshold"`
-	MaxNonSplitRound uint64      `json:"max_non_split_rounding_size"`
-	ReleaseThreshold uint64      `json:"release_threshold"`
-	Sim              *simOptions `json:"sim"`
-	AllocFn          uint64      `json:"alloc_fn"`
-	FreeFn           uint64      `json:"free_fn"`
-	Devices          int         `json:"devices"`
-	Alignment        uint64      `json:"alignment"`
-	PythonCallbacks  bool        `json:"python_callbacks"`
-	GPU              gpuOptions  `json:"gpu"`
-}
-
-// Backends lists the backend names NewPool accepts.
-func Backends() string { return strings.Join(backendNames, ",") }
-
-var backendNames = []string{"sim", "callback", "cuda", "async", "vmm", "nccl", "host"}
-
-var (
-	defaultSimOnce sync.Once
-	defaultSim     *gocore.SimBackend
-	defaultSimErr  error
-)
-
-// sharedSim is the process-wide simulated device that pools created with
-// backend "sim" and no sim options share, as pools share a real GPU.
-func sharedSim() (*gocore.SimBackend, error) {
-	defaultSimOnce.Do(func() { defaultSim, defaultSimErr = gocore.NewSimBackend(gocore.SimConfig{}) })
-	return defaultSim, defaultSimErr
+	Backend          string   `json:"backend"`
+	Name             string   `json:"name"`
+	Limit            uint64   `json:"limit"`
+	MaxSplitSize     uint64   `json:"max_split_size"`
+	RoundupDivisions uint64   `json:"roundup_power2_divisions"`
+	RoundupBySize    []uint64 `json:"roundup_power2_divisions_by_size"`
+	GCThreshold      float64  `json:"garbage_collection_threshold"`
+	MaxNonSplitRound uint64   `json:"max_non_split_rounding_size"`
+	ReleaseThreshold uint64   `json:"release_threshold"`
+	// Options are the backend's own, decoded by its registry entry
+	// (backends.go).
+	Options json.RawMessage `json:"options"`
+	// The callback backend's functions, which Python passes besides its
+	// options.
+	AllocFn         uint64 `json:"alloc_fn"`
+	FreeFn          uint64 `json:"free_fn"`
+	PythonCallbacks bool   `json:"python_callbacks"`
 }
 
 // decodeOptions parses NewPool's JSON strictly: unknown keys and trailing
@@ -174,29 +64,6 @@ func decodeOptions(optionsJSON string) (poolOptions, error) {
 		return o, fmt.Errorf("pool options: more than one JSON value: %w", gocore.ErrInvalidArgument)
 	}
 	return o, nil
-}
-
-// buildBackend makes the backend the options name. sim is returned too when
-// the backend is a simulator (for the test controls).
-func buildBackend(o poolOptions) (be gocore.Backend, sim *gocore.SimBackend, err error) {
-	switch o.Backend {
-	case "sim", "":
-		if o.Sim == nil {
-			sim, err = sharedSim()
-		} else {
-			sim, err = simConfig(o.Sim)
-		}
-		return sim, sim, err
-	case "callback":
-		be, err = callback.New(callback.Config{Alloc: uintptr(o.AllocFn), Free: uintptr(o.FreeFn),
-			Name: o.Name, Devices: o.Devices, Alignment: o.Alignment, Python: o.PythonCallbacks})
-		return be, nil, err
-	case "cuda", "async", "vmm", "nccl", "host":
-		be, err = gpuBackend(o.Backend, o.GPU)
-		return be, nil, err
-	default:
-		return nil, nil, fmt.Errorf("unknown backend %q (valid: %s): %w", o.Backend, Backends(), gocore.ErrInvalidArgument)
-	}
 }
 
 // NewPool creates a pool from a JSON object of options and returns its
@@ -247,7 +114,7 @@ func poolAlloc(id, size, device int64, stream uint64,
 	if size <= 0 {
 		return 0, fmt.Errorf("alloc of %d bytes: size must be positive: %w", size, gocore.ErrInvalidSize)
 	}
-	if device < 0 || device > 1<<20 {
+	if device < 0 || device >= gocore.MaxDevices {
 		return 0, fmt.Errorf("alloc on device %d: %w", device, gocore.ErrInvalidDevice)
 	}
 	if err := cabi.Reentered(e); err != nil {

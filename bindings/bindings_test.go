@@ -10,7 +10,7 @@ import (
 )
 
 func TestPoolLifecycleThroughHandles(t *testing.T) {
-	id, err := NewPool(`{"backend":"sim","name":"t","sim":{"devices":2,"capacity":67108864}}`)
+	id, err := NewPool(`{"backend":"sim","name":"t","options":{"devices":2,"capacity":67108864}}`)
 	require.NoError(t, err)
 	a, err := PoolAlloc(id, 1000, 1, 5)
 	require.NoError(t, err)
@@ -49,20 +49,20 @@ func TestPoolLifecycleThroughHandles(t *testing.T) {
 
 func TestErrorKinds(t *testing.T) {
 	cases := map[string]string{
-		`{"backend":"cuda9"}`:                     "ValueError: unknown backend",
-		`{"backend":"sim","bogus":1}`:             "ValueError: pool options",
-		`{"backend":"sim","sim":{"fail_rate":2}}`: "ValueError: ",
-		`{"backend":"callback"}`:                  "ValueError: callback backend",
-		`{"backend":"sim","max_split_size":5}`:    "ValueError: new pool",
-		`not json`:                                "ValueError: pool options",
-		`{"backend":"sim"} {"limit":5}`:           "ValueError: pool options: more than one",
+		`{"backend":"cuda9"}`:                         "ValueError: unknown backend",
+		`{"backend":"sim","bogus":1}`:                 "ValueError: pool options",
+		`{"backend":"sim","options":{"fail_rate":2}}`: "ValueError: ",
+		`{"backend":"callback"}`:                      "ValueError: callback backend",
+		`{"backend":"sim","max_split_size":5}`:        "ValueError: new pool",
+		`not json`:                                    "ValueError: pool options",
+		`{"backend":"sim"} {"limit":5}`:               "ValueError: pool options: more than one",
 	}
 	for in, want := range cases {
 		_, err := NewPool(in)
 		require.Error(t, err, in)
 		assert.True(t, strings.HasPrefix(err.Error(), want), "%s -> %s", in, err)
 	}
-	id, err := NewPool(`{"sim":{"capacity":4194304},"limit":2097152}`)
+	id, err := NewPool(`{"options":{"capacity":4194304},"limit":2097152}`)
 	require.NoError(t, err)
 	_, err = PoolAlloc(id, 3<<20, 0, 0)
 	assert.True(t, strings.HasPrefix(err.Error(), "OutOfMemoryError: "), err.Error())
@@ -102,7 +102,7 @@ func TestDevicesWithoutDriverIsNotAnError(t *testing.T) {
 }
 
 func TestBenchBackendMeasuresRawAndCached(t *testing.T) {
-	js, err := BenchBackend(`{"backend":"sim","sim":{"latency_ns":20000}}`, "4096,1048576", 20, 0, 0)
+	js, err := BenchBackend(`{"backend":"sim","options":{"latency_ns":20000}}`, "4096,1048576", 20, 0, 0)
 	require.NoError(t, err)
 	var rows []benchRow
 	require.NoError(t, json.Unmarshal([]byte(js), &rows))
@@ -140,7 +140,7 @@ func TestSimOptionsRefusedByName(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.sim, func(t *testing.T) {
-			_, err := NewPool(`{"backend":"sim","sim":` + tc.sim + `}`)
+			_, err := NewPool(`{"backend":"sim","options":` + tc.sim + `}`)
 			require.Error(t, err)
 			assert.True(t, strings.HasPrefix(err.Error(), "ValueError: "), err.Error())
 			assert.Contains(t, err.Error(), tc.msg)
@@ -148,7 +148,7 @@ func TestSimOptionsRefusedByName(t *testing.T) {
 	}
 	// Leaving the options out, or giving them in range, still works.
 	for _, sim := range []string{`{}`, `{"capacity":1048576,"alignment":1,"devices":1,"granularity":4096}`} {
-		id, err := NewPool(`{"backend":"sim","sim":` + sim + `}`)
+		id, err := NewPool(`{"backend":"sim","options":` + sim + `}`)
 		require.NoError(t, err, sim)
 		_, err = PoolClose(id)
 		require.NoError(t, err)

@@ -38,7 +38,7 @@ func buildFake(t *testing.T) string {
 
 func newGPUPool(t *testing.T, backend, lib string) int64 {
 	t.Helper()
-	id, err := NewPool(fmt.Sprintf(`{"backend":%q,"gpu":{"libcuda":%q,"ipc":true}}`, backend, lib))
+	id, err := NewPool(fmt.Sprintf(`{"backend":%q,"options":{"libcuda":%q,"ipc":true}}`, backend, lib))
 	require.NoError(t, err)
 	return id
 }

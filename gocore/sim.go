@@ -39,14 +39,14 @@ const simSpinThreshold = 50 * time.Microsecond
 type SimConfig struct {
 	// Devices is the number of simulated devices (1 when 0; negative is an
 	// error).
-	Devices int
+	Devices int `option:"devices" zero:"default" doc:"number of simulated devices"`
 	// Capacity is the number of bytes each device can hand out
 	// (DefaultSimCapacity when 0).
-	Capacity uint64
+	Capacity uint64 `option:"capacity" zero:"default" doc:"bytes each device can hand out"`
 	// Alignment is the alignment of every returned address and the unit to
 	// which sizes are rounded in the address space (DefaultSimAlignment when
 	// 0). It must be a power of two.
-	Alignment uint64
+	Alignment uint64 `option:"alignment" zero:"default" doc:"alignment of every address, a power of two"`
 	// Base is the first address of device 0's range (DefaultSimBase when 0).
 	// It must be a multiple of Alignment. Device d's range starts at
 	// Base + d*stride, where the stride is at least 1 TiB and at least twice
@@ -55,35 +55,46 @@ type SimConfig struct {
 	Base uint64
 	// Latency is added to every Alloc and Free call (time.Sleep above 50µs,
 	// a busy-wait below). It is never spent while holding the backend's lock.
-	Latency time.Duration
+	Latency time.Duration `option:"latency_ns" doc:"nanoseconds added to every Alloc and Free"`
 	// FailOnNthAlloc makes the Nth call to Alloc (1-based, counting every
 	// call) fail with an error wrapping ErrBackendOutOfMemory; 0 disables it.
-	FailOnNthAlloc int
+	FailOnNthAlloc int `option:"fail_on_nth_alloc" doc:"the Nth Alloc (1-based) runs out of memory; 0: none"`
 	// FailRate is the probability in [0, 1] with which an otherwise valid
 	// Alloc fails with an error wrapping ErrBackendOutOfMemory.
-	FailRate float64
+	FailRate float64 `option:"fail_rate" type:"probability" doc:"probability that an Alloc runs out of memory"`
 	// Seed seeds the random source behind FailRate and FreeFailRate, so that
 	// equal seeds give equal failure sequences for equal call sequences.
-	Seed int64
+	Seed int64 `option:"seed" doc:"seed of the failures drawn by fail_rate and free_fail_rate"`
 	// FreeFailRate is the probability in [0, 1] with which an otherwise valid
 	// Free fails with a plain error (not ErrBackendOutOfMemory); the segment
 	// then stays live.
-	FreeFailRate float64
+	FreeFailRate float64 `option:"free_fail_rate" type:"probability" doc:"probability that a Free fails"`
 	// ManualEvents makes recorded events complete only when the test calls
 	// CompleteStream or CompleteAll. When false, every event is complete as
 	// soon as it is recorded.
-	ManualEvents bool
+	ManualEvents bool `option:"manual_events" doc:"events complete only when the test completes their stream"`
 	// Expandable makes the backend an Expander: every segment reserves
 	// address space for the device's whole capacity (rounded up to
 	// Granularity), as a CUDA VMM segment reserves the device's memory, so
 	// that the engine can grow it in place by Granularity-sized steps up to
 	// anything the device can back. A device's range holds
 	// SimExpandableSegments such reservations.
-	Expandable bool
+	Expandable bool `option:"expandable" doc:"segments grow in place (like CUDA expandable segments)"`
 	// Granularity is the growth unit of expandable segments
 	// (DefaultSimGranularity, or Alignment if larger, when 0; a multiple of
 	// Alignment).
-	Granularity uint64
+	Granularity uint64 `option:"granularity" zero:"default" doc:"growth unit of expandable segments"`
+}
+
+// OptionDefaults says what leaving out each option whose 0 means "the
+// default" gives (options.Defaulter: the schema of the sim backend).
+func (SimConfig) OptionDefaults() map[string]string {
+	return map[string]string{
+		"devices":     "1",
+		"capacity":    FormatBytes(DefaultSimCapacity),
+		"alignment":   fmt.Sprint(DefaultSimAlignment),
+		"granularity": FormatBytes(DefaultSimGranularity) + ", or the alignment if larger",
+	}
 }
 
 // DefaultSimGranularity is the growth unit of expandable sim segments, the

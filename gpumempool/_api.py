@@ -20,7 +20,7 @@ from ._errors import (
     OutOfMemoryError,
     PoolClosedError,
 )
-from ._pool import CloseReport, LiveBlock, MemPool
+from ._pool import BACKENDS, CloseReport, LiveBlock, MemPool
 from . import cupy as cupy  # noqa: F401  (gmp.cupy: CuPy from a pool; imports CuPy lazily)
 from . import distributed as distributed  # noqa: F401  (gmp.distributed: ranks' memory; imports torch lazily)
 from .scope import cache_scope, invalidate
@@ -61,6 +61,7 @@ __all__ = [
     "OutOfMemoryError",
     "PoolClosedError",
     "__version__",
+    "backend_options",
     "backends",
     "cache_scope",
     "device_info",
@@ -99,6 +100,17 @@ def library_path() -> str:
 def backends() -> list[str]:
     """Names of the backends this build provides."""
     return _native.bindings.Backends().split(",")
+
+
+def backend_options(backend: str) -> list[dict[str, Any]]:
+    """The options ``MemPool(backend, ...)`` takes, from the engine's
+    registry, which declares each once: for each its ``name``, ``type``
+    (``bool``, ``int``, ``path``, ``string``, ``device``, ``devices``,
+    ``probability``), ``min``/``max`` for an int, the ``default`` where it
+    needs words, and ``doc``."""
+    if backend not in BACKENDS:
+        raise InvalidArgumentError(f"unknown backend {backend!r}; valid backends: {', '.join(sorted(BACKENDS))}")
+    return [dict(f) for f in BACKENDS[backend]["options"]]
 
 
 def device_info() -> dict[str, Any]:

@@ -137,44 +137,29 @@ _b = _native.bindings
 _fast = _native.fastcall  # None in a build without gpumempool._fastcall
 T = TypeVar("T")
 
+#: The backends this build provides, by name: what each is (``doc``) and its
+#: options (``options``: name, type, bounds, default, doc), from the engine's
+#: registry (bindings.BackendSchema). Validation and documentation read it.
+BACKENDS: dict[str, dict[str, Any]] = {b["name"]: b for b in json.loads(_b.BackendSchema())}
+
+
+def _option_names(backend: str) -> tuple[str, ...]:
+    return tuple(f["name"] for f in BACKENDS[backend]["options"])
+
+
 #: Options of the simulated device (``backend="sim"``).
-SIM_OPTIONS = (
-    "capacity",
-    "alignment",
-    "devices",
-    "latency_ns",
-    "fail_on_nth_alloc",
-    "fail_rate",
-    "seed",
-    "free_fail_rate",
-    "manual_events",
-    "expandable",
-    "granularity",
-)
+SIM_OPTIONS = _option_names("sim")
 #: Options of the ``callback`` backend (besides ``alloc`` and ``free``).
-CALLBACK_OPTIONS = ("devices", "alignment")
+CALLBACK_OPTIONS = _option_names("callback")
 #: Options of the GPU backends, which load libcuda (and libnccl) at run time.
 GPU_OPTIONS: dict[str, tuple[str, ...]] = {
-    "cuda": ("libcuda",),
-    "host": ("libcuda", "host_flags", "host_device"),
-    "nccl": ("libcuda", "libnccl"),
-    "async": (
-        "libcuda",
-        "pool_release_threshold",
-        "reuse_follow_event_dependencies",
-        "reuse_allow_opportunistic",
-        "reuse_allow_internal_dependencies",
-        "max_size",
-        "ipc",
-    ),
-    "vmm": ("libcuda", "location", "numa_node", "access_devices", "expandable", "reserve_bytes", "granularity", "ipc"),
+    name: _option_names(name) for name in BACKENDS if name not in ("sim", "callback")
 }
-_GPU_BOOL = {"reuse_follow_event_dependencies", "reuse_allow_opportunistic", "reuse_allow_internal_dependencies", "expandable", "ipc"}
-_GPU_STR = {"libcuda", "libnccl", "location", "granularity"}
 
 _U64 = 1 << 64
 _I64 = 1 << 63
-_MAX_DEVICE = 1 << 20
+#: Device indices are in ``[0, MAX_DEVICES)`` (the engine's bound on a pool's devices).
+MAX_DEVICES: int = _b.MaxDevices()
 
 
 @dataclass(frozen=True)
@@ -288,34 +273,45 @@ def _device_index(device: Any) -> int:
         head, _, idx = device.partition(":")
         if head not in ("cuda", "sim", "") or (idx and not (idx.isascii() and idx.isdigit())) or len(idx) > 7:
             raise InvalidArgumentError(f"device must be an int or 'cuda:N', got {device[:40]!r}")
-        return _check_int("device", int(idx), 0, _MAX_DEVICE) if idx else 0
+        return _check_int("device", int(idx), 0, MAX_DEVICES) if idx else 0
     if hasattr(device, "index") and hasattr(device, "type"):
         kind = device.type
         if not isinstance(kind, str) or kind not in ("cuda", "sim"):
             shown = kind[:40] if isinstance(kind, str) else type(kind).__name__
             raise InvalidArgumentError(f"device must be a CUDA device, got a device of type {shown!r}")
-        return 0 if device.index is None else _check_int("device.index", device.index, 0, _MAX_DEVICE)
-    return _check_int("device", device, 0, _MAX_DEVICE)
+        return 0 if device.index is None else _check_int("device.index", device.index, 0, MAX_DEVICES)
+    return _check_int("device", device, 0, MAX_DEVICES)
 
 
-def _gpu_options(options: dict[str, Any]) -> dict[str, Any]:
+def _backend_options(backend: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options of ``backend`` for NewPool, checked against its schema:
+    the types, and what JSON cannot carry; the engine validates the values
+    (in one place) and names the option it refuses."""
+    fields = {f["name"]: f for f in BACKENDS[backend]["options"]}
     out: dict[str, Any] = {}
     for key, value in options.items():
-        if key in _GPU_BOOL:
+        kind = fields[key]["type"]
+        if kind == "bool":
             out[key] = _check_bool(key, value)
-        elif key in _GPU_STR:
+        elif kind in ("path", "string"):
             if not isinstance(value, (str, os.PathLike)):
                 raise TypeError(f"{key} must be a str, got {type(value).__name__}")
             out[key] = os.fspath(value)
-        elif key == "access_devices":
+        elif kind == "devices":
             if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-                raise TypeError("access_devices must be a list of device indices")
+                raise TypeError(f"{key} must be a list of device indices")
             out[key] = [_device_index(d) for d in value]
-        elif key == "host_device":
-            # the CUDA device whose context holds pinned memory and events
+        elif kind == "device":
             out[key] = _device_index(value)
-        else:
-            out[key] = _check_int(key, value, 0, _U64 if key not in ("numa_node", "host_flags") else 1 << 31)
+        elif kind in ("probability", "float"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{key} must be a number, got {type(value).__name__}")
+            if not math.isfinite(value):  # JSON has no NaN or infinity
+                what = "a probability in [0, 1]" if kind == "probability" else "a finite number"
+                raise InvalidArgumentError(f"{backend} option {key}={value!r} is not {what}")
+            out[key] = float(value)
+        else:  # an int within the bounds of its Go type, or narrower
+            out[key] = _check_int(key, value, int(fields[key]["min"]), int(fields[key]["max"]) + 1)
     return out
 
 
@@ -404,18 +400,16 @@ class MemPool:
             if alloc is None or free is None:
                 raise InvalidArgumentError("pass both alloc and free (an allocator needs its deleter)")
             backend = "callback"
-        valid = {"sim": SIM_OPTIONS, "callback": CALLBACK_OPTIONS}
-        valid.update((name, GPU_OPTIONS[name]) for name in _native.bindings.Backends().split(",") if name in GPU_OPTIONS)
-        if backend not in valid:
-            raise InvalidArgumentError(f"unknown backend {backend!r}; valid backends: {', '.join(sorted(valid))}")
-        unknown = sorted(set(options) - set(valid[backend]))
+        if backend not in BACKENDS:
+            raise InvalidArgumentError(f"unknown backend {backend!r}; valid backends: {', '.join(sorted(BACKENDS))}")
+        unknown = sorted(set(options) - set(_option_names(backend)))
         if unknown:
             raise InvalidArgumentError(
                 f"unknown option(s) {', '.join(unknown)} for backend {backend!r}; "
                 f"valid: name, limit, max_split_size, max_non_split_rounding_size, release_threshold, "
                 "roundup_power2_divisions, "
                 "garbage_collection_threshold, "
-                f"{', '.join(valid[backend])}"
+                f"{', '.join(_option_names(backend))}"
             )
         cfg: dict[str, Any] = {"backend": backend}
         if name is not None:
@@ -435,35 +429,10 @@ class MemPool:
             if not 0 <= gc < 1:  # NaN too
                 raise InvalidArgumentError(f"garbage_collection_threshold must be in [0, 1), got {gc!r}")
             cfg["garbage_collection_threshold"] = float(gc)
-        if backend == "sim":
-            if options:
-                sim: dict[str, Any] = {}
-                # Only the types, and what JSON cannot carry, are checked
-                # here; the engine validates the values (gocore.SimConfig's
-                # checks, in one place) and names the option it refuses.
-                for key, value in options.items():
-                    if key in ("fail_rate", "free_fail_rate"):
-                        if isinstance(value, bool) or not isinstance(value, (int, float)):
-                            raise TypeError(f"{key} must be a number, got {type(value).__name__}")
-                        if not math.isfinite(value):  # JSON has no NaN or infinity
-                            raise InvalidArgumentError(f"sim option {key}={value!r} is not a probability in [0, 1]")
-                        sim[key] = float(value)
-                    elif key in ("manual_events", "expandable"):
-                        sim[key] = _check_bool(key, value)
-                    elif key in ("capacity", "alignment", "granularity"):
-                        sim[key] = _check_int(key, value, 0, _U64)
-                    else:  # int64 in the engine: devices, latency_ns, fail_on_nth_alloc, seed
-                        sim[key] = _check_int(key, value, -(1 << 63), 1 << 63)
-                cfg["sim"] = sim
-                self._options = dict(sim)
-        elif backend in GPU_OPTIONS:
-            cfg["gpu"] = _gpu_options(options)
-            self._options = dict(cfg["gpu"])
-        else:
-            for key in CALLBACK_OPTIONS:
-                if key in options:
-                    # devices: the engine keeps state per device (callback.MaxDevices)
-                    cfg[key] = _check_int(key, options[key], 0, 1025 if key == "devices" else 1 << 31)
+        if options:
+            cfg["options"] = _backend_options(backend, options)
+            self._options = dict(cfg["options"])
+        if backend == "callback":
             assert alloc is not None and free is not None
             cfg["alloc_fn"], keep_a, py_a = function_address(alloc, "alloc", self._callback_errors)
             cfg["free_fn"], keep_f, py_f = function_address(free, "free", self._callback_errors)
@@ -569,7 +538,7 @@ class MemPool:
             size = _check_int("size", size, 1, _I64)
         if device is None:
             device = self._device
-        elif type(device) is not int or not 0 <= device < _MAX_DEVICE:
+        elif type(device) is not int or not 0 <= device < MAX_DEVICES:
             device = _device_index(device)
         if type(stream) is not int or not 0 <= stream < _U64:
             stream = as_stream(stream)

@@ -195,7 +195,7 @@ def test_backend_benchmark_times_the_async_pool_cold_too(fake_cuda) -> None:
     path, fake = fake_cuda
     iters = 5
     trims, syncs = fake.fake_cuda_calls(b"cuMemPoolTrimTo"), fake.fake_cuda_calls(b"cuStreamSynchronize")
-    js = _native.bindings.BenchBackend(json.dumps({"backend": "async", "gpu": {"libcuda": path}}), "4096,1048576",
+    js = _native.bindings.BenchBackend(json.dumps({"backend": "async", "options": {"libcuda": path}}), "4096,1048576",
                                        iters, 0, 0)
     rows = json.loads(js)
     assert [r["size"] for r in rows] == [4096, MiB]
@@ -206,7 +206,7 @@ def test_backend_benchmark_times_the_async_pool_cold_too(fake_cuda) -> None:
     assert fake.fake_cuda_calls(b"cuStreamSynchronize") - syncs == 2 * iters
     assert fake.fake_cuda_live_bytes(0) == 0
 
-    rows = json.loads(_native.bindings.BenchBackend(json.dumps({"backend": "cuda", "gpu": {"libcuda": path}}),
+    rows = json.loads(_native.bindings.BenchBackend(json.dumps({"backend": "cuda", "options": {"libcuda": path}}),
                                                     "4096", iters, 0, 0))
     assert "raw_cold_ns" not in rows[0]  # cuMemAlloc keeps no cache to empty
 

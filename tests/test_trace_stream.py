@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from gpumempool._pool import MAX_DEVICES
 from gpumempool.replay import replay
 from gpumempool.trace import Alloc, Free, Trace, TraceFormatError
 
@@ -230,7 +231,7 @@ def test_an_error_after_a_progress_bar_starts_its_own_line(tmp_path: Path) -> No
     assert rc == 2
     lines = err.split("\n")
     errors = [ln for ln in lines if "error:" in ln]
-    assert errors == [f"{PROG}: error: trace metadata 'devices' must be a whole number in [1, 1048576], got str"], \
+    assert errors == [f"{PROG}: error: trace metadata 'devices' must be a whole number in [1, {MAX_DEVICES}], got str"], \
         repr(err)
     assert re.search(r"\rreplay:", err), repr(err)  # the bar was there
 

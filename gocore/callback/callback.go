@@ -83,12 +83,12 @@ type Config struct {
 	// Name identifies the allocator in errors; default "callback".
 	Name string
 	// Devices is how many device ordinals the functions accept (default 1).
-	Devices int
+	Devices int `option:"devices" min:"0" doc:"how many device ordinals the functions accept (0: 1)"`
 	// Alignment is checked on every address Alloc returns: a misaligned
 	// one is given back with Free and the allocation fails. Must be a power
 	// of two; default DefaultAlignment, the alignment the pool promises for
 	// its blocks (1 turns the check off).
-	Alignment uint64
+	Alignment uint64 `option:"alignment" max:"2147483647" doc:"alignment checked on every address alloc returns, a power of two (0: 512)"`
 	// Python marks functions that run Python code (ctypes thunks): once
 	// the interpreter is exiting (PythonExiting) they are not called any
 	// more, since the thunks die with it and no thread can take the GIL.

@@ -24,20 +24,20 @@ type AsyncOptions struct {
 	// bytes each CUDA pool keeps when the device synchronizes. 0 (the
 	// driver's default too) gives memory freed to the CUDA pool back to the
 	// device at the next synchronization, where other users can have it.
-	ReleaseThreshold uint64
+	ReleaseThreshold uint64 `option:"pool_release_threshold" doc:"unused bytes each CUDA pool keeps when the device synchronizes"`
 	// ReuseFollowEventDependencies, ReuseAllowOpportunistic and
 	// ReuseAllowInternalDependencies set the CU_MEMPOOL_ATTR_REUSE_*
 	// policies of each pool; nil keeps the driver's default (all enabled).
-	ReuseFollowEventDependencies   *bool
-	ReuseAllowOpportunistic        *bool
-	ReuseAllowInternalDependencies *bool
+	ReuseFollowEventDependencies   *bool `option:"reuse_follow_event_dependencies" doc:"CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES (default: the driver's, on)"`
+	ReuseAllowOpportunistic        *bool `option:"reuse_allow_opportunistic" doc:"CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC (default: the driver's, on)"`
+	ReuseAllowInternalDependencies *bool `option:"reuse_allow_internal_dependencies" doc:"CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES (default: the driver's, on)"`
 	// IPC creates the pools exportable as POSIX file descriptors, for
 	// ExportPool, ExportPointer and ImportAsyncPool in another process.
-	IPC bool
+	IPC bool `option:"ipc" doc:"pools exportable to other processes (POSIX file descriptors)"`
 	// MaxSize caps the bytes each pool reserves from its device (the
 	// pool's maxSize); 0 lets the driver choose. It needs a CUDA 12.2
 	// driver or newer.
-	MaxSize uint64
+	MaxSize uint64 `option:"max_size" doc:"bytes each CUDA pool may reserve; 0: the driver's choice (CUDA 12.2+)"`
 }
 
 // AsyncBackend is a gocore.Backend named "async" whose segments come from

@@ -30,30 +30,30 @@ type VMMOptions struct {
 	// (default; the device the engine asks for) or VMMLocationHostNUMA (host
 	// memory of NUMANode, mapped for the device: EGM on Grace systems;
 	// needs a CUDA 12.2 driver or newer).
-	Location string
+	Location string `option:"location" doc:"where the memory lives: device (default) or host_numa"`
 	// NUMANode is the host NUMA node of VMMLocationHostNUMA memory (the
 	// device's closest one is CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID). It must be
 	// 0 with VMMLocationDevice.
-	NUMANode int
+	NUMANode int `option:"numa_node" min:"0" max:"2147483647" doc:"the NUMA node of host_numa memory"`
 	// AccessDevices are peers granted read/write access to every segment,
 	// besides the device it belongs to.
-	AccessDevices []int
+	AccessDevices []int `option:"access_devices" type:"device" doc:"devices that may read and write every segment, besides its own"`
 	// Expandable makes the backend a gocore.Expander: each segment reserves
 	// ReserveBytes of address space and the engine grows it in place, like
 	// torch's expandable_segments, and (gocore.Shrinker) gives the chunks
 	// at its free end back when it releases cached memory.
-	Expandable bool
+	Expandable bool `option:"expandable" doc:"segments grow in place and give their free end back"`
 	// ReserveBytes is the address space reserved per expandable segment (at
 	// least the segment's size, rounded up to the granularity); 0 means the
 	// device's total memory. Unused unless Expandable. One too close to 2^64
 	// to be rounded up makes Alloc fail with gocore.ErrInvalidArgument.
-	ReserveBytes uint64
+	ReserveBytes uint64 `option:"reserve_bytes" doc:"address space an expandable segment reserves (default: the device's memory)"`
 	// Granularity picks the allocation granularity sizes are rounded to:
 	// VMMGranularityRecommended (default) or VMMGranularityMinimum.
-	Granularity string
+	Granularity string `option:"granularity" doc:"recommended (default) or minimum allocation granularity"`
 	// IPC requests physical memory exportable as POSIX file descriptors, for
 	// ExportSegment and ImportVMM in another process.
-	IPC bool
+	IPC bool `option:"ipc" doc:"memory exportable to other processes (POSIX file descriptors)"`
 }
 
 // VMMBackend is a gocore.Backend named "vmm" whose segments are built with

@@ -30,6 +30,21 @@ type HostBackend struct {
 
 var _ gocore.Backend = (*HostBackend)(nil)
 
+// HostOptions configures a HostBackend (NewHostBackendWith).
+type HostOptions struct {
+	// Flags are the cuMemHostAlloc flags (HostAllocPortable, ...); 0 means
+	// HostAllocPortable.
+	Flags uint32 `option:"host_flags" max:"2147483647" doc:"cuMemHostAlloc flags (0: portable)"`
+	// Device is the CUDA device whose context holds the memory and the
+	// events (see NewHostBackendOn).
+	Device int `option:"host_device" type:"device" doc:"the CUDA device whose context holds the memory and events"`
+}
+
+// NewHostBackendWith is NewHostBackendOn(drv, opts.Flags, opts.Device).
+func NewHostBackendWith(drv *driver.Driver, opts HostOptions) (*HostBackend, error) {
+	return NewHostBackendOn(drv, opts.Flags, opts.Device)
+}
+
 // NewHostBackend returns a HostBackend allocating with the given
 // cuMemHostAlloc flags (HostAllocPortable, HostAllocDeviceMap,
 // HostAllocWriteCombined); 0 means HostAllocPortable, so that the memory is

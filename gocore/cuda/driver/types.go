@@ -12,6 +12,14 @@ const DefaultLibrary = "libcuda.so.1"
 // EnvLibrary names the environment variable that overrides DefaultLibrary.
 const EnvLibrary = "GMP_LIBCUDA"
 
+// Options says which library Load opens: the option every backend over the
+// driver has.
+type Options struct {
+	// Library is the path Load is given ("": $GMP_LIBCUDA, else
+	// DefaultLibrary).
+	Library string `option:"libcuda" type:"path" doc:"path of libcuda.so.1 (default: $GMP_LIBCUDA, else the loader's)"`
+}
+
 // PoolProps describes a memory pool for MemPoolCreate (the fields of
 // CUmemPoolProps that matter on Linux; the allocation type is always
 // pinned and every other byte is zero).

@@ -1,5 +1,11 @@
 package libnccl
 
+// Options says which libnccl Load opens (see Load for the order).
+type Options struct {
+	// Library is the path Load is given.
+	Library string `option:"libnccl" type:"path" doc:"path of libnccl.so.2 (default: the one loaded, $GMP_LIBNCCL, the loader's)"`
+}
+
 // CallResult is what one push/NCCL/pop round trip reports.
 type CallResult struct {
 	NCCL      Result // the NCCL call's result (Success when it was not made)

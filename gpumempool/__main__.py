@@ -373,11 +373,11 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     import pickle
 
     from ._progress import Progress
-    from .plot import MissingDependencyError, _require_matplotlib, plot_snapshot
+    from .plot import MissingDependencyError, require_matplotlib, plot_snapshot
     from .trace import TraceFormatError
 
     try:  # before the progress bar: nothing can be drawn without it
-        _require_matplotlib()
+        require_matplotlib()
     except MissingDependencyError as exc:
         return _fail(str(exc), 2, json_out=args.json)
     if os.path.isdir(args.snapshot):

@@ -109,6 +109,11 @@ class CallbackErrors:
         thread (the pool must not be called: its lock is held)."""
         return self._tls.depth > 0
 
+    def renew_lock_after_fork(self) -> None:
+        """In a forked child: a new lock, as another thread may have held
+        this one at the fork."""
+        self._lock = threading.Lock()
+
 
 class _CallbackState(threading.local):
     depth = 0  # class default: a thread that never ran a callback reads 0

@@ -10,13 +10,13 @@ import os
 import re
 import threading
 import time
-import weakref
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, TypeVar, Union
 
-from . import _native
+from . import _lifecycle, _native
 from . import _snapshot, _summary
+from ._args import I64, MAX_DEVICE, U64, as_stream, check_bool, check_int, device_index, roundup_option
 from ._callbacks import AllocatorFunction, CallbackErrors, function_address
 from ._errors import (
     BackendError,
@@ -27,14 +27,13 @@ from ._errors import (
     PoolClosedError,
     translate,
 )
+from ._lifecycle import open_pools
 
 if TYPE_CHECKING:
     from .ipc import IpcHandle
 
-__all__ = ["CloseReport", "LiveBlock", "MemPool", "as_stream", "open_pools"]
-
-_open: "weakref.WeakSet[MemPool]" = weakref.WeakSet()
-_open_lock = threading.Lock()
+__all__ = ["CloseReport", "LiveBlock", "MemPool", "as_stream", "has_python_functions", "open_pools",
+           "runs_python_function"]
 
 #: Native handle -> the objects a callback pool's C function pointers need
 #: (ctypes trampolines of Python callables, ctypes function objects). They
@@ -60,19 +59,6 @@ def _now_us() -> int:
     return time.time_ns() // 1000
 
 
-#: Set by gpumempool.scope: frees that a finalizer deferred while one of a
-#: pool's Python allocator functions ran (the pool was locked) run after
-#: the native call that ran it.
-_after_native_call: Optional[Callable[[], None]] = None
-
-
-def open_pools() -> list["MemPool"]:
-    """The MemPool objects of this process that are not closed, oldest first."""
-    with _open_lock:
-        pools = [p for p in _open if not p.closed]
-    return sorted(pools, key=lambda p: p._id)
-
-
 def _report_leaks_at_exit() -> None:
     """At interpreter exit, warn about pools that still hold allocated
     blocks. The pools are not closed: torch may still free into them while
@@ -87,11 +73,9 @@ def _report_leaks_at_exit() -> None:
         except Exception:  # a pool closed concurrently: nothing to report
             continue
         live, nbytes = s["allocation.all.current"], s["allocated_bytes.all.current"]
-        from . import torch as _torch  # does not import torch
-
         # Segments torch keeps cached in gmp.mempool's torch pools are
         # allocated blocks to the engine but hold no tensor: no leak.
-        live, nbytes, note = _torch.exit_leaks(pool, live, nbytes)
+        live, nbytes, note = _lifecycle.exit_leaks(pool, live, nbytes)
         if live:
             warnings.warn(
                 f"gpumempool: pool {pool.name!r} ({pool.backend}) still holds {live} allocated block(s), "
@@ -121,12 +105,10 @@ def _new_locks_after_fork() -> None:
     """In a forked child: the locks another thread may have held at fork,
     made anew, so that a call refuses (ForkedProcessError) instead of
     waiting for a thread that does not exist here."""
-    global _open_lock
-    _open_lock = threading.Lock()
-    for pool in list(_open):
+    for pool in _lifecycle.pools():
         pool._lock = threading.Lock()
         pool._frames_lock = threading.RLock()
-        pool._callback_errors._lock = threading.Lock()
+        pool._callback_errors.renew_lock_after_fork()
 
 
 _native.after_fork_in_child(_new_locks_after_fork)
@@ -156,12 +138,6 @@ GPU_OPTIONS: dict[str, tuple[str, ...]] = {
     name: _option_names(name) for name in BACKENDS if name not in ("sim", "callback")
 }
 
-_U64 = 1 << 64
-_I64 = 1 << 63
-#: Device indices are in ``[0, MAX_DEVICES)`` (the engine's bound on a pool's devices).
-MAX_DEVICES: int = _b.MaxDevices()
-
-
 @dataclass(frozen=True)
 class LiveBlock:
     """A block still allocated when its pool was closed."""
@@ -181,6 +157,20 @@ class CloseReport:
     live_bytes: int = 0
     segments_freed: int = 0
     bytes_freed: int = 0
+
+
+def runs_python_function(pool: "MemPool") -> bool:
+    """Whether one of ``pool``'s Python allocator functions is running on
+    this thread: the engine holds the pool's lock meanwhile, so the pool
+    must not be called (gpumempool.scope defers a finalizer's free then)."""
+    errors: Optional[CallbackErrors] = getattr(pool, "_callback_errors", None)  # None: __init__ failed early
+    return errors is not None and errors.inside()
+
+
+def has_python_functions(pool: "MemPool") -> bool:
+    """Whether ``pool``'s alloc/free functions are Python code (they need
+    the GIL: gpumempool.torch warns before torch calls them)."""
+    return bool(getattr(pool, "_py_callbacks", False))
 
 
 def _describe_exc(exc: BaseException, limit: int = 200) -> str:
@@ -218,71 +208,6 @@ def _callback_error_message(kind: str, exc: BaseException, err: BaseException) -
     return f"{what} (the pool call failed: {err})"
 
 
-def _check_bool(name: str, value: Any) -> bool:
-    """A real bool: an option read by truthiness would turn ``"false"`` or
-    ``"no"`` on."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {repr(value)[:40]}")
-    return value
-
-
-def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not lo <= value < hi:
-        raise InvalidArgumentError(f"{name} must be in [{lo}, {hi}), got {value}")
-    return value
-
-
-#: Size intervals of torch's per-size roundup_power2_divisions.
-ROUNDUP_INTERVALS = 16
-
-
-def _roundup_option(value: Any) -> dict[str, Any]:
-    """The NewPool JSON for ``roundup_power2_divisions``: one count for every
-    size, or one per size interval (a sequence, or torch's snapshot dict
-    keyed "1".."16")."""
-    name = "roundup_power2_divisions"
-    if isinstance(value, Mapping):
-        keys = {str(i) for i in range(1, ROUNDUP_INTERVALS + 1)}
-        if set(map(str, value)) != keys:
-            raise InvalidArgumentError(f"{name} as a dict needs the keys '1'..'{ROUNDUP_INTERVALS}', got {sorted(value)}")
-        value = [value[k] if k in value else value[int(k)] for k in sorted(keys, key=int)]
-    if isinstance(value, (list, tuple)):
-        if len(value) != ROUNDUP_INTERVALS:
-            raise InvalidArgumentError(f"{name} per size needs {ROUNDUP_INTERVALS} counts, got {len(value)}")
-        return {f"{name}_by_size": [_check_int(f"{name}[{i}]", v, 0, _U64) for i, v in enumerate(value)]}
-    return {name: _check_int(name, value, 0, _U64)}
-
-
-def as_stream(stream: Any) -> int:
-    """A stream handle as an int: an int, None (the default stream), or an
-    object with ``cuda_stream`` (torch.cuda.Stream) or ``ptr`` (cupy)."""
-    if stream is None:
-        return 0
-    for attr in ("cuda_stream", "ptr"):
-        if not isinstance(stream, int) and hasattr(stream, attr):
-            stream = getattr(stream, attr)
-            break
-    return _check_int("stream", stream, 0, _U64)
-
-
-def _device_index(device: Any) -> int:
-    """0, 1, ... or "cuda:1" / torch.device("cuda", 1)."""
-    if isinstance(device, str):
-        head, _, idx = device.partition(":")
-        if head not in ("cuda", "sim", "") or (idx and not (idx.isascii() and idx.isdigit())) or len(idx) > 7:
-            raise InvalidArgumentError(f"device must be an int or 'cuda:N', got {device[:40]!r}")
-        return _check_int("device", int(idx), 0, MAX_DEVICES) if idx else 0
-    if hasattr(device, "index") and hasattr(device, "type"):
-        kind = device.type
-        if not isinstance(kind, str) or kind not in ("cuda", "sim"):
-            shown = kind[:40] if isinstance(kind, str) else type(kind).__name__
-            raise InvalidArgumentError(f"device must be a CUDA device, got a device of type {shown!r}")
-        return 0 if device.index is None else _check_int("device.index", device.index, 0, MAX_DEVICES)
-    return _check_int("device", device, 0, MAX_DEVICES)
-
-
 def _backend_options(backend: str, options: dict[str, Any]) -> dict[str, Any]:
     """The options of ``backend`` for NewPool, checked against its schema:
     the types, and what JSON cannot carry; the engine validates the values
@@ -292,7 +217,7 @@ def _backend_options(backend: str, options: dict[str, Any]) -> dict[str, Any]:
     for key, value in options.items():
         kind = fields[key]["type"]
         if kind == "bool":
-            out[key] = _check_bool(key, value)
+            out[key] = check_bool(key, value)
         elif kind in ("path", "string"):
             if not isinstance(value, (str, os.PathLike)):
                 raise TypeError(f"{key} must be a str, got {type(value).__name__}")
@@ -300,9 +225,9 @@ def _backend_options(backend: str, options: dict[str, Any]) -> dict[str, Any]:
         elif kind == "devices":
             if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
                 raise TypeError(f"{key} must be a list of device indices")
-            out[key] = [_device_index(d) for d in value]
+            out[key] = [device_index(d) for d in value]
         elif kind == "device":
-            out[key] = _device_index(value)
+            out[key] = device_index(value)
         elif kind in ("probability", "float"):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{key} must be a number, got {type(value).__name__}")
@@ -311,7 +236,7 @@ def _backend_options(backend: str, options: dict[str, Any]) -> dict[str, Any]:
                 raise InvalidArgumentError(f"{backend} option {key}={value!r} is not {what}")
             out[key] = float(value)
         else:  # an int within the bounds of its Go type, or narrower
-            out[key] = _check_int(key, value, int(fields[key]["min"]), int(fields[key]["max"]) + 1)
+            out[key] = check_int(key, value, int(fields[key]["min"]), int(fields[key]["max"]) + 1)
     return out
 
 
@@ -375,7 +300,7 @@ class MemPool:
     ) -> None:
         self._id = 0
         self._callback_errors = CallbackErrors()
-        self._device = _device_index(device)
+        self._device = device_index(device)
         self._lock = threading.Lock()
         self._report: Optional[CloseReport] = None
         self._keep: list[Any] = []
@@ -419,9 +344,9 @@ class MemPool:
         for key, value in (("limit", limit), ("max_split_size", max_split_size), ("release_threshold", release_threshold),
                            ("max_non_split_rounding_size", max_non_split_rounding_size)):
             if value is not None:
-                cfg[key] = _check_int(key, value, 0, _U64)
+                cfg[key] = check_int(key, value, 0, U64)
         if roundup_power2_divisions is not None:
-            cfg.update(_roundup_option(roundup_power2_divisions))
+            cfg.update(roundup_option(roundup_power2_divisions))
         if garbage_collection_threshold is not None:
             gc = garbage_collection_threshold
             if isinstance(gc, bool) or not isinstance(gc, (int, float)):
@@ -455,8 +380,7 @@ class MemPool:
         # it waits for this pool: those pools go through gopy, which
         # releases the GIL.
         self._fast = _fast if backend != "callback" else None
-        with _open_lock:
-            _open.add(self)
+        _lifecycle.opened(self, self._id)
         settings = _snapshot.history_settings()
         if settings is not None:
             try:
@@ -487,7 +411,7 @@ class MemPool:
         first of them. Every call of a pool with Python callbacks comes
         here: called from one of those callbacks (the engine holds the
         pool's lock), it raises CallbackReentryError instead of deadlocking."""
-        if self._callback_errors._tls.depth:
+        if self._callback_errors.inside():
             self._refuse_reentry()
         errs = self._callback_errors.begin()
         try:
@@ -501,8 +425,8 @@ class MemPool:
             raise err from None
         finally:
             self._callback_errors.end(errs)
-            if not self._callback_errors._tls.depth and _after_native_call is not None:
-                _after_native_call()
+            if not self._callback_errors.inside():
+                _lifecycle.native_call_done()
         return result, errs
 
     def _refuse_reentry(self) -> None:
@@ -534,13 +458,13 @@ class MemPool:
         :class:`OutOfMemoryError` when the pool cannot serve it even after
         releasing its cache."""
         # Fast path first: this is called once per tensor by integrations.
-        if type(size) is not int or not 0 < size < _I64:
-            size = _check_int("size", size, 1, _I64)
+        if type(size) is not int or not 0 < size < I64:
+            size = check_int("size", size, 1, I64)
         if device is None:
             device = self._device
-        elif type(device) is not int or not 0 <= device < MAX_DEVICES:
-            device = _device_index(device)
-        if type(stream) is not int or not 0 <= stream < _U64:
+        elif type(device) is not int or not 0 <= device < MAX_DEVICE:
+            device = device_index(device)
+        if type(stream) is not int or not 0 <= stream < U64:
             stream = as_stream(stream)
         handle = self._id if self._report is None else self._handle()
         t0 = _now_us() if self._frames is not None else 0
@@ -565,8 +489,8 @@ class MemPool:
         ``roundup_power2_divisions`` is not applied again. History records
         these allocations as such (``caller_sized``), so that
         :func:`gpumempool.replay.replay` repeats them with this call."""
-        size = _check_int("size", size, 1, _I64)
-        device = self._device if device is None else _device_index(device)
+        size = check_int("size", size, 1, I64)
+        device = self._device if device is None else device_index(device)
         stream = as_stream(stream)
         handle = self._handle()
         t0 = _now_us() if self._frames is not None else 0
@@ -644,8 +568,8 @@ class MemPool:
 
     def free(self, ptr: int) -> None:
         """Return the block at ``ptr`` to the pool."""
-        if type(ptr) is not int or not 0 <= ptr < _U64:
-            ptr = _check_int("ptr", ptr, 0, _U64)
+        if type(ptr) is not int or not 0 <= ptr < U64:
+            ptr = check_int("ptr", ptr, 0, U64)
         handle = self._id if self._report is None else self._handle()
         if self._fast is not None:
             try:
@@ -660,7 +584,7 @@ class MemPool:
     def record_stream(self, ptr: int, stream: Any) -> None:
         """Mark the block at ``ptr`` as used on ``stream``: after it is freed
         it is reused only once that stream's work up to the free is done."""
-        ptr = _check_int("ptr", ptr, 0, _U64)
+        ptr = check_int("ptr", ptr, 0, U64)
         self._native(_b.PoolRecordStream, self._handle(), ptr, as_stream(stream))
 
     def process_events(self) -> int:
@@ -677,39 +601,39 @@ class MemPool:
     def trim(self, keep_bytes: int = 0, device: Optional[Any] = None) -> int:
         """Release whole free segments until at most ``keep_bytes`` unused
         bytes stay cached on ``device`` (every device when None)."""
-        keep = _check_int("keep_bytes", keep_bytes, 0, _U64)
-        dev = -1 if device is None else _device_index(device)
+        keep = check_int("keep_bytes", keep_bytes, 0, U64)
+        dev = -1 if device is None else device_index(device)
         return self._native(_b.PoolTrim, self._handle(), dev, keep)
 
     def set_limit(self, limit: Optional[int], device: Optional[Any] = None) -> None:
         """Cap the bytes the pool reserves on ``device``, or on every device
         when None (which also drops earlier single-device caps). None or 0:
         no cap."""
-        nbytes = _check_int("limit", limit or 0, 0, _U64)
-        dev = -1 if device is None else _device_index(device)
+        nbytes = check_int("limit", limit or 0, 0, U64)
+        dev = -1 if device is None else device_index(device)
         self._native(_b.PoolSetLimit, self._handle(), nbytes, dev)
 
     def limit(self, device: Any = 0) -> Optional[int]:
         """The byte cap in force on ``device`` (None when uncapped)."""
-        return self._native(_b.PoolLimit, self._handle(), _device_index(device)) or None
+        return self._native(_b.PoolLimit, self._handle(), device_index(device)) or None
 
     def set_release_threshold(self, nbytes: Optional[int]) -> None:
         """Keep at most ``nbytes`` unused bytes cached per device (None or 0: all)."""
-        self._native(_b.PoolSetReleaseThreshold, self._handle(), _check_int("nbytes", nbytes or 0, 0, _U64))
+        self._native(_b.PoolSetReleaseThreshold, self._handle(), check_int("nbytes", nbytes or 0, 0, U64))
 
     # -- introspection ------------------------------------------------------
 
     def stats(self, device: Optional[Any] = None) -> dict[str, int]:
         """Statistics with torch.cuda.memory_stats() key names, for one
         device or summed over all (peaks are then summed per-device peaks)."""
-        dev = -1 if device is None else _device_index(device)
+        dev = -1 if device is None else device_index(device)
         return json.loads(self._native(_b.PoolStats, self._handle(), dev))
 
     def memory_summary(self, device: Optional[Any] = None, abbreviated: bool = False) -> str:
         """:meth:`stats` as a table laid out like ``torch.cuda.memory_summary()``
         (current, peak, total allocated and freed of each metric, per pool
         part unless ``abbreviated``), plus the engine's counters."""
-        dev = None if device is None else _device_index(device)
+        dev = None if device is None else device_index(device)
         title = _summary.pool_title(self.config(), dev)
         return _summary.memory_summary(self.stats(dev), title=title, abbreviated=abbreviated)
 
@@ -734,29 +658,23 @@ class MemPool:
         """The default device of :meth:`alloc`."""
         return self._device
 
-    # -- torch / NCCL (gpumempool.torch imports torch lazily) -------------
+    # -- torch / NCCL (provided by gpumempool.torch, which imports torch lazily)
 
     def register(self, process_group: Any = None, **kwargs: Any) -> Any:
         """Register the pool's buffers with the NCCL communicator of
         ``process_group`` (the default group when None), and keep registering
         as the pool grows; see :func:`gpumempool.torch.register`."""
-        from . import torch as _torch
-
-        return _torch.register(self, process_group, **kwargs)
+        return _lifecycle.provided("register")(self, process_group, **kwargs)
 
     def deregister(self, process_group: Any = None, **kwargs: Any) -> Any:
         """Undo :meth:`register`; see :func:`gpumempool.torch.deregister`."""
-        from . import torch as _torch
-
-        return _torch.deregister(self, process_group, **kwargs)
+        return _lifecycle.provided("deregister")(self, process_group, **kwargs)
 
     def release(self, device: Any = None, **kwargs: Any) -> int:
         """Give back the segments torch cached for this pool once its tensors
         are gone; an error (not a crash) while they are alive. See
         :func:`gpumempool.torch.release`."""
-        from . import torch as _torch
-
-        return _torch.release(self, device, **kwargs)
+        return int(_lifecycle.provided("release")(self, device, **kwargs))
 
     @property
     def handle(self) -> int:
@@ -798,7 +716,7 @@ class MemPool:
         with self._frames_lock:
             frames = dict(self._frames or {})
             alloc_frames = list(self._alloc_frames)
-        return _snapshot.pool_snapshot(self, raw, history, frames, alloc_frames)
+        return _snapshot.pool_snapshot(self.name, self.handle, self.backend, raw, history, frames, alloc_frames)
 
     def segments(self) -> list[dict[str, int]]:
         """The pool's segments: device, address, size, stream."""
@@ -808,7 +726,7 @@ class MemPool:
 
     def record_history(self, enabled: bool = True, max_entries: int = 100_000, stacks: bool = False) -> None:
         """Record this pool's allocator events (see :func:`gpumempool.record_history`)."""
-        self._native(_b.PoolRecordHistory, self._handle(), bool(enabled), _check_int("max_entries", max_entries, 1, 1 << 31))
+        self._native(_b.PoolRecordHistory, self._handle(), bool(enabled), check_int("max_entries", max_entries, 1, 1 << 31))
         with self._frames_lock:
             if not (enabled and stacks):
                 self._frames = None
@@ -824,7 +742,7 @@ class MemPool:
         vmm pools created with ``ipc=True``); see :mod:`gpumempool.ipc`."""
         from .ipc import IpcHandle
 
-        ptr = _check_int("ptr", ptr, 0, _U64)
+        ptr = check_int("ptr", ptr, 0, U64)
         meta = json.loads(self._native(_b.PoolExport, self._handle(), ptr))
         fds = meta.pop("fds")
         meta["fds"] = [None] * len(fds)  # numbers are per process; only the count travels
@@ -895,7 +813,7 @@ class MemPool:
 
     def sim_manual_events(self, manual: bool = True) -> None:
         """Make the simulated device's events complete only on sim_complete()."""
-        self._native(_b.SimSetManualEvents, self._handle(), _check_bool("manual", manual))
+        self._native(_b.SimSetManualEvents, self._handle(), check_bool("manual", manual))
 
     def sim_place_next(self, offset: Optional[int], size: Optional[int] = None, device: Any = 0) -> None:
         """Put the next segment of exactly ``size`` bytes that the pool's
@@ -913,8 +831,8 @@ class MemPool:
             offset, size = 0, 0
         elif size is None:
             raise ValueError("sim_place_next: give the segment size to place (offset=None withdraws the request)")
-        self._native(_b.SimPlaceNext, self._handle(), _device_index(device), _check_int("offset", offset, 0, _U64),
-                     _check_int("size", size, 0, _U64))
+        self._native(_b.SimPlaceNext, self._handle(), device_index(device), check_int("offset", offset, 0, U64),
+                     check_int("size", size, 0, U64))
 
     def sim_stats(self) -> dict[str, int]:
         """Counters of the pool's simulated device (calls, live segments)."""
@@ -936,26 +854,17 @@ class MemPool:
         of the backend or of a Python ``free`` function while the segments
         go back: the pool ends closed whatever happens."""
         _native.check_not_forked()  # closing swallows errors: not this one
-        if self._callback_errors._tls.depth:  # before self._lock, which the outer call may hold
+        if self._callback_errors.inside():  # before self._lock, which the outer call may hold
             self._refuse_reentry()
         if self._report is None and self._id:
-            from . import scope as _scope
-            from . import torch as _torch
-
-            for forget in (_torch.forget_pool, _scope.forget_pool):
+            # torch's pools, CuPy's allocator, cache scopes (_lifecycle.on_close)
+            for hook in _lifecycle.close_hooks():
                 try:
-                    problem = forget(self)
+                    problem = hook(self)
                 except Exception as exc:  # noqa: BLE001 - closing must not raise
-                    problem = _describe_exc(exc)
+                    problem = f"{getattr(hook, '__qualname__', hook)} raised {_describe_exc(exc)}"
                 if isinstance(problem, str) and problem:
                     warnings.warn(f"closing pool anyway: {problem}", LeakWarning, stacklevel=2)
-                    if forget is _torch.forget_pool:
-                        # Torch pools over the pool's C functions live on and
-                        # may call them: the slot must never serve another pool.
-                        try:
-                            _b.PoolRetireSlot(self._id)
-                        except Exception:  # noqa: BLE001 - closed meanwhile
-                            pass
         problems: list[str] = []
         with self._lock:
             if self._report is not None:

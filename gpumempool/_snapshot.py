@@ -19,12 +19,10 @@ import pickle
 import tempfile
 import threading
 import traceback
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from . import _native
-
-if TYPE_CHECKING:
-    from ._pool import MemPool
+from . import _lifecycle, _native
+from ._errors import PoolClosedError
 
 __all__ = ["dump_snapshot", "record_history", "snapshot"]
 
@@ -47,14 +45,14 @@ def capture_frames(skip: int = 2, limit: int = 32) -> list[dict[str, Any]]:
     return [{"filename": f.filename, "line": f.lineno or 0, "name": f.name} for f in reversed(stack)]
 
 
-def pool_snapshot(pool: "MemPool", raw: dict[str, Any], history: list[dict[str, Any]],
+def pool_snapshot(name: str, handle: int, backend: str, raw: dict[str, Any], history: list[dict[str, Any]],
                   frames: dict[int, list[dict[str, Any]]],
                   alloc_frames: Sequence[tuple[int, int, int, list[dict[str, Any]]]] = ()) -> dict[str, Any]:
-    """Build torch's snapshot dict from the engine's JSON. ``frames``: the
+    """Build torch's snapshot dict of the pool ``name`` (engine handle
+    ``handle``, backend ``backend``) from the engine's JSON. ``frames``: the
     Python stacks of live blocks by address; ``alloc_frames``: (address,
     start and end of the call in µs, stack) per allocation, matched to the
     history's alloc entries by address and time (an address is reused)."""
-    name = pool.name
     segments = []
     for s in raw["segments"]:
         blocks = [
@@ -77,7 +75,7 @@ def pool_snapshot(pool: "MemPool", raw: dict[str, Any], history: list[dict[str, 
                 "requested_size": s["requested_size"],
                 "stream": s["stream"],
                 "segment_type": s["segment_type"],
-                "segment_pool_id": (0, pool.handle),
+                "segment_pool_id": (0, handle),
                 "is_expandable": s["is_expandable"],
                 "frames": [],
                 "blocks": blocks,
@@ -95,7 +93,7 @@ def pool_snapshot(pool: "MemPool", raw: dict[str, Any], history: list[dict[str, 
             "addr": e["addr"],
             # Pools hand out the same addresses (sim pools, or pools over
             # one cached allocator): a merged snapshot keeps them apart.
-            "pool_handle": pool.handle,
+            "pool_handle": handle,
             "size": e["size"],
             "stream": e["stream"],
             "time_us": e["time_us"],
@@ -109,7 +107,7 @@ def pool_snapshot(pool: "MemPool", raw: dict[str, Any], history: list[dict[str, 
     return {
         "segments": segments,
         "device_traces": traces,
-        "allocator_settings": {"pool": name, "backend": pool.backend},
+        "allocator_settings": {"pool": name, "backend": backend},
         "fragmentation": raw["fragmentation"],
     }
 
@@ -146,11 +144,8 @@ def merge(snaps: list[dict[str, Any]]) -> dict[str, Any]:
 
 def snapshot() -> dict[str, Any]:
     """A snapshot of every open pool of this process, in torch's format."""
-    from ._errors import PoolClosedError
-    from ._pool import open_pools
-
     snaps = []
-    for p in open_pools():
+    for p in _lifecycle.open_pools():
         try:
             snaps.append(p.snapshot())
         except PoolClosedError:  # closed by another thread meanwhile
@@ -205,15 +200,13 @@ def record_history(enabled: bool = True, max_entries: int = 100_000, stacks: boo
     from now on (``stacks``: with the Python stack of allocations made
     through the Python API). Off by default; when off it costs one check."""
     global _history_settings
-    from ._errors import PoolClosedError
-    from ._pool import open_pools
 
     if isinstance(max_entries, bool) or not isinstance(max_entries, int) or not 0 < max_entries < 1 << 31:
         # checked before the setting is kept: every pool made later applies it
         raise ValueError(f"max_entries must be an int in [1, 2**31), got {max_entries!r}")
     with _settings_lock:
         _history_settings = (max_entries, bool(stacks)) if enabled else None
-    for p in open_pools():
+    for p in _lifecycle.open_pools():
         try:
             p.record_history(enabled, max_entries=max_entries, stacks=stacks)
         except PoolClosedError:  # closed by another thread meanwhile

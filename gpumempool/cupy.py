@@ -31,10 +31,11 @@ import threading
 import weakref
 from typing import Any, Callable, Iterator, Optional
 
-from . import _native
+from . import _lifecycle, _native
 from . import scope as _scope
 from ._errors import GpuMemPoolError, PoolClosedError
-from ._pool import MemPool, _device_index
+from ._args import device_index
+from ._pool import MemPool
 
 __all__ = ["CupyIntegrationError", "allocator", "reset_allocator", "set_allocator", "using"]
 
@@ -98,7 +99,7 @@ def allocator(pool: MemPool, device: Any = None) -> Callable[[int], Any]:
     if not isinstance(pool, MemPool):
         raise TypeError(f"pool must be a gpumempool.MemPool, got {type(pool).__name__}")
     cp = _import_cupy()
-    fixed = None if device is None else _device_index(device)
+    fixed = None if device is None else device_index(device)
     cuda = cp.cuda
 
     def gmp_cupy_alloc(size: int) -> Any:
@@ -177,7 +178,7 @@ def _uninstall(cp: Any, entry: _Entry) -> None:
 
 
 def _forget_pool(pool: MemPool) -> Optional[str]:
-    """MemPool.close (through gpumempool.scope.on_close): no CuPy allocator
+    """MemPool.close (a close hook, gpumempool._lifecycle.on_close): no CuPy allocator
     installed process-wide stays on the closed pool, nor is installed
     later."""
     with _lock:
@@ -195,7 +196,7 @@ def _forget_pool(pool: MemPool) -> Optional[str]:
     return None
 
 
-_scope.on_close(_forget_pool)
+_lifecycle.on_close(_forget_pool)
 
 
 def set_allocator(pool: MemPool, device: Any = None) -> Any:

@@ -36,7 +36,10 @@ class MissingDependencyError(ImportError):
     """An optional dependency (matplotlib) is not installed."""
 
 
-def _require_matplotlib() -> Any:
+def require_matplotlib() -> Any:
+    """``(matplotlib, Figure)``; :class:`MissingDependencyError`, saying how
+    to install it, where matplotlib is missing (the CLI asks before it reads
+    a file)."""
     try:
         import matplotlib
         from matplotlib.figure import Figure
@@ -195,7 +198,7 @@ def plot_snapshot(
     have the names ``replay`` and ``demo`` give them
     (:data:`gpumempool._summary.FIGURES`): the history holds requested
     sizes, so the peak is ``peak_requested``."""
-    _, Figure = _require_matplotlib()
+    _, Figure = require_matplotlib()
     from matplotlib.patches import Patch
     from matplotlib.ticker import FuncFormatter, MultipleLocator
 
@@ -319,7 +322,7 @@ def plot_ranks(
     rank, on one byte scale, and a bar per rank of its peaks, so the rank
     that peaks stands out. Returns a summary: per rank its peaks and
     reserved bytes at the end, and the rank with the highest reserved peak."""
-    _, Figure = _require_matplotlib()
+    _, Figure = require_matplotlib()
     from matplotlib.ticker import FuncFormatter, MultipleLocator
 
     ranks = rank_snapshots(directory)

@@ -44,7 +44,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from ._errors import InvalidArgumentError, LeakWarning, OutOfMemoryError
-from ._pool import MAX_DEVICES, ROUNDUP_INTERVALS, MemPool
+from ._args import MAX_DEVICE, ROUNDUP_INTERVALS
+from ._pool import MemPool
 from .trace import Alloc, EmptyCache, Free, PathLike, RecordStream, Sync, Trace, TraceFile, Trim
 
 __all__ = ["POLICY_KEYS", "ReplayResult", "parse_policy", "parse_size", "replay"]
@@ -241,10 +242,10 @@ def _meta_devices(value: Any) -> int:
         return 1
     if isinstance(value, float) and math.isfinite(value) and value == int(value):
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_DEVICES:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_DEVICE:
         shown = value if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e20 \
             else type(value).__name__
-        raise InvalidArgumentError(f"trace metadata 'devices' must be a whole number in [1, {MAX_DEVICES}], "
+        raise InvalidArgumentError(f"trace metadata 'devices' must be a whole number in [1, {MAX_DEVICE}], "
                                    f"got {shown}")
     return value
 

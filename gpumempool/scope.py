@@ -51,9 +51,9 @@ from typing import Any, Callable, Iterator, Optional
 
 from . import torch as _gmp_torch
 from ._errors import GpuMemPoolError, InvalidArgumentError, InvalidPointerError
-from . import _native
-from . import _pool as _pool_module
-from ._pool import MemPool, _device_index, as_stream
+from . import _lifecycle, _native
+from ._args import as_stream, device_index
+from ._pool import MemPool, runs_python_function
 
 __all__ = ["CacheScope", "ScopeError", "active_scope", "alloc", "cache_scope", "free", "invalidate"]
 
@@ -99,13 +99,6 @@ class _Lock:
             _run_deferred()
 
 
-def _in_callback(pool: MemPool) -> bool:
-    """Whether one of pool's Python allocator functions runs on this thread
-    (the engine holds the pool's lock: the pool must not be called)."""
-    errors = getattr(pool, "_callback_errors", None)
-    return errors is not None and errors.inside()
-
-
 def _run_deferred() -> None:
     if getattr(_held, "draining", False):
         return
@@ -118,7 +111,7 @@ def _run_deferred() -> None:
             except IndexError:
                 return
             pool, ptr, on_error = entry
-            if _in_callback(pool):
+            if runs_python_function(pool):
                 later.append(entry)  # freed once that function has returned
                 continue
             try:
@@ -139,7 +132,7 @@ def _after_native_call() -> None:
         _run_deferred()
 
 
-_pool_module._after_native_call = _after_native_call
+_lifecycle.after_native_call(_after_native_call)
 
 
 def free_from_finalizer(
@@ -148,7 +141,7 @@ def free_from_finalizer(
     """:func:`free` for a ``__del__``: done now, or, when the calling thread
     is inside this module's locks (the cyclic GC ran the finalizer there), as
     soon as it leaves them. Never raises: a failed free calls ``on_error``."""
-    if getattr(_held, "depth", 0) or _in_callback(pool):
+    if getattr(_held, "depth", 0) or runs_python_function(pool):
         # inside this module's locks, or inside one of the pool's own
         # allocator functions (the GC ran the finalizer there)
         _deferred.append((pool, ptr, on_error))
@@ -191,7 +184,7 @@ class CacheScope:
             raise TypeError(f"size must be an int, got {type(size).__name__}")
         if size <= 0:
             raise InvalidArgumentError(f"size must be > 0, got {size}")
-        dev = self.pool._device if device is None else _device_index(device)
+        dev = self.pool.device if device is None else device_index(device)
         return ((size + _ROUND - 1) // _ROUND * _ROUND, dev, as_stream(stream))
 
     def alloc(self, size: int, device: Any = None, stream: Any = 0) -> int:
@@ -402,7 +395,7 @@ def cache_scope(
         raise TypeError(f"pool must be a gpumempool.MemPool, got {type(pool).__name__}")
     if not isinstance(name, str) or not name:
         raise TypeError("name must be a non-empty str")
-    pool._handle()  # PoolClosedError for a closed pool, before it is registered (and kept alive) here
+    pool.handle  # PoolClosedError for a closed pool, before it is registered (and kept alive) here
     ps = _pool_scopes(pool)
     with _lock:
         scope = ps.scopes.get(name)
@@ -478,39 +471,12 @@ def _reset_for_tests() -> None:
     _tls.stack = []
 
 
-#: Functions MemPool.close runs (through :func:`forget_pool`) before the pool
-#: goes: ``hook(pool)`` returns what to warn about, or None.
-_close_hooks: list[Callable[[MemPool], Optional[str]]] = []
-
-
-def on_close(hook: Callable[[MemPool], Optional[str]]) -> None:
-    """Run ``hook(pool)`` whenever a pool is closed, before its segments go
-    back (gpumempool.cupy resets a CuPy allocator that allocates from it).
-    The hook must not raise; it may return a problem to warn about."""
-    if hook not in _close_hooks:
-        _close_hooks.append(hook)
-
-
 def forget_pool(pool: MemPool) -> Optional[str]:
-    """Run the close hooks (:func:`on_close`), invalidate every cache scope
-    of ``pool``, entered ones too, and drop the pool from the registry
-    (MemPool.close calls this; it must not raise). Returns what the caller
-    should warn about (scopes still entered, problems of a hook), or None."""
-    problems: list[str] = []
-    for hook in list(_close_hooks):
-        try:
-            problem = hook(pool)
-        except Exception as exc:  # noqa: BLE001 - closing must not raise
-            problem = f"{getattr(hook, '__qualname__', hook)} raised {exc!r}"
-        if problem:
-            problems.append(problem)
-    rest = _forget_scopes(pool)
-    if rest:
-        problems.append(rest)
-    return "; ".join(problems) or None
-
-
-def _forget_scopes(pool: MemPool) -> Optional[str]:
+    """Invalidate every cache scope of ``pool``, entered ones too, and drop
+    the pool from the registry: run by MemPool.close in the last stage
+    (:data:`gpumempool._lifecycle.LAST`), once torch and CuPy let go of the
+    pool. Never raises; returns what the caller should warn about (scopes
+    still entered), or None."""
     with _lock:
         ps = _registry.pop(id(pool), None)
     if ps is None or ps.pool is not pool:
@@ -524,3 +490,6 @@ def _forget_scopes(pool: MemPool) -> Optional[str]:
     if entered:
         return f"cache scope(s) {', '.join(repr(n[:80]) for n in entered)} of the pool are entered"
     return None
+
+
+_lifecycle.on_close(forget_pool, _lifecycle.LAST)

@@ -132,9 +132,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from . import _native, _torch_oom
+from . import _lifecycle, _native, _torch_oom
 from ._errors import GpuMemPoolError, InvalidArgumentError, PoolClosedError
-from ._pool import MemPool
+from ._pool import MemPool, has_python_functions
 
 __all__ = [
     "AllocatorInitializedError",
@@ -208,7 +208,7 @@ _warned_py_callbacks: "weakref.WeakSet[MemPool]" = weakref.WeakSet()
 
 def _warn_python_callbacks(pool: MemPool, where: str) -> None:
     """Once per pool: torch + Python allocator functions can deadlock."""
-    if not getattr(pool, "_py_callbacks", False) or pool in _warned_py_callbacks:
+    if not has_python_functions(pool) or pool in _warned_py_callbacks:
         return
     _warned_py_callbacks.add(pool)
     warnings.warn(
@@ -1560,3 +1560,27 @@ def exit_leaks(pool: MemPool, blocks: int, nbytes: int) -> tuple[int, int, str]:
         return blocks, nbytes, note
     except Exception:  # noqa: BLE001 - an exit report must not fail
         return blocks, nbytes, ""
+
+
+def _close_hook(pool: MemPool) -> Optional[str]:
+    """MemPool.close's first stage (:func:`forget_pool`). When torch could
+    not let go of everything, torch pools over the pool's C functions live
+    on and may still call them: the functions' slot must never serve
+    another pool."""
+    try:
+        problem = forget_pool(pool)
+    except Exception as exc:  # noqa: BLE001 - closing must not raise
+        problem = f"gpumempool.torch.forget_pool raised {type(exc).__name__}: {exc}"
+    if problem:
+        try:
+            _native.bindings.PoolRetireSlot(pool.handle)
+        except Exception:  # noqa: BLE001 - closed meanwhile
+            pass
+    return problem
+
+
+_lifecycle.on_close(_close_hook, _lifecycle.FIRST)
+_lifecycle.on_exit_leaks(exit_leaks)
+_lifecycle.provide("register", register)
+_lifecycle.provide("deregister", deregister)
+_lifecycle.provide("release", release)

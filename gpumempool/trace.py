@@ -127,6 +127,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeGuard, Union
 
+from ._args import MAX_DEVICE
 from ._safepickle import MAX_PICKLE_BYTES, UnsafePickleError, load_pickle
 
 if TYPE_CHECKING:
@@ -833,8 +834,8 @@ def _size(text: str) -> int:
 
 def _dev(text: str) -> int:
     v = _int(text)
-    if v >= 1 << 20:
-        raise ValueError(f"device {text} out of range")
+    if v >= MAX_DEVICE:
+        raise ValueError(f"device {text} out of range (devices are 0..{MAX_DEVICE - 1})")
     return v
 
 
@@ -862,7 +863,6 @@ def is_trace_file(path: PathLike) -> bool:
 # -- importing torch-format device_traces ---------------------------------
 
 _ENTRY_INTS = {"addr": _U64, "size": 1 << 63, "stream": _U64}  # key -> bound (as _u64, _size)
-_MAX_DEVICES = 1 << 20  # as _dev
 _IMPORTED = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
              "segment_unmap", "oom", "record_stream")
 
@@ -899,8 +899,8 @@ def _check_snapshot(snap: Any) -> tuple[list[list[dict[str, Any]]], list[dict[st
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
         raise TraceFormatError("snapshot has no device_traces (a list per device): record history first "
                                "(torch.cuda.memory._record_memory_history() / pool.record_history())")
-    if len(traces) > _MAX_DEVICES:
-        raise TraceFormatError(f"snapshot has {len(traces)} device_traces, more than devices can be ({_MAX_DEVICES})")
+    if len(traces) > MAX_DEVICE:
+        raise TraceFormatError(f"snapshot has {len(traces)} device_traces, more than devices can be ({MAX_DEVICE})")
     seen: set[int] = set()  # a crafted pickle repeats one entry object to multiply the work
     for d, tr in enumerate(traces):
         if id(tr) in seen:
@@ -931,7 +931,7 @@ def _check_snapshot(snap: Any) -> tuple[list[list[dict[str, Any]]], list[dict[st
         # Segments we cannot use (wrong types, out of range) are left out, as
         # before; an imported trace must stay readable (see _dev, _size, _u64).
         if isinstance(s, dict) and _in_range(s.get("total_size", None), 0, 1 << 63) \
-                and _in_range(s.get("device", 0), 0, _MAX_DEVICES):
+                and _in_range(s.get("device", 0), 0, MAX_DEVICE):
             good.append(s)
     return traces, good
 
@@ -1217,10 +1217,10 @@ def torch_allocator_policy(settings: Any) -> dict[str, Any]:
         out["garbage_collection_threshold"] = float(gc)
     div = settings.get("roundup_power2_divisions")
     if isinstance(div, dict):
-        from ._pool import _roundup_option
+        from ._args import roundup_option
 
         try:
-            vals = _roundup_option(div)["roundup_power2_divisions_by_size"]
+            vals = roundup_option(div)["roundup_power2_divisions_by_size"]
         except (ValueError, TypeError):  # not torch's 16 intervals of counts
             vals = []
         if any(v > 1 for v in vals):
@@ -1344,10 +1344,10 @@ class TraceRecorder:
             return recorded(empty_cache, EmptyCache)
 
         def recorded_trim(keep_bytes: int = 0, device: Optional[Any] = None) -> int:
-            from ._pool import _device_index
+            from ._args import device_index
 
             return recorded(lambda: trim(keep_bytes, device),
-                            lambda: Trim(int(keep_bytes), None if device is None else _device_index(device)))
+                            lambda: Trim(int(keep_bytes), None if device is None else device_index(device)))
 
         recorded_empty_cache.__doc__ = empty_cache.__doc__
         recorded_trim.__doc__ = trim.__doc__

@@ -51,7 +51,7 @@ def test_options_are_checked_by_their_schema_type(backend: str, options: dict, e
 
 
 def test_device_bound_is_the_engines() -> None:
-    from gpumempool._pool import MAX_DEVICES
+    from gpumempool._args import MAX_DEVICE as MAX_DEVICES
 
     assert MAX_DEVICES == 1024
     with gmp.MemPool("sim") as pool:

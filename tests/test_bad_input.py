@@ -200,20 +200,20 @@ class _Device:
 def test_device_objects_and_strings_out_of_range_are_value_errors(pool: gmp.MemPool, device: object) -> None:
     """Not OverflowError for a huge 'cuda:N', and no silent device 0 for a
     device object of another type (torch.device('cpu'))."""
-    from gpumempool._pool import _device_index
+    from gpumempool._args import device_index
 
     with pytest.raises(gmp.InvalidArgumentError):
-        _device_index(device)
+        device_index(device)
     with pytest.raises(ValueError):
         pool.alloc(10, device=device)
 
 
 def test_cuda_device_objects_and_strings_still_work() -> None:
-    from gpumempool._pool import _device_index
+    from gpumempool._args import device_index
 
-    assert _device_index(_Device("cuda", None)) == 0
-    assert _device_index(_Device("cuda", 3)) == 3
-    assert _device_index("cuda:7") == 7 and _device_index("cuda") == 0
+    assert device_index(_Device("cuda", None)) == 0
+    assert device_index(_Device("cuda", 3)) == 3
+    assert device_index("cuda:7") == 7 and device_index("cuda") == 0
 
 
 @pytest.mark.parametrize("key, value", [("expandable", "false"), ("manual_events", "no"), ("expandable", 0),

@@ -163,13 +163,13 @@ def test_stack_bookkeeping_never_leaks_the_block(monkeypatch) -> None:
 
 
 def test_global_snapshot_skips_a_pool_closed_meanwhile(monkeypatch) -> None:
-    from gpumempool import _pool
+    from gpumempool import _lifecycle
 
     with gmp.MemPool("sim", name="open") as alive:
         alive.alloc(100)
         gone = gmp.MemPool("sim", name="gone")
         gone.close()
-        monkeypatch.setattr(_pool, "open_pools", lambda: [gone, alive])  # closed between listing and use
+        monkeypatch.setattr(_lifecycle, "open_pools", lambda: [gone, alive])  # closed between listing and use
         assert {s["pool"] for s in gmp.snapshot()["segments"]} == {"open"}
         gmp.record_history(True, max_entries=10)
         gmp.record_history(False)

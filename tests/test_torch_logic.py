@@ -1859,11 +1859,11 @@ def test_cupy_set_allocator_racing_a_close_is_refused(monkeypatch):
             except gmp.PoolClosedError as exc:
                 seen.append(exc)
 
-    gscope.on_close(late_set_allocator)
+    unsubscribe = gmp._lifecycle.on_close(late_set_allocator)
     try:
         pool.close()
     finally:
-        gscope._close_hooks.remove(late_set_allocator)
+        unsubscribe()
     assert len(seen) == 1 and isinstance(seen[0], gmp.PoolClosedError), seen
     assert cp.cuda.get_allocator() == "cupy-default"
 

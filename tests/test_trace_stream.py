@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumempool._pool import MAX_DEVICES
+from gpumempool._args import MAX_DEVICE as MAX_DEVICES
 from gpumempool.replay import replay
 from gpumempool.trace import Alloc, Free, Trace, TraceFormatError
 

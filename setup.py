@@ -341,11 +341,11 @@ PACKAGES = ["gpumempool"] + [
 
 setup(
     packages=PACKAGES,
-    package_data={"gpumempool": ["py.typed", "*.pyi", "torch_oom.cpp"]},
+    package_data={"gpumempool": ["py.typed", "*.pyi", "csrc/*.c", "csrc/*.cpp"]},
     ext_modules=[
         Extension(EXT_NAME, sources=[]),
         # MemPool.alloc/free's fast path (a plain C extension; see its header).
-        Extension("gpumempool._fastcall", sources=["gpumempool/_fastcall.c"], libraries=["dl"]),
+        Extension("gpumempool._fastcall", sources=["gpumempool/csrc/_fastcall.c"], libraries=["dl"]),
     ],
     cmdclass={"build_ext": GopyBuildExt},
     zip_safe=False,

@@ -84,7 +84,6 @@ def _torch_info() -> Any:
     try:
         import torch
 
-        from . import _torch_oom
         from . import torch as gtorch
 
         caps = gtorch.capabilities(torch)
@@ -114,7 +113,7 @@ def _torch_info() -> Any:
         "mempool": mempool,
         "pluggable": caps.pluggable,
         "nccl_registration": nccl,
-        "oom_error_torch": _torch_oom.readiness(torch),
+        "oom_error_torch": gtorch.oom_shim_readiness(torch),
         "capabilities": dict(vars(caps)),
     }
 

@@ -203,7 +203,7 @@ def test_routing_conflict_warning_as_error_leaves_no_phantom_route(monkeypatch, 
                 with gmp.mempool(sim, all_threads=True):
                     pass
     try:
-        assert gtorch._active_routes.get(0) == [], gtorch._active_routes
+        assert gtorch._routing.active_routes.get(0) == [], gtorch._routing.active_routes
         gtorch.release(sim)  # nobody routes cuda:0 any more
     finally:
         other.close()

@@ -124,7 +124,7 @@ def test_capabilities_of_this_torch(record_property) -> None:
     record_property("torch_capabilities", json.dumps(caps.__dict__))
     print("\n", caps)
     assert caps.mem_pool and caps.pluggable and caps.use_mem_pool
-    if gmp.torch._version_tuple(torch.__version__) >= (2, 8):
+    if gmp.torch._capabilities.version_tuple(torch.__version__) >= (2, 8):
         assert caps.thread_local_routing and not caps.pool_context
 
 
@@ -586,7 +586,7 @@ with gmp.mempool(pool, device=dev):
 dist.all_reduce(t)
 expect = world * (world + 1) / 2
 res = {"small": bool(t.eq(expect).all()), "segments_before": pool.stats()["segment.all.current"],
-       "mode": gmp.torch._state(pool).registrations[0].mode}
+       "mode": gmp.torch._lanes.pool_state(pool).registrations[0].mode}
 with gmp.mempool(pool, device=dev):  # the pool grows: the registration has to follow
     big = torch.full((64 << 20,), 2.0 * (rank + 1), device=dev)
 dist.all_reduce(big)

@@ -682,7 +682,7 @@ def test_all_threads_routes_other_threads_too(monkeypatch, sim):
     assert got["t"].pid == tp.id  # e.g. autograd's backward thread
     assert torch._world.pools[tp.id].use_count == 1 and torch._world.captures[0] == []
     del torch._C._cuda_beginAllocateToPool
-    gtorch._caps_cache.clear()
+    gtorch._capabilities.caps_cache.clear()
     with pytest.raises(gtorch.TorchVersionError, match="all_threads"):
         with gmp.mempool(sim, all_threads=True):
             pass
@@ -716,7 +716,7 @@ def test_all_threads_and_another_threads_route_conflict_is_warned(monkeypatch, s
         th.join(10)
         other.close()
     assert got["t"].pid == mine.id != got["tp"].id  # what the warning was about
-    assert gtorch._active_routes.get(0) == []
+    assert gtorch._routing.active_routes.get(0) == []
     with warnings.catch_warnings():  # one thread alone: no conflict
         warnings.simplefilter("error", gtorch.RoutingConflictWarning)
         with gmp.mempool(sim, all_threads=True), gmp.mempool(sim):
@@ -1423,7 +1423,7 @@ def test_register_falls_back_to_nccl_comm_register(monkeypatch, sim):
     torch = install(monkeypatch, "2.5", nccl_mode="comm")
     warnings.simplefilter("ignore", gtorch.ProcessWideRoutingWarning)
     nccl = FakeNccl()
-    monkeypatch.setattr(gtorch, "_nccl_lib", lambda: nccl)
+    monkeypatch.setattr(gtorch._nccl, "nccl_lib", lambda: nccl)
     gtorch.register(sim)
     assert nccl.handles == {}  # no segment yet
     with gmp.mempool(sim):
@@ -1456,7 +1456,7 @@ def test_register_reaches_libnccl_with_the_pool_s_ranges(monkeypatch, sim, fake_
 
     torch = install(monkeypatch, "2.5", nccl_mode="comm")
     warnings.simplefilter("ignore", gtorch.ProcessWideRoutingWarning)
-    monkeypatch.setattr(gtorch, "_nccl", gtorch._NcclLib(ctypes.CDLL(path)))
+    monkeypatch.setattr(gtorch._nccl, "_loaded", gtorch._nccl.NcclLib(ctypes.CDLL(path)))
     before, calls = registered(), lib.fake_nccl_registrations()
     gtorch.register(sim)
     assert registered() == before  # no segment yet
@@ -1946,7 +1946,7 @@ def test_close_with_live_tensors_deregisters_every_group(monkeypatch, variant):
         pool.close()
     assert torch._backend.pools == set() and torch._backend.segments == set()
     assert other.pools == set() and other.segments == set()  # not only the default group's
-    assert id(pool) not in gtorch._states
+    assert id(pool) not in gtorch._lanes.pool_states
     del x
 
 
@@ -1971,7 +1971,7 @@ def test_entering_or_registering_while_close_runs_is_refused(monkeypatch):
     monkeypatch.setattr(gtorch, "forget_pool", forget_then_another_thread_comes)
     pool.close()
     assert [type(e) for e in seen] == [gmp.PoolClosedError, gmp.PoolClosedError]
-    assert id(pool) not in gtorch._states and torch._world.captures.get(0) == []
+    assert id(pool) not in gtorch._lanes.pool_states and torch._world.captures.get(0) == []
 
 
 def test_a_failed_registration_of_a_new_torch_pool_undoes_the_others(monkeypatch, sim):
@@ -1988,7 +1988,7 @@ def test_a_failed_registration_of_a_new_torch_pool_undoes_the_others(monkeypatch
         with pytest.raises(gtorch.TorchIntegrationError):
             with gmp.mempool(sim):
                 pass
-    st = gtorch._states[id(sim)]
+    st = gtorch._lanes.pool_states[id(sim)]
     assert st.lanes == [] and a.pools == set()  # the torch pools dropped are not left registered with a
     assert all(r.lanes == {} for r in st.registrations)
     b.comm_error = False
@@ -2036,14 +2036,14 @@ def test_release_to_backend_of_a_pool_closed_meanwhile(monkeypatch):
     p = gmp.MemPool("sim", capacity=1 << 30)
     with gmp.mempool(p):
         torch.empty(1000)
-    real_gc = gtorch.gc
+    real_gc = gtorch._release.gc
 
     def collect_and_close() -> int:  # another thread closes the pool at this point
         n = real_gc.collect()
         p.close()
         return n
 
-    monkeypatch.setattr(gtorch, "gc", types.SimpleNamespace(collect=collect_and_close))
+    monkeypatch.setattr(gtorch._release, "gc", types.SimpleNamespace(collect=collect_and_close))
     assert gtorch.release(p, to_backend=True) == 2 * MiB
     assert p.closed
 

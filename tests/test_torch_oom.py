@@ -1,5 +1,5 @@
 """The out-of-memory shim of ``set_torch_allocator(pool, oom_error="torch")``
-(gpumempool/_torch_oom.py): how it is built, cached and refused.
+(gpumempool/torch/_oom.py): how it is built, cached and refused.
 
 Most tests build it against a stand-in torch tree (a two-line c10 header and
 an empty libc10), so they run without torch; the last one builds it against
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from gpumempool import _torch_oom
+from gpumempool.torch import _oom as _torch_oom
 
 STAND_IN_HEADER = """#pragma once
 #include <stdexcept>

@@ -9,7 +9,7 @@ import "C"
 import "github.com/gpumempool/gpumempool/bindings/registry"
 
 // The Python API's hot path. MemPool.alloc / free call these through a small
-// C extension (gpumempool/_fastcall.c) instead of gopy's generated wrappers:
+// C extension (gpumempool/csrc/_fastcall.c) instead of gopy's generated wrappers:
 // a gopy call costs several hundred nanoseconds on its own (it releases and
 // retakes the GIL and converts (value, error) results), more than the
 // engine's cache hit. The error, if any, is written to buf as "Kind: text"

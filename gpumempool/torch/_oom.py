@@ -1,4 +1,4 @@
-"""Build and load torch_oom.cpp, the shim that makes out-of-memory in
+"""Build and load csrc/torch_oom.cpp, the shim that makes out-of-memory in
 full-replacement mode a ``torch.OutOfMemoryError``
 (``gmp.set_torch_allocator(pool, oom_error="torch")``).
 
@@ -35,18 +35,20 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ._errors import GpuMemPoolError
+from .._errors import GpuMemPoolError
 
 ALLOC_SYMBOL = "gmp_torch_oom_alloc"
 FREE_SYMBOL = "gmp_torch_oom_free"
-SOURCE = Path(__file__).with_name("torch_oom.cpp")
+#: The shim's source, shipped with the package (gpumempool/csrc/).
+SOURCE = Path(__file__).parent.parent / "csrc" / "torch_oom.cpp"
 COMPILE_TIMEOUT_S = 300
 PRIVATE_NAMES = 4
 
 
 class ShimBuildError(GpuMemPoolError, RuntimeError):
     """The shim could not be built or loaded; the message says why and
-    what to do (torch.py raises it as a TorchIntegrationError)."""
+    what to do (set_torch_allocator then warns and falls back to
+    ``oom_error="runtime"``)."""
 
 
 def _locations() -> list[Path]:

@@ -7,7 +7,7 @@
 // raises torch.OutOfMemoryError only for c10::OutOfMemoryError, and its own
 // C++ fallbacks (cuDNN's smaller workspaces) catch only that type. The type
 // belongs to libc10's C++ ABI, which the Go-built extension cannot link
-// against, so gpumempool/_torch_oom.py compiles this file at run time
+// against, so gpumempool/torch/_oom.py compiles this file at run time
 // against the headers of the torch in the process and loads it; torch's
 // CUDAPluggableAllocator then calls gmp_torch_oom_alloc, which calls the
 // extension's entry point and turns its out-of-memory exception (the one

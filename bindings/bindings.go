@@ -21,6 +21,7 @@ import (
 	"github.com/gpumempool/gpumempool/bindings/registry"
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/callback"
+	"github.com/gpumempool/gpumempool/gocore/graphpool"
 	"github.com/gpumempool/gpumempool/gocore/nvmldev"
 )
 
@@ -93,7 +94,7 @@ func entry(id int64) (*registry.Entry, error) { return registry.Get(id) }
 // PoolAlloc allocates size bytes on device for stream; it returns the address.
 func PoolAlloc(id, size, device int64, stream uint64) (addr uint64, err error) {
 	defer guard(&err)
-	return poolAlloc(id, size, device, stream, cabi.AllocFor)
+	return poolAlloc(id, size, device, stream, (*graphpool.Pools).Alloc)
 }
 
 // PoolAllocSegment is PoolAlloc for a caller that sizes its segments itself
@@ -102,11 +103,11 @@ func PoolAlloc(id, size, device int64, stream uint64) (addr uint64, err error) {
 // history call it.
 func PoolAllocSegment(id, size, device int64, stream uint64) (addr uint64, err error) {
 	defer guard(&err)
-	return poolAlloc(id, size, device, stream, cabi.AllocSegmentFor)
+	return poolAlloc(id, size, device, stream, (*graphpool.Pools).AllocSegment)
 }
 
 func poolAlloc(id, size, device int64, stream uint64,
-	alloc func(*registry.Entry, uint64, int, uintptr) (uint64, error)) (uint64, error) {
+	alloc func(*graphpool.Pools, uint64, int, gocore.Stream) (uint64, error)) (uint64, error) {
 	e, err := entry(id)
 	if err != nil {
 		return 0, err
@@ -120,7 +121,7 @@ func poolAlloc(id, size, device int64, stream uint64,
 	if err := cabi.Reentered(e); err != nil {
 		return 0, err
 	}
-	return alloc(e, uint64(size), int(device), uintptr(stream))
+	return alloc(e.Graphs, uint64(size), int(device), gocore.Stream(stream))
 }
 
 // PoolFree frees the block at addr.
@@ -139,7 +140,7 @@ func poolFree(id int64, addr uint64) (err error) {
 	if err := cabi.Reentered(e); err != nil {
 		return err
 	}
-	return cabi.FreeFor(e, addr)
+	return e.Graphs.Free(addr)
 }
 
 // PoolRecordStream marks the block at addr as used on stream.
@@ -155,7 +156,7 @@ func poolRecordStream(id int64, addr, stream uint64) (err error) {
 	if err != nil {
 		return err
 	}
-	return cabi.RecordStreamFor(e, addr, gocore.Stream(stream))
+	return e.Graphs.RecordStream(addr, gocore.Stream(stream))
 }
 
 // PoolProcessEvents frees blocks whose events completed; it returns how many
@@ -183,7 +184,7 @@ func PoolStats(id, device int64) (js string, err error) {
 		return "", err
 	}
 	// Torch's CUDA graphs' private pools (full-replacement mode) count too.
-	if err := cabi.AddGraphStats(e, int(device), &s); err != nil {
+	if err := e.Graphs.AddStats(int(device), &s); err != nil {
 		return "", err
 	}
 	return marshal(s.ToMap())
@@ -197,7 +198,7 @@ func PoolEmptyCache(id int64) (released uint64, err error) {
 	if err != nil {
 		return 0, err
 	}
-	return cabi.EmptyCache(e)
+	return e.Graphs.EmptyCache()
 }
 
 // PoolTrim keeps at most keep unused bytes cached on device (all when < 0).
@@ -332,7 +333,7 @@ func PoolClose(id int64) (js string, err error) {
 	defer func() { registry.FreeSlot(e, len(rep.LiveBlocks) == 0) }()
 	// Torch's private pools (CUDA graphs, torch.cuda.MemPool) share the
 	// backend: closed before it.
-	prep, perr := cabi.CloseGraphPools(e)
+	prep, perr := e.Graphs.ClosePrivate()
 	err = errors.Join(err, perr)
 	rep.LiveBlocks = append(rep.LiveBlocks, prep.LiveBlocks...)
 	rep.LiveBytes += prep.LiveBytes
@@ -358,14 +359,14 @@ func PoolClose(id int64) (js string, err error) {
 
 // PoolGraphPools lists, as JSON, the private pools torch allocated into
 // through the pool's C hooks (CUDA graphs and torch.cuda.MemPool in
-// full-replacement mode; see cabi.GraphPools).
+// full-replacement mode; see graphpool.Pools.List).
 func PoolGraphPools(id int64) (js string, err error) {
 	defer guard(&err)
 	e, err := entry(id)
 	if err != nil {
 		return "", err
 	}
-	pools, err := cabi.GraphPools(e)
+	pools, err := e.Graphs.List()
 	if err != nil {
 		return "", err
 	}

@@ -10,7 +10,6 @@ import (
 	"sync"
 	"syscall"
 
-	"github.com/gpumempool/gpumempool/bindings/cabi"
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/cuda"
 	"github.com/gpumempool/gpumempool/gocore/cuda/driver"
@@ -68,7 +67,7 @@ func PoolExport(id int64, addr uint64) (js string, err error) {
 	if err != nil {
 		return "", err
 	}
-	info, err := cabi.LookupFor(e, addr) // a capture may have put it in a private pool
+	info, err := e.Graphs.Lookup(addr) // a capture may have put it in a private pool
 	if err != nil {
 		return "", err
 	}

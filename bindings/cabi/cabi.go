@@ -11,8 +11,10 @@
 // callers may also use gmp_pool_alloc / gmp_pool_free with a pool handle, and
 // gmp_last_error to read why a call returned NULL or -1.
 //
-// Besides: torch's optional hooks per slot (hooks.go), the CUDA-graph hooks
-// and their private pools (graphs.go, zz_slots.c), the throwing alloc
+// Every call serves the pool through registry.Entry.Graphs, which routes to
+// the private pools of CUDA graphs (package graphpool) while a capture or a
+// private block says so. Besides: torch's optional hooks per slot
+// (hooks.go), the CUDA-graph hooks (graphs.go, zz_slots.c), the throwing alloc
 // (zz_slots.c), and the Python API's fast path (pyfast.go).
 //
 // Every entry point is a C function (exports.c, zz_slots.c) that refuses a
@@ -38,6 +40,7 @@ import (
 	"github.com/gpumempool/gpumempool/bindings/registry"
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/callback"
+	"github.com/gpumempool/gpumempool/gocore/graphpool"
 )
 
 //go:generate go run gen_slots.go
@@ -94,61 +97,6 @@ func guardedErr(e *registry.Entry, where string, fn func() error) error {
 	return nil
 }
 
-// AllocFor serves an allocation of the pool of e, as every entry point does
-// (C, torch, Python): from a CUDA graph's private pool while a capture
-// accepts the stream (graphs.go), else from the pool itself.
-func AllocFor(e *registry.Entry, size uint64, device int, stream uintptr) (uint64, error) {
-	return allocFor(e, size, device, stream, e.Pool.Alloc)
-}
-
-// AllocSegmentFor is AllocFor for torch's caching allocator asking for a
-// segment of a torch.cuda.MemPool (gocore.Pool.AllocSegment).
-func AllocSegmentFor(e *registry.Entry, size uint64, device int, stream uintptr) (uint64, error) {
-	return allocFor(e, size, device, stream, e.Pool.AllocSegment)
-}
-
-func allocFor(e *registry.Entry, size uint64, device int, stream uintptr,
-	alloc func(uint64, int, gocore.Stream) (uint64, error)) (uint64, error) {
-	if addr, private, err := privateAlloc(e, size, device, stream); private {
-		return addr, err
-	}
-	addr, err := alloc(size, device, gocore.Stream(stream))
-	if errors.Is(err, gocore.ErrOutOfMemory) {
-		// Private pools no graph uses any more may still hold segments
-		// (they wait for their events, or for a capture to end): torch
-		// frees those before it gives up, and so do we.
-		if n, serr := sweepFreeable(e); n > 0 && serr == nil {
-			addr, err = alloc(size, device, gocore.Stream(stream))
-		}
-	}
-	return addr, err
-}
-
-// RecordStreamFor marks a block AllocFor gave as used on stream: in a
-// private pool when a capture put it there, else in e's pool.
-func RecordStreamFor(e *registry.Entry, addr uint64, stream gocore.Stream) error {
-	if ok, err := privateRecordStream(e, addr, stream); ok {
-		return err
-	}
-	return e.Pool.RecordStream(addr, stream)
-}
-
-// LookupFor describes a live block AllocFor gave, wherever it lives.
-func LookupFor(e *registry.Entry, addr uint64) (gocore.BlockInfo, error) {
-	if info, ok, err := privateBlock(e, addr); ok {
-		return info, err
-	}
-	return e.Pool.Lookup(addr)
-}
-
-// FreeFor frees a block AllocFor gave.
-func FreeFor(e *registry.Entry, addr uint64) error {
-	if private, err := privateFree(e, addr); private {
-		return err
-	}
-	return e.Pool.Free(addr)
-}
-
 // reentrancyChecker is implemented by backends that run user code under
 // the pool's lock (package callback).
 type reentrancyChecker interface{ CalledFromCallback() bool }
@@ -165,26 +113,22 @@ func Reentered(e *registry.Entry) error {
 }
 
 func entryAlloc(e *registry.Entry, where string, size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	addr, _ := entryAllocErr(e, where, size, device, stream)
+	addr, _ := entryAllocWith(e, where, size, device, stream, (*graphpool.Pools).Alloc)
 	return addr
 }
 
-func entryAllocErr(e *registry.Entry, where string, size C.size_t, device C.int, stream C.uintptr_t) (C.uintptr_t, error) {
-	return entryAllocWith(e, where, size, device, stream, AllocFor)
-}
-
 func entryAllocWith(e *registry.Entry, where string, size C.size_t, device C.int, stream C.uintptr_t,
-	alloc func(*registry.Entry, uint64, int, uintptr) (uint64, error)) (C.uintptr_t, error) {
+	alloc func(*graphpool.Pools, uint64, int, gocore.Stream) (uint64, error)) (C.uintptr_t, error) {
 	var addr uint64
 	err := guardedErr(e, where, func() (err error) {
-		addr, err = alloc(e, uint64(size), int(device), uintptr(stream))
+		addr, err = alloc(e.Graphs, uint64(size), int(device), gocore.Stream(stream))
 		return err
 	})
 	return C.uintptr_t(addr), err
 }
 
 func entryFree(e *registry.Entry, where string, ptr C.uintptr_t) C.int {
-	if !guarded(e, where, func() error { return FreeFor(e, uint64(ptr)) }) {
+	if !guarded(e, where, func() error { return e.Graphs.Free(uint64(ptr)) }) {
 		return -1
 	}
 	return 0
@@ -193,18 +137,18 @@ func entryFree(e *registry.Entry, where string, ptr C.uintptr_t) C.int {
 // slotAlloc is gmp_alloc_<slot>. Size 0 gets NULL and is no error: torch
 // asks for it for empty tensors, whose pointer is NULL.
 func slotAlloc(slot int, size C.size_t, device C.int, stream C.uintptr_t) (C.uintptr_t, error) {
-	return slotAllocWith(slot, "gmp_alloc", size, device, stream, AllocFor)
+	return slotAllocWith(slot, "gmp_alloc", size, device, stream, (*graphpool.Pools).Alloc)
 }
 
 // slotAllocSegment is gmp_segment_alloc_<slot>: gmp_alloc_<slot> for
 // torch's caching allocator getting the segments of a torch.cuda.MemPool,
 // which it sizes and carves itself (gocore.Pool.AllocSegment).
 func slotAllocSegment(slot int, size C.size_t, device C.int, stream C.uintptr_t) (C.uintptr_t, error) {
-	return slotAllocWith(slot, "gmp_segment_alloc", size, device, stream, AllocSegmentFor)
+	return slotAllocWith(slot, "gmp_segment_alloc", size, device, stream, (*graphpool.Pools).AllocSegment)
 }
 
 func slotAllocWith(slot int, name string, size C.size_t, device C.int, stream C.uintptr_t,
-	alloc func(*registry.Entry, uint64, int, uintptr) (uint64, error)) (C.uintptr_t, error) {
+	alloc func(*graphpool.Pools, uint64, int, gocore.Stream) (uint64, error)) (C.uintptr_t, error) {
 	e := registry.BySlot(slot)
 	if e == nil {
 		err := fmt.Errorf("%s_%d: no pool holds this slot (closed?)", name, slot)

@@ -7,7 +7,6 @@ package cabi
 import "C"
 
 import (
-	"errors"
 	"fmt"
 	"math"
 
@@ -71,7 +70,7 @@ func slotInit(slot int, deviceCount C.int) {
 
 func slotEmptyCache(slot int) {
 	slotHook(slot, "gmp_empty_cache", func(e *registry.Entry) error {
-		_, err := EmptyCache(e)
+		_, err := e.Graphs.EmptyCache()
 		return err
 	})
 }
@@ -84,15 +83,6 @@ func slotMemoryFraction(slot int, fraction C.double, device C.int) {
 		}
 		return e.Pool.SetDeviceLimit(int(device), limit)
 	})
-}
-
-// EmptyCache gives back the cached segments of e's pool and those of its
-// private pools that no graph uses any more (torch's empty_cache frees
-// freeable graph pools too), and returns the bytes the pool released.
-func EmptyCache(e *registry.Entry) (uint64, error) {
-	_, serr := sweepFreeable(e)
-	n, err := e.Pool.EmptyCache()
-	return n, errors.Join(err, serr)
 }
 
 // fractionLimit turns torch's per-process memory fraction of device into a
@@ -118,7 +108,7 @@ func slotRecordStream(slot int, ptr, stream C.uintptr_t) {
 		return
 	}
 	slotHook(slot, "gmp_record_stream", func(e *registry.Entry) error {
-		return RecordStreamFor(e, uint64(ptr), gocore.Stream(stream))
+		return e.Graphs.RecordStream(uint64(ptr), gocore.Stream(stream))
 	})
 }
 
@@ -135,7 +125,7 @@ func slotBaseAlloc(slot int, ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	var base uint64
 	slotHook(slot, "gmp_base_alloc", func(e *registry.Entry) error {
 		addr := uint64(ptr)
-		info, err := LookupFor(e, addr)
+		info, err := e.Graphs.Lookup(addr)
 		if err != nil {
 			return err
 		}

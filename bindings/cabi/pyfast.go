@@ -6,7 +6,10 @@ package cabi
 */
 import "C"
 
-import "github.com/gpumempool/gpumempool/bindings/registry"
+import (
+	"github.com/gpumempool/gpumempool/bindings/registry"
+	"github.com/gpumempool/gpumempool/gocore"
+)
 
 // The Python API's hot path. MemPool.alloc / free call these through a small
 // C extension (gpumempool/csrc/_fastcall.c) instead of gopy's generated wrappers:
@@ -43,7 +46,7 @@ func pyCall(handle C.int64_t, buf *C.char, n C.size_t, fn func(e *registry.Entry
 func gmpgo_py_alloc(handle C.int64_t, size C.uint64_t, device C.int, stream C.uintptr_t, buf *C.char, n C.size_t) C.uintptr_t {
 	var addr uint64
 	pyCall(handle, buf, n, func(e *registry.Entry) (err error) {
-		addr, err = AllocFor(e, uint64(size), int(device), uintptr(stream))
+		addr, err = e.Graphs.Alloc(uint64(size), int(device), gocore.Stream(stream))
 		return err
 	})
 	return C.uintptr_t(addr)
@@ -54,7 +57,7 @@ func gmpgo_py_alloc(handle C.int64_t, size C.uint64_t, device C.int, stream C.ui
 //
 //export gmpgo_py_free
 func gmpgo_py_free(handle C.int64_t, ptr C.uintptr_t, buf *C.char, n C.size_t) C.int {
-	if !pyCall(handle, buf, n, func(e *registry.Entry) error { return FreeFor(e, uint64(ptr)) }) {
+	if !pyCall(handle, buf, n, func(e *registry.Entry) error { return e.Graphs.Free(uint64(ptr)) }) {
 		return -1
 	}
 	return 0

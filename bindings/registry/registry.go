@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/graphpool"
 )
 
 // NumSlots is how many pools can have C entry points at once. Each slot is a
@@ -29,6 +30,10 @@ var ErrNoFreeSlot = errors.New("all C entry points are in use")
 type Entry struct {
 	ID   int64
 	Pool *gocore.Pool
+	// Graphs is Pool with the private pools of its CUDA graphs and
+	// torch.cuda.MemPools: every entry point (C, torch, Python) allocates,
+	// frees, records and looks up through it.
+	Graphs *graphpool.Pools
 	// Sim is the pool's backend when it is a simulator, for test controls.
 	Sim *gocore.SimBackend
 	// Keep holds the objects the backend depends on (e.g. a private
@@ -94,7 +99,7 @@ func Add(p *gocore.Pool, sim *gocore.SimBackend, keep any) *Entry {
 	mu.Lock()
 	defer mu.Unlock()
 	nextID++
-	e := &Entry{ID: nextID, Pool: p, Sim: sim, Keep: keep}
+	e := &Entry{ID: nextID, Pool: p, Graphs: graphpool.New(p), Sim: sim, Keep: keep}
 	e.slot.Store(-1)
 	pools[e.ID] = e
 	return e

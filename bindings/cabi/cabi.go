@@ -40,7 +40,6 @@ import (
 	"github.com/gpumempool/gpumempool/bindings/registry"
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/callback"
-	"github.com/gpumempool/gpumempool/gocore/graphpool"
 )
 
 //go:generate go run gen_slots.go
@@ -56,28 +55,88 @@ import (
 // recovered runs fn and turns a Go panic in it (real, or injected with
 // e.PanicNext) into an error, so that nothing unwinds into a C caller. A
 // call made from inside the pool's own allocator function is refused
-// (Reentered) before fn runs.
-func recovered(e *registry.Entry, fn func() error) error {
-	return panicFree(func() error {
-		if e.PanicNext.Swap(false) {
-			panic("injected by PanicNext")
-		}
-		if err := Reentered(e); err != nil {
-			return err
-		}
-		return fn()
-	})
+// (Reentered) before fn runs. The hot entry points (alloc and free) do the
+// same without a closure: allocRecovered, freeRecovered.
+func recovered(e *registry.Entry, fn func() error) (err error) {
+	returned := false
+	defer stopPanic(&returned, &err)
+	if err = enter(e); err == nil {
+		err = fn()
+	}
+	returned = true
+	return err
 }
 
-// panicFree runs fn and turns a Go panic in it into an error: the one
-// place where entry points stop a panic before it reaches their C caller.
+// panicFree runs fn and turns a Go panic in it into an error, for entry
+// points that serve no pool (gmp_pickle_scan).
 func panicFree(fn func() error) (err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			err = fmt.Errorf("Go panic recovered: %v", r)
+	returned := false
+	defer stopPanic(&returned, &err)
+	err = fn()
+	returned = true
+	return err
+}
+
+// enter makes the checks of every entry point before it serves e's pool:
+// the panic PanicNext injects, and a call from inside the pool's own
+// allocator function (Reentered). PanicNext is swapped only when set: an
+// atomic swap on every call would cost more than a load.
+func enter(e *registry.Entry) error {
+	if e.PanicNext.Load() {
+		injectPanic(e)
+	}
+	if e.CalledFromCallback() { // Reentered, one call less
+		return reentryError(e)
+	}
+	return nil
+}
+
+// injectPanic panics once PanicNext was set (and clears it).
+func injectPanic(e *registry.Entry) {
+	if e.PanicNext.Swap(false) {
+		panic("injected by PanicNext")
+	}
+}
+
+// stopPanic, deferred, is the one place where entry points stop a Go panic
+// before it reaches their C caller: unless the function returned (set
+// *returned last), a panic becomes *err. recover runs only then, off the
+// hot path.
+func stopPanic(returned *bool, err *error) {
+	if *returned {
+		return
+	}
+	if r := recover(); r != nil {
+		*err = fmt.Errorf("Go panic recovered: %v", r)
+	}
+}
+
+// allocRecovered is recovered around e's allocation (Alloc, or AllocSegment
+// with segment): the hot path, with no closure.
+func allocRecovered(e *registry.Entry, size uint64, device int, stream gocore.Stream, segment bool) (addr uint64, err error) {
+	returned := false
+	defer stopPanic(&returned, &err)
+	if err = enter(e); err == nil {
+		if segment {
+			addr, err = e.Graphs.AllocSegment(size, device, stream)
+		} else {
+			addr, err = e.Graphs.Alloc(size, device, stream)
 		}
-	}()
-	return fn()
+	}
+	returned = true
+	return addr, err
+}
+
+// freeRecovered is recovered around e's free of addr: the hot path, with
+// no closure.
+func freeRecovered(e *registry.Entry, addr uint64) (err error) {
+	returned := false
+	defer stopPanic(&returned, &err)
+	if err = enter(e); err == nil {
+		err = e.Graphs.Free(addr)
+	}
+	returned = true
+	return err
 }
 
 // guarded runs fn for the pool of e at the C boundary: an error or a Go
@@ -90,45 +149,51 @@ func guarded(e *registry.Entry, where string, fn func() error) bool {
 // recorded) instead of false.
 func guardedErr(e *registry.Entry, where string, fn func() error) error {
 	if err := recovered(e, fn); err != nil {
-		err = fmt.Errorf("%s: %w", where, err)
-		e.SetError(err.Error())
-		return err
+		return failed(e, where, err)
 	}
 	return nil
 }
 
-// reentrancyChecker is implemented by backends that run user code under
-// the pool's lock (package callback).
-type reentrancyChecker interface{ CalledFromCallback() bool }
+// failed records err, prefixed with where, as e's last error and returns
+// it so prefixed.
+func failed(e *registry.Entry, where string, err error) error {
+	err = fmt.Errorf("%s: %w", where, err)
+	e.SetError(err.Error())
+	return err
+}
 
 // Reentered refuses a call made from inside the pool's own allocator
 // function: the pool's lock is held by the very thread, which would wait
 // for it forever. Every C entry point checks it (recovered); the Python
 // API's alloc and free do too.
 func Reentered(e *registry.Entry) error {
-	if r, ok := e.Pool.Backend().(reentrancyChecker); ok && r.CalledFromCallback() {
-		return fmt.Errorf("pool %q: %w", e.Pool.Name(), callback.ErrReentry)
+	if e.CalledFromCallback() {
+		return reentryError(e)
 	}
 	return nil
 }
 
-func entryAlloc(e *registry.Entry, where string, size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
-	addr, _ := entryAllocWith(e, where, size, device, stream, (*graphpool.Pools).Alloc)
-	return addr
+// reentryError is Reentered's refusal.
+func reentryError(e *registry.Entry) error {
+	return fmt.Errorf("pool %q: %w", e.Pool.Name(), callback.ErrReentry)
 }
 
-func entryAllocWith(e *registry.Entry, where string, size C.size_t, device C.int, stream C.uintptr_t,
-	alloc func(*graphpool.Pools, uint64, int, gocore.Stream) (uint64, error)) (C.uintptr_t, error) {
-	var addr uint64
-	err := guardedErr(e, where, func() (err error) {
-		addr, err = alloc(e.Graphs, uint64(size), int(device), gocore.Stream(stream))
-		return err
-	})
-	return C.uintptr_t(addr), err
+// entryAlloc is an allocation of e's pool at the C boundary (Alloc, or
+// AllocSegment with segment): a failure or a panic becomes the pool's last
+// error, prefixed with where.
+func entryAlloc(e *registry.Entry, where string, size C.size_t, device C.int, stream C.uintptr_t, segment bool) (C.uintptr_t, error) {
+	addr, err := allocRecovered(e, uint64(size), int(device), gocore.Stream(stream), segment)
+	if err != nil {
+		return 0, failed(e, where, err)
+	}
+	return C.uintptr_t(addr), nil
 }
 
+// entryFree is a free of e's pool at the C boundary: 0, or -1 with the
+// failure (or panic) as the pool's last error, prefixed with where.
 func entryFree(e *registry.Entry, where string, ptr C.uintptr_t) C.int {
-	if !guarded(e, where, func() error { return e.Graphs.Free(uint64(ptr)) }) {
+	if err := freeRecovered(e, uint64(ptr)); err != nil {
+		failed(e, where, err)
 		return -1
 	}
 	return 0
@@ -137,28 +202,33 @@ func entryFree(e *registry.Entry, where string, ptr C.uintptr_t) C.int {
 // slotAlloc is gmp_alloc_<slot>. Size 0 gets NULL and is no error: torch
 // asks for it for empty tensors, whose pointer is NULL.
 func slotAlloc(slot int, size C.size_t, device C.int, stream C.uintptr_t) (C.uintptr_t, error) {
-	return slotAllocWith(slot, "gmp_alloc", size, device, stream, (*graphpool.Pools).Alloc)
+	return slotAllocAs(slot, "gmp_alloc", size, device, stream, false)
 }
 
 // slotAllocSegment is gmp_segment_alloc_<slot>: gmp_alloc_<slot> for
 // torch's caching allocator getting the segments of a torch.cuda.MemPool,
 // which it sizes and carves itself (gocore.Pool.AllocSegment).
 func slotAllocSegment(slot int, size C.size_t, device C.int, stream C.uintptr_t) (C.uintptr_t, error) {
-	return slotAllocWith(slot, "gmp_segment_alloc", size, device, stream, (*graphpool.Pools).AllocSegment)
+	return slotAllocAs(slot, "gmp_segment_alloc", size, device, stream, true)
 }
 
-func slotAllocWith(slot int, name string, size C.size_t, device C.int, stream C.uintptr_t,
-	alloc func(*graphpool.Pools, uint64, int, gocore.Stream) (uint64, error)) (C.uintptr_t, error) {
+func slotAllocAs(slot int, name string, size C.size_t, device C.int, stream C.uintptr_t, segment bool) (C.uintptr_t, error) {
 	e := registry.BySlot(slot)
 	if e == nil {
-		err := fmt.Errorf("%s_%d: no pool holds this slot (closed?)", name, slot)
-		registry.SetOrphanError(err.Error())
-		return 0, err
+		return 0, noPoolInSlot(name, slot)
 	}
 	if size == 0 {
 		return 0, nil
 	}
-	return entryAllocWith(e, name, size, device, stream, alloc)
+	return entryAlloc(e, name, size, device, stream, segment)
+}
+
+// noPoolInSlot records and returns the error of a call of slot's function
+// name when no pool holds the slot.
+func noPoolInSlot(name string, slot int) error {
+	err := fmt.Errorf("%s_%d: no pool holds this slot (closed?)", name, slot)
+	registry.SetOrphanError(err.Error())
+	return err
 }
 
 // slotFree is gmp_free_<slot>. Freeing NULL (an empty tensor) does nothing.
@@ -200,7 +270,8 @@ func gmpgo_pool_alloc(pool C.int64_t, size C.size_t, device C.int, stream C.uint
 		registry.SetOrphanError("gmp_pool_alloc: " + err.Error())
 		return 0
 	}
-	return entryAlloc(e, "gmp_pool_alloc", size, device, stream)
+	addr, _ := entryAlloc(e, "gmp_pool_alloc", size, device, stream, false)
+	return addr
 }
 
 // gmpgo_pool_free (in C gmp_pool_free, exports.c, which first refuses a forked child) frees ptr in the pool with handle pool; 0 on success, -1 on

@@ -25,30 +25,20 @@ func pyFailure(err error, buf *C.char, n C.size_t) {
 	copyCString(registry.Kind(err)+": "+err.Error(), buf, n)
 }
 
-// pyCall runs fn for pool handle, a panic recovered (see recovered), and
-// reports a failure through buf; it returns whether fn succeeded.
-func pyCall(handle C.int64_t, buf *C.char, n C.size_t, fn func(e *registry.Entry) error) bool {
-	e, err := registry.Get(int64(handle))
-	if err == nil {
-		err = recovered(e, func() error { return fn(e) })
-	}
-	if err != nil {
-		pyFailure(err, buf, n)
-		return false
-	}
-	return true
-}
-
 // gmpgo_py_alloc (in C gmp_py_alloc, exports.c, which first refuses a forked child) allocates like MemPool.alloc; 0 on failure, with the error
 // in buf.
 //
 //export gmpgo_py_alloc
 func gmpgo_py_alloc(handle C.int64_t, size C.uint64_t, device C.int, stream C.uintptr_t, buf *C.char, n C.size_t) C.uintptr_t {
+	e, err := registry.Get(int64(handle))
 	var addr uint64
-	pyCall(handle, buf, n, func(e *registry.Entry) (err error) {
-		addr, err = e.Graphs.Alloc(uint64(size), int(device), gocore.Stream(stream))
-		return err
-	})
+	if err == nil {
+		addr, err = allocRecovered(e, uint64(size), int(device), gocore.Stream(stream), false)
+	}
+	if err != nil {
+		pyFailure(err, buf, n)
+		return 0
+	}
 	return C.uintptr_t(addr)
 }
 
@@ -57,7 +47,12 @@ func gmpgo_py_alloc(handle C.int64_t, size C.uint64_t, device C.int, stream C.ui
 //
 //export gmpgo_py_free
 func gmpgo_py_free(handle C.int64_t, ptr C.uintptr_t, buf *C.char, n C.size_t) C.int {
-	if !pyCall(handle, buf, n, func(e *registry.Entry) error { return e.Graphs.Free(uint64(ptr)) }) {
+	e, err := registry.Get(int64(handle))
+	if err == nil {
+		err = freeRecovered(e, uint64(ptr))
+	}
+	if err != nil {
+		pyFailure(err, buf, n)
 		return -1
 	}
 	return 0

@@ -40,6 +40,11 @@ type Entry struct {
 	// backend) for as long as the entry lives.
 	Keep any
 
+	// reentry is the pool's backend when it runs user code under the
+	// pool's lock (package callback), else nil: looked up once, not on
+	// every call (CalledFromCallback).
+	reentry interface{ CalledFromCallback() bool }
+
 	// PanicNext makes the next C-ABI call on this pool panic inside Go:
 	// fault injection proving that no panic crosses the C boundary.
 	PanicNext atomic.Bool
@@ -52,6 +57,11 @@ type Entry struct {
 	called  atomic.Bool
 	lastErr atomic.Pointer[string]
 }
+
+// CalledFromCallback reports whether the calling thread is inside the
+// pool's own allocator function (a callback backend's), which holds the
+// pool's lock: a call of the pool from there would wait for it forever.
+func (e *Entry) CalledFromCallback() bool { return e.reentry != nil && e.reentry.CalledFromCallback() }
 
 // SetError records the last error seen at the C boundary for this pool.
 func (e *Entry) SetError(msg string) { e.lastErr.Store(&msg) }
@@ -100,6 +110,7 @@ func Add(p *gocore.Pool, sim *gocore.SimBackend, keep any) *Entry {
 	defer mu.Unlock()
 	nextID++
 	e := &Entry{ID: nextID, Pool: p, Graphs: graphpool.New(p), Sim: sim, Keep: keep}
+	e.reentry, _ = p.Backend().(interface{ CalledFromCallback() bool })
 	e.slot.Store(-1)
 	pools[e.ID] = e
 	return e

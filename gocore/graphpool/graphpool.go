@@ -177,30 +177,54 @@ func (p *Pools) join() bool {
 // allocation is tried once more, as torch frees its freeable graph pools
 // before it gives up.
 func (p *Pools) Alloc(size uint64, device int, stream gocore.Stream) (uint64, error) {
-	return p.alloc(size, device, stream, false)
+	if p.capturing.Load() != 0 {
+		return p.allocCapturing(size, device, stream, false)
+	}
+	addr, err := p.main.Alloc(size, device, stream)
+	if err != nil {
+		return p.retryOutOfMemory(size, device, stream, false, err)
+	}
+	return addr, nil
 }
 
 // AllocSegment is Alloc for torch's caching allocator asking for a segment
 // of a torch.cuda.MemPool (gocore.Pool.AllocSegment).
 func (p *Pools) AllocSegment(size uint64, device int, stream gocore.Stream) (uint64, error) {
-	return p.alloc(size, device, stream, true)
+	if p.capturing.Load() != 0 {
+		return p.allocCapturing(size, device, stream, true)
+	}
+	addr, err := p.main.AllocSegment(size, device, stream)
+	if err != nil {
+		return p.retryOutOfMemory(size, device, stream, true, err)
+	}
+	return addr, nil
 }
 
-func (p *Pools) alloc(size uint64, device int, stream gocore.Stream, segment bool) (uint64, error) {
-	if p.capturing.Load() != 0 {
-		if addr, private, err := p.privateAlloc(size, device, stream); private {
-			return addr, err
-		}
+// allocCapturing is Alloc (AllocSegment with segment) while a capture may
+// route the allocation to a private pool.
+func (p *Pools) allocCapturing(size uint64, device int, stream gocore.Stream, segment bool) (uint64, error) {
+	if addr, private, err := p.privateAlloc(size, device, stream); private {
+		return addr, err
 	}
 	addr, err := p.mainAlloc(size, device, stream, segment)
-	if err != nil && errors.Is(err, gocore.ErrOutOfMemory) {
-		// Private pools no graph uses any more may still hold segments
-		// (they waited for their events, or for a capture to end).
-		if n, serr := p.Sweep(); n > 0 && serr == nil {
-			addr, err = p.mainAlloc(size, device, stream, segment)
-		}
+	if err != nil {
+		return p.retryOutOfMemory(size, device, stream, segment, err)
 	}
-	return addr, err
+	return addr, nil
+}
+
+// retryOutOfMemory follows the main pool's failure err to allocate: when
+// it is out of memory, private pools no graph uses any more may still hold
+// segments (they waited for their events, or for a capture to end), so
+// those are closed and the allocation is tried once more.
+func (p *Pools) retryOutOfMemory(size uint64, device int, stream gocore.Stream, segment bool, err error) (uint64, error) {
+	if !errors.Is(err, gocore.ErrOutOfMemory) {
+		return 0, err
+	}
+	if n, serr := p.Sweep(); n == 0 || serr != nil {
+		return 0, err
+	}
+	return p.mainAlloc(size, device, stream, segment)
 }
 
 func (p *Pools) mainAlloc(size uint64, device int, stream gocore.Stream, segment bool) (uint64, error) {
@@ -277,6 +301,14 @@ func (p *Pools) owning(addr uint64) *privatePool {
 // Free frees a block Alloc gave, in the pool that holds it. A private pool
 // with no user left closes once its last block is freed and idle.
 func (p *Pools) Free(addr uint64) error {
+	if p.privateLive.Load() != 0 {
+		return p.freeRouted(addr)
+	}
+	return p.main.Free(addr)
+}
+
+// freeRouted is Free while a private block lives.
+func (p *Pools) freeRouted(addr uint64) error {
 	if pp := p.owning(addr); pp != nil {
 		if done, err := p.privateFree(pp, addr); done {
 			return err

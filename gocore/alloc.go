@@ -30,30 +30,17 @@ func (p *Pool) AllocSegment(size uint64, dev int, stream Stream) (uint64, error)
 func (p *Pool) alloc(size uint64, dev int, stream Stream, callerSegments bool) (uint64, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.closed {
-		return 0, fmt.Errorf("alloc %d bytes from pool %q: %w", size, p.name, ErrClosed)
-	}
-	if size == 0 || size > MaxRequest {
-		return 0, fmt.Errorf("alloc %d bytes from pool %q: size must be in [1, %d]: %w",
-			size, p.name, uint64(MaxRequest), ErrInvalidSize)
-	}
-	d, err := p.device(dev)
+	d, err := p.allocDevice(size, dev)
 	if err != nil {
-		return 0, fmt.Errorf("alloc %d bytes: %w", size, err)
+		return 0, err
 	}
 	if len(d.pending) > 0 || len(d.unrecorded) > 0 {
 		p.processEventsLocked(d)
 	}
-	// A caller that sizes its segments applied its rounding options itself
-	// (torch's): they are not applied again beneath it.
-	var rounded uint64
-	if callerSegments {
-		rounded = roundSize(size)
-	} else {
-		rounded = p.roundRequest(size)
-	}
+	rounded := p.blockSize(size, callerSegments)
 	kind := kindOf(rounded)
-	b := p.takeCachedLocked(d, rounded, kind, stream)
+	f := d.freeList(stream)
+	b := p.takeCachedLocked(d, f, rounded, kind)
 	if b == nil {
 		if kind == kindLarge && p.cfg.GarbageCollectionThreshold > 0 {
 			p.collectGarbageLocked(d)
@@ -61,47 +48,84 @@ func (p *Pool) alloc(size uint64, dev int, stream Stream, callerSegments bool) (
 		if b, err = p.newSegmentBlock(d, size, rounded, kind, stream, callerSegments); err != nil {
 			return 0, err
 		}
+		f = d.freeList(stream) // releasing cached segments may have dropped the stream's lists
 	}
-	// Releasing cached segments may have dropped the stream's lists.
-	f := d.freeList(stream)
 	if p.shouldSplit(b, rounded) {
-		rest := p.newBlock()
-		*rest = block{seg: b.seg, addr: b.addr + rounded, size: b.size - rounded,
-			prev: b, next: b.next, heapIdx: -1, streamUses: rest.streamUses[:0]}
-		if b.next != nil {
-			b.next.prev = rest
-		}
-		b.next = rest
-		b.size = rounded
-		if rest.next == nil {
-			b.seg.last = rest
-		}
-		d.insertFree(f, rest)
+		p.splitLocked(d, f, b, rounded)
 	}
+	p.handOutLocked(d, b, size, kind, stream, callerSegments)
+	return b.addr, nil
+}
+
+// allocDevice checks an allocation's arguments (an open pool, a size in
+// [1, MaxRequest], a device of the backend) and returns its device state.
+// The common case is one test per argument; allocDeviceSlow says what is
+// wrong, or creates the state on a device's first allocation.
+func (p *Pool) allocDevice(size uint64, dev int) (*deviceState, error) {
+	if !p.closed && size-1 < MaxRequest && uint(dev) < uint(len(p.devices)) {
+		if d := p.devices[dev]; d != nil {
+			return d, nil
+		}
+	}
+	return p.allocDeviceSlow(size, dev)
+}
+
+func (p *Pool) allocDeviceSlow(size uint64, dev int) (*deviceState, error) {
+	if p.closed {
+		return nil, fmt.Errorf("alloc %d bytes from pool %q: %w", size, p.name, ErrClosed)
+	}
+	if size == 0 || size > MaxRequest {
+		return nil, fmt.Errorf("alloc %d bytes from pool %q: size must be in [1, %d]: %w",
+			size, p.name, uint64(MaxRequest), ErrInvalidSize)
+	}
+	d, err := p.device(dev)
+	if err != nil {
+		return nil, fmt.Errorf("alloc %d bytes: %w", size, err)
+	}
+	return d, nil
+}
+
+// splitLocked cuts b down to rounded bytes; the rest of it becomes a free
+// block of f.
+func (p *Pool) splitLocked(d *deviceState, f *streamFree, b *block, rounded uint64) {
+	rest := p.newBlock()
+	*rest = block{seg: b.seg, addr: b.addr + rounded, size: b.size - rounded,
+		prev: b, next: b.next, heapIdx: -1, streamUses: rest.streamUses[:0]}
+	if b.next != nil {
+		b.next.prev = rest
+	} else {
+		b.seg.last = rest
+	}
+	b.next = rest
+	b.size = rounded
+	d.insertFree(f, rest)
+}
+
+// handOutLocked makes b the allocation of a request of size bytes: it
+// indexes it by address, counts it and records it.
+func (p *Pool) handOutLocked(d *deviceState, b *block, size uint64, kind poolKind, stream Stream, callerSegments bool) {
 	b.allocated = true
 	b.requested = size
 	b.callerSized = callerSegments
 	p.live.put(b)
 	st := &d.stats
-	st.Allocation.add(kind, 1)
-	st.AllocatedBytes.add(kind, int64(b.size))
-	st.Active.add(kind, 1)
-	st.ActiveBytes.add(kind, int64(b.size))
-	st.RequestedBytes.add(kind, int64(size))
+	st.Allocation.up(kind, 1)
+	st.AllocatedBytes.up(kind, int64(b.size))
+	st.Active.up(kind, 1)
+	st.ActiveBytes.up(kind, int64(b.size))
+	st.RequestedBytes.up(kind, int64(size))
 	if p.isOversize(b.size) {
-		st.OversizeAllocations.add(1)
+		st.OversizeAllocations.up(1)
 	}
-	if e := p.trace(ActionAlloc, dev, b.addr, size, stream); e != nil && callerSegments {
-		e.CallerSized = true
+	if e := p.trace(ActionAlloc, d.id, b.addr, size, stream); e != nil {
+		e.CallerSized = callerSegments
 	}
-	return b.addr, nil
 }
 
-// takeCachedLocked takes the best cached block of stream for a rounded
-// request out of the free lists (best fit by size, then address), or
+// takeCachedLocked takes the best cached block of the stream whose free
+// lists are f for a rounded request (best fit by size, then address), or
 // returns nil when none fits.
-func (p *Pool) takeCachedLocked(d *deviceState, rounded uint64, kind poolKind, stream Stream) *block {
-	f := d.freeList(stream)
+func (p *Pool) takeCachedLocked(d *deviceState, f *streamFree, rounded uint64, kind poolKind) *block {
 	var b *block
 	if kind == kindSmall {
 		b = f.small.bestFit(rounded)
@@ -138,10 +162,7 @@ func (p *Pool) shouldSplit(b *block, rounded uint64) bool {
 // or, when the retry finds that a block whose events completed meanwhile
 // fits, that block, taken out of the free lists as a cache hit.
 func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKind, stream Stream, callerSegments bool) (*block, error) {
-	segSize := segmentSize(rounded)
-	if callerSegments && kind == kindLarge {
-		segSize = roundUp(rounded, RoundLarge)
-	}
+	segSize := segmentSize(rounded, callerSegments)
 	expandable := p.expander != nil && kind == kindLarge
 	if expandable {
 		if b, err := p.growLocked(d, rounded, stream); b != nil || err != nil {
@@ -159,7 +180,7 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 		// segment given back or made (torch releases and reallocates).
 		// Else everything cached can go.
 		p.processEventsLocked(d)
-		if b := p.takeCachedLocked(d, rounded, kind, stream); b != nil {
+		if b := p.takeCachedLocked(d, d.freeList(stream), rounded, kind); b != nil {
 			return b, nil
 		}
 		p.releaseCachedLocked(d, 0)
@@ -255,8 +276,6 @@ func (p *Pool) dropBlock(b *block) {
 }
 
 const maxSpareBlocks = 1024
-
-func roundUp(n, unit uint64) uint64 { return (n + unit - 1) / unit * unit }
 
 // growLocked serves a large request by growing the stream's growing segment
 // in place: its free tail plus the new granules become the block. It returns

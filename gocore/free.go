@@ -1,10 +1,6 @@
 package gocore
 
-import (
-	"fmt"
-	"slices"
-	"sort"
-)
+import "fmt"
 
 // Free returns the block at addr to the pool. If the block was used on
 // streams other than its own (RecordStream), it becomes reusable only once
@@ -13,18 +9,20 @@ import (
 func (p *Pool) Free(addr uint64) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	b, err := p.liveBlockLocked("free", addr)
-	if err != nil {
-		return err
+	if p.closed {
+		return p.closedErrorLocked("free", addr)
 	}
-	p.live.remove(addr)
+	b := p.live.take(addr)
+	if b == nil {
+		return p.notAllocatedLocked("free", addr)
+	}
 	d := p.devices[b.seg.device]
 	kind := b.seg.kind
 	st := &d.stats
-	st.Allocation.add(kind, -1)
-	st.AllocatedBytes.add(kind, -int64(b.size))
+	st.Allocation.down(kind, 1)
+	st.AllocatedBytes.down(kind, int64(b.size))
 	if p.isOversize(b.size) {
-		st.OversizeAllocations.add(-1)
+		st.OversizeAllocations.down(1)
 	}
 	b.allocated = false
 	// Like torch, history carries the caller's size; b.requested, and
@@ -51,12 +49,16 @@ func (p *Pool) Free(addr uint64) error {
 // explains why there is none (closed pool, double free, foreign pointer).
 func (p *Pool) liveBlockLocked(op string, addr uint64) (*block, error) {
 	if p.closed {
-		return nil, fmt.Errorf("%s %#x in pool %q: %w", op, addr, p.name, ErrClosed)
+		return nil, p.closedErrorLocked(op, addr)
 	}
 	if b := p.live.get(addr); b != nil {
 		return b, nil
 	}
 	return nil, p.notAllocatedLocked(op, addr)
+}
+
+func (p *Pool) closedErrorLocked(op string, addr uint64) error {
+	return fmt.Errorf("%s %#x in pool %q: %w", op, addr, p.name, ErrClosed)
 }
 
 // notAllocatedLocked builds the error for an address that is not a live
@@ -118,9 +120,9 @@ func (p *Pool) RecordStream(addr uint64, stream Stream) error {
 // neighbours, indexes it, and applies the release threshold.
 func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 	kind := b.seg.kind
-	d.stats.Active.add(kind, -1)
-	d.stats.ActiveBytes.add(kind, -int64(b.size))
-	d.stats.RequestedBytes.add(kind, -int64(b.requested))
+	d.stats.Active.down(kind, 1)
+	d.stats.ActiveBytes.down(kind, int64(b.size))
+	d.stats.RequestedBytes.down(kind, int64(b.requested))
 	p.trace(ActionFreeCompleted, d.id, b.addr, b.requested, b.seg.stream)
 	b.requested = 0
 	b.callerSized = false
@@ -161,80 +163,15 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 // seg (the end of a capture, which held every release back) looks at all.
 // A failed release leaves the segment cached.
 func (p *Pool) applyReleaseThresholdLocked(d *deviceState, seg *segment) {
-	t := p.cfg.ReleaseThreshold
-	if t == 0 || d.unusedBytes() <= t {
-		return
+	if t := p.cfg.ReleaseThreshold; t != 0 && d.unusedBytes() > t {
+		p.releaseOverThresholdLocked(d, seg, t)
 	}
+}
+
+func (p *Pool) releaseOverThresholdLocked(d *deviceState, seg *segment, t uint64) {
 	if seg == nil || len(d.wholeFree) > 0 || (p.shrinker != nil && p.shrinkable(seg) > 0) {
 		_, _ = p.trimLocked(d, t)
 	}
-}
-
-// insertFree indexes a free block and keeps the split and whole-segment
-// accounting that depends on it. Like torch, inactive_split leaves out
-// expandable segments: their free pages can always be given back, which is
-// what the stat is meant to exclude.
-func (d *deviceState) insertFree(f *streamFree, b *block) {
-	f.insert(b)
-	if !b.isSplit() {
-		d.addWholeFree(b.seg)
-	} else if !b.seg.expandable {
-		d.stats.InactiveSplit.add(b.seg.kind, 1)
-		d.stats.InactiveSplitBytes.add(b.seg.kind, int64(b.size))
-	}
-}
-
-func (d *deviceState) removeFree(f *streamFree, b *block) {
-	f.remove(b)
-	if !b.isSplit() {
-		d.dropWholeFree(b.seg)
-	} else if !b.seg.expandable {
-		d.stats.InactiveSplit.add(b.seg.kind, -1)
-		d.stats.InactiveSplitBytes.add(b.seg.kind, -int64(b.size))
-	}
-}
-
-// addWholeFree lists s as one free block, aged from now.
-func (d *deviceState) addWholeFree(s *segment) {
-	if s.wholeFreeAt >= 0 {
-		return
-	}
-	s.wholeFreeAt = len(d.wholeFree)
-	s.wholeFreeSince = d.largeLookups
-	d.wholeFree = append(d.wholeFree, s)
-}
-
-// dropWholeFree takes s off the list (the last entry fills its place).
-func (d *deviceState) dropWholeFree(s *segment) {
-	i := s.wholeFreeAt
-	if i < 0 {
-		return
-	}
-	last := d.wholeFree[len(d.wholeFree)-1]
-	d.wholeFree[i] = last
-	last.wholeFreeAt = i
-	d.wholeFree[len(d.wholeFree)-1] = nil
-	d.wholeFree = d.wholeFree[:len(d.wholeFree)-1]
-	s.wholeFreeAt = -1
-}
-
-// unusedBytes is reserved memory that holds no active block.
-func (d *deviceState) unusedBytes() uint64 {
-	return uint64(d.stats.ReservedBytes[0].Current - d.stats.ActiveBytes[0].Current)
-}
-
-// wholeFreeSegments lists the segments that could be released now, largest
-// first (fewest backend calls to reach a target), then by address so the
-// order is deterministic.
-func (d *deviceState) wholeFreeSegments() []*segment {
-	segs := slices.Clone(d.wholeFree)
-	sort.Slice(segs, func(i, j int) bool {
-		if segs[i].size != segs[j].size {
-			return segs[i].size > segs[j].size
-		}
-		return segs[i].addr < segs[j].addr
-	})
-	return segs
 }
 
 // BlockInfo describes a live block and the segment holding it.

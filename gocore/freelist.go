@@ -2,6 +2,8 @@ package gocore
 
 import (
 	"math/bits"
+	"slices"
+	"sort"
 
 	"github.com/google/btree"
 )
@@ -25,7 +27,9 @@ const smallClasses = SmallBuffer / MinBlockSize
 // nonEmptyWords has a bit per word of nonEmpty.
 var _ [64 - smallClasses/64]struct{}
 
-func smallClass(size uint64) int { return int(size/MinBlockSize) - 1 }
+// smallClass is the bin of a block size (a multiple of MinBlockSize),
+// unsigned so that its word and bit are a shift and a mask.
+func smallClass(size uint64) uint { return uint(size/MinBlockSize) - 1 }
 
 func (s *smallBins) insert(b *block) {
 	c := smallClass(b.size)
@@ -73,10 +77,10 @@ func (s *smallBins) bestFit(size uint64) *block {
 		if above == 0 {
 			return nil
 		}
-		w = bits.TrailingZeros64(above)
+		w = uint(bits.TrailingZeros64(above))
 		m = s.nonEmpty[w]
 	}
-	return s.bins[w*64+bits.TrailingZeros64(m)][0]
+	return s.bins[w*64+uint(bits.TrailingZeros64(m))][0]
 }
 
 func siftUp(h []*block, i int) bool {
@@ -186,4 +190,112 @@ func (f *streamFree) bestFitLarge(size, maxSplit, maxNonSplitRounding uint64) *b
 		return nil
 	}
 	return found
+}
+
+// The free-index operations of a device state: its free lists by stream,
+// and the accounting that follows what they hold.
+
+// freeList returns the free lists of stream s on d.
+func (d *deviceState) freeList(s Stream) *streamFree {
+	if f := d.lastFree; f != nil && d.lastStream == s {
+		return f
+	}
+	return d.freeListSlow(s)
+}
+
+// freeListSlow is freeList for another stream than the last one's.
+func (d *deviceState) freeListSlow(s Stream) *streamFree {
+	f := d.streams[s]
+	if f == nil {
+		f = newStreamFree()
+		d.streams[s] = f
+	}
+	d.lastStream, d.lastFree = s, f
+	return f
+}
+
+// dropFreeList forgets the (empty) free lists of stream s, so that a pool
+// used by many short-lived streams does not keep a free list for each.
+func (d *deviceState) dropFreeList(s Stream) {
+	if d.lastFree != nil && d.lastStream == s {
+		d.lastFree = nil
+	}
+	delete(d.streams, s)
+}
+
+// dropEmptyFreeLists forgets the free lists that hold no block, such as
+// those of streams whose allocations all failed; O(streams).
+func (d *deviceState) dropEmptyFreeLists() {
+	for s, f := range d.streams {
+		if f.empty() {
+			d.dropFreeList(s)
+		}
+	}
+}
+
+// insertFree indexes a free block and keeps the split and whole-segment
+// accounting that depends on it. Like torch, inactive_split leaves out
+// expandable segments: their free pages can always be given back, which is
+// what the stat is meant to exclude.
+func (d *deviceState) insertFree(f *streamFree, b *block) {
+	f.insert(b)
+	if !b.isSplit() {
+		d.addWholeFree(b.seg)
+	} else if !b.seg.expandable {
+		d.stats.InactiveSplit.up(b.seg.kind, 1)
+		d.stats.InactiveSplitBytes.up(b.seg.kind, int64(b.size))
+	}
+}
+
+func (d *deviceState) removeFree(f *streamFree, b *block) {
+	f.remove(b)
+	if !b.isSplit() {
+		d.dropWholeFree(b.seg)
+	} else if !b.seg.expandable {
+		d.stats.InactiveSplit.down(b.seg.kind, 1)
+		d.stats.InactiveSplitBytes.down(b.seg.kind, int64(b.size))
+	}
+}
+
+// addWholeFree lists s as one free block, aged from now.
+func (d *deviceState) addWholeFree(s *segment) {
+	if s.wholeFreeAt >= 0 {
+		return
+	}
+	s.wholeFreeAt = len(d.wholeFree)
+	s.wholeFreeSince = d.largeLookups
+	d.wholeFree = append(d.wholeFree, s)
+}
+
+// dropWholeFree takes s off the list (the last entry fills its place).
+func (d *deviceState) dropWholeFree(s *segment) {
+	i := s.wholeFreeAt
+	if i < 0 {
+		return
+	}
+	last := d.wholeFree[len(d.wholeFree)-1]
+	d.wholeFree[i] = last
+	last.wholeFreeAt = i
+	d.wholeFree[len(d.wholeFree)-1] = nil
+	d.wholeFree = d.wholeFree[:len(d.wholeFree)-1]
+	s.wholeFreeAt = -1
+}
+
+// unusedBytes is reserved memory that holds no active block.
+func (d *deviceState) unusedBytes() uint64 {
+	return uint64(d.stats.ReservedBytes[0].Current - d.stats.ActiveBytes[0].Current)
+}
+
+// wholeFreeSegments lists the segments that could be released now, largest
+// first (fewest backend calls to reach a target), then by address so the
+// order is deterministic.
+func (d *deviceState) wholeFreeSegments() []*segment {
+	segs := slices.Clone(d.wholeFree)
+	sort.Slice(segs, func(i, j int) bool {
+		if segs[i].size != segs[j].size {
+			return segs[i].size > segs[j].size
+		}
+		return segs[i].addr < segs[j].addr
+	})
+	return segs
 }

@@ -81,12 +81,18 @@ func (p *Pool) historyLocked() []TraceEntry {
 }
 
 // trace records an event if recording is on and returns the stored entry
-// (for extra fields); the pool's lock is held.
+// (for extra fields), else nil; the pool's lock is held. Small enough to be
+// inlined: with recording off the hot path pays one nil check per event.
 func (p *Pool) trace(action string, dev int, addr, size uint64, stream Stream) *TraceEntry {
-	h := p.hist
-	if h == nil {
+	if p.hist == nil {
 		return nil
 	}
+	return p.record(action, dev, addr, size, stream)
+}
+
+// record is trace with recording on.
+func (p *Pool) record(action string, dev int, addr, size uint64, stream Stream) *TraceEntry {
+	h := p.hist
 	e := TraceEntry{Action: action, Device: dev, Addr: addr, Size: size, Stream: uint64(stream), TimeUS: time.Now().UnixMicro()}
 	if len(h.entries) < p.histMax {
 		h.entries = append(h.entries, e)

@@ -75,18 +75,31 @@ func (x *liveIndex) insert(addr uint64, b *block) {
 	x.slots[i] = liveSlot{addr, b}
 }
 
-// remove deletes addr, which must be in the index. The slots after it that
-// could have been placed in its slot move back (backward-shift deletion),
-// so no probe sequence ever crosses a hole it should not.
+// remove deletes addr, which must be in the index.
 func (x *liveIndex) remove(addr uint64) {
+	if x.take(addr) == nil {
+		panic("gocore: removing an address not in the live index")
+	}
+}
+
+// take deletes addr from the index and returns its block, or returns nil
+// when addr is not in the index: Free's lookup and delete in one probe
+// sequence. The slots after it that could have been placed in its slot move
+// back (backward-shift deletion), so no probe sequence ever crosses a hole
+// it should not.
+func (x *liveIndex) take(addr uint64) *block {
+	if x.n == 0 || addr == 0 {
+		return nil
+	}
 	mask := uint64(len(x.slots) - 1)
 	i := x.home(addr)
 	for x.slots[i].addr != addr {
 		if x.slots[i].addr == 0 {
-			panic("gocore: removing an address not in the live index")
+			return nil
 		}
 		i = (i + 1) & mask
 	}
+	b := x.slots[i].b
 	for j := (i + 1) & mask; x.slots[j].addr != 0; j = (j + 1) & mask {
 		// Move slot j into the hole at i unless its home lies cyclically
 		// in (i, j]: then it is reachable from its home without passing i.
@@ -100,6 +113,7 @@ func (x *liveIndex) remove(addr uint64) {
 	if len(x.slots) > liveIndexMinSlots && 8*x.n < len(x.slots) {
 		x.resize(len(x.slots) / 2) // a burst of frees gives its memory back
 	}
+	return b
 }
 
 func (x *liveIndex) resize(size int) {

@@ -98,14 +98,6 @@ func checkDivisions(cfg Config) error {
 	return nil
 }
 
-// roundRequest rounds a request to its block size under the pool's policy.
-func (p *Pool) roundRequest(size uint64) uint64 {
-	if by := p.cfg.RoundupPower2DivisionsBySize; by != nil {
-		return roundPower2Divisions(size, by[roundupInterval(size)])
-	}
-	return roundPower2Divisions(size, p.cfg.RoundupPower2Divisions)
-}
-
 // Pool is a caching allocator over one Backend. It is safe for concurrent
 // use by many goroutines and OS threads.
 type Pool struct {
@@ -338,39 +330,6 @@ func maxSplitStat(v uint64) int64 {
 		return -1
 	}
 	return int64(v)
-}
-
-// freeList returns the free lists of stream s on d.
-func (d *deviceState) freeList(s Stream) *streamFree {
-	if d.lastFree != nil && d.lastStream == s {
-		return d.lastFree
-	}
-	f := d.streams[s]
-	if f == nil {
-		f = newStreamFree()
-		d.streams[s] = f
-	}
-	d.lastStream, d.lastFree = s, f
-	return f
-}
-
-// dropFreeList forgets the (empty) free lists of stream s, so that a pool
-// used by many short-lived streams does not keep a free list for each.
-func (d *deviceState) dropFreeList(s Stream) {
-	if d.lastFree != nil && d.lastStream == s {
-		d.lastFree = nil
-	}
-	delete(d.streams, s)
-}
-
-// dropEmptyFreeLists forgets the free lists that hold no block, such as
-// those of streams whose allocations all failed; O(streams).
-func (d *deviceState) dropEmptyFreeLists() {
-	for s, f := range d.streams {
-		if f.empty() {
-			d.dropFreeList(s)
-		}
-	}
 }
 
 // LiveBlock describes a block still allocated, as Close reports it.

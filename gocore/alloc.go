@@ -88,9 +88,9 @@ func (p *Pool) allocDeviceSlow(size uint64, dev int) (*deviceState, error) {
 // splitLocked cuts b down to rounded bytes; the rest of it becomes a free
 // block of f.
 func (p *Pool) splitLocked(d *deviceState, f *streamFree, b *block, rounded uint64) {
-	rest := p.newBlock()
-	*rest = block{seg: b.seg, addr: b.addr + rounded, size: b.size - rounded,
-		prev: b, next: b.next, heapIdx: -1, streamUses: rest.streamUses[:0]}
+	rest := p.newBlock() // as new: only what differs is set
+	rest.seg, rest.addr, rest.size = b.seg, b.addr+rounded, b.size-rounded
+	rest.prev, rest.next = b, b.next
 	if b.next != nil {
 		b.next.prev = rest
 	} else {
@@ -256,7 +256,8 @@ func (p *Pool) backendAlloc(d *deviceState, size uint64, stream Stream) (uint64,
 }
 
 // newBlock reuses a block struct dropped by a merge, sparing the garbage
-// collector on the split/merge cycle of the hot path.
+// collector on the split/merge cycle of the hot path. The block is as new:
+// the zero block with heapIdx -1 (and the capacity of its streamUses).
 func (p *Pool) newBlock() *block {
 	if n := len(p.spare); n > 0 {
 		b := p.spare[n-1]

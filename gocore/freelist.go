@@ -151,24 +151,6 @@ func (f *streamFree) empty() bool {
 	return true
 }
 
-func (f *streamFree) insert(b *block) {
-	if b.seg.kind == kindSmall {
-		f.small.insert(b)
-	} else {
-		f.large.ReplaceOrInsert(b)
-	}
-	b.inFree = true
-}
-
-func (f *streamFree) remove(b *block) {
-	if b.seg.kind == kindSmall {
-		f.small.remove(b)
-	} else {
-		f.large.Delete(b)
-	}
-	b.inFree = false
-}
-
 // bestFitLarge applies torch's max_split_size rules: a request below
 // maxSplit never takes an oversize block (one that will not be split), and an
 // oversize request takes an oversize block only if it wastes less than
@@ -238,22 +220,35 @@ func (d *deviceState) dropEmptyFreeLists() {
 // expandable segments: their free pages can always be given back, which is
 // what the stat is meant to exclude.
 func (d *deviceState) insertFree(f *streamFree, b *block) {
-	f.insert(b)
+	seg := b.seg
+	if seg.kind == kindSmall {
+		f.small.insert(b)
+	} else {
+		f.large.ReplaceOrInsert(b)
+	}
+	b.inFree = true
 	if !b.isSplit() {
-		d.addWholeFree(b.seg)
-	} else if !b.seg.expandable {
-		d.stats.InactiveSplit.up(b.seg.kind, 1)
-		d.stats.InactiveSplitBytes.up(b.seg.kind, int64(b.size))
+		d.addWholeFree(seg)
+	} else if !seg.expandable {
+		d.stats.InactiveSplit.up(seg.kind, 1)
+		d.stats.InactiveSplitBytes.up(seg.kind, int64(b.size))
 	}
 }
 
+// removeFree takes a free block out of the index, undoing insertFree.
 func (d *deviceState) removeFree(f *streamFree, b *block) {
-	f.remove(b)
+	seg := b.seg
+	if seg.kind == kindSmall {
+		f.small.remove(b)
+	} else {
+		f.large.Delete(b)
+	}
+	b.inFree = false
 	if !b.isSplit() {
-		d.dropWholeFree(b.seg)
-	} else if !b.seg.expandable {
-		d.stats.InactiveSplit.down(b.seg.kind, 1)
-		d.stats.InactiveSplitBytes.down(b.seg.kind, int64(b.size))
+		d.dropWholeFree(seg)
+	} else if !seg.expandable {
+		d.stats.InactiveSplit.down(seg.kind, 1)
+		d.stats.InactiveSplitBytes.down(seg.kind, int64(b.size))
 	}
 }
 

@@ -16,9 +16,12 @@ func (s *Stat) add(n int64) {
 // up counts n >= 0 more: with no branch, as the allocation path calls it
 // about ten times per request.
 func (s *Stat) up(n int64) {
-	s.Current += n
+	c := s.Current + n
+	s.Current = c
 	s.Allocated += n
-	s.Peak = max(s.Peak, s.Current)
+	if c > s.Peak {
+		s.Peak = c
+	}
 }
 
 // down counts n >= 0 fewer.

@@ -1,7 +1,9 @@
 """GPU backend benchmarks: for each backend, raw backend alloc+free
 latency per size against the engine's cached re-supply of the same size
 (goal: cached >= 50x faster), and the engine's peak reserved vs requested on
-a mixed-size workload. Needs an NVIDIA GPU; run on the device machine:
+a mixed-size workload. The latencies are measured in Go by
+benchmarks/backendbench, which this script builds (so it needs Go, as
+building gpumempool does). Needs an NVIDIA GPU; run on the device machine:
 
     python benchmarks/gpu_backends.py [--out benchmarks/results]
 
@@ -11,15 +13,21 @@ Writes gpu_backends.json and gpu_backends.md (with the device name).
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
+import functools
 import json
 import os
 import random
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import gpumempool as gmp
-from gpumempool import _native
+
+ROOT = Path(__file__).resolve().parent.parent
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB, 256 * MiB, GiB]
@@ -37,12 +45,33 @@ def iters_for(size: int) -> int:
     return 2000 if size <= MiB else 200 if size <= 256 * MiB else 50
 
 
+@functools.lru_cache(maxsize=None)
+def backendbench() -> str:
+    """benchmarks/backendbench (the latency measurement, in Go: not part of
+    the extension), built once into a temporary folder."""
+    tmp = tempfile.mkdtemp(prefix="gmp-backendbench-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    exe = os.path.join(tmp, "backendbench")
+    subprocess.run(["go", "build", "-o", exe, "./benchmarks/backendbench"], cwd=ROOT, check=True)
+    return exe
+
+
+def measure_latency(opts: dict, size: int, iters: int) -> list[dict]:
+    """backendbench's rows for one size; a RuntimeError with its message
+    when it fails (a backend that cannot be built or used)."""
+    res = subprocess.run([backendbench(), "-options", json.dumps(opts), "-sizes", str(size), "-iters", str(iters)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(res.stderr.strip().removeprefix("backendbench: ") or f"backendbench exited {res.returncode}")
+    rows: list[dict] = json.loads(res.stdout)
+    return rows
+
+
 def bench_backend(name: str, spec: dict) -> list[dict]:
     opts = {"backend": spec.get("backend", name), "options": spec.get("gpu", {})}
     rows = []
     for size in SIZES:
-        js = _native.bindings.BenchBackend(json.dumps(opts), str(size), iters_for(size), 0, 0)
-        rows.extend(json.loads(js))
+        rows.extend(measure_latency(opts, size, iters_for(size)))
         r = rows[-1]
         cold = f"  cold {r['raw_cold_ns']:>10,.0f} ns (x{r['speedup_vs_cold']:,.0f})" if "raw_cold_ns" in r else ""
         print(f"  {name:15s} {size:>12,d} B  raw {r['raw_ns']:>12,.0f} ns  cached {r['cached_ns']:>8,.0f} ns"
@@ -84,13 +113,22 @@ def mixed_workload(name: str, spec: dict, steps: int = 20000, seed: int = 0) -> 
 def load_nccl() -> None:
     """The nccl backend uses a libnccl already loaded in the process, else
     $GMP_LIBNCCL, else the loader's search path; NCCL usually comes with
-    torch (a pip package outside that path), and importing torch loads it."""
+    torch (a pip package outside that path), and importing torch loads it.
+    backendbench runs in a process of its own: it gets the path of the
+    libnccl torch loaded as $GMP_LIBNCCL."""
     if os.environ.get("GMP_LIBNCCL"):
         return
     try:
         import torch  # noqa: F401
     except Exception:  # noqa: BLE001 - the nccl backend then reports what it finds
-        pass
+        return
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libnccl" in line}
+    except OSError:
+        return
+    if len(paths) == 1:
+        os.environ["GMP_LIBNCCL"] = paths.pop()
 
 
 def main() -> None:
@@ -113,7 +151,7 @@ def main() -> None:
         print(f"{name} ...", file=sys.stderr, flush=True)
         try:
             result["backends"][name] = {"latency": bench_backend(name, spec), "mixed": mixed_workload(name, spec)}
-        except (gmp.GpuMemPoolError, RuntimeError) as exc:  # BenchBackend raises plain RuntimeErrors
+        except (gmp.GpuMemPoolError, RuntimeError) as exc:  # measure_latency raises RuntimeErrors
             result["backends"][name] = {"error": str(exc)}
             print(f"  {name}: {exc}", file=sys.stderr)
         write(result, out)  # after every backend: a run cut short keeps what it measured

@@ -101,24 +101,6 @@ func TestDevicesWithoutDriverIsNotAnError(t *testing.T) {
 	}
 }
 
-func TestBenchBackendMeasuresRawAndCached(t *testing.T) {
-	js, err := BenchBackend(`{"backend":"sim","options":{"latency_ns":20000}}`, "4096,1048576", 20, 0, 0)
-	require.NoError(t, err)
-	var rows []benchRow
-	require.NoError(t, json.Unmarshal([]byte(js), &rows))
-	require.Len(t, rows, 2)
-	for _, r := range rows {
-		// Each raw pair pays two 20 µs backend calls; the cache pays none.
-		assert.GreaterOrEqual(t, r.RawNS, 40000.0)
-		assert.Less(t, r.CachedNS, r.RawNS)
-		assert.Greater(t, r.Speedup, 1.0)
-	}
-	_, err = BenchBackend(`{"backend":"sim"}`, "12,x", 1, 0, 0)
-	assert.ErrorContains(t, err, "ValueError")
-	_, err = BenchBackend(`{"backend":"sim"}`, "12", 0, 0, 0)
-	assert.ErrorContains(t, err, "ValueError")
-}
-
 // TestSimOptionsRefusedByName: every nonsensical sim option is refused as a
 // ValueError naming the option as the user gave it; an option given as 0
 // whose 0 would mean "the default" is refused, not silently defaulted.

@@ -186,7 +186,7 @@ def test_a_child_loads_snapshot_pickles_without_the_engine() -> None:
     """Review: loading a snapshot pickle is data work that needs no pool, but
     its scan went through the Go scanner (the C fast path), replaced by the
     refusal in a child: a fork worker that analyses snapshots got
-    ForkedProcessError. It scans in Python there, with the same checks."""
+    ForkedProcessError. It scans in a new process there, with the same checks."""
     run_case("""
         import pickle, tempfile
         from gpumempool._safepickle import load_pickle

@@ -57,6 +57,7 @@ func (p *Pool) liveBlockLocked(op string, addr uint64) (*block, error) {
 	return nil, p.notAllocatedLocked(op, addr)
 }
 
+// closedErrorLocked is the error of an operation on addr in a closed pool.
 func (p *Pool) closedErrorLocked(op string, addr uint64) error {
 	return fmt.Errorf("%s %#x in pool %q: %w", op, addr, p.name, ErrClosed)
 }
@@ -168,6 +169,9 @@ func (p *Pool) applyReleaseThresholdLocked(d *deviceState, seg *segment) {
 	}
 }
 
+// releaseOverThresholdLocked is applyReleaseThresholdLocked once d keeps more
+// than t unused bytes, kept apart so that the check above stays small enough
+// to be inlined into every free.
 func (p *Pool) releaseOverThresholdLocked(d *deviceState, seg *segment, t uint64) {
 	if seg == nil || len(d.wholeFree) > 0 || (p.shrinker != nil && p.shrinkable(seg) > 0) {
 		_, _ = p.trimLocked(d, t)

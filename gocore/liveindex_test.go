@@ -89,6 +89,33 @@ func TestLiveIndexRefusesMisuse(t *testing.T) {
 	require.Equal(t, 1, n)
 }
 
+// TestLiveIndexTake: take (Free's lookup and delete in one) returns the
+// block and removes it, or returns nil and leaves the index as it was.
+func TestLiveIndexTake(t *testing.T) {
+	var x liveIndex
+	require.Nil(t, x.take(4096), "empty index")
+	r := rand.New(rand.NewPCG(3, 4))
+	want := map[uint64]*block{}
+	for step := range 20_000 {
+		a := 1<<40 + 512*uint64(1+r.IntN(2048))
+		if b, ok := want[a]; ok {
+			require.Same(t, b, x.take(a))
+			delete(want, a)
+			require.Nil(t, x.take(a), "taken twice")
+		} else {
+			require.Nil(t, x.take(a), "never put")
+			b := &block{addr: a}
+			x.put(b)
+			want[a] = b
+		}
+		if step%2_000 == 0 {
+			checkLiveIndex(t, &x, want)
+		}
+	}
+	require.Nil(t, x.take(0))
+	checkLiveIndex(t, &x, want)
+}
+
 // BenchmarkLiveIndex compares the index with the map it replaced on the
 // cache-hit pattern: put, get, remove of one address among n live ones.
 func BenchmarkLiveIndex(b *testing.B) {

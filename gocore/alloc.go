@@ -62,8 +62,8 @@ func (p *Pool) alloc(size uint64, dev int, stream Stream, callerSegments bool) (
 // The common case is one test per argument; allocDeviceSlow says what is
 // wrong, or creates the state on a device's first allocation.
 func (p *Pool) allocDevice(size uint64, dev int) (*deviceState, error) {
-	if !p.closed && size-1 < MaxRequest && uint(dev) < uint(len(p.devices)) {
-		if d := p.devices[dev]; d != nil {
+	if uint(dev) < uint(len(p.devices)) {
+		if d := p.devices[dev]; d != nil && size-1 < MaxRequest && !p.closed {
 			return d, nil
 		}
 	}

@@ -33,10 +33,16 @@ func smallClass(size uint64) uint { return uint(size/MinBlockSize) - 1 }
 
 func (s *smallBins) insert(b *block) {
 	c := smallClass(b.size)
-	h := append(s.bins[c], b)
-	b.heapIdx = len(h) - 1
-	siftUp(h, b.heapIdx)
-	s.bins[c] = h
+	n := len(s.bins[c])
+	if n < cap(s.bins[c]) {
+		s.bins[c] = s.bins[c][:n+1] // the length alone changes
+	} else {
+		s.bins[c] = append(s.bins[c], nil)
+	}
+	h := s.bins[c]
+	h[n] = b
+	b.heapIdx = n
+	siftUp(h, n)
 	s.nonEmpty[c/64] |= 1 << (c % 64)
 	s.nonEmptyWords |= 1 << (c / 64)
 }
@@ -50,14 +56,13 @@ func (s *smallBins) remove(b *block) {
 		h[i].heapIdx = i
 	}
 	h[last] = nil
-	h = h[:last]
-	if i < len(h) {
+	s.bins[c] = s.bins[c][:last] // the length alone changes
+	if h = h[:last]; i < last {
 		if !siftUp(h, i) {
 			siftDown(h, i)
 		}
 	}
-	s.bins[c] = h
-	if len(h) == 0 {
+	if last == 0 {
 		s.nonEmpty[c/64] &^= 1 << (c % 64)
 		if s.nonEmpty[c/64] == 0 {
 			s.nonEmptyWords &^= 1 << (c / 64)

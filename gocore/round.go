@@ -31,8 +31,8 @@ const (
 // caller that sizes its segments (AllocSegment) applied its rounding
 // options itself (torch's): only the 512-byte rounding applies beneath it.
 func (p *Pool) blockSize(size uint64, callerSegments bool) uint64 {
-	if callerSegments {
-		return roundSize(size)
+	if callerSegments || (p.cfg.RoundupPower2Divisions < 2 && p.cfg.RoundupPower2DivisionsBySize == nil) {
+		return roundSize(size) // what roundRequest comes to without divisions
 	}
 	return p.roundRequest(size)
 }

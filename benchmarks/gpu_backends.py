@@ -48,7 +48,16 @@ def iters_for(size: int) -> int:
 @functools.lru_cache(maxsize=None)
 def backendbench() -> str:
     """benchmarks/backendbench (the latency measurement, in Go: not part of
-    the extension), built once into a temporary folder."""
+    the extension): $GMP_BACKENDBENCH, else wheelhouse/backendbench (what
+    tools/build-gpu-wheel.sh builds for the device machine, which has no
+    Go), else built once into a temporary folder."""
+    for exe in (os.environ.get("GMP_BACKENDBENCH"), os.path.join(ROOT, "wheelhouse", "backendbench")):
+        if exe and os.access(exe, os.X_OK):
+            return exe
+    if shutil.which("go") is None:
+        raise RuntimeError("benchmarks/backendbench is not built and there is no Go here to build it: run "
+                           "tools/build-gpu-wheel.sh (it puts wheelhouse/backendbench beside the wheel) or set "
+                           "GMP_BACKENDBENCH")
     tmp = tempfile.mkdtemp(prefix="gmp-backendbench-")
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     exe = os.path.join(tmp, "backendbench")

@@ -115,6 +115,14 @@ rm -f "$WHEELHOUSE"/gpumempool-*.whl
 cp "${built[0]}" "$WHEELHOUSE/"
 WHEEL=$WHEELHOUSE/$(basename "${built[0]}")
 
+# The backend latency benchmark (benchmarks/gpu_backends.py runs it) is Go,
+# and the device machine has no Go: built here for it.
+if go build -o "$WHEELHOUSE/backendbench" ./benchmarks/backendbench; then
+  say "added wheelhouse/backendbench (benchmarks/gpu_backends.py's latency measurement)"
+else
+  say "note: could not build benchmarks/backendbench: gpu-check.sh's bench stage will fail"
+fi
+
 if [[ -z "${GMP_NO_TQDM_WHEEL:-}" ]]; then
   shopt -s nullglob
   have_tqdm=("$WHEELHOUSE"/tqdm-*.whl)

@@ -107,6 +107,8 @@ GMP_SAME_SIGNATURE(ncclMemAlloc, ours::gmp_nccl_alloc_fn);
 GMP_SAME_SIGNATURE(ncclMemFree, ours::gmp_nccl_free_fn);
 GMP_SAME_SIGNATURE(ncclGetErrorString, ours::gmp_nccl_errstr_fn);
 GMP_SAME_SIGNATURE(ncclGetLastError, ours::gmp_nccl_last_error_fn);
+GMP_SAME_SIGNATURE(ncclCommRegister, ours::gmp_nccl_comm_register_fn);
+GMP_SAME_SIGNATURE(ncclCommDeregister, ours::gmp_nccl_comm_deregister_fn);
 static_assert(sizeof(ncclResult_t) == sizeof(int), "ncclResult_t is an int-sized enum");
 #endif
 

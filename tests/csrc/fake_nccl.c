@@ -24,7 +24,9 @@
  *                       NCCL's "Could not find handle".
  *
  * Compiled with -DFAKE_NCCL_OLD it leaves out ncclMemAlloc and ncclMemFree,
- * like NCCL < 2.19, for the too-old test.
+ * like NCCL < 2.19, for the too-old test; with -DFAKE_NCCL_NO_REGISTER,
+ * ncclCommRegister and ncclCommDeregister (which package libnccl resolves
+ * as optional).
  *
  * It also carries a fake cuCtxPushCurrent/cuCtxPopCurrent pair over a
  * per-thread context stack, and ncclMemAlloc/ncclMemFree record the context on
@@ -392,6 +394,7 @@ struct fake_reg {
 static struct fake_reg *regs;
 static long registrations;
 
+#ifndef FAKE_NCCL_NO_REGISTER
 ncclResult_t ncclCommRegister(void *comm, void *buf, size_t size, void **handle) {
     if (comm == NULL || handle == NULL) return ncclInvalidArgument;
     struct fake_reg *r = calloc(1, sizeof *r);
@@ -423,6 +426,7 @@ ncclResult_t ncclCommDeregister(void *comm, void *handle) {
     free(r);
     return ncclSuccess;
 }
+#endif
 
 long fake_nccl_registered_count(void) {
     pthread_mutex_lock(&mu);

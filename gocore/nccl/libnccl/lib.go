@@ -115,6 +115,35 @@ static void gmp_nccl_mem_alloc(uintptr_t alloc, uintptr_t free_fn, uintptr_t pus
 	gmp_unrelax(exchange, relaxed, &mode);
 }
 
+// ncclCommRegister(comm, buf, size, &handle) and ncclCommDeregister(comm,
+// handle), with the warning NCCL logged for a failure. No context is pushed:
+// NCCL makes the communicator's device current itself.
+static void gmp_nccl_comm_register(uintptr_t reg, uintptr_t last_error, uintptr_t comm, uintptr_t buf,
+		size_t size, gmp_nccl_result* r) {
+	r->nccl = r->push = r->pop = 0;
+	r->ptr = 0;
+	r->last[0] = 0;
+	r->last_new = 0;
+	char prev[sizeof r->last];
+	gmp_last_before(last_error, prev, sizeof prev);
+	void* handle = NULL;
+	r->nccl = ((gmp_nccl_comm_register_fn)reg)((void*)comm, (void*)buf, size, &handle);
+	gmp_last_after(last_error, prev, r);
+	if (r->nccl == 0) r->ptr = (uintptr_t)handle;
+}
+
+static void gmp_nccl_comm_deregister(uintptr_t dereg, uintptr_t last_error, uintptr_t comm, uintptr_t handle,
+		gmp_nccl_result* r) {
+	r->nccl = r->push = r->pop = 0;
+	r->ptr = 0;
+	r->last[0] = 0;
+	r->last_new = 0;
+	char prev[sizeof r->last];
+	gmp_last_before(last_error, prev, sizeof prev);
+	r->nccl = ((gmp_nccl_comm_deregister_fn)dereg)((void*)comm, (void*)handle);
+	gmp_last_after(last_error, prev, r);
+}
+
 // Push ctx, ncclMemFree, pop (see gmp_nccl_mem_alloc), in the relaxed
 // capture mode too: like cuMemFree in package cuda.
 static void gmp_nccl_mem_free(uintptr_t free_fn, uintptr_t push, uintptr_t pop, uintptr_t exchange,
@@ -161,6 +190,9 @@ type Lib struct {
 	memAlloc, memFree   uintptr
 	errorString         uintptr
 	lastError           uintptr // ncclGetLastError (NCCL 2.13+); 0 when missing
+	// ncclCommRegister and ncclCommDeregister (NCCL 2.19+); 0 when missing:
+	// only CommRegister and CommDeregister need them.
+	commRegister, commDeregister uintptr
 
 	detailMu   sync.Mutex
 	lastDetail string // the warning last credited to a failed call of ours
@@ -332,6 +364,7 @@ func fromHandle(h C.uintptr_t, name string, preloaded bool) (*Lib, error) {
 		return nil, fmt.Errorf("nccl: %s has no ncclGetErrorString, so it is not libnccl: %w", path, ErrNoNCCL)
 	}
 	lib.lastError = dlsym(h, "ncclGetLastError")
+	lib.commRegister, lib.commDeregister = dlsym(h, "ncclCommRegister"), dlsym(h, "ncclCommDeregister")
 	if libs.byPath == nil {
 		libs.byPath = make(map[string]*Lib)
 	}
@@ -390,6 +423,56 @@ func (l *Lib) MemFree(c DeviceContext, addr uint64) CallResult {
 	C.gmp_nccl_mem_free(C.uintptr_t(l.memFree), C.uintptr_t(c.Push), C.uintptr_t(c.Pop),
 		C.uintptr_t(c.Exchange), C.uintptr_t(l.lastError), C.uintptr_t(c.Ctx), C.uintptr_t(addr), &r)
 	return CallResult{NCCL: Result(r.nccl), Push: int(r.push), Pop: int(r.pop), Last: l.detail(&r)}
+}
+
+// CheckCommRegister reports whether the library has ncclCommRegister and
+// ncclCommDeregister (NCCL >= 2.19): nil, or an error wrapping ErrTooOld.
+func (l *Lib) CheckCommRegister() error {
+	if l.commRegister != 0 && l.commDeregister != 0 {
+		return nil
+	}
+	return fmt.Errorf("nccl: %s does not export ncclCommRegister/ncclCommDeregister; user-buffer registration "+
+		"needs NCCL >= 2.19: %w", l, ErrTooOld)
+}
+
+// CommRegister calls ncclCommRegister(comm, buf, size): it registers
+// [buf, buf+size) with the communicator comm (an ncclComm_t of this very
+// library, e.g. the one torch's ProcessGroupNCCL made) and returns the
+// handle for CommDeregister. A failed call returns an *Error (with the
+// ncclResult_t); a library without the function, an error wrapping
+// ErrTooOld.
+func (l *Lib) CommRegister(comm, buf uintptr, size uint64) (uintptr, error) {
+	if err := l.CheckCommRegister(); err != nil {
+		return 0, err
+	}
+	var r C.gmp_nccl_result
+	C.gmp_nccl_comm_register(C.uintptr_t(l.commRegister), C.uintptr_t(l.lastError), C.uintptr_t(comm),
+		C.uintptr_t(buf), C.size_t(size), &r)
+	if r.nccl != 0 {
+		return 0, l.callError("ncclCommRegister", &r)
+	}
+	return uintptr(r.ptr), nil
+}
+
+// CommDeregister calls ncclCommDeregister(comm, handle) for a handle
+// CommRegister returned. Errors as CommRegister's.
+func (l *Lib) CommDeregister(comm, handle uintptr) error {
+	if err := l.CheckCommRegister(); err != nil {
+		return err
+	}
+	var r C.gmp_nccl_result
+	C.gmp_nccl_comm_deregister(C.uintptr_t(l.commDeregister), C.uintptr_t(l.lastError), C.uintptr_t(comm),
+		C.uintptr_t(handle), &r)
+	if r.nccl != 0 {
+		return l.callError("ncclCommDeregister", &r)
+	}
+	return nil
+}
+
+// callError is the *Error of the failed call fn that r reports.
+func (l *Lib) callError(fn string, r *C.gmp_nccl_result) *Error {
+	code := Result(r.nccl)
+	return &Error{Func: fn, Code: code, Text: l.ErrorString(code), Detail: l.detail(r)}
 }
 
 // detail is the warning NCCL logged for the failed call r, or "". NCCL's

@@ -13,6 +13,8 @@ typedef int (*gmp_nccl_alloc_fn)(void **, size_t);        /* ncclMemAlloc */
 typedef int (*gmp_nccl_free_fn)(void *);                  /* ncclMemFree */
 typedef const char *(*gmp_nccl_errstr_fn)(int);           /* ncclGetErrorString */
 typedef const char *(*gmp_nccl_last_error_fn)(void *);    /* ncclGetLastError (NULL: not per comm) */
+typedef int (*gmp_nccl_comm_register_fn)(void *, void *, size_t, void **); /* ncclCommRegister */
+typedef int (*gmp_nccl_comm_deregister_fn)(void *, void *);               /* ncclCommDeregister */
 typedef int (*gmp_cu_push_fn)(void *);                    /* cuCtxPushCurrent_v2 */
 typedef int (*gmp_cu_pop_fn)(void **);                    /* cuCtxPopCurrent_v2 */
 typedef int (*gmp_cu_exchange_capture_mode_fn)(int *);    /* cuThreadExchangeStreamCaptureMode */

@@ -42,3 +42,21 @@ func (l *Lib) MemAlloc(c DeviceContext, size uint64) (r0 CallResult) {
 func (l *Lib) MemFree(c DeviceContext, addr uint64) (r0 CallResult) {
 	return
 }
+
+// CheckCommRegister fails with errNoCgo: this build has no cgo.
+func (l *Lib) CheckCommRegister() (r0 error) {
+	r0 = errNoCgo
+	return
+}
+
+// CommRegister fails with errNoCgo: this build has no cgo.
+func (l *Lib) CommRegister(comm, buf uintptr, size uint64) (r0 uintptr, r1 error) {
+	r1 = errNoCgo
+	return
+}
+
+// CommDeregister fails with errNoCgo: this build has no cgo.
+func (l *Lib) CommDeregister(comm, handle uintptr) (r0 error) {
+	r0 = errNoCgo
+	return
+}

@@ -23,6 +23,13 @@ static long call_l(uintptr_t fn) { return ((long (*)(void))fn)(); }
 static int call_i(uintptr_t fn) { return ((int (*)(void))fn)(); }
 static uintptr_t call_p(uintptr_t fn) { return (uintptr_t)((void* (*)(void))fn)(); }
 static int call_push(uintptr_t fn, uintptr_t ctx) { return ((int (*)(void*))fn)((void*)ctx); }
+static int call_registered(uintptr_t fn, long i, uintptr_t* comm, uintptr_t* buf, size_t* size) {
+	void *c = NULL, *b = NULL;
+	int ok = ((int (*)(long, void**, void**, size_t*))fn)(i, &c, &b, size);
+	*comm = (uintptr_t)c;
+	*buf = (uintptr_t)b;
+	return ok;
+}
 static int call_pop(uintptr_t fn, uintptr_t* out) {
 	void* ctx = NULL;
 	int r = ((int (*)(void**))fn)(&ctx);
@@ -51,6 +58,9 @@ type Libs struct {
 	Fake string
 	// Old is built with -DFAKE_NCCL_OLD: no ncclMemAlloc/ncclMemFree.
 	Old string
+	// NoRegister is built with -DFAKE_NCCL_NO_REGISTER: no
+	// ncclCommRegister/ncclCommDeregister.
+	NoRegister string
 	// Soname is the full fake as a file named libnccl.so.2 with that
 	// DT_SONAME, alone in SonameDir: what the dynamic loader finds through
 	// LD_LIBRARY_PATH, or through RTLD_NOLOAD once loaded. Load it only in a
@@ -91,9 +101,10 @@ func build() (Libs, error) {
 	}
 	tmpDir = dir
 	libs := Libs{
-		Fake:      filepath.Join(dir, "libfakenccl.so"),
-		Old:       filepath.Join(dir, "libfakenccl-old.so"),
-		SonameDir: filepath.Join(dir, "soname"),
+		Fake:       filepath.Join(dir, "libfakenccl.so"),
+		Old:        filepath.Join(dir, "libfakenccl-old.so"),
+		NoRegister: filepath.Join(dir, "libfakenccl-noregister.so"),
+		SonameDir:  filepath.Join(dir, "soname"),
 	}
 	libs.Soname = filepath.Join(libs.SonameDir, "libnccl.so.2")
 	if err := os.Mkdir(libs.SonameDir, 0o755); err != nil {
@@ -105,6 +116,7 @@ func build() (Libs, error) {
 	}{
 		{libs.Fake, nil},
 		{libs.Old, []string{"-DFAKE_NCCL_OLD"}},
+		{libs.NoRegister, []string{"-DFAKE_NCCL_NO_REGISTER"}},
 		{libs.Soname, []string{"-Wl,-soname,libnccl.so.2"}},
 	} {
 		if err := compile(src, b.out, b.extra); err != nil {
@@ -172,6 +184,7 @@ var controls = []string{
 	"fake_ctx_push", "fake_ctx_pop", "fake_ctx_current", "fake_ctx_depth",
 	"fake_ctx_balance", "fake_ctx_fail", "fake_ctx_exchange_capture_mode", "fake_ctx_capture_mode",
 	"fake_nccl_last_capture_mode", "fake_nccl_last_free_capture_mode",
+	"fake_nccl_registered", "fake_nccl_registrations",
 }
 
 // Open loads the fake at path (RTLD_LOCAL, like a library torch pulled in)
@@ -242,6 +255,28 @@ func (f *Fake) LastFreeCtx() uintptr { return uintptr(C.call_p(f.fn("fake_nccl_l
 // Reset zeroes counters and recorded contexts, stops injected failures and
 // re-reads FAKE_NCCL_CAPACITY. Live allocations stay.
 func (f *Fake) Reset() { C.call_v(f.fn("fake_nccl_reset")) }
+
+// Registration is a range registered with ncclCommRegister.
+type Registration struct {
+	Comm, Buf uintptr
+	Size      uint64
+}
+
+// Registered lists the ranges registered now, oldest first.
+func (f *Fake) Registered() []Registration {
+	var out []Registration
+	for i := 0; ; i++ {
+		var comm, buf C.uintptr_t
+		var size C.size_t
+		if C.call_registered(f.fn("fake_nccl_registered"), C.long(i), &comm, &buf, &size) == 0 {
+			return out
+		}
+		out = append(out, Registration{Comm: uintptr(comm), Buf: uintptr(buf), Size: uint64(size)})
+	}
+}
+
+// Registrations counts the ncclCommRegister calls that succeeded.
+func (f *Fake) Registrations() int { return int(C.call_l(f.fn("fake_nccl_registrations"))) }
 
 // PushFunc and PopFunc are the addresses of the fake cuCtxPushCurrent and
 // cuCtxPopCurrent, for a test ContextSource.

@@ -194,3 +194,10 @@ def fake_nccl(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ctypes.CDL
     lib.fake_nccl_calls.restype = ctypes.c_long
     lib.fake_nccl_live_bytes.restype = ctypes.c_long
     return path, lib
+
+
+@pytest.fixture(scope="session")
+def fake_nccl_without_register(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The path of the fake libnccl built without ncclCommRegister and
+    ncclCommDeregister (-DFAKE_NCCL_NO_REGISTER)."""
+    return _build_so(tmp_path_factory, "fake_nccl.c", "fakencclnoreg", "-DFAKE_NCCL_NO_REGISTER")

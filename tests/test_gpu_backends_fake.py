@@ -138,6 +138,66 @@ def test_nccl_pool(fake_cuda, fake_nccl) -> None:
     assert out == {"calls": 1, "live": 0}  # one segment served both; all of it went back
 
 
+NCCL_POOL_REGISTERED = """
+import ctypes, json, os, sys
+import gpumempool as gmp
+from gpumempool.torch import _nccl
+cuda_path, nccl_path = sys.argv[1:3]
+nccl = ctypes.CDLL(nccl_path)
+nccl.fake_nccl_calls.restype = ctypes.c_long
+nccl.fake_nccl_registered.argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_void_p),
+                                      ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)]
+
+def registered():
+    out, i = [], 0
+    comm, buf, size = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_size_t()
+    while nccl.fake_nccl_registered(i, ctypes.byref(comm), ctypes.byref(buf), ctypes.byref(size)):
+        out.append([comm.value, buf.value, size.value])
+        i += 1
+    return out
+
+with gmp.MemPool("nccl", libcuda=cuda_path) as pool:  # the libnccl of $GMP_LIBNCCL
+    a = pool.alloc(5000, device=1)
+    lib = _nccl.nccl_lib()
+    handle = lib.register(0xC0FFEE, a, 5000)
+    during = registered()
+    try:
+        lib.deregister(0xC0FFEE + 1, handle)
+        wrong_comm = None
+    except RuntimeError as exc:
+        wrong_comm = [type(exc).__name__, str(exc)]
+    lib.deregister(0xC0FFEE, handle)
+    pool.free(a)
+    with open("/proc/self/maps") as maps:
+        nccls = sorted({f for f in (line.split()[-1] for line in maps) if "nccl" in os.path.basename(f)})
+    print(json.dumps({"allocs": nccl.fake_nccl_calls(), "ptr": a, "during": during, "after": registered(),
+                      "wrong_comm": wrong_comm, "nccls": nccls, "lib": lib.description}))
+"""
+
+
+def test_nccl_pool_registered_through_its_own_libnccl(fake_cuda, fake_nccl) -> None:
+    """gpumempool.torch's ncclCommRegister (torch < 2.6) goes through the
+    libnccl the nccl backend loaded, not a second handle on it: with
+    GMP_LIBNCCL naming the fake, a block of an nccl pool is registered in
+    the very copy that allocated it (its counters show both), a refused
+    deregistration is a TorchIntegrationError naming NCCL's result, and no
+    other NCCL is mapped. In a fresh interpreter, as test_nccl_pool."""
+    cuda_path, _ = fake_cuda
+    nccl_path, _ = fake_nccl
+    r = subprocess.run([sys.executable, "-c", NCCL_POOL_REGISTERED, cuda_path, nccl_path], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONSAFEPATH": "1", "GMP_LIBNCCL": nccl_path}, cwd="/",
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["allocs"] == 1
+    assert out["during"] == [[0xC0FFEE, out["ptr"], 5000]]
+    assert out["after"] == []
+    assert out["wrong_comm"][0] == "TorchIntegrationError"
+    assert "ncclCommDeregister" in out["wrong_comm"][1] and "ncclInvalidUsage = 5" in out["wrong_comm"][1]
+    assert out["nccls"] == [os.path.realpath(nccl_path)]
+    assert out["lib"] == f"NCCL 2.23.4 ({os.path.realpath(nccl_path)})"
+
+
 def test_gpu_pools_through_the_c_abi(fake_cuda, clib) -> None:
     path, _ = fake_cuda
     with gmp.MemPool("cuda", libcuda=path) as pool:

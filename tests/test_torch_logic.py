@@ -1435,13 +1435,11 @@ def test_register_falls_back_to_nccl_comm_register(monkeypatch, sim):
     assert nccl.handles == {}
 
 
-def test_register_reaches_libnccl_with_the_pool_s_ranges(monkeypatch, sim, fake_nccl):
-    """ncclCommRegister through the real ctypes path (_NcclLib) into the
-    fake libnccl, which records the ranges it was given: registration is
-    observed where NCCL would see it, not in a Python stand-in. Each tensor
-    lies in a range registered with the group's communicator, the pool's
-    growth is registered too, and deregister leaves nothing registered."""
-    path, lib = fake_nccl
+def check_registration_reaches_libnccl(path: str) -> None:
+    """test_register_reaches_libnccl_with_the_pool_s_ranges in the fresh
+    interpreter it starts, with GMP_LIBNCCL naming the fake libnccl at
+    path."""
+    lib = ctypes.CDLL(path)  # the copy the engine loaded (or will): one file, one copy
     lib.fake_nccl_registered.argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_void_p),
                                          ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)]
     lib.fake_nccl_registrations.restype = ctypes.c_long
@@ -1454,24 +1452,86 @@ def test_register_reaches_libnccl_with_the_pool_s_ranges(monkeypatch, sim, fake_
             i += 1
         return out
 
-    torch = install(monkeypatch, "2.5", nccl_mode="comm")
-    warnings.simplefilter("ignore", gtorch.ProcessWideRoutingWarning)
-    monkeypatch.setattr(gtorch._nccl, "_loaded", gtorch._nccl.NcclLib(ctypes.CDLL(path)))
-    before, calls = registered(), lib.fake_nccl_registrations()
-    gtorch.register(sim)
-    assert registered() == before  # no segment yet
-    with gmp.mempool(sim):
-        x = torch.empty(1000)
-    with gmp.mempool(sim):  # the pool grows: the registration follows
-        y = torch.empty(3 * MiB)
-    new = [r for r in registered() if r not in before]
-    assert sorted((b, n) for _, b, n in new) == sorted([(x.ptr, 2 * MiB), (y.ptr, 20 * MiB)])
-    assert {c for c, _, _ in new} == {0xC0FFEE}
-    for t, n in ((x, 1000), (y, 3 * MiB)):
-        assert any(b <= t.ptr and t.ptr + n <= b + size for _, b, size in new)
-    assert lib.fake_nccl_registrations() - calls == 2
-    gtorch.deregister(sim)
-    assert registered() == before
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        sim = gmp.MemPool("sim", name="torchpool", devices=2, capacity=1 << 30)
+        torch = install(monkeypatch, "2.5", nccl_mode="comm")
+        warnings.simplefilter("ignore", gtorch.ProcessWideRoutingWarning)
+        assert registered() == [] and lib.fake_nccl_registrations() == 0
+        gtorch.register(sim)
+        assert os.path.realpath(path) in gtorch._nccl.nccl_lib().description
+        assert registered() == []  # no segment yet
+        with gmp.mempool(sim):
+            x = torch.empty(1000)
+        with gmp.mempool(sim):  # the pool grows: the registration follows
+            y = torch.empty(3 * MiB)
+        new = registered()
+        assert sorted((b, n) for _, b, n in new) == sorted([(x.ptr, 2 * MiB), (y.ptr, 20 * MiB)])
+        assert {c for c, _, _ in new} == {0xC0FFEE}
+        for t, n in ((x, 1000), (y, 3 * MiB)):
+            assert any(b <= t.ptr and t.ptr + n <= b + size for _, b, size in new)
+        assert lib.fake_nccl_registrations() == 2
+        gtorch.deregister(sim)
+        assert registered() == []
+        with open("/proc/self/maps") as maps:
+            nccls = {f for f in (line.split()[-1] for line in maps) if "nccl" in os.path.basename(f)}
+        assert nccls == {os.path.realpath(path)}, "no NCCL but the fake is loaded"
+        del x, y
+        sim.close()
+        gtorch._reset_for_tests()
+
+
+def check_registration_needs_ncclcommregister(path: str) -> None:
+    """test_register_without_ncclcommregister_is_a_version_error in the
+    fresh interpreter it starts, with GMP_LIBNCCL naming the fake libnccl
+    without ncclCommRegister at path."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        sim = gmp.MemPool("sim", name="torchpool", devices=2, capacity=1 << 30)
+        install(monkeypatch, "2.5", nccl_mode="comm")
+        warnings.simplefilter("ignore", gtorch.ProcessWideRoutingWarning)
+        with pytest.raises(gtorch.TorchVersionError,
+                           match=r"cannot load libnccl for ncclCommRegister: .*ncclCommRegister.*NCCL >= 2\.19"):
+            gtorch.register(sim)
+        assert gtorch.torch_pools(sim) == []  # refused before any change
+        sim.close()
+        gtorch._reset_for_tests()
+
+
+IN_FRESH_INTERPRETER = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import test_torch_logic
+getattr(test_torch_logic, sys.argv[2])(sys.argv[3])
+print("ok")
+"""
+
+
+def run_with_libnccl(check: Callable[[str], None], path: str, cwd: str) -> None:
+    """check(path) in a fresh interpreter with GMP_LIBNCCL=path. The engine
+    shares an NCCL already loaded (a real torch's, in this session) and
+    reads its environment once, so the library cannot be chosen here."""
+    import subprocess
+
+    r = subprocess.run(
+        [sys.executable, "-c", IN_FRESH_INTERPRETER, os.path.dirname(os.path.abspath(__file__)), check.__name__, path],
+        capture_output=True, text=True, timeout=120, cwd=cwd, env={**os.environ, "GMP_LIBNCCL": path},
+    )
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1:] == ["ok"], r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_register_reaches_libnccl_with_the_pool_s_ranges(fake_nccl, tmp_path):
+    """ncclCommRegister through the engine's libnccl (gocore/nccl/libnccl,
+    the copy the nccl backend loads) into the fake libnccl, which records the
+    ranges it was given: registration is observed where NCCL would see it,
+    not in a Python stand-in. Each tensor lies in a range registered with the
+    group's communicator, the pool's growth is registered too, deregister
+    leaves nothing registered, and no other NCCL is loaded."""
+    run_with_libnccl(check_registration_reaches_libnccl, fake_nccl[0], str(tmp_path))
+
+
+def test_register_without_ncclcommregister_is_a_version_error(fake_nccl_without_register, tmp_path):
+    """Where the engine's libnccl has no ncclCommRegister (NCCL < 2.19),
+    registering says so, before any change."""
+    run_with_libnccl(check_registration_needs_ncclcommregister, fake_nccl_without_register, str(tmp_path))
 
 
 def test_register_without_any_nccl_api(monkeypatch, sim):

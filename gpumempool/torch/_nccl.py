@@ -1,13 +1,15 @@
 """NCCL user-buffer registration of one lane (a torch pool) with one
 process group: ``ProcessGroupNCCL.register_mem_pool`` where torch has it,
 else ``ncclCommRegister`` per segment on the communicator torch made, through
-the libnccl torch loaded."""
+the engine's libnccl (gocore/nccl/libnccl: the copy torch loaded), so that
+the process opens NCCL in one place."""
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any, Optional
 
+from .. import _native
+from .._errors import ForkedProcessError, translate
 from .._pool import MemPool
 from ._capabilities import TorchCapabilities
 from ._errors import TorchIntegrationError, TorchVersionError
@@ -16,54 +18,53 @@ from ._lanes import Lane, Registration, pool_state, torch_segments
 __all__ = ["NcclLib", "deregister_lane", "lane_freed", "lane_taken", "nccl_lib", "register_lane", "reset"]
 
 
+def _message(exc: RuntimeError) -> str:
+    """The engine's message, without the exception kind it starts with."""
+    return str(translate(exc))
+
+
 class NcclLib:
-    """ncclCommRegister / ncclCommDeregister from the libnccl torch loaded."""
+    """ncclCommRegister / ncclCommDeregister of the libnccl the engine loads
+    for the nccl backend (``bindings.NcclCommRegister``): the NCCL already
+    in the process (torch's), else ``$GMP_LIBNCCL``, else the loader's
+    ``libnccl.so.2``. Made only where that library has both functions."""
 
-    def __init__(self, lib: Any) -> None:
-        self._lib = lib
-        for name in ("ncclCommRegister", "ncclCommDeregister"):
-            if not hasattr(lib, name):
-                raise TorchVersionError(f"this libnccl has no {name} (needs NCCL >= 2.19)")
-        lib.ncclCommRegister.restype = ctypes.c_int
-        lib.ncclCommRegister.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)]
-        lib.ncclCommDeregister.restype = ctypes.c_int
-        lib.ncclCommDeregister.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-
-    def _check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            msg = ""
-            fn = getattr(self._lib, "ncclGetErrorString", None)
-            if fn is not None:
-                fn.restype = ctypes.c_char_p
-                fn.argtypes = [ctypes.c_int]
-                msg = ": " + (fn(rc) or b"").decode(errors="replace")
-            raise TorchIntegrationError(f"{what} failed with NCCL error {rc}{msg}")
+    def __init__(self) -> None:
+        try:
+            #: The library, e.g. "NCCL 2.23.4 (/path/libnccl.so.2)".
+            self.description: str = _native.bindings.NcclRegistrationLibrary()
+        except ForkedProcessError:
+            raise
+        except RuntimeError as exc:
+            raise TorchVersionError(f"cannot load libnccl for ncclCommRegister: {_message(exc)}") from None
 
     def register(self, comm: int, ptr: int, size: int) -> int:
-        handle = ctypes.c_void_p()
-        self._check(self._lib.ncclCommRegister(comm, ptr, size, ctypes.byref(handle)), "ncclCommRegister")
-        return int(handle.value or 0)
+        """ncclCommRegister(comm, ptr, size): the registration's handle."""
+        try:
+            return int(_native.bindings.NcclCommRegister(comm, ptr, size))
+        except ForkedProcessError:
+            raise
+        except RuntimeError as exc:
+            raise TorchIntegrationError(f"ncclCommRegister failed: {_message(exc)}") from None
 
     def deregister(self, comm: int, handle: int) -> None:
-        self._check(self._lib.ncclCommDeregister(comm, handle), "ncclCommDeregister")
+        """ncclCommDeregister(comm, handle)."""
+        try:
+            _native.bindings.NcclCommDeregister(comm, handle)
+        except ForkedProcessError:
+            raise
+        except RuntimeError as exc:
+            raise TorchIntegrationError(f"ncclCommDeregister failed: {_message(exc)}") from None
 
 
 _loaded: Optional[NcclLib] = None
 
 
 def nccl_lib() -> NcclLib:
-    """The libnccl torch loaded (by soname), loaded on first use."""
+    """The engine's libnccl, checked for ncclCommRegister on first use."""
     global _loaded
     if _loaded is None:
-        errors = []
-        for name in ("libnccl.so.2", "libnccl.so"):
-            try:  # by soname: the copy torch already loaded, if any
-                _loaded = NcclLib(ctypes.CDLL(name))
-                break
-            except OSError as exc:
-                errors.append(str(exc))
-        if _loaded is None:
-            raise TorchVersionError("cannot load libnccl for ncclCommRegister: " + "; ".join(errors))
+        _loaded = NcclLib()
     return _loaded
 
 
@@ -163,8 +164,7 @@ def lane_freed(torch: Any, caps: Optional[TorchCapabilities], pool: MemPool, lan
             _sync_handles(torch, caps, reg, lane)
 
 
-
 def reset() -> None:
-    """Forget the libnccl loaded (tests)."""
+    """Forget the libnccl checked (tests)."""
     global _loaded
     _loaded = None

@@ -44,10 +44,11 @@ def register(pool: MemPool, process_group: Any = None, *, device: Any = None) ->
     lifted while a thread is inside ``mempool(pool)`` and renewed when it
     leaves (collectives inside stay correct, without zero-copy). Without
     register_mem_pool, ``ncclCommRegister`` is called on each segment
-    (communicator from ``backend._comm_ptr()``) and new segments are
-    registered when a ``mempool(pool)`` context exits. The communicator must
-    exist: pass ``device_id`` to ``init_process_group`` or run a collective
-    first.
+    (communicator from ``backend._comm_ptr()``; the function of the NCCL
+    torch loaded, which the engine calls, as the nccl backend does) and new
+    segments are registered when a ``mempool(pool)`` context exits. The
+    communicator must exist: pass ``device_id`` to ``init_process_group`` or
+    run a collective first.
     """
     if not isinstance(pool, MemPool):
         raise TypeError(f"pool must be a gpumempool.MemPool, got {type(pool).__name__}")

@@ -1,0 +1,103 @@
+package gocore
+
+// Tests written for the survivors (and uncovered mutants) of the gremlins
+// pass over gocore (benchmarks/results/mutation.md): each pins behaviour that
+// a one-token mutation changed without any other test noticing.
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// failingRecord is a sim backend whose RecordEvent fails on one stream.
+type failingRecord struct {
+	*SimBackend
+	bad Stream
+}
+
+func (b *failingRecord) RecordEvent(ev Event, s Stream) error {
+	if s == b.bad {
+		return errors.New("record failed")
+	}
+	return b.SimBackend.RecordEvent(ev, s)
+}
+
+// A block used on several streams whose event cannot be recorded on one of
+// them stays out of use for good, even once the events recorded on the
+// other streams complete: nothing says when the failed stream is done with
+// it.
+func TestAFailedEventRecordKeepsTheBlockOutOfUse(t *testing.T) {
+	for _, bad := range []Stream{7, 8} { // the first stream used, the last
+		sim, err := NewSimBackend(SimConfig{ManualEvents: true})
+		require.NoError(t, err)
+		p, err := NewPool(Config{Backend: &failingRecord{SimBackend: sim, bad: bad}})
+		require.NoError(t, err)
+		a := mustAlloc(t, p, 4096, 0, 0)
+		require.NoError(t, p.RecordStream(a, 7))
+		require.NoError(t, p.RecordStream(a, 8))
+		err = p.Free(a)
+		require.Error(t, err, "stream %d", bad)
+		assert.Contains(t, err.Error(), "record event on stream")
+		sim.CompleteAll()
+		_, err = p.ProcessEvents()
+		require.NoError(t, err)
+		assert.NotEqual(t, a, mustAlloc(t, p, 4096, 0, 0), "failing stream %d: the block was handed out again", bad)
+		s := stats(t, p)
+		assert.EqualValues(t, 2, s.Active[0].Current, "failing stream %d", bad)
+	}
+}
+
+// Once every parked free is done, the pool keeps no per-stream queue of
+// them: a program that records frees on many short-lived streams does not
+// leave a queue behind for each (nor makes every later allocation walk
+// them).
+func TestProcessedEventQueuesAreDropped(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	for s := range Stream(100) {
+		a := mustAlloc(t, p, 4096, 0, 0)
+		require.NoError(t, p.RecordStream(a, 1000+s))
+		require.NoError(t, p.Free(a))
+	}
+	d := p.devices[0]
+	assert.Len(t, d.pending, 100, "one queue per stream with a free waiting")
+	be.CompleteStream(1000)
+	n, err := p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Equal(t, 99, n)
+	assert.Len(t, d.pending, 99, "the done stream's queue goes")
+	be.CompleteAll()
+	n, err = p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Zero(t, n)
+	assert.Empty(t, d.pending)
+}
+
+// A second free of a block is a double free, not an interior pointer, both
+// while the block waits for its events and when it ends where an allocated
+// neighbour begins.
+func TestFreeingTwiceIsADoubleFreeAtBlockBoundaries(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	a := mustAlloc(t, p, 4096, 0, 0)
+	b := mustAlloc(t, p, 4096, 0, 0)
+	c := mustAlloc(t, p, 4096, 0, 0)
+	require.Equal(t, a+4096, b, "b starts where a ends")
+	require.Equal(t, b+4096, c, "c starts where b ends")
+
+	require.NoError(t, p.Free(b)) // a and c, its neighbours, stay allocated
+	err := p.Free(b)
+	require.ErrorIs(t, err, ErrDoubleFree)
+	assert.NotErrorIs(t, err, ErrInteriorPointer)
+
+	require.NoError(t, p.RecordStream(c, 7))
+	require.NoError(t, p.Free(c)) // parked until stream 7's event completes
+	err = p.Free(c)
+	require.ErrorIs(t, err, ErrDoubleFree, "c waits for its event")
+	assert.NotErrorIs(t, err, ErrInteriorPointer)
+	assert.ErrorIs(t, p.Free(c+512), ErrInteriorPointer, "inside the parked block")
+	be.CompleteAll()
+	require.NoError(t, p.Free(a))
+	stats(t, p)
+}

@@ -101,3 +101,31 @@ func TestFreeingTwiceIsADoubleFreeAtBlockBoundaries(t *testing.T) {
 	require.NoError(t, p.Free(a))
 	stats(t, p)
 }
+
+// The first address past a segment belongs to no segment of the pool: an
+// unknown pointer, not a double free.
+func TestFreeingTheAddressPastASegmentIsAnUnknownPointer(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{})
+	a := mustAlloc(t, p, 4096, 0, 0)
+	info, err := p.Lookup(a)
+	require.NoError(t, err)
+	end := info.SegmentAddr + info.SegmentSize
+	err = p.Free(end)
+	require.ErrorIs(t, err, ErrUnknownPointer)
+	assert.NotErrorIs(t, err, ErrDoubleFree)
+	assert.ErrorIs(t, p.Free(end-512), ErrDoubleFree, "the segment's last free bytes")
+}
+
+// The end of a capture applies the release threshold it held back to free
+// tails of expandable segments too, when no segment is wholly free.
+func TestReleaseThresholdShrinksAnExpandableTailWhenACaptureEnds(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{ReleaseThreshold: 8 * MiB})
+	mustAlloc(t, p, 4*MiB, 0, 0)
+	p.EnterCapture()
+	b := mustAlloc(t, p, 100*MiB, 0, 0) // grows the segment to 104 MiB
+	require.NoError(t, p.Free(b))       // a 100 MiB free tail, kept during the capture
+	assert.EqualValues(t, 100*MiB, unusedBytes(t, p))
+	require.NoError(t, p.ExitCapture())
+	assert.LessOrEqual(t, unusedBytes(t, p), uint64(8*MiB))
+	assert.LessOrEqual(t, be.UsedBytes(0), uint64(12*MiB))
+}

@@ -6,6 +6,8 @@ package gocore
 
 import (
 	"errors"
+	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -128,4 +130,46 @@ func TestReleaseThresholdShrinksAnExpandableTailWhenACaptureEnds(t *testing.T) {
 	require.NoError(t, p.ExitCapture())
 	assert.LessOrEqual(t, unusedBytes(t, p), uint64(8*MiB))
 	assert.LessOrEqual(t, be.UsedBytes(0), uint64(12*MiB))
+}
+
+// Many free blocks of one size class (a heap on address, not one or two
+// blocks a class as in a mixed workload): every best fit is the lowest
+// address left, through random inserts and removes anywhere in the heap.
+func TestSmallBinsOneClassHeapKeepsTheLowestAddressFirst(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	var s smallBins
+	var free []*block
+	for step := range 5000 {
+		if len(free) > 0 && (len(free) >= 300 || rng.IntN(2) == 0) {
+			i := rng.IntN(len(free))
+			s.remove(free[i])
+			free[i] = free[len(free)-1]
+			free = free[:len(free)-1]
+		} else {
+			b := &block{addr: uint64(1<<30) + uint64(rng.IntN(1<<24))*MinBlockSize, size: 8 * MinBlockSize}
+			if slices.ContainsFunc(free, func(o *block) bool { return o.addr == b.addr }) {
+				continue
+			}
+			s.insert(b)
+			free = append(free, b)
+		}
+		require.Same(t, bestFitByScan(&s, MinBlockSize), s.bestFit(MinBlockSize), "step %d", step)
+	}
+}
+
+// MaxSplitSize's bounds, exactly: a block of MaxSplitSize is oversize (a
+// smaller request never takes it), and a request of MaxSplitSize is an
+// oversize request (it may take it whole).
+func TestMaxSplitSizeIsTheFirstOversizeSize(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 24 * MiB})
+	big := mustAlloc(t, p, 24*MiB, 0, 0) // a 24 MiB segment, oversize
+	require.NoError(t, p.Free(big))
+	below := mustAlloc(t, p, 21*MiB, 0, 0)
+	assert.NotEqual(t, big, below, "a request below MaxSplitSize took an oversize block")
+	assert.Equal(t, 2, be.Stats().LiveSegments)
+	assert.Equal(t, big, mustAlloc(t, p, 24*MiB, 0, 0), "a MaxSplitSize request reuses the cached MaxSplitSize block")
+	assert.Equal(t, 2, be.Stats().LiveSegments)
+	s := stats(t, p)
+	assert.EqualValues(t, 1, s.OversizeAllocations.Current)
+	assert.EqualValues(t, 1, s.OversizeSegments.Current)
 }

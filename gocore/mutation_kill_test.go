@@ -172,4 +172,12 @@ func TestMaxSplitSizeIsTheFirstOversizeSize(t *testing.T) {
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.OversizeAllocations.Current)
 	assert.EqualValues(t, 1, s.OversizeSegments.Current)
+
+	// A MaxSplitSize request is held to MaxNonSplitRoundingSize (20 MiB):
+	// a 44 MiB block would waste exactly that.
+	q, qbe := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 24 * MiB})
+	huge := mustAlloc(t, q, 44*MiB, 0, 0)
+	require.NoError(t, q.Free(huge))
+	assert.NotEqual(t, huge, mustAlloc(t, q, 24*MiB, 0, 0), "20 MiB wasted in a cached block")
+	assert.Equal(t, 2, qbe.Stats().LiveSegments)
 }

@@ -237,6 +237,15 @@ func TestCheckInvariantsReportsCorruptions(t *testing.T) {
 			d.streams[0].small.nonEmpty[1] |= 1 << 5
 			return "device 0 stream 0x0: small class 69: 0 free blocks, bitmap bit true"
 		}},
+		{"free small block placed past its bin's end", func(d *deviceState) string {
+			for _, s := range d.segments {
+				if s.kind == kindSmall {
+					s.last.heapIdx = len(d.streams[0].small.bins[smallClass(s.last.size)])
+					return fmt.Sprintf("free block %#x is not indexed under stream 0x0", s.last.addr)
+				}
+			}
+			panic("no small segment")
+		}},
 		{"small bitmap bit cleared over blocks", func(d *deviceState) string {
 			// The small segment's free rest: 2 MiB - 4096 bytes, class 4087.
 			d.streams[0].small.nonEmpty[63] &^= 1 << 55

@@ -264,3 +264,26 @@ func TestCheckInvariantsReportsCorruptions(t *testing.T) {
 		})
 	}
 }
+
+// MaxRoundupDivisions itself is a valid division count, for the pool and
+// for an interval of the per-size table; the next power of two is not.
+func TestRoundupDivisionsUpToTheirMaximum(t *testing.T) {
+	be, err := NewSimBackend(SimConfig{})
+	require.NoError(t, err)
+	by := make([]uint64, RoundupIntervals)
+	by[3] = MaxRoundupDivisions
+	for _, cfg := range []Config{
+		{Backend: be, RoundupPower2Divisions: MaxRoundupDivisions},
+		{Backend: be, RoundupPower2DivisionsBySize: by},
+	} {
+		p, err := NewPool(cfg)
+		require.NoError(t, err)
+		mustAlloc(t, p, 5*MiB+1, 0, 0)
+		stats(t, p)
+	}
+	_, err = NewPool(Config{Backend: be, RoundupPower2Divisions: 2 * MaxRoundupDivisions})
+	assert.ErrorIs(t, err, ErrInvalidArgument)
+	by[3] = 2 * MaxRoundupDivisions
+	_, err = NewPool(Config{Backend: be, RoundupPower2DivisionsBySize: by})
+	assert.ErrorIs(t, err, ErrInvalidArgument)
+}

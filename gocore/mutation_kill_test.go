@@ -287,3 +287,30 @@ func TestRoundupDivisionsUpToTheirMaximum(t *testing.T) {
 	_, err = NewPool(Config{Backend: be, RoundupPower2DivisionsBySize: by})
 	assert.ErrorIs(t, err, ErrInvalidArgument)
 }
+
+// deviceCount is a sim backend that reports n devices.
+type deviceCount struct {
+	*SimBackend
+	n int
+}
+
+func (b *deviceCount) Devices() int { return b.n }
+
+// A backend may have from 1 to MaxDevices devices.
+func TestNewPoolTakesOneToMaxDevices(t *testing.T) {
+	sim, err := NewSimBackend(SimConfig{})
+	require.NoError(t, err)
+	for _, c := range []struct {
+		n  int
+		ok bool
+	}{{-1, false}, {0, false}, {1, true}, {MaxDevices, true}, {MaxDevices + 1, false}} {
+		p, err := NewPool(Config{Backend: &deviceCount{SimBackend: sim, n: c.n}})
+		if !c.ok {
+			assert.ErrorIs(t, err, ErrInvalidArgument, "%d devices", c.n)
+			continue
+		}
+		require.NoError(t, err, "%d devices", c.n)
+		_, err = p.Stats(c.n - 1)
+		assert.NoError(t, err, "the last of %d devices", c.n)
+	}
+}

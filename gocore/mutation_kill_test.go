@@ -314,3 +314,46 @@ func TestNewPoolTakesOneToMaxDevices(t *testing.T) {
 		assert.NoError(t, err, "the last of %d devices", c.n)
 	}
 }
+
+// reversedDevices is a two-device sim backend whose device 1 hands out
+// lower addresses than device 0 (real devices' ranges come in any order).
+type reversedDevices struct{ *SimBackend }
+
+func (b *reversedDevices) Alloc(device int, size uint64, s Stream) (uint64, error) {
+	return b.SimBackend.Alloc(1-device, size, s)
+}
+
+func (b *reversedDevices) Free(device int, addr, size uint64, s Stream) error {
+	return b.SimBackend.Free(1-device, addr, size, s)
+}
+
+func (b *reversedDevices) NewEvent(device int) (Event, error) {
+	return b.SimBackend.NewEvent(1 - device)
+}
+
+func (b *reversedDevices) Capacity(device int) (uint64, uint64, error) {
+	return b.SimBackend.Capacity(1 - device)
+}
+
+// Close lists the live blocks by device, then address, whatever the order
+// of the devices' address ranges.
+func TestCloseListsLiveBlocksByDeviceThenAddress(t *testing.T) {
+	sim, err := NewSimBackend(SimConfig{Devices: 2})
+	require.NoError(t, err)
+	p, err := NewPool(Config{Backend: &reversedDevices{SimBackend: sim}})
+	require.NoError(t, err)
+	var dev0 []uint64
+	for range 20 {
+		dev0 = append(dev0, mustAlloc(t, p, 4096, 0, 0))
+	}
+	dev1 := mustAlloc(t, p, 4096, 1, 0)
+	require.Less(t, dev1, slices.Min(dev0), "device 1's addresses are the lower")
+	rep, err := p.Close()
+	require.NoError(t, err)
+	var got []LiveBlock
+	for _, a := range dev0 {
+		got = append(got, LiveBlock{Device: 0, Addr: a, Size: 4096, Requested: 4096})
+	}
+	got = append(got, LiveBlock{Device: 1, Addr: dev1, Size: 4096, Requested: 4096})
+	assert.Equal(t, got, rep.LiveBlocks)
+}

@@ -357,3 +357,19 @@ func TestCloseListsLiveBlocksByDeviceThenAddress(t *testing.T) {
 	got = append(got, LiveBlock{Device: 1, Addr: dev1, Size: 4096, Requested: 4096})
 	assert.Equal(t, got, rep.LiveBlocks)
 }
+
+// Trim stops shrinking free tails as soon as the unused bytes are down to
+// what it may keep, exactly.
+func TestTrimShrinksNoTailOnceAtTheTarget(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{})
+	mustAlloc(t, p, 4*MiB, 0, 0)
+	require.NoError(t, p.Free(mustAlloc(t, p, 20*MiB, 0, 0))) // stream 0: a 20 MiB free tail
+	mustAlloc(t, p, 4*MiB, 0, 1)
+	require.NoError(t, p.Free(mustAlloc(t, p, 40*MiB, 0, 1))) // stream 1: a 40 MiB one
+	require.EqualValues(t, 60*MiB, unusedBytes(t, p))
+	released, err := p.Trim(0, 20*MiB) // the 40 MiB tail leaves exactly 20
+	require.NoError(t, err)
+	assert.EqualValues(t, 40*MiB, released)
+	assert.EqualValues(t, 1, be.Stats().Shrinks)
+	assert.EqualValues(t, 20*MiB, unusedBytes(t, p))
+}

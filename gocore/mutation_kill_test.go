@@ -367,9 +367,30 @@ func TestTrimShrinksNoTailOnceAtTheTarget(t *testing.T) {
 	mustAlloc(t, p, 4*MiB, 0, 1)
 	require.NoError(t, p.Free(mustAlloc(t, p, 40*MiB, 0, 1))) // stream 1: a 40 MiB one
 	require.EqualValues(t, 60*MiB, unusedBytes(t, p))
+	deviceFrees := stats(t, p).NumDeviceFree
 	released, err := p.Trim(0, 20*MiB) // the 40 MiB tail leaves exactly 20
 	require.NoError(t, err)
 	assert.EqualValues(t, 40*MiB, released)
 	assert.EqualValues(t, 1, be.Stats().Shrinks)
 	assert.EqualValues(t, 20*MiB, unusedBytes(t, p))
+	assert.Equal(t, deviceFrees+1, stats(t, p).NumDeviceFree, "a shrink counts as a device free")
+}
+
+// Of equal free tails, Trim shrinks the lowest segment's first.
+func TestTrimOfEqualTailsShrinksTheLowestSegmentFirst(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{})
+	var bases []uint64
+	for s := range Stream(3) {
+		bases = append(bases, mustAlloc(t, p, 4*MiB, 0, s))
+		require.NoError(t, p.Free(mustAlloc(t, p, 20*MiB, 0, s))) // a 20 MiB free tail each
+	}
+	require.IsIncreasing(t, bases)
+	released, err := p.Trim(0, 40*MiB)
+	require.NoError(t, err)
+	assert.EqualValues(t, 20*MiB, released)
+	sizes := map[uint64]uint64{}
+	for _, s := range p.Snapshot() {
+		sizes[s.Address] = s.TotalSize
+	}
+	assert.Equal(t, map[uint64]uint64{bases[0]: 4 * MiB, bases[1]: 24 * MiB, bases[2]: 24 * MiB}, sizes)
 }

@@ -394,3 +394,20 @@ func TestTrimOfEqualTailsShrinksTheLowestSegmentFirst(t *testing.T) {
 	}
 	assert.Equal(t, map[uint64]uint64{bases[0]: 4 * MiB, bases[1]: 24 * MiB, bases[2]: 24 * MiB}, sizes)
 }
+
+// Trim first records the events of blocks freed during another pool's
+// capture (now over) and frees those whose events are done, so their
+// segments go back too.
+func TestTrimFreesBlocksHeldByAnotherPoolsCaptureFirst(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{}, Config{})
+	a := mustAlloc(t, p, 12*MiB, 0, 0)
+	require.NoError(t, p.RecordStream(a, 7))
+	AddProcessCaptures(1)
+	require.NoError(t, p.Free(a)) // waits, with no event, for the capture to end
+	AddProcessCaptures(-1)
+	released, err := p.Trim(0, 0)
+	require.NoError(t, err)
+	assert.EqualValues(t, 12*MiB, released)
+	assert.Zero(t, be.Stats().LiveSegments)
+	assert.Zero(t, stats(t, p).ReservedBytes[0].Current)
+}

@@ -411,3 +411,56 @@ func TestTrimFreesBlocksHeldByAnotherPoolsCaptureFirst(t *testing.T) {
 	assert.Zero(t, be.Stats().LiveSegments)
 	assert.Zero(t, stats(t, p).ReservedBytes[0].Current)
 }
+
+// Garbage collection goes on with a new average while the target is not
+// reached, and releases each pass's segments in torch's order: size, then
+// address (as the trace shows).
+func TestGarbageCollectionPassesAndOrder(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.3})
+	p.RecordHistory(true, 1000)
+	a := mustAlloc(t, p, 20*MiB, 0, 0)
+	e := mustAlloc(t, p, 14*MiB, 0, 0)
+	b := mustAlloc(t, p, 12*MiB, 0, 0)
+	c := mustAlloc(t, p, 12*MiB, 0, 0)
+	h := mustAlloc(t, p, 16*MiB, 0, 0)
+	require.IsIncreasing(t, []uint64{e, b, c}, "address order is not size order")
+	require.NoError(t, p.Free(h))
+	require.NoError(t, p.Free(a))
+	assert.Equal(t, h, mustAlloc(t, p, 16*MiB, 0, 0), "a large search served from the cache: a ages")
+	for _, x := range []uint64{e, b, c} {
+		require.NoError(t, p.Free(x))
+	}
+	// 74 MiB reserved, 30 allowed: a (age 2, above the average 1.25) goes
+	// first; 20 MiB is not enough, so e, b and c (age 1, the new average)
+	// follow, smallest first.
+	mustAlloc(t, p, 30*MiB, 0, 0)
+	var released []uint64
+	for _, h := range p.History() {
+		if h.Action == ActionSegmentFree {
+			released = append(released, h.Addr)
+		}
+	}
+	assert.Equal(t, []uint64{a, b, c, e}, released)
+	s := stats(t, p)
+	assert.EqualValues(t, 4, s.NumGCReleases)
+	assert.EqualValues(t, 46*MiB, s.ReservedBytes[0].Current)
+}
+
+// Trim and Stats take a device ordinal: Trim(0) leaves device 1's cache,
+// and the first ordinal past the last device is refused.
+func TestTrimAndStatsOfOneDevice(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Devices: 2}, Config{})
+	require.NoError(t, p.Free(mustAlloc(t, p, 12*MiB, 0, 0)))
+	require.NoError(t, p.Free(mustAlloc(t, p, 12*MiB, 1, 0)))
+	released, err := p.Trim(0, 0)
+	require.NoError(t, err)
+	assert.EqualValues(t, 12*MiB, released)
+	assert.Equal(t, 1, be.Stats().LiveSegments, "device 1's segment stays cached")
+	s, err := p.Stats(1)
+	require.NoError(t, err)
+	assert.EqualValues(t, 12*MiB, s.ReservedBytes[0].Current)
+	_, err = p.Trim(2, 0)
+	assert.ErrorIs(t, err, ErrInvalidDevice)
+	_, err = p.Stats(2)
+	assert.ErrorIs(t, err, ErrInvalidDevice)
+}

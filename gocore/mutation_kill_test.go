@@ -464,3 +464,37 @@ func TestTrimAndStatsOfOneDevice(t *testing.T) {
 	_, err = p.Stats(2)
 	assert.ErrorIs(t, err, ErrInvalidDevice)
 }
+
+// MaxRequest itself is a valid size (it fails for want of memory, not as
+// an invalid size).
+func TestAllocOfMaxRequestIsOutOfMemory(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{})
+	_, err := p.Alloc(MaxRequest, 0, 0)
+	require.ErrorIs(t, err, ErrOutOfMemory)
+	assert.NotErrorIs(t, err, ErrInvalidSize)
+}
+
+// A block freed during another pool's capture gets its event when an
+// allocation after the capture processes events, and serves it once done.
+func TestAllocAfterAnotherPoolsCaptureReusesTheBlocksFreedDuringIt(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{}, Config{})
+	a := mustAlloc(t, p, 4096, 0, 0)
+	require.NoError(t, p.RecordStream(a, 7))
+	AddProcessCaptures(1)
+	require.NoError(t, p.Free(a))
+	AddProcessCaptures(-1)
+	assert.Equal(t, a, mustAlloc(t, p, 4096, 0, 0))
+	assert.EqualValues(t, 1, be.Stats().EventsCreated)
+}
+
+// With a limit but no garbage collection threshold, a large miss releases
+// nothing cached.
+func TestNoGarbageCollectionWithoutItsThreshold(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{}, Config{Limit: 100 * MiB})
+	a := mustAlloc(t, p, 20*MiB, 0, 0)
+	require.NoError(t, p.Free(a))
+	mustAlloc(t, p, 30*MiB, 0, 0) // a miss
+	assert.Zero(t, stats(t, p).NumGCReleases)
+	assert.Equal(t, 2, be.Stats().LiveSegments)
+	assert.Equal(t, a, mustAlloc(t, p, 20*MiB, 0, 0), "still cached")
+}

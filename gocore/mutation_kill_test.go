@@ -498,3 +498,27 @@ func TestNoGarbageCollectionWithoutItsThreshold(t *testing.T) {
 	assert.Equal(t, 2, be.Stats().LiveSegments)
 	assert.Equal(t, a, mustAlloc(t, p, 20*MiB, 0, 0), "still cached")
 }
+
+// Splitting at its bounds: a small block keeps a 512-byte remainder as a
+// free block, and a request of exactly MaxSplitSize takes a cached oversize
+// block whole.
+func TestSplitAtItsBounds(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{}, Config{})
+	mustAlloc(t, p, MiB, 0, 0)
+	b := mustAlloc(t, p, MiB-512, 0, 0) // leaves 512 bytes of the 2 MiB segment
+	info, err := p.Lookup(b)
+	require.NoError(t, err)
+	assert.EqualValues(t, MiB-512, info.Size)
+	c := mustAlloc(t, p, 512, 0, 0)
+	assert.Equal(t, b+MiB-512, c, "the 512-byte remainder serves a 512-byte request")
+	assert.Equal(t, 1, be.Stats().LiveSegments)
+
+	q, _ := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 24 * MiB})
+	big := mustAlloc(t, q, 40*MiB, 0, 0)
+	require.NoError(t, q.Free(big))
+	require.Equal(t, big, mustAlloc(t, q, 24*MiB, 0, 0), "16 MiB wasted is under the rounding allowance")
+	info, err = q.Lookup(big)
+	require.NoError(t, err)
+	assert.EqualValues(t, 40*MiB, info.Size, "not split: a MaxSplitSize request")
+	assert.EqualValues(t, 40*MiB, stats(t, q).AllocatedBytes[0].Current)
+}

@@ -522,3 +522,52 @@ func TestSplitAtItsBounds(t *testing.T) {
 	assert.EqualValues(t, 40*MiB, info.Size, "not split: a MaxSplitSize request")
 	assert.EqualValues(t, 40*MiB, stats(t, q).AllocatedBytes[0].Current)
 }
+
+// zeroBasedFreeFails is zeroBasedBackend whose Free fails.
+type zeroBasedFreeFails struct{ zeroBasedBackend }
+
+func (z zeroBasedFreeFails) Free(int, uint64, uint64, Stream) error {
+	return errors.New("free refused")
+}
+
+// The error for a segment at address 0 says that giving it back failed
+// only when it did.
+func TestBackendAddressZeroErrorSaysWhetherItWentBack(t *testing.T) {
+	for _, c := range []struct {
+		backend  func(*SimBackend) Backend
+		freeFail bool
+	}{
+		{func(s *SimBackend) Backend { return zeroBasedBackend{s} }, false},
+		{func(s *SimBackend) Backend { return zeroBasedFreeFails{zeroBasedBackend{s}} }, true},
+	} {
+		sim, err := NewSimBackend(SimConfig{Capacity: 1 << 30})
+		require.NoError(t, err)
+		be := c.backend(sim)
+		p, err := NewPool(Config{Backend: be})
+		require.NoError(t, err)
+		_, err = p.Alloc(4096, 0, 0)
+		require.ErrorContains(t, err, "returned address 0")
+		if c.freeFail {
+			assert.ErrorContains(t, err, "freeing it failed: free refused")
+		} else {
+			assert.NotContains(t, err.Error(), "freeing it failed")
+		}
+	}
+}
+
+// The split/merge cycle of a cache hit reuses block structs: an alloc and
+// free that split a cached block and merge it back allocate nothing.
+func TestCacheHitSplitAndMergeAllocateNothing(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{})
+	require.NoError(t, p.Free(mustAlloc(t, p, 4096, 0, 0)))
+	allocs := testing.AllocsPerRun(100, func() {
+		a, err := p.Alloc(4096, 0, 0)
+		if err != nil {
+			panic(err)
+		}
+		if err := p.Free(a); err != nil {
+			panic(err)
+		}
+	})
+	assert.Zero(t, allocs)
+}

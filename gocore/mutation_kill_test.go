@@ -571,3 +571,30 @@ func TestCacheHitSplitAndMergeAllocateNothing(t *testing.T) {
 	})
 	assert.Zero(t, allocs)
 }
+
+// Growing an expandable segment: the trace maps the new granules at the
+// segment's old end, and a failed growth gives its bytes back to the
+// budget.
+func TestGrowthIsTracedAtTheOldEndAndAFailedOneUncounted(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Expandable: true, Capacity: 64 * MiB}, Config{})
+	p.RecordHistory(true, 100)
+	a := mustAlloc(t, p, 40*MiB, 0, 0)
+	info, err := p.Lookup(a)
+	require.NoError(t, err)
+	require.EqualValues(t, 40*MiB, info.SegmentSize)
+	mustAlloc(t, p, 6*MiB, 0, 0) // grows the segment by 6 MiB
+	var maps []TraceEntry
+	for _, h := range p.History() {
+		if h.Action == ActionSegmentMap {
+			maps = append(maps, h)
+		}
+	}
+	require.Len(t, maps, 1)
+	assert.Equal(t, info.SegmentAddr+40*MiB, maps[0].Addr)
+	assert.EqualValues(t, 6*MiB, maps[0].Size)
+
+	_, err = p.Alloc(30*MiB, 0, 0) // beyond the device: growth and a new segment fail
+	require.ErrorIs(t, err, ErrOutOfMemory)
+	assert.EqualValues(t, 46*MiB, p.Budget().Reserved(0))
+	assert.EqualValues(t, 46*MiB, stats(t, p).ReservedBytes[0].Current)
+}

@@ -7,10 +7,11 @@
 #   bash tools/mutate-gocore.sh [out.json] [file.go ...]
 #
 # With no files it mutates alloc, cache, check, events, free, freelist and
-# pool (about 530 mutants); name files (e.g. `free.go freelist.go`) to run a
-# part. About 10-15 s a mutant on 2 busy cores. gremlins works on a copy of
-# the module in a temporary directory; LIVED lines in the output are the
-# survivors, TIMED OUT lines mutants that made the tests hang (caught).
+# pool (542 mutants); name files (e.g. `free.go freelist.go`) to run a part.
+# About 6-10 s a mutant on 2 busy cores (all: about 65 min). gremlins works
+# on a copy of the module in a temporary directory; LIVED lines in the
+# output are the survivors, TIMED OUT lines mutants that made the tests
+# hang (caught). Results: benchmarks/results/mutation.md.
 #
 # Why the flags:
 #   - no --test-cpu: gremlins v0.6.0 passes it to `go test` as the single

@@ -6,8 +6,9 @@
 #   go install github.com/go-gremlins/gremlins/cmd/gremlins@v0.6.0
 #   bash tools/mutate-gocore.sh [out.json] [file.go ...]
 #
-# With no files it mutates alloc, cache, check, events, free, freelist and
-# pool (542 mutants); name files (e.g. `free.go freelist.go`) to run a part.
+# With no files it mutates alloc, cache, check, events, free, freelist, pool
+# and round (542 mutants before round.go took the rounding out of block.go
+# and pool.go); name files (e.g. `free.go freelist.go`) to run a part.
 # About 6-10 s a mutant on 2 busy cores (all: about 65 min). gremlins works
 # on a copy of the module in a temporary directory; LIVED lines in the
 # output are the survivors, TIMED OUT lines mutants that made the tests
@@ -33,7 +34,7 @@ out=${1:-/tmp/gremlins-gocore.json}
 shift || true
 files=("$@")
 if [ ${#files[@]} -eq 0 ]; then
-	files=(alloc.go cache.go check.go events.go free.go freelist.go pool.go)
+	files=(alloc.go cache.go check.go events.go free.go freelist.go pool.go round.go)
 fi
 GREMLINS=${GREMLINS:-$(go env GOPATH)/bin/gremlins}
 export GOFLAGS="${GOFLAGS:-} -count=1 -vet=off -skip=TestLiveIndexAgainstAMap|TestSimLatency"

@@ -113,6 +113,8 @@ func (p *Pool) processEventsLocked(d *deviceState) {
 	}
 	if len(d.unrecorded) > 0 {
 		_ = p.recordDeferredLocked(d) // a block whose event fails stays out of use (as in Free)
+	} else if d.releaseHeld {
+		p.applyReleaseThresholdLocked(d, nil)
 	}
 	kept := d.pending[:0]
 	for _, q := range d.pending {

@@ -161,7 +161,7 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 // block pushed the total over, in this segment or another), then free tails
 // of expandable segments. After a free in seg, only seg's tail can have
 // grown, so the guard keeps a free O(1) when nothing could go back; a nil
-// seg (the end of a capture, which held every release back) looks at all.
+// seg (the end of a capture) or a release a capture held back looks at all.
 // A failed release leaves the segment cached.
 func (p *Pool) applyReleaseThresholdLocked(d *deviceState, seg *segment) {
 	if t := p.cfg.ReleaseThreshold; t != 0 && d.unusedBytes() > t {
@@ -173,7 +173,14 @@ func (p *Pool) applyReleaseThresholdLocked(d *deviceState, seg *segment) {
 // than t unused bytes, kept apart so that the check above stays small enough
 // to be inlined into every free.
 func (p *Pool) releaseOverThresholdLocked(d *deviceState, seg *segment, t uint64) {
-	if seg == nil || len(d.wholeFree) > 0 || (p.shrinker != nil && p.shrinkable(seg) > 0) {
+	if p.holdingSegmentsLocked() {
+		// A capture, here or elsewhere in the process: released when it is
+		// over (processEventsLocked, or the next free that gets here).
+		d.releaseHeld = !p.cfg.KeepSegments
+		return
+	}
+	if seg == nil || d.releaseHeld || len(d.wholeFree) > 0 || (p.shrinker != nil && p.shrinkable(seg) > 0) {
+		d.releaseHeld = false
 		_, _ = p.trimLocked(d, t)
 	}
 }

@@ -598,3 +598,37 @@ func TestGrowthIsTracedAtTheOldEndAndAFailedOneUncounted(t *testing.T) {
 	assert.EqualValues(t, 46*MiB, p.Budget().Reserved(0))
 	assert.EqualValues(t, 46*MiB, stats(t, p).ReservedBytes[0].Current)
 }
+
+// The release threshold held back while another pool's capture ran
+// (AddProcessCaptures: nothing may be released then) applies once it ends,
+// at the pool's next event processing, though this pool parked no block
+// during it (the mutation pass found it skipped: 20 MiB stayed reserved).
+func TestReleaseThresholdHeldByAProcessCaptureAppliesWhenItEnds(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Capacity: 256 * MiB}, Config{ReleaseThreshold: MiB})
+	b := mustAlloc(t, p, 4*MiB, 0, 0) // a 20 MiB segment
+	AddProcessCaptures(1)
+	require.NoError(t, p.Free(b))
+	assert.EqualValues(t, 20*MiB, be.UsedBytes(0), "held during the capture")
+	AddProcessCaptures(-1)
+	_, err := p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Zero(t, be.UsedBytes(0), "the threshold applies once the capture is over")
+	require.NoError(t, p.CheckInvariants())
+}
+
+// The same, found by the next free: its own segment has nothing to give
+// back, but the expandable tail freed during the capture goes.
+func TestReleaseThresholdHeldByAProcessCaptureAppliesAtTheNextFree(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{ReleaseThreshold: 8 * MiB})
+	mustAlloc(t, p, 4*MiB, 0, 0)
+	AddProcessCaptures(1)
+	big := mustAlloc(t, p, 100*MiB, 0, 0)
+	require.NoError(t, p.Free(big)) // a 100 MiB free tail, held
+	AddProcessCaptures(-1)
+	small := mustAlloc(t, p, 4096, 0, 0)
+	mustAlloc(t, p, 4096, 0, 0)
+	require.NoError(t, p.Free(small))
+	assert.LessOrEqual(t, unusedBytes(t, p), uint64(8*MiB))
+	assert.Less(t, be.UsedBytes(0), uint64(100*MiB))
+	require.NoError(t, p.CheckInvariants())
+}

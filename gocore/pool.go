@@ -138,11 +138,14 @@ type deviceState struct {
 	// largeLookups counts searches of the large free lists: the clock that
 	// ages cached segments for garbage collection (torch's gc_count).
 	largeLookups uint64
-	pending      []eventQueue        // frees waiting for events, a queue per stream
-	unrecorded   []*block            // frees whose events wait for ExitCapture
-	events       []Event             // idle events kept for reuse
-	growing      map[Stream]*segment // the large segment each stream grows
-	stats        Stats
+	pending      []eventQueue // frees waiting for events, a queue per stream
+	unrecorded   []*block     // frees whose events wait for ExitCapture
+	// releaseHeld: a capture held back a release the threshold asked for
+	// (nothing may be released while one runs); applied when it is over.
+	releaseHeld bool
+	events      []Event             // idle events kept for reuse
+	growing     map[Stream]*segment // the large segment each stream grows
+	stats       Stats
 }
 
 // MaxDevices bounds the devices of a pool's backend: a pool keeps state

@@ -335,10 +335,13 @@ class _Worker:
     ``__main__`` again in each worker, and fork cannot carry the Go runtime."""
 
     def __init__(self, path: str, limit: Optional[int], capacity: Optional[int]) -> None:
-        # The same gpumempool as this process's, wherever it came from.
+        # The same gpumempool as this process's, wherever it came from: its
+        # folder goes on the worker's path unless this interpreter finds it
+        # there anyway (site-packages must not go before the standard library).
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, PYTHONSAFEPATH="1",
-                   PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
+        env = dict(os.environ, PYTHONSAFEPATH="1")
+        if here not in (os.path.abspath(p) for p in sys.path if p):
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpumempool._tune_worker", path, json.dumps([limit, capacity])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -205,7 +205,8 @@ class TuneResult:
     that fit first, then those replayed to the end, then by peak reserved
     bytes, fewer settings and backend calls). A candidate whose replay
     stopped early (``complete`` False) reserved more than the best known
-    then, and its figures cover the events up to there."""
+    then, and its figures cover the events up to there. Of settings that do
+    not fit, those failing fewer allocations come first."""
 
     source: str
     events: int
@@ -293,7 +294,9 @@ class TuneResult:
 
 def _rank(c: Candidate) -> tuple[Any, ...]:
     r = c.result
-    return (not c.fits, not c.complete, r.peak_reserved, len(c.settings), r.backend_calls, r.alloc_retries)
+    # Of settings that do not fit, the one failing the fewest allocations
+    # comes closest (their peaks are capped by the limit and say nothing).
+    return (not c.fits, not c.complete, r.ooms, r.peak_reserved, len(c.settings), r.backend_calls, r.alloc_retries)
 
 
 def _key(settings: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:

@@ -215,7 +215,8 @@ def dump_snapshots(directory: Any, group: Any = None) -> list[str]:
     pool, with the rank recorded in it) to ``directory/rankNNNNN.pickle``
     (a collective: every rank of ``group`` calls it; the directory is made
     where missing, and shared storage gives rank 0 every file). Returns the
-    paths every rank wrote, in rank order, once all are written."""
+    paths every rank wrote, in rank order, once all are written; raises
+    OSError on every rank, naming the ranks that failed, when any did."""
     from ._snapshot import dump_snapshot, snapshot
 
     dist = _dist()
@@ -229,6 +230,8 @@ def dump_snapshots(directory: Any, group: Any = None) -> list[str]:
         dump_snapshot(path, snap)
     except OSError as exc:
         outcome = ("error", f"rank {me}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - any failure: the other ranks wait in the gather below
+        outcome = ("error", f"rank {me}: {type(exc).__name__}: {exc}")
     written: list[Any] = [None] * n
     dist.all_gather_object(written, outcome, group=group)  # also the barrier: every file is written
     failed = [msg for kind, msg in written if kind != "ok"]

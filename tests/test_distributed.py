@@ -138,3 +138,58 @@ def test_without_an_initialized_process_group_is_an_error() -> None:
         gd.memory_report()
     with pytest.raises(RuntimeError, match="not initialized"):
         gd.dump_snapshots("/nonexistent")
+
+
+FAILING_RANK_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import torch.distributed as dist
+    import gpumempool as gmp
+    import gpumempool._snapshot as snapshots
+    import gpumempool.distributed as gd
+
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    rank = dist.get_rank()
+    pool = gmp.MemPool("sim", name="weights")
+    if rank == 1:
+        def snapshot():
+            raise MemoryError("no memory left for the snapshot")
+        snapshots.snapshot = snapshot
+    try:
+        gd.dump_snapshots(sys.argv[1])
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc}")
+    else:
+        print("no error")
+    pool.close()
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_a_rank_whose_snapshot_fails_leaves_no_rank_waiting(tmp_path: Path) -> None:
+    """dump_snapshots is a collective: a rank that cannot write its snapshot
+    (here a MemoryError, not an OSError) still takes part, and every rank
+    raises, naming it, instead of the others waiting for it forever."""
+    script = tmp_path / "rank.py"
+    script.write_text(FAILING_RANK_SCRIPT)
+    port = str(free_port())
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   PYTHONSAFEPATH="1", PYTHONWARNINGS="ignore")
+        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "snaps")], env=env,
+                                      cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=90)[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail("a rank hung in dump_snapshots")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, out in enumerate(outs):
+        assert "rank 1: MemoryError: no memory left for the snapshot" in out, f"rank {r}: {out}"

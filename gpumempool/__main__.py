@@ -619,7 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tun.add_argument("trace", metavar="TRACE", help="a .trace[.gz] file or a .pickle/.pkl snapshot with history")
     tun.add_argument("--limit", metavar="BYTES",
-                     help="memory the run may use (e.g. 40GiB): settings that cannot serve it within that are "
+                     help="memory the run may use on each device (e.g. 40GiB): settings that cannot serve it within that are "
                      "marked and ranked last")
     tun.add_argument("--jobs", type=_positive, help="replays run in parallel (default: the CPU count, at most 8)")
     tun.add_argument("--top", type=_positive, default=5, help="rows of the table (default 5)")

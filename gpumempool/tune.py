@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 from ._errors import InvalidArgumentError
 from ._units import format_bytes
 from .replay import ReplayResult, replay
-from .trace import PathLike, Trace, TraceFile, TraceFormatError, from_torch_snapshot, is_trace_file
+from .trace import Alloc, Free, PathLike, Trace, TraceFile, TraceFormatError, from_torch_snapshot, is_trace_file
 
 __all__ = ["Candidate", "TuneResult", "tune", "TORCH_SPACE", "EXTRA_SPACE"]
 
@@ -494,7 +494,8 @@ def tune(
     Raises ValueError (:class:`~gpumempool.trace.TraceFormatError` for a bad
     file) for a trace without events, and
     :class:`~gpumempool.InvalidArgumentError` for a limit below the trace's
-    lower bound (the peak of the bytes it holds at once)."""
+    lower bound on a device (the peak of the bytes it holds at once there:
+    the limit holds for each device)."""
     start = time.perf_counter()
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
         raise InvalidArgumentError(f"limit must be a positive number of bytes, got {limit!r}")
@@ -505,10 +506,13 @@ def tune(
         raise TraceFormatError(f"{source}: the trace has no allocations ({len(tr):,} events): nothing to tune "
                                "(was history recorded while the program ran?)")
     lower = tr.peak_requested()
-    if limit is not None and limit < lower:
+    # The limit holds for each device (replay's, as torch's memory fraction):
+    # below the total, it may still be above what each device holds.
+    if limit is not None and limit < lower and limit < (device_lower := _device_peak_requested(tr)):
         raise InvalidArgumentError(
-            f"limit {format_bytes(limit)} is below the trace's lower bound {format_bytes(lower)} (the most bytes "
-            "the program holds allocated at once): no setting can run it in that much memory")
+            f"limit {format_bytes(limit)} is below the trace's lower bound {format_bytes(device_lower)} on one "
+            "device (the most bytes the program holds allocated at once on a device; the limit applies to each): "
+            "no setting can run it in that much memory")
     notes: list[str] = []
     recorded = tr.meta.get("recorded_policy")
     if isinstance(recorded, dict):
@@ -566,6 +570,22 @@ def tune(
         source=source, events=len(tr), lower_bound=lower, limit=limit, default=default, candidates=cands,
         recorded_peak_reserved=first.recorded_peak_reserved, recorded_by=first.recorded_by,
         replays=len(runner.done), seconds=time.perf_counter() - start, notes=notes)
+
+
+def _device_peak_requested(tr: Union[Trace, TraceFile]) -> int:
+    """The most bytes ``tr`` holds allocated at once on one device."""
+    live: dict[int, tuple[int, int]] = {}  # id -> (device, size)
+    held: dict[int, int] = {}
+    peak = 0
+    for e in tr:
+        if isinstance(e, Alloc):
+            live[e.id] = (e.device, e.size)
+            held[e.device] = now = held.get(e.device, 0) + e.size
+            peak = max(peak, now)
+        elif isinstance(e, Free) and e.id in live:
+            dev, size = live.pop(e.id)
+            held[dev] -= size
+    return peak
 
 
 def _best_of(runner: _Runner, limit: Optional[int]) -> Candidate:

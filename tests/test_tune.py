@@ -211,3 +211,16 @@ def test_when_nothing_fits_the_best_fails_the_fewest_allocations() -> None:
     assert r.best.result.ooms == fewest < r.default.result.ooms
     ranked = [c.result.ooms for c in r.candidates if c.complete]
     assert ranked == sorted(ranked)
+
+
+def test_limit_is_per_device_as_replay_and_torch_take_it() -> None:
+    # Two devices, each holding 12 MiB at once (24 MiB in all): a limit of
+    # 16 MiB, which replay applies to each device as torch's
+    # set_per_process_memory_fraction does, serves the run.
+    events = [Alloc(1, 12 * MiB, 0, 0), Alloc(2, 12 * MiB, 0, 1), Free(1), Free(2)]
+    trace = Trace(events, {})
+    assert replay(trace, {"limit": 16 * MiB}, recorded_policy=False).ooms == 0
+    r = gmp.tune(trace, limit=16 * MiB, jobs=1, extra=False)
+    assert r.best.fits and r.default.fits
+    with pytest.raises(gmp.InvalidArgumentError, match="below the trace's lower bound 12.00 MiB on one device"):
+        gmp.tune(trace, limit=8 * MiB, jobs=1)

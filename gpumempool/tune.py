@@ -341,6 +341,7 @@ class _Worker:
         # The same gpumempool as this process's, wherever it came from: its
         # folder goes on the worker's path unless this interpreter finds it
         # there anyway (site-packages must not go before the standard library).
+        self.path = path
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, PYTHONSAFEPATH="1")
         if here not in (os.path.abspath(p) for p in sys.path if p):
@@ -362,6 +363,8 @@ class _Worker:
             raise RuntimeError(f"tune: a replay worker died (exit status {self.proc.wait()}): "
                                f"{err.strip()[-2000:] or 'no message'}")
         out = json.loads(line)
+        if out.get("unreadable"):
+            raise TraceFormatError(f"the replay workers cannot read the trace from {self.path}: {out['error']}")
         if "error" in out:
             raise InvalidArgumentError(f"replay of {dict(settings)}: {out['error']}")
         return _result_from_json(out)
@@ -384,8 +387,19 @@ class _Worker:
 def worker_main(path: str, args: str) -> int:
     """The worker's loop: a replay per line of settings on stdin."""
     limit, capacity = json.loads(args)
-    trace = Trace.load(path)
+    try:
+        trace: Optional[Trace] = Trace.load(path)
+        unreadable = None
+    except (ValueError, OSError, MemoryError) as exc:
+        # Said in answer to each job (a traceback on stderr would be a
+        # RuntimeError of the caller's).
+        trace, unreadable = None, f"{type(exc).__name__}: {exc}"
     for line in sys.stdin:
+        if trace is None:
+            out = {"error": unreadable, "unreadable": True}
+            sys.stdout.write(json.dumps(out) + "\n")
+            sys.stdout.flush()
+            continue
         try:
             job = json.loads(line)
             r = _replay_settings(trace, job["settings"], limit, capacity, job["stop_above"])
@@ -505,6 +519,10 @@ def tune(
     if counts.get("alloc", 0) == 0:
         raise TraceFormatError(f"{source}: the trace has no allocations ({len(tr):,} events): nothing to tune "
                                "(was history recorded while the program ran?)")
+    if isinstance(tr, Trace):
+        # As replay checks it, and before worker processes read it from a
+        # file: they would refuse it as they load it.
+        tr.validate()
     lower = tr.peak_requested()
     # The limit holds for each device (replay's, as torch's memory fraction):
     # below the total, it may still be above what each device holds.

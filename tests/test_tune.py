@@ -12,7 +12,7 @@ import pytest
 
 import gpumempool as gmp
 from gpumempool.replay import replay
-from gpumempool.trace import Alloc, Free, Trace
+from gpumempool.trace import Alloc, Free, Trace, TraceFormatError
 from gpumempool.tune import Candidate, _torch_expressible
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -224,3 +224,22 @@ def test_limit_is_per_device_as_replay_and_torch_take_it() -> None:
     assert r.best.fits and r.default.fits
     with pytest.raises(gmp.InvalidArgumentError, match="below the trace's lower bound 12.00 MiB on one device"):
         gmp.tune(trace, limit=8 * MiB, jobs=1)
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_bad_trace_in_memory_is_the_same_error_with_worker_processes(jobs: int) -> None:
+    # The workers read an in-memory trace from a file it is saved to; one
+    # that breaks the block-id rule must not kill them (a RuntimeError with
+    # their traceback) but raise what one process raises.
+    bad = Trace([Alloc(1, MiB), Free(1), Free(2)], {})
+    with pytest.raises(TraceFormatError, match="event 2: free of block 2, which is not allocated"):
+        gmp.tune(bad, jobs=jobs)
+
+
+def test_a_trace_the_workers_cannot_read_is_a_format_error_not_a_dead_worker() -> None:
+    # Stream -1 is refused as the workers load the trace from its file (and
+    # by replay, in one process): the caller hears why, as a ValueError.
+    bad = Trace([Alloc(1, MiB, -1), Free(1)], {})
+    with pytest.raises(TraceFormatError, match="cannot read the trace") as info:
+        gmp.tune(bad, jobs=2)
+    assert "Traceback" not in str(info.value)

@@ -428,8 +428,14 @@ class _Runner:
             for w in self.workers:
                 self.idle.put(w)
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers once they are idle; with ``kill`` (the caller
+        was interrupted, or a replay failed), now: the threads waiting for
+        the replays under way then see their workers die."""
         if self.workers:
+            if kill:
+                for w in self.workers:
+                    w.proc.kill()
             self.threads.shutdown(cancel_futures=True)
             for w in self.workers:
                 w.close()
@@ -578,6 +584,9 @@ def tune(
             if extra:
                 runner.run([dict(best.settings, **{key: v}) for key, values in EXTRA_SPACE.items() for v in values],
                            stop_above=_stop(best))
+        except BaseException:
+            runner.close(kill=True)
+            raise
         finally:
             runner.close()
 

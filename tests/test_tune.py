@@ -243,3 +243,45 @@ def test_a_trace_the_workers_cannot_read_is_a_format_error_not_a_dead_worker() -
     with pytest.raises(TraceFormatError, match="cannot read the trace") as info:
         gmp.tune(bad, jobs=2)
     assert "Traceback" not in str(info.value)
+
+
+INTERRUPTED = """
+import os, signal, sys, time
+import gpumempool as gmp
+from gpumempool import tune as t
+
+workers = []
+start = t._Worker.__init__
+def init(self, *args, **kwargs):
+    start(self, *args, **kwargs)
+    workers.append(self)
+t._Worker.__init__ = init
+
+class Stop(Exception):
+    pass
+
+def progress(done, total):
+    if done == 1:
+        os.kill(workers[0].proc.pid, signal.SIGSTOP)  # a replay that takes its time
+        raise Stop
+began = time.monotonic()
+try:
+    gmp.tune(sys.argv[1], jobs=2, progress=progress)
+except Stop:
+    print(f"stopped after {time.monotonic() - began:.1f} s")
+print("alive:", [w.proc.poll() is None for w in workers])
+"""
+
+
+def test_an_interrupted_tune_does_not_wait_for_the_replays_under_way(tmp_path: Path) -> None:
+    # Ctrl-C in a notebook interrupts the caller only: tune must stop its
+    # workers, not wait for each replay they are running to end.
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED)
+    try:
+        p = subprocess.run([sys.executable, str(script), str(CNN)], capture_output=True, text=True, timeout=60,
+                           cwd=tmp_path)
+    except subprocess.TimeoutExpired:
+        pytest.fail("tune waited for a replay after its caller was interrupted")
+    assert p.returncode == 0, p.stderr
+    assert "stopped after" in p.stdout and "alive: [False, False]" in p.stdout, p.stdout

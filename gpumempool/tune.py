@@ -422,7 +422,14 @@ class _Runner:
         self.planned = 0
         self.workers: list[_Worker] = []
         if jobs > 1 and path is not None:
-            self.workers = [_Worker(path, limit, capacity) for _ in range(jobs)]
+            try:
+                for _ in range(jobs):
+                    self.workers.append(_Worker(path, limit, capacity))
+            except BaseException:  # those started would wait for jobs as long as this process lives
+                for w in self.workers:
+                    w.proc.kill()
+                    w.close()
+                raise
             self.threads = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
             self.idle: "queue.SimpleQueue[_Worker]" = queue.SimpleQueue()
             for w in self.workers:

@@ -285,3 +285,22 @@ def test_an_interrupted_tune_does_not_wait_for_the_replays_under_way(tmp_path: P
         pytest.fail("tune waited for a replay after its caller was interrupted")
     assert p.returncode == 0, p.stderr
     assert "stopped after" in p.stdout and "alive: [False, False]" in p.stdout, p.stdout
+
+
+def test_workers_started_before_one_fails_to_start_are_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gpumempool.tune as t
+
+    started: list[subprocess.Popen] = []
+    real = subprocess.Popen
+
+    def popen(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if len(started) == 2:
+            raise OSError(11, "Resource temporarily unavailable")
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(t.subprocess, "Popen", popen)
+    with pytest.raises(OSError, match="Resource temporarily unavailable"):
+        gmp.tune(CNN, jobs=3)
+    assert len(started) == 2
+    assert all(p.poll() is not None for p in started), "a worker left running"

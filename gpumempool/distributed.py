@@ -36,6 +36,8 @@ __all__ = ["MemoryReport", "dump_snapshots", "local_report", "memory_report"]
 
 #: The name under which torch's own CUDA allocator is listed.
 TORCH_NATIVE = "torch (native)"
+#: The row of a rank whose pools could not be read at all (its error says why).
+_UNREAD = "(this rank)"
 
 
 def _dist() -> Any:
@@ -179,7 +181,8 @@ class MemoryReport:
 def _notes(ranks: list[dict[str, Any]]) -> list[str]:
     """What differs between ranks: pools only some ranks have, ranks without pools."""
     notes = []
-    names = {r["rank"]: {p["pool"] for p in r["pools"]} for r in ranks}
+    names = {r["rank"]: {p["pool"] for p in r["pools"]} for r in ranks
+             if not any(p["pool"] == _UNREAD for p in r["pools"])}  # what it has is not known
     everyone = set.union(*names.values()) if names else set()
     for pool in sorted(everyone, key=str):
         have = sorted(r for r, n in names.items() if pool in n)
@@ -201,7 +204,12 @@ def memory_report(group: Any = None, *, dst: int = 0, top: int = 5) -> Optional[
     me = dist.get_rank(group)
     if not 0 <= dst < n:
         raise ValueError(f"dst {dst} is not a rank of the group (0..{n - 1})")
-    mine = dict(local_report(top), rank=me, global_rank=dist.get_rank())
+    try:
+        mine = local_report(top)
+    except Exception as exc:  # noqa: BLE001 - said in the report: the other ranks wait in the gather below
+        mine = {"host": socket.gethostname(), "pid": os.getpid(),
+                "pools": [{"pool": _UNREAD, "error": f"{type(exc).__name__}: {exc}"}]}
+    mine = dict(mine, rank=me, global_rank=dist.get_rank())
     gathered: list[Any] = [None] * n
     dist.all_gather_object(gathered, mine, group=group)
     if me != dst:

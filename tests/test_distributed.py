@@ -193,3 +193,58 @@ def test_a_rank_whose_snapshot_fails_leaves_no_rank_waiting(tmp_path: Path) -> N
                 p.wait()
     for r, out in enumerate(outs):
         assert "rank 1: MemoryError: no memory left for the snapshot" in out, f"rank {r}: {out}"
+
+
+REPORT_FAILING_RANK_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import torch.distributed as dist
+    import gpumempool as gmp
+    import gpumempool.distributed as gd
+
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    rank = dist.get_rank()
+    pool = gmp.MemPool("sim", name="weights")
+    if rank == 1:
+        def broken():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        gd._torch_native_row = broken  # torch's allocator cannot be read on this rank
+    try:
+        report = gd.memory_report()
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc}")
+    else:
+        print(report.table() if report is not None else "not rank 0")
+    pool.close()
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_a_rank_whose_report_fails_is_named_in_the_report(tmp_path: Path) -> None:
+    """memory_report is a collective: a rank whose own figures cannot be
+    read still takes part, and the report says so, instead of that rank
+    raising alone and the others failing in the gather or waiting for it."""
+    script = tmp_path / "rank.py"
+    script.write_text(REPORT_FAILING_RANK_SCRIPT)
+    port = str(free_port())
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   PYTHONSAFEPATH="1", PYTHONWARNINGS="ignore")
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=90)[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail("a rank hung in memory_report")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert "rank 1" in outs[0] and "not read (RuntimeError: CUDA error: an illegal memory access" in outs[0], outs[0]
+    assert "(this rank)' exists" not in outs[0] and "rank 1 has no open pools" not in outs[0], outs[0]
+    assert outs[1].strip() == "not rank 0", outs[1]

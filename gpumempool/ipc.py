@@ -117,14 +117,19 @@ class IpcHandle:
 
 def _peer_of(sock: socket.socket) -> Optional[str]:
     """The process at the other end of a UNIX socket, as the kernel saw it
-    connect (SO_PEERCRED: for a socketpair, the process that made the pair),
-    or None where the socket has no peer credentials."""
+    connect (SO_PEERCRED: for a socketpair, the process that made the pair;
+    for a peer whose pid this PID namespace cannot name, the connection), or
+    None where the socket has no peer credentials."""
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except (OSError, AttributeError):
         return None
     pid, uid, _gid = struct.unpack("3i", creds)
-    return f"pid {pid} uid {uid}" if pid > 0 else None
+    if pid > 0:
+        return f"pid {pid} uid {uid}"
+    # A peer in another PID namespace (a container) shows as pid 0: its
+    # pools are then scoped to this connection, never shared with another.
+    return f"connection {os.fstat(sock.fileno()).st_ino} uid {uid}"
 
 
 def _recv_fds(sock: socket.socket, max_fds: int) -> tuple[bytes, list[int], int]:

@@ -184,7 +184,8 @@ class Candidate:
         r = self.result
         return {
             "settings": dict(self.settings), "torch": self.torch, "alloc_conf": self.alloc_conf,
-            "mempool": self.mempool_kwargs, "fits": self.fits, "complete": self.complete,
+            # a replay stopped early does not say whether the rest would fit
+            "mempool": self.mempool_kwargs, "fits": self.fits if self.complete else None, "complete": self.complete,
             "stopped_at": r.stopped_at, "peak_reserved": r.peak_reserved,
             "peak_allocated": r.peak_allocated, "fragmentation": r.fragmentation,
             "backend_calls": r.backend_calls, "alloc_retries": r.alloc_retries, "ooms": r.ooms,
@@ -296,7 +297,9 @@ def _rank(c: Candidate) -> tuple[Any, ...]:
     r = c.result
     # Of settings that do not fit, the one failing the fewest allocations
     # comes closest (their peaks are capped by the limit and say nothing).
-    return (not c.fits, not c.complete, r.ooms, r.peak_reserved, len(c.settings), r.backend_calls, r.alloc_retries)
+    # A replay stopped early (it reserved far more than the best then) says
+    # nothing of fitting: after every complete one.
+    return (not c.complete, not c.fits, r.ooms, r.peak_reserved, len(c.settings), r.backend_calls, r.alloc_retries)
 
 
 def _key(settings: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:

@@ -288,3 +288,30 @@ def test_received_descriptors_are_close_on_exec_and_a_named_fd_is_never_used(fak
                     gmp.import_pool(crafted, libcuda=path)
                 with gmp.import_pool(got, libcuda=path) as mem:  # the genuine one still maps
                     assert mem.size == MiB
+
+
+def test_a_peer_without_a_pid_here_is_scoped_to_its_connection() -> None:
+    """SO_PEERCRED gives pid 0 for a peer in another PID namespace (a
+    container): its pool names must not fall back to the namespace shared
+    by handles nobody vouched for."""
+    import struct
+
+    from gpumempool.ipc import _peer_of
+
+    class Sock:
+        def __init__(self, inner: socket.socket, pid: int) -> None:
+            self.inner, self.pid = inner, pid
+
+        def getsockopt(self, *args: int) -> bytes:
+            return struct.pack("3i", self.pid, 1000, 1000)
+
+        def fileno(self) -> int:
+            return self.inner.fileno()
+
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    with a, b, c, d:
+        assert _peer_of(Sock(a, 42)) == "pid 42 uid 1000"  # type: ignore[arg-type]
+        pa, pc = _peer_of(Sock(a, 0)), _peer_of(Sock(c, 0))  # type: ignore[arg-type]
+        assert pa and pc and pa.startswith("connection ") and pa != pc
+        assert _peer_of(Sock(a, 0)) == pa  # type: ignore[arg-type]

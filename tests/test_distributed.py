@@ -68,26 +68,36 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(n: int, tmp_path: Path) -> dict:
+def launch_ranks(source: str, n: int, tmp_path: Path, *args: str, timeout: float = 240) -> list[tuple[int, str, str]]:
+    """Run ``source`` as ranks 0..n-1 of a gloo group (a process each, with
+    ``args``); their (exit status, stdout, stderr). A rank still running at
+    ``timeout`` fails the test, and no process outlives it."""
     script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
+    script.write_text(source)
     port = str(free_port())
     procs = []
     for r in range(n):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                    PYTHONSAFEPATH="1", PYTHONWARNINGS="ignore")
-        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, cwd=tmp_path,
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=tmp_path,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=240))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a rank hung")
-    for r, (p, (so, se)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r}: {se[-3000:]}"
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        pytest.fail("a rank hung")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, so, se) for p, (so, se) in zip(procs, outs)]
+
+
+def run_ranks(n: int, tmp_path: Path) -> dict:
+    for r, (rc, _, se) in enumerate(launch_ranks(RANK_SCRIPT, n, tmp_path, str(tmp_path))):
+        assert rc == 0, f"rank {r}: {se[-3000:]}"
     return json.loads((tmp_path / "report.json").read_text())
 
 
@@ -171,26 +181,7 @@ def test_a_rank_whose_snapshot_fails_leaves_no_rank_waiting(tmp_path: Path) -> N
     """dump_snapshots is a collective: a rank that cannot write its snapshot
     (here a MemoryError, not an OSError) still takes part, and every rank
     raises, naming it, instead of the others waiting for it forever."""
-    script = tmp_path / "rank.py"
-    script.write_text(FAILING_RANK_SCRIPT)
-    port = str(free_port())
-    procs = []
-    for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   PYTHONSAFEPATH="1", PYTHONWARNINGS="ignore")
-        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "snaps")], env=env,
-                                      cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=90)[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail("a rank hung in dump_snapshots")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = [out for _, out, _ in launch_ranks(FAILING_RANK_SCRIPT, 2, tmp_path, str(tmp_path / "snaps"), timeout=90)]
     for r, out in enumerate(outs):
         assert "rank 1: MemoryError: no memory left for the snapshot" in out, f"rank {r}: {out}"
 
@@ -225,26 +216,7 @@ def test_a_rank_whose_report_fails_is_named_in_the_report(tmp_path: Path) -> Non
     """memory_report is a collective: a rank whose own figures cannot be
     read still takes part, and the report says so, instead of that rank
     raising alone and the others failing in the gather or waiting for it."""
-    script = tmp_path / "rank.py"
-    script.write_text(REPORT_FAILING_RANK_SCRIPT)
-    port = str(free_port())
-    procs = []
-    for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   PYTHONSAFEPATH="1", PYTHONWARNINGS="ignore")
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=90)[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail("a rank hung in memory_report")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = [out for _, out, _ in launch_ranks(REPORT_FAILING_RANK_SCRIPT, 2, tmp_path, timeout=90)]
     assert "rank 1" in outs[0] and "not read (RuntimeError: CUDA error: an illegal memory access" in outs[0], outs[0]
     assert "(this rank)' exists" not in outs[0] and "rank 1 has no open pools" not in outs[0], outs[0]
     assert outs[1].strip() == "not rank 0", outs[1]

@@ -361,12 +361,7 @@ func TestCloseListsLiveBlocksByDeviceThenAddress(t *testing.T) {
 // Trim stops shrinking free tails as soon as the unused bytes are down to
 // what it may keep, exactly.
 func TestTrimShrinksNoTailOnceAtTheTarget(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{})
-	mustAlloc(t, p, 4*MiB, 0, 0)
-	require.NoError(t, p.Free(mustAlloc(t, p, 20*MiB, 0, 0))) // stream 0: a 20 MiB free tail
-	mustAlloc(t, p, 4*MiB, 0, 1)
-	require.NoError(t, p.Free(mustAlloc(t, p, 40*MiB, 0, 1))) // stream 1: a 40 MiB one
-	require.EqualValues(t, 60*MiB, unusedBytes(t, p))
+	p, be := twoFreeTails(t)
 	deviceFrees := stats(t, p).NumDeviceFree
 	released, err := p.Trim(0, 20*MiB) // the 40 MiB tail leaves exactly 20
 	require.NoError(t, err)

@@ -1819,15 +1819,23 @@ func TestOOMRetryProcessesEventsFirst(t *testing.T) {
 	assert.EqualValues(t, 14*MiB, s.ReservedBytes[0].Current)
 }
 
-// Free tails of expandable segments go back largest first too, until the
-// target is met.
-func TestTrimShrinksTheLargestFreeTailsFirst(t *testing.T) {
+// twoFreeTails is an expandable pool whose two streams' segments end in
+// free tails of 20 MiB (stream 0) and 40 MiB (stream 1).
+func twoFreeTails(t *testing.T) (*Pool, *SimBackend) {
+	t.Helper()
 	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{})
 	mustAlloc(t, p, 4*MiB, 0, 0)
 	require.NoError(t, p.Free(mustAlloc(t, p, 20*MiB, 0, 0))) // stream 0: a 20 MiB free tail
 	mustAlloc(t, p, 4*MiB, 0, 1)
 	require.NoError(t, p.Free(mustAlloc(t, p, 40*MiB, 0, 1))) // stream 1: a 40 MiB one
 	require.EqualValues(t, 60*MiB, unusedBytes(t, p))
+	return p, be
+}
+
+// Free tails of expandable segments go back largest first too, until the
+// target is met.
+func TestTrimShrinksTheLargestFreeTailsFirst(t *testing.T) {
+	p, be := twoFreeTails(t)
 	released, err := p.Trim(0, 30*MiB) // the 40 MiB tail alone is enough
 	require.NoError(t, err)
 	assert.EqualValues(t, 40*MiB, released)

@@ -437,6 +437,10 @@ class _Runner:
             self.idle: "queue.SimpleQueue[_Worker]" = queue.SimpleQueue()
             for w in self.workers:
                 self.idle.put(w)
+        elif isinstance(trace, TraceFile):
+            # Replays here: read the file once, as a worker does, rather than
+            # once per replay (a TraceFile streams it each time).
+            self.trace = Trace.load(trace.path, max_events=trace.max_events)
 
     def close(self, kill: bool = False) -> None:
         """Stop the workers once they are idle; with ``kill`` (the caller

@@ -30,7 +30,6 @@ gpumempool, and multiprocessing's spawn would run the caller's script again).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import inspect
@@ -433,6 +432,8 @@ class _Runner:
                     w.proc.kill()
                     w.close()
                 raise
+            import concurrent.futures  # only for parallel replays: not on every `import gpumempool`
+
             self.threads = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
             self.idle: "queue.SimpleQueue[_Worker]" = queue.SimpleQueue()
             for w in self.workers:
@@ -477,6 +478,8 @@ class _Runner:
                 self.done[k] = _replay_settings(self.trace, s, self.limit, self.capacity, stop_above)
                 self._tick()
             return
+        import concurrent.futures
+
         futures = {self.threads.submit(self._on_worker, s, stop_above): k for k, s in todo.items()}
         for fut in concurrent.futures.as_completed(futures):
             self.done[futures[fut]] = fut.result()

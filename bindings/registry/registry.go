@@ -5,8 +5,10 @@
 package registry
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -86,8 +88,13 @@ func (e *Entry) Slot() int { return int(e.slot.Load()) }
 var (
 	mu     sync.Mutex
 	nextID int64
-	pools  = map[int64]*Entry{}
-	slots  [NumSlots]atomic.Pointer[Entry]
+	// pools maps handles to entries (int64 to *Entry). It is written under
+	// mu, with the slot changes that go with it, and read without it: Get
+	// runs on every call of the Python API and of gmp_pool_alloc/free, from
+	// any thread, and must not make the calls of unrelated pools wait for
+	// one another.
+	pools sync.Map
+	slots [NumSlots]atomic.Pointer[Entry]
 	// freeSlots queues the slots no pool holds, least recently freed first.
 	freeSlots = func() []int {
 		s := make([]int, NumSlots)
@@ -112,15 +119,13 @@ func Add(p *gocore.Pool, sim *gocore.SimBackend, keep any) *Entry {
 	e := &Entry{ID: nextID, Pool: p, Graphs: graphpool.New(p), Sim: sim, Keep: keep}
 	e.reentry, _ = p.Backend().(interface{ CalledFromCallback() bool })
 	e.slot.Store(-1)
-	pools[e.ID] = e
+	pools.Store(e.ID, e)
 	return e
 }
 
 // Get returns the entry for a handle.
 func Get(id int64) (*Entry, error) {
-	mu.Lock()
-	defer mu.Unlock()
-	e := pools[id]
+	e := lookup(id)
 	if e == nil {
 		return nil, fmt.Errorf("pool handle %d: %w", id, ErrNoSuchPool)
 	}
@@ -141,14 +146,14 @@ func Remove(id int64) {
 func Unregister(id int64) *Entry {
 	mu.Lock()
 	defer mu.Unlock()
-	e := pools[id]
-	if e == nil {
+	v, ok := pools.LoadAndDelete(id)
+	if !ok {
 		return nil
 	}
+	e := v.(*Entry)
 	if s := e.slot.Load(); s >= 0 {
 		slots[s].Store(nil)
 	}
-	delete(pools, id)
 	return e
 }
 
@@ -164,7 +169,7 @@ func FreeSlot(e *Entry, reusable bool) {
 	mu.Lock()
 	defer mu.Unlock()
 	s := e.slot.Load()
-	if s < 0 || pools[e.ID] == e {
+	if s < 0 || lookup(e.ID) == e {
 		return // no slot, already freed, or still registered
 	}
 	e.slot.Store(-1)
@@ -185,15 +190,21 @@ func KeepSlotRetired(e *Entry) { e.pinned.Store(true) }
 
 // All returns the registered entries ordered by handle.
 func All() []*Entry {
-	mu.Lock()
-	defer mu.Unlock()
-	out := make([]*Entry, 0, len(pools))
-	for id := int64(1); id <= nextID; id++ {
-		if e := pools[id]; e != nil {
-			out = append(out, e)
-		}
-	}
+	var out []*Entry
+	pools.Range(func(_, v any) bool {
+		out = append(out, v.(*Entry))
+		return true
+	})
+	slices.SortFunc(out, func(a, b *Entry) int { return cmp.Compare(a.ID, b.ID) })
 	return out
+}
+
+// lookup returns the entry registered under id, or nil.
+func lookup(id int64) *Entry {
+	if v, ok := pools.Load(id); ok {
+		return v.(*Entry)
+	}
+	return nil
 }
 
 // AssignSlot gives the entry a C slot (the same one on every call).
@@ -208,7 +219,7 @@ func AssignPinnedSlot(e *Entry) (int, error) { return assignSlot(e, true) }
 func assignSlot(e *Entry, pin bool) (int, error) {
 	mu.Lock()
 	defer mu.Unlock()
-	if pools[e.ID] != e {
+	if lookup(e.ID) != e {
 		return -1, fmt.Errorf("assign C entry points to pool handle %d: %w", e.ID, ErrNoSuchPool)
 	}
 	if pin {

@@ -3,6 +3,7 @@ package registry
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -180,4 +181,43 @@ func TestSlotOfUncalledPoolClosedWithLiveBlocksIsReused(t *testing.T) {
 	assert.NotContains(t, err.Error(), "torch, which")
 	assert.Contains(t, err.Error(), "all 64 are taken: 64 retired because")
 	resetSlots(t)
+}
+
+// Get does not wait for the registry's lock: a pool being added, removed
+// or given a slot on one thread must not stall every other pool's calls
+// (gmp_pool_alloc, the Python API) on the others.
+func TestGetDoesNotTakeTheRegistryLock(t *testing.T) {
+	e := newEntry(t)
+	t.Cleanup(func() { Remove(e.ID) })
+	mu.Lock()
+	defer mu.Unlock()
+	got := make(chan *Entry, 1)
+	go func() {
+		g, err := Get(e.ID)
+		assert.NoError(t, err)
+		got <- g
+	}()
+	select {
+	case g := <-got:
+		assert.Same(t, e, g)
+	case <-time.After(5 * time.Second):
+		t.Fatal("Get waited for the registry lock")
+	}
+}
+
+// All lists the open entries in handle order, and Get refuses a removed one.
+func TestAllInHandleOrderAndGetAfterRemove(t *testing.T) {
+	a, b, c := newEntry(t), newEntry(t), newEntry(t)
+	t.Cleanup(func() { Remove(a.ID); Remove(c.ID) })
+	Remove(b.ID)
+	var ids []int64
+	for _, e := range All() {
+		if e == a || e == b || e == c {
+			ids = append(ids, e.ID)
+		}
+	}
+	assert.Equal(t, []int64{a.ID, c.ID}, ids)
+	_, err := Get(b.ID)
+	require.ErrorIs(t, err, ErrNoSuchPool)
+	assert.Nil(t, Unregister(b.ID))
 }

@@ -5,6 +5,8 @@ common base :class:`GpuMemPoolError`."""
 from __future__ import annotations
 
 import re
+import threading
+from typing import Callable
 
 __all__ = [
     "BackendError",
@@ -17,6 +19,7 @@ __all__ = [
     "LeakWarning",
     "OutOfMemoryError",
     "PoolClosedError",
+    "on_out_of_memory",
 ]
 
 
@@ -93,5 +96,41 @@ def translate(exc: BaseException) -> BaseException:
     msg = str(exc)
     m = _PREFIX.match(msg)
     if m and m.group(1) in _KINDS:
-        return _KINDS[m.group(1)](msg[m.end():])
+        err = _KINDS[m.group(1)](msg[m.end():])
+        if isinstance(err, OutOfMemoryError) and _oom_listeners:
+            _tell_out_of_memory(err)
+        return err
     return BackendError(msg)
+
+
+#: Told of every OutOfMemoryError a pool call raises (translate makes them
+#: all), on the calling thread, after the engine returned: no pool's lock is
+#: held. gpumempool.distributed.snapshot_on_oom listens here.
+_oom_listeners: list[Callable[[OutOfMemoryError], None]] = []
+_oom_lock = threading.Lock()
+
+
+def on_out_of_memory(listener: Callable[[OutOfMemoryError], None]) -> Callable[[], None]:
+    """Call ``listener(err)`` for every :class:`OutOfMemoryError` a pool call
+    raises, before it is raised (an exception the listener raises is
+    ignored: the caller gets its out-of-memory error). Returns a function
+    that unsubscribes it."""
+    with _oom_lock:
+        _oom_listeners.append(listener)
+
+    def unsubscribe() -> None:
+        with _oom_lock:
+            if listener in _oom_listeners:
+                _oom_listeners.remove(listener)
+
+    return unsubscribe
+
+
+def _tell_out_of_memory(err: OutOfMemoryError) -> None:
+    with _oom_lock:
+        listeners = list(_oom_listeners)
+    for listener in listeners:
+        try:
+            listener(err)
+        except Exception:  # noqa: BLE001,S110 - the caller's error is the out-of-memory one
+            pass

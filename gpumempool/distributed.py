@@ -21,6 +21,11 @@ gloo on CPUs, NCCL once each rank has set its CUDA device
 Ranks may hold different pools; the report says which pools only some
 ranks have. Where torch's own CUDA allocator has been used on a rank, its
 figures are listed as the pool ``torch (native)``.
+
+A rank that runs out of memory can leave its own snapshot behind, taken at
+that moment (not a collective: only that rank fails)::
+
+    gd.snapshot_on_oom("snapshots/")     # rank00003-oom1.pickle when rank 3 runs out
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ._oom_snapshot import OomSnapshots, snapshot_on_oom
 from ._units import format_bytes
 
-__all__ = ["MemoryReport", "dump_snapshots", "local_report", "memory_report"]
+__all__ = ["MemoryReport", "OomSnapshots", "dump_snapshots", "local_report", "memory_report", "snapshot_on_oom"]
 
 #: The name under which torch's own CUDA allocator is listed.
 TORCH_NATIVE = "torch (native)"

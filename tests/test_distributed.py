@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -220,3 +221,44 @@ def test_a_rank_whose_report_fails_is_named_in_the_report(tmp_path: Path) -> Non
     assert "rank 1" in outs[0] and "not read (RuntimeError: CUDA error: an illegal memory access" in outs[0], outs[0]
     assert "(this rank)' exists" not in outs[0] and "rank 1 has no open pools" not in outs[0], outs[0]
     assert outs[1].strip() == "not rank 0", outs[1]
+
+
+OOM_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    import torch.distributed as dist
+    import gpumempool as gmp
+    import gpumempool.distributed as gd
+
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    rank = dist.get_rank()
+    os.environ["RANK"] = "99"  # the process group's rank wins over the environment
+    gd.snapshot_on_oom(sys.argv[1])
+    pool = gmp.MemPool("sim", name="acts", limit=64 << 20)
+    keep = [pool.alloc((rank + 1) << 20)]
+    dist.barrier()
+    if rank == 1:
+        try:
+            pool.alloc(256 << 20)
+        except gmp.OutOfMemoryError as e:
+            print(e.gmp_oom_snapshot)
+    dist.barrier()
+    pool.free(keep[0])
+    pool.close()
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_only_the_rank_that_runs_out_of_memory_writes_a_snapshot(tmp_path: Path) -> None:
+    out = tmp_path / "oom"
+    results = launch_ranks(OOM_SCRIPT, 2, tmp_path, str(out))
+    for r, (rc, _, se) in enumerate(results):
+        assert rc == 0, f"rank {r}: {se[-3000:]}"
+    assert sorted(os.listdir(out)) == ["rank00001-oom1.pickle"]
+    assert results[1][1].strip() == str(out / "rank00001-oom1.pickle")
+    with open(out / "rank00001-oom1.pickle", "rb") as f:
+        snap = pickle.load(f)
+    assert snap["rank"] == 1 and "out of memory" in snap["oom"]["message"]
+    live = [b["size"] for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert live == [2 << 20]

@@ -1,0 +1,286 @@
+"""A snapshot of a rank at the moment it runs out of memory
+(:func:`gpumempool.distributed.snapshot_on_oom`).
+
+Out of memory happens on one rank, not on all of them together, so nothing
+here is a collective: the rank that fails writes its own file. Three
+triggers, because an out-of-memory error reaches the user by three paths:
+
+- a pool call of gpumempool raises :class:`~gpumempool.OutOfMemoryError`
+  (``pool.alloc``, CuPy through a pool, IPC imports): told by
+  ``_errors.on_out_of_memory``, before the error is raised, caught or not;
+- torch's caching allocator fails (torch's own pools, and a gpumempool pool
+  routed with ``gmp.mempool``): torch calls its out-of-memory observers
+  after releasing its lock, caught or not. Torch cannot forget an
+  observer, so one observer per process forwards to the active snapshotter;
+- any other out-of-memory error that ends the process or a thread, such
+  as torch's under full replacement (``gmp.set_torch_allocator``), where
+  torch has no observers: ``sys.excepthook`` and ``threading.excepthook``.
+
+An error seen by the first two is not written again by the third.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import warnings
+from types import TracebackType
+from typing import Any, Callable, Optional
+
+from . import _errors
+from ._errors import OutOfMemoryError
+
+__all__ = ["OomSnapshots", "snapshot_on_oom"]
+
+#: The attribute set on a gpumempool OutOfMemoryError that was seen: the
+#: path of its snapshot, or None when none was written (the limit was reached).
+SNAPSHOT_ATTR = "gmp_oom_snapshot"
+
+_lock = threading.Lock()
+_active: Optional["OomSnapshots"] = None
+#: Whether torch's out-of-memory observer is attached in this process (once:
+#: torch has no way to detach one).
+_torch_observer = False
+
+
+class OomSnapshots:
+    """The snapshots written by :func:`snapshot_on_oom` (use it as a context
+    manager, or call :meth:`close`, to stop)."""
+
+    def __init__(self, directory: str, max_snapshots: int) -> None:
+        self.directory = directory
+        self.max_snapshots = max_snapshots
+        #: The files written so far, in order (torch's own snapshot files,
+        #: ``...-torch.pickle``, are listed after the one they go with).
+        self.written: list[str] = []
+        self.torch_observer = False
+        self._count = 0
+        self._closed = False
+        self._write_lock = threading.Lock()
+        self._prev_hooks: tuple[Any, Any] = (None, None)
+        self._unsubscribe: Callable[[], None] = lambda: None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop writing snapshots and put back the exception hooks (where
+        nobody replaced them since)."""
+        global _active
+        with _lock:
+            if self._closed:
+                return
+            self._closed = True
+            if _active is self:
+                _active = None
+            self._unsubscribe()
+            prev_sys, prev_thread = self._prev_hooks
+            if sys.excepthook is _excepthook:
+                sys.excepthook = prev_sys
+            if threading.excepthook is _thread_excepthook:
+                threading.excepthook = prev_thread
+
+    def __enter__(self) -> "OomSnapshots":
+        return self
+
+    def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+        if exc is not None and _is_oom(exc) and not _seen(exc):
+            self.write("uncaught (leaving the with block)", str(exc))
+        self.close()
+
+    def write(self, trigger: str, message: str, torch_native: bool = False) -> Optional[str]:
+        """Write this rank's snapshot now, as if it had run out of memory
+        (``trigger`` and ``message`` are recorded in it, under ``"oom"``);
+        returns the path, or None once ``max_snapshots`` are written or when
+        closed. A failure is a warning, never an exception: this runs while
+        an out-of-memory error is on its way to the caller."""
+        with self._write_lock:
+            if self._closed or self._count >= self.max_snapshots:
+                return None
+            self._count += 1
+            rank = _rank()
+            stem = os.path.join(self.directory, f"rank{rank:05d}-oom{self._count}")
+            try:
+                from ._snapshot import dump_snapshot, snapshot
+
+                snap = snapshot()
+                snap["rank"], snap["host"], snap["pid"] = rank, socket.gethostname(), os.getpid()
+                snap["oom"] = {"trigger": trigger, "message": message, "time": time.time()}
+                dump_snapshot(stem + ".pickle", snap)
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                warnings.warn(f"gpumempool: rank {rank} ran out of memory, but its snapshot could not be "
+                              f"written to {stem}.pickle: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
+                return None
+            self.written.append(stem + ".pickle")
+            extra = ""
+            if torch_native and _dump_torch_native(stem + "-torch.pickle"):
+                self.written.append(stem + "-torch.pickle")
+                extra = f" (torch's own allocator: {stem}-torch.pickle)"
+            warnings.warn(f"gpumempool: rank {rank} ran out of memory ({trigger}); its snapshot is in "
+                          f"{stem}.pickle{extra}", RuntimeWarning, stacklevel=2)
+            return stem + ".pickle"
+
+
+def snapshot_on_oom(directory: Any, *, max_snapshots: int = 1) -> OomSnapshots:
+    """Write a snapshot of this rank when it runs out of memory, to
+    ``directory/rankNNNNN-oomK.pickle`` (every open gpumempool pool, in the
+    format of :func:`gpumempool.dump_snapshot`, with ``"oom"``, ``"rank"``,
+    ``"host"`` and ``"pid"`` added), at most ``max_snapshots`` times in
+    this process. Where torch's own CUDA allocator is in use, its snapshot
+    goes beside it as ``rankNNNNN-oomK-torch.pickle`` (for
+    pytorch.org/memory_viz). Files of an earlier run in ``directory`` are
+    overwritten.
+
+    Every rank calls it for itself; it is not a collective, and works
+    without ``torch.distributed`` too (rank 0, or ``$RANK``). Call it after
+    ``import torch`` so that torch's out-of-memory observer can be attached.
+    A new call replaces the previous one. The directory is made now, so a
+    path that cannot be used fails here (``OSError``), not at the moment
+    of the failure."""
+    global _active, _torch_observer
+    if isinstance(max_snapshots, bool) or not isinstance(max_snapshots, int) or max_snapshots < 1:
+        raise ValueError(f"max_snapshots must be a positive int, not {max_snapshots!r}")
+    path = os.fspath(directory)
+    os.makedirs(path, exist_ok=True)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"snapshot_on_oom: cannot write in {path}")
+    snapper = OomSnapshots(os.path.abspath(path), max_snapshots)
+    with _lock:
+        previous = _active
+    if previous is not None:
+        previous.close()
+    with _lock:
+        if not _torch_observer:
+            _torch_observer = _attach_torch_observer()
+        snapper.torch_observer = _torch_observer
+        snapper._unsubscribe = _errors.on_out_of_memory(_on_pool_oom)
+        snapper._prev_hooks = (sys.excepthook, threading.excepthook)
+        sys.excepthook = _excepthook
+        threading.excepthook = _thread_excepthook
+        _active = snapper
+    return snapper
+
+
+def _rank() -> int:
+    """This process's rank: torch.distributed's when it is initialized, else
+    ``$RANK``, else 0 (torch is not imported for it)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:  # noqa: BLE001,S110 - a rank number is all that is wanted
+        pass
+    try:
+        return max(0, int(os.environ.get("RANK", "0")))
+    except ValueError:
+        return 0
+
+
+def _torch_replaced() -> bool:
+    """Whether gpumempool replaced torch's CUDA allocator (it did not when
+    gpumempool.torch was never imported), which leaves torch without
+    out-of-memory observers or snapshots of its own."""
+    mod = sys.modules.get("gpumempool.torch")
+    return mod is not None and mod.torch_allocator_pool() is not None
+
+
+def _attach_torch_observer() -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        if not torch.cuda.is_available():
+            return False
+        torch._C._cuda_attach_out_of_memory_observer(_torch_oom_observer)
+    except Exception:  # noqa: BLE001 - e.g. a pluggable allocator, which has no observers
+        return False
+    return True
+
+
+def _torch_oom_observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+    """torch's out-of-memory observer, called with torch's lock released."""
+    snapper = _active
+    if snapper is not None:
+        snapper.write("torch's CUDA caching allocator",
+                      f"tried to allocate {alloc} bytes on device {device} "
+                      f"({device_allocated} allocated, {device_free} free on the device)", torch_native=True)
+
+
+def _on_pool_oom(err: OutOfMemoryError) -> None:
+    snapper = _active
+    path = None if snapper is None else snapper.write("a gpumempool pool call", str(err))
+    setattr(err, SNAPSHOT_ATTR, path)
+
+
+def _is_oom(exc: Optional[BaseException]) -> bool:
+    """Whether exc, or an exception it was raised from, is out of memory."""
+    torch = sys.modules.get("torch")
+    torch_oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    for _ in range(16):
+        if exc is None:
+            return False
+        if isinstance(exc, MemoryError) or (torch_oom is not None and isinstance(exc, torch_oom)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _seen(exc: Optional[BaseException]) -> bool:
+    """Whether a snapshot trigger already saw this error (or its cause): a
+    gpumempool error it was told of, or torch's while its observer works."""
+    snapper = _active
+    torch = sys.modules.get("torch")
+    torch_oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    for _ in range(16):
+        if exc is None:
+            return False
+        if hasattr(exc, SNAPSHOT_ATTR):
+            return True
+        if torch_oom is not None and isinstance(exc, torch_oom) and snapper is not None and snapper.torch_observer \
+                and not _torch_replaced():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _uncaught(exc: Optional[BaseException]) -> None:
+    snapper = _active
+    if snapper is not None and _is_oom(exc) and not _seen(exc):
+        snapper.write("uncaught", f"{type(exc).__name__}: {exc}", torch_native=True)
+
+
+def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
+    try:
+        _uncaught(exc)
+    finally:
+        snapper = _active
+        prev = snapper._prev_hooks[0] if snapper is not None else None
+        (prev or sys.__excepthook__)(exc_type, exc, tb)
+
+
+def _thread_excepthook(args: Any) -> None:
+    try:
+        _uncaught(args.exc_value)
+    finally:
+        snapper = _active
+        prev = snapper._prev_hooks[1] if snapper is not None else None
+        (prev or threading.__excepthook__)(args)
+
+
+def _dump_torch_native(path: str) -> bool:
+    """Write torch's own allocator's snapshot, where torch's CUDA allocator is
+    initialized and not replaced by a pool; whether it was written."""
+    torch = sys.modules.get("torch")
+    if torch is None or _torch_replaced():
+        return False
+    try:
+        if not torch.cuda.is_initialized():
+            return False
+        torch.cuda.memory._dump_snapshot(path)
+    except Exception:  # noqa: BLE001 - the pool snapshot is written; this one is extra
+        return False
+    return True

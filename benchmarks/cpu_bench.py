@@ -206,7 +206,14 @@ def main() -> None:
     ap.add_argument("--go-count", type=int, default=int(os.environ.get("GMP_BENCH_COUNT", "5")),
                     help="runs of each Go benchmark (default 5, or $GMP_BENCH_COUNT)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder (default benchmarks/results)")
+    ap.add_argument("--cabi-only", action="store_true",
+                    help="only the C ABI pair and its floor, as one JSON line on stdout (nothing written): "
+                         "run by benchmarks/hotpath_paired.py with another build's Python")
     args = ap.parse_args()
+    if args.cabi_only:
+        pair, floor_ns = c_abi_benchmark(iters=1_000_000, repeats=5)
+        print(json.dumps({"pair_ns": pair, "floor_ns": floor_ns, "ratio": pair / floor_ns}))
+        return
     out = args.out
     go, go_cpu = go_benchmarks(count=args.go_count)
     cabi, floor = c_abi_benchmark(iters=1_000_000, repeats=5)

@@ -1,7 +1,6 @@
 package cabi
 
 import (
-	"errors"
 	"fmt"
 	"sync/atomic"
 	"testing"
@@ -12,23 +11,11 @@ import (
 	"github.com/gpumempool/gpumempool/bindings/registry"
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/graphpool"
+	"github.com/gpumempool/gpumempool/gocore/simtest"
 )
 
 // The private pools themselves are tested in package graphpool; here, the
 // glue of torch's hooks to them.
-
-// refusingFree is a sim backend whose Free fails while refuse is set.
-type refusingFree struct {
-	*gocore.SimBackend
-	refuse atomic.Bool
-}
-
-func (b *refusingFree) Free(device int, addr, size uint64, stream gocore.Stream) error {
-	if b.refuse.Load() {
-		return errors.New("refused")
-	}
-	return b.SimBackend.Free(device, addr, size, stream)
-}
 
 // A pool closed during its own capture: the backend refuses its private
 // pools' segments while the stream still captures (the CUDA backends'
@@ -36,11 +23,7 @@ func (b *refusingFree) Free(device int, addr, size uint64, stream gocore.Stream)
 // a slot no pool holds any more, they go back; before, they waited for
 // another pool's sweep.
 func TestGraphPoolSegmentsOfAPoolClosedDuringItsCaptureGoBackAtItsEnd(t *testing.T) {
-	sim, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 30})
-	require.NoError(t, err)
-	be := &refusingFree{SimBackend: sim}
-	p, err := gocore.NewPool(gocore.Config{Name: "torch", Backend: be})
-	require.NoError(t, err)
+	p, be, sim := simtest.NewRefusingPool(t, "torch")
 	e := registry.Add(p, sim, nil)
 	slot, err := registry.AssignSlot(e)
 	require.NoError(t, err)
@@ -58,7 +41,7 @@ func TestGraphPoolSegmentsOfAPoolClosedDuringItsCaptureGoBackAtItsEnd(t *testing
 	}))
 	_, err = e.Graphs.Alloc(1<<20, 0, 0x10)
 	require.NoError(t, err)
-	be.refuse.Store(true)
+	be.Refuse.Store(true)
 	_, err = e.Pool.Close()
 	require.NoError(t, err)
 	_, err = e.Graphs.ClosePrivate()
@@ -67,7 +50,7 @@ func TestGraphPoolSegmentsOfAPoolClosedDuringItsCaptureGoBackAtItsEnd(t *testing
 	registry.Remove(e.ID) // the slot goes with the pool
 	removed = true
 	require.NotZero(t, sim.UsedBytes(0))
-	be.refuse.Store(false) // the capture ended; torch ends the allocation to the pool
+	be.Refuse.Store(false) // the capture ended; torch ends the allocation to the pool
 	graphEnd(slot, 0, id)
 	assert.Zero(t, sim.UsedBytes(0), "the refused segments went back")
 	assert.Equal(t, fmt.Sprintf("gmp_end_allocate_to_pool_%d: no pool holds this slot (closed?)", slot), registry.TakeOrphanError())

@@ -1,7 +1,6 @@
 package graphpool
 
 import (
-	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -11,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/simtest"
 )
 
 const mib = 1 << 20
@@ -436,29 +436,12 @@ func TestPrivatePoolCloseHoldsOffOtherCaptures(t *testing.T) {
 	assert.Zero(t, gocore.ProcessCaptures())
 }
 
-// refusingFree is a sim backend whose Free fails while refuse is set.
-type refusingFree struct {
-	*gocore.SimBackend
-	refuse atomic.Bool
-}
-
-func (b *refusingFree) Free(device int, addr, size uint64, stream gocore.Stream) error {
-	if b.refuse.Load() {
-		return errors.New("refused")
-	}
-	return b.SimBackend.Free(device, addr, size, stream)
-}
-
 // A private pool whose segments the backend refuses when it closes keeps
 // them for later: the next sweep gives them back, or else the pool's close.
 func TestGraphPoolSegmentsRefusedAtCloseAreRetried(t *testing.T) {
 	for _, retryBy := range []string{"sweep", "close"} {
 		t.Run(retryBy, func(t *testing.T) {
-			sim, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 30})
-			require.NoError(t, err)
-			be := &refusingFree{SimBackend: sim}
-			p, err := gocore.NewPool(gocore.Config{Name: "torch", Backend: be})
-			require.NoError(t, err)
+			p, be, sim := simtest.NewRefusingPool(t, "torch")
 			g := register(t, p)
 			var released atomic.Int32
 			id := ID{0, 9}
@@ -467,13 +450,13 @@ func TestGraphPoolSegmentsRefusedAtCloseAreRetried(t *testing.T) {
 			require.NoError(t, err)
 			require.NoError(t, g.EndCapture(0, id))
 			require.NoError(t, g.Release(0, id))
-			be.refuse.Store(true)
+			be.Refuse.Store(true)
 			require.ErrorContains(t, g.Free(a), "refused", "the private pool closes; its segment stays")
 			pools, err := g.List()
 			require.NoError(t, err)
 			assert.Empty(t, pools)
 			require.NotZero(t, sim.UsedBytes(0))
-			be.refuse.Store(false)
+			be.Refuse.Store(false)
 			if retryBy == "sweep" {
 				n, err := g.Sweep()
 				require.NoError(t, err)
@@ -633,28 +616,16 @@ func TestOtherPoolsHoldTheirMemoryDuringACapture(t *testing.T) {
 	require.NoError(t, a.Release(0, id))
 }
 
-// refusingPool is a pool named name over a simulated device whose frees a
-// test can refuse (refusingFree.refuse).
-func refusingPool(t *testing.T, name string) (*gocore.Pool, *refusingFree, *gocore.SimBackend) {
-	t.Helper()
-	sim, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 30})
-	require.NoError(t, err)
-	be := &refusingFree{SimBackend: sim}
-	p, err := gocore.NewPool(gocore.Config{Name: name, Backend: be})
-	require.NoError(t, err)
-	return p, be, sim
-}
-
 // closeRefusingGraphPool allocates in graph pool id of g (a capture on
 // stream 0x10) and closes g's pool while the backend refuses frees: the
 // graph pool's segment lingers.
-func closeRefusingGraphPool(t *testing.T, g *Pools, be *refusingFree, id ID) {
+func closeRefusingGraphPool(t *testing.T, g *Pools, be *simtest.RefusingFree, id ID) {
 	t.Helper()
 	var released atomic.Int32
 	require.NoError(t, g.BeginCapture(0, id, goFilter(0x10, &released)))
 	_, err := g.Alloc(mib, 0, 0x10)
 	require.NoError(t, err)
-	be.refuse.Store(true)
+	be.Refuse.Store(true)
 	_, err = g.main.Close()
 	require.NoError(t, err)
 	_, err = g.ClosePrivate()
@@ -664,11 +635,11 @@ func closeRefusingGraphPool(t *testing.T, g *Pools, be *refusingFree, id ID) {
 // A pool that closes while the backend refuses its graph pools' segments
 // leaves them lingering: a later sweep gives them back.
 func TestGraphPoolSegmentsRefusedWhenThePoolClosesLinger(t *testing.T) {
-	p, be, sim := refusingPool(t, "torch")
+	p, be, sim := simtest.NewRefusingPool(t, "torch")
 	g := register(t, p)
 	closeRefusingGraphPool(t, g, be, ID{0, 77})
 	require.NotZero(t, sim.UsedBytes(0))
-	be.refuse.Store(false)
+	be.Refuse.Store(false)
 	n, err := SweepAll()
 	require.NoError(t, err)
 	assert.Equal(t, 1, n)
@@ -681,11 +652,11 @@ func TestGraphPoolSegmentsRefusedWhenThePoolClosesLinger(t *testing.T) {
 // back (the C ABI calls it when torch ends the allocation to a pool that is
 // gone); before, they waited for another pool's sweep.
 func TestGraphPoolSegmentsOfAPoolClosedDuringItsCaptureGoBackAtItsEnd(t *testing.T) {
-	p, be, sim := refusingPool(t, "torch")
+	p, be, sim := simtest.NewRefusingPool(t, "torch")
 	g := register(t, p)
 	closeRefusingGraphPool(t, g, be, ID{0, 78}) // refused: the capture still runs
 	require.NotZero(t, sim.UsedBytes(0))
-	be.refuse.Store(false) // the capture ended
+	be.Refuse.Store(false) // the capture ended
 	n, err := RetryLingering()
 	require.NoError(t, err)
 	assert.Equal(t, 1, n)
@@ -708,15 +679,15 @@ func (b *blockingFree) Free(device int, addr, size uint64, stream gocore.Stream)
 // RetryLingering frees outside its lock: while a backend free waits (for a
 // device, say), other pools can still add their lingering pools.
 func TestRetryLingeringFreesOutsideItsLock(t *testing.T) {
-	p, be, sim := refusingPool(t, "lingering")
+	p, be, sim := simtest.NewRefusingPool(t, "lingering")
 	_, err := p.Alloc(mib, 0, 0)
 	require.NoError(t, err)
-	be.refuse.Store(true)
+	be.Refuse.Store(true)
 	_, err = p.Close()
 	require.Error(t, err)
 	// p lingers later; p2, on a backend whose free waits, lingers now.
 	blocking := &blockingFree{SimBackend: sim, entered: make(chan struct{}), letGo: make(chan struct{})}
-	be.refuse.Store(false)
+	be.Refuse.Store(false)
 	p2, err := gocore.NewPool(gocore.Config{Name: "blocking", Backend: blocking})
 	require.NoError(t, err)
 	_, err = p2.Alloc(mib, 0, 0)

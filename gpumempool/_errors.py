@@ -19,6 +19,7 @@ __all__ = [
     "LeakWarning",
     "OutOfMemoryError",
     "PoolClosedError",
+    "expect_out_of_memory",
     "on_out_of_memory",
 ]
 
@@ -97,7 +98,7 @@ def translate(exc: BaseException) -> BaseException:
     m = _PREFIX.match(msg)
     if m and m.group(1) in _KINDS:
         err = _KINDS[m.group(1)](msg[m.end():])
-        if isinstance(err, OutOfMemoryError) and _oom_listeners:
+        if isinstance(err, OutOfMemoryError) and _oom_listeners and not getattr(_expected, "on", False):
             _tell_out_of_memory(err)
         return err
     return BackendError(msg)
@@ -108,6 +109,18 @@ def translate(exc: BaseException) -> BaseException:
 #: held. gpumempool.distributed.snapshot_on_oom listens here.
 _oom_listeners: list[Callable[[OutOfMemoryError], None]] = []
 _oom_lock = threading.Lock()
+#: Per thread: whether the OutOfMemoryErrors raised on it are outcomes the
+#: caller counts (a replay of a trace that does not fit), not this process
+#: running out of memory: listeners are not told of them.
+_expected = threading.local()
+
+
+def expect_out_of_memory(expected: bool) -> bool:
+    """Set whether this thread's OutOfMemoryErrors are expected outcomes
+    (see ``_expected``); returns the previous setting, to put back."""
+    previous = bool(getattr(_expected, "on", False))
+    _expected.on = expected
+    return previous
 
 
 def on_out_of_memory(listener: Callable[[OutOfMemoryError], None]) -> Callable[[], None]:

@@ -30,8 +30,8 @@ import warnings
 from types import TracebackType
 from typing import Any, Callable, Optional
 
-from . import _errors
-from ._errors import OutOfMemoryError
+from . import _errors, _lifecycle, _native
+from ._errors import CallbackReentryError, OutOfMemoryError, PoolClosedError
 
 __all__ = ["OomSnapshots", "snapshot_on_oom"]
 
@@ -44,6 +44,17 @@ _active: Optional["OomSnapshots"] = None
 #: Whether torch's out-of-memory observer is attached in this process (once:
 #: torch has no way to detach one).
 _torch_observer = False
+
+
+def _new_locks_after_fork() -> None:
+    """In a forked child: new locks, as another thread may have held them
+    at the fork (a snapshotter made or closed in the child takes both)."""
+    global _lock
+    _lock = threading.Lock()
+    _errors._oom_lock = threading.Lock()
+
+
+_native.after_fork_in_child(_new_locks_after_fork)
 
 
 class OomSnapshots:
@@ -60,8 +71,28 @@ class OomSnapshots:
         self._count = 0
         self._closed = False
         self._write_lock = threading.Lock()
-        self._prev_hooks: tuple[Any, Any] = (None, None)
         self._unsubscribe: Callable[[], None] = lambda: None
+        # Hooks of this snapshotter's own, chained to the ones they replaced:
+        # user code may wrap them (and a later call wrap that), so each
+        # goes on to its own predecessor, and after close only does that.
+        prev_sys: Any = sys.excepthook  # None where user code set it so
+        prev_thread: Any = threading.excepthook
+
+        def excepthook(exc_type: type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
+            try:
+                self._uncaught(exc)
+            finally:
+                (prev_sys or sys.__excepthook__)(exc_type, exc, tb)
+
+        def thread_excepthook(args: Any) -> None:
+            try:
+                self._uncaught(args.exc_value)
+            finally:
+                (prev_thread or threading.__excepthook__)(args)
+
+        self._prev_hooks: tuple[Any, Any] = (prev_sys, prev_thread)
+        self._sys_hook = excepthook
+        self._thread_hook = thread_excepthook
 
     @property
     def closed(self) -> bool:
@@ -70,59 +101,95 @@ class OomSnapshots:
     def close(self) -> None:
         """Stop writing snapshots and put back the exception hooks (where
         nobody replaced them since)."""
-        global _active
         with _lock:
-            if self._closed:
-                return
-            self._closed = True
-            if _active is self:
-                _active = None
-            self._unsubscribe()
-            prev_sys, prev_thread = self._prev_hooks
-            if sys.excepthook is _excepthook:
-                sys.excepthook = prev_sys
-            if threading.excepthook is _thread_excepthook:
-                threading.excepthook = prev_thread
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        global _active
+        if self._closed:
+            return
+        self._closed = True
+        if _active is self:
+            _active = None
+        self._unsubscribe()
+        prev_sys, prev_thread = self._prev_hooks
+        if sys.excepthook is self._sys_hook:
+            sys.excepthook = prev_sys
+        if threading.excepthook is self._thread_hook:
+            threading.excepthook = prev_thread
 
     def __enter__(self) -> "OomSnapshots":
         return self
 
     def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
-        if exc is not None and _is_oom(exc) and not _seen(exc):
-            self.write("uncaught (leaving the with block)", str(exc))
-        self.close()
+        try:
+            if exc is not None and _is_oom(exc) and not self._seen(exc):
+                self.write("uncaught (leaving the with block)", str(exc))
+        finally:
+            self.close()
+
+    def _seen(self, exc: Optional[BaseException]) -> bool:
+        """Whether a snapshot trigger already saw this error (or its cause): a
+        gpumempool error it was told of, or torch's while its observer works."""
+        torch = sys.modules.get("torch")
+        torch_oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+        for _ in range(16):
+            if exc is None:
+                return False
+            if hasattr(exc, SNAPSHOT_ATTR):
+                return True
+            if torch_oom is not None and isinstance(exc, torch_oom) and self.torch_observer \
+                    and not _torch_replaced():
+                return True
+            exc = exc.__cause__ or exc.__context__
+        return False
+
+    def _uncaught(self, exc: Optional[BaseException]) -> None:
+        if not self._closed and _is_oom(exc) and not self._seen(exc):
+            self.write("uncaught", f"{type(exc).__name__}: {exc}", torch_native=True)
 
     def write(self, trigger: str, message: str, torch_native: bool = False) -> Optional[str]:
         """Write this rank's snapshot now, as if it had run out of memory
         (``trigger`` and ``message`` are recorded in it, under ``"oom"``);
         returns the path, or None once ``max_snapshots`` are written or when
-        closed. A failure is a warning, never an exception: this runs while
-        an out-of-memory error is on its way to the caller."""
+        closed. A failure is a warning, never an exception (not even with
+        warnings turned into errors): this runs while an out-of-memory error
+        is on its way to the caller, inside torch's allocator too.
+
+        In a forked child nothing is written: no pool can be read there, and
+        the child is not the rank whose file name it would take."""
+        if _native.forked():
+            return None
+        # The number is taken under the lock, the snapshot outside it: the
+        # snapshot waits for every pool's lock, and the engine holds one
+        # while a Python allocator function runs, which can itself run out
+        # of memory in another pool and come here.
         with self._write_lock:
             if self._closed or self._count >= self.max_snapshots:
                 return None
             self._count += 1
-            rank = _rank()
-            stem = os.path.join(self.directory, f"rank{rank:05d}-oom{self._count}")
-            try:
-                from ._snapshot import dump_snapshot, snapshot
+            number = self._count
+        rank = _rank()
+        stem = os.path.join(self.directory, f"rank{rank:05d}-oom{number}")
+        try:
+            from ._snapshot import dump_snapshot
 
-                snap = snapshot()
-                snap["rank"], snap["host"], snap["pid"] = rank, socket.gethostname(), os.getpid()
-                snap["oom"] = {"trigger": trigger, "message": message, "time": time.time()}
-                dump_snapshot(stem + ".pickle", snap)
-            except Exception as exc:  # noqa: BLE001 - see the docstring
-                warnings.warn(f"gpumempool: rank {rank} ran out of memory, but its snapshot could not be "
-                              f"written to {stem}.pickle: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
-                return None
+            snap = _snapshot_of_open_pools()
+            snap["rank"], snap["host"], snap["pid"] = rank, socket.gethostname(), os.getpid()
+            snap["oom"]["trigger"], snap["oom"]["message"] = trigger, message
+            dump_snapshot(stem + ".pickle", snap)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            _warn(f"gpumempool: rank {rank} ran out of memory, but its snapshot could not be "
+                  f"written to {stem}.pickle: {type(exc).__name__}: {exc}")
+            return None
+        native = torch_native and _dump_torch_native(stem + "-torch.pickle")
+        with self._write_lock:
             self.written.append(stem + ".pickle")
-            extra = ""
-            if torch_native and _dump_torch_native(stem + "-torch.pickle"):
+            if native:
                 self.written.append(stem + "-torch.pickle")
-                extra = f" (torch's own allocator: {stem}-torch.pickle)"
-            warnings.warn(f"gpumempool: rank {rank} ran out of memory ({trigger}); its snapshot is in "
-                          f"{stem}.pickle{extra}", RuntimeWarning, stacklevel=2)
-            return stem + ".pickle"
+        extra = f" (torch's own allocator: {stem}-torch.pickle)" if native else ""
+        _warn(f"gpumempool: rank {rank} ran out of memory ({trigger}); its snapshot is in {stem}.pickle{extra}")
+        return stem + ".pickle"
 
 
 def snapshot_on_oom(directory: Any, *, max_snapshots: int = 1) -> OomSnapshots:
@@ -148,21 +215,49 @@ def snapshot_on_oom(directory: Any, *, max_snapshots: int = 1) -> OomSnapshots:
     os.makedirs(path, exist_ok=True)
     if not os.access(path, os.W_OK | os.X_OK):
         raise PermissionError(f"snapshot_on_oom: cannot write in {path}")
-    snapper = OomSnapshots(os.path.abspath(path), max_snapshots)
-    with _lock:
-        previous = _active
-    if previous is not None:
-        previous.close()
-    with _lock:
+    with _lock:  # one lock throughout: two threads calling at once each close the other's in turn
+        if _active is not None:
+            _active._close_locked()
         if not _torch_observer:
             _torch_observer = _attach_torch_observer()
+        snapper = OomSnapshots(os.path.abspath(path), max_snapshots)  # takes the hooks it replaces
         snapper.torch_observer = _torch_observer
         snapper._unsubscribe = _errors.on_out_of_memory(_on_pool_oom)
-        snapper._prev_hooks = (sys.excepthook, threading.excepthook)
-        sys.excepthook = _excepthook
-        threading.excepthook = _thread_excepthook
+        sys.excepthook = snapper._sys_hook
+        threading.excepthook = snapper._thread_hook
         _active = snapper
     return snapper
+
+
+def _snapshot_of_open_pools() -> dict[str, Any]:
+    """:func:`gpumempool.snapshot`, less the pools this thread is inside of
+    (running one's Python allocator function, whose pool cannot be read
+    until it returns), named under ``"oom"``, ``"pools_not_read"``."""
+    from ._snapshot import merge
+
+    snaps, not_read = [], []
+    for p in _lifecycle.open_pools():
+        try:
+            snaps.append(p.snapshot())
+        except PoolClosedError:  # closed by another thread meanwhile
+            continue
+        except CallbackReentryError:
+            not_read.append(str(getattr(p, "_cached_name", None) or f"#{p._id}"))
+    snap = merge(snaps)
+    snap["oom"] = {"time": time.time(), "pools_not_read": not_read}
+    return snap
+
+
+def _warn(message: str) -> None:
+    """A RuntimeWarning that never raises: where warnings are errors, the
+    message goes to stderr instead."""
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    except Exception:  # noqa: BLE001 - see write()
+        try:
+            sys.stderr.write(message + "\n")
+        except Exception:  # noqa: BLE001,S110 - no stderr: nothing more to do
+            pass
 
 
 def _rank() -> int:
@@ -227,48 +322,6 @@ def _is_oom(exc: Optional[BaseException]) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-def _seen(exc: Optional[BaseException]) -> bool:
-    """Whether a snapshot trigger already saw this error (or its cause): a
-    gpumempool error it was told of, or torch's while its observer works."""
-    snapper = _active
-    torch = sys.modules.get("torch")
-    torch_oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
-    for _ in range(16):
-        if exc is None:
-            return False
-        if hasattr(exc, SNAPSHOT_ATTR):
-            return True
-        if torch_oom is not None and isinstance(exc, torch_oom) and snapper is not None and snapper.torch_observer \
-                and not _torch_replaced():
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def _uncaught(exc: Optional[BaseException]) -> None:
-    snapper = _active
-    if snapper is not None and _is_oom(exc) and not _seen(exc):
-        snapper.write("uncaught", f"{type(exc).__name__}: {exc}", torch_native=True)
-
-
-def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
-    try:
-        _uncaught(exc)
-    finally:
-        snapper = _active
-        prev = snapper._prev_hooks[0] if snapper is not None else None
-        (prev or sys.__excepthook__)(exc_type, exc, tb)
-
-
-def _thread_excepthook(args: Any) -> None:
-    try:
-        _uncaught(args.exc_value)
-    finally:
-        snapper = _active
-        prev = snapper._prev_hooks[1] if snapper is not None else None
-        (prev or threading.__excepthook__)(args)
 
 
 def _dump_torch_native(path: str) -> bool:

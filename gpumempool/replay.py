@@ -43,7 +43,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from ._errors import InvalidArgumentError, LeakWarning, OutOfMemoryError
+from ._errors import InvalidArgumentError, LeakWarning, OutOfMemoryError, expect_out_of_memory
 from ._args import MAX_DEVICE, ROUNDUP_INTERVALS
 from ._pool import MemPool
 from .trace import Alloc, EmptyCache, Free, PathLike, RecordStream, Sync, Trace, TraceFile, Trim
@@ -445,6 +445,9 @@ def replay(
     stopped_at: Optional[int] = None
     if stop_above is not None and (isinstance(stop_above, bool) or not isinstance(stop_above, int)):
         raise TypeError(f"stop_above must be an int (bytes) or None, got {type(stop_above).__name__}")
+    # an allocation the trace does not fit in is counted here, not this
+    # process running out of memory (distributed.snapshot_on_oom ignores it)
+    was_expected = expect_out_of_memory(True)
     try:
         alloc, alloc_segment, free, record_stream = pool.alloc, pool.alloc_segment, pool.free, pool.record_stream
         place = pool.sim_place_next
@@ -503,6 +506,7 @@ def replay(
         stats = pool.stats()
         placed = pool.sim_stats().get("placed", 0)
     finally:
+        expect_out_of_memory(was_expected)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", LeakWarning)
             pool.close()

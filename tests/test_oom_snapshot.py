@@ -425,6 +425,7 @@ def test_a_callback_pool_oom_while_another_thread_writes_does_not_deadlock(tmp_p
     assert len(inside) == 1 and inside[0]["oom"]["pools_not_read"] == ["cb"], [s["oom"] for s in snaps]
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_forked_child_writes_nothing_under_its_parents_name(tmp_path: Path) -> None:
     """A forked child (a DataLoader worker, say) inherits the snapshotter;
     it cannot read a pool (ForkedProcessError) and is not the rank: with no

@@ -8,7 +8,10 @@ run with each build's Python).
 
 BASE_REV is checked out in a temporary git worktree; its gocore test binary
 is built with go, and its extension is pip-installed into a temporary venv
-(a minute or two). Prints a markdown table (and writes it to --out).
+(a minute or two). This checkout's side runs with the Python that runs this
+script, which must have this checkout installed (``pip install .``): the
+script refuses one whose gpumempool was installed from elsewhere. Prints a
+markdown table (and writes it to --out).
 """
 
 from __future__ import annotations
@@ -52,6 +55,20 @@ def cabi_round(python: str) -> dict[str, float]:
     return dict(json.loads(out.strip().splitlines()[-1]))
 
 
+def installed_from_here() -> bool:
+    """Whether this Python's gpumempool was pip-installed from this checkout."""
+    import importlib.metadata
+    import json
+
+    try:
+        url = importlib.metadata.distribution("gpumempool").read_text("direct_url.json")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    if not url:
+        return False
+    return Path(json.loads(url).get("url", "").removeprefix("file://")).resolve() == ROOT
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("base", help="the earlier revision (a commit, tag or branch)")
@@ -64,6 +81,9 @@ def main() -> None:
     if base.returncode != 0:
         ap.error(f"{args.base!r} is not a revision of this repository")
     rev = base.stdout.strip()
+    if not installed_from_here():
+        ap.error(f"this Python ({sys.executable}) does not have this checkout installed: run "
+                 f"`{sys.executable} -m pip install {ROOT}` first, so that its side measures this build")
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,7 +109,7 @@ def main() -> None:
     med = statistics.median
     lines = [f"Hot path, {rev} (base) vs {head}: medians of {args.rounds} alternated rounds on one machine.", "",
              f"| pair | {rev} | {head} | {head} / {rev} |", "|---|---:|---:|---:|"]
-    for key in go[head][0]:
+    for key in sorted(set(go[head][0]) & set(go[rev][0]), key=lambda k: int(k.split("=")[1])):
         b, h = med(r[key] for r in go[rev]), med(r[key] for r in go[head])
         lines.append(f"| Go CacheHit/{key}, ns | {b:.1f} | {h:.1f} | {h / b:.2f} |")
     for key, what in (("pair_ns", "C ABI pair, ns"), ("floor_ns", "C ABI floor (empty exports), ns"),

@@ -33,33 +33,31 @@ func smallClass(size uint64) uint { return uint(size/MinBlockSize) - 1 }
 
 func (s *smallBins) insert(b *block) {
 	c := smallClass(b.size)
-	n := len(s.bins[c])
-	if n < cap(s.bins[c]) {
-		s.bins[c] = s.bins[c][:n+1] // the length alone changes
+	bin := &s.bins[c]
+	n := len(*bin)
+	if n < cap(*bin) {
+		*bin = (*bin)[:n+1] // the length alone changes
 	} else {
-		s.bins[c] = append(s.bins[c], nil)
+		*bin = append(*bin, nil)
 	}
-	h := s.bins[c]
-	h[n] = b
-	b.heapIdx = n
-	siftUp(h, n)
+	siftUp(*bin, n, b)
 	s.nonEmpty[c/64] |= 1 << (c % 64)
 	s.nonEmptyWords |= 1 << (c / 64)
 }
 
 func (s *smallBins) remove(b *block) {
 	c := smallClass(b.size)
-	h := s.bins[c]
+	bin := &s.bins[c]
+	h := *bin
 	i, last := b.heapIdx, len(h)-1
-	if i != last {
-		h[i] = h[last]
-		h[i].heapIdx = i
-	}
+	moved := h[last]
 	h[last] = nil
-	s.bins[c] = s.bins[c][:last] // the length alone changes
-	if h = h[:last]; i < last {
-		if !siftUp(h, i) {
-			siftDown(h, i)
+	h = h[:last]
+	*bin = h // the length alone changes
+	if i < last {
+		// The last entry fills the hole at i, moving up or down.
+		if !siftUp(h, i, moved) {
+			siftDown(h, i, moved)
 		}
 	}
 	if last == 0 {
@@ -88,38 +86,48 @@ func (s *smallBins) bestFit(size uint64) *block {
 	return s.bins[w*64+uint(bits.TrailingZeros64(m))][0]
 }
 
-func siftUp(h []*block, i int) bool {
-	moved := false
-	for i > 0 {
-		p := (i - 1) / 2
-		if h[p].addr <= h[i].addr {
+// siftUp places e in the hole at h[i], moving it up past the parents with
+// higher addresses (each moved parent is written once, not swapped). It
+// reports whether e moved (if not, siftDown may still move it down).
+func siftUp(h []*block, i int, e *block) bool {
+	j := i
+	for j > 0 {
+		p := (j - 1) >> 1
+		parent := h[p]
+		if parent.addr <= e.addr {
 			break
 		}
-		h[p], h[i] = h[i], h[p]
-		h[p].heapIdx, h[i].heapIdx = p, i
-		i = p
-		moved = true
+		h[j] = parent
+		parent.heapIdx = j
+		j = p
 	}
-	return moved
+	h[j] = e
+	e.heapIdx = j
+	return j != i
 }
 
-func siftDown(h []*block, i int) {
+// siftDown places e in the hole at h[i], moving it down past the children
+// with lower addresses.
+func siftDown(h []*block, i int, e *block) {
+	j := i
 	for {
-		l := 2*i + 1
-		if l >= len(h) {
-			return
+		m := 2*j + 1
+		if m >= len(h) {
+			break
 		}
-		m := l
-		if r := l + 1; r < len(h) && h[r].addr < h[l].addr {
-			m = r
+		child := h[m]
+		if r := m + 1; r < len(h) && h[r].addr < child.addr {
+			m, child = r, h[r]
 		}
-		if h[i].addr <= h[m].addr {
-			return
+		if e.addr <= child.addr {
+			break
 		}
-		h[i], h[m] = h[m], h[i]
-		h[i].heapIdx, h[m].heapIdx = i, m
-		i = m
+		h[j] = child
+		child.heapIdx = j
+		j = m
 	}
+	h[j] = e
+	e.heapIdx = j
 }
 
 // largeLess orders large free blocks by (size, address): torch's best fit.

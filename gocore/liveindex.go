@@ -39,12 +39,16 @@ func (x *liveIndex) len() int { return x.n }
 
 // get returns the block at addr, or nil.
 func (x *liveIndex) get(addr uint64) *block {
-	if x.n == 0 || addr == 0 {
+	slots := x.slots
+	if len(slots) == 0 || addr == 0 {
 		return nil
 	}
-	mask := uint64(len(x.slots) - 1)
-	for i := x.home(addr); ; i = (i + 1) & mask {
-		s := &x.slots[i]
+	// Probes are masked where they index (and slots is known not empty)
+	// so that the compiler drops their bounds checks.
+	mask := uint64(len(slots) - 1)
+	for i := x.home(addr); ; i++ {
+		i &= mask
+		s := &slots[i]
 		if s.addr == addr {
 			return s.b
 		}
@@ -67,12 +71,19 @@ func (x *liveIndex) put(b *block) {
 }
 
 func (x *liveIndex) insert(addr uint64, b *block) {
-	mask := uint64(len(x.slots) - 1)
-	i := x.home(addr)
-	for x.slots[i].addr != 0 {
-		i = (i + 1) & mask
+	slots := x.slots
+	if len(slots) == 0 { // never (put resizes first); tells the compiler
+		panic("gocore: live index has no slots")
 	}
-	x.slots[i] = liveSlot{addr, b}
+	mask := uint64(len(slots) - 1)
+	i := x.home(addr)
+	for ; ; i++ {
+		i &= mask
+		if slots[i].addr == 0 {
+			break
+		}
+	}
+	slots[i] = liveSlot{addr, b}
 }
 
 // remove deletes addr, which must be in the index.
@@ -88,30 +99,38 @@ func (x *liveIndex) remove(addr uint64) {
 // back (backward-shift deletion), so no probe sequence ever crosses a hole
 // it should not.
 func (x *liveIndex) take(addr uint64) *block {
-	if x.n == 0 || addr == 0 {
+	slots := x.slots
+	if len(slots) == 0 || addr == 0 {
 		return nil
 	}
-	mask := uint64(len(x.slots) - 1)
-	i := x.home(addr)
-	for x.slots[i].addr != addr {
-		if x.slots[i].addr == 0 {
+	mask, shift := uint64(len(slots)-1), x.shift
+	i := (addr * fibonacciMul) >> shift // home(addr)
+	for ; ; i++ {
+		i &= mask
+		if a := slots[i].addr; a == addr {
+			break
+		} else if a == 0 {
 			return nil
 		}
-		i = (i + 1) & mask
 	}
-	b := x.slots[i].b
-	for j := (i + 1) & mask; x.slots[j].addr != 0; j = (j + 1) & mask {
+	b := slots[i].b
+	for j := i + 1; ; j++ {
+		j &= mask
+		a := slots[j].addr
+		if a == 0 {
+			break
+		}
 		// Move slot j into the hole at i unless its home lies cyclically
 		// in (i, j]: then it is reachable from its home without passing i.
-		if h := x.home(x.slots[j].addr); (j-h)&mask >= (j-i)&mask {
-			x.slots[i] = x.slots[j]
+		if h := (a * fibonacciMul) >> shift; (j-h)&mask >= (j-i)&mask {
+			slots[i] = slots[j]
 			i = j
 		}
 	}
-	x.slots[i] = liveSlot{}
+	slots[i] = liveSlot{}
 	x.n--
-	if len(x.slots) > liveIndexMinSlots && 8*x.n < len(x.slots) {
-		x.resize(len(x.slots) / 2) // a burst of frees gives its memory back
+	if len(slots) > liveIndexMinSlots && 8*x.n < len(slots) {
+		x.resize(len(slots) / 2) // a burst of frees gives its memory back
 	}
 	return b
 }

@@ -129,8 +129,22 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 	b.callerSized = false
 	b.streamUses = b.streamUses[:0]
 	f := d.freeList(b.seg.stream)
+	// The free neighbours merged into b leave the index, then b enters it:
+	// removeFree of each and insertFree of b, written out here so that the
+	// hot path makes one call per index operation, with the inactive_split
+	// counts applied in one pass (a neighbour is always split: b is beside
+	// it).
+	small := kind == kindSmall
+	var merged, mergedBytes int64
 	if n := b.next; n != nil && n.inFree {
-		d.removeFree(f, n)
+		if small {
+			f.small.remove(n)
+		} else {
+			f.large.Delete(n)
+		}
+		n.inFree = false
+		merged++
+		mergedBytes += int64(n.size)
 		b.size += n.size
 		b.next = n.next
 		if b.next != nil {
@@ -141,7 +155,14 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 		p.dropBlock(n)
 	}
 	if pr := b.prev; pr != nil && pr.inFree {
-		d.removeFree(f, pr)
+		if small {
+			f.small.remove(pr)
+		} else {
+			f.large.Delete(pr)
+		}
+		pr.inFree = false
+		merged++
+		mergedBytes += int64(pr.size)
 		pr.size += b.size
 		pr.next = b.next
 		if pr.next != nil {
@@ -152,7 +173,23 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 		p.dropBlock(b)
 		b = pr
 	}
-	d.insertFree(f, b)
+	if small {
+		f.small.insert(b)
+	} else {
+		f.large.ReplaceOrInsert(b)
+	}
+	b.inFree = true
+	seg := b.seg
+	if !b.isSplit() {
+		d.addWholeFree(seg)
+		if merged > 0 && !seg.expandable {
+			d.stats.InactiveSplit.down(kind, merged)
+			d.stats.InactiveSplitBytes.down(kind, mergedBytes)
+		}
+	} else if !seg.expandable {
+		d.stats.InactiveSplit.swap(kind, merged, 1)
+		d.stats.InactiveSplitBytes.swap(kind, mergedBytes, int64(b.size))
+	}
 	p.applyReleaseThresholdLocked(d, b.seg)
 }
 

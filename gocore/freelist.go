@@ -231,7 +231,7 @@ func (d *deviceState) dropEmptyFreeLists() {
 // insertFree indexes a free block and keeps the split and whole-segment
 // accounting that depends on it. Like torch, inactive_split leaves out
 // expandable segments: their free pages can always be given back, which is
-// what the stat is meant to exclude.
+// what the stat is meant to exclude. freeBlockLocked writes it out.
 func (d *deviceState) insertFree(f *streamFree, b *block) {
 	seg := b.seg
 	if seg.kind == kindSmall {

@@ -30,6 +30,18 @@ func (s *Stat) down(n int64) {
 	s.Freed += n
 }
 
+// swap counts out fewer and then in more (both >= 0) in one pass: the same
+// counts, peak included, as down(out) followed by up(in).
+func (s *Stat) swap(out, in int64) {
+	c := s.Current - out + in
+	s.Current = c
+	s.Allocated += in
+	s.Freed += out
+	if c > s.Peak {
+		s.Peak = c
+	}
+}
+
 // StatArray holds a Stat for all blocks, the small pool and the large pool,
 // in that order (torch's StatType: AGGREGATE, SMALL_POOL, LARGE_POOL).
 type StatArray [3]Stat
@@ -47,6 +59,11 @@ func (a *StatArray) up(k poolKind, n int64) {
 func (a *StatArray) down(k poolKind, n int64) {
 	a[0].down(n)
 	a[k].down(n)
+}
+
+func (a *StatArray) swap(k poolKind, out, in int64) {
+	a[0].swap(out, in)
+	a[k].swap(out, in)
 }
 
 // Stats are a pool's statistics on one device (or summed over devices), with

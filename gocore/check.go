@@ -12,10 +12,11 @@ var ErrInvariant = errors.New("allocator invariant violated")
 // CheckInvariants verifies the pool's internal consistency and returns every
 // violation found (nil when consistent): each segment is tiled exactly by its
 // blocks, no two free blocks are adjacent, free blocks are indexed under
-// their own stream and nothing else is, live blocks are exactly the
-// allocated ones, every active block covers its request rounded by the
-// pool's policy, and the current values of the stats equal a recount. It
-// takes the pool's lock and is O(blocks): for tests and debugging.
+// their own stream and nothing else is, each small bin is a min-heap on
+// address, live blocks are exactly the allocated ones, every active block
+// covers its request rounded by the pool's policy, and the current values of
+// the stats equal a recount. It takes the pool's lock and is O(blocks): for
+// tests and debugging.
 func (p *Pool) CheckInvariants() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -128,6 +129,9 @@ func (p *Pool) CheckInvariants() error {
 			if err := f.small.bitmapError(); err != nil {
 				bad("device %d stream %#x: %v", d.id, uint64(st), err)
 			}
+			if err := f.small.heapOrderError(); err != nil {
+				bad("device %d stream %#x: %v", d.id, uint64(st), err)
+			}
 		}
 		for i, s := range d.wholeFree {
 			if s.first == nil || s.first != s.last || !s.first.inFree {
@@ -232,6 +236,20 @@ func (s *smallBins) bitmapError() error {
 		}
 		if set := s.nonEmptyWords&(1<<w) != 0; set != (word != 0) {
 			return fmt.Errorf("small bitmap word %d is %#x, summary bit %v", w, word, set)
+		}
+	}
+	return nil
+}
+
+// heapOrderError says where a bin breaks its min-heap on address (nil when
+// none does): bestFit trusts each bin's first entry to be its lowest
+// address, and a misplaced entry deeper down would surface only later.
+func (s *smallBins) heapOrderError() error {
+	for c, h := range s.bins {
+		for i := 1; i < len(h); i++ {
+			if p := (i - 1) / 2; h[p].addr > h[i].addr {
+				return fmt.Errorf("small class %d: free block %#x at %d is below %#x at %d", c, h[i].addr, i, h[p].addr, p)
+			}
 		}
 	}
 	return nil

@@ -82,3 +82,29 @@ func TestCheckInvariantsAppliesThePoolsRounding(t *testing.T) {
 	require.NoError(t, p.Free(a))
 	require.NoError(t, p.CheckInvariants(), "a caller-sized block is held to 512-byte rounding only")
 }
+
+// A small bin out of heap order is a violation even while its first entry is
+// still its lowest address: a remove that only sifted down left such bins,
+// and best fit went wrong only several operations later.
+func TestCheckInvariantsCatchesASmallBinOutOfHeapOrder(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{})
+	var addrs []uint64
+	for range 8 {
+		addrs = append(addrs, mustAlloc(t, p, 512, 0, 0))
+	}
+	for i := 0; i < len(addrs); i += 2 { // four free 512-byte blocks, not merged
+		require.NoError(t, p.Free(addrs[i]))
+	}
+	require.NoError(t, p.CheckInvariants())
+	p.mu.Lock()
+	bin := p.devices[0].streams[0].small.bins[0]
+	require.Len(t, bin, 4)
+	bin[1], bin[3] = bin[3], bin[1] // a child below its parent's address...
+	bin[1].heapIdx, bin[3].heapIdx = 1, 3
+	p.mu.Unlock()
+	require.Less(t, bin[3].addr, bin[1].addr)
+	err := p.CheckInvariants()
+	require.ErrorIs(t, err, ErrInvariant)
+	assert.Contains(t, err.Error(), "small class 0")
+	assert.Same(t, bin[0], p.devices[0].streams[0].small.bestFit(512), "...under the lowest address at the root")
+}

@@ -2,6 +2,7 @@ package gocore
 
 import (
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -152,4 +153,49 @@ func BenchmarkLiveIndex(b *testing.B) {
 			delete(m, hot.addr)
 		}
 	})
+}
+
+// TestLiveIndexShiftsBackAcrossTheWrap: keys whose home is the last slot
+// spill over to the first ones; taking the one in the last slot moves each
+// of them back across the end of the table, and a key at home in slot 0
+// follows them back to it, never before its home.
+func TestLiveIndexShiftsBackAcrossTheWrap(t *testing.T) {
+	var x liveIndex
+	x.resize(liveIndexMinSlots)
+	last := uint64(liveIndexMinSlots - 1)
+	var atLast, atZero []uint64
+	for a := uint64(512); len(atLast) < 3 || len(atZero) < 1; a += 512 {
+		switch x.home(a) {
+		case last:
+			atLast = append(atLast, a)
+		case 0:
+			atZero = append(atZero, a)
+		}
+	}
+	want := map[uint64]*block{}
+	for _, a := range []uint64{atLast[0], atLast[1], atLast[2], atZero[0]} {
+		b := &block{addr: a}
+		x.put(b)
+		want[a] = b
+	}
+	slotOf := func(a uint64) int {
+		return slices.IndexFunc(x.slots, func(s liveSlot) bool { return s.addr == a })
+	}
+	require.Equal(t, []int{int(last), 0, 1, 2}, []int{slotOf(atLast[0]), slotOf(atLast[1]), slotOf(atLast[2]), slotOf(atZero[0])})
+	require.Same(t, want[atLast[0]], x.take(atLast[0]))
+	delete(want, atLast[0])
+	require.Equal(t, []int{int(last), 0, 1}, []int{slotOf(atLast[1]), slotOf(atLast[2]), slotOf(atZero[0])})
+	checkLiveIndex(t, &x, want)
+	require.Same(t, want[atLast[2]], x.take(atLast[2])) // the key at home in 0 moves back to it
+	delete(want, atLast[2])
+	require.Equal(t, []int{int(last), 0}, []int{slotOf(atLast[1]), slotOf(atZero[0])})
+	checkLiveIndex(t, &x, want)
+	for a := range want {
+		require.Same(t, want[a], x.take(a))
+		delete(want, a)
+	}
+	checkLiveIndex(t, &x, want)
+	require.Len(t, x.slots, liveIndexMinSlots, "an empty table keeps its slots...")
+	require.Nil(t, x.get(atLast[0]), "...and a probe in it ends at the first empty slot")
+	require.Nil(t, x.take(atZero[0]))
 }

@@ -51,4 +51,5 @@ for f in gocore/*.go; do
 done
 exec nice -n 15 "$GREMLINS" unleash --workers 1 --timeout-coefficient 1 \
 	"${excludes[@]}" -E 'cuda/' -E 'nccl/' -E 'callback/' -E 'nvmldev/' -E 'internal/' \
+	-E 'graphpool/' -E 'options/' -E 'simtest/' \
 	-o "$out" ./gocore

@@ -86,6 +86,9 @@ func (p *Pool) CheckInvariants() error {
 					if b.inFree {
 						bad("active block %#x is in a free list", b.addr)
 					}
+					if b.heapIdx != -1 {
+						bad("active block %#x keeps small-bin index %d", b.addr, b.heapIdx)
+					}
 					continue
 				}
 				if !b.inFree {
@@ -93,6 +96,9 @@ func (p *Pool) CheckInvariants() error {
 					continue
 				}
 				indexed++
+				if s.kind != kindSmall && b.heapIdx != -1 {
+					bad("free block %#x of a large segment has small-bin index %d", b.addr, b.heapIdx)
+				}
 				if !d.isIndexed(b) {
 					bad("free block %#x is not indexed under stream %#x", b.addr, uint64(s.stream))
 				}

@@ -627,3 +627,16 @@ func TestReleaseThresholdHeldByAProcessCaptureAppliesAtTheNextFree(t *testing.T)
 	assert.Less(t, be.UsedBytes(0), uint64(100*MiB))
 	require.NoError(t, p.CheckInvariants())
 }
+
+// roundup_power2_divisions:2, the smallest setting that rounds, is applied:
+// 5000 bytes lie between 4 KiB and 8 KiB, cut into 2 steps of 2 KiB, so the
+// block is 6 KiB where plain rounding gives 5 KiB (as torch's round_size).
+func TestRoundupPower2DivisionsTwoRounds(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Capacity: 1 << 30}, Config{RoundupPower2Divisions: 2})
+	info, err := p.Lookup(mustAlloc(t, p, 5000, 0, 0))
+	require.NoError(t, err)
+	assert.Equal(t, uint64(6144), info.Size)
+	info, err = p.Lookup(mustAlloc(t, p, 1000, 0, 0)) // at most 512*divisions: plain rounding
+	require.NoError(t, err)
+	assert.Equal(t, uint64(1024), info.Size)
+}

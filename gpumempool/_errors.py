@@ -21,6 +21,7 @@ __all__ = [
     "PoolClosedError",
     "expect_out_of_memory",
     "on_out_of_memory",
+    "renew_oom_lock",
 ]
 
 
@@ -121,6 +122,14 @@ def expect_out_of_memory(expected: bool) -> bool:
     previous = bool(getattr(_expected, "on", False))
     _expected.on = expected
     return previous
+
+
+def renew_oom_lock() -> None:
+    """In a forked child: a new lock for the out-of-memory listeners, as
+    another thread may have held the old one at the fork (this module sits
+    below gpumempool._native, whose fork hooks call this)."""
+    global _oom_lock
+    _oom_lock = threading.Lock()
 
 
 def on_out_of_memory(listener: Callable[[OutOfMemoryError], None]) -> Callable[[], None]:

@@ -51,7 +51,7 @@ def _new_locks_after_fork() -> None:
     at the fork (a snapshotter made or closed in the child takes both)."""
     global _lock
     _lock = threading.Lock()
-    _errors._oom_lock = threading.Lock()
+    _errors.renew_oom_lock()
 
 
 _native.after_fork_in_child(_new_locks_after_fork)

@@ -1,5 +1,7 @@
 """The import graph of the gpumempool package: no cycles, lazy or not, and
-no module importing another module's private names.
+no module importing another module's private names, or reaching them as
+attributes of a module it imported (``from . import _errors`` then
+``_errors._lock = ...``).
 
 Every import statement counts, wherever it is: at the top of a module,
 inside a function (a lazy import), or under ``if TYPE_CHECKING:``. A lazy
@@ -62,12 +64,14 @@ def resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
 
 def imports(known: dict[str, Path]) -> tuple[dict[str, set[str]], list[str]]:
     """The package's import edges (module -> modules of the package it
-    imports), and the imports of another module's private names."""
+    imports), and the uses of another module's private names: imported by
+    name, or read or set as an attribute of a module imported whole."""
     graph: dict[str, set[str]] = {name: set() for name in known}
     private: list[str] = []
     for name, path in known.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         is_package = path.name == "__init__.py"
+        bound: dict[str, str] = {}  # local name -> package module it stands for
         for node in ast.walk(tree):
             targets: list[str] = []
             if isinstance(node, ast.Import):
@@ -80,6 +84,7 @@ def imports(known: dict[str, Path]) -> tuple[dict[str, set[str]], list[str]]:
                     sub = f"{source}.{alias.name}"
                     if is_module(sub, known):
                         targets.append(sub)  # `from . import torch`: the submodule
+                        bound[alias.asname or alias.name] = sub
                         continue
                     targets.append(source)
                     dunder = alias.name.startswith("__") and alias.name.endswith("__")
@@ -91,6 +96,12 @@ def imports(known: dict[str, Path]) -> tuple[dict[str, set[str]], list[str]]:
                     continue
                 if target in known and target != name:
                     graph[name].add(target)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+                attr, module = node.attr, bound[node.value.id]
+                dunder = attr.startswith("__") and attr.endswith("__")
+                if attr.startswith("_") and not dunder and module != name and not module.startswith(GENERATED):
+                    private.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{attr}")
     return graph, private
 
 
@@ -140,7 +151,7 @@ def test_the_graph_sees_lazy_and_type_checking_imports(tmp_path: Path, monkeypat
     pkg = tmp_path / PACKAGE
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("def f():\n    from .b import _hidden\n")
+    (pkg / "a.py").write_text("def f():\n    from .b import _hidden\n    from . import b as bb\n    bb._hidden = 2\n")
     (pkg / "b.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .sub import c\n_hidden = 1\n")
     (pkg / "sub" / "__init__.py").write_text("")
@@ -150,4 +161,4 @@ def test_the_graph_sees_lazy_and_type_checking_imports(tmp_path: Path, monkeypat
     graph, private = imports(modules())
     assert graph[f"{PACKAGE}.sub.c"] == {f"{PACKAGE}.a", f"{PACKAGE}.b"}
     assert find_cycle(graph) == [f"{PACKAGE}.a", f"{PACKAGE}.b", f"{PACKAGE}.sub.c", f"{PACKAGE}.a"]
-    assert private == [f"{PACKAGE}/a.py:2: from {PACKAGE}.b import _hidden"]
+    assert private == [f"{PACKAGE}/a.py:2: from {PACKAGE}.b import _hidden", f"{PACKAGE}/a.py:4: bb._hidden"]

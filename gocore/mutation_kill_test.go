@@ -640,3 +640,17 @@ func TestRoundupPower2DivisionsTwoRounds(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, uint64(1024), info.Size)
 }
+
+// A size out of [1, MaxRequest] is refused on a device already in use too,
+// where Alloc's fast path (allocDevice) answers without the slow checks.
+func TestBadSizesAreRefusedOnADeviceInUse(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Capacity: 1 << 30}, Config{})
+	mustAlloc(t, p, 4096, 0, 0) // the device's state exists now
+	for _, size := range []uint64{0, MaxRequest + 1, MaxRequest + 2, 1<<64 - 1} {
+		_, err := p.Alloc(size, 0, 0)
+		require.ErrorIs(t, err, ErrInvalidSize, "size %d", size)
+	}
+	a, err := p.Alloc(1, 0, 0)
+	require.NoError(t, err, "1 byte is a valid size")
+	require.NoError(t, p.Free(a))
+}

@@ -53,6 +53,9 @@ typedef struct {
 	int last_new;   // whether the call changed that text
 } gmp_nccl_result;
 
+// gmp_result_reset makes r say "no call made" before a call fills it in.
+static void gmp_result_reset(gmp_nccl_result* r) { memset(r, 0, sizeof *r); }
+
 // NCCL keeps the text of its last WARN in one process-wide buffer
 // (ncclGetLastError), never cleared: copy it before the call, and after a
 // failure report it with whether the call changed it.
@@ -88,10 +91,7 @@ static void gmp_unrelax(uintptr_t exchange, int relaxed, int* mode) {
 
 static void gmp_nccl_mem_alloc(uintptr_t alloc, uintptr_t free_fn, uintptr_t push, uintptr_t pop,
 		uintptr_t exchange, uintptr_t last_error, uintptr_t ctx, size_t size, gmp_nccl_result* r) {
-	r->nccl = r->push = r->pop = 0;
-	r->ptr = 0;
-	r->last[0] = 0;
-	r->last_new = 0;
+	gmp_result_reset(r);
 	if (push && (r->push = ((gmp_cu_push_fn)push)((void*)ctx)) != 0) return;
 	void* p = NULL;
 	int mode;
@@ -120,10 +120,7 @@ static void gmp_nccl_mem_alloc(uintptr_t alloc, uintptr_t free_fn, uintptr_t pus
 // NCCL makes the communicator's device current itself.
 static void gmp_nccl_comm_register(uintptr_t reg, uintptr_t last_error, uintptr_t comm, uintptr_t buf,
 		size_t size, gmp_nccl_result* r) {
-	r->nccl = r->push = r->pop = 0;
-	r->ptr = 0;
-	r->last[0] = 0;
-	r->last_new = 0;
+	gmp_result_reset(r);
 	char prev[sizeof r->last];
 	gmp_last_before(last_error, prev, sizeof prev);
 	void* handle = NULL;
@@ -134,10 +131,7 @@ static void gmp_nccl_comm_register(uintptr_t reg, uintptr_t last_error, uintptr_
 
 static void gmp_nccl_comm_deregister(uintptr_t dereg, uintptr_t last_error, uintptr_t comm, uintptr_t handle,
 		gmp_nccl_result* r) {
-	r->nccl = r->push = r->pop = 0;
-	r->ptr = 0;
-	r->last[0] = 0;
-	r->last_new = 0;
+	gmp_result_reset(r);
 	char prev[sizeof r->last];
 	gmp_last_before(last_error, prev, sizeof prev);
 	r->nccl = ((gmp_nccl_comm_deregister_fn)dereg)((void*)comm, (void*)handle);
@@ -148,10 +142,7 @@ static void gmp_nccl_comm_deregister(uintptr_t dereg, uintptr_t last_error, uint
 // capture mode too: like cuMemFree in package cuda.
 static void gmp_nccl_mem_free(uintptr_t free_fn, uintptr_t push, uintptr_t pop, uintptr_t exchange,
 		uintptr_t last_error, uintptr_t ctx, uintptr_t ptr, gmp_nccl_result* r) {
-	r->nccl = r->push = r->pop = 0;
-	r->ptr = 0;
-	r->last[0] = 0;
-	r->last_new = 0;
+	gmp_result_reset(r);
 	if (push && (r->push = ((gmp_cu_push_fn)push)((void*)ctx)) != 0) return;
 	int mode;
 	char prev[sizeof r->last];

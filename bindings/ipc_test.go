@@ -24,14 +24,22 @@ import (
 // FAKE_CUDA_* when it is first loaded.
 func buildFake(t *testing.T) string {
 	t.Helper()
+	return buildCLib(t, "fake_cuda.c", "libcuda.so.1")
+}
+
+// buildCLib compiles tests/csrc/<src> with $CC (default cc) into a shared
+// library named name in a directory of the test's own, and returns its path.
+func buildCLib(t *testing.T, src, name string, flags ...string) string {
+	t.Helper()
 	cc := strings.Fields(os.Getenv("CC"))
 	if len(cc) == 0 {
 		cc = []string{"cc"}
 	}
-	out := filepath.Join(t.TempDir(), "libcuda.so.1")
-	args := append(cc[1:], "-shared", "-fPIC", "-O1", "-o", out, filepath.Join("..", "tests", "csrc", "fake_cuda.c"))
+	out := filepath.Join(t.TempDir(), name)
+	args := append(cc[1:], "-shared", "-fPIC", "-O1", "-o", out, filepath.Join("..", "tests", "csrc", src))
+	args = append(args, flags...)
 	if msg, err := exec.Command(cc[0], args...).CombinedOutput(); err != nil {
-		t.Fatalf("build the fake libcuda: %v\n%s", err, msg)
+		t.Fatalf("build %s from tests/csrc/%s: %v\n%s", name, src, err, msg)
 	}
 	return out
 }

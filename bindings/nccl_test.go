@@ -1,8 +1,6 @@
 package bindings
 
 import (
-	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -18,16 +16,7 @@ import (
 // in libnccl.Load's cache, so no test sees another's copy.
 func buildFakeNCCL(t *testing.T, flags ...string) string {
 	t.Helper()
-	cc := strings.Fields(os.Getenv("CC"))
-	if len(cc) == 0 {
-		cc = []string{"cc"}
-	}
-	out := filepath.Join(t.TempDir(), "libfakenccl.so")
-	args := append(cc[1:], "-shared", "-fPIC", "-O1", "-o", out, filepath.Join("..", "tests", "csrc", "fake_nccl.c"))
-	args = append(append(args, flags...), "-lpthread")
-	if msg, err := exec.Command(cc[0], args...).CombinedOutput(); err != nil {
-		t.Fatalf("build the fake libnccl: %v\n%s", err, msg)
-	}
+	out := buildCLib(t, "fake_nccl.c", "libfakenccl.so", append(flags, "-lpthread")...)
 	t.Setenv(libnccl.EnvLibrary, out)
 	return out
 }

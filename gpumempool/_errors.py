@@ -71,7 +71,12 @@ class CallbackReentryError(GpuMemPoolError, RuntimeError):
     pool's lock while it calls the function, so the call would wait for
     itself forever; it is refused instead. The function sees this exception;
     the pool call that ran the function then fails with a
-    :class:`BackendError` chained to it (unless the function caught it)."""
+    :class:`BackendError` chained to it (unless the function caught it).
+    ``pool`` is the pool's name (or ``#handle``), as the message gives it."""
+
+    def __init__(self, message: str, pool: str = "") -> None:
+        super().__init__(message)
+        self.pool = pool
 
 
 class LeakWarning(UserWarning):

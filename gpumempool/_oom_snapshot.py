@@ -30,8 +30,8 @@ import warnings
 from types import TracebackType
 from typing import Any, Callable, Optional
 
-from . import _errors, _lifecycle, _native
-from ._errors import CallbackReentryError, OutOfMemoryError, PoolClosedError
+from . import _errors, _native
+from ._errors import OutOfMemoryError
 
 __all__ = ["OomSnapshots", "snapshot_on_oom"]
 
@@ -172,11 +172,12 @@ class OomSnapshots:
         rank = _rank()
         stem = os.path.join(self.directory, f"rank{rank:05d}-oom{number}")
         try:
-            from ._snapshot import dump_snapshot
+            from ._snapshot import dump_snapshot, snapshot
 
-            snap = _snapshot_of_open_pools()
+            not_read: list[str] = []  # the pools this thread is inside of
+            snap = snapshot(not_read)
             snap["rank"], snap["host"], snap["pid"] = rank, socket.gethostname(), os.getpid()
-            snap["oom"]["trigger"], snap["oom"]["message"] = trigger, message
+            snap["oom"] = {"trigger": trigger, "message": message, "time": time.time(), "pools_not_read": not_read}
             dump_snapshot(stem + ".pickle", snap)
         except Exception as exc:  # noqa: BLE001 - see the docstring
             _warn(f"gpumempool: rank {rank} ran out of memory, but its snapshot could not be "
@@ -227,25 +228,6 @@ def snapshot_on_oom(directory: Any, *, max_snapshots: int = 1) -> OomSnapshots:
         threading.excepthook = snapper._thread_hook
         _active = snapper
     return snapper
-
-
-def _snapshot_of_open_pools() -> dict[str, Any]:
-    """:func:`gpumempool.snapshot`, less the pools this thread is inside of
-    (running one's Python allocator function, whose pool cannot be read
-    until it returns), named under ``"oom"``, ``"pools_not_read"``."""
-    from ._snapshot import merge
-
-    snaps, not_read = [], []
-    for p in _lifecycle.open_pools():
-        try:
-            snaps.append(p.snapshot())
-        except PoolClosedError:  # closed by another thread meanwhile
-            continue
-        except CallbackReentryError:
-            not_read.append(str(getattr(p, "_cached_name", None) or f"#{p._id}"))
-    snap = merge(snaps)
-    snap["oom"] = {"time": time.time(), "pools_not_read": not_read}
-    return snap
 
 
 def _warn(message: str) -> None:

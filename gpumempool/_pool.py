@@ -430,10 +430,11 @@ class MemPool:
         return result, errs
 
     def _refuse_reentry(self) -> None:
-        name = repr(getattr(self, "_cached_name", None) or f"#{self._id}")  # not self.name: that calls the pool
+        label = str(getattr(self, "_cached_name", None) or f"#{self._id}")  # not self.name: that calls the pool
         raise CallbackReentryError(
-            f"pool {name} was called from inside its own Python allocator function; the engine holds the "
-            "pool's lock while it runs the function, so allocator functions must not call into their own pool"
+            f"pool {label!r} was called from inside its own Python allocator function; the engine holds the "
+            "pool's lock while it runs the function, so allocator functions must not call into their own pool",
+            pool=label,
         )
 
     def _handle(self) -> int:

@@ -22,7 +22,7 @@ import traceback
 from typing import Any, Optional, Sequence
 
 from . import _lifecycle, _native
-from ._errors import PoolClosedError
+from ._errors import CallbackReentryError, PoolClosedError
 
 __all__ = ["dump_snapshot", "record_history", "snapshot"]
 
@@ -142,14 +142,21 @@ def merge(snaps: list[dict[str, Any]]) -> dict[str, Any]:
     return {"segments": segments, "device_traces": traces or [[]], "allocator_settings": {"pools": [s["allocator_settings"]["pool"] for s in snaps]}}
 
 
-def snapshot() -> dict[str, Any]:
-    """A snapshot of every open pool of this process, in torch's format."""
+def snapshot(not_read: Optional[list[str]] = None) -> dict[str, Any]:
+    """A snapshot of every open pool of this process, in torch's format.
+    With ``not_read``, a pool this thread is inside of (running its Python
+    allocator function: it cannot be read until that returns) is left out
+    and named there, instead of raising CallbackReentryError."""
     snaps = []
     for p in _lifecycle.open_pools():
         try:
             snaps.append(p.snapshot())
         except PoolClosedError:  # closed by another thread meanwhile
             continue
+        except CallbackReentryError as exc:
+            if not_read is None:
+                raise
+            not_read.append(exc.pool)
     return merge(snaps)
 
 

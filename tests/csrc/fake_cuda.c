@@ -63,6 +63,17 @@
  *    the end of this file (call counts, the last stream a stream-ordered
  *    call was given, the last CUmemAllocationProp / CUmemPoolProps seen,
  *    pointers imported from pools). Everything is guarded by one mutex.
+ *  - Virtual device memory (FAKE_CUDA_VIRTUAL=1, read by cuInit): device
+ *    memory is address space only, as the judge of torch's allocator needs
+ *    (gpumempool/oracle): each device has one PROT_NONE, MAP_NORESERVE
+ *    window, and cuMemAlloc_v2 and cuMemAddressReserve take the lowest free
+ *    range of it that fits, 2 MiB aligned, as a GPU hands out addresses
+ *    (mmap's top-down order with reused holes would change which of two
+ *    equal free blocks torch's best fit takes). cuMemCreate, cuMemMap,
+ *    cuMemSetAccess and cuMemUnmap then only keep their books: nothing is
+ *    ever backed, so an 80 GiB trace costs no memory and no descriptors,
+ *    and nothing may touch the memory (kernels and copies of the fake
+ *    runtime do nothing).
  *  - Pool IPC: a pointer imported with cuMemPoolImportPointer and not freed
  *    cannot be imported again in the same process (CUDA_ERROR_ALREADY_MAPPED),
  *    see cuMemPoolImportPointer below.
@@ -238,6 +249,18 @@ static struct {
     long after;
 } inject[F_COUNT];
 static int manual_events;
+/* FAKE_CUDA_VIRTUAL: device memory is address space (see the top). */
+static int virt;
+struct va_range {
+    uintptr_t base;
+    size_t size;
+};
+/* Each device's window and its used ranges, sorted by address. */
+static struct {
+    uintptr_t base;
+    size_t size;
+    VEC(struct va_range) used;
+} windows[MAX_DEV];
 static long long pushes, pops;
 static unsigned generation = 1; /* bumped by reset: stale thread stacks are dropped */
 static int next_id = 1;
@@ -313,6 +336,8 @@ static void read_env(void) {
     capacity = (uint64_t)1 << 30;
     s = getenv("FAKE_CUDA_CAPACITY");
     if (s && *s) capacity = strtoull(s, NULL, 10);
+    s = getenv("FAKE_CUDA_VIRTUAL");
+    virt = s && *s && strcmp(s, "0") != 0;
     driver_version = 13000;
     s = getenv("FAKE_CUDA_DRIVER_VERSION");
     if (s && *s) driver_version = (int)strtol(s, NULL, 10);
@@ -386,6 +411,59 @@ static int valid_dev(int dev) { return dev >= 0 && dev < n_devices; }
     if (cur < 0) RETURN(CUDA_ERROR_INVALID_CONTEXT)
 
 static uint64_t round_up(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
+
+/* ---- virtual device memory (FAKE_CUDA_VIRTUAL) ---- */
+
+/* The window holds the device's memory and every reservation torch makes
+ * for expandable segments (each as large as the device and an eighth), so
+ * it is many times the capacity; address space costs nothing. */
+static int window_open(int dev) {
+    if (windows[dev].base) return 1;
+    size_t want = (size_t)capacity * 64;
+    if (want < ((size_t)1 << 40)) want = (size_t)1 << 40;
+    for (; want >= ((size_t)1 << 34); want /= 2) {
+        void *p = mmap(NULL, want + GRANULARITY, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED) continue;
+        windows[dev].base = round_up((uintptr_t)p, GRANULARITY);
+        windows[dev].size = want;
+        return 1;
+    }
+    return 0;
+}
+
+/* The lowest free range of dev's window that holds size bytes at the given
+ * alignment, or 0. */
+static uintptr_t va_take(int dev, size_t size, size_t alignment) {
+    if (!window_open(dev)) return 0;
+    size = round_up(size, GRANULARITY);
+    uintptr_t at = windows[dev].base, end = windows[dev].base + windows[dev].size;
+    size_t i = 0;
+    for (;; i++) {
+        at = round_up(at, alignment);
+        uintptr_t gap_end = i < windows[dev].used.n ? windows[dev].used.v[i].base : end;
+        if (at + size <= gap_end) break;
+        if (i == windows[dev].used.n) return 0;
+        at = windows[dev].used.v[i].base + windows[dev].used.v[i].size;
+    }
+    struct va_range r = {at, size};
+    VEC_PUSH(windows[dev].used, r); /* grows by one, then shift into place */
+    memmove(&windows[dev].used.v[i + 1], &windows[dev].used.v[i], (windows[dev].used.n - 1 - i) * sizeof(r));
+    windows[dev].used.v[i] = r;
+    return at;
+}
+
+/* Gives back the range at p; -1 if no device's window has one there. */
+static int va_give(uintptr_t p) {
+    for (int d = 0; d < MAX_DEV; d++) {
+        for (size_t i = 0; i < windows[d].used.n; i++) {
+            if (windows[d].used.v[i].base != p) continue;
+            memmove(&windows[d].used.v[i], &windows[d].used.v[i + 1], (windows[d].used.n - 1 - i) * sizeof(struct va_range));
+            windows[d].used.n--;
+            return d;
+        }
+    }
+    return -1;
+}
 
 static long find_alloc(uintptr_t p) {
     for (size_t i = 0; i < allocs.n; i++)
@@ -663,6 +741,31 @@ EXPORT CUresult cuGetErrorName(CUresult error, const char **pStr) {
     RETURN(CUDA_ERROR_INVALID_VALUE);
 }
 
+/* cuda.h's plain names of the _v2 functions, which the real driver exports
+ * too (torch before 2.6 looks its driver functions up by these names). */
+EXPORT CUresult cuCtxPushCurrent(CUcontext ctx) __attribute__((alias("cuCtxPushCurrent_v2")));
+EXPORT CUresult cuCtxPopCurrent(CUcontext *pctx) __attribute__((alias("cuCtxPopCurrent_v2")));
+
+EXPORT CUresult cuGetErrorString(CUresult error, const char **pStr) {
+    if (!pStr) return CUDA_ERROR_INVALID_VALUE;
+    *pStr = error == CUDA_SUCCESS ? "no error" : error == CUDA_ERROR_OUT_OF_MEMORY ? "out of memory"
+                                                                                  : "error (fake CUDA driver)";
+    return CUDA_SUCCESS;
+}
+
+/* Functions torch's CUDA code resolves when it starts (and asserts are
+ * there) but that nothing here uses: multicast, green contexts, stream
+ * memory operations, driver logs. They answer "not supported". */
+#define FAKE_UNSUPPORTED(X)                                                                                 \
+    X(cuMemsetD32Async) X(cuStreamWriteValue32) X(cuMulticastAddDevice) X(cuMulticastBindMem)                \
+    X(cuMulticastCreate) X(cuMulticastUnbind) X(cuCtxFromGreenCtx) X(cuDevResourceGenerateDesc)              \
+    X(cuDevSmResourceSplitByCount) X(cuDeviceGetDevResource) X(cuGreenCtxCreate) X(cuGreenCtxDestroy)        \
+    X(cuGreenCtxStreamCreate) X(cuMemGetAllocationPropertiesFromHandle) X(cuMemRetainAllocationHandle)       \
+    X(cuLogsRegisterCallback) X(cuLogsUnregisterCallback)
+#define AS_UNSUPPORTED(name) \
+    EXPORT CUresult name(void) { return CUDA_ERROR_NOT_SUPPORTED; }
+FAKE_UNSUPPORTED(AS_UNSUPPORTED)
+
 /* ============================== device memory ============================== */
 
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
@@ -671,7 +774,8 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
     NEED_CTX();
     if (!dptr || bytesize == 0) RETURN(CUDA_ERROR_INVALID_VALUE);
     if (dev_used[cur] + bytesize > capacity || bytesize > capacity) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
-    void *p = aligned_alloc(DEVICE_ALIGN, round_up(bytesize, DEVICE_ALIGN));
+    void *p = virt ? (void *)va_take(cur, bytesize, GRANULARITY)
+                   : aligned_alloc(DEVICE_ALIGN, round_up(bytesize, DEVICE_ALIGN));
     if (!p) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
     struct fake_alloc a = {(uintptr_t)p, bytesize, cur, K_DEVICE, 0, NULL};
     VEC_PUSH(allocs, a);
@@ -696,7 +800,10 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) {
     if (i < 0 || allocs.v[i].kind != K_DEVICE) RETURN(CUDA_ERROR_INVALID_VALUE);
     if (allocs.v[i].dev != cur) RETURN(CUDA_ERROR_INVALID_CONTEXT);
     dev_used[cur] -= allocs.v[i].size;
-    free((void *)allocs.v[i].ptr);
+    if (virt)
+        va_give(allocs.v[i].ptr);
+    else
+        free((void *)allocs.v[i].ptr);
     VEC_DEL(allocs, i);
     RETURN(CUDA_SUCCESS);
 }
@@ -1239,15 +1346,15 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, c
     /* Host NUMA memory is not charged to a device. */
     int dev = prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE ? prop->location.id : -1;
     if (dev >= 0 && dev_used[dev] + size > capacity) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
-    int fd = memfd_create("fakevmm", MFD_CLOEXEC);
-    if (fd < 0) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
-    if (ftruncate(fd, (off_t)size) != 0) {
+    int fd = virt ? -1 : memfd_create("fakevmm", MFD_CLOEXEC);
+    if (!virt && fd < 0) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+    if (!virt && ftruncate(fd, (off_t)size) != 0) {
         close(fd);
         RETURN(CUDA_ERROR_OUT_OF_MEMORY);
     }
     struct fake_handle *h = calloc(1, sizeof(*h));
     if (!h) {
-        close(fd);
+        if (fd >= 0) close(fd);
         RETURN(CUDA_ERROR_OUT_OF_MEMORY);
     }
     h->id = next_id++;
@@ -1271,7 +1378,7 @@ static void handle_unref(struct fake_handle *h) {
         }
     }
     if (h->dev >= 0) dev_used[h->dev] -= h->size;
-    close(h->memfd);
+    if (h->memfd >= 0) close(h->memfd);
     free(h);
 }
 
@@ -1303,6 +1410,14 @@ EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignm
     if (!ptr || size == 0 || size % gran_min || flags || (alignment & (alignment - 1)))
         RETURN(CUDA_ERROR_INVALID_VALUE);
     if (alignment < gran_min) alignment = gran_min;
+    if (virt) {
+        uintptr_t b = va_take(cur, size, alignment);
+        if (!b) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
+        struct fake_reservation r = {b, size};
+        VEC_PUSH(reservations, r);
+        *ptr = (CUdeviceptr)b;
+        RETURN(CUDA_SUCCESS);
+    }
     void *base = MAP_FAILED;
     if (addr && addr % alignment == 0) { /* addr is a hint, as in the real driver */
         base = mmap((void *)(uintptr_t)addr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE |
@@ -1338,7 +1453,10 @@ EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
         if (r.size != size) RETURN(CUDA_ERROR_INVALID_VALUE);
         for (size_t j = 0; j < mappings.n; j++)
             if (mappings.v[j]->va >= r.base && mappings.v[j]->va < r.base + r.size) RETURN(CUDA_ERROR_INVALID_VALUE);
-        munmap((void *)r.base, r.size);
+        if (virt)
+            va_give(r.base);
+        else
+            munmap((void *)r.base, r.size);
         VEC_DEL(reservations, i);
         RETURN(CUDA_SUCCESS);
     }
@@ -1360,7 +1478,7 @@ EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGener
         if (ptr < m->va + m->size && m->va < ptr + size) RETURN(CUDA_ERROR_ALREADY_MAPPED);
     }
     /* No access until cuMemSetAccess, like on a GPU. */
-    if (mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, h->memfd, (off_t)offset) == MAP_FAILED)
+    if (!virt && mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, h->memfd, (off_t)offset) == MAP_FAILED)
         RETURN(CUDA_ERROR_OUT_OF_MEMORY);
     struct fake_mapping *m = calloc(1, sizeof(*m));
     if (!m) abort();
@@ -1390,7 +1508,7 @@ EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
         struct fake_mapping *m = mappings.v[j];
         if (m->va >= ptr && m->va < ptr + size) {
             /* Back to a bare reservation. */
-            mmap((void *)(uintptr_t)m->va, m->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
+            if (!virt) mmap((void *)(uintptr_t)m->va, m->size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
                  -1, 0);
             handle_unref(m->h);
             free(m);
@@ -1435,7 +1553,7 @@ EXPORT CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDe
             if (m->access[d] == CU_MEM_ACCESS_FLAGS_PROT_READWRITE) prot |= PROT_WRITE;
         }
         uintptr_t lo = m->va > ptr ? m->va : ptr, hi = m->va + m->size < ptr + size ? m->va + m->size : ptr + size;
-        mprotect((void *)lo, hi - lo, prot);
+        if (!virt) mprotect((void *)lo, hi - lo, prot);
     }
     RETURN(CUDA_SUCCESS);
 }
@@ -1872,15 +1990,18 @@ EXPORT void fake_cuda_reset(void) {
         free(m);
     }
     mappings.n = 0;
-    for (size_t i = 0; i < reservations.n; i++) munmap((void *)reservations.v[i].base, reservations.v[i].size);
+    for (size_t i = 0; i < reservations.n; i++)
+        if (!virt) munmap((void *)reservations.v[i].base, reservations.v[i].size);
     reservations.n = 0;
     for (size_t i = 0; i < handles.n; i++) {
-        close(handles.v[i]->memfd);
+        if (handles.v[i]->memfd >= 0) close(handles.v[i]->memfd);
         free(handles.v[i]);
     }
     handles.n = 0;
-    for (size_t i = 0; i < allocs.n; i++) free((void *)allocs.v[i].ptr);
+    for (size_t i = 0; i < allocs.n; i++)
+        if (!virt || allocs.v[i].kind != K_DEVICE) free((void *)allocs.v[i].ptr);
     allocs.n = 0;
+    for (int d = 0; d < MAX_DEV; d++) windows[d].used.n = 0;
     for (size_t i = 0; i < pools.n; i++) free(pools.v[i]);
     pools.n = 0;
     while (events) {

@@ -1,0 +1,215 @@
+"""Torch's own caching allocator as the judge, without a GPU.
+
+:func:`run` replays an allocation trace (a :class:`~gpumempool.trace.Trace`,
+a gmptrace file or a torch snapshot with history) through the real
+``CUDACachingAllocator`` of an installed CUDA build of torch, in a child
+process, on a fake CUDA stack (a fake driver whose device memory is address
+space, a fake runtime, a fake NVML, and stand-ins for the NVIDIA libraries a
+slim install lacks; see ``_stack.py``), under the allocator settings,
+device capacity and memory fraction you give, and returns torch's reserved
+and allocated bytes, segments, retries and out-of-memory errors after every
+event. :func:`gpumempool.oracle.fidelity.compare` puts the engine's figures
+beside them.
+
+::
+
+    from gpumempool import oracle
+    r = oracle.run("run.trace.gz", "expandable_segments:True", python="/venv-torch/bin/python")
+    print(r.torch_version, r.peak_reserved, r.points[-1])
+
+What it covers: the caching allocator's decisions on allocation sequences
+(sizes, frees, streams, ``record_stream`` with event completion under the
+trace's control, ``empty_cache``, memory fraction, out-of-memory with
+release and retry). What it cannot: compute (kernels, copies and cuBLAS do
+nothing), cuBLAS/cuDNN workspaces, ``cudaMallocAsync`` (refused), and
+anything that reads device memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+from .._errors import BackendError
+from ..trace import Alloc, EmptyCache, Free, RecordStream, Sync, Trace, TraceFile, Trim
+from ._stack import FakeStack, FakeStackError, TorchInstall, build, find_torch
+
+__all__ = ["FakeStackError", "OracleError", "OracleResult", "Point", "events_of", "run", "torch_env"]
+
+#: The device size when the caller names none: an 80 GB H100.
+DEFAULT_CAPACITY = 80 << 30
+_CHILD = Path(__file__).resolve().parent / "_child.py"
+
+
+class OracleError(BackendError):
+    """Torch could not replay the trace (it failed to import on the fake
+    stack, or raised something other than out-of-memory): ``.torch_version``
+    and ``.event`` (the index of the event, or -1) say where."""
+
+    def __init__(self, message: str, torch_version: str = "", event: int = -1) -> None:
+        super().__init__(message)
+        self.torch_version = torch_version
+        self.event = event
+
+
+@dataclass(frozen=True)
+class Point:
+    """Torch's figures for one device after one event."""
+
+    device: int
+    reserved: int
+    allocated: int
+    segments: int
+    retries: int
+    ooms: int
+
+
+@dataclass
+class OracleResult:
+    """What torch did with the trace."""
+
+    torch_version: str
+    alloc_conf: str
+    capacity: int
+    fraction: Optional[float]
+    points: list[Point]
+    oom_events: list[int]
+    seconds: float
+    env_var: str = "PYTORCH_CUDA_ALLOC_CONF"
+    stderr: str = field(default="", repr=False)
+
+    @property
+    def peak_reserved(self) -> int:
+        return max((p.reserved for p in self.points), default=0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"torch": self.torch_version, "alloc_conf": self.alloc_conf, "env_var": self.env_var,
+                "capacity": self.capacity, "fraction": self.fraction, "events": len(self.points),
+                "peak_reserved": self.peak_reserved, "ooms": len(self.oom_events),
+                "retries": self.points[-1].retries if self.points else 0, "seconds": round(self.seconds, 3)}
+
+
+def events_of(trace: Union[Trace, TraceFile]) -> list[list[Any]]:
+    """The trace as the child's operations (see ``_child.py``). ``trim``
+    has no torch counterpart and is refused."""
+    out: list[list[Any]] = []
+    for i, e in enumerate(trace):
+        t = type(e)
+        if t is Alloc:
+            out.append(["a", e.id, e.size, e.device, e.stream])  # type: ignore[union-attr]
+        elif t is Free:
+            out.append(["f", e.id])  # type: ignore[union-attr]
+        elif t is RecordStream:
+            out.append(["r", e.id, e.stream])  # type: ignore[union-attr]
+        elif t is Sync:
+            out.append(["s", e.stream])  # type: ignore[union-attr]
+        elif t is EmptyCache:
+            out.append(["e"])
+        elif t is Trim:
+            raise OracleError(f"event {i}: trim has no counterpart in torch's allocator", event=i)
+    return out
+
+
+def _env_var(version: str) -> str:
+    """The variable the torch of ``version`` reads: PYTORCH_ALLOC_CONF from
+    2.10 (2.9 reads it too, but is reported to ignore it for some settings;
+    it honours the older name with a deprecation warning)."""
+    try:
+        major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return "PYTORCH_CUDA_ALLOC_CONF"
+    return "PYTORCH_ALLOC_CONF" if (major, minor) >= (2, 10) else "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def torch_env(stack: FakeStack, alloc_conf: str, capacity: int, devices: int) -> dict[str, str]:
+    """The child's environment: the fake driver's devices, their size and
+    its virtual-memory mode, and the settings under the variable this torch
+    reads (the other one removed, so that what the caller's shell has set
+    cannot leak in)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "LD_PRELOAD", "CUDA_VISIBLE_DEVICES")}
+    env.update(FAKE_CUDA_VIRTUAL="1", FAKE_CUDA_DEVICES=str(devices), FAKE_CUDA_CAPACITY=str(capacity),
+               PYTHONSAFEPATH="1", PYTHONWARNINGS="ignore")
+    if alloc_conf:
+        env[_env_var(stack.torch.version)] = alloc_conf
+    return env
+
+
+def run(
+    trace: Union[Trace, TraceFile, str, os.PathLike[str]],
+    alloc_conf: str = "",
+    *,
+    python: Optional[str] = None,
+    capacity: int = DEFAULT_CAPACITY,
+    fraction: Optional[float] = None,
+    devices: Optional[int] = None,
+    cache: Optional[Union[str, os.PathLike[str]]] = None,
+    timeout: float = 3600.0,
+) -> OracleResult:
+    """Replays ``trace`` through the caching allocator of the torch that
+    ``python`` imports (default: this interpreter), under ``alloc_conf``
+    (torch's ``PYTORCH_ALLOC_CONF`` syntax), on ``devices`` fake devices of
+    ``capacity`` bytes, with ``set_per_process_memory_fraction(fraction)``
+    when given. Raises :class:`FakeStackError` when the stack cannot be
+    built for that torch (a CPU-only build, no runtime headers, no
+    compiler) and :class:`OracleError` when torch fails."""
+    if isinstance(trace, (str, os.PathLike)):
+        trace = _load(Path(trace))
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+        raise ValueError(f"capacity must be a positive number of bytes, got {capacity!r}")
+    if fraction is not None and not 0 < float(fraction) <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+    events = events_of(trace)
+    used = 1 + max((e[3] for e in events if e[0] == "a"), default=0)
+    devices = max(int(devices or 1), used)
+    if devices > 16:
+        raise ValueError(f"the fake driver has at most 16 devices; the trace uses {devices}")
+    stack = build(find_torch(python or sys.executable), Path(cache) if cache else None)
+    with tempfile.TemporaryDirectory(prefix="gmp-oracle-") as tmp:
+        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req.write_text(json.dumps({"preload": list(stack.preload), "events": events, "devices": devices,
+                                   "fraction": fraction}))
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run([stack.torch.python, str(_CHILD), str(req), str(res)], capture_output=True,
+                                  text=True, timeout=timeout, env=torch_env(stack, alloc_conf, capacity, devices))
+        except subprocess.TimeoutExpired:
+            raise OracleError(f"torch {stack.torch.version} did not finish the trace in {timeout:.0f} s",
+                              stack.torch.version) from None
+        seconds = time.perf_counter() - start
+        if not res.is_file():
+            tail = proc.stderr.strip().splitlines()
+            raise OracleError(f"torch {stack.torch.version} on the fake CUDA stack exited with {proc.returncode}: "
+                              f"{tail[-1] if tail else 'no message'}", stack.torch.version)
+        out = json.loads(res.read_text())
+    if out.get("error"):
+        ev = -1
+        msg = str(out["error"])
+        if msg.startswith("event "):
+            try:
+                ev = int(msg.split()[1].rstrip(":"))
+            except ValueError:
+                pass
+        raise OracleError(f"torch {out.get('torch') or stack.torch.version}: {msg}", stack.torch.version, ev)
+    return OracleResult(
+        torch_version=str(out["torch"]), alloc_conf=alloc_conf, capacity=capacity, fraction=fraction,
+        points=[Point(*p) for p in out["points"]], oom_events=list(out["oom_events"]), seconds=seconds,
+        env_var=_env_var(stack.torch.version), stderr=proc.stderr)
+
+
+def _load(path: Path) -> Union[Trace, TraceFile]:
+    from ..trace import from_torch_snapshot, is_trace_file
+
+    return TraceFile(path) if is_trace_file(path) else from_torch_snapshot(path)
+
+
+def installs(pythons: Iterable[str]) -> list[TorchInstall]:
+    """The torch each of ``pythons`` imports (for the fidelity matrix)."""
+    return [find_torch(p) for p in pythons]

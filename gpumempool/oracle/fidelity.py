@@ -1,0 +1,182 @@
+"""The engine beside torch: the same trace, the same settings, event by
+event.
+
+:func:`engine_points` replays a trace on a sim pool configured from torch's
+``PYTORCH_ALLOC_CONF`` syntax and returns the same figures the oracle
+returns for torch (reserved and allocated bytes, segments, retries, OOMs of
+the event's device after every event); :func:`compare` runs both and says
+how many points agree and where they first differ. The fidelity matrix
+(``benchmarks/fidelity.py``, ``benchmarks/results/fidelity.md``) is this,
+over torch versions, settings and traces."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from .._errors import LeakWarning, OutOfMemoryError, expect_out_of_memory
+from .._pool import MemPool
+from ..trace import Alloc, EmptyCache, Free, RecordStream, Sync, Trace, TraceFile, Trim
+from . import DEFAULT_CAPACITY, OracleResult, Point, run
+
+__all__ = ["Comparison", "compare", "engine_points", "parse_alloc_conf"]
+
+MiB = 1 << 20
+#: torch's setting names and the sim pool's arguments they set.
+_SETTINGS = {
+    "expandable_segments": "expandable",
+    "max_split_size_mb": "max_split_size",
+    "roundup_power2_divisions": "roundup_power2_divisions",
+    "max_non_split_rounding_mb": "max_non_split_rounding_size",
+    "garbage_collection_threshold": "garbage_collection_threshold",
+}
+#: Settings the oracle accepts that change nothing the engine models
+#: (pinned host memory, the backend choice that must stay native).
+_IGNORED = {"pinned_use_cuda_host_register", "pinned_num_register_threads", "pinned_use_background_threads",
+            "release_lock_on_cudamalloc", "backend"}
+
+
+def parse_alloc_conf(conf: str) -> dict[str, Any]:
+    """Torch's ``key:value,key:value`` as :class:`MemPool` arguments; one
+    line naming the setting for anything the engine does not model."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in conf.split(","))):
+        key, sep, value = item.partition(":")
+        key, value = key.strip(), value.strip()
+        if not sep or not value:
+            raise ValueError(f"alloc conf item {item!r} is not key:value")
+        if key in _IGNORED:
+            if key == "backend" and value != "native":
+                raise ValueError(f"backend:{value} is not torch's caching allocator")
+            continue
+        name = _SETTINGS.get(key)
+        if name is None:
+            raise ValueError(f"the engine does not model torch's setting {key!r} "
+                             f"(known: {', '.join(sorted(_SETTINGS))})")
+        if name == "expandable":
+            out[name] = value.lower() == "true"
+        elif name in ("max_split_size", "max_non_split_rounding_size"):
+            out[name] = int(value) * MiB
+        elif name == "garbage_collection_threshold":
+            out[name] = float(value)
+        else:
+            if value.startswith("["):
+                out[name] = [int(v) for v in value.strip("[]").split(",") if v]
+            else:
+                out[name] = int(value)
+    return out
+
+
+def engine_points(trace: Union[Trace, TraceFile], alloc_conf: str = "", *, capacity: int = DEFAULT_CAPACITY,
+                  fraction: Optional[float] = None, devices: int = 1) -> list[Point]:
+    """The engine's figures after every event of ``trace``, as
+    :class:`Point` s like the oracle's."""
+    pol = parse_alloc_conf(alloc_conf)
+    used = 1 + max((e.device for e in trace if type(e) is Alloc), default=0)  # type: ignore[union-attr]
+    devices = max(devices, used)
+    limit = int(capacity * fraction) if fraction is not None else None
+    gc = pol.pop("garbage_collection_threshold", None)
+    sim: dict[str, Any] = {"capacity": capacity, "manual_events": True, "devices": devices}
+    if "expandable" in pol:
+        sim["expandable"] = pol.pop("expandable")
+    pool = MemPool("sim", name="oracle-engine", limit=limit,
+                   garbage_collection_threshold=gc if limit else None, **pol, **sim)
+    ptrs: dict[int, Optional[int]] = {}
+    where: dict[int, int] = {}
+    points: list[Point] = []
+    was = expect_out_of_memory(True)
+    try:
+        for e in trace:
+            t = type(e)
+            dev = 0
+            if t is Alloc:
+                dev = e.device  # type: ignore[union-attr]
+                where[e.id] = dev  # type: ignore[union-attr]
+                try:
+                    ptrs[e.id] = pool.alloc(e.size, dev, e.stream)  # type: ignore[union-attr]
+                except OutOfMemoryError:
+                    ptrs[e.id] = None  # type: ignore[union-attr]
+            elif t is Free:
+                dev = where.pop(e.id, 0)  # type: ignore[union-attr]
+                ptr = ptrs.pop(e.id, None)  # type: ignore[union-attr]
+                if ptr is not None:
+                    pool.free(ptr)
+            elif t is RecordStream:
+                dev = where.get(e.id, 0)  # type: ignore[union-attr]
+                ptr = ptrs.get(e.id)  # type: ignore[union-attr]
+                if ptr is not None:
+                    pool.record_stream(ptr, e.stream)  # type: ignore[union-attr]
+            elif t is Sync:
+                pool.sim_complete(e.stream)  # type: ignore[union-attr]
+            elif t is EmptyCache:
+                pool.empty_cache()
+            elif t is Trim:
+                raise ValueError("trim has no counterpart in torch's allocator")
+            s = pool.stats(dev)
+            points.append(Point(dev, s.get("reserved_bytes.all.current", 0), s.get("allocated_bytes.all.current", 0),
+                                s.get("segment.all.current", 0), s.get("num_alloc_retries", 0),
+                                s.get("num_ooms", 0)))
+    finally:
+        expect_out_of_memory(was)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", LeakWarning)
+            pool.close()
+    return points
+
+
+#: The figures compared, by name (Point's fields but the device).
+FIELDS = ("reserved", "allocated", "segments", "retries", "ooms")
+
+
+@dataclass
+class Comparison:
+    """How the engine's points agree with torch's."""
+
+    torch_version: str
+    alloc_conf: str
+    matched: int
+    total: int
+    first_difference: Optional[int]  # the first event where they differ
+    torch_point: Optional[Point]
+    engine_point: Optional[Point]
+    torch_peak_reserved: int
+    engine_peak_reserved: int
+
+    @property
+    def exact(self) -> bool:
+        return self.matched == self.total
+
+    def describe(self) -> str:
+        if self.exact:
+            return f"{self.matched}/{self.total} points match"
+        diff = [f"{f} torch {getattr(self.torch_point, f)} engine {getattr(self.engine_point, f)}"
+                for f in FIELDS if getattr(self.torch_point, f) != getattr(self.engine_point, f)]
+        return f"{self.matched}/{self.total} points match; first difference at event {self.first_difference}: " + \
+            ", ".join(diff)
+
+
+def diff(torch_result: OracleResult, engine: list[Point]) -> Comparison:
+    """Compares torch's points with the engine's."""
+    theirs = torch_result.points
+    matched, first = 0, None
+    for i, (a, b) in enumerate(zip(theirs, engine)):
+        if all(getattr(a, f) == getattr(b, f) for f in FIELDS):
+            matched += 1
+        elif first is None:
+            first = i
+    if first is None and len(theirs) != len(engine):
+        first = min(len(theirs), len(engine))
+    return Comparison(torch_result.torch_version, torch_result.alloc_conf, matched, max(len(theirs), len(engine)),
+                      first, theirs[first] if first is not None and first < len(theirs) else None,
+                      engine[first] if first is not None and first < len(engine) else None,
+                      torch_result.peak_reserved, max((p.reserved for p in engine), default=0))
+
+
+def compare(trace: Union[Trace, TraceFile], alloc_conf: str = "", *, python: Optional[str] = None,
+            capacity: int = DEFAULT_CAPACITY, fraction: Optional[float] = None, devices: int = 1,
+            cache: Optional[str] = None) -> Comparison:
+    """Runs ``trace`` through torch (:func:`gpumempool.oracle.run`) and the
+    engine under the same settings and compares them point by point."""
+    theirs = run(trace, alloc_conf, python=python, capacity=capacity, fraction=fraction, devices=devices, cache=cache)
+    return diff(theirs, engine_points(trace, alloc_conf, capacity=capacity, fraction=fraction, devices=devices))

@@ -1,4 +1,4 @@
-"""Command line: ``python -m gpumempool {info,demo,replay,plot,bench}``.
+"""Command line: ``python -m gpumempool {info,demo,replay,tune,oracle,plot,bench}``.
 
 Every command has ``--help``; ``--json`` prints machine-readable output;
 long work shows a progress bar on stderr unless ``--json`` or
@@ -291,6 +291,55 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             verdict = "saves memory" if (result.reserved_vs_recorded or 0) < 1 else "no saving"
             rows.append((f"ours / {who}", f"{result.reserved_vs_recorded:.3f} ({verdict})"))
     print("gpumempool replay on the simulated device (sim backend)")
+    print(_table(rows))
+    return 0
+
+
+def _cmd_oracle(args: argparse.Namespace) -> int:
+    from . import oracle
+    from .oracle import fidelity
+    from .replay import parse_size
+    from .trace import TraceFormatError
+
+    try:
+        capacity = parse_size(args.capacity) if args.capacity else oracle.DEFAULT_CAPACITY
+    except ValueError as exc:
+        return _fail(f"--capacity: {exc}", 2, json_out=args.json)
+    try:
+        trace = _load_trace(args.trace, args)
+        if args.compare:
+            c = fidelity.compare(trace, args.conf, python=args.python, capacity=capacity, fraction=args.fraction,
+                                 devices=args.devices)
+        else:
+            r = oracle.run(trace, args.conf, python=args.python, capacity=capacity, fraction=args.fraction,
+                           devices=args.devices)
+    except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError, oracle.OracleError) as exc:
+        return _fail(str(exc), json_out=args.json)
+    if args.compare:
+        out = {"torch": c.torch_version, "alloc_conf": c.alloc_conf, "matched": c.matched, "total": c.total,
+               "first_difference": c.first_difference, "torch_peak_reserved": c.torch_peak_reserved,
+               "engine_peak_reserved": c.engine_peak_reserved}
+        if args.json:
+            _print_json(out)
+        else:
+            print(f"torch {c.torch_version} ({args.conf or 'defaults'}) vs the engine: {c.describe()}")
+            print(f"peak reserved: torch {format_bytes(c.torch_peak_reserved)}, "
+                  f"engine {format_bytes(c.engine_peak_reserved)}")
+        return 0 if c.exact else 1
+    if args.json:
+        d = r.as_dict()
+        d["points"] = [list(vars(p).values()) for p in r.points] if args.points else None
+        _print_json(d)
+        return 0
+    rows = [
+        ("torch", f"{r.torch_version} (its own caching allocator, on the fake CUDA stack)"),
+        ("settings", f"{r.env_var}={r.alloc_conf}" if r.alloc_conf else "defaults"),
+        ("device", format_bytes(r.capacity) + (f", memory fraction {r.fraction}" if r.fraction else "")),
+        ("events", f"{len(r.points):,}"),
+        ("peak reserved", format_bytes(r.peak_reserved)),
+        ("alloc retries", f"{r.points[-1].retries if r.points else 0:,}"),
+        ("out of memory", f"{len(r.oom_events):,}" + (f" (first at event {r.oom_events[0]})" if r.oom_events else "")),
+    ]
     print(_table(rows))
     return 0
 
@@ -631,6 +680,31 @@ def build_parser() -> argparse.ArgumentParser:
     tun.add_argument("--no-progress", action="store_true", help="no progress bar")
     tun.add_argument("--json", action="store_true", help="print the result as JSON")
     tun.set_defaults(func=_cmd_tune)
+
+    orc = sub.add_parser(
+        "oracle",
+        help="replay a trace through the installed torch's own caching allocator (no GPU needed)",
+        description="Replay TRACE through the real CUDACachingAllocator of a CUDA build of torch, on a fake CUDA "
+        "stack built with cc (no GPU, no kernels: allocation sequences only), and print torch's peak reserved "
+        "bytes, retries and out-of-memory errors; with --compare, put the engine's figures beside torch's at "
+        "every event (exit status 1 when any differs).",
+    )
+    orc.add_argument("trace", metavar="TRACE", help="a .trace[.gz] file or a snapshot pickle with history")
+    orc.add_argument("--python", help="the Python whose torch judges (default: this one)")
+    orc.add_argument("--conf", default="", metavar="CONF",
+                     help="torch's allocator settings, e.g. expandable_segments:True,max_split_size_mb:64")
+    orc.add_argument("--capacity", metavar="BYTES", help="device size (default 80GiB)")
+    orc.add_argument("--fraction", type=float, help="torch.cuda.set_per_process_memory_fraction")
+    orc.add_argument("--devices", type=_positive, help="devices (default: as many as the trace uses)")
+    orc.add_argument("--compare", action="store_true", help="compare with the engine, event by event")
+    orc.add_argument("--points", action="store_true", help="--json: include torch's figures after every event")
+    orc.add_argument("--format", choices=("auto", "trace", "snapshot"), default="auto",
+                     help="input format (default: by extension and content)")
+    orc.add_argument("--no-infer-empty-cache", action="store_true",
+                     help="torch snapshots: do not treat released segments outside an allocation as empty_cache()")
+    orc.add_argument("--no-progress", action="store_true", help="no progress bar")
+    orc.add_argument("--json", action="store_true", help="print the result as JSON")
+    orc.set_defaults(func=_cmd_oracle)
 
     plot = sub.add_parser(
         "plot",

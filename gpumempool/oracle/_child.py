@@ -12,9 +12,12 @@ segments, retries, ooms], ...] (one per event), "oom_events": [...],
 "error": message or null}. The allocator settings come in the environment
 (PYTORCH_CUDA_ALLOC_CONF), as they do for a user."""
 
+from __future__ import annotations
+
 import ctypes
 import json
 import sys
+from typing import Any
 
 
 def main(request_path: str, result_path: str) -> int:
@@ -25,7 +28,7 @@ def main(request_path: str, result_path: str) -> int:
         lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         if driver is None:
             driver = lib
-    out = {"torch": None, "points": [], "oom_events": [], "error": None}
+    out: dict[str, Any] = {"torch": None, "points": [], "oom_events": [], "error": None}
     try:
         import torch
     except Exception as e:  # noqa: BLE001 - reported in one line
@@ -43,7 +46,7 @@ def main(request_path: str, result_path: str) -> int:
     return _write(result_path, out)
 
 
-def _replay(torch, driver, req: dict, out: dict) -> None:  # type: ignore[no-untyped-def]
+def _replay(torch: Any, driver: Any, req: dict[str, Any], out: dict[str, Any]) -> None:
     manual = driver is not None and not req.get("real_gpu")
     if manual:
         driver.fake_cuda_set_manual_events(1)
@@ -55,11 +58,12 @@ def _replay(torch, driver, req: dict, out: dict) -> None:  # type: ignore[no-unt
             torch.cuda.set_per_process_memory_fraction(float(fraction), d)
     oom_type = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
     stats_of = torch._C._cuda_memoryStats
-    streams = {}
-    tensors = {}
+    streams: dict[tuple[int, Any], Any] = {}
+    tensors: dict[int, Any] = {}
+    where: dict[int, int] = {}  # the device of every allocation, failed ones too
     current = [None]
 
-    def stream(dev, s):
+    def stream(dev: int, s: Any) -> Any:
         key = (dev, s)
         st = streams.get(key)
         if st is None:
@@ -73,6 +77,7 @@ def _replay(torch, driver, req: dict, out: dict) -> None:  # type: ignore[no-unt
         dev = 0
         if op == "a":
             _, ident, size, dev, s = ev
+            where[ident] = dev
             st = stream(dev, s)
             if current[0] is not st:
                 torch.cuda.set_stream(st)
@@ -82,14 +87,13 @@ def _replay(torch, driver, req: dict, out: dict) -> None:  # type: ignore[no-unt
             except oom_type:
                 out["oom_events"].append(i)
         elif op == "f":
+            dev = where.pop(ev[1], 0)
             t = tensors.pop(ev[1], None)
-            if t is not None:
-                dev = t[1]
-                del t
+            del t
         elif op == "r":
+            dev = where.get(ev[1], 0)
             t = tensors.get(ev[1])
             if t is not None:
-                dev = t[1]
                 t[0].record_stream(stream(dev, ev[2]))
         elif op == "s":
             if ev[1] is None:
@@ -111,7 +115,7 @@ def _replay(torch, driver, req: dict, out: dict) -> None:  # type: ignore[no-unt
                        st["segment"]["all"]["current"], st["num_alloc_retries"], st["num_ooms"]])
 
 
-def _write(path: str, out: dict) -> int:
+def _write(path: str, out: dict[str, Any]) -> int:
     with open(path, "w") as f:
         json.dump(out, f)
     return 0

@@ -300,7 +300,7 @@ def build(torch: TorchInstall, cache: Optional[Path] = None) -> FakeStack:
                  f"-I{CSRC}", f"-I{headers}", f"-DGMP_CUDART_VERSION={major * 1000}",
                  f"-Wl,-soname,{torch.cudart_soname}", f"-Wl,--version-script={script}", "-fvisibility=hidden",
                  f"-L{tmp}", "-l:libcuda.so.1", "-Wl,--disable-new-dtags,-rpath,$ORIGIN", "-ldl")
-        preload = [tmp / "libcuda.so.1", tmp / "libnvidia-ml.so.1", tmp / torch.cudart_soname]
+        order = [tmp / "libcuda.so.1", tmp / "libnvidia-ml.so.1", tmp / torch.cudart_soname]
         # Stand-ins for the NVIDIA libraries a slim install lacks.
         fake = {"libcuda.so.1", "libnvidia-ml.so.1", torch.cudart_soname}
         absent = sorted(n for n in needed - own - fake if not _SYSTEM.match(n)
@@ -309,7 +309,7 @@ def build(torch: TorchInstall, cache: Optional[Path] = None) -> FakeStack:
             common_names = {n for n in plain - defined if _NVIDIA_NAME.match(n)}
             (tmp / "common.c").write_text(_stub_source(common_names))
             _compile(cc, tmp / "libgmp_nvidia_common.so", [tmp / "common.c"], "-Wl,-soname,libgmp_nvidia_common.so")
-            preload.append(tmp / "libgmp_nvidia_common.so")
+            order.append(tmp / "libgmp_nvidia_common.so")
             for name in absent:
                 by_version = versioned.get(name, {})
                 src = tmp / f"{name}.c"
@@ -323,14 +323,14 @@ def build(torch: TorchInstall, cache: Optional[Path] = None) -> FakeStack:
                                             for ver, names in sorted(by_version.items())))
                     flags.append(f"-Wl,--version-script={vmap}")
                 _compile(cc, tmp / name, [src], *flags)
-                preload.append(tmp / name)
+                order.append(tmp / name)
         if directory.exists():
             shutil.rmtree(directory, ignore_errors=True)
         tmp.rename(directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    final = tuple(str(directory / p.name) for p in preload)
+    final = tuple(str(directory / p.name) for p in order)
     manifest.write_text(json.dumps({"preload": final, "torch": torch.version, "torch_dir": str(torch.torch_dir)}))
     return FakeStack(directory, final, torch)
 

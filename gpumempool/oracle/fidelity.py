@@ -11,6 +11,7 @@ over torch versions, settings and traces."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -41,7 +42,7 @@ def parse_alloc_conf(conf: str) -> dict[str, Any]:
     """Torch's ``key:value,key:value`` as :class:`MemPool` arguments; one
     line naming the setting for anything the engine does not model."""
     out: dict[str, Any] = {}
-    for item in filter(None, (p.strip() for p in conf.split(","))):
+    for item in filter(None, (p.strip() for p in re.split(r",(?![^\[]*\])", conf))):
         key, sep, value = item.partition(":")
         key, value = key.strip(), value.strip()
         if not sep or not value:
@@ -62,19 +63,18 @@ def parse_alloc_conf(conf: str) -> dict[str, Any]:
             out[name] = float(value)
         else:
             if value.startswith("["):
-                out[name] = [int(v) for v in value.strip("[]").split(",") if v]
-            else:
-                out[name] = int(value)
+                raise ValueError(f"{key}:{value}: the per-interval list form is not modelled yet")
+            out[name] = int(value)
     return out
 
 
 def engine_points(trace: Union[Trace, TraceFile], alloc_conf: str = "", *, capacity: int = DEFAULT_CAPACITY,
-                  fraction: Optional[float] = None, devices: int = 1) -> list[Point]:
+                  fraction: Optional[float] = None, devices: Optional[int] = None) -> list[Point]:
     """The engine's figures after every event of ``trace``, as
     :class:`Point` s like the oracle's."""
     pol = parse_alloc_conf(alloc_conf)
-    used = 1 + max((e.device for e in trace if type(e) is Alloc), default=0)  # type: ignore[union-attr]
-    devices = max(devices, used)
+    used = 1 + max((e.device for e in trace if isinstance(e, Alloc)), default=0)
+    devices = max(devices or 1, used)
     limit = int(capacity * fraction) if fraction is not None else None
     gc = pol.pop("garbage_collection_threshold", None)
     sim: dict[str, Any] = {"capacity": capacity, "manual_events": True, "devices": devices}
@@ -88,30 +88,28 @@ def engine_points(trace: Union[Trace, TraceFile], alloc_conf: str = "", *, capac
     was = expect_out_of_memory(True)
     try:
         for e in trace:
-            t = type(e)
             dev = 0
-            if t is Alloc:
-                dev = e.device  # type: ignore[union-attr]
-                where[e.id] = dev  # type: ignore[union-attr]
+            if isinstance(e, Alloc):
+                dev = where[e.id] = e.device
                 try:
-                    ptrs[e.id] = pool.alloc(e.size, dev, e.stream)  # type: ignore[union-attr]
+                    ptrs[e.id] = pool.alloc(e.size, dev, e.stream)
                 except OutOfMemoryError:
-                    ptrs[e.id] = None  # type: ignore[union-attr]
-            elif t is Free:
-                dev = where.pop(e.id, 0)  # type: ignore[union-attr]
-                ptr = ptrs.pop(e.id, None)  # type: ignore[union-attr]
+                    ptrs[e.id] = None
+            elif isinstance(e, Free):
+                dev = where.pop(e.id, 0)
+                ptr = ptrs.pop(e.id, None)
                 if ptr is not None:
                     pool.free(ptr)
-            elif t is RecordStream:
-                dev = where.get(e.id, 0)  # type: ignore[union-attr]
-                ptr = ptrs.get(e.id)  # type: ignore[union-attr]
+            elif isinstance(e, RecordStream):
+                dev = where.get(e.id, 0)
+                ptr = ptrs.get(e.id)
                 if ptr is not None:
-                    pool.record_stream(ptr, e.stream)  # type: ignore[union-attr]
-            elif t is Sync:
-                pool.sim_complete(e.stream)  # type: ignore[union-attr]
-            elif t is EmptyCache:
+                    pool.record_stream(ptr, e.stream)
+            elif isinstance(e, Sync):
+                pool.sim_complete(e.stream)
+            elif isinstance(e, EmptyCache):
                 pool.empty_cache()
-            elif t is Trim:
+            elif isinstance(e, Trim):
                 raise ValueError("trim has no counterpart in torch's allocator")
             s = pool.stats(dev)
             points.append(Point(dev, s.get("reserved_bytes.all.current", 0), s.get("allocated_bytes.all.current", 0),
@@ -174,7 +172,7 @@ def diff(torch_result: OracleResult, engine: list[Point]) -> Comparison:
 
 
 def compare(trace: Union[Trace, TraceFile], alloc_conf: str = "", *, python: Optional[str] = None,
-            capacity: int = DEFAULT_CAPACITY, fraction: Optional[float] = None, devices: int = 1,
+            capacity: int = DEFAULT_CAPACITY, fraction: Optional[float] = None, devices: Optional[int] = None,
             cache: Optional[str] = None) -> Comparison:
     """Runs ``trace`` through torch (:func:`gpumempool.oracle.run`) and the
     engine under the same settings and compares them point by point."""

@@ -1,0 +1,242 @@
+"""Torch's own caching allocator as the judge (gpumempool.oracle): the
+official CUDA wheels of torch run on the fake CUDA stack, and the engine's
+reserved and allocated bytes, segments, retries and OOMs must equal torch's
+after every event.
+
+The torch installs come from GMP_TORCH_PYTHONS (pythons separated by
+os.pathsep; .ci/test makes slim installs of 2.5.1, 2.11.0 and 2.15.0 with
+tools/torch_slim.py). Without it these tests skip, unless
+GMP_REQUIRE_TORCH_ORACLE=1 (CI), which makes them fail. The full matrix
+over every setting tune may recommend is benchmarks/fidelity.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpumempool.oracle import FakeStackError, OracleError, _stack, adversarial, fidelity, run
+from gpumempool.trace import Alloc, Free, Trace, from_torch_snapshot, load_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACES = ROOT / "benchmarks" / "traces"
+EXTERNAL = ROOT.parent / "shared" / "traces-external"
+PYTHONS = [p for p in os.environ.get("GMP_TORCH_PYTHONS", "").split(os.pathsep) if p]
+REQUIRED = os.environ.get("GMP_REQUIRE_TORCH_ORACLE") == "1"
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def _version(python: str) -> str:
+    return _stack.find_torch(python).version
+
+
+def _params() -> list[Any]:
+    if not PYTHONS:
+        return [pytest.param(None, id="no-torch")]
+    return [pytest.param(p, id=_version(p).split("+")[0]) for p in PYTHONS]
+
+
+@pytest.fixture(params=_params())
+def torch_python(request: pytest.FixtureRequest) -> str:
+    p = request.param
+    if p is None:
+        if REQUIRED:
+            pytest.fail("GMP_REQUIRE_TORCH_ORACLE=1 but GMP_TORCH_PYTHONS names no torch (tools/torch_slim.py)")
+        pytest.skip("no CUDA build of torch: set GMP_TORCH_PYTHONS (tools/torch_slim.py makes slim installs)")
+    return str(p)
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("oracle-cache"))
+
+
+def _older_than(python: str, major: int, minor: int) -> bool:
+    v = _version(python).split("+")[0].split(".")
+    return (int(v[0]), int(v[1])) < (major, minor)
+
+
+@pytest.mark.parametrize("name", ["cnn-train", "gpt2-train", "demo-synthetic"])
+def test_defaults_match_torch_on_shipped_traces(torch_python: str, cache: str, name: str) -> None:
+    trace = load_trace(TRACES / f"{name}.trace.gz")
+    c = fidelity.compare(trace, "", python=torch_python, cache=cache)
+    assert c.total == len(trace)
+    assert c.exact, c.describe()
+    assert c.torch_peak_reserved == c.engine_peak_reserved > 500 * MiB
+
+
+#: Settings proven exact on these kinds (see benchmarks/results/fidelity.md
+#: for the whole matrix, and what is left).
+PROVEN = [
+    ("", None),
+    ("max_split_size_mb:64", None),
+    ("roundup_power2_divisions:4", None),
+    ("max_split_size_mb:256,max_non_split_rounding_mb:64", None),
+    ("", 0.5),
+    ("garbage_collection_threshold:0.6", 0.5),
+]
+
+
+@pytest.mark.parametrize("kind", ["boundaries", "streams", "random"])
+@pytest.mark.parametrize("conf,fraction", PROVEN, ids=[f"{c or 'defaults'}-{f}" for c, f in PROVEN])
+def test_settings_match_torch_on_adversarial_traces(torch_python: str, cache: str, kind: str, conf: str,
+                                                     fraction: Any) -> None:
+    trace = adversarial.make(kind, 0)
+    if "max_non_split_rounding_mb" in conf and _older_than(torch_python, 2, 6):
+        # torch 2.5 has no such setting, and says so in one line.
+        with pytest.raises(OracleError, match="max_non_split_rounding_mb"):
+            run(trace, conf, python=torch_python, cache=cache)
+        return
+    c = fidelity.compare(trace, conf, python=torch_python, fraction=fraction, cache=cache)
+    assert c.exact, c.describe()
+
+
+def test_record_stream_keeps_a_block_until_its_stream_completes(torch_python: str, cache: str) -> None:
+    """A block used on another stream comes back only after that stream's
+    work is done (manual event completion in the fake driver): torch makes a
+    second segment for the same request until then, as the engine does."""
+    side = 0x4000
+    from gpumempool.trace import RecordStream, Sync
+    trace = Trace(events=[Alloc(1, 30 * MiB), RecordStream(1, side), Free(1), Alloc(2, 30 * MiB), Free(2),
+                          Sync(side), Alloc(3, 30 * MiB), Free(3)])
+    r = run(trace, python=torch_python, cache=cache)
+    reserved = [p.reserved for p in r.points]
+    assert reserved[3] == 2 * reserved[0] == 2 * 30 * MiB  # the first block is still in use on `side`
+    assert [p.segments for p in r.points][6] == 2 and r.points[6].allocated == 30 * MiB
+    assert fidelity.diff(r, fidelity.engine_points(trace)).exact
+
+
+def test_out_of_memory_is_an_event(torch_python: str, cache: str) -> None:
+    """A request larger than the device is torch's OOM at that event, and the
+    run goes on; a memory fraction is torch's limit."""
+    trace = Trace(events=[Alloc(1, 100 * GiB), Alloc(2, 1 * GiB), Free(2), Free(1), Alloc(3, 3 * GiB), Free(3)])
+    r = run(trace, python=torch_python, capacity=80 * GiB, cache=cache)
+    assert r.oom_events == [0]
+    assert [p.ooms for p in r.points] == [1, 1, 1, 1, 1, 1]
+    assert r.points[1].reserved == r.points[1].allocated == 1 * GiB
+    limited = run(trace, python=torch_python, capacity=4 * GiB, fraction=0.5, cache=cache)
+    assert limited.oom_events == [0, 4]
+    assert fidelity.diff(limited, fidelity.engine_points(trace, capacity=4 * GiB, fraction=0.5)).exact
+
+
+def test_settings_reach_torch_under_the_variable_it_reads(torch_python: str, cache: str) -> None:
+    """roundup_power2_divisions changes what torch reserves for a 1.1 GiB
+    request (rounded to 1.25 GiB with 4 divisions): proof that the setting
+    was read, on versions that read PYTORCH_ALLOC_CONF and those that do not."""
+    trace = Trace(events=[Alloc(1, 1126 * MiB), Free(1)])
+    plain = run(trace, python=torch_python, cache=cache)
+    rounded = run(trace, "roundup_power2_divisions:4", python=torch_python, cache=cache)
+    assert plain.points[0].allocated == 1126 * MiB
+    assert rounded.points[0].allocated == 1280 * MiB
+    assert rounded.env_var == ("PYTORCH_CUDA_ALLOC_CONF" if _older_than(torch_python, 2, 10) else "PYTORCH_ALLOC_CONF")
+
+
+def test_multi_device_snapshot_matches(torch_python: str, cache: str) -> None:
+    """An external snapshot recorded on three GPUs, one OOM: each event is
+    judged on its own device."""
+    path = EXTERNAL / "Constructor-Sun_memory_snapshot_52e52b2.pickle"
+    if not path.is_file():
+        pytest.skip("../shared/traces-external is not here")
+    trace = from_torch_snapshot(path)
+    c = fidelity.compare(trace, "", python=torch_python, cache=cache)
+    assert c.exact, c.describe()
+    assert {p.device for p in run(trace, python=torch_python, cache=cache).points} == {0, 1, 2}
+
+
+def test_a_runtime_function_the_fake_lacks_is_named(torch_python: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    exports = _stack.cudart_exports() - {"cudaMalloc", "cudaStreamSynchronize"}
+    monkeypatch.setattr(_stack, "cudart_exports", lambda: exports)
+    with pytest.raises(FakeStackError, match="lacks: cudaMalloc, cudaStreamSynchronize") as err:
+        _stack.build(_stack.find_torch(torch_python), tmp_path)
+    assert err.value.missing == "cudaMalloc,cudaStreamSynchronize"
+
+
+def test_oracle_cli_compares(torch_python: str, cache: str) -> None:
+    env = {**os.environ, "GMP_ORACLE_CACHE": cache, "PYTHONSAFEPATH": "1"}
+    cmd = [sys.executable, "-m", "gpumempool", "oracle", str(TRACES / "cnn-train.trace.gz"), "--python",
+           torch_python, "--no-progress"]
+    r = subprocess.run([*cmd, "--compare", "--json"], capture_output=True, text=True, env=env, cwd="/")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["matched"] == out["total"] == 19491
+    r = subprocess.run([*cmd, "--conf", "no_such_setting:1"], capture_output=True, text=True, env=env, cwd="/")
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and "no_such_setting" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---- without torch ----
+
+
+def _fake_torch(tmp_path: Path) -> str:
+    """A python whose "torch" is a directory without libc10_cuda: a CPU build."""
+    site = tmp_path / "site"
+    (site / "torch" / "lib").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text("")
+    (site / "torch" / "version.py").write_text("__version__ = '2.99.0+cpu'\n")
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def test_cpu_only_torch_is_refused_in_one_line(tmp_path: Path) -> None:
+    py = _fake_torch(tmp_path)
+    t = _stack.find_torch(py)
+    assert t.version == "2.99.0+cpu" and t.cudart_soname == ""
+    with pytest.raises(FakeStackError, match="CPU-only build") as err:
+        run(Trace(events=[Alloc(1, 512)]), python=py, cache=str(tmp_path / "c"))
+    assert "\n" not in str(err.value)
+
+
+def test_missing_runtime_headers_name_the_wheel(tmp_path: Path) -> None:
+    (tmp_path / "torch").mkdir()
+    for soname, pkg in (("libcudart.so.12", "nvidia-cuda-runtime-cu12"), ("libcudart.so.13", "nvidia-cuda-runtime==13")):
+        t = _stack.TorchInstall(sys.executable, tmp_path / "torch", "2.99.0", soname)
+        with pytest.raises(FakeStackError, match=f"pip install --no-deps '{pkg}") as err:
+            _stack.runtime_headers(t)
+        assert err.value.missing.startswith(pkg)
+
+
+def test_a_python_without_torch_is_named(tmp_path: Path) -> None:
+    py = tmp_path / "python"
+    py.write_text(f"#!/bin/sh\nPYTHONPATH= exec {sys.executable} -I \"$@\"\n")
+    py.chmod(0o755)
+    r = subprocess.run([str(py), "-c", "import torch"], capture_output=True)
+    if r.returncode == 0:
+        pytest.skip("this Python has torch")
+    with pytest.raises(FakeStackError, match="has no torch: pip install torch"):
+        _stack.find_torch(str(py))
+
+
+def test_trim_has_no_torch_counterpart() -> None:
+    from gpumempool.trace import Trim
+    with pytest.raises(OracleError, match="event 1: trim"):
+        from gpumempool.oracle import events_of
+        events_of(Trace(events=[Alloc(1, 512), Trim(0, 0)]))
+
+
+def test_adversarial_traces_are_seeded_and_valid() -> None:
+    for kind in adversarial.KINDS:
+        a, b = adversarial.make(kind, 1), adversarial.make(kind, 1)
+        assert a.events == b.events and a.events != adversarial.make(kind, 2).events
+        a.validate()
+        assert a.meta["capacity"] in (4 * GiB, 80 * GiB)
+    with pytest.raises(ValueError, match="unknown adversarial trace"):
+        adversarial.make("nope")
+
+
+def test_alloc_conf_parsing() -> None:
+    assert fidelity.parse_alloc_conf("expandable_segments:True,max_split_size_mb:64") == {
+        "expandable": True, "max_split_size": 64 * MiB}
+    with pytest.raises(ValueError, match="list form is not modelled"):
+        fidelity.parse_alloc_conf("roundup_power2_divisions:[256:1,512:2],max_split_size_mb:64")
+    with pytest.raises(ValueError, match="does not model torch's setting 'foo'"):
+        fidelity.parse_alloc_conf("foo:1")
+    with pytest.raises(ValueError, match="not key:value"):
+        fidelity.parse_alloc_conf("expandable_segments")

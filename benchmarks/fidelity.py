@@ -106,11 +106,13 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--only", help="only settings containing this text")
+    ap.add_argument("--quick", action="store_true", help="the shipped traces and adversarial seed 0 only")
     args = ap.parse_args()
     from gpumempool.oracle import _stack
 
     rows = [s for s in settings() if not args.only or args.only in s[0]]
-    cols = traces()
+    cols = [c for c in traces() if not args.quick or not (c[2] == 80 << 30 and c[1].endswith(".pickle"))
+            and not c[0].endswith(":1")]
     results: dict[str, Any] = {"date": datetime.date.today().isoformat(), "versions": {}}
     start = time.time()
     for py in args.pythons:
@@ -134,7 +136,46 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fidelity.json").write_text(json.dumps(results, indent=1) + "\n")
     (args.out / "fidelity.md").write_text(render(results, [c[0] for c in cols]))
+    proven = ROOT / "gpumempool" / "oracle" / "proven.json"
+    proven.write_text(json.dumps(prove(results), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {args.out / 'fidelity.md'} and {proven}", file=sys.stderr)
     return 0
+
+
+#: torch's names of the replay policy keys (tune's).
+_KEYS = {"expandable_segments": "expandable", "max_split_size_mb": "max_split_size",
+         "roundup_power2_divisions": "roundup_power2_divisions",
+         "max_non_split_rounding_mb": "max_non_split_rounding_size",
+         "garbage_collection_threshold": "garbage_collection_threshold"}
+
+
+def prove(results: dict[str, Any]) -> dict[str, Any]:
+    """gpumempool/oracle/proven.json: per torch version (major.minor), each
+    replay policy key, proven (True) when every row with that key is exact
+    wherever the defaults' row (with the same fraction) is exact. A key
+    whose rows are all n/a (torch refuses it) is not listed, so not proven."""
+    out: dict[str, Any] = {"source": "benchmarks/fidelity.py", "date": results["date"], "versions": {}}
+    for version, cells in results["versions"].items():
+        base = {(c["trace"], c["fraction"] or 0) for c in cells if c["conf"] == "" and c["status"] == "exact"}
+        keys: dict[str, bool] = {}
+        for c in cells:
+            if not c["conf"] or c["status"] == "n/a":
+                continue
+            items = [i.split(":")[0] for i in c["conf"].split(",")]
+            # One setting a row (max_non_split_rounding_mb comes with the
+            # max_split_size_mb it needs); combinations are shown, not counted.
+            if len(items) == 1:
+                key = _KEYS.get(items[0])
+            elif sorted(items) == ["max_non_split_rounding_mb", "max_split_size_mb"]:
+                key = _KEYS["max_non_split_rounding_mb"]
+            else:
+                continue
+            if key is None:
+                continue
+            judged = (c["trace"], c["fraction"] or 0) in base
+            keys[key] = keys.get(key, True) and (c["status"] == "exact" or not judged)
+        out["versions"][".".join(version.split("+")[0].split(".")[:2])] = keys
+    return out
 
 
 def render(results: dict[str, Any], labels: list[str]) -> str:

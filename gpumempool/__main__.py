@@ -365,7 +365,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         return _fail(str(exc), json_out=args.json)
     try:
         with Progress("tune", unit="replay", enabled=not (args.json or args.no_progress)) as bar:
-            result = tune(trace, limit=limit, extra=not args.no_extra, jobs=args.jobs, progress=bar)
+            result = tune(trace, limit=limit, extra=not args.no_extra, jobs=args.jobs, progress=bar,
+                          torch_version=args.torch_version)
     except InvalidArgumentError as exc:
         return _fail(str(exc), 2, json_out=args.json)
     except (ValueError, TraceFormatError) as exc:
@@ -374,6 +375,15 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if args.json:
         out = result.as_dict(n=args.top)
         out["trace"] = {"path": args.trace, "meta": trace.meta}
+        if args.verify:
+            from .oracle import FakeStackError, OracleError
+            from .oracle.verify import verify
+
+            try:
+                out["verify"] = [v.as_dict() for v in verify(result, trace, n=args.verify, python=args.python,
+                                                             on=args.verify_on)]
+            except (FakeStackError, OracleError, ValueError) as exc:
+                return _fail(f"--verify: {exc}", json_out=True)
         _print_json(out)
         return 0 if best.fits else 1
     name = os.path.basename(args.trace)
@@ -381,6 +391,9 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     print(f"gpumempool tune: {name} ({trace.source}, {len(trace):,} events): {result.replays} settings replayed on "
           f"the simulated device in {result.seconds:.1f} s" + (f" ({stopped} stopped early, once they reserved "
                                                                  "a quarter more than the best)" if stopped else ""))
+    if result.torch_version:
+        print(f"modelled torch: {result.torch_version} (only settings the fidelity matrix proved exact against it "
+              "are recommended; others are marked unverified)")
     for note in result.notes:
         print(f"note: {note}")
     print()
@@ -395,7 +408,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         print(f"best torch setting: {format_bytes(best.peak_reserved)} peak reserved, "
               f"{best.peak_reserved / default.peak_reserved:.3f} of the default's "
               f"{format_bytes(default.peak_reserved)} (saves {format_bytes(saving)})")
-        print(f"  PYTORCH_CUDA_ALLOC_CONF={best.alloc_conf}")
+        print(f"  {result.env_var}={best.alloc_conf}")
+        if result.torch_version == "2.9":
+            print("  (torch 2.9 reads PYTORCH_ALLOC_CONF but is reported to ignore some settings there: "
+                  "PYTORCH_CUDA_ALLOC_CONF, which it honours with a deprecation warning, is the safe one)")
         print(f"  {best.mempool_call}")
     left = best.peak_reserved - result.lower_bound
     print(f"lower bound: {format_bytes(result.lower_bound)} (the most bytes the run holds allocated at once; "
@@ -408,6 +424,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
               f"{format_bytes(limit)} / total), for the same behaviour")
     print()
     print(result.table(args.top))
+    if args.verify:
+        code = _tune_verify(args, result, trace)
+        if code:
+            return code
     if extra is not None:
         print()
         print(f"gpumempool pools only: {extra.describe()}: {format_bytes(extra.peak_reserved)} "
@@ -415,6 +435,33 @@ def _cmd_tune(args: argparse.Namespace) -> int:
               f"{extra.result.backend_calls:,} backend calls)")
         print(f"  {extra.mempool_call}")
     return 0 if best.fits else 1
+
+
+def _tune_verify(args: argparse.Namespace, result: Any, trace: Any) -> int:
+    """tune --verify: the default and the best few settings through torch's
+    own allocator, predicted and torch's figures side by side."""
+    from ._progress import Progress
+    from .oracle import FakeStackError, OracleError
+    from .oracle.verify import verify
+
+    print()
+    try:
+        with Progress("verify", unit="setting", enabled=not args.no_progress) as bar:
+            rows = verify(result, trace, n=args.verify, python=args.python, on=args.verify_on, progress=bar)
+    except (FakeStackError, OracleError, ValueError) as exc:
+        return _fail(f"--verify: {exc}")
+    print(f"verified with torch {rows[0].torch_version}'s own caching allocator on the {rows[0].on}:")
+    table = [("settings", "predicted peak", "torch peak", "retries (pred/torch)", "OOMs (pred/torch)", "events equal")]
+    for v in rows:
+        table.append((v.settings, format_bytes(v.predicted_peak), format_bytes(v.torch_peak),
+                      f"{v.predicted_retries}/{v.torch_retries}", f"{v.predicted_ooms}/{v.torch_ooms}",
+                      f"{v.matched:,}/{v.total:,}" + ("" if v.exact else " (differs)")))
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for k, r in enumerate(table):
+        print(" | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            print("-+-".join("-" * w for w in widths))
+    return 0
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -673,6 +720,15 @@ def build_parser() -> argparse.ArgumentParser:
     tun.add_argument("--jobs", type=_positive, help="replays run in parallel (default: the CPU count, at most 8)")
     tun.add_argument("--top", type=_positive, default=5, help="rows of the table (default 5)")
     tun.add_argument("--no-extra", action="store_true", help="only the settings torch accepts")
+    tun.add_argument("--verify", type=int, nargs="?", const=3, default=0, metavar="N",
+                     help="replay the default and the best N (default 3) settings through the installed torch's own "
+                     "caching allocator (the GPU if one has room, else a fake CUDA stack built with cc) and print "
+                     "predicted and torch's figures side by side")
+    tun.add_argument("--python", help="--verify: the Python whose torch judges (default: this one)")
+    tun.add_argument("--verify-on", choices=("auto", "gpu", "fake"), default="auto",
+                     help="--verify: where torch runs (default auto: the GPU when it has room)")
+    tun.add_argument("--torch-version", metavar="X.Y",
+                     help="the torch whose allocator to model (default: the installed one, else the newest judged)")
     tun.add_argument("--format", choices=("auto", "trace", "snapshot"), default="auto",
                      help="input format (default: by extension and content)")
     tun.add_argument("--no-infer-empty-cache", action="store_true",

@@ -115,6 +115,10 @@ class Candidate:
     result: ReplayResult
     torch: bool  # torch's allocator accepts these settings
     limit: Optional[int] = None
+    #: every setting was proven exact against the modelled torch version by
+    #: the fidelity matrix (gpumempool/oracle/proven.json); tune recommends
+    #: only verified ones
+    verified: bool = True
 
     @property
     def peak_reserved(self) -> int:
@@ -177,12 +181,14 @@ class Candidate:
         """The settings in words, ``defaults`` for none."""
         if not self.settings:
             return "defaults"
-        return ", ".join(f"{k}={_show(k, v)}" for k, v in self.settings.items())
+        return ", ".join(f"{k}={_show(k, v)}" for k, v in self.settings.items()) + \
+            ("" if self.verified else " (unverified)")
 
     def as_dict(self) -> dict[str, Any]:
         r = self.result
         return {
-            "settings": dict(self.settings), "torch": self.torch, "alloc_conf": self.alloc_conf,
+            "settings": dict(self.settings), "torch": self.torch, "verified": self.verified,
+            "alloc_conf": self.alloc_conf,
             # a replay stopped early does not say whether the rest would fit
             "mempool": self.mempool_kwargs, "fits": self.fits if self.complete else None, "complete": self.complete,
             "stopped_at": r.stopped_at, "peak_reserved": r.peak_reserved,
@@ -219,11 +225,23 @@ class TuneResult:
     replays: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    #: the torch version (major.minor) whose allocator the engine modelled
+    torch_version: str = ""
+
+    @property
+    def env_var(self) -> str:
+        """The variable that torch version reads the settings from."""
+        try:
+            major, minor = (int(x) for x in self.torch_version.split(".")[:2])
+        except ValueError:
+            return "PYTORCH_CUDA_ALLOC_CONF"
+        return "PYTORCH_ALLOC_CONF" if (major, minor) >= (2, 10) else "PYTORCH_CUDA_ALLOC_CONF"
 
     @property
     def best(self) -> Candidate:
-        """The best setting torch accepts (never worse than the default)."""
-        return next(c for c in self.candidates if c.torch)
+        """The best setting torch accepts that the fidelity matrix proved
+        for the modelled torch version (never worse than the default)."""
+        return next(c for c in self.candidates if c.torch and c.verified)
 
     @property
     def best_extra(self) -> Optional[Candidate]:
@@ -289,6 +307,7 @@ class TuneResult:
             "saving": 1 - best.peak_reserved / self.default.peak_reserved if self.default.peak_reserved else 0.0,
             "candidates": [c.as_dict() for c in self.candidates[:n]],
             "replays": self.replays, "seconds": self.seconds, "notes": list(self.notes),
+            "torch_version": self.torch_version, "env_var": self.env_var,
         }
 
 
@@ -490,9 +509,10 @@ class _Runner:
             self.progress(len(self.done), max(self.planned, len(self.done)))
 
 
-def _candidate(settings: Mapping[str, Any], result: ReplayResult, limit: Optional[int]) -> Candidate:
+def _candidate(settings: Mapping[str, Any], result: ReplayResult, limit: Optional[int],
+               proven: Optional[frozenset[str]] = None) -> Candidate:
     s = _clean(settings)
-    return Candidate(s, result, _torch_expressible(s), limit)
+    return Candidate(s, result, _torch_expressible(s), limit, proven is None or set(s) <= proven)
 
 
 def _load(trace: Union[Trace, TraceFile, PathLike]) -> tuple[Union[Trace, TraceFile], Optional[str]]:
@@ -514,6 +534,7 @@ def tune(
     extra: bool = True,
     jobs: Optional[int] = None,
     progress: Optional[ProgressFn] = None,
+    torch_version: Optional[str] = None,
 ) -> TuneResult:
     """Search the allocator settings for the lowest peak reserved bytes of
     ``trace`` (a :class:`~gpumempool.trace.Trace`, a
@@ -526,7 +547,11 @@ def tune(
     False) and ranked last. ``extra`` also tries settings only gpumempool's
     pools accept. ``jobs`` worker processes replay in parallel (default: the
     machine's cores, at most 8; 1 replays in this process).
-    ``progress(done, total)`` follows the replays.
+    ``progress(done, total)`` follows the replays. ``torch_version``
+    (major.minor) is the torch whose allocator the result is for (default:
+    the installed torch's, else the newest the fidelity matrix judged):
+    only settings the matrix proved exact for it are recommended
+    (:attr:`Candidate.verified`).
 
     Raises ValueError (:class:`~gpumempool.trace.TraceFormatError` for a bad
     file) for a trace without events, and
@@ -534,6 +559,10 @@ def tune(
     lower bound on a device (the peak of the bytes it holds at once there:
     the limit holds for each device)."""
     start = time.perf_counter()
+    from .oracle.proven import MODELLED, installed_torch_version, modelled_version, proven_settings
+
+    modelled = modelled_version(torch_version or installed_torch_version())
+    proven = proven_settings(modelled) if modelled in MODELLED else None
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
         raise InvalidArgumentError(f"limit must be a positive number of bytes, got {limit!r}")
     tr, path = _load(trace)
@@ -555,6 +584,9 @@ def tune(
             "device (the most bytes the program holds allocated at once on a device; the limit applies to each): "
             "no setting can run it in that much memory")
     notes: list[str] = []
+    if proven is None:
+        notes.append(f"torch {modelled or '(none installed)'} was not judged by the fidelity matrix: every "
+                     "setting is shown as the engine predicts it, none verified against torch")
     recorded = tr.meta.get("recorded_policy")
     if isinstance(recorded, dict):
         odd = {k: v for k, v in recorded.items() if k not in _TORCH_NAMES and k not in ("backend", "capacity")}
@@ -582,20 +614,20 @@ def tune(
             # The default and the usual winner first, in full: from then on a
             # replay stops once it reserves more than the best so far.
             runner.run([{}, {"expandable": True}], expect=20)
-            best = _best_of(runner, limit)
+            best = _best_of(runner, limit, proven)
             grid: list[dict[str, Any]] = [{}]
             for key, values in _COARSE.items():
                 grid = [dict(g, **{key: v}) for g in grid for v in values]
             if limit is not None:
                 grid += [dict(g, garbage_collection_threshold=0.8) for g in grid]
             runner.run(grid, expect=12, stop_above=_stop(best))
-            best = _best_of(runner, limit)
+            best = _best_of(runner, limit, proven)
             # one setting at a time around the best, until nothing helps
             for _ in range(4):
                 before = _key(best.settings)
                 for key, values in space.items():
                     runner.run([dict(best.settings, **{key: v}) for v in values], stop_above=_stop(best))
-                    best = _best_of(runner, limit)
+                    best = _best_of(runner, limit, proven)
                 if _key(best.settings) == before:
                     break
             if extra:
@@ -607,13 +639,13 @@ def tune(
         finally:
             runner.close()
 
-    cands = sorted((_candidate(dict(k), r, limit) for k, r in runner.done.items()), key=_rank)
+    cands = sorted((_candidate(dict(k), r, limit, proven) for k, r in runner.done.items()), key=_rank)
     default = next(c for c in cands if not c.settings)
     first = cands[0].result
     return TuneResult(
         source=source, events=len(tr), lower_bound=lower, limit=limit, default=default, candidates=cands,
         recorded_peak_reserved=first.recorded_peak_reserved, recorded_by=first.recorded_by,
-        replays=len(runner.done), seconds=time.perf_counter() - start, notes=notes)
+        replays=len(runner.done), seconds=time.perf_counter() - start, notes=notes, torch_version=modelled)
 
 
 def _device_peak_requested(tr: Union[Trace, TraceFile]) -> int:
@@ -632,10 +664,10 @@ def _device_peak_requested(tr: Union[Trace, TraceFile]) -> int:
     return peak
 
 
-def _best_of(runner: _Runner, limit: Optional[int]) -> Candidate:
-    """The best torch setting replayed so far."""
-    cands = [_candidate(dict(k), r, limit) for k, r in runner.done.items()]
-    return min((c for c in cands if c.torch), key=_rank)
+def _best_of(runner: _Runner, limit: Optional[int], proven: Optional[frozenset[str]] = None) -> Candidate:
+    """The best verified torch setting replayed so far."""
+    cands = [_candidate(dict(k), r, limit, proven) for k, r in runner.done.items()]
+    return min((c for c in cands if c.torch and c.verified), key=_rank)
 
 
 def _stop(best: Candidate) -> Optional[int]:

@@ -240,3 +240,62 @@ def test_alloc_conf_parsing() -> None:
         fidelity.parse_alloc_conf("foo:1")
     with pytest.raises(ValueError, match="not key:value"):
         fidelity.parse_alloc_conf("expandable_segments")
+
+
+# ---- tune: the modelled torch version, verified settings, --verify ----
+
+
+def test_modelled_version_follows_the_installed_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpumempool.oracle import proven
+
+    monkeypatch.setattr(proven, "MODELLED", ("2.5", "2.11", "2.15"))
+    assert proven.modelled_version("2.11.0+cu130") == "2.11"
+    assert proven.modelled_version("2.13.1") == "2.11"  # the newest judged one not newer
+    assert proven.modelled_version("2.16.0") == "2.15"
+    assert proven.modelled_version("2.4.1") == "2.5"
+    assert proven.modelled_version(None) == "2.15"
+
+
+def test_tune_recommends_only_settings_proven_for_the_modelled_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpumempool import tune as tune_mod
+    from gpumempool.oracle import proven
+
+    trace = load_trace(TRACES / "cnn-train.trace.gz")
+    monkeypatch.setattr(proven, "MODELLED", ("2.11",))
+    monkeypatch.setattr(proven, "proven_settings", lambda v: frozenset({"max_split_size", "roundup_power2_divisions"}))
+    r = tune_mod.tune(trace, jobs=1, extra=False, torch_version="2.11")
+    assert r.torch_version == "2.11" and r.env_var == "PYTORCH_ALLOC_CONF"
+    assert r.best.verified and set(r.best.settings) <= {"max_split_size", "roundup_power2_divisions"}
+    unverified = [c for c in r.candidates if not c.verified]
+    assert unverified and all("expandable" in c.settings or "max_non_split_rounding_size" in c.settings
+                              or "garbage_collection_threshold" in c.settings for c in unverified)
+    assert all(c.describe().endswith("(unverified)") for c in unverified)
+    # with expandable proven, it wins on this trace (as the engine predicts)
+    monkeypatch.setattr(proven, "proven_settings", lambda v: frozenset(tune_mod.TORCH_SPACE))
+    assert "expandable" in tune_mod.tune(trace, jobs=1, extra=False, torch_version="2.11").best.settings
+
+
+def test_tune_verify_puts_torch_beside_the_prediction(torch_python: str, cache: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpumempool import tune as tune_mod
+    from gpumempool.oracle.verify import verify
+
+    monkeypatch.setenv("GMP_ORACLE_CACHE", cache)
+    trace = adversarial.make("boundaries", 0)
+    result = tune_mod.tune(trace, jobs=1, extra=False)
+    rows = verify(result, trace, n=2, python=torch_python, on="fake")
+    assert rows[0].settings == "defaults" and len(rows) >= 2
+    assert rows[0].on == "fake CUDA stack" and rows[0].torch_version == _version(torch_python)
+    for v in rows:
+        if result.candidates and "(unverified)" not in v.settings:
+            assert v.exact, v
+            assert v.predicted_peak == v.torch_peak
+    env = {**os.environ, "GMP_ORACLE_CACHE": cache, "PYTHONSAFEPATH": "1"}
+    path = Path(cache) / "boundaries.trace.gz"
+    trace.save(path)
+    r = subprocess.run([sys.executable, "-m", "gpumempool", "tune", str(path), "--verify", "1", "--python",
+                        torch_python, "--verify-on", "fake", "--no-progress", "--jobs", "1"],
+                       capture_output=True, text=True, env=env, cwd="/")
+    assert r.returncode == 0, r.stderr
+    assert f"verified with torch {_version(torch_python)}'s own caching allocator on the fake CUDA stack" in r.stdout
+    assert "events equal" in r.stdout

@@ -152,6 +152,7 @@ def run(
     devices: Optional[int] = None,
     cache: Optional[Union[str, os.PathLike[str]]] = None,
     timeout: float = 3600.0,
+    real_gpu: bool = False,
 ) -> OracleResult:
     """Replays ``trace`` through the caching allocator of the torch that
     ``python`` imports (default: this interpreter), under ``alloc_conf``
@@ -159,7 +160,10 @@ def run(
     ``capacity`` bytes, with ``set_per_process_memory_fraction(fraction)``
     when given. Raises :class:`FakeStackError` when the stack cannot be
     built for that torch (a CPU-only build, no runtime headers, no
-    compiler) and :class:`OracleError` when torch fails."""
+    compiler) and :class:`OracleError` when torch fails.
+
+    With ``real_gpu`` the trace runs on the machine's GPU instead (no fake
+    stack: ``capacity`` is then the GPU's, and stream syncs really wait)."""
     if isinstance(trace, (str, os.PathLike)):
         trace = _load(Path(trace))
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
@@ -171,22 +175,31 @@ def run(
     devices = max(int(devices or 1), used)
     if devices > 16:
         raise ValueError(f"the fake driver has at most 16 devices; the trace uses {devices}")
-    stack = build(find_torch(python or sys.executable), Path(cache) if cache else None)
+    torch = find_torch(python or sys.executable)
+    if real_gpu:
+        stack = FakeStack(Path(), (), torch)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+        if alloc_conf:
+            env[_env_var(torch.version)] = alloc_conf
+    else:
+        stack = build(torch, Path(cache) if cache else None)
+        env = torch_env(stack, alloc_conf, capacity, devices)
     with tempfile.TemporaryDirectory(prefix="gmp-oracle-") as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps({"preload": list(stack.preload), "events": events, "devices": devices,
-                                   "fraction": fraction}))
+                                   "fraction": fraction, "real_gpu": real_gpu}))
         start = time.perf_counter()
         try:
             proc = subprocess.run([stack.torch.python, str(_CHILD), str(req), str(res)], capture_output=True,
-                                  text=True, timeout=timeout, env=torch_env(stack, alloc_conf, capacity, devices))
+                                  text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             raise OracleError(f"torch {stack.torch.version} did not finish the trace in {timeout:.0f} s",
                               stack.torch.version) from None
         seconds = time.perf_counter() - start
         if not res.is_file():
             tail = proc.stderr.strip().splitlines()
-            raise OracleError(f"torch {stack.torch.version} on the fake CUDA stack exited with {proc.returncode}: "
+            where = "the GPU" if real_gpu else "the fake CUDA stack"
+            raise OracleError(f"torch {stack.torch.version} on {where} exited with {proc.returncode}: "
                               f"{tail[-1] if tail else 'no message'}", stack.torch.version)
         out = json.loads(res.read_text())
     if out.get("error"):

@@ -36,7 +36,8 @@ def main(request_path: str, result_path: str) -> int:
         return _write(result_path, out)
     out["torch"] = torch.__version__
     if not torch.cuda.is_available():
-        out["error"] = "torch.cuda.is_available() is False on the fake CUDA stack"
+        where = "this machine's GPU" if req.get("real_gpu") else "the fake CUDA stack"
+        out["error"] = f"torch.cuda.is_available() is False on {where}"
         return _write(result_path, out)
     try:
         _replay(torch, driver, req, out)

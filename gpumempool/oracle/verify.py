@@ -68,7 +68,8 @@ def verify(result: Any, trace: Union[Trace, TraceFile], *, n: int = 3, python: O
     if on not in ("auto", "gpu", "fake"):
         raise ValueError(f"on must be auto, gpu or fake, got {on!r}")
     cands = [result.default] + [c for c in result.top(n) if c is not result.default and c.settings]
-    capacity = trace.meta.get("capacity") if isinstance(trace.meta.get("capacity"), int) else DEFAULT_CAPACITY
+    meta_capacity = trace.meta.get("capacity")
+    capacity: int = meta_capacity if isinstance(meta_capacity, int) and meta_capacity > 0 else DEFAULT_CAPACITY
     peak = max(c.peak_reserved for c in cands)
     real_gpu = on == "gpu" or (on == "auto" and _gpu_free() > peak * 1.1)
     out: list[Verified] = []

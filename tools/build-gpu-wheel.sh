@@ -137,6 +137,20 @@ if [[ -z "${GMP_NO_TQDM_WHEEL:-}" ]]; then
   fi
 fi
 
+# pyelftools (pure Python): the torch oracle reads torch's libraries with it
+# (gpu-check.sh's oracle stage), and the device cannot fetch it.
+shopt -s nullglob
+have_elf=("$WHEELHOUSE"/pyelftools-*.whl)
+shopt -u nullglob
+if [[ ${#have_elf[@]} -eq 0 ]]; then
+  if "$VENV/bin/pip" download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+      --python-version 3.12 pyelftools -d "$WHEELHOUSE" >"$TMP/pyelftools.log" 2>&1; then
+    say "added a pyelftools wheel (the oracle stage's, for the device without internet)"
+  else
+    say "note: could not download a pyelftools wheel (offline?); gpu-check.sh's oracle stage will fail"
+  fi
+fi
+
 if [[ -z "${GMP_NO_RMM_WHEELS:-}" ]]; then
   # Resolved for the device (CPython 3.12, x86-64 manylinux); numpy is left
   # out: the device's torch brings one, and rmm needs numpy >= 2 (checked

@@ -35,6 +35,8 @@
 #              `gpumempool tune` on each, then measure torch's max_memory_reserved
 #              under the default and the best settings in fresh processes
 #              (issue 20: prediction within 1%)
+#   oracle     benchmarks/oracle_gpu.py: the torch oracle's traces on the GPU (~2-3 min)
+#              and on the fake CUDA stack (needs cc), every event compared
 #   stress     benchmarks/gpu_stress.py: threads x streams on cuda, vmm,      (~5-6 min)
 #              vmm-expandable and async, tags checked on the GPU (~3.5 min),
 #              then its short mode under compute-sanitizer memcheck (~1 min)
@@ -69,9 +71,9 @@ T_START=$SECONDS
 # shellcheck source=tools/source-digest.sh
 . "$ROOT/tools/source-digest.sh"
 
-ALL_STAGES=(info gputests cputests tests bench gpt2 traces suite sanitizer stress tune)
+ALL_STAGES=(info gputests cputests tests bench gpt2 traces suite sanitizer stress tune oracle)
 declare -A BUDGET=([info]=60 [gputests]=300 [cputests]=180 [tests]=420 [bench]=300 [gpt2]=360
-                   [traces]=300 [suite]=420 [sanitizer]=240 [stress]=420 [tune]=540)
+                   [traces]=300 [suite]=420 [sanitizer]=240 [stress]=420 [tune]=540 [oracle]=240)
 declare -A STAGE_GROUPS=([part1]="info gputests bench sanitizer cputests"
                          [part2]="info traces gpt2 suite"
                          [part3]="info stress gpt2 suite"
@@ -383,6 +385,13 @@ stage_cmd() {  # the stage's command, run from the repository root
       "$PY" benchmarks/suite_gpu.py --out "$WORK/results" "${tr[@]}" ${GMP_SUITE_ARGS:-} ;;
     tune)
       "$PY" benchmarks/tune_proof.py --out "$WORK/results" ${GMP_TUNE_ARGS:-} ;;
+    oracle)
+      if ! "$PY" -c 'import elftools' 2>/dev/null; then
+        local elf
+        elf=$(compgen -G "$WHEELHOUSE/pyelftools-*.whl" | head -1)
+        [[ -n "$elf" ]] && venv_pip_install "$elf"
+      fi
+      "$PY" benchmarks/oracle_gpu.py --out "$WORK/results" ;;
     sanitizer)
       run_sanitizer ;;
     stress)

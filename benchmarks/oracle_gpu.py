@@ -28,10 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = ["", "expandable_segments:True", "max_split_size_mb:64"]
 
 
-def traces() -> list[tuple[str, Any]]:
+def traces(quick: bool = False) -> list[tuple[str, Any]]:
     from gpumempool.oracle import adversarial
     from gpumempool.trace import load_trace
 
+    if quick:
+        return [("boundaries", adversarial.make("boundaries", 0))]
     out: list[tuple[str, Any]] = [(n, load_trace(ROOT / "benchmarks" / "traces" / f"{n}.trace.gz"))
                                   for n in ("cnn-train", "gpt2-train")]
     out += [(k, adversarial.make(k, 0)) for k in ("boundaries", "streams", "empty_cache", "random")]
@@ -43,12 +45,13 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--python", default=sys.executable, help="the Python whose torch runs (default: this one)")
     ap.add_argument("--cpu-only", action="store_true", help="only the fake stack (a dry run without a GPU)")
+    ap.add_argument("--quick", action="store_true", help="one short trace")
     args = ap.parse_args()
     from gpumempool.oracle import run
     from gpumempool.oracle.fidelity import FIELDS
 
     rows = []
-    for name, trace in traces():
+    for name, trace in traces(args.quick):
         for conf in SETTINGS:
             t0 = time.perf_counter()
             fake = run(trace, conf, python=args.python)

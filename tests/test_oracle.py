@@ -299,3 +299,17 @@ def test_tune_verify_puts_torch_beside_the_prediction(torch_python: str, cache: 
     assert r.returncode == 0, r.stderr
     assert f"verified with torch {_version(torch_python)}'s own caching allocator on the fake CUDA stack" in r.stdout
     assert "events equal" in r.stdout
+
+
+def test_oracle_gpu_script_dry_run(torch_python: str, cache: str, tmp_path: Path) -> None:
+    """benchmarks/oracle_gpu.py (gpu-check.sh's oracle stage) runs its fake
+    side here; the GPU side needs the device machine."""
+    env = {**os.environ, "GMP_ORACLE_CACHE": cache, "PYTHONSAFEPATH": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "oracle_gpu.py"), "--cpu-only", "--quick",
+                        "--python", torch_python, "--out", str(tmp_path)], capture_output=True, text=True, env=env,
+                       cwd="/")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads((tmp_path / "oracle_gpu.json").read_text())
+    assert [row["conf"] for row in rows] == ["defaults", "expandable_segments:True", "max_split_size_mb:64"]
+    assert all(row["fake_peak"] > 0 and row["torch"] == _version(torch_python) for row in rows)
+    assert "| boundaries | defaults | 720 |" in (tmp_path / "oracle_gpu.md").read_text()

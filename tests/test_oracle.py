@@ -150,8 +150,8 @@ def test_multi_device_snapshot_matches(torch_python: str, cache: str) -> None:
 
 def test_a_runtime_function_the_fake_lacks_is_named(torch_python: str, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    exports = _stack.cudart_exports() - {"cudaMalloc", "cudaStreamSynchronize"}
-    monkeypatch.setattr(_stack, "cudart_exports", lambda: exports)
+    real = _stack.cudart_exports
+    monkeypatch.setattr(_stack, "cudart_exports", lambda lib: real(lib) - {"cudaMalloc", "cudaStreamSynchronize"})
     with pytest.raises(FakeStackError, match="lacks: cudaMalloc, cudaStreamSynchronize") as err:
         _stack.build(_stack.find_torch(torch_python), tmp_path)
     assert err.value.missing == "cudaMalloc,cudaStreamSynchronize"

@@ -233,14 +233,10 @@ def _stub_source(names: Iterable[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cudart_exports() -> set[str]:
-    """The functions the fake runtime defines (for the check that torch
-    imports nothing else)."""
-    text = (CSRC / "fake_cudart.c").read_text()
-    names = set(re.findall(r"^EXPORT [^(]*?\b(\w+)\(", text, re.M))
-    stubs = re.search(r"#define GMP_STUBS\(X\)(.*?)\n\n", text, re.S)
-    names |= set(re.findall(r"X\((\w+)\)", stubs.group(1) if stubs else ""))
-    return names
+def cudart_exports(lib: Path) -> set[str]:
+    """The functions a built fake runtime exports (torch must import
+    nothing else from it)."""
+    return _imports(lib)[2]
 
 
 def build(torch: TorchInstall, cache: Optional[Path] = None) -> FakeStack:
@@ -282,11 +278,6 @@ def build(torch: TorchInstall, cache: Optional[Path] = None) -> FakeStack:
         rpaths.update(_rpath_dirs(lib))
     own = {p.name for p in libs}
     cudart = versioned.get(torch.cudart_soname, {})
-    missing = sorted(set().union(*cudart.values()) - cudart_exports()) if cudart else []
-    if missing:
-        raise FakeStackError(f"torch {torch.version} imports {len(missing)} CUDA runtime function(s) the fake runtime "
-                             f"lacks: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}",
-                             ",".join(missing))
     cc = _cc()
     tmp = Path(tempfile.mkdtemp(prefix="build-", dir=_mkdir(root)))
     try:
@@ -300,6 +291,14 @@ def build(torch: TorchInstall, cache: Optional[Path] = None) -> FakeStack:
                  f"-I{CSRC}", f"-I{headers}", f"-DGMP_CUDART_VERSION={major * 1000}",
                  f"-Wl,-soname,{torch.cudart_soname}", f"-Wl,--version-script={script}", "-fvisibility=hidden",
                  f"-L{tmp}", "-l:libcuda.so.1", "-Wl,--disable-new-dtags,-rpath,$ORIGIN", "-ldl")
+        # Torch must find every runtime function it imports, or it would fail
+        # to load with a message naming one of them.
+        wanted = set().union(*cudart.values()) if cudart else set()
+        missing = sorted(wanted - cudart_exports(tmp / torch.cudart_soname))
+        if missing:
+            raise FakeStackError(f"torch {torch.version} imports {len(missing)} CUDA runtime function(s) the fake "
+                                 f"runtime lacks: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}",
+                                 ",".join(missing))
         order = [tmp / "libcuda.so.1", tmp / "libnvidia-ml.so.1", tmp / torch.cudart_soname]
         # Stand-ins for the NVIDIA libraries a slim install lacks.
         fake = {"libcuda.so.1", "libnvidia-ml.so.1", torch.cudart_soname}

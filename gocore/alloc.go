@@ -123,15 +123,26 @@ func (p *Pool) handOutLocked(d *deviceState, b *block, size uint64, kind poolKin
 }
 
 // takeCachedLocked takes the best cached block of the stream whose free
-// lists are f for a rounded request (best fit by size, then address), or
-// returns nil when none fits.
+// lists are f for a rounded request (best fit by size, then address, with
+// torch's preference for a block that is not the growable tail of an
+// expandable segment), or returns nil when none fits.
 func (p *Pool) takeCachedLocked(d *deviceState, f *streamFree, rounded uint64, kind poolKind) *block {
 	var b *block
-	if kind == kindSmall {
+	switch {
+	case kind == kindSmall && p.expander == nil:
 		b = f.small.bestFit(rounded)
-	} else {
+	case kind == kindSmall:
+		if f.smallExp != nil {
+			// torch's max_split_size rules concern large requests only.
+			b = f.bestFit(f.smallExp, rounded, 0, 0, p.reserveLocked(d, kind))
+		}
+	default:
 		d.largeLookups++
-		b = f.bestFitLarge(rounded, p.cfg.MaxSplitSize, p.cfg.MaxNonSplitRoundingSize)
+		var reserve uint64
+		if p.expander != nil {
+			reserve = p.reserveLocked(d, kind)
+		}
+		b = f.bestFit(f.large, rounded, p.cfg.MaxSplitSize, p.cfg.MaxNonSplitRoundingSize, reserve)
 	}
 	if b != nil {
 		d.removeFree(f, b)
@@ -149,9 +160,9 @@ func (p *Pool) isOversize(size uint64) bool {
 // than SmallSize, and never for requests of MaxSplitSize or more (torch's rule).
 func (p *Pool) shouldSplit(b *block, rounded uint64) bool {
 	rest := b.size - rounded
-	if b.seg.kind == kindSmall || b.seg.expandable {
-		// Expandable segments grow by whole granules: what is left over
-		// must stay usable, as in torch's expandable segments.
+	if b.seg.kind == kindSmall || p.expander != nil {
+		// Expandable segments grow by whole pages: what is left over must
+		// stay usable. torch splits so whenever expandable segments are on.
 		return rest >= MinBlockSize
 	}
 	return rest > SmallSize && (p.cfg.MaxSplitSize == 0 || rounded < p.cfg.MaxSplitSize)
@@ -160,18 +171,17 @@ func (p *Pool) shouldSplit(b *block, rounded uint64) bool {
 // newSegmentBlock obtains a segment for a request that no cached block can
 // serve, with the release-and-retry OOM path, and returns it as one block;
 // or, when the retry finds that a block whose events completed meanwhile
-// fits, that block, taken out of the free lists as a cache hit.
+// fits, that block, taken out of the free lists as a cache hit. With an
+// expandable backend it grows the stream's segment of the pool kind
+// instead, and makes one only when the stream has none there.
 func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKind, stream Stream, callerSegments bool) (*block, error) {
 	segSize := segmentSize(rounded, callerSegments)
-	expandable := p.expander != nil && kind == kindLarge
+	expandable := p.expander != nil
 	if expandable {
-		if b, err := p.growLocked(d, rounded, stream); b != nil || err != nil {
-			return b, err
-		}
-		// A new growing segment starts with what this request needs.
-		segSize = roundUp(rounded, p.expander.Granularity())
+		// A new growing segment starts with the pages this request needs.
+		segSize = roundUp(rounded, p.expandPage(kind))
 	}
-	addr, err := p.backendAlloc(d, segSize, stream)
+	b, addr, err := p.obtainLocked(d, rounded, segSize, kind, stream, expandable)
 	// A pool that holds its segments has nothing to release: no retry.
 	if err != nil && errors.Is(err, ErrBackendOutOfMemory) && !p.holdingSegmentsLocked() {
 		d.stats.NumAllocRetries++
@@ -184,12 +194,11 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 			return b, nil
 		}
 		p.releaseCachedLocked(d, 0)
-		addr, err = p.backendAlloc(d, segSize, stream)
+		b, addr, err = p.obtainLocked(d, rounded, segSize, kind, stream, expandable)
 	}
 	if err != nil {
 		if !errors.Is(err, ErrBackendOutOfMemory) {
-			return nil, fmt.Errorf("pool %q: alloc %d-byte segment on device %d from %s backend: %w",
-				p.name, segSize, d.id, p.backend.Name(), err)
+			return nil, err
 		}
 		d.stats.NumOOMs++
 		oom := &OutOfMemoryError{
@@ -212,20 +221,46 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 		}
 		return nil, oom
 	}
+	if b != nil {
+		return b, nil // the growing segment served it
+	}
 	seg := &segment{device: d.id, addr: addr, size: segSize, stream: stream, kind: kind, expandable: expandable,
 		wholeFreeAt: -1}
-	b := &block{seg: seg, addr: addr, size: segSize, heapIdx: -1}
+	b = &block{seg: seg, addr: addr, size: segSize, heapIdx: -1}
 	seg.first, seg.last = b, b
 	if expandable {
-		d.growing[stream] = seg // the newest one has the most room to grow
+		d.growing[growKey{stream, kind}] = seg // the newest one has the most room to grow
 	}
 	d.segments[addr] = seg
 	p.trace(ActionSegmentAlloc, d.id, addr, segSize, stream)
 	d.stats.NumDeviceAlloc++
-	d.stats.Segment.add(kind, 1)
+	d.countSegment(seg, 1)
 	d.stats.ReservedBytes.add(kind, int64(segSize)) // the budget counted it in backendAlloc
 	p.syncOversize(d, seg)
 	return b, nil
+}
+
+// obtainLocked is one attempt at new memory for a rounded request: growing
+// the stream's segment of the pool kind (a block, with an expandable
+// backend), else a segment of segSize bytes from the backend (its address,
+// for the caller to make it a segment). A lack of memory wraps
+// ErrBackendOutOfMemory; other errors name the pool.
+func (p *Pool) obtainLocked(d *deviceState, rounded, segSize uint64, kind poolKind, stream Stream, expandable bool) (*block, uint64, error) {
+	if expandable {
+		// torch maps more pages into the stream's segment, and makes a new
+		// one when there is none or its reservation cannot hold the pages.
+		// Out of memory, a new segment (at least as large) fails too.
+		b, err := p.growLocked(d, rounded, kind, stream)
+		if b != nil || (err != nil && !errors.Is(err, ErrBackendOutOfMemory)) {
+			return b, 0, err
+		}
+	}
+	addr, err := p.backendAlloc(d, segSize, stream)
+	if err != nil && !errors.Is(err, ErrBackendOutOfMemory) {
+		err = fmt.Errorf("pool %q: alloc %d-byte segment on device %d from %s backend: %w",
+			p.name, segSize, d.id, p.backend.Name(), err)
+	}
+	return nil, addr, err
 }
 
 // errLimit marks an allocation refused by the pool's own limit; it wraps
@@ -278,13 +313,47 @@ func (p *Pool) dropBlock(b *block) {
 
 const maxSpareBlocks = 1024
 
-// growLocked serves a large request by growing the stream's growing segment
-// in place: its free tail plus the new granules become the block. It returns
-// (nil, nil) when that is not possible (no growing segment yet, the limit,
-// or the backend out of memory), so that the caller falls back to a new
-// segment with the usual release-and-retry path.
-func (p *Pool) growLocked(d *deviceState, rounded uint64, stream Stream) (*block, error) {
-	seg := d.growing[stream]
+// expandPage is the unit expandable segments of a pool kind are mapped in:
+// torch's pages, SmallBuffer for the small pool and LargeBuffer for the
+// large one, rounded up to a multiple of the backend's granularity (the
+// unit it maps in).
+func (p *Pool) expandPage(kind poolKind) uint64 {
+	return roundUp(expandablePage(kind), p.expander.Granularity())
+}
+
+// expandablePage is torch's page size for expandable segments of kind.
+func expandablePage(kind poolKind) uint64 {
+	if kind == kindSmall {
+		return SmallBuffer
+	}
+	return LargeBuffer
+}
+
+// reserveLocked is the address space torch reserves for an expandable
+// segment of kind on d: whole pages for 1 1/8 times the device's memory.
+// Best fit ranks the free tail of a segment by what it could grow to
+// within it (growableSize). Read from the backend once per device; a
+// backend that cannot tell gets an effectively unbounded reservation.
+func (p *Pool) reserveLocked(d *deviceState, kind poolKind) uint64 {
+	if r := d.reserve[kind]; r != 0 {
+		return r
+	}
+	r := uint64(MaxRequest)
+	if total, _, err := p.backend.Capacity(d.id); err == nil && total > 0 {
+		r = roundUp(total+total/8, p.expandPage(kind))
+	}
+	d.reserve[kind] = r
+	return r
+}
+
+// growLocked serves a request by growing the stream's growing segment of
+// the pool kind in place, as torch maps pages into its expandable segment:
+// its free tail plus the new pages become the block. It returns (nil, nil)
+// when the stream has no growing segment there yet, and an error wrapping
+// ErrBackendOutOfMemory when the limit or the backend refuses the pages
+// (out of memory, or beyond the segment's reservation).
+func (p *Pool) growLocked(d *deviceState, rounded uint64, kind poolKind, stream Stream) (*block, error) {
+	seg := d.growing[growKey{stream, kind}]
 	if seg == nil {
 		return nil, nil
 	}
@@ -292,27 +361,28 @@ func (p *Pool) growLocked(d *deviceState, rounded uint64, stream Stream) (*block
 	need := rounded
 	if last.inFree {
 		if last.size >= rounded {
-			return nil, nil // refused by the max-split rules: not a size problem
+			// Best fit passed the tail over (the max-split rules): torch
+			// finds it free beside the unmapped space and hands it out,
+			// mapping nothing.
+			d.removeFree(d.freeList(stream), last)
+			return last, nil
 		}
 		need -= last.size
 	}
-	extra := roundUp(need, p.expander.Granularity())
+	extra := roundUp(need, p.expandPage(kind))
 	if !p.budget.reserve(d.id, extra) {
-		return nil, nil
+		return nil, errLimit
 	}
 	if err := p.expander.Expand(d.id, seg.addr, seg.size, extra, stream); err != nil {
 		p.budget.add(d.id, -int64(extra))
-		if errors.Is(err, ErrBackendOutOfMemory) {
-			return nil, nil
-		}
 		return nil, fmt.Errorf("pool %q: grow segment %#x on device %d by %d bytes: %w", p.name, seg.addr, d.id, extra, err)
 	}
 	seg.size += extra
 	p.trace(ActionSegmentMap, d.id, seg.addr+seg.size-extra, extra, stream)
 	d.stats.NumDeviceAlloc++
 	d.stats.NumExpansions++
-	d.stats.ReservedBytes.add(kindLarge, int64(extra)) // the budget counted it above
-	p.syncOversize(d, seg)                             // growing may make it oversize
+	d.stats.ReservedBytes.add(kind, int64(extra)) // the budget counted it above
+	p.syncOversize(d, seg)                        // growing may make it oversize
 	if last.inFree {
 		d.removeFree(d.freeList(stream), last)
 		last.size += extra

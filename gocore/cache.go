@@ -19,21 +19,30 @@ func (p *Pool) releaseSegmentLocked(d *deviceState, s *segment) error {
 		d.dropFreeList(s.stream)
 	}
 	delete(d.segments, s.addr)
-	if d.growing[s.stream] == s {
-		delete(d.growing, s.stream)
+	if k := (growKey{s.stream, s.kind}); d.growing[k] == s {
+		delete(d.growing, k)
 	}
 	p.trace(ActionSegmentFree, d.id, s.addr, s.size, s.stream)
 	d.stats.NumDeviceFree++
-	d.stats.Segment.add(s.kind, -1)
+	d.countSegment(s, -1)
 	p.addReserved(d, s.kind, -int64(s.size))
 	p.uncountOversize(d, s)
 	return nil
 }
 
+// countSegment adds delta to Stats.Segment for s, unless s is expandable:
+// torch counts in its segment stat only the segments of cudaMalloc, never
+// its expandable segments (their pages count in reserved bytes alone).
+func (d *deviceState) countSegment(s *segment, delta int64) {
+	if !s.expandable {
+		d.stats.Segment.add(s.kind, delta)
+	}
+}
+
 // syncOversize keeps Stats.OversizeSegments in step with the size of s,
 // after s was created, grew or shrank.
 func (p *Pool) syncOversize(d *deviceState, s *segment) {
-	if o := p.isOversize(s.size); o != s.oversize {
+	if o := p.oversizeSegment(s); o != s.oversize {
 		s.oversize = o
 		if o {
 			d.stats.OversizeSegments.add(1)
@@ -41,6 +50,13 @@ func (p *Pool) syncOversize(d *deviceState, s *segment) {
 			d.stats.OversizeSegments.add(-1)
 		}
 	}
+}
+
+// oversizeSegment reports whether s counts in Stats.OversizeSegments: a
+// segment of MaxSplitSize or more, unless expandable (torch counts only
+// the segments of cudaMalloc there, not the pages it maps).
+func (p *Pool) oversizeSegment(s *segment) bool {
+	return !s.expandable && p.isOversize(s.size)
 }
 
 // uncountOversize takes a segment that goes back out of
@@ -93,22 +109,25 @@ func (p *Pool) trimLocked(d *deviceState, keep uint64) (uint64, error) {
 	return released, errors.Join(errs...)
 }
 
-// shrinkable is how many bytes at the end of s are free whole granules: an
-// expandable segment, partly in use, whose last block is free. The
-// granularity may have grown since s was made (a backend learns a device's
-// only when it first uses it), so s.size need not be a multiple of it: the
-// tail is rounded down to whole granules, and may be none.
+// shrinkable is how many bytes at the end of s can go back: an expandable
+// segment, partly in use, whose last block is free gives back its pages
+// after the last one in use (torch unmaps the pages wholly inside a free
+// block). The end of s need not lie on a page: a backend may have given
+// back less than asked, or learnt a coarser granularity since (a backend
+// learns a device's only when it first uses it); the tail is then rounded
+// down to whole granules, and may be none.
 func (p *Pool) shrinkable(s *segment) uint64 {
-	return shrinkableIn(s, p.expander.Granularity())
+	return shrinkableIn(s, p.expandPage(s.kind), p.expander.Granularity())
 }
 
-// shrinkableIn is shrinkable in granules of g.
-func shrinkableIn(s *segment, g uint64) uint64 {
+// shrinkableIn is shrinkable for pages of page bytes, given back in
+// granules of g.
+func shrinkableIn(s *segment, page, g uint64) uint64 {
 	last := s.last
 	if !s.expandable || !last.inFree || last.prev == nil {
 		return 0 // wholly free segments are released whole
 	}
-	keep := roundUp(last.addr-s.addr, g)
+	keep := roundUp(last.addr-s.addr, page)
 	if keep >= s.size {
 		return 0
 	}
@@ -143,7 +162,7 @@ func (p *Pool) shrinkTailLocked(d *deviceState, s *segment) (uint64, error) {
 	// answer: a backend shared with other pools (torch's private pools) may
 	// learn a larger one meanwhile, when a device is first used.
 	g := p.expander.Granularity()
-	less := shrinkableIn(s, g)
+	less := shrinkableIn(s, roundUp(expandablePage(s.kind), g), g)
 	if less == 0 {
 		return 0, nil
 	}

@@ -143,9 +143,20 @@ type deviceState struct {
 	// releaseHeld: a capture held back a release the threshold asked for
 	// (nothing may be released while one runs); applied when it is over.
 	releaseHeld bool
-	events      []Event             // idle events kept for reuse
-	growing     map[Stream]*segment // the large segment each stream grows
-	stats       Stats
+	events      []Event // idle events kept for reuse
+	// growing is the expandable segment each stream grows in each pool
+	// kind, as torch keeps one per stream in its small and large pools.
+	growing map[growKey]*segment
+	// reserve is the address space torch reserves for an expandable
+	// segment of each pool kind on this device (0 until first needed).
+	reserve [3]uint64
+	stats   Stats
+}
+
+// growKey names a growing segment: its stream and pool kind.
+type growKey struct {
+	stream Stream
+	kind   poolKind
 }
 
 // MaxDevices bounds the devices of a pool's backend: a pool keeps state
@@ -320,7 +331,7 @@ func (p *Pool) device(dev int) (*deviceState, error) {
 			id:       dev,
 			streams:  make(map[Stream]*streamFree),
 			segments: make(map[uint64]*segment),
-			growing:  make(map[Stream]*segment),
+			growing:  make(map[growKey]*segment),
 		}
 		d.stats.MaxSplitSize = maxSplitStat(p.cfg.MaxSplitSize)
 		p.devices[dev] = d
@@ -445,7 +456,7 @@ func (p *Pool) freeUnreleasedLocked(rep *CloseReport) error {
 		rep.SegmentsFreed++
 		rep.BytesFreed += s.size
 		d.stats.NumDeviceFree++
-		d.stats.Segment.add(s.kind, -1)
+		d.countSegment(s, -1)
 		p.addReserved(d, s.kind, -int64(s.size))
 		p.uncountOversize(d, s)
 	}

@@ -6,15 +6,20 @@ import (
 	"sort"
 )
 
-// releaseSegmentLocked returns a wholly free segment to the backend. On a
-// backend error the segment stays cached and usable.
+// releaseSegmentLocked returns a wholly free segment to the backend: one
+// free block, or free blocks and holes. On a backend error the segment
+// stays cached and usable.
 func (p *Pool) releaseSegmentLocked(d *deviceState, s *segment) error {
 	if err := p.backend.Free(d.id, s.addr, s.size, s.stream); err != nil {
 		return fmt.Errorf("pool %q: release %d-byte segment %#x on device %d: %w",
 			p.name, s.size, s.addr, d.id, err)
 	}
 	f := d.freeList(s.stream)
-	d.removeFree(f, s.first)
+	for b := s.first; b != nil; b = b.next {
+		if b.inFree {
+			d.removeFree(f, b)
+		}
+	}
 	if f.empty() {
 		d.dropFreeList(s.stream)
 	}
@@ -25,7 +30,7 @@ func (p *Pool) releaseSegmentLocked(d *deviceState, s *segment) error {
 	p.trace(ActionSegmentFree, d.id, s.addr, s.size, s.stream)
 	d.stats.NumDeviceFree++
 	d.countSegment(s, -1)
-	p.addReserved(d, s.kind, -int64(s.size))
+	p.addReserved(d, s.kind, -int64(s.mapped()))
 	p.uncountOversize(d, s)
 	return nil
 }
@@ -78,8 +83,9 @@ func (p *Pool) holdingSegmentsLocked() bool {
 
 // trimLocked releases whole free segments, largest first, then (with a
 // Shrinker backend) the free tails of expandable segments, largest first,
-// until the device's unused reserved bytes are at most keep. It returns the
-// bytes released.
+// then (with a PageMapper backend) the other free pages of expandable
+// segments, until the device's unused reserved bytes are at most keep. It
+// returns the bytes released.
 func (p *Pool) trimLocked(d *deviceState, keep uint64) (uint64, error) {
 	if p.holdingSegmentsLocked() {
 		return 0, nil
@@ -106,7 +112,136 @@ func (p *Pool) trimLocked(d *deviceState, keep uint64) (uint64, error) {
 			released += n
 		}
 	}
+	if p.mapper != nil && d.unusedBytes() > keep {
+		n, err := p.unmapFreePagesLocked(d, keep)
+		errs = append(errs, err)
+		released += n
+	}
 	return released, errors.Join(errs...)
+}
+
+// unmapFreePagesLocked gives back the whole pages inside the free blocks of
+// d's expandable segments (PageMapper), lowest segment and address first,
+// until at most keep unused bytes remain, as torch's release_blocks unmaps
+// every free page of its expandable segments: the pages become holes, and
+// a segment left with no page mapped goes back whole. Free tails are
+// shrinkTailLocked's, but for one after a hole (its pages join the hole).
+func (p *Pool) unmapFreePagesLocked(d *deviceState, keep uint64) (uint64, error) {
+	var segs []*segment
+	for _, s := range d.segments {
+		if s.expandable {
+			segs = append(segs, s)
+		}
+	}
+	sort.Slice(segs, func(i, j int) bool { return segs[i].addr < segs[j].addr })
+	var released uint64
+	var errs []error
+	for _, s := range segs {
+		for b := s.first; b != nil && d.unusedBytes() > keep; b = b.next {
+			if b.inFree && (b.next != nil || b.prev == nil || b.prev.unmapped) {
+				var n uint64
+				var err error
+				b, n, err = p.unmapBlockPagesLocked(d, s, b)
+				errs = append(errs, err)
+				released += n
+			}
+		}
+		if s.holes == s.size {
+			errs = append(errs, p.releaseSegmentLocked(d, s))
+		}
+	}
+	return released, errors.Join(errs...)
+}
+
+// unmapBlockPagesLocked unmaps the whole pages inside free block b of
+// expandable segment s (pages counted from the segment's start, as torch
+// maps them) and returns the bytes given back: b keeps the partial pages
+// at its ends as free blocks, its pages become a hole, merged with holes
+// beside it. It returns the block that now ends what b covered, for the
+// caller's walk (b's blocks may have merged away). On a backend error b
+// stays as it was.
+func (p *Pool) unmapBlockPagesLocked(d *deviceState, s *segment, b *block) (*block, uint64, error) {
+	page := p.expandPage(s.kind)
+	start := s.addr + roundUp(b.addr-s.addr, page)
+	end := s.addr + (b.addr+b.size-s.addr)/page*page
+	if end <= start {
+		return b, 0, nil
+	}
+	n := end - start
+	if err := p.mapper.Unmap(d.id, s.addr, s.size, start-s.addr, n, s.stream); err != nil {
+		return b, 0, fmt.Errorf("pool %q: unmap %d free bytes at %#x of segment %#x on device %d: %w",
+			p.name, n, start, s.addr, d.id, err)
+	}
+	f := d.freeList(s.stream)
+	d.removeFree(f, b)
+	var rest *block
+	if after := b.addr + b.size - end; after > 0 {
+		rest = p.newBlock()
+		rest.seg, rest.addr, rest.size = s, end, after
+		p.linkAfter(b, rest)
+		d.insertFree(f, rest)
+	}
+	if before := start - b.addr; before > 0 {
+		hole := p.newBlock()
+		hole.seg, hole.addr, hole.size = s, start, n
+		p.linkAfter(b, hole)
+		b.size = before
+		d.insertFree(f, b)
+		b = hole
+	} else {
+		b.size = n
+	}
+	b.unmapped = true
+	b = p.mergeHoles(b)
+	s.holes += n
+	p.trace(ActionSegmentUnmap, d.id, start, n, s.stream)
+	d.stats.NumDeviceFree++
+	p.addReserved(d, s.kind, -int64(n))
+	if rest != nil {
+		return rest, n, nil
+	}
+	return b, n, nil
+}
+
+// linkAfter puts block n right after b in b's segment.
+func (p *Pool) linkAfter(b, n *block) {
+	n.prev, n.next = b, b.next
+	if b.next != nil {
+		b.next.prev = n
+	} else {
+		b.seg.last = n
+	}
+	b.next = n
+}
+
+// unlink takes block b out of its segment's list and drops it.
+func (p *Pool) unlink(b *block) {
+	if b.prev != nil {
+		b.prev.next = b.next
+	} else {
+		b.seg.first = b.next
+	}
+	if b.next != nil {
+		b.next.prev = b.prev
+	} else {
+		b.seg.last = b.prev
+	}
+	p.dropBlock(b)
+}
+
+// mergeHoles merges hole h with the holes beside it, as torch merges
+// unmapped blocks; it returns the merged hole.
+func (p *Pool) mergeHoles(h *block) *block {
+	if n := h.next; n != nil && n.unmapped {
+		h.size += n.size
+		p.unlink(n)
+	}
+	if pr := h.prev; pr != nil && pr.unmapped {
+		pr.size += h.size
+		p.unlink(h)
+		h = pr
+	}
+	return h
 }
 
 // shrinkable is how many bytes at the end of s can go back: an expandable
@@ -264,8 +399,9 @@ func (p *Pool) collectGarbageLocked(d *deviceState) {
 // EmptyCache returns every wholly free segment on every device to the
 // backend, like torch.cuda.empty_cache(), and reports the bytes released.
 // Segments that still hold a live block stay; with a Shrinker backend the
-// free tails of expandable ones go back (whole granules). It also forgets
-// the free lists of streams that have nothing cached.
+// free tails of expandable ones go back (whole pages), and with a
+// PageMapper backend every free page of them, as torch unmaps them. It
+// also forgets the free lists of streams that have nothing cached.
 func (p *Pool) EmptyCache() (uint64, error) {
 	return p.Trim(-1, 0)
 }
@@ -273,7 +409,8 @@ func (p *Pool) EmptyCache() (uint64, error) {
 // Trim shrinks the cache of device dev (every device when dev < 0) until at
 // most keep unused reserved bytes remain, releasing whole free segments
 // largest first, then (with a Shrinker backend) the free tails of
-// expandable segments, like cudaMemPoolTrimTo. The pool stays usable.
+// expandable segments and (with a PageMapper backend) their other free
+// pages, like cudaMemPoolTrimTo. The pool stays usable.
 func (p *Pool) Trim(dev int, keep uint64) (uint64, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()

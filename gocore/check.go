@@ -38,7 +38,7 @@ func (p *Pool) CheckInvariants() error {
 			if !s.expandable {
 				want.Segment.add(s.kind, 1)
 			}
-			want.ReservedBytes.add(s.kind, int64(s.size))
+			want.ReservedBytes.add(s.kind, int64(s.mapped()))
 			if s.oversize != p.oversizeSegment(s) {
 				bad("segment %#x (%d bytes): counted as oversize %v", s.addr, s.size, s.oversize)
 			}
@@ -50,6 +50,7 @@ func (p *Pool) CheckInvariants() error {
 				continue
 			}
 			end := s.addr
+			var holes uint64
 			for b := s.first; b != nil; b = b.next {
 				if b.seg != s {
 					bad("block %#x: wrong segment", b.addr)
@@ -63,6 +64,19 @@ func (p *Pool) CheckInvariants() error {
 				end = b.addr + b.size
 				if b.next != nil && b.next.prev != b {
 					bad("block %#x: broken neighbour links", b.addr)
+				}
+				if b.unmapped {
+					holes += b.size
+					if !s.expandable || p.mapper == nil {
+						bad("segment %#x: hole %#x in a segment that cannot have one", s.addr, b.addr)
+					}
+					if b.allocated || b.pending > 0 || b.inFree || b.heapIdx != -1 {
+						bad("hole %#x is also in use or free", b.addr)
+					}
+					if b.next != nil && b.next.unmapped {
+						bad("holes %#x and %#x were not merged", b.addr, b.next.addr)
+					}
+					continue
 				}
 				active := b.allocated || b.pending > 0
 				if b.allocated {
@@ -119,6 +133,9 @@ func (p *Pool) CheckInvariants() error {
 				} else if !whole {
 					bad("wholly free segment %#x is not listed", s.addr)
 				}
+			}
+			if holes != s.holes || holes >= s.size {
+				bad("segment %#x: holes of %d bytes, %d counted, in %d bytes", s.addr, holes, s.holes, s.size)
 			}
 			if s.last == nil || s.last.next != nil || s.last.addr+s.last.size != s.addr+s.size {
 				bad("segment %#x: last block does not end it", s.addr)

@@ -216,7 +216,8 @@ func (p *Pool) releaseOverThresholdLocked(d *deviceState, seg *segment, t uint64
 		d.releaseHeld = !p.cfg.KeepSegments
 		return
 	}
-	if seg == nil || d.releaseHeld || len(d.wholeFree) > 0 || (p.shrinker != nil && p.shrinkable(seg) > 0) {
+	if seg == nil || d.releaseHeld || len(d.wholeFree) > 0 || (p.shrinker != nil && p.shrinkable(seg) > 0) ||
+		(p.mapper != nil && seg.expandable) {
 		d.releaseHeld = false
 		_, _ = p.trimLocked(d, t)
 	}

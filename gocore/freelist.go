@@ -221,14 +221,21 @@ func (f *streamFree) bestFit(t *btree.BTreeG[*block], size, maxSplit, maxNonSpli
 	return found
 }
 
-// growableSize is torch's expandable_size: the size of a free block plus,
-// for the last block of an expandable segment, the unmapped address space
-// after it, up to the segment's reservation of reserve bytes.
+// growableSize is torch's expandable_size: the size of a free block of an
+// expandable segment plus the unmapped address space right after it: a
+// hole, or for the segment's last mapped block, the rest of its
+// reservation of reserve bytes.
 func growableSize(b *block, reserve uint64) uint64 {
-	if b.next != nil || !b.seg.expandable || reserve <= b.seg.size {
+	s, n := b.seg, b.next
+	switch {
+	case !s.expandable || (n != nil && !n.unmapped):
 		return b.size
+	case n == nil:
+		return b.size + reserve - min(reserve, s.size)
+	case n.next == nil: // a hole at the end: it runs on to the reservation's end
+		return b.size + max(reserve, s.size) - (n.addr - s.addr)
 	}
-	return b.size + reserve - b.seg.size
+	return b.size + n.size
 }
 
 // The free-index operations of a device state: its free lists by stream,

@@ -111,6 +111,7 @@ type Pool struct {
 	spare    []*block       // block structs kept for reuse
 	expander Expander       // non-nil when the backend grows segments in place
 	shrinker Shrinker       // non-nil when it can also give their free tails back
+	mapper   PageMapper     // non-nil when it can also unmap and map pages inside them
 	hist     *history       // recorded events; nil when recording is off
 	histMax  int
 	// budget holds the limits (cfg.Limit, and per device: torch's
@@ -206,6 +207,10 @@ func NewPool(cfg Config) (*Pool, error) {
 	if s, ok := cfg.Backend.(Shrinker); ok && ex != nil {
 		sh = s
 	}
+	var pm PageMapper
+	if m, ok := cfg.Backend.(PageMapper); ok && sh != nil {
+		pm = m
+	}
 	budget := cfg.Budget
 	if budget == nil {
 		budget = NewBudget(n, cfg.Limit)
@@ -218,6 +223,7 @@ func NewPool(cfg Config) (*Pool, error) {
 		budget:   budget,
 		expander: ex,
 		shrinker: sh,
+		mapper:   pm,
 		cfg:      cfg,
 		name:     cfg.Name,
 		backend:  cfg.Backend,
@@ -457,7 +463,7 @@ func (p *Pool) freeUnreleasedLocked(rep *CloseReport) error {
 		rep.BytesFreed += s.size
 		d.stats.NumDeviceFree++
 		d.countSegment(s, -1)
-		p.addReserved(d, s.kind, -int64(s.size))
+		p.addReserved(d, s.kind, -int64(s.mapped()))
 		p.uncountOversize(d, s)
 	}
 	clear(p.unreleased[len(kept):])

@@ -1129,12 +1129,75 @@ func TestExpandableSmallPoolGrowsIn2MiBPages(t *testing.T) {
 	assert.Equal(t, addrs[0], mustAlloc(t, p, 512, 0, 0), "the lowest fit, not the 1 MiB tail")
 	released, err := p.EmptyCache()
 	require.NoError(t, err)
-	assert.Zero(t, released, "no whole free page: 512 bytes in the first, the fifth block in the third")
+	assert.EqualValues(t, 2*MiB, released, "the second page, wholly free: 512 bytes in the first, the fifth block in the third")
 	require.NoError(t, p.Free(addrs[4]))
 	released, err = p.EmptyCache()
 	require.NoError(t, err)
-	assert.EqualValues(t, 4*MiB, released, "the pages after the first")
+	assert.EqualValues(t, 2*MiB, released, "the third page")
 	assert.EqualValues(t, 2*MiB, stats(t, p).ReservedBytes[kindSmall].Current)
+}
+
+// With a PageMapper backend (the sim), releasing the cache unmaps every
+// free page of an expandable segment, as torch's release_blocks does, not
+// only those of its free tail: a free page between blocks in use becomes a
+// hole. A later request maps pages into the lowest hole that it fits
+// (with the free blocks beside it) before it grows the segment's end, and
+// best fit counts a hole after a free block as room that block can grow in.
+func TestExpandableHolesAreUnmappedAndMappedAgain(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 512 * MiB}, Config{})
+	a := mustAlloc(t, p, 30*MiB, 0, 0)
+	b := mustAlloc(t, p, 30*MiB, 0, 0)
+	c := mustAlloc(t, p, 30*MiB, 0, 0) // pages 0-4 (100 MiB), a 10 MiB free tail
+	require.NoError(t, p.Free(b))      // free from 30 to 60 MiB: page 2 (40-60) wholly
+	released, err := p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 20*MiB, released, "the free page between a and c")
+	s := stats(t, p)
+	assert.EqualValues(t, 80*MiB, s.ReservedBytes[0].Current)
+	assert.EqualValues(t, 80*MiB, be.UsedBytes(0))
+	assert.EqualValues(t, 1, be.Stats().Unmaps)
+	seg := p.Snapshot()[0]
+	assert.EqualValues(t, 80*MiB, seg.TotalSize)
+	assert.Len(t, seg.Blocks, 4, "a, 10 MiB free, (the hole), c, the free tail")
+
+	// 25 MiB: the free 10 MiB before the hole plus the hole (30 MiB of
+	// room) fits it; the 10 MiB tail fits nothing. Torch maps the hole
+	// rather than grow the end.
+	grew := be.Stats().Expansions
+	d := mustAlloc(t, p, 25*MiB, 0, 0)
+	assert.Equal(t, a+30*MiB, d)
+	s = stats(t, p)
+	assert.EqualValues(t, 100*MiB, s.ReservedBytes[0].Current, "the hole mapped again")
+	assert.EqualValues(t, 1, be.Stats().Maps)
+	assert.Equal(t, grew, be.Stats().Expansions, "the end did not grow")
+
+	// All free: every page goes, and the segment with it.
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(c))
+	require.NoError(t, p.Free(d))
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.Zero(t, be.Stats().LiveSegments)
+	assert.Zero(t, stats(t, p).ReservedBytes[0].Current)
+}
+
+// An expandable pool checks its limit as torch checks its memory fraction
+// with expandable segments: once a request, for the segment it would get
+// without them (20 MiB under 10 MiB, else the request in 2 MiB steps) on
+// top of what is reserved; the 20 MiB pages it then maps may pass it.
+func TestExpandableLimitIsTorchsFractionCheck(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Expandable: true}, Config{Limit: 30 * MiB})
+	mustAlloc(t, p, 12*MiB, 0, 0) // 0 + 12 <= 30: one page
+	mustAlloc(t, p, 10*MiB, 0, 0) // 20 + 10 <= 30: 8 MiB free, one more page
+	assert.EqualValues(t, 40*MiB, stats(t, p).ReservedBytes[0].Current, "past the limit, as torch")
+	mustAlloc(t, p, 16*MiB, 0, 0)  // from the 18 MiB free tail: no check, nothing mapped
+	oom := mustOOM(t, p, 3*MiB, 0) // the 2 MiB left do not hold it, and 40 + 20 > 30
+	assert.EqualValues(t, 30*MiB, oom.Limit)
+
+	q, _ := newTestPool(t, SimConfig{Expandable: true}, Config{Limit: 30 * MiB})
+	mustAlloc(t, q, 5*MiB, 0, 0) // 0 + 20 <= 30: one page
+	mustOOM(t, q, 16*MiB, 0)     // 20 + 16 > 30, though 15 MiB of the page are free
+	assert.EqualValues(t, 20*MiB, stats(t, q).ReservedBytes[0].Current)
 }
 
 func TestExpandableRespectsLimitAndSmallPool(t *testing.T) {

@@ -123,15 +123,26 @@ func (p *Pool) handOutLocked(d *deviceState, b *block, size uint64, kind poolKin
 }
 
 // takeCachedLocked takes the best cached block of the stream whose free
-// lists are f for a rounded request (best fit by size, then address), or
-// returns nil when none fits.
+// lists are f for a rounded request (best fit by size, then address, with
+// torch's preference for a block that is not the growable tail of an
+// expandable segment), or returns nil when none fits.
 func (p *Pool) takeCachedLocked(d *deviceState, f *streamFree, rounded uint64, kind poolKind) *block {
 	var b *block
-	if kind == kindSmall {
+	switch {
+	case kind == kindSmall && p.expander == nil:
 		b = f.small.bestFit(rounded)
-	} else {
+	case kind == kindSmall:
+		if f.smallExp != nil {
+			// torch's max_split_size rules concern large requests only.
+			b = f.bestFit(f.smallExp, rounded, 0, 0, p.reserveLocked(d, kind))
+		}
+	default:
 		d.largeLookups++
-		b = f.bestFitLarge(rounded, p.cfg.MaxSplitSize, p.cfg.MaxNonSplitRoundingSize)
+		var reserve uint64
+		if p.expander != nil {
+			reserve = p.reserveLocked(d, kind)
+		}
+		b = f.bestFit(f.large, rounded, p.cfg.MaxSplitSize, p.cfg.MaxNonSplitRoundingSize, reserve)
 	}
 	if b != nil {
 		d.removeFree(f, b)
@@ -149,9 +160,9 @@ func (p *Pool) isOversize(size uint64) bool {
 // than SmallSize, and never for requests of MaxSplitSize or more (torch's rule).
 func (p *Pool) shouldSplit(b *block, rounded uint64) bool {
 	rest := b.size - rounded
-	if b.seg.kind == kindSmall || b.seg.expandable {
-		// Expandable segments grow by whole granules: what is left over
-		// must stay usable, as in torch's expandable segments.
+	if b.seg.kind == kindSmall || p.expander != nil {
+		// Expandable segments grow by whole pages: what is left over must
+		// stay usable. torch splits so whenever expandable segments are on.
 		return rest >= MinBlockSize
 	}
 	return rest > SmallSize && (p.cfg.MaxSplitSize == 0 || rounded < p.cfg.MaxSplitSize)
@@ -160,18 +171,20 @@ func (p *Pool) shouldSplit(b *block, rounded uint64) bool {
 // newSegmentBlock obtains a segment for a request that no cached block can
 // serve, with the release-and-retry OOM path, and returns it as one block;
 // or, when the retry finds that a block whose events completed meanwhile
-// fits, that block, taken out of the free lists as a cache hit.
+// fits, that block, taken out of the free lists as a cache hit. With an
+// expandable backend it grows the stream's segment of the pool kind
+// instead, and makes one only when the stream has none there.
 func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKind, stream Stream, callerSegments bool) (*block, error) {
 	segSize := segmentSize(rounded, callerSegments)
-	expandable := p.expander != nil && kind == kindLarge
+	expandable := p.expander != nil
 	if expandable {
-		if b, err := p.growLocked(d, rounded, stream); b != nil || err != nil {
-			return b, err
-		}
-		// A new growing segment starts with what this request needs.
-		segSize = roundUp(rounded, p.expander.Granularity())
+		// A new growing segment starts with the pages this request needs.
+		segSize = roundUp(rounded, p.expandPage(kind))
 	}
-	addr, err := p.backendAlloc(d, segSize, stream)
+	// torch checks its memory fraction against the segment the request
+	// would get without expandable segments (get_allocation_size).
+	allocSize := segmentSize(rounded, callerSegments)
+	b, addr, err := p.obtainLocked(d, rounded, segSize, allocSize, kind, stream, expandable)
 	// A pool that holds its segments has nothing to release: no retry.
 	if err != nil && errors.Is(err, ErrBackendOutOfMemory) && !p.holdingSegmentsLocked() {
 		d.stats.NumAllocRetries++
@@ -180,16 +193,19 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 		// segment given back or made (torch releases and reallocates).
 		// Else everything cached can go.
 		p.processEventsLocked(d)
-		if b := p.takeCachedLocked(d, d.freeList(stream), rounded, kind); b != nil {
-			return b, nil
+		// With holes (PageMapper), torch's way: release, then map from the
+		// lowest address that fits, not a search of the free lists.
+		if !expandable || p.mapper == nil {
+			if b := p.takeCachedLocked(d, d.freeList(stream), rounded, kind); b != nil {
+				return b, nil
+			}
 		}
 		p.releaseCachedLocked(d, 0)
-		addr, err = p.backendAlloc(d, segSize, stream)
+		b, addr, err = p.obtainLocked(d, rounded, segSize, allocSize, kind, stream, expandable)
 	}
 	if err != nil {
 		if !errors.Is(err, ErrBackendOutOfMemory) {
-			return nil, fmt.Errorf("pool %q: alloc %d-byte segment on device %d from %s backend: %w",
-				p.name, segSize, d.id, p.backend.Name(), err)
+			return nil, err
 		}
 		d.stats.NumOOMs++
 		oom := &OutOfMemoryError{
@@ -212,20 +228,55 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 		}
 		return nil, oom
 	}
+	if b != nil {
+		return b, nil // the growing segment served it
+	}
 	seg := &segment{device: d.id, addr: addr, size: segSize, stream: stream, kind: kind, expandable: expandable,
 		wholeFreeAt: -1}
-	b := &block{seg: seg, addr: addr, size: segSize, heapIdx: -1}
+	b = &block{seg: seg, addr: addr, size: segSize, heapIdx: -1}
 	seg.first, seg.last = b, b
 	if expandable {
-		d.growing[stream] = seg // the newest one has the most room to grow
+		d.growing[growKey{stream, kind}] = seg // the newest one has the most room to grow
 	}
 	d.segments[addr] = seg
 	p.trace(ActionSegmentAlloc, d.id, addr, segSize, stream)
 	d.stats.NumDeviceAlloc++
-	d.stats.Segment.add(kind, 1)
+	d.countSegment(seg, 1)
 	d.stats.ReservedBytes.add(kind, int64(segSize)) // the budget counted it in backendAlloc
 	p.syncOversize(d, seg)
 	return b, nil
+}
+
+// obtainLocked is one attempt at new memory for a rounded request: growing
+// the stream's segment of the pool kind (a block, with an expandable
+// backend), else a segment of segSize bytes from the backend (its address,
+// for the caller to make it a segment). A lack of memory wraps
+// ErrBackendOutOfMemory; other errors name the pool.
+//
+// An expandable pool with a limit checks it as torch checks its memory
+// fraction with expandable segments: once, for allocSize bytes (the
+// segment the request would get without them) on top of what is reserved,
+// before it maps anything; the pages it then maps are not checked again,
+// and may pass the limit by the rest of a page.
+func (p *Pool) obtainLocked(d *deviceState, rounded, segSize, allocSize uint64, kind poolKind, stream Stream, expandable bool) (*block, uint64, error) {
+	if expandable {
+		if limit := p.limitLocked(d.id); limit != 0 && p.budget.Reserved(d.id)+allocSize > limit {
+			return nil, 0, errLimit
+		}
+		// torch maps more pages into the stream's segment, and makes a new
+		// one when there is none or its reservation cannot hold the pages.
+		// Out of memory, a new segment (at least as large) fails too.
+		b, err := p.growLocked(d, rounded, kind, stream)
+		if b != nil || (err != nil && !errors.Is(err, ErrBackendOutOfMemory)) {
+			return b, 0, err
+		}
+	}
+	addr, err := p.backendAlloc(d, segSize, stream, !expandable)
+	if err != nil && !errors.Is(err, ErrBackendOutOfMemory) {
+		err = fmt.Errorf("pool %q: alloc %d-byte segment on device %d from %s backend: %w",
+			p.name, segSize, d.id, p.backend.Name(), err)
+	}
+	return nil, addr, err
 }
 
 // errLimit marks an allocation refused by the pool's own limit; it wraps
@@ -235,9 +286,12 @@ var errLimit = fmt.Errorf("pool limit reached: %w", ErrBackendOutOfMemory)
 // backendAlloc obtains a segment of size bytes, counted in the budget
 // (reserved there before the backend is asked, so that pools sharing the
 // budget cannot pass its limit together); the caller counts it in the
-// device's stats.
-func (p *Pool) backendAlloc(d *deviceState, size uint64, stream Stream) (uint64, error) {
-	if !p.budget.reserve(d.id, size) {
+// device's stats. Unless checkLimit, the caller checked the limit itself
+// (obtainLocked), and the bytes are counted regardless.
+func (p *Pool) backendAlloc(d *deviceState, size uint64, stream Stream, checkLimit bool) (uint64, error) {
+	if !checkLimit {
+		p.budget.add(d.id, int64(size))
+	} else if !p.budget.reserve(d.id, size) {
 		return 0, errLimit
 	}
 	addr, err := p.backend.Alloc(d.id, size, stream)
@@ -278,49 +332,192 @@ func (p *Pool) dropBlock(b *block) {
 
 const maxSpareBlocks = 1024
 
-// growLocked serves a large request by growing the stream's growing segment
-// in place: its free tail plus the new granules become the block. It returns
-// (nil, nil) when that is not possible (no growing segment yet, the limit,
-// or the backend out of memory), so that the caller falls back to a new
-// segment with the usual release-and-retry path.
-func (p *Pool) growLocked(d *deviceState, rounded uint64, stream Stream) (*block, error) {
-	seg := d.growing[stream]
+// expandPage is the unit expandable segments of a pool kind are mapped in:
+// torch's pages, SmallBuffer for the small pool and LargeBuffer for the
+// large one, rounded up to a multiple of the backend's granularity (the
+// unit it maps in).
+func (p *Pool) expandPage(kind poolKind) uint64 {
+	return roundUp(expandablePage(kind), p.expander.Granularity())
+}
+
+// expandablePage is torch's page size for expandable segments of kind.
+func expandablePage(kind poolKind) uint64 {
+	if kind == kindSmall {
+		return SmallBuffer
+	}
+	return LargeBuffer
+}
+
+// reserveLocked is the address space torch reserves for an expandable
+// segment of kind on d: whole pages for 1 1/8 times the device's memory.
+// Best fit ranks the free tail of a segment by what it could grow to
+// within it (growableSize). Read from the backend once per device; a
+// backend that cannot tell gets an effectively unbounded reservation.
+func (p *Pool) reserveLocked(d *deviceState, kind poolKind) uint64 {
+	if r := d.reserve[kind]; r != 0 {
+		return r
+	}
+	r := uint64(MaxRequest)
+	if total, _, err := p.backend.Capacity(d.id); err == nil && total > 0 {
+		r = roundUp(total+total/8, p.expandPage(kind))
+	}
+	d.reserve[kind] = r
+	return r
+}
+
+// growLocked serves a request from the stream's growing segment of the
+// pool kind, as torch's find_expandable_block and map_block do: from the
+// lowest address where free blocks and unmapped space (holes a PageMapper
+// left, then the segment's end) together hold it, it maps pages (mapping
+// into holes, growing the segment at its end) and returns the free block
+// they make, taken out of the free lists. It returns (nil, nil) when the
+// stream has no growing segment there yet or its reservation has no room
+// for the request (torch then makes a new segment), and an error wrapping
+// ErrBackendOutOfMemory when the backend refuses the pages; pages mapped
+// before stay, as a free block. The caller checked the limit
+// (obtainLocked).
+func (p *Pool) growLocked(d *deviceState, rounded uint64, kind poolKind, stream Stream) (*block, error) {
+	seg := d.growing[growKey{stream, kind}]
 	if seg == nil {
 		return nil, nil
 	}
-	last := seg.last
-	need := rounded
-	if last.inFree {
-		if last.size >= rounded {
-			return nil, nil // refused by the max-split rules: not a size problem
+	c, ok := expandableCandidate(seg, rounded, p.reserveLocked(d, kind))
+	if !ok {
+		return nil, nil // torch makes a new segment: this one's reservation is too small
+	}
+	page := p.expandPage(kind)
+	f := d.freeList(stream)
+	var cur *block // the free block being made, out of the free lists
+	if c != nil && c.inFree {
+		d.removeFree(f, c)
+		cur = c
+	}
+	for cur == nil || cur.size < rounded {
+		var have uint64
+		h := c // the hole or end to map next: nil is the segment's end
+		if cur != nil {
+			have, h = cur.size, cur.next
 		}
-		need -= last.size
-	}
-	extra := roundUp(need, p.expander.Granularity())
-	if !p.budget.reserve(d.id, extra) {
-		return nil, nil
-	}
-	if err := p.expander.Expand(d.id, seg.addr, seg.size, extra, stream); err != nil {
-		p.budget.add(d.id, -int64(extra))
-		if errors.Is(err, ErrBackendOutOfMemory) {
-			return nil, nil
+		need := roundUp(rounded-have, page)
+		if h != nil {
+			need = min(need, h.size)
 		}
-		return nil, fmt.Errorf("pool %q: grow segment %#x on device %d by %d bytes: %w", p.name, seg.addr, d.id, extra, err)
+		if err := p.mapPagesLocked(d, seg, h, need); err != nil {
+			if cur != nil {
+				d.insertFree(f, cur) // torch keeps what it mapped
+			}
+			return nil, err
+		}
+		switch {
+		case h == nil && cur == nil:
+			cur = p.newBlock()
+			cur.seg, cur.addr, cur.size = seg, seg.addr+seg.size-need, need
+			p.linkAfter(seg.last, cur)
+		case h == nil:
+			cur.size += need
+		case cur == nil && need == h.size:
+			h.unmapped = false
+			cur = h
+		case cur == nil:
+			cur = p.newBlock()
+			cur.seg, cur.addr, cur.size = seg, h.addr, need
+			p.linkBefore(h, cur)
+			h.addr += need
+			h.size -= need
+		case need == h.size:
+			cur.size += need
+			p.unlink(h)
+		default:
+			cur.size += need
+			h.addr += need
+			h.size -= need
+		}
+		if nb := cur.next; nb != nil && nb.inFree {
+			// A hole mapped whole: the free block after it joins, as
+			// torch's map_block merges the mapped block with it.
+			d.removeFree(f, nb)
+			cur.size += nb.size
+			p.unlink(nb)
+		}
 	}
-	seg.size += extra
-	p.trace(ActionSegmentMap, d.id, seg.addr+seg.size-extra, extra, stream)
+	return cur, nil
+}
+
+// expandableCandidate is where torch's find_expandable_block starts to map
+// for a request of rounded bytes in seg, whose reservation is reserve
+// bytes: the lowest hole (or the free block before it) from which free and
+// unmapped blocks, and past the segment's end the rest of its reservation,
+// hold the request; else the free last block, or nil for the segment's
+// end, when the end has room. ok is false when nothing in seg has room.
+func expandableCandidate(seg *segment, rounded, reserve uint64) (c *block, ok bool) {
+	room := func(c *block) bool {
+		var n uint64
+		x := c
+		for ; x != nil && (x.inFree || x.unmapped) && n < rounded; x = x.next {
+			n += x.size
+		}
+		if x == nil && n < rounded {
+			n += reserve - min(reserve, seg.size)
+		}
+		return n >= rounded
+	}
+	if seg.holes > 0 {
+		for h := seg.first; h != nil; h = h.next {
+			if !h.unmapped {
+				continue
+			}
+			c := h
+			if h.prev != nil && h.prev.inFree {
+				c = h.prev
+			}
+			if room(c) {
+				return c, true
+			}
+		}
+	}
+	if seg.last.inFree {
+		return seg.last, room(seg.last)
+	}
+	return nil, reserve-min(reserve, seg.size) >= rounded
+}
+
+// mapPagesLocked maps n bytes of pages into hole h of seg (PageMapper), or
+// at its end when h is nil (Expander), and counts them, in the budget too
+// (obtainLocked checked the limit).
+func (p *Pool) mapPagesLocked(d *deviceState, seg *segment, h *block, n uint64) error {
+	p.budget.add(d.id, int64(n))
+	at := seg.addr + seg.size
+	var err error
+	if h == nil {
+		err = p.expander.Expand(d.id, seg.addr, seg.size, n, seg.stream)
+	} else {
+		at = h.addr
+		err = p.mapper.Map(d.id, seg.addr, seg.size, h.addr-seg.addr, n, seg.stream)
+	}
+	if err != nil {
+		p.budget.add(d.id, -int64(n))
+		return fmt.Errorf("pool %q: map %d bytes at %#x of segment %#x on device %d: %w", p.name, n, at, seg.addr, d.id, err)
+	}
+	if h == nil {
+		seg.size += n
+	} else {
+		seg.holes -= n
+	}
+	p.trace(ActionSegmentMap, d.id, at, n, seg.stream)
 	d.stats.NumDeviceAlloc++
 	d.stats.NumExpansions++
-	d.stats.ReservedBytes.add(kindLarge, int64(extra)) // the budget counted it above
-	p.syncOversize(d, seg)                             // growing may make it oversize
-	if last.inFree {
-		d.removeFree(d.freeList(stream), last)
-		last.size += extra
-		return last, nil
+	d.stats.ReservedBytes.add(seg.kind, int64(n)) // the budget counted it above
+	p.syncOversize(d, seg)
+	return nil
+}
+
+// linkBefore puts block n right before b in b's segment.
+func (p *Pool) linkBefore(b, n *block) {
+	n.prev, n.next = b.prev, b
+	if b.prev != nil {
+		b.prev.next = n
+	} else {
+		b.seg.first = n
 	}
-	b := p.newBlock()
-	*b = block{seg: seg, addr: seg.addr + seg.size - extra, size: extra, prev: last, heapIdx: -1, streamUses: b.streamUses[:0]}
-	last.next = b
-	seg.last = b
-	return b, nil
+	b.prev = n
 }

@@ -68,10 +68,12 @@ type EventSource interface {
 
 // Expander is implemented by backends that can grow a segment in place by
 // mapping more memory right after it (CUDA virtual memory management). With
-// an expandable backend the engine keeps one growing segment per device and
-// stream for large blocks instead of allocating a new segment on every miss,
-// like torch's expandable_segments: fewer, larger segments, so a large block
-// can be served from memory freed in smaller pieces.
+// an expandable backend the engine keeps one growing segment per device,
+// stream and pool kind (small, large) instead of allocating a new segment
+// on every miss, like torch's expandable_segments, and maps torch's pages
+// into it (2 MiB in the small pool, 20 MiB in the large one): fewer, larger
+// segments, so a large block can be served from memory freed in smaller
+// pieces.
 type Expander interface {
 	// Expandable reports whether growing is enabled (a backend option).
 	Expandable() bool
@@ -100,6 +102,25 @@ type Shrinker interface {
 	// segment is then [addr, addr+size-released). On an error nothing was
 	// given back.
 	Shrink(device int, addr, size, less uint64, stream Stream) (released uint64, err error)
+}
+
+// PageMapper is implemented by Shrinker backends that can also give back
+// pages inside a segment and map them again later, leaving holes in its
+// address range (CUDA virtual memory management: unmap a range, map new
+// memory there). With one, the engine releases cached memory as torch does
+// with its expandable segments: every free page of an expandable segment
+// goes back, not only those of its free tail, and a later request maps
+// pages into the lowest hole it fits before it grows a segment at its end.
+type PageMapper interface {
+	// Unmap gives back the n bytes at offset off of the segment
+	// [addr, addr+size), which are mapped and hold no block in use; off
+	// and n are multiples of Granularity. The segment keeps its size (its
+	// address range): the bytes become a hole.
+	Unmap(device int, addr, size, off, n uint64, stream Stream) error
+	// Map maps the n bytes at offset off of the segment again, a range
+	// Unmap gave back; off and n are multiples of Granularity. Running out
+	// of memory wraps ErrBackendOutOfMemory, and nothing is mapped.
+	Map(device int, addr, size, off, n uint64, stream Stream) error
 }
 
 // EventSynchronizer is implemented by backends that can wait for an event

@@ -23,8 +23,14 @@ type block struct {
 	prev, next  *block // address-ordered neighbours in the same segment
 	heapIdx     int    // index in a small bin while free, else -1
 	inFree      bool
-	streamUses  []Stream // streams other than seg.stream that used the block
+	// unmapped: a hole of an expandable segment, pages given back with a
+	// PageMapper (never allocated, pending or free; whole pages).
+	unmapped   bool
+	streamUses []Stream // streams other than seg.stream that used the block
 }
+
+// mapped is the segment's reserved memory: its size less its holes.
+func (s *segment) mapped() uint64 { return s.size - s.holes }
 
 // isSplit reports whether the block shares its segment with other blocks.
 func (b *block) isSplit() bool { return b.prev != nil || b.next != nil }
@@ -38,7 +44,10 @@ type segment struct {
 	kind       poolKind
 	first      *block // lowest-address block
 	last       *block // highest-address block
-	expandable bool   // may grow in place (Expander backends, large pool)
+	expandable bool   // may grow in place (Expander backends)
+	// holes is how many of the segment's bytes are unmapped (its unmapped
+	// blocks): reserved memory is size - holes.
+	holes uint64
 	// oversize: the segment is counted in Stats.OversizeSegments (its size
 	// is at least MaxSplitSize). Kept with the segment so that the count
 	// follows it as it grows or shrinks and is taken back exactly once.

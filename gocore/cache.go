@@ -6,34 +6,48 @@ import (
 	"sort"
 )
 
-// releaseSegmentLocked returns a wholly free segment to the backend. On a
-// backend error the segment stays cached and usable.
+// releaseSegmentLocked returns a wholly free segment to the backend: one
+// free block, or free blocks and holes. On a backend error the segment
+// stays cached and usable.
 func (p *Pool) releaseSegmentLocked(d *deviceState, s *segment) error {
 	if err := p.backend.Free(d.id, s.addr, s.size, s.stream); err != nil {
 		return fmt.Errorf("pool %q: release %d-byte segment %#x on device %d: %w",
 			p.name, s.size, s.addr, d.id, err)
 	}
 	f := d.freeList(s.stream)
-	d.removeFree(f, s.first)
+	for b := s.first; b != nil; b = b.next {
+		if b.inFree {
+			d.removeFree(f, b)
+		}
+	}
 	if f.empty() {
 		d.dropFreeList(s.stream)
 	}
 	delete(d.segments, s.addr)
-	if d.growing[s.stream] == s {
-		delete(d.growing, s.stream)
+	if k := (growKey{s.stream, s.kind}); d.growing[k] == s {
+		delete(d.growing, k)
 	}
 	p.trace(ActionSegmentFree, d.id, s.addr, s.size, s.stream)
 	d.stats.NumDeviceFree++
-	d.stats.Segment.add(s.kind, -1)
-	p.addReserved(d, s.kind, -int64(s.size))
+	d.countSegment(s, -1)
+	p.addReserved(d, s.kind, -int64(s.mapped()))
 	p.uncountOversize(d, s)
 	return nil
+}
+
+// countSegment adds delta to Stats.Segment for s, unless s is expandable:
+// torch counts in its segment stat only the segments of cudaMalloc, never
+// its expandable segments (their pages count in reserved bytes alone).
+func (d *deviceState) countSegment(s *segment, delta int64) {
+	if !s.expandable {
+		d.stats.Segment.add(s.kind, delta)
+	}
 }
 
 // syncOversize keeps Stats.OversizeSegments in step with the size of s,
 // after s was created, grew or shrank.
 func (p *Pool) syncOversize(d *deviceState, s *segment) {
-	if o := p.isOversize(s.size); o != s.oversize {
+	if o := p.oversizeSegment(s); o != s.oversize {
 		s.oversize = o
 		if o {
 			d.stats.OversizeSegments.add(1)
@@ -41,6 +55,13 @@ func (p *Pool) syncOversize(d *deviceState, s *segment) {
 			d.stats.OversizeSegments.add(-1)
 		}
 	}
+}
+
+// oversizeSegment reports whether s counts in Stats.OversizeSegments: a
+// segment of MaxSplitSize or more, unless expandable (torch counts only
+// the segments of cudaMalloc there, not the pages it maps).
+func (p *Pool) oversizeSegment(s *segment) bool {
+	return !s.expandable && p.isOversize(s.size)
 }
 
 // uncountOversize takes a segment that goes back out of
@@ -62,8 +83,9 @@ func (p *Pool) holdingSegmentsLocked() bool {
 
 // trimLocked releases whole free segments, largest first, then (with a
 // Shrinker backend) the free tails of expandable segments, largest first,
-// until the device's unused reserved bytes are at most keep. It returns the
-// bytes released.
+// then (with a PageMapper backend) the other free pages of expandable
+// segments, until the device's unused reserved bytes are at most keep. It
+// returns the bytes released.
 func (p *Pool) trimLocked(d *deviceState, keep uint64) (uint64, error) {
 	if p.holdingSegmentsLocked() {
 		return 0, nil
@@ -90,25 +112,157 @@ func (p *Pool) trimLocked(d *deviceState, keep uint64) (uint64, error) {
 			released += n
 		}
 	}
+	if p.mapper != nil && d.unusedBytes() > keep {
+		n, err := p.unmapFreePagesLocked(d, keep)
+		errs = append(errs, err)
+		released += n
+	}
 	return released, errors.Join(errs...)
 }
 
-// shrinkable is how many bytes at the end of s are free whole granules: an
-// expandable segment, partly in use, whose last block is free. The
-// granularity may have grown since s was made (a backend learns a device's
-// only when it first uses it), so s.size need not be a multiple of it: the
-// tail is rounded down to whole granules, and may be none.
-func (p *Pool) shrinkable(s *segment) uint64 {
-	return shrinkableIn(s, p.expander.Granularity())
+// unmapFreePagesLocked gives back the whole pages inside the free blocks of
+// d's expandable segments (PageMapper), lowest segment and address first,
+// until at most keep unused bytes remain, as torch's release_blocks unmaps
+// every free page of its expandable segments: the pages become holes, and
+// a segment left with no page mapped goes back whole. Free tails are
+// shrinkTailLocked's, but for one after a hole (its pages join the hole).
+func (p *Pool) unmapFreePagesLocked(d *deviceState, keep uint64) (uint64, error) {
+	var segs []*segment
+	for _, s := range d.segments {
+		if s.expandable {
+			segs = append(segs, s)
+		}
+	}
+	sort.Slice(segs, func(i, j int) bool { return segs[i].addr < segs[j].addr })
+	var released uint64
+	var errs []error
+	for _, s := range segs {
+		for b := s.first; b != nil && d.unusedBytes() > keep; b = b.next {
+			if b.inFree && (b.next != nil || b.prev == nil || b.prev.unmapped) {
+				var n uint64
+				var err error
+				b, n, err = p.unmapBlockPagesLocked(d, s, b)
+				errs = append(errs, err)
+				released += n
+			}
+		}
+		if s.holes == s.size {
+			errs = append(errs, p.releaseSegmentLocked(d, s))
+		}
+	}
+	return released, errors.Join(errs...)
 }
 
-// shrinkableIn is shrinkable in granules of g.
-func shrinkableIn(s *segment, g uint64) uint64 {
+// unmapBlockPagesLocked unmaps the whole pages inside free block b of
+// expandable segment s (pages counted from the segment's start, as torch
+// maps them) and returns the bytes given back: b keeps the partial pages
+// at its ends as free blocks, its pages become a hole, merged with holes
+// beside it. It returns the block that now ends what b covered, for the
+// caller's walk (b's blocks may have merged away). On a backend error b
+// stays as it was.
+func (p *Pool) unmapBlockPagesLocked(d *deviceState, s *segment, b *block) (*block, uint64, error) {
+	page := p.expandPage(s.kind)
+	start := s.addr + roundUp(b.addr-s.addr, page)
+	end := s.addr + (b.addr+b.size-s.addr)/page*page
+	if end <= start {
+		return b, 0, nil
+	}
+	n := end - start
+	if err := p.mapper.Unmap(d.id, s.addr, s.size, start-s.addr, n, s.stream); err != nil {
+		return b, 0, fmt.Errorf("pool %q: unmap %d free bytes at %#x of segment %#x on device %d: %w",
+			p.name, n, start, s.addr, d.id, err)
+	}
+	f := d.freeList(s.stream)
+	d.removeFree(f, b)
+	var rest *block
+	if after := b.addr + b.size - end; after > 0 {
+		rest = p.newBlock()
+		rest.seg, rest.addr, rest.size = s, end, after
+		p.linkAfter(b, rest)
+		d.insertFree(f, rest)
+	}
+	if before := start - b.addr; before > 0 {
+		hole := p.newBlock()
+		hole.seg, hole.addr, hole.size = s, start, n
+		p.linkAfter(b, hole)
+		b.size = before
+		d.insertFree(f, b)
+		b = hole
+	} else {
+		b.size = n
+	}
+	b.unmapped = true
+	b = p.mergeHoles(b)
+	s.holes += n
+	p.trace(ActionSegmentUnmap, d.id, start, n, s.stream)
+	d.stats.NumDeviceFree++
+	p.addReserved(d, s.kind, -int64(n))
+	if rest != nil {
+		return rest, n, nil
+	}
+	return b, n, nil
+}
+
+// linkAfter puts block n right after b in b's segment.
+func (p *Pool) linkAfter(b, n *block) {
+	n.prev, n.next = b, b.next
+	if b.next != nil {
+		b.next.prev = n
+	} else {
+		b.seg.last = n
+	}
+	b.next = n
+}
+
+// unlink takes block b out of its segment's list and drops it.
+func (p *Pool) unlink(b *block) {
+	if b.prev != nil {
+		b.prev.next = b.next
+	} else {
+		b.seg.first = b.next
+	}
+	if b.next != nil {
+		b.next.prev = b.prev
+	} else {
+		b.seg.last = b.prev
+	}
+	p.dropBlock(b)
+}
+
+// mergeHoles merges hole h with the holes beside it, as torch merges
+// unmapped blocks; it returns the merged hole.
+func (p *Pool) mergeHoles(h *block) *block {
+	if n := h.next; n != nil && n.unmapped {
+		h.size += n.size
+		p.unlink(n)
+	}
+	if pr := h.prev; pr != nil && pr.unmapped {
+		pr.size += h.size
+		p.unlink(h)
+		h = pr
+	}
+	return h
+}
+
+// shrinkable is how many bytes at the end of s can go back: an expandable
+// segment, partly in use, whose last block is free gives back its pages
+// after the last one in use (torch unmaps the pages wholly inside a free
+// block). The end of s need not lie on a page: a backend may have given
+// back less than asked, or learnt a coarser granularity since (a backend
+// learns a device's only when it first uses it); the tail is then rounded
+// down to whole granules, and may be none.
+func (p *Pool) shrinkable(s *segment) uint64 {
+	return shrinkableIn(s, p.expandPage(s.kind), p.expander.Granularity())
+}
+
+// shrinkableIn is shrinkable for pages of page bytes, given back in
+// granules of g.
+func shrinkableIn(s *segment, page, g uint64) uint64 {
 	last := s.last
 	if !s.expandable || !last.inFree || last.prev == nil {
 		return 0 // wholly free segments are released whole
 	}
-	keep := roundUp(last.addr-s.addr, g)
+	keep := roundUp(last.addr-s.addr, page)
 	if keep >= s.size {
 		return 0
 	}
@@ -143,7 +297,7 @@ func (p *Pool) shrinkTailLocked(d *deviceState, s *segment) (uint64, error) {
 	// answer: a backend shared with other pools (torch's private pools) may
 	// learn a larger one meanwhile, when a device is first used.
 	g := p.expander.Granularity()
-	less := shrinkableIn(s, g)
+	less := shrinkableIn(s, roundUp(expandablePage(s.kind), g), g)
 	if less == 0 {
 		return 0, nil
 	}
@@ -245,8 +399,9 @@ func (p *Pool) collectGarbageLocked(d *deviceState) {
 // EmptyCache returns every wholly free segment on every device to the
 // backend, like torch.cuda.empty_cache(), and reports the bytes released.
 // Segments that still hold a live block stay; with a Shrinker backend the
-// free tails of expandable ones go back (whole granules). It also forgets
-// the free lists of streams that have nothing cached.
+// free tails of expandable ones go back (whole pages), and with a
+// PageMapper backend every free page of them, as torch unmaps them. It
+// also forgets the free lists of streams that have nothing cached.
 func (p *Pool) EmptyCache() (uint64, error) {
 	return p.Trim(-1, 0)
 }
@@ -254,7 +409,8 @@ func (p *Pool) EmptyCache() (uint64, error) {
 // Trim shrinks the cache of device dev (every device when dev < 0) until at
 // most keep unused reserved bytes remain, releasing whole free segments
 // largest first, then (with a Shrinker backend) the free tails of
-// expandable segments, like cudaMemPoolTrimTo. The pool stays usable.
+// expandable segments and (with a PageMapper backend) their other free
+// pages, like cudaMemPoolTrimTo. The pool stays usable.
 func (p *Pool) Trim(dev int, keep uint64) (uint64, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()

@@ -35,9 +35,11 @@ func (p *Pool) CheckInvariants() error {
 		var want Stats
 		indexed := 0
 		for _, s := range d.segments {
-			want.Segment.add(s.kind, 1)
-			want.ReservedBytes.add(s.kind, int64(s.size))
-			if s.oversize != p.isOversize(s.size) {
+			if !s.expandable {
+				want.Segment.add(s.kind, 1)
+			}
+			want.ReservedBytes.add(s.kind, int64(s.mapped()))
+			if s.oversize != p.oversizeSegment(s) {
 				bad("segment %#x (%d bytes): counted as oversize %v", s.addr, s.size, s.oversize)
 			}
 			if s.oversize {
@@ -48,6 +50,7 @@ func (p *Pool) CheckInvariants() error {
 				continue
 			}
 			end := s.addr
+			var holes uint64
 			for b := s.first; b != nil; b = b.next {
 				if b.seg != s {
 					bad("block %#x: wrong segment", b.addr)
@@ -61,6 +64,19 @@ func (p *Pool) CheckInvariants() error {
 				end = b.addr + b.size
 				if b.next != nil && b.next.prev != b {
 					bad("block %#x: broken neighbour links", b.addr)
+				}
+				if b.unmapped {
+					holes += b.size
+					if !s.expandable || p.mapper == nil {
+						bad("segment %#x: hole %#x in a segment that cannot have one", s.addr, b.addr)
+					}
+					if b.allocated || b.pending > 0 || b.inFree || b.heapIdx != -1 {
+						bad("hole %#x is also in use or free", b.addr)
+					}
+					if b.next != nil && b.next.unmapped {
+						bad("holes %#x and %#x were not merged", b.addr, b.next.addr)
+					}
+					continue
 				}
 				active := b.allocated || b.pending > 0
 				if b.allocated {
@@ -96,8 +112,8 @@ func (p *Pool) CheckInvariants() error {
 					continue
 				}
 				indexed++
-				if s.kind != kindSmall && b.heapIdx != -1 {
-					bad("free block %#x of a large segment has small-bin index %d", b.addr, b.heapIdx)
+				if (s.kind != kindSmall || s.expandable) && b.heapIdx != -1 {
+					bad("free block %#x of a segment outside the small bins has small-bin index %d", b.addr, b.heapIdx)
 				}
 				if !d.isIndexed(b) {
 					bad("free block %#x is not indexed under stream %#x", b.addr, uint64(s.stream))
@@ -118,11 +134,14 @@ func (p *Pool) CheckInvariants() error {
 					bad("wholly free segment %#x is not listed", s.addr)
 				}
 			}
+			if holes != s.holes || holes >= s.size {
+				bad("segment %#x: holes of %d bytes, %d counted, in %d bytes", s.addr, holes, s.holes, s.size)
+			}
 			if s.last == nil || s.last.next != nil || s.last.addr+s.last.size != s.addr+s.size {
 				bad("segment %#x: last block does not end it", s.addr)
 			}
-			if s.expandable && s.kind != kindLarge {
-				bad("segment %#x: expandable but not in the large pool", s.addr)
+			if s.expandable && p.expander == nil {
+				bad("segment %#x: expandable in a pool whose backend does not grow segments", s.addr)
 			}
 			if end != s.addr+s.size {
 				bad("segment %#x: blocks end at %#x, segment at %#x", s.addr, end, s.addr+s.size)
@@ -223,11 +242,17 @@ func (d *deviceState) isIndexed(b *block) bool {
 	if f == nil {
 		return false
 	}
-	if b.seg.kind == kindSmall {
+	if b.seg.kind == kindSmall && !b.seg.expandable {
 		h := f.small.bins[smallClass(b.size)]
 		return b.heapIdx >= 0 && b.heapIdx < len(h) && h[b.heapIdx] == b
 	}
-	got, ok := f.large.Get(b)
+	t := f.large
+	if b.seg.kind == kindSmall {
+		if t = f.smallExp; t == nil {
+			return false
+		}
+	}
+	got, ok := t.Get(b)
 	return ok && got == b
 }
 
@@ -268,6 +293,9 @@ func (d *deviceState) indexedCount() int {
 			n += len(h)
 		}
 		n += f.large.Len()
+		if f.smallExp != nil {
+			n += f.smallExp.Len()
+		}
 	}
 	return n
 }

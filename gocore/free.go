@@ -134,13 +134,13 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 	// hot path makes one call per index operation, with the inactive_split
 	// counts applied in one pass (a neighbour is always split: b is beside
 	// it).
-	small := kind == kindSmall
+	tree := f.treeFor(b.seg) // nil: the small bins
 	var merged, mergedBytes int64
 	if n := b.next; n != nil && n.inFree {
-		if small {
+		if tree == nil {
 			f.small.remove(n)
 		} else {
-			f.large.Delete(n)
+			tree.Delete(n)
 		}
 		n.inFree = false
 		merged++
@@ -155,10 +155,10 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 		p.dropBlock(n)
 	}
 	if pr := b.prev; pr != nil && pr.inFree {
-		if small {
+		if tree == nil {
 			f.small.remove(pr)
 		} else {
-			f.large.Delete(pr)
+			tree.Delete(pr)
 		}
 		pr.inFree = false
 		merged++
@@ -173,10 +173,10 @@ func (p *Pool) freeBlockLocked(d *deviceState, b *block) {
 		p.dropBlock(b)
 		b = pr
 	}
-	if small {
+	if tree == nil {
 		f.small.insert(b)
 	} else {
-		f.large.ReplaceOrInsert(b)
+		tree.ReplaceOrInsert(b)
 	}
 	b.inFree = true
 	seg := b.seg
@@ -216,7 +216,8 @@ func (p *Pool) releaseOverThresholdLocked(d *deviceState, seg *segment, t uint64
 		d.releaseHeld = !p.cfg.KeepSegments
 		return
 	}
-	if seg == nil || d.releaseHeld || len(d.wholeFree) > 0 || (p.shrinker != nil && p.shrinkable(seg) > 0) {
+	if seg == nil || d.releaseHeld || len(d.wholeFree) > 0 || (p.shrinker != nil && p.shrinkable(seg) > 0) ||
+		(p.mapper != nil && seg.expandable) {
 		d.releaseHeld = false
 		_, _ = p.trimLocked(d, t)
 	}

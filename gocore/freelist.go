@@ -144,16 +144,34 @@ func largeLess(a, b *block) bool {
 type streamFree struct {
 	small smallBins
 	large *btree.BTreeG[*block]
-	pivot block // scratch key for tree searches, to avoid an allocation
+	// smallExp holds the free blocks of expandable small segments, which
+	// grow past SmallBuffer and so outgrow the small bins' size classes;
+	// nil until the first one is freed.
+	smallExp *btree.BTreeG[*block]
+	pivot    block // scratch key for tree searches, to avoid an allocation
 }
 
 func newStreamFree() *streamFree {
 	return &streamFree{large: btree.NewG(16, largeLess)}
 }
 
+// treeFor returns the ordered tree that indexes the free blocks of s, or
+// nil when they go in the small bins (small segments that do not grow).
+func (f *streamFree) treeFor(s *segment) *btree.BTreeG[*block] {
+	switch {
+	case s.kind == kindLarge:
+		return f.large
+	case !s.expandable:
+		return nil
+	case f.smallExp == nil:
+		f.smallExp = btree.NewG(16, largeLess)
+	}
+	return f.smallExp
+}
+
 // empty reports whether the lists hold no block.
 func (f *streamFree) empty() bool {
-	if f.large.Len() != 0 {
+	if f.large.Len() != 0 || (f.smallExp != nil && f.smallExp.Len() != 0) {
 		return false
 	}
 	for _, w := range f.small.nonEmpty {
@@ -164,15 +182,31 @@ func (f *streamFree) empty() bool {
 	return true
 }
 
-// bestFitLarge applies torch's max_split_size rules: a request below
-// maxSplit never takes an oversize block (one that will not be split), and an
+// bestFitLarge is bestFit in the large tree.
+func (f *streamFree) bestFitLarge(size, maxSplit, maxNonSplitRounding uint64) *block {
+	return f.bestFit(f.large, size, maxSplit, maxNonSplitRounding, 0)
+}
+
+// bestFit is torch's get_free_block in tree t: the smallest block that
+// holds size bytes, then the max_split_size rules: a request below maxSplit
+// never takes an oversize block (one that will not be split), and an
 // oversize request takes an oversize block only if it wastes less than
 // maxNonSplitRounding.
-func (f *streamFree) bestFitLarge(size, maxSplit, maxNonSplitRounding uint64) *block {
+//
+// Among the blocks of expandable segments, torch ranks the free tail of a
+// segment by what it could grow to (its size plus the segment's unmapped
+// address space, up to its reservation of reserve bytes), not by its size: from
+// the smallest block that fits it walks on to the next larger one while
+// that one's growable size is smaller. So a fitting block elsewhere is
+// preferred to the tail, which stays free to grow.
+func (f *streamFree) bestFit(t *btree.BTreeG[*block], size, maxSplit, maxNonSplitRounding, reserve uint64) *block {
 	f.pivot.size, f.pivot.addr = size, 0
 	var found *block
-	f.large.AscendGreaterOrEqual(&f.pivot, func(b *block) bool {
-		found = b
+	t.AscendGreaterOrEqual(&f.pivot, func(b *block) bool {
+		if found == nil || growableSize(b, reserve) < growableSize(found, reserve) {
+			found = b
+			return b.seg.expandable
+		}
 		return false
 	})
 	if found == nil || maxSplit == 0 {
@@ -185,6 +219,23 @@ func (f *streamFree) bestFitLarge(size, maxSplit, maxNonSplitRounding uint64) *b
 		return nil
 	}
 	return found
+}
+
+// growableSize is torch's expandable_size: the size of a free block of an
+// expandable segment plus the unmapped address space right after it: a
+// hole, or for the segment's last mapped block, the rest of its
+// reservation of reserve bytes.
+func growableSize(b *block, reserve uint64) uint64 {
+	s, n := b.seg, b.next
+	switch {
+	case !s.expandable || (n != nil && !n.unmapped):
+		return b.size
+	case n == nil:
+		return b.size + reserve - min(reserve, s.size)
+	case n.next == nil: // a hole at the end: it runs on to the reservation's end
+		return b.size + max(reserve, s.size) - (n.addr - s.addr)
+	}
+	return b.size + n.size
 }
 
 // The free-index operations of a device state: its free lists by stream,
@@ -234,10 +285,10 @@ func (d *deviceState) dropEmptyFreeLists() {
 // what the stat is meant to exclude. freeBlockLocked writes it out.
 func (d *deviceState) insertFree(f *streamFree, b *block) {
 	seg := b.seg
-	if seg.kind == kindSmall {
+	if t := f.treeFor(seg); t == nil {
 		f.small.insert(b)
 	} else {
-		f.large.ReplaceOrInsert(b)
+		t.ReplaceOrInsert(b)
 	}
 	b.inFree = true
 	if !b.isSplit() {
@@ -251,10 +302,10 @@ func (d *deviceState) insertFree(f *streamFree, b *block) {
 // removeFree takes a free block out of the index, undoing insertFree.
 func (d *deviceState) removeFree(f *streamFree, b *block) {
 	seg := b.seg
-	if seg.kind == kindSmall {
+	if t := f.treeFor(seg); t == nil {
 		f.small.remove(b)
 	} else {
-		f.large.Delete(b)
+		t.Delete(b)
 	}
 	b.inFree = false
 	if !b.isSplit() {

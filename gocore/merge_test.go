@@ -1,8 +1,10 @@
 package gocore
 
 import (
+	"cmp"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -51,7 +53,9 @@ func TestStatSwapIsDownThenUp(t *testing.T) {
 // the whole segment or the segment is expandable; the peak follows the
 // count after the free, and the other kind's counts do not move. The block
 // each allocation is served from is the best fit by (size, address) among
-// the free blocks of its stream and pool, as the snapshot shows them.
+// the free blocks of its stream and pool, as the snapshot shows them, but
+// for torch's preference for any other fitting block over the free tail of
+// an expandable segment.
 func TestFreeMergeCountsFollowTheNeighbours(t *testing.T) {
 	for _, expandable := range []bool{false, true} {
 		t.Run(fmt.Sprintf("expandable=%v", expandable), func(t *testing.T) {
@@ -129,7 +133,20 @@ func bestFitInSnapshot(segs []SnapshotSegment, rounded, requested uint64, stream
 	if !small {
 		return 0, false
 	}
-	var best *SnapshotBlock
+	// torch's get_free_block ranks the last block of an expandable segment
+	// by what it could grow to: past any block that fits.
+	const unmapped = 1 << 60
+	growable := func(s *SnapshotSegment, j int) uint64 {
+		if s.IsExpandable && j == len(s.Blocks)-1 {
+			return s.Blocks[j].Size + unmapped
+		}
+		return s.Blocks[j].Size
+	}
+	type cand struct {
+		b        *SnapshotBlock
+		growable uint64
+	}
+	var fits []cand
 	for i := range segs {
 		s := &segs[i]
 		if s.Stream != uint64(stream) || (s.SegmentType == "small") != small {
@@ -137,18 +154,28 @@ func bestFitInSnapshot(segs []SnapshotSegment, rounded, requested uint64, stream
 		}
 		for j := range s.Blocks {
 			b := &s.Blocks[j]
-			if b.State != StateInactive || b.Size < rounded {
-				continue
-			}
-			if best == nil || b.Size < best.Size || (b.Size == best.Size && b.Address < best.Address) {
-				best = b
+			if b.State == StateInactive && b.Size >= rounded {
+				fits = append(fits, cand{b, growable(s, j)})
 			}
 		}
 	}
-	if best == nil {
+	if len(fits) == 0 {
 		return 0, false
 	}
-	return best.Address, true
+	slices.SortFunc(fits, func(x, y cand) int {
+		if c := cmp.Compare(x.b.Size, y.b.Size); c != 0 {
+			return c
+		}
+		return cmp.Compare(x.b.Address, y.b.Address)
+	})
+	best := fits[0]
+	for _, c := range fits[1:] {
+		if c.growable >= best.growable {
+			break
+		}
+		best = c
+	}
+	return best.b.Address, true
 }
 
 // checkFreeAgainstModel frees addr and checks the merged block and the

@@ -111,6 +111,7 @@ type Pool struct {
 	spare    []*block       // block structs kept for reuse
 	expander Expander       // non-nil when the backend grows segments in place
 	shrinker Shrinker       // non-nil when it can also give their free tails back
+	mapper   PageMapper     // non-nil when it can also unmap and map pages inside them
 	hist     *history       // recorded events; nil when recording is off
 	histMax  int
 	// budget holds the limits (cfg.Limit, and per device: torch's
@@ -143,9 +144,20 @@ type deviceState struct {
 	// releaseHeld: a capture held back a release the threshold asked for
 	// (nothing may be released while one runs); applied when it is over.
 	releaseHeld bool
-	events      []Event             // idle events kept for reuse
-	growing     map[Stream]*segment // the large segment each stream grows
-	stats       Stats
+	events      []Event // idle events kept for reuse
+	// growing is the expandable segment each stream grows in each pool
+	// kind, as torch keeps one per stream in its small and large pools.
+	growing map[growKey]*segment
+	// reserve is the address space torch reserves for an expandable
+	// segment of each pool kind on this device (0 until first needed).
+	reserve [3]uint64
+	stats   Stats
+}
+
+// growKey names a growing segment: its stream and pool kind.
+type growKey struct {
+	stream Stream
+	kind   poolKind
 }
 
 // MaxDevices bounds the devices of a pool's backend: a pool keeps state
@@ -195,6 +207,10 @@ func NewPool(cfg Config) (*Pool, error) {
 	if s, ok := cfg.Backend.(Shrinker); ok && ex != nil {
 		sh = s
 	}
+	var pm PageMapper
+	if m, ok := cfg.Backend.(PageMapper); ok && sh != nil {
+		pm = m
+	}
 	budget := cfg.Budget
 	if budget == nil {
 		budget = NewBudget(n, cfg.Limit)
@@ -207,6 +223,7 @@ func NewPool(cfg Config) (*Pool, error) {
 		budget:   budget,
 		expander: ex,
 		shrinker: sh,
+		mapper:   pm,
 		cfg:      cfg,
 		name:     cfg.Name,
 		backend:  cfg.Backend,
@@ -320,7 +337,7 @@ func (p *Pool) device(dev int) (*deviceState, error) {
 			id:       dev,
 			streams:  make(map[Stream]*streamFree),
 			segments: make(map[uint64]*segment),
-			growing:  make(map[Stream]*segment),
+			growing:  make(map[growKey]*segment),
 		}
 		d.stats.MaxSplitSize = maxSplitStat(p.cfg.MaxSplitSize)
 		p.devices[dev] = d
@@ -445,8 +462,8 @@ func (p *Pool) freeUnreleasedLocked(rep *CloseReport) error {
 		rep.SegmentsFreed++
 		rep.BytesFreed += s.size
 		d.stats.NumDeviceFree++
-		d.stats.Segment.add(s.kind, -1)
-		p.addReserved(d, s.kind, -int64(s.size))
+		d.countSegment(s, -1)
+		p.addReserved(d, s.kind, -int64(s.mapped()))
 		p.uncountOversize(d, s)
 	}
 	clear(p.unreleased[len(kept):])

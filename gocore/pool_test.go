@@ -472,26 +472,27 @@ func TestReleaseThresholdAfterAFreeThatLeavesItsSegmentSplit(t *testing.T) {
 
 func TestReleaseThresholdShrinksAnExpandableTail(t *testing.T) {
 	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{ReleaseThreshold: 8 * MiB})
-	mustAlloc(t, p, 4*MiB, 0, 0)
-	b := mustAlloc(t, p, 100*MiB, 0, 0) // grows the segment to 104 MiB
+	mustAlloc(t, p, 20*MiB, 0, 0)       // one 20 MiB page, in use
+	b := mustAlloc(t, p, 100*MiB, 0, 0) // grows the segment by five pages to 120 MiB
 	require.NoError(t, p.Free(b))       // a 100 MiB free tail
 	assert.LessOrEqual(t, unusedBytes(t, p), uint64(8*MiB))
-	assert.LessOrEqual(t, be.UsedBytes(0), uint64(12*MiB))
+	assert.LessOrEqual(t, be.UsedBytes(0), uint64(20*MiB))
 	require.NoError(t, p.CheckInvariants())
 }
 
 func TestShrinkJudgesTheAnswerByTheGranularityItAskedWith(t *testing.T) {
 	sim, err := NewSimBackend(SimConfig{Expandable: true, Capacity: 256 * MiB})
 	require.NoError(t, err)
-	be := &growingGranularity{SimBackend: sim, g: sim.Granularity(), doubleOnShrink: true}
+	// 8 MiB granules: pages of 24 MiB (torch's 20 MiB, in whole granules).
+	be := &growingGranularity{SimBackend: sim, g: 8 * MiB, doubleOnShrink: true}
 	p, err := NewPool(Config{Backend: be})
 	require.NoError(t, err)
-	mustAlloc(t, p, 4*MiB, 0, 0)
-	b := mustAlloc(t, p, 6*MiB, 0, 0) // a 10 MiB segment
+	mustAlloc(t, p, 24*MiB, 0, 0)
+	b := mustAlloc(t, p, 24*MiB, 0, 0) // a 48 MiB segment
 	require.NoError(t, p.Free(b))
 	released, err := p.EmptyCache()
 	require.NoError(t, err)
-	assert.EqualValues(t, 6*MiB, released, "three 2 MiB granules, though granules are 4 MiB now")
+	assert.EqualValues(t, 24*MiB, released, "three 8 MiB granules, though granules are 16 MiB now")
 	require.NoError(t, p.CheckInvariants())
 }
 
@@ -1037,22 +1038,24 @@ func TestExpandableSegmentGrowsInPlace(t *testing.T) {
 	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 64 * MiB}, Config{})
 	a := mustAlloc(t, p, 3*MiB, 0, 0)
 	s := stats(t, p)
-	assert.EqualValues(t, 4*MiB, s.ReservedBytes[0].Current, "first segment: the request rounded to the granularity")
-	assert.EqualValues(t, MiB, s.ReservedBytes[0].Current-s.AllocatedBytes[0].Current, "the tail is kept")
+	assert.EqualValues(t, 20*MiB, s.ReservedBytes[0].Current, "first segment: one 20 MiB page, as torch maps")
+	assert.EqualValues(t, 17*MiB, s.ReservedBytes[0].Current-s.AllocatedBytes[0].Current, "the tail is kept")
 	assert.Zero(t, s.InactiveSplitBytes[0].Current, "expandable segments are not in inactive_split (torch)")
-	b := mustAlloc(t, p, 3*MiB, 0, 0)
+	assert.Zero(t, s.Segment[0].Current, "nor in the segment count (torch)")
+	b := mustAlloc(t, p, 30*MiB, 0, 0)
 	assert.Equal(t, a+3*MiB, b, "grown in place, right after the first block")
 	s = stats(t, p)
-	assert.EqualValues(t, 1, s.Segment[0].Current)
-	assert.EqualValues(t, 6*MiB, s.ReservedBytes[0].Current)
+	assert.Zero(t, s.Segment[0].Current)
+	assert.EqualValues(t, 40*MiB, s.ReservedBytes[0].Current, "the 17 MiB tail and one more page")
 	assert.EqualValues(t, 1, s.NumExpansions)
 	assert.EqualValues(t, 1, be.Stats().Expansions)
 	assert.EqualValues(t, 1, be.Stats().Allocs)
+	assert.Equal(t, 1, be.Stats().LiveSegments)
 
 	// Memory freed in two pieces serves one larger block without the backend.
 	require.NoError(t, p.Free(a))
 	require.NoError(t, p.Free(b))
-	c := mustAlloc(t, p, 6*MiB, 0, 0)
+	c := mustAlloc(t, p, 33*MiB, 0, 0)
 	assert.Equal(t, a, c)
 	s = stats(t, p)
 	assert.EqualValues(t, 1, s.NumCacheHits)
@@ -1060,33 +1063,154 @@ func TestExpandableSegmentGrowsInPlace(t *testing.T) {
 
 	// Other streams grow segments of their own.
 	d := mustAlloc(t, p, 2*MiB, 0, 9)
-	assert.NotEqual(t, c+6*MiB, d)
+	assert.NotEqual(t, c+33*MiB, d)
+	assert.Equal(t, 2, be.Stats().LiveSegments)
+	assert.EqualValues(t, 60*MiB, stats(t, p).ReservedBytes[0].Current)
 
-	// Out of device memory: growing fails, a new segment fails, typed OOM.
+	// Out of device memory: growing fails, and so does a new segment,
+	// before and after the cache is released (no free page to give back):
+	// typed OOM.
 	_, err := p.Alloc(60*MiB, 0, 0)
 	require.ErrorIs(t, err, ErrOutOfMemory)
+	s = stats(t, p)
+	assert.EqualValues(t, 1, s.NumAllocRetries)
+	assert.Equal(t, 2, be.Stats().LiveSegments)
 	require.NoError(t, p.Free(c))
 	require.NoError(t, p.Free(d))
 	released, err := p.EmptyCache()
 	require.NoError(t, err)
-	assert.EqualValues(t, 8*MiB, released)
+	assert.EqualValues(t, 60*MiB, released)
 	assert.Zero(t, be.Stats().LiveSegments)
 	// A released growing segment is forgotten; the next request starts anew.
 	e := mustAlloc(t, p, 5*MiB, 0, 0)
-	assert.EqualValues(t, 6*MiB, stats(t, p).ReservedBytes[0].Current)
+	assert.EqualValues(t, 20*MiB, stats(t, p).ReservedBytes[0].Current)
 	require.NoError(t, p.Free(e))
 }
 
+// torch's get_free_block ranks the free tail of an expandable segment by
+// what it could grow to: a free block elsewhere that fits is taken first,
+// though the tail is smaller.
+func TestExpandableBestFitPassesOverTheGrowableTail(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{})
+	a := mustAlloc(t, p, 8*MiB, 0, 0)
+	b := mustAlloc(t, p, 10*MiB, 0, 0) // the page holds a, b and a 2 MiB free tail
+	require.Equal(t, a+8*MiB, b)
+	require.NoError(t, p.Free(a)) // a free 8 MiB block before b
+	c := mustAlloc(t, p, 2*MiB, 0, 0)
+	assert.Equal(t, a, c, "the 8 MiB block, not the 2 MiB tail")
+	d := mustAlloc(t, p, 2*MiB, 0, 0)
+	assert.Equal(t, a+2*MiB, d, "the 6 MiB rest of it, still not the tail")
+	e := mustAlloc(t, p, 6*MiB, 0, 0)
+	assert.Equal(t, b+10*MiB, e, "nothing else fits: the tail grows")
+	assert.EqualValues(t, 40*MiB, stats(t, p).ReservedBytes[0].Current)
+}
+
+// torch's small pool is expandable too: one segment a stream, mapped in
+// 2 MiB pages, whose free blocks may outgrow the small size classes.
+func TestExpandableSmallPoolGrowsIn2MiBPages(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{})
+	var addrs []uint64
+	for range 5 {
+		addrs = append(addrs, mustAlloc(t, p, MiB, 0, 0))
+	}
+	for i, a := range addrs {
+		assert.Equal(t, addrs[0]+uint64(i)*MiB, a, "one segment, grown in place")
+	}
+	s := stats(t, p)
+	assert.EqualValues(t, 6*MiB, s.ReservedBytes[kindSmall].Current, "three 2 MiB pages")
+	assert.Zero(t, s.ReservedBytes[kindLarge].Current)
+	assert.Zero(t, s.Segment[0].Current)
+	assert.EqualValues(t, 2, s.NumExpansions)
+	assert.Equal(t, 1, be.Stats().LiveSegments)
+	for _, a := range addrs[:4] {
+		require.NoError(t, p.Free(a))
+	}
+	// A free 4 MiB block in the small pool: beyond any small size class.
+	assert.Equal(t, addrs[0], mustAlloc(t, p, 512, 0, 0), "the lowest fit, not the 1 MiB tail")
+	released, err := p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 2*MiB, released, "the second page, wholly free: 512 bytes in the first, the fifth block in the third")
+	require.NoError(t, p.Free(addrs[4]))
+	released, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 2*MiB, released, "the third page")
+	assert.EqualValues(t, 2*MiB, stats(t, p).ReservedBytes[kindSmall].Current)
+}
+
+// With a PageMapper backend (the sim), releasing the cache unmaps every
+// free page of an expandable segment, as torch's release_blocks does, not
+// only those of its free tail: a free page between blocks in use becomes a
+// hole. A later request maps pages into the lowest hole that it fits
+// (with the free blocks beside it) before it grows the segment's end, and
+// best fit counts a hole after a free block as room that block can grow in.
+func TestExpandableHolesAreUnmappedAndMappedAgain(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 512 * MiB}, Config{})
+	a := mustAlloc(t, p, 30*MiB, 0, 0)
+	b := mustAlloc(t, p, 30*MiB, 0, 0)
+	c := mustAlloc(t, p, 30*MiB, 0, 0) // pages 0-4 (100 MiB), a 10 MiB free tail
+	require.NoError(t, p.Free(b))      // free from 30 to 60 MiB: page 2 (40-60) wholly
+	released, err := p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 20*MiB, released, "the free page between a and c")
+	s := stats(t, p)
+	assert.EqualValues(t, 80*MiB, s.ReservedBytes[0].Current)
+	assert.EqualValues(t, 80*MiB, be.UsedBytes(0))
+	assert.EqualValues(t, 1, be.Stats().Unmaps)
+	seg := p.Snapshot()[0]
+	assert.EqualValues(t, 80*MiB, seg.TotalSize)
+	assert.Len(t, seg.Blocks, 4, "a, 10 MiB free, (the hole), c, the free tail")
+
+	// 25 MiB: the free 10 MiB before the hole plus the hole (30 MiB of
+	// room) fits it; the 10 MiB tail fits nothing. Torch maps the hole
+	// rather than grow the end.
+	grew := be.Stats().Expansions
+	d := mustAlloc(t, p, 25*MiB, 0, 0)
+	assert.Equal(t, a+30*MiB, d)
+	s = stats(t, p)
+	assert.EqualValues(t, 100*MiB, s.ReservedBytes[0].Current, "the hole mapped again")
+	assert.EqualValues(t, 1, be.Stats().Maps)
+	assert.Equal(t, grew, be.Stats().Expansions, "the end did not grow")
+
+	// All free: every page goes, and the segment with it.
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(c))
+	require.NoError(t, p.Free(d))
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	assert.Zero(t, be.Stats().LiveSegments)
+	assert.Zero(t, stats(t, p).ReservedBytes[0].Current)
+}
+
+// An expandable pool checks its limit as torch checks its memory fraction
+// with expandable segments: once a request, for the segment it would get
+// without them (20 MiB under 10 MiB, else the request in 2 MiB steps) on
+// top of what is reserved; the 20 MiB pages it then maps may pass it.
+func TestExpandableLimitIsTorchsFractionCheck(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Expandable: true}, Config{Limit: 30 * MiB})
+	mustAlloc(t, p, 12*MiB, 0, 0) // 0 + 12 <= 30: one page
+	mustAlloc(t, p, 10*MiB, 0, 0) // 20 + 10 <= 30: 8 MiB free, one more page
+	assert.EqualValues(t, 40*MiB, stats(t, p).ReservedBytes[0].Current, "past the limit, as torch")
+	mustAlloc(t, p, 16*MiB, 0, 0)  // from the 18 MiB free tail: no check, nothing mapped
+	oom := mustOOM(t, p, 3*MiB, 0) // the 2 MiB left do not hold it, and 40 + 20 > 30
+	assert.EqualValues(t, 30*MiB, oom.Limit)
+
+	q, _ := newTestPool(t, SimConfig{Expandable: true}, Config{Limit: 30 * MiB})
+	mustAlloc(t, q, 5*MiB, 0, 0) // 0 + 20 <= 30: one page
+	mustOOM(t, q, 16*MiB, 0)     // 20 + 16 > 30, though 15 MiB of the page are free
+	assert.EqualValues(t, 20*MiB, stats(t, q).ReservedBytes[0].Current)
+}
+
 func TestExpandableRespectsLimitAndSmallPool(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Expandable: true}, Config{Limit: 8 * MiB})
-	mustAlloc(t, p, 4*MiB, 0, 0)
-	mustAlloc(t, p, 4*MiB, 0, 0)
-	oom := mustOOM(t, p, 2*MiB, 0)
-	assert.EqualValues(t, 8*MiB, oom.Limit)
-	// Small requests keep their fixed 2 MiB segments (size classes stay bounded).
+	p, _ := newTestPool(t, SimConfig{Expandable: true}, Config{Limit: 40 * MiB})
+	mustAlloc(t, p, 15*MiB, 0, 0) // one page
+	mustAlloc(t, p, 15*MiB, 0, 0) // two
+	oom := mustOOM(t, p, 15*MiB, 0)
+	assert.EqualValues(t, 40*MiB, oom.Limit)
+	assert.EqualValues(t, 40*MiB, oom.Reserved)
+	// Small requests map one 2 MiB page of the stream's small segment.
 	q, _ := newTestPool(t, SimConfig{Expandable: true}, Config{})
 	mustAlloc(t, q, 1000, 0, 0)
-	assert.EqualValues(t, 2*MiB, stats(t, q).ReservedBytes[1].Current)
+	assert.EqualValues(t, 2*MiB, stats(t, q).ReservedBytes[kindSmall].Current)
 }
 
 // A KeepSegments pool (a CUDA graph's private pool) never gives a freed
@@ -1232,26 +1356,25 @@ func TestMaxSplitAndNonSplitRoundingMinimum(t *testing.T) {
 	assert.Zero(t, s.OversizeSegments.Current)
 }
 
-// An expandable segment that grows past MaxSplitSize becomes oversize; the
-// count follows it and goes back to 0 when it is released.
-func TestOversizeSegmentsFollowExpandableGrowth(t *testing.T) {
+// An expandable segment that grows past MaxSplitSize is no oversize
+// segment: torch counts there only the segments of cudaMalloc. Its blocks
+// of MaxSplitSize or more are oversize allocations.
+func TestExpandableSegmentsAreNotOversizeSegments(t *testing.T) {
 	p, _ := newTestPool(t, SimConfig{Expandable: true}, Config{MaxSplitSize: 20 * MiB})
-	a := mustAlloc(t, p, 3*MiB, 0, 0) // a new 4 MiB segment: not oversize
-	assert.Zero(t, stats(t, p).OversizeSegments.Current)
-	b := mustAlloc(t, p, 30*MiB, 0, 0) // grows it in place to 34 MiB
+	a := mustAlloc(t, p, 3*MiB, 0, 0)  // a new 20 MiB segment
+	b := mustAlloc(t, p, 30*MiB, 0, 0) // grows it in place to 40 MiB
 	s := stats(t, p)
-	assert.EqualValues(t, 1, s.Segment[0].Current)
-	assert.EqualValues(t, 34*MiB, s.ReservedBytes[0].Current)
-	assert.EqualValues(t, 1, s.OversizeSegments.Current)
+	assert.Zero(t, s.Segment[0].Current)
+	assert.EqualValues(t, 40*MiB, s.ReservedBytes[0].Current)
+	assert.Zero(t, s.OversizeSegments.Current)
 	assert.EqualValues(t, 1, s.OversizeAllocations.Current)
 	require.NoError(t, p.Free(a))
 	require.NoError(t, p.Free(b))
 	_, err := p.EmptyCache()
 	require.NoError(t, err)
 	s = stats(t, p)
-	assert.Zero(t, s.Segment[0].Current)
-	assert.Zero(t, s.OversizeSegments.Current)
-	assert.EqualValues(t, 1, s.OversizeSegments.Freed)
+	assert.Zero(t, s.ReservedBytes[0].Current)
+	assert.Zero(t, s.OversizeSegments.Allocated)
 	assert.Zero(t, s.OversizeAllocations.Current)
 }
 
@@ -1281,18 +1404,19 @@ func TestExpandableSimHoldsManySegments(t *testing.T) {
 	const streams = 200
 	var addrs []uint64
 	for s := range streams {
-		addrs = append(addrs, mustAlloc(t, p, 512, 0, Stream(s)))   // a 2 MiB small segment each
+		addrs = append(addrs, mustAlloc(t, p, 512, 0, Stream(s)))   // a growing small segment each
 		addrs = append(addrs, mustAlloc(t, p, 3*MiB, 0, Stream(s))) // and a growing large one
 	}
-	for range 40 { // one stream, 20 small segments
+	for range 40 { // one stream, one small segment of 20 pages
 		addrs = append(addrs, mustAlloc(t, p, MiB, 0, streams))
 	}
 	s := stats(t, p)
-	assert.EqualValues(t, 2*streams+20, s.Segment[0].Current)
-	assert.Equal(t, 2*streams+20, be.Stats().LiveSegments)
+	assert.Zero(t, s.Segment[0].Current, "torch does not count expandable segments")
+	assert.Equal(t, 2*streams+1, be.Stats().LiveSegments)
 	// Every large segment can still grow to what the device can back.
+	grown := s.NumExpansions
 	mustAlloc(t, p, 40<<30, 0, 0)
-	assert.EqualValues(t, 1, stats(t, p).NumExpansions)
+	assert.EqualValues(t, grown+1, stats(t, p).NumExpansions)
 	for _, a := range addrs {
 		require.NoError(t, p.Free(a))
 	}
@@ -1447,23 +1571,22 @@ func TestOOMRetryThatDropsTheStreamsLists(t *testing.T) {
 // goes back when the pool releases cached memory, as torch unmaps the free
 // pages of its expandable segments: on the OOM retry and on EmptyCache.
 func TestExpandableFreeTailGoesBack(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 64 * MiB}, Config{MaxSplitSize: 20 * MiB})
+	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 80 * MiB}, Config{})
 	p.RecordHistory(true, 100)
-	a := mustAlloc(t, p, 4*MiB, 0, 0)
-	b := mustAlloc(t, p, 40*MiB, 0, 0) // grows stream 0's segment to 44 MiB
+	a := mustAlloc(t, p, 20*MiB, 0, 0) // one page, all in use
+	b := mustAlloc(t, p, 40*MiB, 0, 0) // grows stream 0's segment to 60 MiB
 	require.NoError(t, p.Free(b))      // a 40 MiB free tail, cached
-	assert.EqualValues(t, 1, stats(t, p).OversizeSegments.Current)
 	c := mustAlloc(t, p, 40*MiB, 0, 1) // another stream: the tail must go back first
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.NumAllocRetries)
 	assert.Zero(t, s.NumOOMs)
-	assert.EqualValues(t, 44*MiB, s.ReservedBytes[0].Current)
-	assert.EqualValues(t, 1, s.OversizeSegments.Current, "stream 0's segment is 4 MiB again, stream 1's is 40")
+	assert.EqualValues(t, 60*MiB, s.ReservedBytes[0].Current, "stream 0's segment is 20 MiB again, stream 1's is 40")
+	assert.Zero(t, s.OversizeSegments.Current)
 	assert.EqualValues(t, 1, be.Stats().Shrinks)
-	assert.EqualValues(t, 44*MiB, be.UsedBytes(0))
+	assert.EqualValues(t, 60*MiB, be.UsedBytes(0))
 	seg := p.Snapshot()[0]
-	assert.EqualValues(t, 4*MiB, seg.TotalSize)
-	require.Len(t, seg.Blocks, 1, "the tail started on a granule: its block is gone")
+	assert.EqualValues(t, 20*MiB, seg.TotalSize)
+	require.Len(t, seg.Blocks, 1, "the tail started on a page: its block is gone")
 	var unmapped []TraceEntry
 	for _, e := range p.History() {
 		if e.Action == ActionSegmentUnmap {
@@ -1471,24 +1594,23 @@ func TestExpandableFreeTailGoesBack(t *testing.T) {
 		}
 	}
 	require.Len(t, unmapped, 1)
-	assert.Equal(t, TraceEntry{Action: ActionSegmentUnmap, Addr: a + 4*MiB, Size: 40 * MiB, TimeUS: unmapped[0].TimeUS}, unmapped[0])
+	assert.Equal(t, TraceEntry{Action: ActionSegmentUnmap, Addr: a + 20*MiB, Size: 40 * MiB, TimeUS: unmapped[0].TimeUS}, unmapped[0])
 	// The shrunk segment grows again.
 	d := mustAlloc(t, p, 3*MiB, 0, 0)
-	assert.Equal(t, a+4*MiB, d)
+	assert.Equal(t, a+20*MiB, d)
 
-	// EmptyCache gives back a free tail that does not start on a granule:
-	// the part from the next granule on.
+	// EmptyCache gives back the pages after the last one in use; a free
+	// tail that starts inside a page keeps that page.
 	require.NoError(t, p.Free(c))
-	e := mustAlloc(t, p, 25*MiB, 0, 1) // stream 1: 25 MiB of its 40, a 15 MiB free tail
-	require.NoError(t, p.Free(d))      // stream 0: a 4 MiB free tail from offset 4 MiB
+	e := mustAlloc(t, p, 5*MiB, 0, 1) // stream 1: 5 MiB of its 40, a 35 MiB free tail
+	require.NoError(t, p.Free(d))     // stream 0: a 20 MiB free tail from offset 20 MiB
 	released, err := p.EmptyCache()
 	require.NoError(t, err)
 	s = stats(t, p)
-	assert.EqualValues(t, 14*MiB+4*MiB, released, "from 26 MiB on in stream 1's segment, from 4 MiB on in stream 0's")
-	assert.EqualValues(t, 4*MiB+26*MiB, s.ReservedBytes[0].Current)
-	assert.EqualValues(t, MiB, s.ReservedBytes[0].Current-s.ActiveBytes[0].Current, "the part of a granule in use stays")
-	assert.EqualValues(t, 1, s.OversizeSegments.Current)
-	assert.EqualValues(t, 30*MiB, be.UsedBytes(0))
+	assert.EqualValues(t, 20*MiB+20*MiB, released, "from 20 MiB on in each segment")
+	assert.EqualValues(t, 20*MiB+20*MiB, s.ReservedBytes[0].Current)
+	assert.EqualValues(t, 15*MiB, s.ReservedBytes[0].Current-s.ActiveBytes[0].Current, "the rest of a page in use stays")
+	assert.EqualValues(t, 40*MiB, be.UsedBytes(0))
 	assert.EqualValues(t, 3, be.Stats().Shrinks)
 	require.NoError(t, p.Free(a))
 	require.NoError(t, p.Free(e))
@@ -1525,13 +1647,13 @@ func TestExpandableShrinkPartialAndFailing(t *testing.T) {
 	p, err := NewPool(Config{Backend: be})
 	require.NoError(t, err)
 	a := mustAlloc(t, p, 2*MiB, 0, 0)
-	b := mustAlloc(t, p, 8*MiB, 0, 0)
+	b := mustAlloc(t, p, 38*MiB, 0, 0) // two 20 MiB pages
 	require.NoError(t, p.Free(b))
 	released, err := p.EmptyCache()
 	require.NoError(t, err)
-	assert.EqualValues(t, 2*MiB, released, "one granule")
-	assert.EqualValues(t, 8*MiB, stats(t, p).ReservedBytes[0].Current)
-	assert.EqualValues(t, 8*MiB, sim.UsedBytes(0))
+	assert.EqualValues(t, 2*MiB, released, "one granule of the free page")
+	assert.EqualValues(t, 38*MiB, stats(t, p).ReservedBytes[0].Current)
+	assert.EqualValues(t, 38*MiB, sim.UsedBytes(0))
 
 	be.granules = 0
 	released, err = p.EmptyCache()
@@ -1541,7 +1663,7 @@ func TestExpandableShrinkPartialAndFailing(t *testing.T) {
 	be.err = errors.New("unmap failed")
 	_, err = p.EmptyCache()
 	require.ErrorIs(t, err, be.err)
-	assert.EqualValues(t, 8*MiB, stats(t, p).ReservedBytes[0].Current, "unchanged")
+	assert.EqualValues(t, 38*MiB, stats(t, p).ReservedBytes[0].Current, "unchanged")
 
 	be.err = nil
 	be.granules = 100
@@ -1552,7 +1674,8 @@ func TestExpandableShrinkPartialAndFailing(t *testing.T) {
 	require.NoError(t, p.ExitCapture())
 	released, err = p.EmptyCache()
 	require.NoError(t, err)
-	assert.EqualValues(t, 6*MiB, released)
+	assert.EqualValues(t, 18*MiB, released, "the rest of the page the backend kept")
+	assert.EqualValues(t, 20*MiB, stats(t, p).ReservedBytes[0].Current)
 	require.NoError(t, p.Free(a))
 	_, err = p.Close()
 	require.NoError(t, err)
@@ -1824,9 +1947,9 @@ func TestOOMRetryProcessesEventsFirst(t *testing.T) {
 func twoFreeTails(t *testing.T) (*Pool, *SimBackend) {
 	t.Helper()
 	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{})
-	mustAlloc(t, p, 4*MiB, 0, 0)
+	mustAlloc(t, p, 20*MiB, 0, 0)                             // a page in use
 	require.NoError(t, p.Free(mustAlloc(t, p, 20*MiB, 0, 0))) // stream 0: a 20 MiB free tail
-	mustAlloc(t, p, 4*MiB, 0, 1)
+	mustAlloc(t, p, 20*MiB, 0, 1)
 	require.NoError(t, p.Free(mustAlloc(t, p, 40*MiB, 0, 1))) // stream 1: a 40 MiB one
 	require.EqualValues(t, 60*MiB, unusedBytes(t, p))
 	return p, be
@@ -1844,5 +1967,5 @@ func TestTrimShrinksTheLargestFreeTailsFirst(t *testing.T) {
 	for _, s := range p.Snapshot() {
 		sizes[s.Stream] = s.TotalSize
 	}
-	assert.Equal(t, map[uint64]uint64{0: 24 * MiB, 1: 4 * MiB}, sizes)
+	assert.Equal(t, map[uint64]uint64{0: 40 * MiB, 1: 20 * MiB}, sizes)
 }

@@ -73,17 +73,18 @@ type SimConfig struct {
 	// CompleteStream or CompleteAll. When false, every event is complete as
 	// soon as it is recorded.
 	ManualEvents bool `option:"manual_events" doc:"events complete only when the test completes their stream"`
-	// Expandable makes the backend an Expander: every segment reserves
-	// address space for the device's whole capacity (rounded up to
-	// Granularity), as a CUDA VMM segment reserves the device's memory, so
-	// that the engine can grow it in place by Granularity-sized steps up to
-	// anything the device can back. A device's range holds
-	// SimExpandableSegments such reservations.
+	// Expandable makes the backend an Expander, Shrinker and PageMapper:
+	// every segment reserves address space for 1 1/8 times the device's
+	// capacity (in whole 20 MiB pages), as torch reserves for an
+	// expandable segment, so that the engine can map pages into it (at its
+	// end or into holes it unmapped) up to anything the device can back. A
+	// device's range holds SimExpandableSegments such reservations.
 	Expandable bool `option:"expandable" doc:"segments grow in place (like CUDA expandable segments)"`
-	// Granularity is the growth unit of expandable segments
+	// Granularity is the mapping unit of expandable segments
 	// (DefaultSimGranularity, or Alignment if larger, when 0; a multiple of
-	// Alignment).
-	Granularity uint64 `option:"granularity" zero:"default" doc:"growth unit of expandable segments"`
+	// Alignment). The engine maps torch's pages (2 MiB in the small pool,
+	// 20 MiB in the large one), rounded up to whole granules.
+	Granularity uint64 `option:"granularity" zero:"default" doc:"mapping unit of expandable segments"`
 }
 
 // OptionDefaults says what leaving out each option whose 0 means "the
@@ -137,6 +138,8 @@ type SimStats struct {
 	Expansions uint64
 	// Shrinks counts successful Shrink calls.
 	Shrinks uint64
+	// Unmaps and Maps count successful Unmap and Map calls.
+	Unmaps, Maps uint64
 	// Placed counts Allocs that returned the address PlaceNext asked for.
 	Placed uint64
 }
@@ -164,6 +167,9 @@ type simDevice struct {
 	// reserved maps a segment start to the address space it holds when the
 	// backend is expandable (at least the rounded size).
 	reserved map[uint64]uint64
+	// holes maps a segment start to the bytes inside it that Unmap gave
+	// back (and Map has not mapped again); they are not in used.
+	holes map[uint64]uint64
 	// place is the address PlaceNext asked for the next segment of
 	// placeSize bytes (placeSize 0: none).
 	place, placeSize uint64
@@ -196,8 +202,8 @@ type simEvent struct {
 type SimBackend struct {
 	cfg    SimConfig // normalized
 	stride uint64
-	// reserve is the address space each expandable segment reserves: the
-	// capacity rounded up to the granularity.
+	// reserve is the address space each expandable segment reserves:
+	// torch's, 1 1/8 times the capacity in whole pages.
 	reserve uint64
 
 	mu        sync.Mutex
@@ -212,9 +218,10 @@ type SimBackend struct {
 }
 
 var (
-	_ Backend  = (*SimBackend)(nil)
-	_ Expander = (*SimBackend)(nil)
-	_ Shrinker = (*SimBackend)(nil)
+	_ Backend    = (*SimBackend)(nil)
+	_ Expander   = (*SimBackend)(nil)
+	_ Shrinker   = (*SimBackend)(nil)
+	_ PageMapper = (*SimBackend)(nil)
 )
 
 // SimConfigError is the error NewSimBackend returns for a SimConfig it
@@ -320,14 +327,19 @@ func NewSimBackend(cfg SimConfig) (*SimBackend, error) {
 	minStride := max(twice, simDeviceStride)
 	var reserve uint64
 	if cfg.Expandable {
-		// Every segment reserves the whole capacity, rounded up to the
-		// granularity (a multiple of the alignment, not necessarily a
-		// power of two), and the range holds SimExpandableSegments of them.
-		granules := capRounded / cfg.Granularity
-		if capRounded%cfg.Granularity != 0 {
-			granules++
+		// Every segment reserves what torch reserves for an expandable
+		// segment, 1 1/8 times the capacity (room to map pages again
+		// after holes were unmapped earlier in it), rounded up to whole
+		// 20 MiB pages of whole granules (a multiple of the alignment, not
+		// necessarily a power of two), and the range holds
+		// SimExpandableSegments of them.
+		unit := (LargeBuffer + cfg.Granularity - 1) / cfg.Granularity * cfg.Granularity
+		want := capRounded + capRounded/8
+		units := want / unit
+		if want%unit != 0 {
+			units++
 		}
-		hi, r := bits.Mul64(granules, cfg.Granularity)
+		hi, r := bits.Mul64(units, unit)
 		hi2, all := bits.Mul64(r, SimExpandableSegments)
 		if hi != 0 || hi2 != 0 {
 			return nil, simConfigErr("Capacity", cfg.Capacity,
@@ -364,6 +376,7 @@ func NewSimBackend(cfg SimConfig) (*SimBackend, error) {
 			free:     []simRange{{start: start, end: start + stride}},
 			live:     make(map[uint64]uint64),
 			reserved: make(map[uint64]uint64),
+			holes:    make(map[uint64]uint64),
 		}
 	}
 	return b, nil
@@ -632,7 +645,8 @@ func (b *SimBackend) freeLocked(device int, addr, size uint64) error {
 		delete(dev.reserved, addr)
 	}
 	delete(dev.live, addr)
-	dev.used -= size
+	dev.used -= size - dev.holes[addr]
+	delete(dev.holes, addr)
 	dev.release(addr, addr+span)
 	return nil
 }
@@ -707,6 +721,77 @@ func (b *SimBackend) Shrink(device int, addr, size, less uint64, stream Stream) 
 	dev.used -= less
 	b.stats.Shrinks++
 	return less, nil
+}
+
+// Unmap gives back the n bytes at offset off of the live segment
+// [addr, addr+size) (a PageMapper), keeping its address range: a hole the
+// segment may map again with Map. off and n must be multiples of the
+// granularity, the range inside the segment; the sim counts a segment's
+// unmapped bytes, not where they lie.
+func (b *SimBackend) Unmap(device int, addr, size, off, n uint64, stream Stream) error {
+	b.delay()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	dev, err := b.pageRangeLocked("unmap", device, addr, size, off, n)
+	if err != nil {
+		return err
+	}
+	if n > size-dev.holes[addr] {
+		return fmt.Errorf("sim: unmap %d bytes of %#x on device %d: only %d of its %d bytes are mapped",
+			n, addr, device, size-dev.holes[addr], size)
+	}
+	dev.holes[addr] += n
+	dev.used -= n
+	b.stats.Unmaps++
+	return nil
+}
+
+// Map maps the n bytes at offset off of the live segment [addr, addr+size)
+// again, after Unmap gave them back (a PageMapper). Running out of
+// capacity wraps ErrBackendOutOfMemory; the segment is then unchanged.
+func (b *SimBackend) Map(device int, addr, size, off, n uint64, stream Stream) error {
+	b.delay()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	dev, err := b.pageRangeLocked("map", device, addr, size, off, n)
+	if err != nil {
+		return err
+	}
+	if n > dev.holes[addr] {
+		return fmt.Errorf("sim: map %d bytes of %#x on device %d: only %d of its bytes are unmapped",
+			n, addr, device, dev.holes[addr])
+	}
+	if n > b.cfg.Capacity-dev.used {
+		b.stats.FailedAllocs++
+		return fmt.Errorf("sim: map %d bytes of %#x on device %d: %d of %d bytes in use: %w",
+			n, addr, device, dev.used, b.cfg.Capacity, ErrBackendOutOfMemory)
+	}
+	dev.holes[addr] -= n
+	dev.used += n
+	b.stats.Maps++
+	return nil
+}
+
+// pageRangeLocked checks the arguments of Unmap and Map: an expandable
+// backend, a live segment of size bytes at addr, and a positive range of
+// whole granules inside it.
+func (b *SimBackend) pageRangeLocked(op string, device int, addr, size, off, n uint64) (*simDevice, error) {
+	if err := b.checkDevice(op, device); err != nil {
+		return nil, err
+	}
+	if !b.cfg.Expandable {
+		return nil, fmt.Errorf("sim: %s in %#x on device %d: backend is not expandable: %w", op, addr, device, ErrUnsupported)
+	}
+	dev := &b.devices[device]
+	if got, ok := dev.live[addr]; !ok || got != size {
+		return nil, fmt.Errorf("sim: %s in %#x on device %d: not a live segment of %d bytes", op, addr, device, size)
+	}
+	g := b.cfg.Granularity
+	if n == 0 || off%g != 0 || n%g != 0 || off > size || n > size-off {
+		return nil, fmt.Errorf("sim: %s %d bytes at offset %d of %#x (%d bytes) on device %d: not a range of whole granules of %d inside it",
+			op, n, off, addr, size, device, g)
+	}
+	return dev, nil
 }
 
 // release returns [start, end) to the device's free list, coalescing it with

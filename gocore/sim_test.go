@@ -735,29 +735,33 @@ func TestSimLatencyNotUnderLock(t *testing.T) {
 	assert.Equal(t, 8, b.Stats().LiveSegments)
 }
 
-// An expandable sim segment reserves the device's capacity (rounded up to
-// the granularity), so it can grow to anything the device can back, and a
-// device's range holds SimExpandableSegments of them.
+// An expandable sim segment reserves what torch reserves for one, 1 1/8
+// times the device's capacity in whole 20 MiB pages, so it can grow to
+// anything the device can back, with room for holes; a device's range
+// holds SimExpandableSegments of them.
 func TestSimExpandableReservations(t *testing.T) {
 	b := newSim(t, SimConfig{Expandable: true, Capacity: 3*MiB + 512})
-	assert.EqualValues(t, 4*MiB, b.reserve, "capacity rounded up to the 2 MiB granularity")
+	assert.EqualValues(t, 20*MiB, b.reserve, "3.375 MiB rounded up to a 20 MiB page")
 	x, err := b.Alloc(0, 512, 0)
 	require.NoError(t, err)
 	y, err := b.Alloc(0, 512, 0)
 	require.NoError(t, err)
-	assert.Equal(t, x+4*MiB, y)
+	assert.Equal(t, x+20*MiB, y)
 
-	const capacity = 256 << 30 // 4096 reservations of it fill a whole number of TiB
+	// 10 GiB: a reservation of 11,520 MiB (576 pages), and 4096 of them
+	// fill a whole number of TiB.
+	const capacity, reservation = 10 << 30, 11520 * MiB
 	b = newSim(t, SimConfig{Expandable: true, Capacity: capacity})
+	assert.EqualValues(t, reservation, b.reserve)
 	lo, hi := simDeviceRange(b, 0)
-	assert.EqualValues(t, SimExpandableSegments*capacity, hi-lo)
+	assert.EqualValues(t, SimExpandableSegments*reservation, hi-lo)
 	want := map[SimSegment]bool{}
 	var prev uint64
 	for i := range SimExpandableSegments {
 		addr, err := b.Alloc(0, 512, 0)
 		require.NoError(t, err, "segment %d", i+1)
 		if i > 0 {
-			require.Equal(t, prev+capacity, addr)
+			require.Equal(t, prev+reservation, addr)
 		}
 		prev = addr
 		want[SimSegment{Addr: addr, Size: 512}] = true

@@ -43,12 +43,15 @@ func (p *Pool) Snapshot() []SnapshotSegment {
 			continue
 		}
 		for _, s := range d.segments {
-			seg := SnapshotSegment{Device: d.id, Address: s.addr, TotalSize: s.size, Stream: uint64(s.stream),
+			seg := SnapshotSegment{Device: d.id, Address: s.addr, TotalSize: s.mapped(), Stream: uint64(s.stream),
 				SegmentType: "large", IsExpandable: s.expandable}
 			if s.kind == kindSmall {
 				seg.SegmentType = "small"
 			}
 			for b := s.first; b != nil; b = b.next {
+				if b.unmapped {
+					continue // a hole: no memory (torch lists mapped ranges only)
+				}
 				sb := SnapshotBlock{Address: b.addr, Size: b.size, RequestedSize: b.requested, State: StateInactive}
 				switch {
 				case b.allocated:

@@ -104,9 +104,9 @@ def test_async_and_vmm_pools_on_the_fake(fake_cuda) -> None:
         pool.free(a)
         assert pool.alloc(3000, device=1, stream=5) == a
     with gmp.MemPool("vmm", libcuda=path, expandable=True, access_devices=[1]) as pool:
-        a = pool.alloc(3 * MiB)
-        b = pool.alloc(3 * MiB)
-        assert b == a + 3 * MiB
+        a = pool.alloc(30 * MiB)  # two of torch's 20 MiB pages
+        b = pool.alloc(30 * MiB)  # the 10 MiB free tail and one more page
+        assert b == a + 30 * MiB
         assert pool.stats()["num_expansions"] == 1
         assert fake.fake_cuda_access(a, 1) == 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE for the peer
     with pytest.raises(ValueError, match="location"):

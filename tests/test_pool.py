@@ -259,27 +259,39 @@ def test_module_functions() -> None:
 
 
 def test_expandable_sim_segments_grow_in_place() -> None:
+    # torch maps expandable segments of its large pool in 20 MiB pages, and
+    # counts them in reserved bytes but not in its segment count
     with gmp.MemPool("sim", expandable=True, capacity=256 * MiB) as pool:
-        a = pool.alloc(3 * MiB)
-        b = pool.alloc(3 * MiB)
-        assert b == a + 3 * MiB
+        a = pool.alloc(30 * MiB)  # two pages
+        b = pool.alloc(30 * MiB)  # the 10 MiB free tail and one more page
+        assert b == a + 30 * MiB
         s = pool.stats()
-        assert s["segment.all.current"] == 1 and s["num_expansions"] == 1
-        assert s["reserved_bytes.all.current"] == 6 * MiB
+        assert s["segment.all.current"] == 0 and s["num_expansions"] == 1
+        assert s["reserved_bytes.all.current"] == 60 * MiB
         assert pool.sim_stats()["expansions"] == 1
         pool.free(a)
         pool.free(b)
-        c = pool.alloc(6 * MiB)
+        c = pool.alloc(60 * MiB)
         assert c == a  # served from the two freed pieces
         # the free end of an expandable segment goes back with the cache, as
         # torch unmaps the free pages of its expandable segments
-        d = pool.alloc(2 * MiB)
+        d = pool.alloc(20 * MiB)
         pool.free(d)
-        assert pool.stats()["reserved_bytes.all.current"] == 8 * MiB
-        assert pool.empty_cache() == 2 * MiB
-        assert pool.stats()["reserved_bytes.all.current"] == 6 * MiB
+        assert pool.stats()["reserved_bytes.all.current"] == 80 * MiB
+        assert pool.empty_cache() == 20 * MiB
+        assert pool.stats()["reserved_bytes.all.current"] == 60 * MiB
         assert pool.sim_stats()["shrinks"] == 1
-        assert pool.alloc(2 * MiB) == d  # grows in place again
+        assert pool.alloc(20 * MiB) == d  # grows in place again
+
+
+def test_expandable_sim_small_pool_grows_in_2mib_pages() -> None:
+    # torch's small pool is expandable too: one segment a stream, 2 MiB pages
+    with gmp.MemPool("sim", expandable=True, capacity=256 * MiB) as pool:
+        addrs = [pool.alloc(MiB) for _ in range(3)]
+        assert addrs == [addrs[0] + i * MiB for i in range(3)]
+        s = pool.stats()
+        assert s["reserved_bytes.small_pool.current"] == 4 * MiB
+        assert s["segment.all.current"] == 0
 
 
 def test_torch_methods_need_torch_and_say_so() -> None:

@@ -88,12 +88,12 @@ def test_what_torch_can_express(settings: dict, ok: bool) -> None:
 
 def test_limit_marks_the_settings_that_do_not_fit() -> None:
     # cnn-train: 542 MiB at once at most; the default reserves 628 MiB
-    # unconstrained and expandable segments 552 MiB.
-    r = gmp.tune(CNN, limit=555 * MiB, jobs=1, extra=False)
-    assert r.limit == 555 * MiB and r.best.fits and r.best.peak_reserved <= 555 * MiB
-    assert r.best.mempool_kwargs["limit"] == 555 * MiB
+    # unconstrained and expandable segments 568 MiB.
+    r = gmp.tune(CNN, limit=570 * MiB, jobs=1, extra=False)
+    assert r.limit == 570 * MiB and r.best.fits and r.best.peak_reserved <= 570 * MiB
+    assert r.best.mempool_kwargs["limit"] == 570 * MiB
     misfits = [c for c in r.candidates if not c.fits]
-    assert misfits, "some settings cannot serve the run in 555 MiB"
+    assert misfits, "some settings cannot serve the run in 570 MiB"
     first_misfit = r.candidates.index(misfits[0])
     assert all(c.fits for c in r.candidates[:first_misfit]) and not any(c.fits for c in r.candidates[first_misfit:])
     assert any("garbage_collection_threshold" in c.settings for c in r.candidates), "tried with a limit"
@@ -152,7 +152,7 @@ def test_cli_text_and_json(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     assert d["best"]["alloc_conf"] == "expandable_segments:True"
-    assert d["default"]["peak_reserved"] == 628 * MiB and d["best"]["peak_reserved"] == 552 * MiB
+    assert d["default"]["peak_reserved"] == 628 * MiB and d["best"]["peak_reserved"] == 568 * MiB
     assert d["lower_bound"] < d["best"]["peak_reserved"] and 0 < d["saving"] < 1
     assert len(d["candidates"]) == 3 and d["best_extra"] is None
     assert all(c["torch"] for c in d["candidates"])

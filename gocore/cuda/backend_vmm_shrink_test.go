@@ -37,73 +37,74 @@ func TestVMMBackendShrinkThroughPool(t *testing.T) {
 	p := newPool(t, be)
 	const stream = 0x31
 
-	a, err := p.Alloc(4*mib, 0, stream)
+	// The engine maps torch's 20 MiB pages, each growth one chunk.
+	a, err := p.Alloc(40*mib, 0, stream)
 	require.NoError(t, err)
 	fakecuda.Write(a, []byte("head"))
-	b, err := p.Alloc(4*mib, 0, stream)
+	b, err := p.Alloc(40*mib, 0, stream)
 	require.NoError(t, err)
-	c, err := p.Alloc(6*mib, 0, stream)
+	c, err := p.Alloc(60*mib, 0, stream)
 	require.NoError(t, err)
-	require.Equal(t, []uint64{a + 4*mib, a + 8*mib}, []uint64{b, c}, "one segment, grown twice")
-	require.EqualValues(t, 14*mib, f.LiveBytes(0))
+	require.Equal(t, []uint64{a + 40*mib, a + 80*mib}, []uint64{b, c}, "one segment, grown twice")
+	require.EqualValues(t, 140*mib, f.LiveBytes(0))
 	require.Equal(t, 7, f.VMMObjects(), "3 handles, 3 mappings, 1 reservation")
 
 	require.NoError(t, p.Free(c))
 	released, err := p.EmptyCache()
 	require.NoError(t, err)
-	assert.EqualValues(t, 6*mib, released, "the last chunk")
-	assert.EqualValues(t, 8*mib, f.LiveBytes(0), "its physical memory went")
+	assert.EqualValues(t, 60*mib, released, "the last chunk")
+	assert.EqualValues(t, 80*mib, f.LiveBytes(0), "its physical memory went")
 	assert.Equal(t, 5, f.VMMObjects(), "its handle and mapping went, the reservation stayed")
 	assert.Equal(t, 1, f.Calls("cuMemUnmap"))
 	assert.Equal(t, 1, f.Calls("cuMemRelease"))
 	assert.Zero(t, f.Calls("cuMemAddressFree"))
 	assert.EqualValues(t, stream, f.LastStream("cuStreamSynchronize"), "waited for the segment's stream before unmapping")
-	assert.Equal(t, -1, f.Access(a+8*mib, 0), "no longer mapped")
+	assert.Equal(t, -1, f.Access(a+80*mib, 0), "no longer mapped")
 	st := poolStats(t, p, 0)
-	assert.EqualValues(t, 8*mib, st.ReservedBytes[0].Current)
-	assert.EqualValues(t, 1, st.Segment[0].Current)
+	assert.EqualValues(t, 80*mib, st.ReservedBytes[0].Current)
+	assert.Zero(t, st.Segment[0].Current, "torch does not count expandable segments")
 	assert.Equal(t, []byte("head"), fakecuda.Read(a, 4))
 	base, err := be.SegmentBase(0, b)
 	require.NoError(t, err)
 	assert.Equal(t, a, base)
-	_, err = be.SegmentBase(0, a+8*mib)
+	_, err = be.SegmentBase(0, a+80*mib)
 	require.ErrorIs(t, err, gocore.ErrInvalidArgument, "beyond the shrunk segment")
 
 	require.NoError(t, p.Free(b))
 	released, err = p.EmptyCache()
 	require.NoError(t, err)
-	assert.EqualValues(t, 4*mib, released)
-	assert.EqualValues(t, 4*mib, f.LiveBytes(0))
+	assert.EqualValues(t, 40*mib, released)
+	assert.EqualValues(t, 40*mib, f.LiveBytes(0))
 	assert.Equal(t, 3, f.VMMObjects(), "down to the first chunk")
 
 	// Growing again maps right after it, in the same reservation.
-	d, err := p.Alloc(6*mib, 0, stream)
+	d, err := p.Alloc(60*mib, 0, stream)
 	require.NoError(t, err)
-	assert.Equal(t, a+4*mib, d)
+	assert.Equal(t, a+40*mib, d)
 	assert.Equal(t, 1, f.Calls("cuMemAddressReserve"), "the reservation was kept")
-	assert.EqualValues(t, 10*mib, f.LiveBytes(0))
-	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a+4*mib, 1), "the peer got the regrown chunk too")
-	fakecuda.Write(d+6*mib-4, []byte("tail"))
-	assert.Equal(t, []byte("tail"), fakecuda.Read(d+6*mib-4, 4))
+	assert.EqualValues(t, 100*mib, f.LiveBytes(0))
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a+40*mib, 1), "the peer got the regrown chunk too")
+	fakecuda.Write(d+60*mib-4, []byte("tail"))
+	assert.Equal(t, []byte("tail"), fakecuda.Read(d+60*mib-4, 4))
 
 	// A free tail that ends inside a chunk: only whole chunks go, so
-	// nothing here (the block at a+4 MiB holds the regrown chunk).
+	// nothing here (the block at a+40 MiB holds the regrown chunk).
 	require.NoError(t, p.Free(d))
-	e, err := p.Alloc(2*mib, 0, stream)
+	e, err := p.Alloc(20*mib, 0, stream)
 	require.NoError(t, err)
-	require.Equal(t, a+4*mib, e)
+	require.Equal(t, a+40*mib, e)
 	unmaps := f.Calls("cuMemUnmap")
 	released, err = p.EmptyCache()
 	require.NoError(t, err)
 	assert.Zero(t, released)
 	assert.Equal(t, unmaps, f.Calls("cuMemUnmap"))
-	assert.EqualValues(t, 10*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
+	assert.EqualValues(t, 100*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
 
 	require.NoError(t, p.Free(e))
 	require.NoError(t, p.Free(a))
 	released, err = p.EmptyCache()
 	require.NoError(t, err)
-	assert.EqualValues(t, 10*mib, released, "wholly free: the segment goes")
+	assert.EqualValues(t, 100*mib, released, "wholly free: the segment goes")
 	assert.Zero(t, f.VMMObjects())
 	closePool(t, p)
 	require.NoError(t, be.Close())
@@ -111,16 +112,16 @@ func TestVMMBackendShrinkThroughPool(t *testing.T) {
 
 // Out of memory, the engine gives back free tails before it retries.
 func TestVMMBackendShrinkOnOutOfMemory(t *testing.T) {
-	f, drv := setup(t, "FAKE_CUDA_CAPACITY", "16777216") // 16 MiB
+	f, drv := setup(t, "FAKE_CUDA_CAPACITY", "167772160") // 160 MiB
 	be := newVMM(t, drv, VMMOptions{Expandable: true})
 	p := newPool(t, be)
 	a, _ := withFreeTail(t, p, 1)
-	c, err := p.Alloc(10*mib, 0, 2) // another stream: a new segment
+	c, err := p.Alloc(100*mib, 0, 2) // another stream: a new segment
 	require.NoError(t, err)
 	st := poolStats(t, p, 0)
 	assert.EqualValues(t, 1, st.NumAllocRetries)
-	assert.EqualValues(t, 14*mib, st.ReservedBytes[0].Current)
-	assert.EqualValues(t, 14*mib, f.LiveBytes(0))
+	assert.EqualValues(t, 140*mib, st.ReservedBytes[0].Current)
+	assert.EqualValues(t, 140*mib, f.LiveBytes(0))
 	freeAndClose(t, f, be, p, a, c)
 }
 
@@ -130,9 +131,9 @@ func TestVMMBackendShrinkOnReleaseThreshold(t *testing.T) {
 	be := newVMM(t, drv, VMMOptions{Expandable: true})
 	p := newPool(t, be)
 	a, _ := withFreeTail(t, p, 0)
-	require.NoError(t, p.SetReleaseThreshold(2*mib))
-	assert.EqualValues(t, 4*mib, f.LiveBytes(0), "the tail went")
-	assert.EqualValues(t, 4*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
+	require.NoError(t, p.SetReleaseThreshold(20*mib))
+	assert.EqualValues(t, 40*mib, f.LiveBytes(0), "the tail went")
+	assert.EqualValues(t, 40*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
 	freeAndClose(t, f, be, p, a)
 }
 
@@ -306,15 +307,15 @@ func TestVMMBackendShrinkFailureThroughPool(t *testing.T) {
 	f.Fail("cuMemUnmap", 0, 0)
 	require.ErrorContains(t, err, "cuMemUnmap")
 	assert.Zero(t, released)
-	assert.EqualValues(t, 12*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
-	assert.EqualValues(t, 12*mib, f.LiveBytes(0))
+	assert.EqualValues(t, 120*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
+	assert.EqualValues(t, 120*mib, f.LiveBytes(0))
 	require.NoError(t, p.CheckInvariants())
 
 	released, err = p.EmptyCache()
 	require.NoError(t, err)
-	assert.EqualValues(t, 8*mib, released)
-	assert.EqualValues(t, 4*mib, f.LiveBytes(0))
-	c, err := p.Alloc(8*mib, 0, 0)
+	assert.EqualValues(t, 80*mib, released)
+	assert.EqualValues(t, 40*mib, f.LiveBytes(0))
+	c, err := p.Alloc(80*mib, 0, 0)
 	require.NoError(t, err)
 	assert.Equal(t, b, c, "grown again where it was")
 	freeAndClose(t, f, be, p, a, c)
@@ -342,13 +343,13 @@ func TestVMMBackendShrinkDuringCapture(t *testing.T) {
 			require.ErrorContains(t, err, "capturing a CUDA graph")
 			assert.Zero(t, released)
 			assert.Zero(t, f.Calls("cuMemUnmap"))
-			assert.EqualValues(t, 12*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
+			assert.EqualValues(t, 120*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
 			require.NoError(t, p.CheckInvariants())
 
 			f.SetStreamCapturing(c.capturing, false)
 			released, err = p.EmptyCache()
 			require.NoError(t, err)
-			assert.EqualValues(t, 8*mib, released)
+			assert.EqualValues(t, 80*mib, released)
 			freeAndClose(t, f, be, p, a)
 		})
 	}
@@ -417,7 +418,7 @@ func TestVMMBackendShrinkRacesExportsThroughPool(t *testing.T) {
 	f, drv := setup(t)
 	be := newVMM(t, drv, VMMOptions{Expandable: true, IPC: true})
 	p := newPool(t, be)
-	head, err := p.Alloc(2*mib, 0, 0)
+	head, err := p.Alloc(20*mib, 0, 0) // one 20 MiB page
 	require.NoError(t, err)
 	done := make(chan struct{})
 	var wg sync.WaitGroup
@@ -441,7 +442,7 @@ func TestVMMBackendShrinkRacesExportsThroughPool(t *testing.T) {
 		}
 	}()
 	for i := 0; i < 200; i++ {
-		b, err := p.Alloc(uint64(2+i%5)*mib, 0, 0)
+		b, err := p.Alloc(uint64(2+i%5)*10*mib, 0, 0)
 		require.NoError(t, err)
 		require.NoError(t, p.Free(b))
 		if _, err := p.EmptyCache(); err != nil && !errors.Is(err, gocore.ErrInvalidArgument) {
@@ -452,8 +453,8 @@ func TestVMMBackendShrinkRacesExportsThroughPool(t *testing.T) {
 	wg.Wait()
 	_, err = p.EmptyCache()
 	require.NoError(t, err)
-	assert.EqualValues(t, 2*mib, f.LiveBytes(0), "only the head's chunk is left")
-	assert.EqualValues(t, 2*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
+	assert.EqualValues(t, 20*mib, f.LiveBytes(0), "only the head's chunk is left")
+	assert.EqualValues(t, 20*mib, poolStats(t, p, 0).ReservedBytes[0].Current)
 	freeAndClose(t, f, be, p, head)
 }
 
@@ -491,9 +492,9 @@ type shrinkRacer struct {
 func (r *shrinkRacer) Shrink(dev int, addr, size, less uint64, stream gocore.Stream) (uint64, error) {
 	if !r.raced {
 		r.raced = true
-		a, err := r.VMMBackend.Alloc(1, 4*mib, 0) // first use of device 1: 4 MiB granularity
+		a, err := r.VMMBackend.Alloc(1, 8*mib, 0) // first use of device 1: its coarser granularity
 		require.NoError(r.t, err)
-		require.NoError(r.t, r.VMMBackend.Free(1, a, 4*mib, 0))
+		require.NoError(r.t, r.VMMBackend.Free(1, a, 8*mib, 0))
 	}
 	return r.VMMBackend.Shrink(dev, addr, size, less, stream)
 }
@@ -509,19 +510,19 @@ func TestVMMBackendShrinkAfterAnotherDeviceRaisedGranularity(t *testing.T) {
 	r := &shrinkRacer{VMMBackend: be, t: t}
 	p, err := gocore.NewPool(gocore.Config{Backend: r, Name: t.Name()})
 	require.NoError(t, err)
-	head, err := p.Alloc(4*mib, 0, 0x31) // device 0 learns 2 MiB
+	head, err := p.Alloc(20*mib, 0, 0x31) // device 0 learns 2 MiB; one 20 MiB page
 	require.NoError(t, err)
-	tail, err := p.Alloc(2*mib, 0, 0x31) // grows the segment by one 2 MiB chunk
+	tail, err := p.Alloc(20*mib, 0, 0x31) // grows the segment by one 20 MiB chunk
 	require.NoError(t, err)
 	require.NoError(t, p.Free(tail))
-	f.SetGranularity(2*mib, 4*mib) // device 1 will report 4 MiB
+	f.SetGranularity(2*mib, 8*mib) // device 1 will report 8 MiB
 
 	released, err := p.EmptyCache()
-	assert.NoError(t, err, "a 2 MiB tail asked for in the caller's 2 MiB granules")
-	assert.EqualValues(t, 2*mib, released)
+	assert.NoError(t, err, "a 20 MiB tail asked for in the caller's 2 MiB granules")
+	assert.EqualValues(t, 20*mib, released, "not a whole number of 8 MiB granules")
 	require.True(t, r.raced)
-	assert.EqualValues(t, 4*mib, be.Granularity())
-	assert.EqualValues(t, 4*mib, f.LiveBytes(0))
+	assert.EqualValues(t, 8*mib, be.Granularity())
+	assert.EqualValues(t, 20*mib, f.LiveBytes(0))
 	require.NoError(t, p.CheckInvariants())
 	freeAndClose(t, f, be, p, head)
 }
@@ -568,14 +569,15 @@ func freeAndClose(t *testing.T, f *fakecuda.Fake, be *VMMBackend, p *gocore.Pool
 	assert.Zero(t, f.VMMObjects())
 }
 
-// withFreeTail allocates a 4 MiB block on stream, grows its expandable
-// segment by an 8 MiB block and frees that one: a segment whose free tail
-// can go back. It returns the 4 MiB block and where the tail starts.
+// withFreeTail allocates a 40 MiB block on stream (two of torch's 20 MiB
+// pages), grows its expandable segment by an 80 MiB block and frees that
+// one: a segment whose free tail can go back. It returns the 40 MiB block
+// and where the tail starts.
 func withFreeTail(t *testing.T, p *gocore.Pool, stream gocore.Stream) (head, tail uint64) {
 	t.Helper()
-	head, err := p.Alloc(4*mib, 0, stream)
+	head, err := p.Alloc(40*mib, 0, stream)
 	require.NoError(t, err)
-	tail, err = p.Alloc(8*mib, 0, stream)
+	tail, err = p.Alloc(80*mib, 0, stream)
 	require.NoError(t, err)
 	require.NoError(t, p.Free(tail))
 	return head, tail

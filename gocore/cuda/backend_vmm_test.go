@@ -203,30 +203,30 @@ func TestVMMBackendExpandable(t *testing.T) {
 	p := newPool(t, be)
 	const stream = 0x21
 
-	a, err := p.Alloc(3*mib, 0, stream)
+	a, err := p.Alloc(30*mib, 0, stream) // two 20 MiB pages
 	require.NoError(t, err)
 	head := bytes.Repeat([]byte("before growth "), 100)
 	fakecuda.Write(a, head)
-	fakecuda.Write(a+3*mib-4, []byte("edge"))
+	fakecuda.Write(a+30*mib-4, []byte("edge"))
 
-	b, err := p.Alloc(3*mib, 0, stream)
+	b, err := p.Alloc(30*mib, 0, stream)
 	require.NoError(t, err)
-	assert.Equal(t, a+3*mib, b, "the second block follows the first in the grown segment")
+	assert.Equal(t, a+30*mib, b, "the second block follows the first in the grown segment")
 	st := poolStats(t, p, 0)
 	assert.EqualValues(t, 1, st.NumExpansions)
-	assert.EqualValues(t, 1, st.Segment[0].Current)
-	assert.EqualValues(t, 6*mib, st.ReservedBytes[0].Current)
+	assert.Zero(t, st.Segment[0].Current, "torch does not count expandable segments")
+	assert.EqualValues(t, 60*mib, st.ReservedBytes[0].Current)
 	assert.Equal(t, 2, f.Calls("cuMemCreate"), "the first chunk and the growth")
 	assert.Equal(t, 1, f.Calls("cuMemAddressReserve"), "one reservation")
-	assert.EqualValues(t, 6*mib, f.LiveBytes(0))
+	assert.EqualValues(t, 60*mib, f.LiveBytes(0))
 	assert.Equal(t, head, fakecuda.Read(a, len(head)), "what was written before the growth is still there")
-	assert.Equal(t, []byte("edge"), fakecuda.Read(a+3*mib-4, 4))
-	// b spans the boundary between the two chunks at a+4 MiB.
+	assert.Equal(t, []byte("edge"), fakecuda.Read(a+30*mib-4, 4))
+	// b spans the boundary between the two chunks at a+40 MiB.
 	across := []byte("across the chunk boundary")
-	fakecuda.Write(a+4*mib-10, across)
-	assert.Equal(t, across, fakecuda.Read(a+4*mib-10, len(across)))
-	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a+4*mib, 0), "the new chunk got the owner's access")
-	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a+4*mib, 1), "and the peers'")
+	fakecuda.Write(a+40*mib-10, across)
+	assert.Equal(t, across, fakecuda.Read(a+40*mib-10, len(across)))
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a+40*mib, 0), "the new chunk got the owner's access")
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a+40*mib, 1), "and the peers'")
 
 	require.NoError(t, p.Free(a))
 	require.NoError(t, p.Free(b))
@@ -243,24 +243,24 @@ func TestVMMBackendExpandable(t *testing.T) {
 
 func TestVMMBackendExpandBeyondReservation(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true, ReserveBytes: 4 * mib})
+	be := newVMM(t, drv, VMMOptions{Expandable: true, ReserveBytes: 40 * mib})
 	p := newPool(t, be)
-	a, err := p.Alloc(3*mib, 0, 0)
+	a, err := p.Alloc(30*mib, 0, 0) // two 20 MiB pages of the 40 MiB reservation
 	require.NoError(t, err)
-	b, err := p.Alloc(3*mib, 0, 0)
+	b, err := p.Alloc(30*mib, 0, 0)
 	require.NoError(t, err, "a new segment when the growing one is full")
-	assert.NotEqual(t, a+3*mib, b)
+	assert.NotEqual(t, a+30*mib, b)
 	st := poolStats(t, p, 0)
 	assert.Zero(t, st.NumExpansions)
-	assert.EqualValues(t, 2, st.Segment[0].Current)
+	assert.EqualValues(t, 80*mib, st.ReservedBytes[0].Current)
 	assert.Equal(t, 6, f.VMMObjects(), "two segments of one chunk each; nothing left over from the refused growth")
 	assert.Equal(t, 2, f.Calls("cuMemCreate"))
 
 	// Directly: beyond the reservation is an out-of-memory condition and
 	// changes nothing.
-	err = be.Expand(0, a, 4*mib, 2*mib, 0)
+	err = be.Expand(0, a, 40*mib, 2*mib, 0)
 	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory)
-	assert.Contains(t, err.Error(), "beyond the 4194304 bytes reserved")
+	assert.Contains(t, err.Error(), "beyond the 41943040 bytes reserved")
 	require.NoError(t, p.Free(a))
 	require.NoError(t, p.Free(b))
 	closePool(t, p)
@@ -316,7 +316,7 @@ func TestVMMBackendExpandFailures(t *testing.T) {
 	f, drv := setup(t)
 	be := newVMM(t, drv, VMMOptions{Expandable: true, AccessDevices: []int{1}})
 	p := newPool(t, be)
-	a, err := p.Alloc(3*mib, 0, 0)
+	a, err := p.Alloc(30*mib, 0, 0) // two 20 MiB pages: a 10 MiB free tail
 	require.NoError(t, err)
 	fakecuda.Write(a, []byte("kept"))
 	require.Equal(t, 3, f.VMMObjects())
@@ -324,7 +324,7 @@ func TestVMMBackendExpandFailures(t *testing.T) {
 	// Out of device memory: the growth and the new segment both fail, the
 	// engine reports an OutOfMemoryError, the segment is as it was.
 	f.Fail("cuMemCreate", driver.CodeOutOfMemory, 0)
-	_, err = p.Alloc(3*mib, 0, 0)
+	_, err = p.Alloc(30*mib, 0, 0)
 	var oom *gocore.OutOfMemoryError
 	require.ErrorAs(t, err, &oom)
 	assert.Equal(t, "vmm", oom.Backend)
@@ -336,7 +336,7 @@ func TestVMMBackendExpandFailures(t *testing.T) {
 	for _, fn := range []string{"cuMemMap", "cuMemSetAccess"} {
 		releases := f.Calls("cuMemRelease")
 		f.Fail(fn, driver.CodeInvalidValue, 0)
-		_, err = p.Alloc(3*mib, 0, 0)
+		_, err = p.Alloc(30*mib, 0, 0)
 		require.Error(t, err, fn)
 		assert.Contains(t, err.Error(), fn)
 		assert.Equal(t, releases+1, f.Calls("cuMemRelease"), "%s: the new chunk was released", fn)
@@ -346,16 +346,16 @@ func TestVMMBackendExpandFailures(t *testing.T) {
 	assert.Equal(t, []byte("kept"), fakecuda.Read(a, 4))
 	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a, 1))
 
-	b, err := p.Alloc(3*mib, 0, 0)
+	b, err := p.Alloc(30*mib, 0, 0)
 	require.NoError(t, err)
-	assert.Equal(t, a+3*mib, b, "grows once the driver cooperates")
+	assert.Equal(t, a+30*mib, b, "grows once the driver cooperates")
 	assert.EqualValues(t, 1, poolStats(t, p, 0).NumExpansions)
 
 	// The Expander contract, directly.
-	require.ErrorIs(t, be.Expand(0, a, 4*mib, 2*mib, 0), gocore.ErrInvalidArgument, "not the segment's size (6 MiB)")
-	require.ErrorIs(t, be.Expand(0, a+mib, 6*mib, 2*mib, 0), gocore.ErrInvalidArgument, "not a segment's base")
-	require.ErrorIs(t, be.Expand(1, a, 6*mib, 2*mib, 0), gocore.ErrInvalidArgument, "another device's")
-	require.ErrorIs(t, be.Free(0, a, 4*mib, 0), gocore.ErrInvalidArgument, "a grown segment is freed with its grown size")
+	require.ErrorIs(t, be.Expand(0, a, 40*mib, 2*mib, 0), gocore.ErrInvalidArgument, "not the segment's size (60 MiB)")
+	require.ErrorIs(t, be.Expand(0, a+mib, 60*mib, 2*mib, 0), gocore.ErrInvalidArgument, "not a segment's base")
+	require.ErrorIs(t, be.Expand(1, a, 60*mib, 2*mib, 0), gocore.ErrInvalidArgument, "another device's")
+	require.ErrorIs(t, be.Free(0, a, 40*mib, 0), gocore.ErrInvalidArgument, "a grown segment is freed with its grown size")
 
 	require.NoError(t, p.Free(a))
 	require.NoError(t, p.Free(b))

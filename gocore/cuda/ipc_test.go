@@ -40,21 +40,21 @@ func TestVMMExportImportSegment(t *testing.T) {
 	f, drv := setup(t)
 	be := newVMM(t, drv, VMMOptions{Expandable: true, IPC: true})
 	p := newPool(t, be)
-	a, err := p.Alloc(3*mib, 0, 0)
+	a, err := p.Alloc(30*mib, 0, 0) // two 20 MiB pages
 	require.NoError(t, err)
-	b, err := p.Alloc(3*mib, 0, 0)
+	b, err := p.Alloc(30*mib, 0, 0) // and one more
 	require.NoError(t, err)
-	require.Equal(t, a+3*mib, b, "one grown segment")
+	require.Equal(t, a+30*mib, b, "one grown segment")
 	_, _, handles := f.LastMemCreate()
 	assert.Equal(t, driver.MemHandleTypePosixFD, handles, "exportable memory was asked for")
 	fakecuda.Write(a, []byte("written by the exporter"))
-	fakecuda.Write(a+4*mib-6, []byte("across chunks"))
+	fakecuda.Write(a+40*mib-6, []byte("across chunks"))
 
 	chunks, err := be.ExportSegment(0, b+mib) // any address inside the segment
 	require.NoError(t, err)
 	require.Len(t, chunks, 2, "one per physical chunk")
-	assert.Equal(t, Chunk{FD: chunks[0].FD, Size: 4 * mib, Offset: 0}, chunks[0])
-	assert.Equal(t, Chunk{FD: chunks[1].FD, Size: 2 * mib, Offset: 4 * mib}, chunks[1])
+	assert.Equal(t, Chunk{FD: chunks[0].FD, Size: 40 * mib, Offset: 0}, chunks[0])
+	assert.Equal(t, Chunk{FD: chunks[1].FD, Size: 20 * mib, Offset: 40 * mib}, chunks[1])
 	for _, c := range chunks {
 		requireFD(t, c.FD)
 	}
@@ -67,14 +67,14 @@ func TestVMMExportImportSegment(t *testing.T) {
 	r, err := ImportVMM(drv, 1, []Chunk{chunks[1], chunks[0]}, []int{0})
 	require.NoError(t, err)
 	closeChunks(t, chunks)
-	assert.EqualValues(t, 6*mib, r.Size())
+	assert.EqualValues(t, 60*mib, r.Size())
 	assert.NotEqual(t, a, r.Addr(), "a mapping of its own")
 	assert.Equal(t, exporterObjects+5, f.VMMObjects(), "two imported handles, a reservation, two mappings")
 	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(r.Addr(), 1))
-	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(r.Addr()+4*mib, 0), "peers on every chunk")
+	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(r.Addr()+40*mib, 0), "peers on every chunk")
 
 	assert.Equal(t, []byte("written by the exporter"), fakecuda.Read(r.Addr()+(a-base), 23))
-	assert.Equal(t, []byte("across chunks"), fakecuda.Read(r.Addr()+4*mib-6, 13))
+	assert.Equal(t, []byte("across chunks"), fakecuda.Read(r.Addr()+40*mib-6, 13))
 	fakecuda.Write(r.Addr()+(b-base)+mib, []byte("written by the importer"))
 	assert.Equal(t, []byte("written by the importer"), fakecuda.Read(b+mib, 23))
 

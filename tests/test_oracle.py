@@ -61,10 +61,11 @@ def _older_than(python: str, major: int, minor: int) -> bool:
     return (int(v[0]), int(v[1])) < (major, minor)
 
 
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True"])
 @pytest.mark.parametrize("name", ["cnn-train", "gpt2-train", "demo-synthetic"])
-def test_defaults_match_torch_on_shipped_traces(torch_python: str, cache: str, name: str) -> None:
+def test_shipped_traces_match_torch(torch_python: str, cache: str, name: str, conf: str) -> None:
     trace = load_trace(TRACES / f"{name}.trace.gz")
-    c = fidelity.compare(trace, "", python=torch_python, cache=cache)
+    c = fidelity.compare(trace, conf, python=torch_python, cache=cache)
     assert c.total == len(trace)
     assert c.exact, c.describe()
     assert c.torch_peak_reserved == c.engine_peak_reserved > 500 * MiB
@@ -79,6 +80,8 @@ PROVEN = [
     ("max_split_size_mb:256,max_non_split_rounding_mb:64", None),
     ("", 0.5),
     ("garbage_collection_threshold:0.6", 0.5),
+    ("expandable_segments:True", None),
+    ("expandable_segments:True,roundup_power2_divisions:8", None),
 ]
 
 
@@ -136,16 +139,19 @@ def test_settings_reach_torch_under_the_variable_it_reads(torch_python: str, cac
     assert rounded.env_var == ("PYTORCH_CUDA_ALLOC_CONF" if _older_than(torch_python, 2, 10) else "PYTORCH_ALLOC_CONF")
 
 
-def test_multi_device_snapshot_matches(torch_python: str, cache: str) -> None:
-    """An external snapshot recorded on three GPUs, one OOM: each event is
-    judged on its own device."""
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True"])
+def test_multi_device_snapshot_matches(torch_python: str, cache: str, conf: str) -> None:
+    """An external snapshot recorded on three GPUs with expandable segments,
+    one OOM: each event is judged on its own device, under the recorded
+    setting and the defaults."""
     path = EXTERNAL / "Constructor-Sun_memory_snapshot_52e52b2.pickle"
     if not path.is_file():
         pytest.skip("../shared/traces-external is not here")
     trace = from_torch_snapshot(path)
-    c = fidelity.compare(trace, "", python=torch_python, cache=cache)
+    theirs = run(trace, conf, python=torch_python, cache=cache)
+    assert {p.device for p in theirs.points} == {0, 1, 2}
+    c = fidelity.diff(theirs, fidelity.engine_points(trace, conf))
     assert c.exact, c.describe()
-    assert {p.device for p in run(trace, python=torch_python, cache=cache).points} == {0, 1, 2}
 
 
 def test_a_runtime_function_the_fake_lacks_is_named(torch_python: str, tmp_path: Path,

@@ -1,0 +1,107 @@
+package gocore
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// Memory pressure and version rules, each checked against torch's
+// CUDACachingAllocator (gpumempool/oracle): these are the places where the
+// engine once parted from torch on the adversarial traces.
+
+// EmptyCache first waits for the frees pending on other streams, as torch's
+// empty_cache runs synchronize_and_free_events before it releases cached
+// segments: a block freed after use on another stream whose work has not
+// completed goes back with its segment.
+func TestEmptyCacheWaitsForPendingFrees(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	a := mustAlloc(t, p, 30*MiB, 0, 0)
+	require.NoError(t, p.RecordStream(a, 7))
+	require.NoError(t, p.Free(a)) // waits for stream 7, which never completes
+	released, err := p.EmptyCache()
+	require.NoError(t, err)
+	assert.EqualValues(t, 30*MiB, released)
+	s := stats(t, p)
+	assert.Zero(t, s.ReservedBytes[0].Current)
+	assert.Zero(t, s.ActiveBytes[0].Current)
+	assert.EqualValues(t, 1, s.NumSyncAllStreams)
+	assert.EqualValues(t, 1, be.Stats().EventWaits)
+	waiting, err := p.ProcessEvents()
+	require.NoError(t, err)
+	assert.Zero(t, waiting)
+
+	// Trim is not torch's empty_cache: it waits for nothing.
+	b := mustAlloc(t, p, 30*MiB, 0, 0)
+	require.NoError(t, p.RecordStream(b, 7))
+	require.NoError(t, p.Free(b))
+	released, err = p.Trim(-1, 0)
+	require.NoError(t, err)
+	assert.Zero(t, released)
+	assert.EqualValues(t, 1, stats(t, p).NumSyncAllStreams)
+}
+
+// With a max split size, an allocation the backend refuses first gives back
+// just enough cached oversize segments of its stream, as torch's
+// release_available_cached_blocks does, and asks again without counting a
+// retry: the smallest one at least as large as the request (and the max
+// split size) when there is one...
+func TestOOMReleasesOneOversizeSegmentFirst(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Capacity: 100 * MiB}, Config{MaxSplitSize: 30 * MiB})
+	require.NoError(t, p.Free(mustAlloc(t, p, 40*MiB, 0, 0)))
+	require.NoError(t, p.Free(mustAlloc(t, p, 44*MiB, 0, 0)))
+	s := stats(t, p)
+	require.EqualValues(t, 84*MiB, s.ReservedBytes[0].Current)
+	mustAlloc(t, p, 20*MiB, 0, 0) // below the max split size: it may not take them
+	s = stats(t, p)
+	assert.Zero(t, s.NumAllocRetries)
+	assert.Zero(t, s.NumOOMs)
+	assert.EqualValues(t, 64*MiB, s.ReservedBytes[0].Current, "the 40 MiB segment went, the 44 MiB one stayed")
+	assert.EqualValues(t, 2, s.Segment[0].Current)
+}
+
+// ... or else the largest ones, largest first, until they add up to it.
+func TestOOMReleasesLargestOversizeSegmentsFirst(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Capacity: 130 * MiB}, Config{MaxSplitSize: 30 * MiB})
+	for _, n := range []uint64{32, 40, 44} {
+		require.NoError(t, p.Free(mustAlloc(t, p, n*MiB, 0, 0)))
+	}
+	mustAlloc(t, p, 70*MiB, 0, 0) // 116 + 70 > 130: 44 and 40 go, 32 stays
+	s := stats(t, p)
+	assert.Zero(t, s.NumAllocRetries)
+	assert.EqualValues(t, 102*MiB, s.ReservedBytes[0].Current)
+
+	// When they cannot add up to it, they still go, and the retry
+	// (counted) releases the rest.
+	q, _ := newTestPool(t, SimConfig{Capacity: 100 * MiB}, Config{MaxSplitSize: 30 * MiB})
+	require.NoError(t, q.Free(mustAlloc(t, q, 40*MiB, 0, 0)))
+	require.NoError(t, q.Free(mustAlloc(t, q, 10*MiB, 0, 0))) // a 20 MiB segment, not oversize
+	mustAlloc(t, q, 90*MiB, 0, 0)
+	s = stats(t, q)
+	assert.EqualValues(t, 1, s.NumAllocRetries)
+	assert.EqualValues(t, 90*MiB, s.ReservedBytes[0].Current)
+}
+
+// Without a max split size nothing is released before the retry, which is
+// counted.
+func TestOOMWithoutMaxSplitSizeRetriesAtOnce(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Capacity: 100 * MiB}, Config{})
+	require.NoError(t, p.Free(mustAlloc(t, p, 40*MiB, 0, 0)))
+	require.NoError(t, p.Free(mustAlloc(t, p, 44*MiB, 0, 0)))
+	mustAlloc(t, p, 50*MiB, 0, 0)
+	s := stats(t, p)
+	assert.EqualValues(t, 1, s.NumAllocRetries)
+	assert.EqualValues(t, 50*MiB, s.ReservedBytes[0].Current)
+}
+
+// A small request that misses the cache collects garbage too, as torch's
+// malloc does for any miss: it may be what passes the threshold.
+func TestGarbageCollectionOnSmallMiss(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.5})
+	require.NoError(t, p.Free(mustAlloc(t, p, 60*MiB, 0, 0))) // cached: 60 MiB reserved, over 50
+	mustAlloc(t, p, 4096, 0, 0)                               // a new small segment
+	s := stats(t, p)
+	assert.EqualValues(t, 1, s.NumGCReleases)
+	assert.EqualValues(t, SmallBuffer, s.ReservedBytes[0].Current)
+}

@@ -223,8 +223,9 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 		}
 		return nil, oom
 	}
+	p.segments++
 	seg := &segment{device: d.id, addr: addr, size: segSize, stream: stream, kind: kind, expandable: expandable,
-		wholeFreeAt: -1}
+		wholeFreeAt: -1, seq: p.segments}
 	b := &block{seg: seg, addr: addr, size: segSize, heapIdx: -1}
 	seg.first, seg.last = b, b
 	if expandable {

@@ -105,3 +105,88 @@ func TestGarbageCollectionOnSmallMiss(t *testing.T) {
 	assert.EqualValues(t, 1, s.NumGCReleases)
 	assert.EqualValues(t, SmallBuffer, s.ReservedBytes[0].Current)
 }
+
+// tieBreak leaves two wholly free segments of one size on stream 0, the
+// older at the higher address, and returns their addresses: old (created
+// second) and young (created fourth, where the first one was).
+func tieBreak(t *testing.T, p *Pool, size uint64) (old, young uint64) {
+	t.Helper()
+	first := mustAlloc(t, p, size, 0, 0)
+	old = mustAlloc(t, p, size, 0, 0)
+	mustAlloc(t, p, size, 0, 0) // keeps the address space after old taken
+	require.NoError(t, p.Free(first))
+	_, err := p.EmptyCache() // the lowest address range is free again
+	require.NoError(t, err)
+	young = mustAlloc(t, p, size, 0, 0)
+	require.Equal(t, first, young, "the backend hands out the lowest free address")
+	require.NoError(t, p.Free(old))
+	require.NoError(t, p.Free(young))
+	return old, young
+}
+
+// Torch 2.5 to 2.14 break best-fit ties between equal-size free blocks by
+// address; 2.15 by the order their segments were created, oldest first
+// (BlockComparatorSizeCounterAddress): Config.TorchVersion selects which,
+// in the large and the small free lists.
+func TestTorchVersionBestFitTieBreak(t *testing.T) {
+	for _, c := range []struct {
+		version string
+		oldest  bool
+	}{{"", false}, {"2.5.1", false}, {"2.14", false}, {"2.15", true}, {"2.15.0+cu130", true}, {"3.0", true}} {
+		for _, size := range []uint64{40 * MiB, SmallBuffer / 2} {
+			p, _ := newTestPool(t, SimConfig{}, Config{TorchVersion: c.version})
+			if size <= SmallSize {
+				// Fill each small segment with two blocks, so that the
+				// segments are the tied free blocks.
+				old, young := tieBreakSmall(t, p)
+				want := young
+				if c.oldest {
+					want = old
+				}
+				assert.Equal(t, want, mustAlloc(t, p, size, 0, 0), "torch %q, small", c.version)
+				require.NoError(t, p.CheckInvariants())
+				continue
+			}
+			old, young := tieBreak(t, p, size)
+			want := young
+			if c.oldest {
+				want = old
+			}
+			assert.Equal(t, want, mustAlloc(t, p, size, 0, 0), "torch %q, large", c.version)
+			require.NoError(t, p.CheckInvariants())
+		}
+	}
+}
+
+// tieBreakSmall is tieBreak for small segments, each filled by two 1 MiB
+// blocks.
+func tieBreakSmall(t *testing.T, p *Pool) (old, young uint64) {
+	t.Helper()
+	pair := func() (uint64, uint64) { return mustAlloc(t, p, SmallSize, 0, 0), mustAlloc(t, p, SmallSize, 0, 0) }
+	f1, f2 := pair()
+	o1, o2 := pair()
+	pair() // keeps the address space after old taken
+	require.NoError(t, p.Free(f1))
+	require.NoError(t, p.Free(f2))
+	_, err := p.EmptyCache()
+	require.NoError(t, err)
+	y1, y2 := pair()
+	require.Equal(t, f1, y1, "the backend hands out the lowest free address")
+	for _, a := range []uint64{o1, o2, y1, y2} {
+		require.NoError(t, p.Free(a))
+	}
+	return o1, y1
+}
+
+func TestTorchVersionIsChecked(t *testing.T) {
+	be, err := NewSimBackend(SimConfig{})
+	require.NoError(t, err)
+	for _, bad := range []string{"2", "two.15", "2.x", "-2.15", "2.-1", ".15"} {
+		_, err := NewPool(Config{Backend: be, TorchVersion: bad})
+		assert.ErrorIs(t, err, ErrInvalidArgument, bad)
+	}
+	p, err := NewPool(Config{Backend: be, TorchVersion: "2.15.0a0+git1234"})
+	require.NoError(t, err)
+	assert.Equal(t, "2.15.0a0+git1234", p.Config().TorchVersion)
+	assert.True(t, p.rules.bestFitBySegment)
+}

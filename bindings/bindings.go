@@ -42,6 +42,7 @@ type poolOptions struct {
 	GCThreshold      float64  `json:"garbage_collection_threshold"`
 	MaxNonSplitRound uint64   `json:"max_non_split_rounding_size"`
 	ReleaseThreshold uint64   `json:"release_threshold"`
+	TorchVersion     string   `json:"torch_version"`
 	// Options are the backend's own, decoded by its registry entry
 	// (backends.go).
 	Options json.RawMessage `json:"options"`
@@ -82,7 +83,8 @@ func NewPool(optionsJSON string) (id int64, err error) {
 	p, err := gocore.NewPool(gocore.Config{Name: o.Name, Backend: be, Limit: o.Limit,
 		MaxSplitSize: o.MaxSplitSize, ReleaseThreshold: o.ReleaseThreshold,
 		RoundupPower2Divisions: o.RoundupDivisions, RoundupPower2DivisionsBySize: o.RoundupBySize,
-		GarbageCollectionThreshold: o.GCThreshold, MaxNonSplitRoundingSize: o.MaxNonSplitRound})
+		GarbageCollectionThreshold: o.GCThreshold, MaxNonSplitRoundingSize: o.MaxNonSplitRound,
+		TorchVersion: o.TorchVersion})
 	if err != nil {
 		return 0, err
 	}
@@ -274,6 +276,7 @@ func PoolConfig(id int64) (js string, err error) {
 		"roundup_power2_divisions": c.RoundupPower2Divisions, "roundup_power2_divisions_by_size": c.RoundupPower2DivisionsBySize,
 		"garbage_collection_threshold": c.GarbageCollectionThreshold,
 		"max_non_split_rounding_size":  c.MaxNonSplitRoundingSize,
+		"torch_version":                c.TorchVersion,
 		"devices":                      c.Backend.Devices(), "alignment": c.Backend.Alignment(), "slot": e.Slot()})
 }
 

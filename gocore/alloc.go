@@ -8,9 +8,12 @@ import (
 // Alloc returns the address of a block of at least size bytes on device dev,
 // for work ordered on stream. It reuses a cached block of that stream when one
 // fits (best fit by size, then address), else obtains a new segment from the
-// backend; if that fails for lack of memory it releases the pool's cached
-// segments and retries once before returning an *OutOfMemoryError (no
-// retry while the pool holds its segments: KeepSegments or a capture).
+// backend; if that fails for lack of memory it releases cached segments and
+// tries again, as torch does (with MaxSplitSize, first just enough cached
+// oversize segments of the stream; then, counted as a retry, everything
+// cached, after waiting for the frees pending on other streams), before
+// returning an *OutOfMemoryError (no release while the pool holds its
+// segments: KeepSegments or a capture).
 func (p *Pool) Alloc(size uint64, dev int, stream Stream) (uint64, error) {
 	return p.alloc(size, dev, stream, false)
 }
@@ -42,7 +45,10 @@ func (p *Pool) alloc(size uint64, dev int, stream Stream, callerSegments bool) (
 	f := d.freeList(stream)
 	b := p.takeCachedLocked(d, f, rounded, kind)
 	if b == nil {
-		if kind == kindLarge && p.cfg.GarbageCollectionThreshold > 0 {
+		// Any miss, small or large, collects (torch's malloc): only large
+		// segments go, but a small request may be what pushes reserved
+		// memory over the threshold.
+		if p.cfg.GarbageCollectionThreshold > 0 {
 			p.collectGarbageLocked(d)
 		}
 		if b, err = p.newSegmentBlock(d, size, rounded, kind, stream, callerSegments); err != nil {
@@ -169,11 +175,10 @@ func (p *Pool) shouldSplit(b *block, rounded uint64) bool {
 }
 
 // newSegmentBlock obtains a segment for a request that no cached block can
-// serve, with the release-and-retry OOM path, and returns it as one block;
-// or, when the retry finds that a block whose events completed meanwhile
-// fits, that block, taken out of the free lists as a cache hit. With an
-// expandable backend it grows the stream's segment of the pool kind
-// instead, and makes one only when the stream has none there.
+// serve, with torch's release-and-retry path for when the backend (or the
+// limit) refuses, and returns it as one block. With an expandable backend
+// it grows the stream's segment of the pool kind instead, and makes one
+// only when the stream has none there.
 func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKind, stream Stream, callerSegments bool) (*block, error) {
 	segSize := segmentSize(rounded, callerSegments)
 	expandable := p.expander != nil
@@ -187,20 +192,23 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 	b, addr, err := p.obtainLocked(d, rounded, segSize, allocSize, kind, stream, expandable)
 	// A pool that holds its segments has nothing to release: no retry.
 	if err != nil && errors.Is(err, ErrBackendOutOfMemory) && !p.holdingSegmentsLocked() {
-		d.stats.NumAllocRetries++
-		// Events may have completed since: a block freed on another
-		// stream may now serve the request from the cache, with no
-		// segment given back or made (torch releases and reallocates).
-		// Else everything cached can go.
-		p.processEventsLocked(d)
-		// With holes (PageMapper), torch's way: release, then map from the
-		// lowest address that fits, not a search of the free lists.
-		if !expandable || p.mapper == nil {
-			if b := p.takeCachedLocked(d, d.freeList(stream), rounded, kind); b != nil {
-				return b, nil
-			}
+		// Torch's release_available_cached_blocks: with a max split size,
+		// first give back just enough cached oversize segments of the
+		// stream, then ask again (not counted as a retry).
+		if p.cfg.MaxSplitSize != 0 && p.releaseOversizeLocked(d, d.freeList(stream), rounded) {
+			b, addr, err = p.obtainLocked(d, rounded, segSize, allocSize, kind, stream, expandable)
 		}
-		p.releaseCachedLocked(d, 0)
+	}
+	if err != nil && errors.Is(err, ErrBackendOutOfMemory) && !p.holdingSegmentsLocked() {
+		// Torch's release_cached_blocks then the retry: wait for the frees
+		// pending on other streams, give back every wholly free segment
+		// (and, for expandable segments, their free pages), and ask once
+		// more. The request is not looked up in the cache again: blocks
+		// the wait freed go back to the backend if whole, and stay cached
+		// (unused by this request) if not, as in torch.
+		d.stats.NumAllocRetries++
+		p.synchronizeEventsLocked(d)
+		_, _ = p.trimLocked(d, 0) // a failed release leaves the segment cached
 		b, addr, err = p.obtainLocked(d, rounded, segSize, allocSize, kind, stream, expandable)
 	}
 	if err != nil {
@@ -231,8 +239,9 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 	if b != nil {
 		return b, nil // the growing segment served it
 	}
+	p.segments++
 	seg := &segment{device: d.id, addr: addr, size: segSize, stream: stream, kind: kind, expandable: expandable,
-		wholeFreeAt: -1}
+		wholeFreeAt: -1, seq: p.segments}
 	b = &block{seg: seg, addr: addr, size: segSize, heapIdx: -1}
 	seg.first, seg.last = b, b
 	if expandable {

@@ -57,4 +57,8 @@ type segment struct {
 	// largeLookups clock when it became so (garbage collection's age).
 	wholeFreeAt    int
 	wholeFreeSince uint64
+	// seq numbers the pool's segments in the order they were created, from
+	// 1: torch 2.15 breaks best-fit ties between equal-size blocks by it
+	// (Config.TorchVersion).
+	seq uint64
 }

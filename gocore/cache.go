@@ -343,6 +343,52 @@ func (p *Pool) releaseCachedLocked(d *deviceState, keep uint64) (uint64, error) 
 	return p.trimLocked(d, keep)
 }
 
+// releaseOversizeLocked is torch's release_available_cached_blocks, the
+// first answer to an allocation the backend (or the limit) refused when a
+// max split size is set: it gives back the smallest cached oversize segment
+// of the stream's free lists f that is at least the request (and at least
+// MaxSplitSize), or else the largest oversize ones, largest first, until
+// their bytes reach that much. It reports whether it released enough; what
+// it released when it could not stays released, as in torch. Expandable
+// segments are skipped, and small requests find nothing (small blocks are
+// never oversize).
+func (p *Pool) releaseOversizeLocked(d *deviceState, f *streamFree, rounded uint64) bool {
+	maxSplit := p.cfg.MaxSplitSize
+	if kindOf(rounded) == kindSmall {
+		return false
+	}
+	key := max(rounded, maxSplit)
+	f.pivot.size, f.pivot.addr = key, 0
+	var found *block
+	f.large.AscendGreaterOrEqual(&f.pivot, func(b *block) bool {
+		found = b
+		return false
+	})
+	if found != nil && !found.seg.expandable {
+		// A free block of MaxSplitSize or more is a whole segment: nothing
+		// that large is ever split off (isSplit guards all the same).
+		return !found.isSplit() && p.releaseSegmentLocked(d, found.seg) == nil
+	}
+	var victims []*segment
+	var total uint64
+	f.large.DescendLessOrEqual(&f.pivot, func(b *block) bool {
+		if total >= key || b.size < maxSplit {
+			return false
+		}
+		if !b.seg.expandable && !b.isSplit() {
+			victims = append(victims, b.seg)
+			total += b.size
+		}
+		return true
+	})
+	for _, s := range victims {
+		if p.releaseSegmentLocked(d, s) != nil {
+			total -= s.size // a failed release leaves the segment cached
+		}
+	}
+	return total >= key
+}
+
 // collectGarbageLocked is torch's garbage_collect_cached_blocks: when the
 // device reserves more than GarbageCollectionThreshold of its limit, release
 // whole cached large segments (not expandable ones) whose age, in large-pool
@@ -398,12 +444,15 @@ func (p *Pool) collectGarbageLocked(d *deviceState) {
 
 // EmptyCache returns every wholly free segment on every device to the
 // backend, like torch.cuda.empty_cache(), and reports the bytes released.
-// Segments that still hold a live block stay; with a Shrinker backend the
-// free tails of expandable ones go back (whole pages), and with a
-// PageMapper backend every free page of them, as torch unmaps them. It
-// also forgets the free lists of streams that have nothing cached.
+// Like torch it first waits for the frees pending on other streams
+// (RecordStream) when the backend is an EventSynchronizer, so that their
+// blocks are released too. Segments that still hold a live block stay; with
+// a Shrinker backend the free tails of expandable ones go back (whole
+// pages), and with a PageMapper backend every free page of them, as torch
+// unmaps them. It also forgets the free lists of streams that have nothing
+// cached.
 func (p *Pool) EmptyCache() (uint64, error) {
-	return p.Trim(-1, 0)
+	return p.trim(-1, 0, true)
 }
 
 // Trim shrinks the cache of device dev (every device when dev < 0) until at
@@ -412,6 +461,11 @@ func (p *Pool) EmptyCache() (uint64, error) {
 // expandable segments and (with a PageMapper backend) their other free
 // pages, like cudaMemPoolTrimTo. The pool stays usable.
 func (p *Pool) Trim(dev int, keep uint64) (uint64, error) {
+	return p.trim(dev, keep, false)
+}
+
+// trim is Trim; sync first waits for the pending frees (EmptyCache).
+func (p *Pool) trim(dev int, keep uint64, sync bool) (uint64, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
@@ -422,6 +476,9 @@ func (p *Pool) Trim(dev int, keep uint64) (uint64, error) {
 	for i, d := range p.devices {
 		if d == nil || (dev >= 0 && i != dev) {
 			continue
+		}
+		if sync && !p.holdingSegmentsLocked() {
+			p.synchronizeEventsLocked(d)
 		}
 		n, err := p.releaseCachedLocked(d, keep)
 		total += n

@@ -272,13 +272,14 @@ func (s *smallBins) bitmapError() error {
 	return nil
 }
 
-// heapOrderError says where a bin breaks its min-heap on address (nil when
-// none does): bestFit trusts each bin's first entry to be its lowest
-// address, and a misplaced entry deeper down would surface only later.
+// heapOrderError says where a bin breaks its min-heap order (on address, or
+// segment age then address: blockBefore; nil when none does): bestFit trusts
+// each bin's first entry to come first, and a misplaced entry deeper down
+// would surface only later.
 func (s *smallBins) heapOrderError() error {
 	for c, h := range s.bins {
 		for i := 1; i < len(h); i++ {
-			if p := (i - 1) / 2; h[p].addr > h[i].addr {
+			if p := (i - 1) / 2; blockBefore(h[i], h[p], s.bySegment) {
 				return fmt.Errorf("small class %d: free block %#x at %d is below %#x at %d", c, h[i].addr, i, h[p].addr, p)
 			}
 		}

@@ -144,6 +144,28 @@ func (p *Pool) processEventsLocked(d *deviceState) {
 	d.pending = kept
 }
 
+// synchronizeEventsLocked is torch's synchronize_and_free_events, which its
+// empty_cache and out-of-memory retry run before they release cached
+// segments: it waits for the events of every free pending on other streams
+// (an EventSynchronizer backend; for CUDA, cuEventSynchronize) and frees
+// those blocks, so that their segments can go back too. Outside a capture
+// only (waiting is forbidden then). Blocks freed during a capture that ended
+// get their events first. A backend that cannot wait, or a wait that
+// fails, leaves the frees whose events are not done pending.
+func (p *Pool) synchronizeEventsLocked(d *deviceState) {
+	if p.capturingLocked() {
+		return
+	}
+	d.stats.NumSyncAllStreams++
+	p.processEventsLocked(d) // records the events of frees made during a capture
+	if waiter, ok := p.backend.(EventSynchronizer); ok && len(d.pending) > 0 {
+		d.allPending(func(pf pendingFree) {
+			_ = waiter.SynchronizeEvent(pf.event) // a failed wait leaves the free pending
+		})
+		p.processEventsLocked(d)
+	}
+}
+
 // ProcessEvents frees every parked block whose events have completed, on all
 // devices, and returns how many frees are still waiting: blocks parked on
 // events (one however many streams used them) and blocks freed during a

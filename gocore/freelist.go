@@ -9,12 +9,16 @@ import (
 )
 
 // smallBins indexes the free blocks of small segments (at most SmallBuffer
-// bytes each) by exact size class, each class a min-heap on address. Best fit
-// by (size, address) is then a bitmap scan plus a heap pop: O(1) in the
-// number of free blocks of other sizes, which keeps the cache-hit path fast
-// however fragmented the pool is.
+// bytes each) by exact size class, each class a min-heap on address (or, with
+// bySegment, on segment age then address). Best fit by (size, address) is
+// then a bitmap scan plus a heap pop: O(1) in the number of free blocks of
+// other sizes, which keeps the cache-hit path fast however fragmented the
+// pool is.
 type smallBins struct {
-	nonEmpty [smallClasses / 64]uint64
+	// bySegment breaks ties between equal-size blocks by the age of their
+	// segments, oldest first, as torch 2.15 does (see blockBefore).
+	bySegment bool
+	nonEmpty  [smallClasses / 64]uint64
 	// Bit w is set while nonEmpty[w] is not zero: a block far above the
 	// requested class (typically a whole free 2 MiB segment, the last
 	// class) is found without scanning the words in between.
@@ -40,7 +44,7 @@ func (s *smallBins) insert(b *block) {
 	} else {
 		*bin = append(*bin, nil)
 	}
-	siftUp(*bin, n, b)
+	siftUp(*bin, n, b, s.bySegment)
 	s.nonEmpty[c/64] |= 1 << (c % 64)
 	s.nonEmptyWords |= 1 << (c / 64)
 }
@@ -56,8 +60,8 @@ func (s *smallBins) remove(b *block) {
 	*bin = h // the length alone changes
 	if i < last {
 		// The last entry fills the hole at i, moving up or down.
-		if !siftUp(h, i, moved) {
-			siftDown(h, i, moved)
+		if !siftUp(h, i, moved, s.bySegment) {
+			siftDown(h, i, moved, s.bySegment)
 		}
 	}
 	if last == 0 {
@@ -69,8 +73,8 @@ func (s *smallBins) remove(b *block) {
 	b.heapIdx = -1
 }
 
-// bestFit returns the lowest-addressed free block of the smallest size class
-// that holds size bytes, or nil.
+// bestFit returns the first free block (lowest address, or oldest segment
+// with bySegment) of the smallest size class that holds size bytes, or nil.
 func (s *smallBins) bestFit(size uint64) *block {
 	c := smallClass(size)
 	w := c / 64
@@ -86,15 +90,27 @@ func (s *smallBins) bestFit(size uint64) *block {
 	return s.bins[w*64+uint(bits.TrailingZeros64(m))][0]
 }
 
-// siftUp places e in the hole at h[i], moving it up past the parents with
-// higher addresses (each moved parent is written once, not swapped). It
-// reports whether e moved (if not, siftDown may still move it down).
-func siftUp(h []*block, i int, e *block) bool {
+// blockBefore orders two free blocks of one size: by address (torch 2.5 to
+// 2.14), or with bySegment by the order their segments were created in,
+// then by address within a segment (torch 2.15's
+// BlockComparatorSizeCounterAddress: every block carries the creation
+// counter of its segment, so equal sizes go to the oldest segment first).
+func blockBefore(a, b *block, bySegment bool) bool {
+	if bySegment && a.seg != b.seg {
+		return a.seg.seq < b.seg.seq
+	}
+	return a.addr < b.addr
+}
+
+// siftUp places e in the hole at h[i], moving it up past the parents that
+// come after it (each moved parent is written once, not swapped). It reports
+// whether e moved (if not, siftDown may still move it down).
+func siftUp(h []*block, i int, e *block, bySegment bool) bool {
 	j := i
 	for j > 0 {
 		p := (j - 1) >> 1
 		parent := h[p]
-		if parent.addr <= e.addr {
+		if !blockBefore(e, parent, bySegment) {
 			break
 		}
 		h[j] = parent
@@ -107,8 +123,8 @@ func siftUp(h []*block, i int, e *block) bool {
 }
 
 // siftDown places e in the hole at h[i], moving it down past the children
-// with lower addresses.
-func siftDown(h []*block, i int, e *block) {
+// that come before it.
+func siftDown(h []*block, i int, e *block, bySegment bool) {
 	j := i
 	for {
 		m := 2*j + 1
@@ -116,10 +132,10 @@ func siftDown(h []*block, i int, e *block) {
 			break
 		}
 		child := h[m]
-		if r := m + 1; r < len(h) && h[r].addr < child.addr {
+		if r := m + 1; r < len(h) && blockBefore(h[r], child, bySegment) {
 			m, child = r, h[r]
 		}
-		if e.addr <= child.addr {
+		if !blockBefore(child, e, bySegment) {
 			break
 		}
 		h[j] = child
@@ -130,13 +146,28 @@ func siftDown(h []*block, i int, e *block) {
 	e.heapIdx = j
 }
 
-// largeLess orders large free blocks by (size, address): torch's best fit.
+// largeLess orders large free blocks by (size, address): torch's best fit
+// before 2.15.
 func largeLess(a, b *block) bool {
 	if a.size != b.size {
 		return a.size < b.size
 	}
 	return a.addr < b.addr
 }
+
+// largeLessBySegment orders large free blocks by (size, segment age,
+// address): torch 2.15's best fit (see blockBefore).
+func largeLessBySegment(a, b *block) bool {
+	if a.size != b.size {
+		return a.size < b.size
+	}
+	return blockBefore(a, b, true)
+}
+
+// searchSegment is the segment of search keys: created before every real
+// one (segment.seq starts at 1), so a key of size n comes before every
+// free block of n bytes in either order, as torch's search key does.
+var searchSegment = segment{wholeFreeAt: -1}
 
 // streamFree holds one stream's free blocks on one device. Keying free lists
 // by stream first is what makes reuse stream-ordered: a block freed on S is
@@ -151,8 +182,17 @@ type streamFree struct {
 	pivot    block // scratch key for tree searches, to avoid an allocation
 }
 
-func newStreamFree() *streamFree {
-	return &streamFree{large: btree.NewG(16, largeLess)}
+// newStreamFree returns empty free lists that break ties between blocks of
+// one size by address or, with bySegment, by segment age (torch 2.15).
+func newStreamFree(bySegment bool) *streamFree {
+	less := largeLess
+	if bySegment {
+		less = largeLessBySegment
+	}
+	f := &streamFree{large: btree.NewG(16, less)}
+	f.small.bySegment = bySegment
+	f.pivot.seg = &searchSegment
+	return f
 }
 
 // treeFor returns the ordered tree that indexes the free blocks of s, or
@@ -253,7 +293,7 @@ func (d *deviceState) freeList(s Stream) *streamFree {
 func (d *deviceState) freeListSlow(s Stream) *streamFree {
 	f := d.streams[s]
 	if f == nil {
-		f = newStreamFree()
+		f = newStreamFree(d.bySegment)
 		d.streams[s] = f
 	}
 	d.lastStream, d.lastFree = s, f

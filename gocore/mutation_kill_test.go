@@ -216,7 +216,7 @@ func TestCheckInvariantsReportsCorruptions(t *testing.T) {
 		corrupt func(d *deviceState) string // returns the expected report
 	}{
 		{"cached free lists of another stream", func(d *deviceState) string {
-			d.lastStream, d.lastFree = 0, newStreamFree()
+			d.lastStream, d.lastFree = 0, newStreamFree(false)
 			return "device 0: cached free lists of stream 0x0 are not its lists"
 		}},
 		{"wholly free segment placed past the list's end", func(d *deviceState) string {

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+	"strconv"
+	"strings"
 	"sync"
 )
 
@@ -72,6 +74,45 @@ type Config struct {
 	// recorded earlier, such as the private pool of a CUDA graph, which
 	// every replay runs with the addresses it was captured with.
 	KeepSegments bool
+	// TorchVersion selects the rules of one torch release where releases
+	// differ ("2.15", "2.15.0", "2.15.0+cu130"; "" is the default, the
+	// rules of torch 2.5 to 2.14). From 2.15 best fit breaks ties between
+	// free blocks of the same size by the order their segments were
+	// created, oldest first, instead of by address.
+	TorchVersion string
+}
+
+// torchRules are the version-dependent choices Config.TorchVersion makes.
+type torchRules struct {
+	// bestFitBySegment: equal-size free blocks go to the oldest segment
+	// first (torch 2.15's BlockComparatorSizeCounterAddress).
+	bestFitBySegment bool
+}
+
+// parseTorchVersion reads Config.TorchVersion: MAJOR.MINOR, optionally
+// followed by .PATCH and a local part (+cu130) or pre-release tag, as
+// torch.__version__ spells it.
+func parseTorchVersion(v string) (torchRules, error) {
+	if v == "" {
+		return torchRules{}, nil
+	}
+	var major, minor int
+	rest := v
+	if i := strings.IndexByte(rest, '+'); i >= 0 {
+		rest = rest[:i]
+	}
+	parts := strings.SplitN(rest, ".", 3)
+	bad := len(parts) < 2
+	if !bad {
+		var err1, err2 error
+		major, err1 = strconv.Atoi(parts[0])
+		minor, err2 = strconv.Atoi(parts[1])
+		bad = err1 != nil || err2 != nil || major < 0 || minor < 0
+	}
+	if bad {
+		return torchRules{}, fmt.Errorf("torch version %q is not MAJOR.MINOR[.PATCH]: %w", v, ErrInvalidArgument)
+	}
+	return torchRules{bestFitBySegment: major > 2 || (major == 2 && minor >= 15)}, nil
 }
 
 // MaxRoundupDivisions bounds Config.RoundupPower2Divisions.
@@ -120,6 +161,10 @@ type Pool struct {
 	budget *Budget
 	// captures counts EnterCapture calls not yet exited.
 	captures int
+	// rules are the torch version's choices (Config.TorchVersion).
+	rules torchRules
+	// segments counts the segments the pool has created: segment.seq.
+	segments uint64
 	// unreleased holds, once the pool is closed, the segments whose backend
 	// Free failed: still reserved, retried by the next Close.
 	unreleased []*segment
@@ -136,6 +181,9 @@ type deviceState struct {
 	// its place (segment.wholeFreeAt): a cache hit that takes or frees a
 	// whole segment updates it without hashing.
 	wholeFree []*segment
+	// bySegment: the device's free lists break ties by segment age
+	// (torchRules.bestFitBySegment).
+	bySegment bool
 	// largeLookups counts searches of the large free lists: the clock that
 	// ages cached segments for garbage collection (torch's gc_count).
 	largeLookups uint64
@@ -183,6 +231,10 @@ func NewPool(cfg Config) (*Pool, error) {
 	if g := cfg.GarbageCollectionThreshold; !(g >= 0 && g < 1) {
 		return nil, fmt.Errorf("new pool: garbage collection threshold %v must be in [0, 1): %w", g, ErrInvalidArgument)
 	}
+	rules, err := parseTorchVersion(cfg.TorchVersion)
+	if err != nil {
+		return nil, fmt.Errorf("new pool: %w", err)
+	}
 	cfg.RoundupPower2DivisionsBySize = slices.Clone(cfg.RoundupPower2DivisionsBySize)
 	if cfg.MaxNonSplitRoundingSize == 0 {
 		cfg.MaxNonSplitRoundingSize = LargeBuffer
@@ -220,6 +272,7 @@ func NewPool(cfg Config) (*Pool, error) {
 	}
 	cfg.Budget = budget
 	return &Pool{
+		rules:    rules,
 		budget:   budget,
 		expander: ex,
 		shrinker: sh,
@@ -334,10 +387,11 @@ func (p *Pool) device(dev int) (*deviceState, error) {
 	d := p.devices[dev]
 	if d == nil {
 		d = &deviceState{
-			id:       dev,
-			streams:  make(map[Stream]*streamFree),
-			segments: make(map[uint64]*segment),
-			growing:  make(map[growKey]*segment),
+			id:        dev,
+			streams:   make(map[Stream]*streamFree),
+			segments:  make(map[uint64]*segment),
+			growing:   make(map[growKey]*segment),
+			bySegment: p.rules.bestFitBySegment,
 		}
 		d.stats.MaxSplitSize = maxSplitStat(p.cfg.MaxSplitSize)
 		p.devices[dev] = d

@@ -1284,7 +1284,9 @@ func TestCaptureDefersEventsAndReleases(t *testing.T) {
 	assert.EqualValues(t, 20*MiB, released, "after the capture the cached segment goes")
 	waiting, err = p.ProcessEvents()
 	require.NoError(t, err)
-	assert.Equal(t, 1, waiting, "a's event was recorded after the streams completed")
+	// a's event was recorded after the streams completed, but EmptyCache
+	// waited for it, as torch's empty_cache synchronizes pending frees.
+	assert.Zero(t, waiting, "EmptyCache waited for a's event")
 	be.CompleteAll()
 	waiting, err = p.ProcessEvents()
 	require.NoError(t, err)
@@ -1552,16 +1554,18 @@ func TestEmptyStreamFreeListsAreDropped(t *testing.T) {
 	assert.Len(t, d.streams, 1)
 }
 
-// When the release-and-retry path gives back the stream's only cached
-// segment (dropping its lists), the remainder of the new segment still goes
-// into the stream's lists.
+// When the out-of-memory path gives back the stream's only cached segment
+// (dropping its lists), the remainder of the new segment still goes into
+// the stream's lists.
 func TestOOMRetryThatDropsTheStreamsLists(t *testing.T) {
 	p, _ := newTestPool(t, SimConfig{Capacity: 50 * MiB}, Config{MaxSplitSize: 24 * MiB})
 	big := mustAlloc(t, p, 40*MiB, 0, 0)
 	require.NoError(t, p.Free(big)) // cached, oversize: 2 MiB requests may not take it
 	a := mustAlloc(t, p, 2*MiB, 0, 0)
 	s := stats(t, p) // the 18 MiB remainder is indexed under stream 0
-	assert.EqualValues(t, 1, s.NumAllocRetries)
+	// The oversize segment went back first (torch's
+	// release_available_cached_blocks): no retry is counted.
+	assert.Zero(t, s.NumAllocRetries)
 	assert.EqualValues(t, 20*MiB, s.ReservedBytes[0].Current)
 	assert.EqualValues(t, 18*MiB, s.InactiveSplitBytes[0].Current)
 	assert.Equal(t, a+2*MiB, mustAlloc(t, p, 2*MiB, 0, 0), "the remainder serves the stream")
@@ -1884,62 +1888,36 @@ func TestTrimReleasesTheLargestWholeSegmentsFirst(t *testing.T) {
 	require.NoError(t, r.CheckInvariants())
 }
 
-// oomCompletes is a sim backend on which the work of every stream completes
-// while an allocation fails for lack of memory: the time a failing
-// cudaMalloc takes, in which other streams finish.
-type oomCompletes struct {
-	*SimBackend
-}
-
-func (b *oomCompletes) Alloc(device int, size uint64, stream Stream) (uint64, error) {
-	addr, err := b.SimBackend.Alloc(device, size, stream)
-	if errors.Is(err, ErrBackendOutOfMemory) {
-		b.CompleteAll()
-	}
-	return addr, err
-}
-
-// The OOM retry processes events first: a block freed after use on another
-// stream, whose event completed since the allocation began, serves the
-// retry from the cache, with no backend call, even in a segment that cannot
-// go back; and a wholly free one goes back so that the retry fits.
-func TestOOMRetryProcessesEventsFirst(t *testing.T) {
-	sim, err := NewSimBackend(SimConfig{ManualEvents: true, Capacity: 24 * MiB})
-	require.NoError(t, err)
-	p, err := NewPool(Config{Backend: &oomCompletes{sim}})
-	require.NoError(t, err)
-	a := mustAlloc(t, p, 8*MiB, 0, 0) // one 20 MiB segment: a, b and 4 MiB free
-	b := mustAlloc(t, p, 8*MiB, 0, 0)
+// The out-of-memory retry first waits for the frees pending on other
+// streams, as torch's release_cached_blocks synchronizes its events: a
+// wholly free segment whose block waited goes back so that the retry fits.
+// The retry does not look in the cache again: a waited-for block in a
+// segment that cannot go back stays cached, and the allocation fails (torch
+// asks cudaMalloc once more, no more).
+func TestOOMRetryWaitsForPendingFrees(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{ManualEvents: true, Capacity: 24 * MiB}, Config{})
+	a := mustAlloc(t, p, 12*MiB, 0, 0)
 	require.NoError(t, p.RecordStream(a, 1))
-	require.NoError(t, p.Free(a)) // waits for stream 1
-	before := sim.Stats()
-	c := mustAlloc(t, p, 8*MiB, 0, 0) // no room for a new 20 MiB segment
-	assert.Equal(t, a, c, "the retry reuses the block whose event completed")
-	after := sim.Stats()
-	assert.Equal(t, before.Allocs, after.Allocs, "no segment made")
-	assert.Equal(t, before.Frees, after.Frees, "no segment given back")
+	require.NoError(t, p.Free(a)) // waits for stream 1, never completed by the test
+	mustAlloc(t, p, 14*MiB, 0, 0)
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.NumAllocRetries)
-	assert.Zero(t, s.NumOOMs)
-	assert.EqualValues(t, 20*MiB, s.ReservedBytes[0].Current)
-	require.NoError(t, p.Free(b))
-	require.NoError(t, p.Free(c))
-	_, err = p.Close()
-	require.NoError(t, err)
-
-	// A wholly free segment whose block waited goes back for the retry.
-	sim, err = NewSimBackend(SimConfig{ManualEvents: true, Capacity: 24 * MiB})
-	require.NoError(t, err)
-	p, err = NewPool(Config{Backend: &oomCompletes{sim}})
-	require.NoError(t, err)
-	a = mustAlloc(t, p, 12*MiB, 0, 0)
-	require.NoError(t, p.RecordStream(a, 1))
-	require.NoError(t, p.Free(a))
-	mustAlloc(t, p, 14*MiB, 0, 0)
-	s = stats(t, p)
-	assert.EqualValues(t, 1, s.NumAllocRetries)
+	assert.EqualValues(t, 1, s.NumSyncAllStreams)
 	assert.Zero(t, s.NumOOMs)
 	assert.EqualValues(t, 14*MiB, s.ReservedBytes[0].Current)
+	assert.EqualValues(t, 1, be.Stats().EventWaits)
+
+	q, _ := newTestPool(t, SimConfig{ManualEvents: true, Capacity: 24 * MiB}, Config{})
+	a = mustAlloc(t, q, 8*MiB, 0, 0) // one 20 MiB segment: a, b and 4 MiB free
+	mustAlloc(t, q, 8*MiB, 0, 0)
+	require.NoError(t, q.RecordStream(a, 1))
+	require.NoError(t, q.Free(a))
+	mustOOM(t, q, 8*MiB, 0) // no room for a new 20 MiB segment
+	s = stats(t, q)
+	assert.EqualValues(t, 1, s.NumAllocRetries)
+	assert.EqualValues(t, 1, s.NumOOMs)
+	assert.EqualValues(t, 8*MiB, s.ActiveBytes[0].Current, "the wait freed a")
+	assert.Equal(t, a, mustAlloc(t, q, 8*MiB, 0, 0), "the next allocation finds a cached")
 }
 
 // twoFreeTails is an expandable pool whose two streams' segments end in

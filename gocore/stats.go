@@ -89,7 +89,11 @@ type Stats struct {
 	NumRecordStream int64 // RecordStream calls that added a stream use
 	NumExpansions   int64 // segments grown in place (Expander backends)
 	NumGCReleases   int64 // segments released by garbage collection
-	MaxSplitSize    int64 // the pool's option, -1 when unlimited
+	// NumSyncAllStreams counts the waits for every free pending on other
+	// streams (EmptyCache and the out-of-memory retry), as torch counts
+	// its synchronize_and_free_events.
+	NumSyncAllStreams int64
+	MaxSplitSize      int64 // the pool's option, -1 when unlimited
 }
 
 // statArrays lists the StatArrays of s, in a fixed order.
@@ -124,6 +128,7 @@ func (s *Stats) Merge(o *Stats) {
 	s.NumCacheHits += o.NumCacheHits
 	s.NumRecordStream += o.NumRecordStream
 	s.NumExpansions += o.NumExpansions
+	s.NumSyncAllStreams += o.NumSyncAllStreams
 	s.MaxSplitSize = o.MaxSplitSize
 }
 
@@ -185,8 +190,7 @@ func (s *Stats) ToMap() map[string]int64 {
 	m["num_expansions"] = s.NumExpansions
 	m["num_gc_releases"] = s.NumGCReleases
 	m["max_split_size"] = s.MaxSplitSize
-	// torch reports these; the engine never synchronizes all streams.
-	m["num_sync_all_streams"] = 0
+	m["num_sync_all_streams"] = s.NumSyncAllStreams
 	return m
 }
 

@@ -275,7 +275,10 @@ class MemPool:
     ``garbage_collection_threshold`` (torch's option, in [0, 1); with a
     limit on a device, a cache miss while more than this fraction of the
     limit is reserved first releases the cached large segments unused the
-    longest).
+    longest); ``torch_version`` (``"2.15"``, or ``torch.__version__``: the
+    rules of that torch release where releases differ; from 2.15 best fit
+    breaks ties between free blocks of one size by segment age, oldest
+    first, instead of by address; default: torch 2.5 to 2.14).
 
     Thread-safe. Use it as a context manager to close it on exit.
     """
@@ -296,6 +299,7 @@ class MemPool:
         max_non_split_rounding_size: Optional[int] = None,
         roundup_power2_divisions: Union[int, Sequence[int], Mapping[str, int], None] = None,
         garbage_collection_threshold: Optional[float] = None,
+        torch_version: Optional[str] = None,
         **options: Any,
     ) -> None:
         self._id = 0
@@ -333,7 +337,7 @@ class MemPool:
                 f"unknown option(s) {', '.join(unknown)} for backend {backend!r}; "
                 f"valid: name, limit, max_split_size, max_non_split_rounding_size, release_threshold, "
                 "roundup_power2_divisions, "
-                "garbage_collection_threshold, "
+                "garbage_collection_threshold, torch_version, "
                 f"{', '.join(_option_names(backend))}"
             )
         cfg: dict[str, Any] = {"backend": backend}
@@ -354,6 +358,10 @@ class MemPool:
             if not 0 <= gc < 1:  # NaN too
                 raise InvalidArgumentError(f"garbage_collection_threshold must be in [0, 1), got {gc!r}")
             cfg["garbage_collection_threshold"] = float(gc)
+        if torch_version is not None:
+            if not isinstance(torch_version, str):
+                raise TypeError(f"torch_version must be a str, got {type(torch_version).__name__}")
+            cfg["torch_version"] = torch_version
         if options:
             cfg["options"] = _backend_options(backend, options)
             self._options = dict(cfg["options"])

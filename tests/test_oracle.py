@@ -111,7 +111,7 @@ def test_record_stream_keeps_a_block_until_its_stream_completes(torch_python: st
     reserved = [p.reserved for p in r.points]
     assert reserved[3] == 2 * reserved[0] == 2 * 30 * MiB  # the first block is still in use on `side`
     assert [p.segments for p in r.points][6] == 2 and r.points[6].allocated == 30 * MiB
-    assert fidelity.diff(r, fidelity.engine_points(trace)).exact
+    assert fidelity.diff(r, fidelity.engine_points(trace, torch_version=r.torch_version)).exact
 
 
 def test_out_of_memory_is_an_event(torch_python: str, cache: str) -> None:
@@ -124,7 +124,8 @@ def test_out_of_memory_is_an_event(torch_python: str, cache: str) -> None:
     assert r.points[1].reserved == r.points[1].allocated == 1 * GiB
     limited = run(trace, python=torch_python, capacity=4 * GiB, fraction=0.5, cache=cache)
     assert limited.oom_events == [0, 4]
-    assert fidelity.diff(limited, fidelity.engine_points(trace, capacity=4 * GiB, fraction=0.5)).exact
+    assert fidelity.diff(limited, fidelity.engine_points(trace, capacity=4 * GiB, fraction=0.5,
+                                                       torch_version=limited.torch_version)).exact
 
 
 def test_settings_reach_torch_under_the_variable_it_reads(torch_python: str, cache: str) -> None:
@@ -150,7 +151,7 @@ def test_multi_device_snapshot_matches(torch_python: str, cache: str, conf: str)
     trace = from_torch_snapshot(path)
     theirs = run(trace, conf, python=torch_python, cache=cache)
     assert {p.device for p in theirs.points} == {0, 1, 2}
-    c = fidelity.diff(theirs, fidelity.engine_points(trace, conf))
+    c = fidelity.diff(theirs, fidelity.engine_points(trace, conf, torch_version=theirs.torch_version))
     assert c.exact, c.describe()
 
 

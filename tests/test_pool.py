@@ -126,6 +126,29 @@ def test_garbage_collection_threshold_releases_old_segments_before_the_limit() -
         gmp.MemPool("sim", garbage_collection_threshold="0.5")
 
 
+def test_torch_version_selects_the_best_fit_tie_break() -> None:
+    """Two free 40 MiB segments, the older at the higher address: torch
+    2.5-2.14 take the lower address, 2.15 the older segment."""
+    for version, oldest in ((None, False), ("2.11.0", False), ("2.15", True), ("2.15.0+cu130", True)):
+        with gmp.MemPool("sim", capacity=1 << 30, torch_version=version) as pool:
+            assert pool.config()["torch_version"] == (version or "")
+            first, old, keep = (pool.alloc(40 * MiB) for _ in range(3))
+            pool.free(first)
+            pool.empty_cache()
+            young = pool.alloc(40 * MiB)
+            assert young == first  # the sim hands out the lowest free range
+            pool.free(old)
+            pool.free(young)
+            got = pool.alloc(40 * MiB)
+            assert got == (old if oldest else young), version
+            pool.free(got)
+            pool.free(keep)
+    with pytest.raises(ValueError, match="MAJOR.MINOR"):
+        gmp.MemPool("sim", torch_version="latest")
+    with pytest.raises(TypeError):
+        gmp.MemPool("sim", torch_version=2.15)
+
+
 def test_memory_summary_reads_like_torchs() -> None:
     with gmp.MemPool("sim", name="acts", devices=2, capacity=1 << 30) as pool:
         keep = [pool.alloc(1000), pool.alloc(5 * MiB), pool.alloc(3000, device=1)]

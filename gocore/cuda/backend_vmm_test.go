@@ -60,19 +60,19 @@ func TestVMMBackendPoolCycle(t *testing.T) {
 	assert.Zero(t, be.LiveSegments())
 
 	// A block used on another stream is not unmapped before that stream's
-	// work is done (the engine's event), then after waiting for its own.
+	// work is done: EmptyCache waits for the engine's event (as torch's
+	// empty_cache synchronizes its pending frees), then for its own stream.
 	f.SetManualEvents(true)
 	d, err := p.Alloc(4*mib, 0, 0x12)
 	require.NoError(t, err)
 	require.NoError(t, p.RecordStream(d, 0x13))
 	require.NoError(t, p.Free(d))
-	_, err = p.EmptyCache()
-	require.NoError(t, err)
 	assert.Equal(t, 3, f.VMMObjects(), "still in use on stream 0x13")
 	assert.Equal(t, 1, be.LiveEvents())
-	f.CompleteStream(0x13)
+	waits := f.Calls("cuEventSynchronize")
 	_, err = p.EmptyCache()
 	require.NoError(t, err)
+	assert.Equal(t, waits+1, f.Calls("cuEventSynchronize"), "waited for stream 0x13's event")
 	assert.Zero(t, f.VMMObjects())
 	assert.EqualValues(t, 0x12, f.LastStream("cuStreamSynchronize"))
 

@@ -21,7 +21,7 @@ from .._pool import MemPool
 from ..trace import Alloc, EmptyCache, Free, RecordStream, Sync, Trace, TraceFile, Trim
 from . import DEFAULT_CAPACITY, OracleResult, Point, run
 
-__all__ = ["Comparison", "compare", "engine_points", "parse_alloc_conf"]
+__all__ = ["Comparison", "compare", "engine_points", "fraction_limit", "parse_alloc_conf"]
 
 MiB = 1 << 20
 #: torch's setting names and the sim pool's arguments they set.
@@ -68,18 +68,54 @@ def parse_alloc_conf(conf: str) -> dict[str, Any]:
     return out
 
 
+def _version(torch_version: Optional[str]) -> Optional[tuple[int, int]]:
+    """(major, minor) of a torch version string, or None."""
+    if not torch_version:
+        return None
+    try:
+        major, minor = (int(x) for x in torch_version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return None
+    return major, minor
+
+
+def fraction_limit(capacity: int, fraction: Optional[float], torch_version: Optional[str] = None) -> Optional[int]:
+    """The byte limit torch's ``set_per_process_memory_fraction(fraction)``
+    sets on a device of ``capacity`` bytes (None: no limit), as its
+    ``setMemoryFraction`` computes ``allowed_memory_maximum``, which
+    ``alloc_block`` compares with the reserved bytes plus the segment asked
+    for before calling cudaMalloc (and which garbage collection needs):
+    up to 2.9 ``fraction * total`` truncated, for any fraction (1.0
+    included); from 2.10 (seen in 2.11) no limit at 1.0; from 2.15 the
+    product is rounded to the nearest byte instead of truncated."""
+    if fraction is None:
+        return None
+    v = _version(torch_version)
+    product = float(fraction) * float(capacity)
+    if v is not None and v >= (2, 10) and not fraction < 1.0:
+        return None
+    if v is not None and v >= (2, 15) and product < 2.0 ** 52:
+        return int(product + 0.49999999999999994)  # std::round, as torch 2.15's inlined code does it
+    return int(product)
+
+
 def engine_points(trace: Union[Trace, TraceFile], alloc_conf: str = "", *, capacity: int = DEFAULT_CAPACITY,
-                  fraction: Optional[float] = None, devices: Optional[int] = None) -> list[Point]:
+                  fraction: Optional[float] = None, devices: Optional[int] = None,
+                  torch_version: Optional[str] = None) -> list[Point]:
     """The engine's figures after every event of ``trace``, as
-    :class:`Point` s like the oracle's."""
+    :class:`Point` s like the oracle's, under the rules of ``torch_version``
+    (the pool's ``torch_version``, and how the memory fraction becomes a
+    limit: :func:`fraction_limit`); None: the engine's default rules."""
     pol = parse_alloc_conf(alloc_conf)
     used = 1 + max((e.device for e in trace if isinstance(e, Alloc)), default=0)
     devices = max(devices or 1, used)
-    limit = int(capacity * fraction) if fraction is not None else None
+    limit = fraction_limit(capacity, fraction, torch_version)
     gc = pol.pop("garbage_collection_threshold", None)
     sim: dict[str, Any] = {"capacity": capacity, "manual_events": True, "devices": devices}
     if "expandable" in pol:
         sim["expandable"] = pol.pop("expandable")
+    if torch_version:
+        pol["torch_version"] = torch_version
     pool = MemPool("sim", name="oracle-engine", limit=limit,
                    garbage_collection_threshold=gc if limit else None, **pol, **sim)
     ptrs: dict[int, Optional[int]] = {}
@@ -175,6 +211,8 @@ def compare(trace: Union[Trace, TraceFile], alloc_conf: str = "", *, python: Opt
             capacity: int = DEFAULT_CAPACITY, fraction: Optional[float] = None, devices: Optional[int] = None,
             cache: Optional[str] = None) -> Comparison:
     """Runs ``trace`` through torch (:func:`gpumempool.oracle.run`) and the
-    engine under the same settings and compares them point by point."""
+    engine under the same settings, and the rules of the torch version that
+    ran it, and compares them point by point."""
     theirs = run(trace, alloc_conf, python=python, capacity=capacity, fraction=fraction, devices=devices, cache=cache)
-    return diff(theirs, engine_points(trace, alloc_conf, capacity=capacity, fraction=fraction, devices=devices))
+    return diff(theirs, engine_points(trace, alloc_conf, capacity=capacity, fraction=fraction, devices=devices,
+                                      torch_version=theirs.torch_version))

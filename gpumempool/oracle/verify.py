@@ -78,7 +78,7 @@ def verify(result: Any, trace: Union[Trace, TraceFile], *, n: int = 3, python: O
         limit = c.limit or (capacity if "garbage_collection_threshold" in c.settings else None)
         fraction = min(1.0, limit / capacity) if limit else None
         theirs = run(trace, conf, python=python, capacity=capacity, fraction=fraction, real_gpu=real_gpu)
-        ours = engine_points(trace, conf, capacity=capacity, fraction=fraction)
+        ours = engine_points(trace, conf, capacity=capacity, fraction=fraction, torch_version=theirs.torch_version)
         d = diff(theirs, ours)
         last_t = theirs.points[-1] if theirs.points else None
         out.append(Verified(

@@ -85,7 +85,7 @@ PROVEN = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["boundaries", "streams", "random"])
+@pytest.mark.parametrize("kind", ["boundaries", "streams", "random", "empty_cache"])
 @pytest.mark.parametrize("conf,fraction", PROVEN, ids=[f"{c or 'defaults'}-{f}" for c, f in PROVEN])
 def test_settings_match_torch_on_adversarial_traces(torch_python: str, cache: str, kind: str, conf: str,
                                                      fraction: Any) -> None:
@@ -96,6 +96,28 @@ def test_settings_match_torch_on_adversarial_traces(torch_python: str, cache: st
             run(trace, conf, python=torch_python, cache=cache)
         return
     c = fidelity.compare(trace, conf, python=torch_python, fraction=fraction, cache=cache)
+    assert c.exact, c.describe()
+
+
+#: Memory pressure on a 4 GiB device: release and retry, oversize segments
+#: first, garbage collection, out-of-memory, as each version limits a fraction.
+PRESSURE = [
+    ("", 1.0),
+    ("", 0.8),
+    ("max_split_size_mb:64", 1.0),
+    ("max_split_size_mb:64", 0.5),
+    ("garbage_collection_threshold:0.6", 0.5),
+    ("garbage_collection_threshold:0.8", 1.0),
+    ("roundup_power2_divisions:4", 0.8),
+    ("expandable_segments:True", 0.5),
+]
+
+
+@pytest.mark.parametrize("conf,fraction", PRESSURE, ids=[f"{c or 'defaults'}-{f}" for c, f in PRESSURE])
+def test_memory_pressure_matches_torch(torch_python: str, cache: str, conf: str, fraction: float) -> None:
+    trace = adversarial.make("pressure", 1)
+    c = fidelity.compare(trace, conf, python=torch_python, capacity=trace.meta["capacity"], fraction=fraction,
+                         cache=cache)
     assert c.exact, c.describe()
 
 

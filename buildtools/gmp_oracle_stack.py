@@ -65,6 +65,19 @@ def header_cache() -> str:
     return os.environ.get("GMP_CUDA_RUNTIME_HEADERS") or os.path.join(ROOT, ".ci-cache", "cuda-runtime")
 
 
+def requirements() -> list[str]:
+    """What the build environment must have for runtime_include(): pip
+    (pip's isolated build environments have none), unless every header set
+    is cached already."""
+    import importlib.util
+
+    cached = all(os.path.isfile(os.path.join(header_cache(), spec.split("==")[1], "include", "cuda_runtime_api.h"))
+                 for spec in HEADER_WHEELS.values())
+    if cached or os.environ.get("GMP_ORACLE_PREBUILT", "1") == "0" or importlib.util.find_spec("pip") is not None:
+        return []
+    return ["pip"]
+
+
 def runtime_include(major: int, cache: str | None = None) -> str:
     """The include directory of ``HEADER_WHEELS[major]``, downloaded into the
     cache the first time (a wheel is a zip: only its include/ is kept)."""

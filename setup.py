@@ -32,6 +32,7 @@ from setuptools.errors import CompileError
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "buildtools"))
 import gmp_toolchain  # noqa: E402  (Go and the C/C++ compilers: this machine's or PyPI's)
+import gmp_oracle_stack  # noqa: E402  (the oracle's fake CUDA stack, prebuilt into the package)
 
 # Cross-compiling (GMP_ZIG_TARGET=aarch64-... on x86-64): the wheel's
 # platform tag and the extension's file names are the target's.
@@ -132,6 +133,33 @@ class GopyBuildExt(build_ext):
         # CPU) would look up to date: build it again, it takes a second.
         self.force = True
         super().run()
+        self._build_oracle_stack()
+
+    def _oracle_lib_dir(self):
+        root = ROOT if self.inplace else self.build_lib
+        return os.path.join(root, gmp_oracle_stack.PACKAGE_DIR)
+
+    def _build_oracle_stack(self):
+        """The oracle's fake driver, NVML and CUDA 12 and 13 runtimes, built
+        with this build's C compiler into gpumempool/oracle/lib/, so that
+        users without a compiler can run it. Optional: without it (no
+        runtime headers offline, GMP_ORACLE_PREBUILT=0) the oracle compiles
+        the stack with cc where it runs, as it did before."""
+        dest = self._oracle_lib_dir()
+        if os.environ.get("GMP_ORACLE_PREBUILT", "1") == "0":
+            shutil.rmtree(dest, ignore_errors=True)
+            say("GMP_ORACLE_PREBUILT=0: the oracle's fake CUDA stack is not prebuilt")
+            return
+        t0 = time.monotonic()
+        try:
+            gmp_oracle_stack.build(self.toolchain.cc, dest)
+        except gmp_oracle_stack.StackError as exc:
+            shutil.rmtree(dest, ignore_errors=True)
+            say(f"warning: the oracle's fake CUDA stack is not prebuilt ({exc}); gpumempool.oracle will "
+                "compile it with a C compiler where it runs")
+            return
+        say(f"prebuilt the oracle's fake CUDA stack ({', '.join(gmp_oracle_stack.LIBRARIES)}) into {dest} "
+            f"in {time.monotonic() - t0:.1f}s")
 
     def get_ext_filename(self, ext_name):
         name = super().get_ext_filename(ext_name)
@@ -316,6 +344,9 @@ class GopyBuildExt(build_ext):
 
     def get_outputs(self):
         outputs = list(super().get_outputs())
+        lib_dir = self._oracle_lib_dir()
+        outputs += [os.path.join(lib_dir, n) for n in (*gmp_oracle_stack.LIBRARIES, gmp_oracle_stack.MANIFEST)
+                    if os.path.isfile(os.path.join(lib_dir, n))]
         if not self.inplace:
             for ext in self.extensions:
                 if ext.name == EXT_NAME:

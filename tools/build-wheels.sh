@@ -13,6 +13,8 @@
 # checks:
 #   - `auditwheel show` names manylinux_2_17 (or at most 2_28) and no
 #     external library (the C++ glue links no libstdc++: bindings/cabi);
+#   - the wheel holds the oracle's prebuilt fake CUDA stack
+#     (gpumempool/oracle/lib: driver, NVML, libcudart.so.12 and .13);
 #   - x86_64: installs into a fresh virtualenv, runs the demo on the sim
 #     backend and the test suite's non-GPU tests (`pytest -m "not gpu"`).
 # aarch64 wheels are run under qemu by tools/check-aarch64.sh.
@@ -75,6 +77,9 @@ git ls-files -z --cached --others --exclude-standard \
   | while IFS= read -r -d '' f; do [[ -f "$f" ]] && printf '%s\0' "$f"; done \
   | xargs -0 -r cp --parents -t "$SRC"
 if [[ -d build/tools ]]; then mkdir -p "$SRC/build" && cp -r build/tools "$SRC/build/tools"; fi
+# The CUDA runtime headers the oracle's prebuilt stack is compiled against
+# (buildtools/gmp_oracle_stack.py fetches them once): shared by the builds.
+export GMP_CUDA_RUNTIME_HEADERS=${GMP_CUDA_RUNTIME_HEADERS:-$ROOT/.ci-cache/cuda-runtime}
 
 summary=$OUT/SUMMARY.md
 {
@@ -151,17 +156,34 @@ for py in "${pythons[@]}"; do
     if [[ "$checks" == "auditwheel ok" && "$(basename "$whl")" != *manylinux_2_17_"$arch"* ]]; then
       say "[$ver $arch] $(basename "$whl") is not tagged manylinux_2_17_$arch"; checks="WRONG TAG"; failed=1
     fi
+    # The oracle's fake CUDA stack, prebuilt (users have no compiler): the
+    # build only warns when it cannot make it, a release wheel needs it.
+    if ! stack=$(python3 - "$whl" <<'PY'
+import sys, zipfile
+names = set(zipfile.ZipFile(sys.argv[1]).namelist())
+want = ["gpumempool/oracle/lib/" + n for n in
+        ("libcuda.so.1", "libnvidia-ml.so.1", "libcudart.so.12", "libcudart.so.13", "stack.json")]
+missing = [n for n in want if n not in names]
+print("lacks " + ", ".join(missing) if missing else "oracle stack")
+sys.exit(1 if missing else 0)
+PY
+    ); then
+      say "[$ver $arch] the wheel $stack (see the build's warning in $TMP/build-$ver-$arch.log)"
+      checks="NO ORACLE STACK"; failed=1
+    elif [[ "$checks" == "auditwheel ok" ]]; then
+      checks="auditwheel ok, $stack"
+    fi
     size=$(du -k "$whl" | cut -f1)
     say "[$ver $arch] $(basename "$whl"): $((size / 1024)) MiB, built in ${secs} s, auditwheel show: $tag"
 
-    if [[ "$arch" == x86_64 && "$(uname -m)" == x86_64 && "$TESTS" != none && "$checks" == "auditwheel ok" ]]; then
+    if [[ "$arch" == x86_64 && "$(uname -m)" == x86_64 && "$TESTS" != none && "$checks" == "auditwheel ok, oracle stack" ]]; then
       tv=$TMP/test-$ver
       "$py" -m venv "$tv"
       extra=()
       [[ "$TESTS" == all ]] && extra=(pytest numpy matplotlib)
       "$tv/bin/pip" install -q --disable-pip-version-check "$whl" "${extra[@]}" >/dev/null \
         || { say "[$ver] could not install $whl"; failed=1; checks="install failed"; }
-      if [[ "$checks" == "auditwheel ok" ]]; then
+      if [[ "$checks" == "auditwheel ok, oracle stack" ]]; then
         if (cd "$TMP" && PYTHONSAFEPATH=1 "$tv/bin/python" -c 'import gpumempool as g, gpumempool._pool as gp; assert gp._fast is not None, "no C fast path"; assert "site-packages" in g.library_path(); p = g.MemPool(); p.free(p.alloc(1)); p.close()' \
             && PYTHONSAFEPATH=1 "$tv/bin/python" -m gpumempool demo --steps 50 --no-progress) >"$TMP/demo-$ver.log" 2>&1; then
           checks="$checks, demo ok"

@@ -6,8 +6,13 @@ a fake NVML, and, for a slim install of torch (no NVIDIA wheels but the
 runtime's headers), stand-ins with the right SONAMEs and symbol versions
 for every other NVIDIA library torch's libraries need.
 
-Built with ``cc`` into a cache directory keyed by the sources and the torch
-install, once per torch. A child process loads the libraries it lists, in
+The package's build prebuilds the driver, NVML and both runtimes into
+``lib/`` (buildtools/gmp_oracle_stack.py, with the build's compiler): they
+are used when they are what torch needs (the runtime's SONAME, its version
+nodes and functions), so a user needs no compiler. Otherwise (no prebuilt
+stack, a stale one in a source checkout, another version node) the stack is
+compiled with ``cc`` as the stand-ins are, into a cache directory keyed by
+what it is built from and the torch install, once per torch. A child process loads the libraries it lists, in
 order and with ``RTLD_GLOBAL``, before ``import torch``: torch's libraries
 find libcudart through their RPATH, which beats ``LD_LIBRARY_PATH``, but a
 library already loaded under the SONAME they need is used as it is."""
@@ -15,11 +20,13 @@ library already loaded under the SONAME they need is used as it is."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +38,10 @@ from .._errors import InvalidArgumentError
 CSRC = Path(__file__).resolve().parent / "csrc"
 #: The fake driver's source in a source checkout (tests/csrc/fake_cuda.c).
 _CHECKOUT = Path(__file__).resolve().parents[2]
+#: The stack the package's build prebuilt (buildtools/gmp_oracle_stack.py):
+#: libcuda.so.1, libnvidia-ml.so.1, libcudart.so.12 and .13, and
+#: stack.json (the digests of the sources they were built from).
+PREBUILT = Path(__file__).resolve().parent / "lib"
 
 #: Libraries the system provides: never stubbed.
 _SYSTEM = re.compile(r"^(libc|libm|libdl|libpthread|librt|libgcc_s|libstdc\+\+|ld-linux.*|libgomp|libz|"
@@ -181,6 +192,93 @@ def _rpath_dirs(lib: Path) -> list[Path]:
         e.stream.close()
 
 
+def _dynamic_strings(path: Path, tag: str) -> list[str]:
+    e = _elf(path)
+    try:
+        dyn = e.get_section_by_name(".dynamic")
+        attr = {"DT_SONAME": "soname", "DT_NEEDED": "needed"}[tag]
+        return [getattr(t, attr) for t in dyn.iter_tags() if t.entry.d_tag == tag] if dyn else []
+    finally:
+        e.stream.close()
+
+
+def version_definitions(path: Path) -> set[str]:
+    """The version nodes an ELF library defines (its own name, the base
+    entry, left out)."""
+    e = _elf(path)
+    try:
+        verdef = e.get_section_by_name(".gnu.version_d")
+        if verdef is None:
+            return set()
+        return {next(iter(auxes)).name for d, auxes in verdef.iter_versions() if not d["vd_flags"] & 1}
+    finally:
+        e.stream.close()
+
+
+def _machine(path: Path) -> str:
+    e = _elf(path)
+    try:
+        return str(e["e_machine"])
+    finally:
+        e.stream.close()
+
+
+def _source_digests() -> dict[str, str]:
+    """The digests the build records in lib/stack.json (the same sums as
+    buildtools/gmp_oracle_stack.py's), of the sources present here: the
+    runtime's and NVML's always (they ship in the package), the driver's in
+    a source checkout only."""
+    out = {"csrc": _digest(list(CSRC.rglob("*.[ch]")), CSRC)}
+    driver = _CHECKOUT / "tests" / "csrc" / "fake_cuda.c"
+    types = _CHECKOUT / "gocore" / "cuda" / "driver" / "cuda_types.h"
+    if driver.is_file() and types.is_file():
+        out["driver"] = _digest([driver, types], _CHECKOUT)
+    return out
+
+
+def _digest(files: list[Path], base: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(files, key=lambda f: f.relative_to(base).parts):
+        h.update(f.relative_to(base).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def prebuilt_problem(torch: TorchInstall, cudart_imports: dict[str, set[str]],
+                     directory: Optional[Path] = None) -> str:
+    """Why the prebuilt stack in ``directory`` (default: the package's)
+    cannot serve ``torch``, whose libraries import ``cudart_imports``
+    (version node -> functions) from its runtime; "" when it can."""
+    d = directory or PREBUILT
+    if os.environ.get("GMP_ORACLE_PREBUILT", "1") == "0":
+        return "GMP_ORACLE_PREBUILT=0"
+    names = ["libcuda.so.1", "libnvidia-ml.so.1", torch.cudart_soname]
+    absent = [n for n in names if not (d / n).is_file()]
+    if absent:
+        return f"{d} has no {', '.join(absent)}"
+    try:
+        built = json.loads((d / "stack.json").read_text())["sources"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{d / 'stack.json'} is missing or unreadable"
+    # In a source checkout (an editable install) the sources may have
+    # changed since the build: a stale library would judge with old code.
+    stale = [k for k, v in _source_digests().items() if built.get(k) != v]
+    if stale:
+        return f"it was built from other sources ({', '.join(stale)}) than these"
+    cudart = d / torch.cudart_soname
+    ref = next(iter((torch.torch_dir / "lib").glob("libc10_cuda.so*")), None)
+    if ref is not None and _machine(cudart) != _machine(ref):
+        return f"it is built for {_machine(cudart)}, torch for {_machine(ref)}"
+    if _dynamic_strings(cudart, "DT_SONAME") != [torch.cudart_soname]:
+        return f"{cudart.name}'s SONAME is not {torch.cudart_soname}"
+    nodes = set(cudart_imports) - version_definitions(cudart)
+    if nodes:
+        return f"torch {torch.version} needs the version node(s) {', '.join(sorted(nodes))} of {cudart.name}"
+    functions = set().union(set(), *cudart_imports.values()) - _imports(cudart)[2]
+    if functions:
+        return f"{cudart.name} lacks {', '.join(sorted(functions)[:4])}"
+    return ""
+
+
 def runtime_headers(torch: TorchInstall) -> Path:
     """The include directory of the CUDA runtime wheel of torch's CUDA
     release (``nvidia-cuda-runtime-cu12`` or ``nvidia-cuda-runtime``)."""
@@ -197,16 +295,29 @@ def runtime_headers(torch: TorchInstall) -> Path:
                          f"that release's headers: pip install --no-deps '{pkg}'", pkg)
 
 
-def _cc() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        raise FakeStackError("the fake CUDA stack is built with a C compiler, and none is on PATH (cc, gcc, clang)",
-                             "cc")
-    return cc
+def _cc(what: str = "the fake CUDA stack is built") -> list[str]:
+    """A C compiler: $CC, cc, gcc or clang on PATH, else the ziglang
+    package's ``zig cc`` (pip install ziglang: a compiler without root)."""
+    cc = os.environ.get("CC", "").split()
+    if cc and shutil.which(cc[0]):
+        return cc
+    found = next((shutil.which(n) for n in ("cc", "gcc", "clang") if shutil.which(n)), None)
+    if found:
+        return [found]
+    zig = _zig_cc()
+    if zig:
+        return zig
+    raise FakeStackError(f"{what} with a C compiler, and there is none: install one (cc, gcc, clang) or "
+                         "pip install ziglang", "cc")
 
 
-def _compile(cc: str, out: Path, sources: Iterable[Path], *flags: str) -> None:
-    cmd = [cc, "-O1", "-shared", "-fPIC", "-pthread", "-o", str(out), *map(str, sources), *flags]
+def _zig_cc() -> Optional[list[str]]:
+    """``zig cc`` of the ziglang package, when this Python has it."""
+    return [sys.executable, "-m", "ziglang", "cc"] if importlib.util.find_spec("ziglang") is not None else None
+
+
+def _compile(cc: list[str], out: Path, sources: Iterable[Path], *flags: str) -> None:
+    cmd = [*cc, "-O1", "-shared", "-fPIC", "-pthread", "-o", str(out), *map(str, sources), *flags]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise FakeStackError(f"building {out.name} failed: {r.stderr.strip().splitlines()[-1:]}", "compile")
@@ -240,19 +351,30 @@ def cudart_exports(lib: Path) -> set[str]:
 
 
 def build(torch: TorchInstall, cache: Optional[Path] = None) -> FakeStack:
-    """Builds (or finds in ``cache``) the fake stack for ``torch``."""
+    """Finds in ``cache``, or makes, the fake stack for ``torch``: the
+    prebuilt libraries when they serve it (nothing compiled), else compiled
+    here; plus, for a slim install, stand-ins for the NVIDIA libraries it
+    lacks (compiled here: they depend on the torch install)."""
     if not torch.cudart_soname:
         raise FakeStackError(f"torch {torch.version} at {torch.torch_dir} is a CPU-only build: the oracle needs a CUDA "
                              "build (pip install torch from PyPI on Linux is one)", "cuda build of torch")
-    headers = runtime_headers(torch)
-    driver = _driver_source()
+    prebuilt = [PREBUILT / n for n in ("libcuda.so.1", "libnvidia-ml.so.1", torch.cudart_soname)]
+    # The cheap part of prebuilt_problem() (the rest needs torch's imports).
+    unusable = ("GMP_ORACLE_PREBUILT=0" if os.environ.get("GMP_ORACLE_PREBUILT", "1") == "0" else
+                "" if all(p.is_file() for p in prebuilt) else f"the package has no {prebuilt[-1].name} in {PREBUILT}")
+    use_prebuilt = not unusable
     libs = _torch_libraries(torch.torch_dir)
     h = hashlib.sha256()
-    for src in [driver, *sorted(CSRC.rglob("*.[ch]")), Path(__file__)]:
+    # The key: what the stack is made of. The prebuilt libraries are
+    # themselves (a rebuilt package is another key); compiled ones are their
+    # sources and headers (the same ones if the prebuilt stack is refused).
+    for src in [*(prebuilt if use_prebuilt else []), *sorted(CSRC.rglob("*.[ch]")), Path(__file__)]:
         h.update(src.read_bytes())
+    driver_src = _CHECKOUT / "tests" / "csrc" / "fake_cuda.c"
+    if driver_src.is_file():
+        h.update(driver_src.read_bytes())
     h.update(str(torch.torch_dir).encode())
     h.update(torch.version.encode())
-    h.update(str(headers).encode())
     root = Path(cache or os.environ.get("GMP_ORACLE_CACHE") or Path.home() / ".cache" / "gpumempool" / "oracle")
     directory = root / f"torch-{torch.version}-{h.hexdigest()[:16]}"
     manifest = directory / "stack.json"
@@ -278,33 +400,42 @@ def build(torch: TorchInstall, cache: Optional[Path] = None) -> FakeStack:
         rpaths.update(_rpath_dirs(lib))
     own = {p.name for p in libs}
     cudart = versioned.get(torch.cudart_soname, {})
-    cc = _cc()
+    refused = prebuilt_problem(torch, cudart) if use_prebuilt else unusable
+    fake = {"libcuda.so.1", "libnvidia-ml.so.1", torch.cudart_soname}
+    absent = sorted(n for n in needed - own - fake if not _SYSTEM.match(n)
+                    and not any((d / n).exists() for d in rpaths))
     tmp = Path(tempfile.mkdtemp(prefix="build-", dir=_mkdir(root)))
     try:
-        _compile(cc, tmp / "libcuda.so.1", [driver], "-Wl,-soname,libcuda.so.1", "-ldl")
-        _compile(cc, tmp / "libnvidia-ml.so.1", [CSRC / "fake_nvml.c"], "-Wl,-soname,libnvidia-ml.so.1")
-        script = tmp / "cudart.map"
-        script.write_text("".join(f"{v} {{ global: cuda*; __cuda*; local: *; }};\n"
-                                  for v in sorted(cudart or {torch.cudart_soname: set()})))
-        major = torch.cuda_major
-        _compile(cc, tmp / torch.cudart_soname, [CSRC / "fake_cudart.c", CSRC / "cudart_props.c"],
-                 f"-I{CSRC}", f"-I{headers}", f"-DGMP_CUDART_VERSION={major * 1000}",
-                 f"-Wl,-soname,{torch.cudart_soname}", f"-Wl,--version-script={script}", "-fvisibility=hidden",
-                 f"-L{tmp}", "-l:libcuda.so.1", "-Wl,--disable-new-dtags,-rpath,$ORIGIN", "-ldl")
+        if not refused:
+            order = list(prebuilt)
+        else:
+            headers = runtime_headers(torch)
+            driver = _driver_source()
+            cc = _cc(f"the fake CUDA stack is not prebuilt for torch {torch.version} ({refused}): it is built")
+            _compile(cc, tmp / "libcuda.so.1", [driver], "-Wl,-soname,libcuda.so.1", "-ldl")
+            _compile(cc, tmp / "libnvidia-ml.so.1", [CSRC / "fake_nvml.c"], "-Wl,-soname,libnvidia-ml.so.1")
+            script = tmp / "cudart.map"
+            script.write_text("".join(f"{v} {{ global: cuda*; __cuda*; local: *; }};\n"
+                                      for v in sorted(cudart or {torch.cudart_soname: set()})))
+            major = torch.cuda_major
+            _compile(cc, tmp / torch.cudart_soname,
+                     [CSRC / "fake_cudart.c", CSRC / "cudart_props.c", tmp / "libcuda.so.1"],
+                     f"-I{CSRC}", f"-I{headers}", f"-DGMP_CUDART_VERSION={major * 1000}",
+                     f"-Wl,-soname,{torch.cudart_soname}", f"-Wl,--version-script={script}", "-fvisibility=hidden",
+                     "-Wl,--disable-new-dtags,-rpath,$ORIGIN", "-ldl")
+            order = [tmp / "libcuda.so.1", tmp / "libnvidia-ml.so.1", tmp / torch.cudart_soname]
         # Torch must find every runtime function it imports, or it would fail
         # to load with a message naming one of them.
         wanted = set().union(*cudart.values()) if cudart else set()
-        missing = sorted(wanted - cudart_exports(tmp / torch.cudart_soname))
+        missing = sorted(wanted - cudart_exports(order[2]))
         if missing:
             raise FakeStackError(f"torch {torch.version} imports {len(missing)} CUDA runtime function(s) the fake "
                                  f"runtime lacks: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}",
                                  ",".join(missing))
-        order = [tmp / "libcuda.so.1", tmp / "libnvidia-ml.so.1", tmp / torch.cudart_soname]
         # Stand-ins for the NVIDIA libraries a slim install lacks.
-        fake = {"libcuda.so.1", "libnvidia-ml.so.1", torch.cudart_soname}
-        absent = sorted(n for n in needed - own - fake if not _SYSTEM.match(n)
-                        and not any((d / n).exists() for d in rpaths))
         if absent:
+            cc = _cc(f"torch {torch.version} lacks {len(absent)} NVIDIA libraries ({', '.join(absent[:3])}"
+                     f"{', ...' if len(absent) > 3 else ''}: a slim install), and their stand-ins are built")
             common_names = {n for n in plain - defined if _NVIDIA_NAME.match(n)}
             (tmp / "common.c").write_text(_stub_source(common_names))
             _compile(cc, tmp / "libgmp_nvidia_common.so", [tmp / "common.c"], "-Wl,-soname,libgmp_nvidia_common.so")
@@ -313,15 +444,14 @@ def build(torch: TorchInstall, cache: Optional[Path] = None) -> FakeStack:
                 by_version = versioned.get(name, {})
                 src = tmp / f"{name}.c"
                 src.write_text(_stub_source(set().union(*by_version.values()) if by_version else set()))
-                flags = [f"-Wl,-soname,{name}", f"-L{tmp}", "-l:libgmp_nvidia_common.so",
-                         "-Wl,--disable-new-dtags,-rpath,$ORIGIN"]
+                flags = [f"-Wl,-soname,{name}", "-Wl,--disable-new-dtags,-rpath,$ORIGIN"]
                 if by_version:
                     # Each symbol in the version node torch asks it under.
                     vmap = tmp / f"{name}.map"
                     vmap.write_text("".join(f"{ver} {{ global: {'; '.join(sorted(names))}; }};\n"
                                             for ver, names in sorted(by_version.items())))
                     flags.append(f"-Wl,--version-script={vmap}")
-                _compile(cc, tmp / name, [src], *flags)
+                _compile(cc, tmp / name, [src, tmp / "libgmp_nvidia_common.so"], *flags)
                 order.append(tmp / name)
         if directory.exists():
             shutil.rmtree(directory, ignore_errors=True)
@@ -329,8 +459,9 @@ def build(torch: TorchInstall, cache: Optional[Path] = None) -> FakeStack:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    final = tuple(str(directory / p.name) for p in order)
-    manifest.write_text(json.dumps({"preload": final, "torch": torch.version, "torch_dir": str(torch.torch_dir)}))
+    final = tuple(str(directory / p.name) if p.parent == tmp else str(p) for p in order)
+    manifest.write_text(json.dumps({"preload": final, "torch": torch.version, "torch_dir": str(torch.torch_dir),
+                                    "prebuilt": not refused, "why_compiled": refused}))
     return FakeStack(directory, final, torch)
 
 

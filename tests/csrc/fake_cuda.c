@@ -88,6 +88,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #define EXPORT __attribute__((visibility("default")))
@@ -1158,6 +1159,19 @@ EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
     RETURN(CUDA_SUCCESS);
 }
 
+/* memfd_create(2) through syscall(2): glibc wraps it only from 2.27, and
+ * the oracle's copy of this driver in the manylinux wheels is built for
+ * glibc 2.17 (buildtools/gmp_oracle_stack.py). */
+static int fake_memfd_create(const char *name) {
+#ifdef SYS_memfd_create
+    return (int)syscall(SYS_memfd_create, name, 1u /* MFD_CLOEXEC */);
+#else
+    (void)name;
+    errno = ENOSYS;
+    return -1;
+#endif
+}
+
 /* A shareable handle is a memfd holding a tag and the id of what it names. */
 struct share_tag {
     char tag[8];
@@ -1165,7 +1179,7 @@ struct share_tag {
 };
 
 static int share_fd(const char *tag, int id) {
-    int fd = memfd_create(tag, MFD_CLOEXEC);
+    int fd = fake_memfd_create(tag);
     if (fd < 0) return -1;
     struct share_tag t;
     memset(&t, 0, sizeof(t));
@@ -1346,7 +1360,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, c
     /* Host NUMA memory is not charged to a device. */
     int dev = prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE ? prop->location.id : -1;
     if (dev >= 0 && dev_used[dev] + size > capacity) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
-    int fd = virt ? -1 : memfd_create("fakevmm", MFD_CLOEXEC);
+    int fd = virt ? -1 : fake_memfd_create("fakevmm");
     if (!virt && fd < 0) RETURN(CUDA_ERROR_OUT_OF_MEMORY);
     if (!virt && ftruncate(fd, (off_t)size) != 0) {
         close(fd);

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,14 @@ SYSTEM_LIBS = {"libc.so.6", "libdl.so.2", "libpthread.so.0", "ld-linux-x86-64.so
 MiB = 1 << 20
 
 
+def _source_functions() -> set[str]:
+    """The functions fake_cudart.c defines (EXPORT) or stubs (GMP_STUBS)."""
+    text = (_stack.CSRC / "fake_cudart.c").read_text()
+    names = set(re.findall(r"^EXPORT [^(]*?\b(\w+)\(", text, re.M))
+    stubs = re.search(r"#define GMP_STUBS\(X\)(.*?)\n\n", text, re.S)
+    return names | set(re.findall(r"X\((\w+)\)", stubs.group(1) if stubs else ""))
+
+
 def _check_stack(d: Path) -> None:
     """d holds the driver, NVML and both runtimes, with the SONAMEs and
     version nodes torch's libraries ask for, depending on nothing but libc
@@ -54,9 +63,9 @@ def _check_stack(d: Path) -> None:
         assert "libcuda.so.1" in _stack._needed(lib) and _stack._rpath_dirs(lib) == [d]
     # every runtime function the sources define is in one runtime or both
     # (CUDA 13 dropped cudaStreamGetCaptureInfo_v2: only 12's has it)
-    exports = {major: _stack._imports(d / soname)[2] for major, soname in MAJORS.items()}
-    assert _stack.cudart_exports() <= exports[12]
-    assert _stack.cudart_exports() - exports[13] == {"cudaStreamGetCaptureInfo_v2"}
+    exports = {major: _stack.cudart_exports(d / soname) for major, soname in MAJORS.items()}
+    assert _source_functions() <= exports[12]
+    assert _source_functions() - exports[13] == {"cudaStreamGetCaptureInfo_v2"}
     assert {"cuInit", "cuMemAddressReserve", "fake_cuda_complete_stream"} <= _stack._imports(d / "libcuda.so.1")[2]
 
 

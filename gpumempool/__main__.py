@@ -657,6 +657,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _trace_input_options(cmd: argparse.ArgumentParser) -> None:
+    """The options of the commands that read a trace: its format, torch
+    snapshots' empty_cache inference, the progress bar, JSON output."""
+    cmd.add_argument("--format", choices=("auto", "trace", "snapshot"), default="auto",
+                     help="input format (default: by extension and content)")
+    cmd.add_argument("--no-infer-empty-cache", action="store_true",
+                     help="torch snapshots: do not treat released segments outside an allocation as empty_cache()")
+    cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cmd.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .replay import POLICY_KEYS
 
@@ -694,13 +705,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--no-recorded-addresses", action="store_true",
                      help="do not put segments in the address order the recording's device gave them (the "
                      "trace's S records); best fit then breaks ties by the simulated device's own order")
-    rep.add_argument("--format", choices=("auto", "trace", "snapshot"), default="auto",
-                     help="input format (default: by extension and content)")
-    rep.add_argument("--no-infer-empty-cache", action="store_true",
-                     help="torch snapshots: do not treat released segments outside an allocation as empty_cache()")
     rep.add_argument("--save-trace", metavar="OUT", help="also write the (imported) trace as a gmptrace file")
-    rep.add_argument("--no-progress", action="store_true", help="no progress bar")
-    rep.add_argument("--json", action="store_true", help="print the result as JSON")
+    _trace_input_options(rep)
     rep.set_defaults(func=_cmd_replay)
 
     tun = sub.add_parser(
@@ -729,12 +735,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--verify: where torch runs (default auto: the GPU when it has room)")
     tun.add_argument("--torch-version", metavar="X.Y",
                      help="the torch whose allocator to model (default: the installed one, else the newest judged)")
-    tun.add_argument("--format", choices=("auto", "trace", "snapshot"), default="auto",
-                     help="input format (default: by extension and content)")
-    tun.add_argument("--no-infer-empty-cache", action="store_true",
-                     help="torch snapshots: do not treat released segments outside an allocation as empty_cache()")
-    tun.add_argument("--no-progress", action="store_true", help="no progress bar")
-    tun.add_argument("--json", action="store_true", help="print the result as JSON")
+    _trace_input_options(tun)
     tun.set_defaults(func=_cmd_tune)
 
     orc = sub.add_parser(
@@ -754,12 +755,7 @@ def build_parser() -> argparse.ArgumentParser:
     orc.add_argument("--devices", type=_positive, help="devices (default: as many as the trace uses)")
     orc.add_argument("--compare", action="store_true", help="compare with the engine, event by event")
     orc.add_argument("--points", action="store_true", help="--json: include torch's figures after every event")
-    orc.add_argument("--format", choices=("auto", "trace", "snapshot"), default="auto",
-                     help="input format (default: by extension and content)")
-    orc.add_argument("--no-infer-empty-cache", action="store_true",
-                     help="torch snapshots: do not treat released segments outside an allocation as empty_cache()")
-    orc.add_argument("--no-progress", action="store_true", help="no progress bar")
-    orc.add_argument("--json", action="store_true", help="print the result as JSON")
+    _trace_input_options(orc)
     orc.set_defaults(func=_cmd_oracle)
 
     plot = sub.add_parser(

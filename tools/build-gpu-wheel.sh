@@ -123,33 +123,26 @@ else
   say "note: could not build benchmarks/backendbench: gpu-check.sh's bench stage will fail"
 fi
 
-if [[ -z "${GMP_NO_TQDM_WHEEL:-}" ]]; then
+# fetch_pure_wheel NAME WHAT-FOR IF-MISSING: a pure-Python wheel the device
+# (no internet) may lack, downloaded once into the wheelhouse.
+fetch_pure_wheel() {
+  local have
   shopt -s nullglob
-  have_tqdm=("$WHEELHOUSE"/tqdm-*.whl)
+  have=("$WHEELHOUSE"/"$1"-*.whl)
   shopt -u nullglob
-  if [[ ${#have_tqdm[@]} -eq 0 ]]; then
-    if "$VENV/bin/pip" download -q --disable-pip-version-check --no-deps --only-binary=:all: \
-        --python-version 3.12 tqdm -d "$WHEELHOUSE" >"$TMP/tqdm.log" 2>&1; then
-      say "added a tqdm wheel (fallback for the device, which has no internet)"
-    else
-      say "note: could not download a tqdm wheel (offline?); the device must already have tqdm"
-    fi
-  fi
-fi
-
-# pyelftools (pure Python): the torch oracle reads torch's libraries with it
-# (gpu-check.sh's oracle stage), and the device cannot fetch it.
-shopt -s nullglob
-have_elf=("$WHEELHOUSE"/pyelftools-*.whl)
-shopt -u nullglob
-if [[ ${#have_elf[@]} -eq 0 ]]; then
+  [[ ${#have[@]} -gt 0 ]] && return 0
   if "$VENV/bin/pip" download -q --disable-pip-version-check --no-deps --only-binary=:all: \
-      --python-version 3.12 pyelftools -d "$WHEELHOUSE" >"$TMP/pyelftools.log" 2>&1; then
-    say "added a pyelftools wheel (the oracle stage's, for the device without internet)"
+      --python-version 3.12 "$1" -d "$WHEELHOUSE" >"$TMP/$1.log" 2>&1; then
+    say "added a $1 wheel ($2, for the device, which has no internet)"
   else
-    say "note: could not download a pyelftools wheel (offline?); gpu-check.sh's oracle stage will fail"
+    say "note: could not download a $1 wheel (offline?); $3"
   fi
-fi
+}
+
+# tqdm: gpumempool's dependency, usually on the device already (transformers).
+[[ -z "${GMP_NO_TQDM_WHEEL:-}" ]] && fetch_pure_wheel tqdm "a fallback" "the device must already have tqdm"
+# pyelftools: the torch oracle reads torch's libraries with it (gpu-check.sh's oracle stage).
+fetch_pure_wheel pyelftools "the oracle stage's" "gpu-check.sh's oracle stage will fail"
 
 if [[ -z "${GMP_NO_RMM_WHEELS:-}" ]]; then
   # Resolved for the device (CPython 3.12, x86-64 manylinux); numpy is left

@@ -331,6 +331,14 @@ func (p *Pool) shrinkTailLocked(d *deviceState, s *segment) (uint64, error) {
 	d.stats.NumDeviceFree++
 	p.addReserved(d, s.kind, -int64(released))
 	p.syncOversize(d, s)
+	if s.holes == s.size {
+		// The tail was all that was mapped (the rest are holes that
+		// unmapFreePagesLocked made): nothing is left, so the segment goes
+		// whole, as there.
+		if err := p.releaseSegmentLocked(d, s); err != nil {
+			return released, err
+		}
+	}
 	return released, nil
 }
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from gpumempool.oracle import FakeStackError, OracleError, _stack, adversarial, fidelity, run
-from gpumempool.trace import Alloc, Free, Trace, from_torch_snapshot, load_trace
+from gpumempool.trace import Alloc, EmptyCache, Free, RecordStream, Sync, Trace, from_torch_snapshot, load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "benchmarks" / "traces"
@@ -174,6 +174,22 @@ def test_multi_device_snapshot_matches(torch_python: str, cache: str, conf: str)
     theirs = run(trace, conf, python=torch_python, cache=cache)
     assert {p.device for p in theirs.points} == {0, 1, 2}
     c = fidelity.diff(theirs, fidelity.engine_points(trace, conf, torch_version=theirs.torch_version))
+    assert c.exact, c.describe()
+
+
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True"])
+def test_empty_cache_releases_another_devices_segments(torch_python: str, cache: str, conf: str) -> None:
+    """empty_cache() and the wait for pending frees reach every device,
+    whichever one is current: CUDA frees another device's memory and waits
+    on its events and streams, and the fake stack must too (it failed with
+    "CUDA error" when device 1's segments went while device 0 was current)."""
+    trace = Trace(events=[
+        Alloc(1, 30 * MiB, 0x1000, 1), RecordStream(1, 0x2000), Free(1), Alloc(2, 3 * MiB, 0, 0), EmptyCache(),
+        Alloc(3, 30 * MiB, 0x1000, 1), Free(3), Sync(None), Alloc(4, 5 * MiB, 0, 0), EmptyCache(), Free(2), Free(4)])
+    theirs = run(trace, conf, python=torch_python, capacity=4 * GiB, cache=cache)
+    assert [p.device for p in theirs.points] == [1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0]
+    c = fidelity.diff(theirs, fidelity.engine_points(trace, conf, capacity=4 * GiB,
+                                                     torch_version=theirs.torch_version))
     assert c.exact, c.describe()
 
 

@@ -266,6 +266,15 @@ def test_trim_has_no_torch_counterpart() -> None:
         events_of(Trace(events=[Alloc(1, 512), Trim(0, 0)]))
 
 
+def test_a_zero_byte_allocation_is_nothing_as_in_torch() -> None:
+    """torch.empty(0) on CUDA reserves and allocates nothing (the oracle's
+    torch gives zeros for it, and a later free of it is nothing); the
+    engine's side of the comparison must not refuse the trace."""
+    pts = fidelity.engine_points(Trace(events=[Alloc(1, 0), Alloc(2, 100), Free(1), Free(2)]), capacity=4 * GiB)
+    assert [(p.reserved, p.allocated, p.segments) for p in pts] == [
+        (0, 0, 0), (2 * MiB, 512, 1), (2 * MiB, 512, 1), (2 * MiB, 0, 1)]
+
+
 def test_adversarial_traces_are_seeded_and_valid() -> None:
     for kind in adversarial.KINDS:
         a, b = adversarial.make(kind, 1), adversarial.make(kind, 1)

@@ -202,6 +202,33 @@ def test_a_runtime_function_the_fake_lacks_is_named(torch_python: str, tmp_path:
     assert err.value.missing == "cudaMalloc,cudaStreamSynchronize"
 
 
+def test_a_build_that_finishes_second_leaves_the_first_in_place(torch_python: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes building the same stack at once (pytest-xdist, the
+    fidelity matrix, two shells): the one that finishes second must not
+    delete the stack the first returned, which its child may be loading;
+    it uses it (or its own) and leaves no build directory behind."""
+    torch = _stack.find_torch(torch_python)
+    real = _stack._compile
+    first: list[_stack.FakeStack] = []
+    inodes: dict[str, int] = {}
+
+    def racing(*args: Any, **kwargs: Any) -> None:
+        if not first:  # another process builds the whole stack meanwhile
+            monkeypatch.setattr(_stack, "_compile", real)
+            first.append(_stack.build(torch, tmp_path))
+            inodes.update({p: os.stat(p).st_ino for p in first[0].preload})
+            monkeypatch.setattr(_stack, "_compile", racing)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(_stack, "_compile", racing)
+    second = _stack.build(torch, tmp_path)
+    assert first and second.preload == first[0].preload
+    assert [d.name for d in tmp_path.iterdir()] == [first[0].directory.name]
+    assert {p: os.stat(p).st_ino for p in second.preload} == inodes
+    assert json.loads((second.directory / "stack.json").read_text())["preload"] == list(second.preload)
+
+
 def test_oracle_cli_compares(torch_python: str, cache: str) -> None:
     env = {**os.environ, "GMP_ORACLE_CACHE": cache, "PYTHONSAFEPATH": "1"}
     cmd = [sys.executable, "-m", "gpumempool", "oracle", str(TRACES / "cnn-train.trace.gz"), "--python",

@@ -162,6 +162,23 @@ def test_settings_reach_torch_under_the_variable_it_reads(torch_python: str, cac
     assert rounded.env_var == ("PYTORCH_CUDA_ALLOC_CONF" if _older_than(torch_python, 2, 10) else "PYTORCH_ALLOC_CONF")
 
 
+def test_the_callers_environment_does_not_change_torchs_allocator(torch_python: str, cache: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the caller's shell sets for torch or the fake driver stays out of
+    the child: PYTORCH_NO_CUDA_MEMORY_CACHING would turn torch's cache off
+    (every free back to cudaFree), FAKE_CUDA_DEVICES and FAKE_CUDA_VISIBLE_ORDER
+    change the fake devices, FAKE_CUDA_DRIVER_VERSION the driver torch sees."""
+    monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+    monkeypatch.setenv("FAKE_CUDA_VISIBLE_ORDER", "1,0")
+    monkeypatch.setenv("FAKE_CUDA_DRIVER_VERSION", "11000")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
+    trace = Trace(events=[Alloc(1, 100), Free(1), Alloc(2, 100, device=1)])
+    theirs = run(trace, python=torch_python, capacity=4 * GiB, cache=cache)
+    assert [(p.device, p.reserved, p.allocated) for p in theirs.points] == [
+        (0, 2 * MiB, 512), (0, 2 * MiB, 0), (1, 2 * MiB, 512)]
+
+
 @pytest.mark.parametrize("conf", ["", "expandable_segments:True"])
 def test_multi_device_snapshot_matches(torch_python: str, cache: str, conf: str) -> None:
     """An external snapshot recorded on three GPUs with expandable segments,

@@ -128,13 +128,24 @@ def _env_var(version: str) -> str:
     return "PYTORCH_ALLOC_CONF" if (major, minor) >= (2, 10) else "PYTORCH_CUDA_ALLOC_CONF"
 
 
+#: What a user's shell may set that changes torch's caching allocator: the
+#: settings (the oracle passes its own) and the switch that turns it off.
+_TORCH_ALLOCATOR_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING")
+
+
+def _clean_env() -> dict[str, str]:
+    """This process's environment without what changes torch's allocator."""
+    return {k: v for k, v in os.environ.items() if k not in _TORCH_ALLOCATOR_VARS}
+
+
 def torch_env(stack: FakeStack, alloc_conf: str, capacity: int, devices: int) -> dict[str, str]:
     """The child's environment: the fake driver's devices, their size and
     its virtual-memory mode, and the settings under the variable this torch
-    reads (the other one removed, so that what the caller's shell has set
-    cannot leak in)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "LD_PRELOAD", "CUDA_VISIBLE_DEVICES")}
+    reads (the other one, PYTORCH_NO_CUDA_MEMORY_CACHING and the fake
+    driver's FAKE_CUDA_* variables removed, so that what the caller's shell
+    has set cannot leak in)."""
+    env = {k: v for k, v in _clean_env().items()
+           if k not in ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES") and not k.startswith("FAKE_CUDA_")}
     env.update(FAKE_CUDA_VIRTUAL="1", FAKE_CUDA_DEVICES=str(devices), FAKE_CUDA_CAPACITY=str(capacity),
                PYTHONSAFEPATH="1", PYTHONWARNINGS="ignore")
     if alloc_conf:
@@ -178,7 +189,7 @@ def run(
     torch = find_torch(python or sys.executable)
     if real_gpu:
         stack = FakeStack(Path(), (), torch)
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+        env = _clean_env()
         if alloc_conf:
             env[_env_var(torch.version)] = alloc_conf
     else:

@@ -246,6 +246,18 @@ def test_a_build_that_finishes_second_leaves_the_first_in_place(torch_python: st
     assert json.loads((second.directory / "stack.json").read_text())["preload"] == list(second.preload)
 
 
+def test_torch_aborting_is_reported_by_its_message(torch_python: str, cache: str) -> None:
+    """A setting torch cannot parse makes it abort (a C++ exception while it
+    reads the variable) with a stack of frames on stderr: the error is
+    torch's own message, not the last of those frames."""
+    with pytest.raises(OracleError) as err:
+        run(Trace(events=[Alloc(1, 100), Free(1)]), "expandable_segments", python=torch_python, capacity=4 * GiB,
+            cache=cache)
+    msg = str(err.value)
+    assert "frame #" not in msg and "\n" not in msg
+    assert "config" in msg.lower() or "settings" in msg, msg
+
+
 def test_oracle_cli_compares(torch_python: str, cache: str) -> None:
     env = {**os.environ, "GMP_ORACLE_CACHE": cache, "PYTHONSAFEPATH": "1"}
     cmd = [sys.executable, "-m", "gpumempool", "oracle", str(TRACES / "cnn-train.trace.gz"), "--python",

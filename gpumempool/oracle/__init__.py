@@ -208,10 +208,9 @@ def run(
                               stack.torch.version) from None
         seconds = time.perf_counter() - start
         if not res.is_file():
-            tail = proc.stderr.strip().splitlines()
             where = "the GPU" if real_gpu else "the fake CUDA stack"
             raise OracleError(f"torch {stack.torch.version} on {where} exited with {proc.returncode}: "
-                              f"{tail[-1] if tail else 'no message'}", stack.torch.version)
+                              f"{_death_message(proc.stderr)}", stack.torch.version)
         out = json.loads(res.read_text())
     if out.get("error"):
         ev = -1
@@ -226,6 +225,18 @@ def run(
         torch_version=str(out["torch"]), alloc_conf=alloc_conf, capacity=capacity, fraction=fraction,
         points=[Point(*p) for p in out["points"]], oom_events=list(out["oom_events"]), seconds=seconds,
         env_var=_env_var(stack.torch.version), stderr=proc.stderr)
+
+
+def _death_message(stderr: str) -> str:
+    """One line saying why the child died: the message of the C++ exception
+    torch aborted with (``what():``, not the stack of frames printed after
+    it), else the last line that is not one of those frames."""
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.startswith("what():"):
+            return ln[len("what():"):].strip() or "no message"
+    rest = [ln for ln in lines if not ln.startswith("frame #")]
+    return rest[-1] if rest else "no message"
 
 
 def _load(path: Path) -> Union[Trace, TraceFile]:

@@ -411,6 +411,42 @@ def test_tune_verify_puts_torch_beside_the_prediction(torch_python: str, cache: 
     assert "events equal" in r.stdout
 
 
+def test_tune_verify_on_a_gpu_sets_the_limit_against_the_gpus_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, torch's memory fraction is a share of that GPU's memory, not
+    of the device the trace was recorded on: tune's 40 GiB limit on a 141 GiB
+    GPU is a fraction of 40/141, and the engine beside it models that GPU."""
+    import types
+
+    import gpumempool
+    from gpumempool.oracle import OracleResult, Point
+    from gpumempool.oracle import verify as verify_mod
+
+    gpu_total = 141 * GiB
+    monkeypatch.setattr(gpumempool, "device_info",
+                        lambda: {"devices": [{"total": gpu_total, "free": 120 * GiB}]})
+    seen: dict[str, Any] = {}
+
+    def fake_run(trace: Any, conf: str, **kw: Any) -> OracleResult:
+        seen["run"] = kw
+        return OracleResult("2.11.0", conf, kw["capacity"], kw["fraction"], [Point(0, 2 * MiB, 512, 1, 0, 0)], [], 0.0)
+
+    def fake_engine(trace: Any, conf: str, **kw: Any) -> list[Point]:
+        seen["engine"] = kw
+        return [Point(0, 2 * MiB, 512, 1, 0, 0)]
+
+    monkeypatch.setattr(verify_mod, "run", fake_run)
+    monkeypatch.setattr(verify_mod, "engine_points", fake_engine)
+    trace = Trace(events=[Alloc(1, 100)], meta={"capacity": 80 * GiB})
+    default = types.SimpleNamespace(alloc_conf="", limit=40 * GiB, settings={}, peak_reserved=2 * MiB,
+                                    describe=lambda: "defaults",
+                                    result=types.SimpleNamespace(alloc_retries=0, ooms=0))
+    result = types.SimpleNamespace(default=default, top=lambda n: [default])
+    rows = verify_mod.verify(result, trace, n=1, on="auto")
+    assert rows[0].on == "GPU" and seen["run"]["real_gpu"]
+    assert int(seen["run"]["fraction"] * gpu_total) == 40 * GiB
+    assert seen["engine"]["capacity"] == gpu_total and seen["engine"]["fraction"] == seen["run"]["fraction"]
+
+
 def test_oracle_gpu_script_dry_run(torch_python: str, cache: str, tmp_path: Path) -> None:
     """benchmarks/oracle_gpu.py (gpu-check.sh's oracle stage) runs its fake
     side here; the GPU side needs the device machine."""

@@ -447,6 +447,19 @@ def test_tune_verify_on_a_gpu_sets_the_limit_against_the_gpus_memory(monkeypatch
     assert seen["engine"]["capacity"] == gpu_total and seen["engine"]["fraction"] == seen["run"]["fraction"]
 
 
+@pytest.mark.parametrize("n", ["-1", "0", "x"])
+def test_tune_verify_wants_a_positive_count(n: str, tmp_path: Path) -> None:
+    """tune --verify N replays the default and the best N settings: a count
+    that is not positive is a usage error, before anything is replayed
+    (-1 replayed every distinct setting tune found through torch)."""
+    path = tmp_path / "t.trace.gz"
+    Trace(events=[Alloc(1, 100), Free(1)]).save(path)
+    r = subprocess.run([sys.executable, "-m", "gpumempool", "tune", str(path), "--verify", n, "--no-progress",
+                        "--jobs", "1"], capture_output=True, text=True, cwd="/", env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--verify" in r.stderr and "Traceback" not in r.stderr and r.stdout == ""
+
+
 def test_oracle_gpu_script_dry_run(torch_python: str, cache: str, tmp_path: Path) -> None:
     """benchmarks/oracle_gpu.py (gpu-check.sh's oracle stage) runs its fake
     side here; the GPU side needs the device machine."""

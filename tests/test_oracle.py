@@ -136,6 +136,17 @@ def test_record_stream_keeps_a_block_until_its_stream_completes(torch_python: st
     assert fidelity.diff(r, fidelity.engine_points(trace, torch_version=r.torch_version)).exact
 
 
+@pytest.mark.parametrize("first", [Sync(0), Sync(None), EmptyCache(), Free(9)], ids=["sync", "sync-all", "empty", "free"])
+def test_a_trace_may_start_with_any_event(torch_python: str, cache: str, first: Any) -> None:
+    """A trace that begins with something other than an allocation (a
+    recording started mid-run, a sync) replays: torch's figures before its
+    first allocation are zeros, as the engine's are (it failed with
+    "Invalid device argument": the stats were read before CUDA started)."""
+    trace = Trace(events=[first, Alloc(1, 100), Free(1)])
+    c = fidelity.compare(trace, python=torch_python, capacity=4 * GiB, cache=cache)
+    assert c.exact and c.total == 3, c.describe()
+
+
 def test_out_of_memory_is_an_event(torch_python: str, cache: str) -> None:
     """A request larger than the device is torch's OOM at that event, and the
     run goes on; a memory fraction is torch's limit."""

@@ -121,6 +121,19 @@ def test_memory_pressure_matches_torch(torch_python: str, cache: str, conf: str,
     assert c.exact, c.describe()
 
 
+@pytest.mark.parametrize("fraction", [0.8, 0.95])
+def test_expandable_pressure_maps_into_older_segments(torch_python: str, cache: str, fraction: float) -> None:
+    """Pressure seed 7 leaves two expandable segments on the stream, the
+    older with a free block before a hole that holds a 665 MiB request:
+    torch maps 60 MiB there (its search covers every segment of the stream,
+    lowest address first), where the engine mapped 680 MiB at the end of
+    the newer one (event 491 at 0.8, 1771 at 0.95)."""
+    trace = adversarial.make("pressure", 7)
+    c = fidelity.compare(trace, "expandable_segments:True", python=torch_python, capacity=trace.meta["capacity"],
+                         fraction=fraction, cache=cache)
+    assert c.exact, c.describe()
+
+
 def test_record_stream_keeps_a_block_until_its_stream_completes(torch_python: str, cache: str) -> None:
     """A block used on another stream comes back only after that stream's
     work is done (manual event completion in the fake driver): torch makes a

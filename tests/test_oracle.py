@@ -355,6 +355,20 @@ def test_a_zero_byte_allocation_is_nothing_as_in_torch() -> None:
         (0, 0, 0), (2 * MiB, 512, 1), (2 * MiB, 512, 1), (2 * MiB, 0, 1)]
 
 
+def test_retries_and_ooms_count_every_device() -> None:
+    """Torch counts retries and OOMs per device, and each point carries its
+    device's: the run's figures add the last of each device, not the last
+    point's alone (a retry on device 1 of a trace that ends on device 0
+    was lost from `oracle` and `tune --verify`)."""
+    from gpumempool.oracle import OracleResult, Point
+
+    r = OracleResult("2.11.0", "", 4 * GiB, 0.5, [
+        Point(1, 20 * MiB, 20 * MiB, 1, 1, 0), Point(1, 20 * MiB, 20 * MiB, 1, 2, 1), Point(0, 2 * MiB, 512, 1, 0, 0),
+        Point(0, 2 * MiB, 512, 1, 1, 0)], [1], 0.0)
+    assert (r.retries, r.ooms) == (3, 1)
+    assert r.as_dict()["retries"] == 3 and r.as_dict()["ooms"] == 1
+
+
 def test_adversarial_traces_are_seeded_and_valid() -> None:
     for kind in adversarial.KINDS:
         a, b = adversarial.make(kind, 1), adversarial.make(kind, 1)

@@ -337,7 +337,7 @@ def _cmd_oracle(args: argparse.Namespace) -> int:
         ("device", format_bytes(r.capacity) + (f", memory fraction {r.fraction}" if r.fraction else "")),
         ("events", f"{len(r.points):,}"),
         ("peak reserved", format_bytes(r.peak_reserved)),
-        ("alloc retries", f"{r.points[-1].retries if r.points else 0:,}"),
+        ("alloc retries", f"{r.retries:,}"),
         ("out of memory", f"{len(r.oom_events):,}" + (f" (first at event {r.oom_events[0]})" if r.oom_events else "")),
     ]
     print(_table(rows))

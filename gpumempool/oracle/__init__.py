@@ -89,11 +89,28 @@ class OracleResult:
     def peak_reserved(self) -> int:
         return max((p.reserved for p in self.points), default=0)
 
+    def _last_per_device(self) -> list[Point]:
+        last: dict[int, Point] = {}
+        for p in self.points:
+            last[p.device] = p
+        return list(last.values())
+
+    @property
+    def retries(self) -> int:
+        """Torch's allocation retries, every device's (each point carries
+        its device's count so far)."""
+        return sum(p.retries for p in self._last_per_device())
+
+    @property
+    def ooms(self) -> int:
+        """Torch's out-of-memory errors, every device's."""
+        return sum(p.ooms for p in self._last_per_device())
+
     def as_dict(self) -> dict[str, Any]:
         return {"torch": self.torch_version, "alloc_conf": self.alloc_conf, "env_var": self.env_var,
                 "capacity": self.capacity, "fraction": self.fraction, "events": len(self.points),
-                "peak_reserved": self.peak_reserved, "ooms": len(self.oom_events),
-                "retries": self.points[-1].retries if self.points else 0, "seconds": round(self.seconds, 3)}
+                "peak_reserved": self.peak_reserved, "ooms": self.ooms,
+                "retries": self.retries, "seconds": round(self.seconds, 3)}
 
 
 def events_of(trace: Union[Trace, TraceFile]) -> list[list[Any]]:

@@ -85,12 +85,11 @@ def verify(result: Any, trace: Union[Trace, TraceFile], *, n: int = 3, python: O
         theirs = run(trace, conf, python=python, capacity=capacity, fraction=fraction, real_gpu=real_gpu)
         ours = engine_points(trace, conf, capacity=capacity, fraction=fraction, torch_version=theirs.torch_version)
         d = diff(theirs, ours)
-        last_t = theirs.points[-1] if theirs.points else None
         out.append(Verified(
             settings=c.describe(), alloc_conf=conf, predicted_peak=c.peak_reserved,
             torch_peak=d.torch_peak_reserved, predicted_retries=c.result.alloc_retries,
-            torch_retries=last_t.retries if last_t else 0, predicted_ooms=c.result.ooms,
-            torch_ooms=last_t.ooms if last_t else 0, matched=d.matched, total=d.total,
+            torch_retries=theirs.retries, predicted_ooms=c.result.ooms,
+            torch_ooms=theirs.ooms, matched=d.matched, total=d.total,
             torch_version=theirs.torch_version, on="GPU" if real_gpu else "fake CUDA stack"))
         if progress is not None:
             progress(i + 1, len(cands))

@@ -3,6 +3,7 @@ package gocore
 import (
 	"errors"
 	"fmt"
+	"sort"
 )
 
 // Alloc returns the address of a block of at least size bytes on device dev,
@@ -374,25 +375,21 @@ func (p *Pool) reserveLocked(d *deviceState, kind poolKind) uint64 {
 	return r
 }
 
-// growLocked serves a request from the stream's growing segment of the
-// pool kind, as torch's find_expandable_block and map_block do: from the
-// lowest address where free blocks and unmapped space (holes a PageMapper
-// left, then the segment's end) together hold it, it maps pages (mapping
-// into holes, growing the segment at its end) and returns the free block
-// they make, taken out of the free lists. It returns (nil, nil) when the
-// stream has no growing segment there yet or its reservation has no room
-// for the request (torch then makes a new segment), and an error wrapping
-// ErrBackendOutOfMemory when the backend refuses the pages; pages mapped
-// before stay, as a free block. The caller checked the limit
+// growLocked serves a request from the stream's expandable segments of
+// the pool kind, as torch's find_expandable_block and map_block do: from
+// the lowest address, over all of them, where free blocks and unmapped
+// space (holes a PageMapper left, then a segment's end) together hold it,
+// it maps pages (mapping into holes, growing the segment at its end) and
+// returns the free block they make, taken out of the free lists. It
+// returns (nil, nil) when the stream has no expandable segment there yet or
+// none has room for the request (torch then makes a new segment), and an
+// error wrapping ErrBackendOutOfMemory when the backend refuses the pages;
+// pages mapped before stay, as a free block. The caller checked the limit
 // (obtainLocked).
 func (p *Pool) growLocked(d *deviceState, rounded uint64, kind poolKind, stream Stream) (*block, error) {
-	seg := d.growing[growKey{stream, kind}]
-	if seg == nil {
-		return nil, nil
-	}
-	c, ok := expandableCandidate(seg, rounded, p.reserveLocked(d, kind))
+	seg, c, ok := p.expandableTargetLocked(d, rounded, kind, stream)
 	if !ok {
-		return nil, nil // torch makes a new segment: this one's reservation is too small
+		return nil, nil // torch makes a new segment: no reservation has room
 	}
 	page := p.expandPage(kind)
 	f := d.freeList(stream)
@@ -450,6 +447,34 @@ func (p *Pool) growLocked(d *deviceState, rounded uint64, kind poolKind, stream 
 		}
 	}
 	return cur, nil
+}
+
+// expandableTargetLocked is the segment and the place in it (see
+// expandableCandidate) where torch's find_expandable_block maps pages for a
+// request of rounded bytes on stream in the pool kind: torch looks through
+// the unmapped blocks of every expandable segment of the stream there,
+// lowest address first, so an older segment's hole comes before the newest
+// segment's end. ok is false when none has room.
+func (p *Pool) expandableTargetLocked(d *deviceState, rounded uint64, kind poolKind, stream Stream) (seg *segment, c *block, ok bool) {
+	reserve := p.reserveLocked(d, kind)
+	segs := d.expScratch[:0]
+	for _, s := range d.segments {
+		if s.expandable && s.stream == stream && s.kind == kind {
+			segs = append(segs, s)
+		}
+	}
+	if len(segs) > 1 {
+		sort.Slice(segs, func(i, j int) bool { return segs[i].addr < segs[j].addr })
+	}
+	for _, s := range segs {
+		if c, ok = expandableCandidate(s, rounded, reserve); ok {
+			seg = s
+			break
+		}
+	}
+	clear(segs)
+	d.expScratch = segs[:0]
+	return seg, c, ok
 }
 
 // expandableCandidate is where torch's find_expandable_block starts to map

@@ -196,6 +196,9 @@ type deviceState struct {
 	// growing is the expandable segment each stream grows in each pool
 	// kind, as torch keeps one per stream in its small and large pools.
 	growing map[growKey]*segment
+	// expScratch is growLocked's list of a stream's expandable segments,
+	// kept to spare an allocation per miss.
+	expScratch []*segment
 	// reserve is the address space torch reserves for an expandable
 	// segment of each pool kind on this device (0 until first needed).
 	reserve [3]uint64

@@ -1947,3 +1947,38 @@ func TestTrimShrinksTheLargestFreeTailsFirst(t *testing.T) {
 	}
 	assert.Equal(t, map[uint64]uint64{0: 40 * MiB, 1: 20 * MiB}, sizes)
 }
+
+// Torch's find_expandable_block looks at every expandable segment of the
+// stream and pool, lowest address first, not only the newest: a request
+// that no cached block serves maps pages into the first hole (or free
+// block and hole, or tail) of any of them that has room. Here the older
+// segment's first hole takes it, though the newer segment could grow.
+func TestExpandableMapsIntoAnOlderSegmentsHole(t *testing.T) {
+	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 1024 * MiB}, Config{})
+	var xs, ys []uint64
+	for i := 0; i < 3; i++ { // 300 MiB blocks between 20 MiB ones: 960 MiB of the 1,160 MiB reservation
+		xs = append(xs, mustAlloc(t, p, 300*MiB, 0, 0))
+		ys = append(ys, mustAlloc(t, p, 20*MiB, 0, 0))
+	}
+	for _, x := range xs {
+		require.NoError(t, p.Free(x))
+	}
+	_, err := p.EmptyCache() // three 300 MiB holes
+	require.NoError(t, err)
+	assert.EqualValues(t, 60*MiB, stats(t, p).ReservedBytes[0].Current)
+	// No hole of the first segment and not its 200 MiB of room at the end
+	// holds 400 MiB: a second segment.
+	c := mustAlloc(t, p, 400*MiB, 0, 0)
+	assert.Len(t, p.Snapshot(), 2)
+	assert.Greater(t, c, ys[2])
+	// 250 MiB fits the first segment's first hole, the lowest address that
+	// has room: torch maps it there, not at the end of the second segment.
+	maps := be.Stats().Maps
+	d := mustAlloc(t, p, 250*MiB, 0, 0)
+	assert.Equal(t, xs[0], d)
+	assert.Equal(t, maps+1, be.Stats().Maps, "mapped into the hole")
+	assert.EqualValues(t, 720*MiB, stats(t, p).ReservedBytes[0].Current)
+	for _, a := range append(ys, c, d) {
+		require.NoError(t, p.Free(a))
+	}
+}

@@ -337,7 +337,7 @@ def _cmd_oracle(args: argparse.Namespace) -> int:
         ("device", format_bytes(r.capacity) + (f", memory fraction {r.fraction}" if r.fraction else "")),
         ("events", f"{len(r.points):,}"),
         ("peak reserved", format_bytes(r.peak_reserved)),
-        ("alloc retries", f"{r.points[-1].retries if r.points else 0:,}"),
+        ("alloc retries", f"{r.retries:,}"),
         ("out of memory", f"{len(r.oom_events):,}" + (f" (first at event {r.oom_events[0]})" if r.oom_events else "")),
     ]
     print(_table(rows))
@@ -726,7 +726,7 @@ def build_parser() -> argparse.ArgumentParser:
     tun.add_argument("--jobs", type=_positive, help="replays run in parallel (default: the CPU count, at most 8)")
     tun.add_argument("--top", type=_positive, default=5, help="rows of the table (default 5)")
     tun.add_argument("--no-extra", action="store_true", help="only the settings torch accepts")
-    tun.add_argument("--verify", type=int, nargs="?", const=3, default=0, metavar="N",
+    tun.add_argument("--verify", type=_positive, nargs="?", const=3, default=0, metavar="N",
                      help="replay the default and the best N (default 3) settings through the installed torch's own "
                      "caching allocator (the GPU if one has room, else a fake CUDA stack built with cc) and print "
                      "predicted and torch's figures side by side")

@@ -367,6 +367,7 @@ def replay(
     recorded_policy: bool = True,
     recorded_addresses: bool = True,
     stop_above: Optional[int] = None,
+    torch_version: Optional[str] = None,
 ) -> ReplayResult:
     """Run ``trace`` on a fresh private sim pool configured by ``policy``
     (a dict with keys of :data:`POLICY_KEYS`, or ``"key=value"`` strings as
@@ -385,6 +386,8 @@ def replay(
     once its peak reserved bytes exceed it (checked every
     :data:`STOP_CHECK_EVENTS` events; :attr:`ReplayResult.stopped_at` says
     where), for searches that only need to know it is worse than that.
+    ``torch_version`` (``"2.15"``) replays under that torch release's rules
+    (``MemPool(torch_version=...)``); None, the engine's default ones.
 
     ``trace`` may be a :class:`~gpumempool.trace.TraceFile` or the path of
     a gmptrace file (read as one): the events are then read from the file
@@ -430,6 +433,7 @@ def replay(
         release_threshold=pol.get("release_threshold") or None,
         roundup_power2_divisions=pol.get("roundup_power2_divisions") or None,
         garbage_collection_threshold=pol.get("garbage_collection_threshold") or None,
+        torch_version=torch_version,
         **sim,
     )
     ptrs: dict[int, Optional[int]] = {}

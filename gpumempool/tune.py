@@ -36,6 +36,7 @@ import inspect
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import tempfile
@@ -338,13 +339,14 @@ def _clean(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _replay_settings(trace: Union[Trace, TraceFile], settings: Mapping[str, Any], limit: Optional[int],
-                     capacity: Optional[int], stop_above: Optional[int] = None) -> ReplayResult:
+                     capacity: Optional[int], stop_above: Optional[int] = None,
+                     torch_version: Optional[str] = None) -> ReplayResult:
     policy = dict(settings)
     if limit:
         policy["limit"] = limit
     elif "garbage_collection_threshold" in policy and capacity:
         policy["limit"] = capacity  # torch's threshold is a fraction of the device's memory
-    return replay(trace, policy, recorded_policy=False, stop_above=stop_above)
+    return replay(trace, policy, recorded_policy=False, stop_above=stop_above, torch_version=torch_version)
 
 
 def _result_from_json(d: dict[str, Any]) -> ReplayResult:
@@ -358,7 +360,8 @@ class _Worker:
     each way. Not multiprocessing: its spawn would run the caller's
     ``__main__`` again in each worker, and fork cannot carry the Go runtime."""
 
-    def __init__(self, path: str, limit: Optional[int], capacity: Optional[int]) -> None:
+    def __init__(self, path: str, limit: Optional[int], capacity: Optional[int],
+                 torch_version: Optional[str] = None) -> None:
         # The same gpumempool as this process's, wherever it came from: its
         # folder goes on the worker's path unless this interpreter finds it
         # there anyway (site-packages must not go before the standard library).
@@ -368,7 +371,7 @@ class _Worker:
         if here not in (os.path.abspath(p) for p in sys.path if p):
             env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpumempool._tune_worker", path, json.dumps([limit, capacity])],
+            [sys.executable, "-m", "gpumempool._tune_worker", path, json.dumps([limit, capacity, torch_version])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
     def replay(self, settings: Mapping[str, Any], stop_above: Optional[int]) -> ReplayResult:
@@ -407,7 +410,7 @@ class _Worker:
 
 def worker_main(path: str, args: str) -> int:
     """The worker's loop: a replay per line of settings on stdin."""
-    limit, capacity = json.loads(args)
+    limit, capacity, torch_version = (json.loads(args) + [None])[:3]
     try:
         trace: Optional[Trace] = Trace.load(path)
         unreadable = None
@@ -423,7 +426,7 @@ def worker_main(path: str, args: str) -> int:
             continue
         try:
             job = json.loads(line)
-            r = _replay_settings(trace, job["settings"], limit, capacity, job["stop_above"])
+            r = _replay_settings(trace, job["settings"], limit, capacity, job["stop_above"], torch_version)
             out = r.as_dict()
         except (ValueError, TypeError, MemoryError) as exc:
             out = {"error": f"{type(exc).__name__}: {exc}"}
@@ -437,15 +440,16 @@ class _Runner:
     ``jobs`` worker processes or, for ``jobs == 1``, here."""
 
     def __init__(self, trace: Union[Trace, TraceFile], path: Optional[str], jobs: int, limit: Optional[int],
-                 capacity: Optional[int], progress: Optional[ProgressFn]) -> None:
+                 capacity: Optional[int], progress: Optional[ProgressFn], torch_version: Optional[str] = None) -> None:
         self.trace, self.limit, self.capacity, self.progress = trace, limit, capacity, progress
+        self.torch_version = torch_version
         self.done: dict[tuple[tuple[str, Any], ...], ReplayResult] = {}
         self.planned = 0
         self.workers: list[_Worker] = []
         if jobs > 1 and path is not None:
             try:
                 for _ in range(jobs):
-                    self.workers.append(_Worker(path, limit, capacity))
+                    self.workers.append(_Worker(path, limit, capacity, torch_version))
             except BaseException:  # those started would wait for jobs as long as this process lives
                 for w in self.workers:
                     w.proc.kill()
@@ -494,7 +498,8 @@ class _Runner:
         self.planned = max(self.planned, len(self.done) + len(todo) + expect)
         if not self.workers:
             for k, s in todo.items():
-                self.done[k] = _replay_settings(self.trace, s, self.limit, self.capacity, stop_above)
+                self.done[k] = _replay_settings(self.trace, s, self.limit, self.capacity, stop_above,
+                                                self.torch_version)
                 self._tick()
             return
         import concurrent.futures
@@ -549,8 +554,9 @@ def tune(
     machine's cores, at most 8; 1 replays in this process).
     ``progress(done, total)`` follows the replays. ``torch_version``
     (major.minor) is the torch whose allocator the result is for (default:
-    the installed torch's, else the newest the fidelity matrix judged):
-    only settings the matrix proved exact for it are recommended
+    the installed torch's, else the newest the fidelity matrix judged): the
+    replays follow its rules (``MemPool(torch_version=...)``), and only
+    settings the matrix proved exact for it are recommended
     (:attr:`Candidate.verified`).
 
     Raises ValueError (:class:`~gpumempool.trace.TraceFormatError` for a bad
@@ -561,6 +567,8 @@ def tune(
     start = time.perf_counter()
     from .oracle.proven import MODELLED, installed_torch_version, modelled_version, proven_settings
 
+    if torch_version is not None and not re.match(r"^\d+\.\d+(\.|\+|$)", str(torch_version)):
+        raise InvalidArgumentError(f"torch_version must be MAJOR.MINOR (e.g. 2.15), got {torch_version!r}")
     modelled = modelled_version(torch_version or installed_torch_version())
     proven = proven_settings(modelled) if modelled in MODELLED else None
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
@@ -606,7 +614,7 @@ def tune(
             path = os.path.join(tmp, "trace.gz")
             assert isinstance(tr, Trace)
             tr.save(path)
-        runner = _Runner(tr, path, jobs, limit, capacity, progress)
+        runner = _Runner(tr, path, jobs, limit, capacity, progress, modelled or None)
         try:
             space = dict(TORCH_SPACE)
             if limit is None:

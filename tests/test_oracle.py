@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from gpumempool.oracle import FakeStackError, OracleError, _stack, adversarial, fidelity, run
-from gpumempool.trace import Alloc, Free, Trace, from_torch_snapshot, load_trace
+from gpumempool.trace import Alloc, EmptyCache, Free, RecordStream, Sync, Trace, from_torch_snapshot, load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "benchmarks" / "traces"
@@ -121,6 +121,19 @@ def test_memory_pressure_matches_torch(torch_python: str, cache: str, conf: str,
     assert c.exact, c.describe()
 
 
+@pytest.mark.parametrize("fraction", [0.8, 0.95])
+def test_expandable_pressure_maps_into_older_segments(torch_python: str, cache: str, fraction: float) -> None:
+    """Pressure seed 7 leaves two expandable segments on the stream, the
+    older with a free block before a hole that holds a 665 MiB request:
+    torch maps 60 MiB there (its search covers every segment of the stream,
+    lowest address first), where the engine mapped 680 MiB at the end of
+    the newer one (event 491 at 0.8, 1771 at 0.95)."""
+    trace = adversarial.make("pressure", 7)
+    c = fidelity.compare(trace, "expandable_segments:True", python=torch_python, capacity=trace.meta["capacity"],
+                         fraction=fraction, cache=cache)
+    assert c.exact, c.describe()
+
+
 def test_record_stream_keeps_a_block_until_its_stream_completes(torch_python: str, cache: str) -> None:
     """A block used on another stream comes back only after that stream's
     work is done (manual event completion in the fake driver): torch makes a
@@ -134,6 +147,17 @@ def test_record_stream_keeps_a_block_until_its_stream_completes(torch_python: st
     assert reserved[3] == 2 * reserved[0] == 2 * 30 * MiB  # the first block is still in use on `side`
     assert [p.segments for p in r.points][6] == 2 and r.points[6].allocated == 30 * MiB
     assert fidelity.diff(r, fidelity.engine_points(trace, torch_version=r.torch_version)).exact
+
+
+@pytest.mark.parametrize("first", [Sync(0), Sync(None), EmptyCache(), Free(9)], ids=["sync", "sync-all", "empty", "free"])
+def test_a_trace_may_start_with_any_event(torch_python: str, cache: str, first: Any) -> None:
+    """A trace that begins with something other than an allocation (a
+    recording started mid-run, a sync) replays: torch's figures before its
+    first allocation are zeros, as the engine's are (it failed with
+    "Invalid device argument": the stats were read before CUDA started)."""
+    trace = Trace(events=[first, Alloc(1, 100), Free(1)])
+    c = fidelity.compare(trace, python=torch_python, capacity=4 * GiB, cache=cache)
+    assert c.exact and c.total == 3, c.describe()
 
 
 def test_out_of_memory_is_an_event(torch_python: str, cache: str) -> None:
@@ -162,6 +186,23 @@ def test_settings_reach_torch_under_the_variable_it_reads(torch_python: str, cac
     assert rounded.env_var == ("PYTORCH_CUDA_ALLOC_CONF" if _older_than(torch_python, 2, 10) else "PYTORCH_ALLOC_CONF")
 
 
+def test_the_callers_environment_does_not_change_torchs_allocator(torch_python: str, cache: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the caller's shell sets for torch or the fake driver stays out of
+    the child: PYTORCH_NO_CUDA_MEMORY_CACHING would turn torch's cache off
+    (every free back to cudaFree), FAKE_CUDA_DEVICES and FAKE_CUDA_VISIBLE_ORDER
+    change the fake devices, FAKE_CUDA_DRIVER_VERSION the driver torch sees."""
+    monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+    monkeypatch.setenv("FAKE_CUDA_VISIBLE_ORDER", "1,0")
+    monkeypatch.setenv("FAKE_CUDA_DRIVER_VERSION", "11000")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
+    trace = Trace(events=[Alloc(1, 100), Free(1), Alloc(2, 100, device=1)])
+    theirs = run(trace, python=torch_python, capacity=4 * GiB, cache=cache)
+    assert [(p.device, p.reserved, p.allocated) for p in theirs.points] == [
+        (0, 2 * MiB, 512), (0, 2 * MiB, 0), (1, 2 * MiB, 512)]
+
+
 @pytest.mark.parametrize("conf", ["", "expandable_segments:True"])
 def test_multi_device_snapshot_matches(torch_python: str, cache: str, conf: str) -> None:
     """An external snapshot recorded on three GPUs with expandable segments,
@@ -177,6 +218,22 @@ def test_multi_device_snapshot_matches(torch_python: str, cache: str, conf: str)
     assert c.exact, c.describe()
 
 
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True"])
+def test_empty_cache_releases_another_devices_segments(torch_python: str, cache: str, conf: str) -> None:
+    """empty_cache() and the wait for pending frees reach every device,
+    whichever one is current: CUDA frees another device's memory and waits
+    on its events and streams, and the fake stack must too (it failed with
+    "CUDA error" when device 1's segments went while device 0 was current)."""
+    trace = Trace(events=[
+        Alloc(1, 30 * MiB, 0x1000, 1), RecordStream(1, 0x2000), Free(1), Alloc(2, 3 * MiB, 0, 0), EmptyCache(),
+        Alloc(3, 30 * MiB, 0x1000, 1), Free(3), Sync(None), Alloc(4, 5 * MiB, 0, 0), EmptyCache(), Free(2), Free(4)])
+    theirs = run(trace, conf, python=torch_python, capacity=4 * GiB, cache=cache)
+    assert [p.device for p in theirs.points] == [1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0]
+    c = fidelity.diff(theirs, fidelity.engine_points(trace, conf, capacity=4 * GiB,
+                                                     torch_version=theirs.torch_version))
+    assert c.exact, c.describe()
+
+
 def test_a_runtime_function_the_fake_lacks_is_named(torch_python: str, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     real = _stack.cudart_exports
@@ -184,6 +241,45 @@ def test_a_runtime_function_the_fake_lacks_is_named(torch_python: str, tmp_path:
     with pytest.raises(FakeStackError, match="lacks: cudaMalloc, cudaStreamSynchronize") as err:
         _stack.build(_stack.find_torch(torch_python), tmp_path)
     assert err.value.missing == "cudaMalloc,cudaStreamSynchronize"
+
+
+def test_a_build_that_finishes_second_leaves_the_first_in_place(torch_python: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes building the same stack at once (pytest-xdist, the
+    fidelity matrix, two shells): the one that finishes second must not
+    delete the stack the first returned, which its child may be loading;
+    it uses it (or its own) and leaves no build directory behind."""
+    torch = _stack.find_torch(torch_python)
+    real = _stack._compile
+    first: list[_stack.FakeStack] = []
+    inodes: dict[str, int] = {}
+
+    def racing(*args: Any, **kwargs: Any) -> None:
+        if not first:  # another process builds the whole stack meanwhile
+            monkeypatch.setattr(_stack, "_compile", real)
+            first.append(_stack.build(torch, tmp_path))
+            inodes.update({p: os.stat(p).st_ino for p in first[0].preload})
+            monkeypatch.setattr(_stack, "_compile", racing)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(_stack, "_compile", racing)
+    second = _stack.build(torch, tmp_path)
+    assert first and second.preload == first[0].preload
+    assert [d.name for d in tmp_path.iterdir()] == [first[0].directory.name]
+    assert {p: os.stat(p).st_ino for p in second.preload} == inodes
+    assert json.loads((second.directory / "stack.json").read_text())["preload"] == list(second.preload)
+
+
+def test_torch_aborting_is_reported_by_its_message(torch_python: str, cache: str) -> None:
+    """A setting torch cannot parse makes it abort (a C++ exception while it
+    reads the variable) with a stack of frames on stderr: the error is
+    torch's own message, not the last of those frames."""
+    with pytest.raises(OracleError) as err:
+        run(Trace(events=[Alloc(1, 100), Free(1)]), "expandable_segments", python=torch_python, capacity=4 * GiB,
+            cache=cache)
+    msg = str(err.value)
+    assert "frame #" not in msg and "\n" not in msg
+    assert "config" in msg.lower() or "settings" in msg, msg
 
 
 def test_oracle_cli_compares(torch_python: str, cache: str) -> None:
@@ -248,6 +344,29 @@ def test_trim_has_no_torch_counterpart() -> None:
     with pytest.raises(OracleError, match="event 1: trim"):
         from gpumempool.oracle import events_of
         events_of(Trace(events=[Alloc(1, 512), Trim(0, 0)]))
+
+
+def test_a_zero_byte_allocation_is_nothing_as_in_torch() -> None:
+    """torch.empty(0) on CUDA reserves and allocates nothing (the oracle's
+    torch gives zeros for it, and a later free of it is nothing); the
+    engine's side of the comparison must not refuse the trace."""
+    pts = fidelity.engine_points(Trace(events=[Alloc(1, 0), Alloc(2, 100), Free(1), Free(2)]), capacity=4 * GiB)
+    assert [(p.reserved, p.allocated, p.segments) for p in pts] == [
+        (0, 0, 0), (2 * MiB, 512, 1), (2 * MiB, 512, 1), (2 * MiB, 0, 1)]
+
+
+def test_retries_and_ooms_count_every_device() -> None:
+    """Torch counts retries and OOMs per device, and each point carries its
+    device's: the run's figures add the last of each device, not the last
+    point's alone (a retry on device 1 of a trace that ends on device 0
+    was lost from `oracle` and `tune --verify`)."""
+    from gpumempool.oracle import OracleResult, Point
+
+    r = OracleResult("2.11.0", "", 4 * GiB, 0.5, [
+        Point(1, 20 * MiB, 20 * MiB, 1, 1, 0), Point(1, 20 * MiB, 20 * MiB, 1, 2, 1), Point(0, 2 * MiB, 512, 1, 0, 0),
+        Point(0, 2 * MiB, 512, 1, 1, 0)], [1], 0.0)
+    assert (r.retries, r.ooms) == (3, 1)
+    assert r.as_dict()["retries"] == 3 and r.as_dict()["ooms"] == 1
 
 
 def test_adversarial_traces_are_seeded_and_valid() -> None:
@@ -328,6 +447,55 @@ def test_tune_verify_puts_torch_beside_the_prediction(torch_python: str, cache: 
     assert r.returncode == 0, r.stderr
     assert f"verified with torch {_version(torch_python)}'s own caching allocator on the fake CUDA stack" in r.stdout
     assert "events equal" in r.stdout
+
+
+def test_tune_verify_on_a_gpu_sets_the_limit_against_the_gpus_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, torch's memory fraction is a share of that GPU's memory, not
+    of the device the trace was recorded on: tune's 40 GiB limit on a 141 GiB
+    GPU is a fraction of 40/141, and the engine beside it models that GPU."""
+    import types
+
+    import gpumempool
+    from gpumempool.oracle import OracleResult, Point
+    from gpumempool.oracle import verify as verify_mod
+
+    gpu_total = 141 * GiB
+    monkeypatch.setattr(gpumempool, "device_info",
+                        lambda: {"devices": [{"total": gpu_total, "free": 120 * GiB}]})
+    seen: dict[str, Any] = {}
+
+    def fake_run(trace: Any, conf: str, **kw: Any) -> OracleResult:
+        seen["run"] = kw
+        return OracleResult("2.11.0", conf, kw["capacity"], kw["fraction"], [Point(0, 2 * MiB, 512, 1, 0, 0)], [], 0.0)
+
+    def fake_engine(trace: Any, conf: str, **kw: Any) -> list[Point]:
+        seen["engine"] = kw
+        return [Point(0, 2 * MiB, 512, 1, 0, 0)]
+
+    monkeypatch.setattr(verify_mod, "run", fake_run)
+    monkeypatch.setattr(verify_mod, "engine_points", fake_engine)
+    trace = Trace(events=[Alloc(1, 100)], meta={"capacity": 80 * GiB})
+    default = types.SimpleNamespace(alloc_conf="", limit=40 * GiB, settings={}, peak_reserved=2 * MiB,
+                                    describe=lambda: "defaults",
+                                    result=types.SimpleNamespace(alloc_retries=0, ooms=0))
+    result = types.SimpleNamespace(default=default, top=lambda n: [default])
+    rows = verify_mod.verify(result, trace, n=1, on="auto")
+    assert rows[0].on == "GPU" and seen["run"]["real_gpu"]
+    assert int(seen["run"]["fraction"] * gpu_total) == 40 * GiB
+    assert seen["engine"]["capacity"] == gpu_total and seen["engine"]["fraction"] == seen["run"]["fraction"]
+
+
+@pytest.mark.parametrize("n", ["-1", "0", "x"])
+def test_tune_verify_wants_a_positive_count(n: str, tmp_path: Path) -> None:
+    """tune --verify N replays the default and the best N settings: a count
+    that is not positive is a usage error, before anything is replayed
+    (-1 replayed every distinct setting tune found through torch)."""
+    path = tmp_path / "t.trace.gz"
+    Trace(events=[Alloc(1, 100), Free(1)]).save(path)
+    r = subprocess.run([sys.executable, "-m", "gpumempool", "tune", str(path), "--verify", n, "--no-progress",
+                        "--jobs", "1"], capture_output=True, text=True, cwd="/", env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--verify" in r.stderr and "Traceback" not in r.stderr and r.stdout == ""
 
 
 def test_oracle_gpu_script_dry_run(torch_python: str, cache: str, tmp_path: Path) -> None:

@@ -304,3 +304,24 @@ def test_workers_started_before_one_fails_to_start_are_stopped(monkeypatch: pyte
         gmp.tune(CNN, jobs=3)
     assert len(started) == 2
     assert all(p.poll() is not None for p in started), "a worker left running"
+
+
+def test_tune_replays_under_the_rules_of_the_modelled_torch(tmp_path: Path) -> None:
+    """tune models one torch version: its replays follow that version's
+    rules. Two free 40 MiB blocks tie, the older segment at the higher
+    address; torch 2.11 takes the lower address and then runs out of a
+    120 MiB limit, 2.15 takes the older segment and then fits, releasing the
+    other (the oracle gives 1 OOM on 2.11.0 and none on 2.15.0)."""
+    from gpumempool.trace import EmptyCache
+    from gpumempool.tune import tune
+
+    events = [Alloc(1, 40 * MiB), Alloc(2, 60 * MiB), Free(1), EmptyCache(), Alloc(3, 40 * MiB), Free(2),
+              Alloc(4, 20 * MiB), Free(3), Alloc(5, 40 * MiB), Alloc(6, 60 * MiB)]
+    trace = Trace(events=events, meta={"capacity": 1024 * MiB})
+    path = tmp_path / "tie.trace.gz"
+    trace.save(path)
+    for source, jobs in ((trace, 1), (path, 2)):  # here, and in worker processes
+        older = tune(source, limit=120 * MiB, torch_version="2.11", jobs=jobs, extra=False)
+        newer = tune(source, limit=120 * MiB, torch_version="2.15", jobs=jobs, extra=False)
+        assert (older.default.result.ooms, older.default.result.alloc_retries) == (1, 1)
+        assert (newer.default.result.ooms, newer.default.result.alloc_retries) == (0, 1)

@@ -89,11 +89,28 @@ class OracleResult:
     def peak_reserved(self) -> int:
         return max((p.reserved for p in self.points), default=0)
 
+    def _last_per_device(self) -> list[Point]:
+        last: dict[int, Point] = {}
+        for p in self.points:
+            last[p.device] = p
+        return list(last.values())
+
+    @property
+    def retries(self) -> int:
+        """Torch's allocation retries, every device's (each point carries
+        its device's count so far)."""
+        return sum(p.retries for p in self._last_per_device())
+
+    @property
+    def ooms(self) -> int:
+        """Torch's out-of-memory errors, every device's."""
+        return sum(p.ooms for p in self._last_per_device())
+
     def as_dict(self) -> dict[str, Any]:
         return {"torch": self.torch_version, "alloc_conf": self.alloc_conf, "env_var": self.env_var,
                 "capacity": self.capacity, "fraction": self.fraction, "events": len(self.points),
-                "peak_reserved": self.peak_reserved, "ooms": len(self.oom_events),
-                "retries": self.points[-1].retries if self.points else 0, "seconds": round(self.seconds, 3)}
+                "peak_reserved": self.peak_reserved, "ooms": self.ooms,
+                "retries": self.retries, "seconds": round(self.seconds, 3)}
 
 
 def events_of(trace: Union[Trace, TraceFile]) -> list[list[Any]]:
@@ -128,13 +145,24 @@ def _env_var(version: str) -> str:
     return "PYTORCH_ALLOC_CONF" if (major, minor) >= (2, 10) else "PYTORCH_CUDA_ALLOC_CONF"
 
 
+#: What a user's shell may set that changes torch's caching allocator: the
+#: settings (the oracle passes its own) and the switch that turns it off.
+_TORCH_ALLOCATOR_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING")
+
+
+def _clean_env() -> dict[str, str]:
+    """This process's environment without what changes torch's allocator."""
+    return {k: v for k, v in os.environ.items() if k not in _TORCH_ALLOCATOR_VARS}
+
+
 def torch_env(stack: FakeStack, alloc_conf: str, capacity: int, devices: int) -> dict[str, str]:
     """The child's environment: the fake driver's devices, their size and
     its virtual-memory mode, and the settings under the variable this torch
-    reads (the other one removed, so that what the caller's shell has set
-    cannot leak in)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "LD_PRELOAD", "CUDA_VISIBLE_DEVICES")}
+    reads (the other one, PYTORCH_NO_CUDA_MEMORY_CACHING and the fake
+    driver's FAKE_CUDA_* variables removed, so that what the caller's shell
+    has set cannot leak in)."""
+    env = {k: v for k, v in _clean_env().items()
+           if k not in ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES") and not k.startswith("FAKE_CUDA_")}
     env.update(FAKE_CUDA_VIRTUAL="1", FAKE_CUDA_DEVICES=str(devices), FAKE_CUDA_CAPACITY=str(capacity),
                PYTHONSAFEPATH="1", PYTHONWARNINGS="ignore")
     if alloc_conf:
@@ -178,7 +206,7 @@ def run(
     torch = find_torch(python or sys.executable)
     if real_gpu:
         stack = FakeStack(Path(), (), torch)
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+        env = _clean_env()
         if alloc_conf:
             env[_env_var(torch.version)] = alloc_conf
     else:
@@ -197,10 +225,9 @@ def run(
                               stack.torch.version) from None
         seconds = time.perf_counter() - start
         if not res.is_file():
-            tail = proc.stderr.strip().splitlines()
             where = "the GPU" if real_gpu else "the fake CUDA stack"
             raise OracleError(f"torch {stack.torch.version} on {where} exited with {proc.returncode}: "
-                              f"{tail[-1] if tail else 'no message'}", stack.torch.version)
+                              f"{_death_message(proc.stderr)}", stack.torch.version)
         out = json.loads(res.read_text())
     if out.get("error"):
         ev = -1
@@ -215,6 +242,18 @@ def run(
         torch_version=str(out["torch"]), alloc_conf=alloc_conf, capacity=capacity, fraction=fraction,
         points=[Point(*p) for p in out["points"]], oom_events=list(out["oom_events"]), seconds=seconds,
         env_var=_env_var(stack.torch.version), stderr=proc.stderr)
+
+
+def _death_message(stderr: str) -> str:
+    """One line saying why the child died: the message of the C++ exception
+    torch aborted with (``what():``, not the stack of frames printed after
+    it), else the last line that is not one of those frames."""
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    for ln in lines:
+        if ln.startswith("what():"):
+            return ln[len("what():"):].strip() or "no message"
+    rest = [ln for ln in lines if not ln.startswith("frame #")]
+    return rest[-1] if rest else "no message"
 
 
 def _load(path: Path) -> Union[Trace, TraceFile]:

@@ -53,6 +53,9 @@ def _replay(torch: Any, driver: Any, req: dict[str, Any], out: dict[str, Any]) -
         driver.fake_cuda_set_manual_events(1)
         driver.fake_cuda_complete_stream.argtypes = [ctypes.c_size_t]
     devices = int(req.get("devices") or 1)
+    # CUDA starts lazily, at the first allocation: the stats of a trace that
+    # begins with something else (a sync, a free) need it started.
+    torch.cuda.init()
     fraction = req.get("fraction")
     if fraction is not None:
         for d in range(devices):

@@ -377,11 +377,9 @@ def build(torch: TorchInstall, cache: Optional[Path] = None) -> FakeStack:
     h.update(torch.version.encode())
     root = Path(cache or os.environ.get("GMP_ORACLE_CACHE") or Path.home() / ".cache" / "gpumempool" / "oracle")
     directory = root / f"torch-{torch.version}-{h.hexdigest()[:16]}"
-    manifest = directory / "stack.json"
-    if manifest.is_file():
-        preload = tuple(json.loads(manifest.read_text())["preload"])
-        if all(Path(p).is_file() for p in preload):
-            return FakeStack(directory, preload, torch)
+    found = _built(directory, torch)
+    if found is not None:
+        return found
 
     # What torch imports, and from which library.
     versioned: dict[str, dict[str, set[str]]] = {}
@@ -453,16 +451,52 @@ def build(torch: TorchInstall, cache: Optional[Path] = None) -> FakeStack:
                     flags.append(f"-Wl,--version-script={vmap}")
                 _compile(cc, tmp / name, [src, tmp / "libgmp_nvidia_common.so"], *flags)
                 order.append(tmp / name)
-        if directory.exists():
-            shutil.rmtree(directory, ignore_errors=True)
-        tmp.rename(directory)
+        # Prebuilt libraries load from the package; compiled ones from here.
+        final = tuple(str(directory / p.name) if p.parent == tmp else str(p) for p in order)
+        # The manifest goes in before the rename, so that a stack directory
+        # is complete the moment it appears.
+        (tmp / "stack.json").write_text(json.dumps({"preload": final, "torch": torch.version,
+                                                    "torch_dir": str(torch.torch_dir), "prebuilt": not refused,
+                                                    "why_compiled": refused}))
+        return _install(tmp, directory, torch, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    final = tuple(str(directory / p.name) if p.parent == tmp else str(p) for p in order)
-    manifest.write_text(json.dumps({"preload": final, "torch": torch.version, "torch_dir": str(torch.torch_dir),
-                                    "prebuilt": not refused, "why_compiled": refused}))
-    return FakeStack(directory, final, torch)
+
+
+def _built(directory: Path, torch: TorchInstall) -> Optional[FakeStack]:
+    """The complete stack in ``directory``, or None."""
+    try:
+        preload = tuple(json.loads((directory / "stack.json").read_text())["preload"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return FakeStack(directory, preload, torch) if all(Path(p).is_file() for p in preload) else None
+
+
+def _install(tmp: Path, directory: Path, torch: TorchInstall, final: tuple[str, ...]) -> FakeStack:
+    """Moves the stack built in ``tmp`` to ``directory``. Another process may
+    have built the same stack meanwhile: a complete one is kept (its child
+    may be loading it) and this build dropped; an incomplete one (a build
+    that died) is moved aside before it is removed."""
+    for _ in range(3):
+        try:
+            tmp.rename(directory)
+            return FakeStack(directory, final, torch)
+        except OSError:
+            if not directory.exists():
+                raise
+        found = _built(directory, torch)
+        if found is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return found
+        stale = Path(tempfile.mkdtemp(prefix="stale-", dir=directory.parent))
+        try:
+            directory.rename(stale / directory.name)
+        except OSError:
+            pass  # another process moved it, or finished meanwhile: look again
+        shutil.rmtree(stale, ignore_errors=True)
+    raise FakeStackError(f"cannot install the fake CUDA stack in {directory}: other builds keep replacing it",
+                         "cache")
 
 
 def _mkdir(p: Path) -> Path:

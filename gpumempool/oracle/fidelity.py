@@ -127,10 +127,12 @@ def engine_points(trace: Union[Trace, TraceFile], alloc_conf: str = "", *, capac
             dev = 0
             if isinstance(e, Alloc):
                 dev = where[e.id] = e.device
-                try:
-                    ptrs[e.id] = pool.alloc(e.size, dev, e.stream)
-                except OutOfMemoryError:
-                    ptrs[e.id] = None
+                ptrs[e.id] = None  # torch.empty(0) reserves and allocates nothing
+                if e.size:
+                    try:
+                        ptrs[e.id] = pool.alloc(e.size, dev, e.stream)
+                    except OutOfMemoryError:
+                        pass
             elif isinstance(e, Free):
                 dev = where.pop(e.id, 0)
                 ptr = ptrs.pop(e.id, None)

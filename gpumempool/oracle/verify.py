@@ -47,15 +47,15 @@ class Verified:
         return {**self.__dict__, "exact": self.exact}
 
 
-def _gpu_free() -> int:
-    """Free bytes of GPU 0 (NVML), 0 without a GPU."""
+def _gpu_memory() -> tuple[int, int]:
+    """Free and total bytes of GPU 0 (NVML), (0, 0) without a GPU."""
     try:
         import gpumempool as gmp
 
         devices = gmp.device_info().get("devices") or []
-        return int(devices[0].get("free", 0)) if devices else 0
+        return (int(devices[0].get("free", 0)), int(devices[0].get("total", 0))) if devices else (0, 0)
     except Exception:  # noqa: BLE001 - no NVML, no GPU
-        return 0
+        return 0, 0
 
 
 def verify(result: Any, trace: Union[Trace, TraceFile], *, n: int = 3, python: Optional[str] = None,
@@ -71,7 +71,12 @@ def verify(result: Any, trace: Union[Trace, TraceFile], *, n: int = 3, python: O
     meta_capacity = trace.meta.get("capacity")
     capacity: int = meta_capacity if isinstance(meta_capacity, int) and meta_capacity > 0 else DEFAULT_CAPACITY
     peak = max(c.peak_reserved for c in cands)
-    real_gpu = on == "gpu" or (on == "auto" and _gpu_free() > peak * 1.1)
+    free, total = _gpu_memory() if on != "fake" else (0, 0)
+    real_gpu = on == "gpu" or (on == "auto" and free > peak * 1.1)
+    if real_gpu and total > 0:
+        # torch's memory fraction is a share of the GPU it runs on, and the
+        # engine beside it models that GPU.
+        capacity = total
     out: list[Verified] = []
     for i, c in enumerate(cands):
         conf = c.alloc_conf or ""
@@ -80,12 +85,11 @@ def verify(result: Any, trace: Union[Trace, TraceFile], *, n: int = 3, python: O
         theirs = run(trace, conf, python=python, capacity=capacity, fraction=fraction, real_gpu=real_gpu)
         ours = engine_points(trace, conf, capacity=capacity, fraction=fraction, torch_version=theirs.torch_version)
         d = diff(theirs, ours)
-        last_t = theirs.points[-1] if theirs.points else None
         out.append(Verified(
             settings=c.describe(), alloc_conf=conf, predicted_peak=c.peak_reserved,
             torch_peak=d.torch_peak_reserved, predicted_retries=c.result.alloc_retries,
-            torch_retries=last_t.retries if last_t else 0, predicted_ooms=c.result.ooms,
-            torch_ooms=last_t.ooms if last_t else 0, matched=d.matched, total=d.total,
+            torch_retries=theirs.retries, predicted_ooms=c.result.ooms,
+            torch_ooms=theirs.ooms, matched=d.matched, total=d.total,
             torch_version=theirs.torch_version, on="GPU" if real_gpu else "fake CUDA stack"))
         if progress is not None:
             progress(i + 1, len(cands))

@@ -111,6 +111,28 @@ static cudaError_t from_driver(int rc) { return rc == 201 ? cudaErrorInitializat
         if (rc_) return rc_;      \
     } while (0)
 
+/* CUDA frees another device's memory (unified addressing) and queries,
+ * waits on and destroys another device's events and streams, whichever
+ * device is current: torch's empty_cache and its OOM retry release every
+ * device's segments, and wait on their events, from the current one. The
+ * fake driver wants the owner's context current (it answers 201 or 400
+ * otherwise), so the call is made again in each other device's primary
+ * context until one owns the object, and the current context restored. */
+#define ON_OWNER(expr)                                                          \
+    do {                                                                        \
+        READY();                                                                \
+        int rc_ = (expr);                                                       \
+        if (rc_ != 201 && rc_ != 400) return from_driver(rc_);                  \
+        for (int d_ = 0; d_ < n_devices && (rc_ == 201 || rc_ == 400); d_++) {  \
+            if (d_ == cur_dev) continue;                                        \
+            cuCtxSetCurrent(primary[d_]);                                       \
+            int again_ = (expr);                                                \
+            if (again_ != 201 && again_ != 400) rc_ = again_;                   \
+        }                                                                       \
+        cuCtxSetCurrent(primary[cur_dev]);                                      \
+        return from_driver(rc_);                                                \
+    } while (0)
+
 EXPORT cudaError_t cudaGetDeviceCount(int *n) {
     pthread_once(&once, init);
     *n = init_error ? 0 : n_devices;
@@ -257,8 +279,11 @@ EXPORT cudaError_t cudaMalloc(void **p, size_t n) {
     return from_driver(rc);
 }
 EXPORT cudaError_t cudaFree(void *p) {
-    READY();
-    return p ? from_driver(cuMemFree_v2((CUdeviceptr)(uintptr_t)p)) : cudaSuccess;
+    if (!p) {
+        READY();
+        return cudaSuccess;
+    }
+    ON_OWNER(cuMemFree_v2((CUdeviceptr)(uintptr_t)p));
 }
 EXPORT cudaError_t cudaMemGetInfo(size_t *fr, size_t *tot) {
     READY();
@@ -316,10 +341,7 @@ EXPORT cudaError_t cudaStreamDestroy(cudaStream_t s) {
     READY();
     return from_driver(cuStreamDestroy_v2(s));
 }
-EXPORT cudaError_t cudaStreamSynchronize(cudaStream_t s) {
-    READY();
-    return from_driver(cuStreamSynchronize(s));
-}
+EXPORT cudaError_t cudaStreamSynchronize(cudaStream_t s) { ON_OWNER(cuStreamSynchronize(s)); }
 EXPORT cudaError_t cudaStreamQuery(cudaStream_t s) { return cudaSuccess; }
 EXPORT cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags) { return cudaSuccess; }
 EXPORT cudaError_t cudaStreamGetPriority(cudaStream_t s, int *p) {
@@ -335,23 +357,14 @@ EXPORT cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
     return from_driver(cuEventCreate(e, flags & 0x7u));
 }
 EXPORT cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e, 0); }
-EXPORT cudaError_t cudaEventDestroy(cudaEvent_t e) {
-    READY();
-    return from_driver(cuEventDestroy_v2(e));
-}
+EXPORT cudaError_t cudaEventDestroy(cudaEvent_t e) { ON_OWNER(cuEventDestroy_v2(e)); }
 EXPORT cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     READY();
     return from_driver(cuEventRecord(e, s));
 }
 EXPORT cudaError_t cudaEventRecordWithFlags(cudaEvent_t e, cudaStream_t s, unsigned flags) { return cudaEventRecord(e, s); }
-EXPORT cudaError_t cudaEventQuery(cudaEvent_t e) {
-    READY();
-    return from_driver(cuEventQuery(e));
-}
-EXPORT cudaError_t cudaEventSynchronize(cudaEvent_t e) {
-    READY();
-    return from_driver(cuEventSynchronize(e));
-}
+EXPORT cudaError_t cudaEventQuery(cudaEvent_t e) { ON_OWNER(cuEventQuery(e)); }
+EXPORT cudaError_t cudaEventSynchronize(cudaEvent_t e) { ON_OWNER(cuEventSynchronize(e)); }
 EXPORT cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
     *ms = 1.0f;
     return cudaSuccess;

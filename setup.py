@@ -374,7 +374,7 @@ setup(
     packages=PACKAGES,
     package_data={"gpumempool": ["py.typed", "*.pyi", "csrc/*.c", "csrc/*.cpp"],
                   # the oracle's fake CUDA runtime and NVML, built with cc where it runs
-                  "gpumempool.oracle": ["csrc/*.c", "csrc/crt/*.h"]},
+                  "gpumempool.oracle": ["csrc/*.c", "csrc/crt/*.h", "proven.json"]},
     ext_modules=[
         Extension(EXT_NAME, sources=[]),
         # MemPool.alloc/free's fast path (a plain C extension; see its header).

@@ -510,3 +510,45 @@ def test_oracle_gpu_script_dry_run(torch_python: str, cache: str, tmp_path: Path
     assert [row["conf"] for row in rows] == ["defaults", "expandable_segments:True", "max_split_size_mb:64"]
     assert all(row["fake_peak"] > 0 and row["torch"] == _version(torch_python) for row in rows)
     assert "| boundaries | defaults | 720 |" in (tmp_path / "oracle_gpu.md").read_text()
+
+
+def _tune_values() -> list[tuple[str, Any]]:
+    """Every value of every setting in tune's search space, as torch's
+    setting (gc thresholds under a memory fraction, which they need)."""
+    from gpumempool.tune import TORCH_SPACE, _TORCH_NAMES
+
+    out: list[tuple[str, Any]] = []
+    for key, values in TORCH_SPACE.items():
+        for v in values:
+            if v is None or v is False or key == "expandable":
+                continue
+            name = _TORCH_NAMES[key]
+            if key == "max_non_split_rounding_size":
+                out.append((f"max_split_size_mb:256,{name}:{v // MiB}", None))
+            elif key == "max_split_size":
+                out.append((f"{name}:{v // MiB}", None))
+            elif key == "garbage_collection_threshold":
+                out.append((f"{name}:{v}", 0.5))
+            else:
+                out.append((f"{name}:{v}", None))
+    return out
+
+
+@pytest.mark.parametrize("conf,fraction", _tune_values(), ids=[c for c, _ in _tune_values()])
+def test_every_value_tune_may_recommend_matches_torch(torch_python: str, cache: str, conf: str,
+                                                      fraction: Any) -> None:
+    """tune recommends only settings proven exact for the modelled torch:
+    here every value of its search space, on a trace that splits, merges
+    and runs out of room (pressure, 4 GiB device)."""
+    trace = adversarial.make("pressure", 0)
+    if "max_non_split_rounding_mb" in conf and _older_than(torch_python, 2, 6):
+        # torch 2.5 has no such setting, says so, and tune does not offer it
+        # for 2.5 (proven.json)
+        with pytest.raises(OracleError, match="max_non_split_rounding_mb"):
+            run(trace, conf, python=torch_python, capacity=trace.meta["capacity"], cache=cache)
+        from gpumempool.oracle.proven import proven_settings
+        assert "max_non_split_rounding_size" not in proven_settings("2.5")
+        return
+    c = fidelity.compare(trace, conf, python=torch_python, capacity=trace.meta["capacity"],
+                         fraction=fraction if fraction is not None else 1.0, cache=cache)
+    assert c.exact, c.describe()

@@ -143,7 +143,13 @@ def test_cli_text_and_json(tmp_path: Path) -> None:
     p = run_cli(str(CNN), "--jobs", "2")
     assert p.returncode == 0, p.stderr
     out = p.stdout
-    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in out
+    # the variable the modelled torch reads (PYTORCH_ALLOC_CONF from 2.10;
+    # without torch installed, the newest judged version)
+    from gpumempool.oracle.proven import installed_torch_version, modelled_version
+    modelled = modelled_version(installed_torch_version())
+    var = "PYTORCH_ALLOC_CONF" if tuple(map(int, modelled.split("."))) >= (2, 10) else "PYTORCH_CUDA_ALLOC_CONF"
+    assert f"modelled torch: {modelled} " in out
+    assert f"  {var}=expandable_segments:True" in out
     assert "gmp.MemPool('vmm', expandable=True)" in out
     assert "lower bound: 542.41 MiB" in out and "torch reserved 628.00 MiB" in out
     assert "| defaults " in out  # the default's row

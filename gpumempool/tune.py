@@ -50,7 +50,7 @@ from ._units import format_bytes
 from .replay import ReplayResult, replay
 from .trace import Alloc, Free, PathLike, Trace, TraceFile, TraceFormatError, from_torch_snapshot, is_trace_file
 
-__all__ = ["Candidate", "TuneResult", "tune", "TORCH_SPACE", "EXTRA_SPACE"]
+__all__ = ["Candidate", "TuneResult", "alloc_conf", "tune", "TORCH_SPACE", "EXTRA_SPACE"]
 
 MiB = 1 << 20
 
@@ -107,6 +107,21 @@ def _torch_expressible(settings: Mapping[str, Any]) -> bool:
     return True
 
 
+def alloc_conf(settings: Mapping[str, Any]) -> str:
+    """Replay policy keys torch accepts as torch's ``key:value,...`` setting
+    ("" for its defaults), in torch's documented order."""
+    parts = []
+    for key, value in sorted(settings.items(), key=lambda kv: list(_TORCH_NAMES).index(kv[0])):
+        name = _TORCH_NAMES[key]
+        if key == "expandable":
+            parts.append(f"{name}:True")
+        elif key in ("max_split_size", "max_non_split_rounding_size"):
+            parts.append(f"{name}:{value // MiB}")
+        else:
+            parts.append(f"{name}:{value}")
+    return ",".join(parts)
+
+
 @dataclass
 class Candidate:
     """One setting and what its replay measured. ``settings`` holds the
@@ -141,18 +156,7 @@ class Candidate:
     def alloc_conf(self) -> Optional[str]:
         """The ``PYTORCH_CUDA_ALLOC_CONF`` value for these settings ("" for
         torch's defaults), or None when torch has no way to say them."""
-        if not self.torch:
-            return None
-        parts = []
-        for key, value in sorted(self.settings.items(), key=lambda kv: list(_TORCH_NAMES).index(kv[0])):
-            name = _TORCH_NAMES[key]
-            if key == "expandable":
-                parts.append(f"{name}:True")
-            elif key in ("max_split_size", "max_non_split_rounding_size"):
-                parts.append(f"{name}:{value // MiB}")
-            else:
-                parts.append(f"{name}:{value}")
-        return ",".join(parts)
+        return alloc_conf(self.settings) if self.torch else None
 
     @property
     def mempool_kwargs(self) -> dict[str, Any]:
@@ -232,11 +236,9 @@ class TuneResult:
     @property
     def env_var(self) -> str:
         """The variable that torch version reads the settings from."""
-        try:
-            major, minor = (int(x) for x in self.torch_version.split(".")[:2])
-        except ValueError:
-            return "PYTORCH_CUDA_ALLOC_CONF"
-        return "PYTORCH_ALLOC_CONF" if (major, minor) >= (2, 10) else "PYTORCH_CUDA_ALLOC_CONF"
+        from .oracle import env_var
+
+        return env_var(self.torch_version)
 
     @property
     def best(self) -> Candidate:

@@ -515,22 +515,17 @@ def test_oracle_gpu_script_dry_run(torch_python: str, cache: str, tmp_path: Path
 def _tune_values() -> list[tuple[str, Any]]:
     """Every value of every setting in tune's search space, as torch's
     setting (gc thresholds under a memory fraction, which they need)."""
-    from gpumempool.tune import TORCH_SPACE, _TORCH_NAMES
+    from gpumempool.tune import TORCH_SPACE, alloc_conf
 
     out: list[tuple[str, Any]] = []
     for key, values in TORCH_SPACE.items():
         for v in values:
             if v is None or v is False or key == "expandable":
                 continue
-            name = _TORCH_NAMES[key]
             if key == "max_non_split_rounding_size":
-                out.append((f"max_split_size_mb:256,{name}:{v // MiB}", None))
-            elif key == "max_split_size":
-                out.append((f"{name}:{v // MiB}", None))
-            elif key == "garbage_collection_threshold":
-                out.append((f"{name}:{v}", 0.5))
+                out.append((alloc_conf({"max_split_size": 256 * MiB, key: v}), None))
             else:
-                out.append((f"{name}:{v}", None))
+                out.append((alloc_conf({key: v}), 0.5 if key == "garbage_collection_threshold" else None))
     return out
 
 

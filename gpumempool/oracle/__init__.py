@@ -41,7 +41,7 @@ from .._errors import BackendError
 from ..trace import Alloc, EmptyCache, Free, RecordStream, Sync, Trace, TraceFile, Trim
 from ._stack import FakeStack, FakeStackError, TorchInstall, build, find_torch
 
-__all__ = ["FakeStackError", "OracleError", "OracleResult", "Point", "events_of", "run", "torch_env"]
+__all__ = ["FakeStackError", "OracleError", "OracleResult", "Point", "env_var", "events_of", "run", "torch_env"]
 
 #: The device size when the caller names none: an 80 GB H100.
 DEFAULT_CAPACITY = 80 << 30
@@ -134,7 +134,7 @@ def events_of(trace: Union[Trace, TraceFile]) -> list[list[Any]]:
     return out
 
 
-def _env_var(version: str) -> str:
+def env_var(version: str) -> str:
     """The variable the torch of ``version`` reads: PYTORCH_ALLOC_CONF from
     2.10 (2.9 reads it too, but is reported to ignore it for some settings;
     it honours the older name with a deprecation warning)."""
@@ -166,7 +166,7 @@ def torch_env(stack: FakeStack, alloc_conf: str, capacity: int, devices: int) ->
     env.update(FAKE_CUDA_VIRTUAL="1", FAKE_CUDA_DEVICES=str(devices), FAKE_CUDA_CAPACITY=str(capacity),
                PYTHONSAFEPATH="1", PYTHONWARNINGS="ignore")
     if alloc_conf:
-        env[_env_var(stack.torch.version)] = alloc_conf
+        env[env_var(stack.torch.version)] = alloc_conf
     return env
 
 
@@ -208,7 +208,7 @@ def run(
         stack = FakeStack(Path(), (), torch)
         env = _clean_env()
         if alloc_conf:
-            env[_env_var(torch.version)] = alloc_conf
+            env[env_var(torch.version)] = alloc_conf
     else:
         stack = build(torch, Path(cache) if cache else None)
         env = torch_env(stack, alloc_conf, capacity, devices)
@@ -241,7 +241,7 @@ def run(
     return OracleResult(
         torch_version=str(out["torch"]), alloc_conf=alloc_conf, capacity=capacity, fraction=fraction,
         points=[Point(*p) for p in out["points"]], oom_events=list(out["oom_events"]), seconds=seconds,
-        env_var=_env_var(stack.torch.version), stderr=proc.stderr)
+        env_var=env_var(stack.torch.version), stderr=proc.stderr)
 
 
 def _death_message(stderr: str) -> str:

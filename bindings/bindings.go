@@ -161,6 +161,64 @@ func poolRecordStream(id int64, addr, stream uint64) (err error) {
 	return e.Graphs.RecordStream(addr, gocore.Stream(stream))
 }
 
+// PoolSeedSegment makes a segment of the blocks in blocksJSON (a JSON list
+// of [size, requested, live] in address order) on device for stream, with
+// the live blocks allocated and the others cached (gocore.Pool.SeedSegment);
+// it returns the live blocks' addresses as a JSON list. Replay seeds a pool
+// with the segments the recording allocator had at a trace's first event.
+func PoolSeedSegment(id, device int64, stream uint64, small bool, blocksJSON string) (js string, err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return "", err
+	}
+	var raw [][3]json.RawMessage
+	if err := json.Unmarshal([]byte(blocksJSON), &raw); err != nil {
+		return "", fmt.Errorf("seed segment: blocks must be a JSON list of [size, requested, live]: %v: %w",
+			err, gocore.ErrInvalidArgument)
+	}
+	blocks := make([]gocore.SeedBlock, len(raw))
+	for i, r := range raw {
+		if err := errors.Join(json.Unmarshal(r[0], &blocks[i].Size), json.Unmarshal(r[1], &blocks[i].Requested),
+			json.Unmarshal(r[2], &blocks[i].Live)); err != nil {
+			return "", fmt.Errorf("seed segment: block %d must be [size, requested, live]: %v: %w",
+				i, err, gocore.ErrInvalidArgument)
+		}
+	}
+	if device < 0 || device >= gocore.MaxDevices {
+		return "", fmt.Errorf("seed segment on device %d: %w", device, gocore.ErrInvalidDevice)
+	}
+	addrs, err := e.Pool.SeedSegment(int(device), gocore.Stream(stream), small, blocks)
+	if err != nil {
+		return "", err
+	}
+	return marshal(addrs)
+}
+
+// PoolResetStats resets the pool's peaks to their current values (peaks)
+// or its running totals to zero (accumulated), as torch's
+// reset_peak_memory_stats and reset_accumulated_memory_stats do.
+//
+// ok is true when err is nil (see okOf).
+func PoolResetStats(id int64, peaks, accumulated bool) (ok bool, err error) {
+	return okOf(poolResetStats(id, peaks, accumulated))
+}
+
+func poolResetStats(id int64, peaks, accumulated bool) (err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return err
+	}
+	if peaks {
+		e.Pool.ResetPeakStats()
+	}
+	if accumulated {
+		e.Pool.ResetAccumulatedStats()
+	}
+	return nil
+}
+
 // PoolProcessEvents frees blocks whose events completed; it returns how many
 // frees still wait.
 func PoolProcessEvents(id int64) (waiting int64, err error) {

@@ -240,10 +240,17 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 	if b != nil {
 		return b, nil // the growing segment served it
 	}
+	return p.newSegmentLocked(d, addr, segSize, kind, stream, expandable), nil
+}
+
+// newSegmentLocked makes the segment [addr, addr+segSize) that the backend
+// just gave (counted in the budget by backendAlloc) one of d's, and returns
+// it as one block, neither allocated nor indexed as free.
+func (p *Pool) newSegmentLocked(d *deviceState, addr, segSize uint64, kind poolKind, stream Stream, expandable bool) *block {
 	p.segments++
 	seg := &segment{device: d.id, addr: addr, size: segSize, stream: stream, kind: kind, expandable: expandable,
 		wholeFreeAt: -1, seq: p.segments}
-	b = &block{seg: seg, addr: addr, size: segSize, heapIdx: -1}
+	b := &block{seg: seg, addr: addr, size: segSize, heapIdx: -1}
 	seg.first, seg.last = b, b
 	if expandable {
 		d.growing[growKey{stream, kind}] = seg // the newest one has the most room to grow
@@ -254,7 +261,7 @@ func (p *Pool) newSegmentBlock(d *deviceState, size, rounded uint64, kind poolKi
 	d.countSegment(seg, 1)
 	d.stats.ReservedBytes.add(kind, int64(segSize)) // the budget counted it in backendAlloc
 	p.syncOversize(d, seg)
-	return b, nil
+	return b
 }
 
 // obtainLocked is one attempt at new memory for a rounded request: growing

@@ -9,6 +9,10 @@ import "fmt"
 func (p *Pool) Free(addr uint64) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	return p.freeLocked(addr)
+}
+
+func (p *Pool) freeLocked(addr uint64) error {
 	if p.closed {
 		return p.closedErrorLocked("free", addr)
 	}

@@ -235,6 +235,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         policy = parse_policy(args.policy or [])
     except ValueError as exc:
         return _fail(f"--policy: {exc}", 2, json_out=args.json)
+    if args.capacity is not None:
+        policy["capacity"] = args.capacity
     try:
         trace = _load_trace(args.trace, args)
     except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError) as exc:
@@ -250,7 +252,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         warnings.simplefilter("always", UserWarning)
         try:
             result = replay(trace, policy, progress=bar, recorded_policy=not args.no_recorded_policy,
-                            recorded_addresses=not args.no_recorded_addresses)
+                            recorded_addresses=not args.no_recorded_addresses, start_state=not args.no_start_state,
+                            fraction=args.fraction)
         except (ValueError, TypeError) as exc:
             error = exc
     if error is not None:  # reported once the bar is closed, so that it starts a line of its own
@@ -280,19 +283,42 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if result.recorded_segments:
         rows.append(("segments placed",
                      f"{result.placed_segments:,} of the recording's {result.recorded_segments:,} in its address order"))
+    rows[1:1] = _conditions_rows(result, trace)
     if result.recorded_peak_reserved is not None:
         who = result.recorded_by or "recording"
         rows.append((f"{who} peak reserved", format_bytes(result.recorded_peak_reserved)))
         if not result.comparable:
-            # peaks of a replay that failed allocations the program made are
-            # lower for that reason alone
-            rows.append((f"ours / {who}", f"not comparable: {result.ooms:,} allocations failed"))
+            # peaks of a replay that failed allocations the program made, or
+            # that did not meet the recording's memory pressure, differ for
+            # that reason alone
+            rows.append((f"ours / {who}", f"not comparable: {result.not_comparable_because}"))
         else:
             verdict = "saves memory" if (result.reserved_vs_recorded or 0) < 1 else "no saving"
             rows.append((f"ours / {who}", f"{result.reserved_vs_recorded:.3f} ({verdict})"))
     print("gpumempool replay on the simulated device (sim backend)")
     print(_table(rows))
     return 0
+
+
+def _conditions_rows(result: Any, trace: Any) -> list[tuple[str, str]]:
+    """Where the replay started and under which memory, for its table."""
+    rows = []
+    if result.start_segments:
+        rows.append(("started mid-run", f"{result.start_segments:,} segments, {format_bytes(result.start_reserved)} "
+                                        "reserved at the first event (torch's, rebuilt from the snapshot)"))
+    elif result.start_not_seeded:
+        rows.append(("started mid-run", f"from an empty device: {result.start_not_seeded}"))
+    source = {"given": "given", "trace": "the trace's", "recording": "inferred from the recording",
+              "default": "default"}.get(result.capacity_from, result.capacity_from)
+    device = f"{format_bytes(result.capacity)} ({source})"
+    if result.policy.get("limit"):
+        device += f", limit {format_bytes(result.policy['limit'])}"
+    rows.append(("device", device))
+    if result.recorded_retries or result.recorded_ooms or result.alloc_retries:
+        rows.append(("memory pressure", f"recording: {result.recorded_retries:,} cache releases to retry, "
+                                        f"{result.recorded_ooms:,} OOM; replay: {result.alloc_retries:,}, "
+                                        f"{result.ooms:,}"))
+    return rows
 
 
 def _cmd_oracle(args: argparse.Namespace) -> int:
@@ -657,6 +683,28 @@ def _positive(text: str) -> int:
     return value
 
 
+def _size_arg(text: str) -> int:
+    from .replay import parse_size
+
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be more than 0 bytes")
+    return value
+
+
+def _fraction_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text[:40]!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text[:40]!r}")
+    return value
+
+
 def _trace_input_options(cmd: argparse.ArgumentParser) -> None:
     """The options of the commands that read a trace: its format, torch
     snapshots' empty_cache inference, the progress bar, JSON output."""
@@ -706,6 +754,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="do not put segments in the address order the recording's device gave them (the "
                      "trace's S records); best fit then breaks ties by the simulated device's own order")
     rep.add_argument("--save-trace", metavar="OUT", help="also write the (imported) trace as a gmptrace file")
+    rep.add_argument("--capacity", type=_size_arg, metavar="BYTES",
+                     help="memory of the simulated device (default: the trace's, else what the recording shows "
+                     "torch could get where it ran short of memory, else 80GiB)")
+    rep.add_argument("--fraction", type=_fraction_arg, metavar="F",
+                     help="limit the replay as torch.cuda.set_per_process_memory_fraction(F) did")
+    rep.add_argument("--no-start-state", action="store_true",
+                     help="start from an empty device even where the snapshot starts mid-run (by default the "
+                     "replay starts with the segments and blocks torch held at the first event)")
     _trace_input_options(rep)
     rep.set_defaults(func=_cmd_replay)
 

@@ -638,6 +638,40 @@ class MemPool:
         dev = -1 if device is None else device_index(device)
         return json.loads(self._native(_b.PoolStats, self._handle(), dev))
 
+    def reset_peak_stats(self) -> None:
+        """Make every peak of :meth:`stats` its current value, on every
+        device (torch's ``reset_peak_memory_stats``)."""
+        self._native(_b.PoolResetStats, self._handle(), True, False)
+
+    def reset_accumulated_stats(self) -> None:
+        """Zero the running totals of :meth:`stats` (each stat's
+        ``allocated`` and ``freed``, and the ``num_*`` counters) on every
+        device; current values and peaks stay (torch's
+        ``reset_accumulated_memory_stats``)."""
+        self._native(_b.PoolResetStats, self._handle(), False, True)
+
+    def seed_segment(self, blocks: Sequence[tuple[int, int, bool]], *, device: Any = 0, stream: Any = 0,
+                     small: bool = False) -> list[int]:
+        """Make one segment of ``blocks`` (``(size, requested, live)`` in
+        address order; sizes multiples of 512 bytes) on ``device`` for
+        ``stream``, as if the pool had obtained it and served requests until
+        it held them: live blocks are allocated (their addresses are
+        returned, in order; free them as any block) and the others cached.
+        ``small`` puts it in the small pool (torch's 2 MiB segments for
+        requests of up to 1 MiB). Replays use it to start where a recording
+        allocator was at a trace's first event; pools with expandable
+        segments cannot be seeded."""
+        rows = []
+        for i, b in enumerate(blocks):
+            if not isinstance(b, (tuple, list)) or len(b) != 3:
+                raise TypeError(f"seed_segment: block {i} must be (size, requested, live), got {type(b).__name__}")
+            size, requested, live = b
+            rows.append([check_int("size", size, 1, U64), check_int("requested", requested, 0, U64),
+                         check_bool("live", live)])
+        js = self._native(_b.PoolSeedSegment, self._handle(), device_index(device), as_stream(stream),
+                          check_bool("small", small), json.dumps(rows))
+        return [int(a) for a in json.loads(js)]
+
     def memory_summary(self, device: Optional[Any] = None, abbreviated: bool = False) -> str:
         """:meth:`stats` as a table laid out like ``torch.cuda.memory_summary()``
         (current, peak, total allocated and freed of each metric, per pool

@@ -46,6 +46,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 from ._errors import InvalidArgumentError, LeakWarning, OutOfMemoryError, expect_out_of_memory
 from ._args import MAX_DEVICE, ROUNDUP_INTERVALS
 from ._pool import MemPool
+from ._start_state import StartSegment
 from .trace import Alloc, EmptyCache, Free, PathLike, RecordStream, Sync, Trace, TraceFile, Trim
 
 __all__ = ["POLICY_KEYS", "ReplayResult", "parse_policy", "parse_size", "replay"]
@@ -259,6 +260,8 @@ class ReplayResult:
     source: str
     policy: dict[str, Any]
     capacity: int  # bytes of the simulated device (per device)
+    # where capacity came from: "given" (the policy), "trace" (its metadata),
+    # "recording" (inferred from the recording's memory pressure), "default"
     events: int
     allocations: int  # allocation requests in the trace
     frees: int
@@ -282,6 +285,17 @@ class ReplayResult:
     # segments put in the recording's address order (trace S records), of recorded_segments
     placed_segments: int = 0
     recorded_segments: int = 0
+    # the recording allocator's segments at the first event that the replay
+    # started with (a trace that starts mid-run), and their bytes
+    start_segments: int = 0
+    start_reserved: int = 0
+    # why a trace that starts mid-run was replayed from an empty device
+    # instead (None: it was not, or nothing was held at the start)
+    start_not_seeded: Optional[str] = None
+    capacity_from: str = "default"
+    # what the recording shows: cache releases to retry an allocation, OOMs
+    recorded_retries: int = 0
+    recorded_ooms: int = 0
     # replay(stop_above=...) stopped after this many events (its figures are
     # those of the events up to there); None: it ran to the end
     stopped_at: Optional[int] = None
@@ -289,11 +303,35 @@ class ReplayResult:
 
     @property
     def comparable(self) -> bool:
-        """Whether the replay served every allocation, so that its peaks
-        can be set against the recording's: with OOMs it held less memory
-        than the program did, and a lower peak says nothing. Nor can a
-        replay that stopped early (``stop_above``)."""
-        return self.ooms == 0 and self.stopped_at is None
+        """Whether the replay met the recording's conditions, so that its
+        peaks can be set against the recording's: it served every
+        allocation the recording served (with more OOMs it held less memory
+        than the program did, and a lower peak says nothing), and where the
+        recording ran short of memory (released its cache to retry, or ran
+        out) the replay did too. Nor can a replay that stopped early
+        (``stop_above``)."""
+        if self.stopped_at is not None or self.ooms != self.recorded_ooms:
+            return False
+        # (An OOM is a failed retry: torch releases its cache before it gives up.)
+        pressed = self.alloc_retries > 0 or self.ooms > 0
+        return pressed == (self.recorded_retries > 0 or self.recorded_ooms > 0) or self.recorded_by != "torch"
+
+    @property
+    def not_comparable_because(self) -> Optional[str]:
+        """Why :attr:`comparable` is false, in words; None when it is true."""
+        if self.comparable:
+            return None
+        if self.stopped_at is not None:
+            return f"the replay stopped after {self.stopped_at} events"
+        if self.ooms != self.recorded_ooms:
+            return (f"the replay ran out of memory {self.ooms:,} time(s), the recording {self.recorded_ooms:,} "
+                    f"(on a {_gib(self.capacity)} device, {self.capacity_from})")
+        if self.recorded_retries:
+            return (f"the recording released its cache to retry {self.recorded_retries:,} time(s) and the replay "
+                    f"never did: it had more memory ({_gib(self.capacity)}, {self.capacity_from}); give the "
+                    "run's with --capacity or --fraction")
+        return (f"the replay released its cache to retry {self.alloc_retries:,} time(s) and the recording never "
+                f"did: it had less memory ({_gib(self.capacity)}, {self.capacity_from})")
 
     @property
     def torch_peak_reserved(self) -> Optional[int]:
@@ -312,10 +350,16 @@ class ReplayResult:
         d["torch_peak_reserved"] = self.torch_peak_reserved
         d["ratio_vs_torch"] = self.ratio_vs_torch
         d["comparable"] = self.comparable
+        d["not_comparable_because"] = self.not_comparable_because
         return d
 
 
-def _placements(trace: Union[Trace, TraceFile], devices: int) -> dict[int, list[tuple[int, int, int]]]:
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def _placements(trace: Union[Trace, TraceFile], devices: int, start: Sequence[StartSegment] = ()
+                ) -> tuple[dict[int, list[tuple[int, int, int]]], list[Optional[int]]]:
     """The recorded segments (``trace.segments``) by the index of the event
     that obtained them, as ``(device, offset, size)`` with offsets into the
     simulated device's placement window (:meth:`MemPool.sim_place_next`)
@@ -323,11 +367,16 @@ def _placements(trace: Union[Trace, TraceFile], devices: int) -> dict[int, list[
     run of overlapping or touching ranges keeps its layout, the runs follow
     each other in address order from 2 MiB boundaries, and the gaps between
     them, which order nothing, go (CUDA's address space is sparse; the
-    window holds at least the device's capacity)."""
+    window holds at least the device's capacity). The segments held at the
+    start (``start``) take part in the address order; their offsets are
+    returned too, in their order (None: placed first fit)."""
     ranges: dict[int, list[tuple[int, int]]] = {}
     for _, dev, addr, size in trace.segments:
         if dev < devices:
             ranges.setdefault(dev, []).append((addr, addr + size))
+    for g in start:
+        if g.device < devices:
+            ranges.setdefault(g.device, []).append((g.addr, g.addr + g.size))
     runs: dict[int, tuple[list[int], list[int]]] = {}  # device -> (run starts, their offsets)
     for dev, rs in ranges.items():
         merged: list[list[int]] = []
@@ -343,19 +392,49 @@ def _placements(trace: Union[Trace, TraceFile], devices: int) -> dict[int, list[
             offsets.append(off)
             cursor = off + hi - lo
         runs[dev] = (starts, offsets)
-    out: dict[int, list[tuple[int, int, int]]] = {}
-    for idx, dev, addr, size in trace.segments:
-        if dev >= devices:
-            continue
+    def offset(dev: int, addr: int) -> Optional[int]:
         starts, offsets = runs[dev]
         k = bisect.bisect_right(starts, addr) - 1
         off = offsets[k] + addr - starts[k]
         # Recorded addresses are aligned; a hand-written trace's may not be. An
         # offset past 64 bits (runs of a hostile trace, each near 2**63 bytes)
         # is beyond any placement window: such a segment goes first fit.
-        if off % _SIM_ALIGNMENT == 0 and off < 1 << 64:
+        return off if off % _SIM_ALIGNMENT == 0 and off < 1 << 64 else None
+
+    out: dict[int, list[tuple[int, int, int]]] = {}
+    for idx, dev, addr, size in trace.segments:
+        if dev >= devices:
+            continue
+        off = offset(dev, addr)
+        if off is not None:
             out.setdefault(idx, []).append((dev, off, size))
-    return out
+    return out, [offset(g.device, g.addr) if g.device < devices else None for g in start]
+
+
+def _start_segments(trace: Union[Trace, TraceFile]) -> list[StartSegment]:
+    """The segments the recording allocator held at the first event
+    (``meta["start_segments"]``, see :mod:`gpumempool._start_state`)."""
+    rows = trace.meta.get("start_segments")
+    if not rows:
+        return []
+    if not isinstance(rows, list):
+        raise InvalidArgumentError("trace metadata 'start_segments' must be a list")
+    try:
+        return sorted((StartSegment.from_row(r) for r in rows), key=lambda g: (g.device, g.addr))
+    except ValueError as exc:
+        raise InvalidArgumentError(f"trace metadata 'start_segments': {exc}") from None
+
+
+def _start_sizes(trace: Union[Trace, TraceFile], ids: set[int]) -> dict[int, int]:
+    """The requested sizes of the blocks ``ids`` allocated at the start
+    (their ``Alloc`` events come first)."""
+    sizes: dict[int, int] = {}
+    for e in trace:
+        if type(e) is not Alloc or len(sizes) == len(ids):
+            break
+        if e.id in ids:
+            sizes[e.id] = e.size
+    return sizes
 
 
 def replay(
@@ -368,6 +447,8 @@ def replay(
     recorded_addresses: bool = True,
     stop_above: Optional[int] = None,
     torch_version: Optional[str] = None,
+    start_state: bool = True,
+    fraction: Optional[float] = None,
 ) -> ReplayResult:
     """Run ``trace`` on a fresh private sim pool configured by ``policy``
     (a dict with keys of :data:`POLICY_KEYS`, or ``"key=value"`` strings as
@@ -388,6 +469,25 @@ def replay(
     where), for searches that only need to know it is worse than that.
     ``torch_version`` (``"2.15"``) replays under that torch release's rules
     (``MemPool(torch_version=...)``); None, the engine's default ones.
+
+    A trace that starts in the middle of a run (a torch snapshot whose
+    history was switched on after the model was loaded) records the
+    segments torch held at its first event (``meta["start_segments"]``);
+    with ``start_state`` the replay starts with them, their blocks live or
+    cached as torch had them, at torch's address order
+    (:meth:`MemPool.seed_segment`), and its peaks, like the recording's
+    (:meth:`Trace.recorded_peak_reserved`), are taken from the run's first
+    event on. Expandable replays cannot be seeded; they start from an empty
+    device (:attr:`ReplayResult.start_not_seeded` says why).
+
+    The simulated device has the policy's ``capacity``, else the trace's
+    (``meta["capacity"]``), else what the recording shows torch could get
+    where it ran short of memory (``meta["recorded_conditions"]``: the most
+    it reserved before releasing its cache to retry, or its reserved plus
+    free bytes at an OOM), else 80 GiB (:attr:`ReplayResult.capacity_from`
+    says which). ``fraction`` limits the pool as torch's
+    ``set_per_process_memory_fraction`` does (of that capacity, by the
+    rule of ``torch_version``), unless the policy gives a ``limit``.
 
     ``trace`` may be a :class:`~gpumempool.trace.TraceFile` or the path of
     a gmptrace file (read as one): the events are then read from the file
@@ -416,9 +516,24 @@ def replay(
         used = trace.devices_used
     total = len(trace)
     devices = max(_meta_devices(trace.meta.get("devices", 1)), used)
-    capacity = pol.get("capacity") or trace.meta.get("capacity")
+    conditions = trace.meta.get("recorded_conditions")
+    conditions = conditions if isinstance(conditions, dict) else {}
+    capacity, capacity_from = pol.get("capacity"), "given"
+    if not capacity:
+        capacity, capacity_from = trace.meta.get("capacity"), "trace"
+    if not capacity:
+        # The memory the recording allocator could get, where its trace shows
+        # it ran short (released its cache to retry, or ran out).
+        capacity, capacity_from = conditions.get("capacity"), "recording"
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-        capacity = DEFAULT_CAPACITY
+        capacity, capacity_from = DEFAULT_CAPACITY, "default"
+    if fraction is not None:
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise InvalidArgumentError(f"fraction must be a number in (0, 1], got {fraction!r}"[:120])
+        if not pol.get("limit"):
+            from .oracle.fidelity import fraction_limit
+
+            pol = {**pol, "limit": fraction_limit(capacity, fraction, torch_version) or 0}
     sim: dict[str, Any] = {"capacity": capacity, "manual_events": True, "devices": devices}
     if "expandable" in pol:
         sim["expandable"] = pol["expandable"]
@@ -442,7 +557,15 @@ def replay(
     cur = peak_req = 0
     # An expandable replay grows one segment per stream: the recording's
     # segments have no counterpart there.
-    placements = _placements(trace, devices) if recorded_addresses and not pol.get("expandable") else {}
+    start_segs = _start_segments(trace) if start_state else []
+    not_seeded: Optional[str] = None
+    if start_segs and pol.get("expandable"):
+        not_seeded, start_segs = "expandable segments start empty (torch's layout at the start has no counterpart)", []
+    placements, start_offsets = _placements(trace, devices, start_segs) if recorded_addresses and not pol.get("expandable") \
+        else ({}, [None] * len(start_segs))
+    seeded: dict[int, int] = {}  # block id -> address of the live blocks seeded
+    first = trace.meta.get("preexisting_blocks", 0)
+    first = first if type(first) is int and first >= 0 else 0  # the run's first event
     placing: set[int] = set()  # devices with a placement asked for the next allocation
     start = time.perf_counter()
     step = max(1, int(progress_every))
@@ -455,6 +578,9 @@ def replay(
     try:
         alloc, alloc_segment, free, record_stream = pool.alloc, pool.alloc_segment, pool.free, pool.record_stream
         place = pool.sim_place_next
+        if start_segs:
+            not_seeded = _seed(pool, trace, start_segs, start_offsets, devices, seeded)
+            pool.reset_accumulated_stats()  # the seeding is not the run's
         for i, e in enumerate(trace):
             t = type(e)
             if placements and i in placements:
@@ -469,6 +595,9 @@ def replay(
                 sizes[e.id] = e.size  # type: ignore[union-attr]
                 if cur > peak_req:
                     peak_req = cur
+                if seeded and e.id in seeded:  # type: ignore[union-attr]
+                    ptrs[e.id] = seeded.pop(e.id)  # type: ignore[union-attr]
+                    continue
                 try:
                     ptrs[e.id] = (alloc_segment if e.caller_sized else alloc)(  # type: ignore[union-attr]
                         e.size, e.device, e.stream)  # type: ignore[union-attr]
@@ -499,6 +628,10 @@ def replay(
                 pool.empty_cache()
             elif t is Trim:
                 pool.trim(e.keep, e.device)  # type: ignore[union-attr]
+            if i == first:
+                # Peaks count from the run's first event, as the recording's do.
+                pool.reset_peak_stats()
+                peak_req = cur
             if progress is not None and (i + 1) % step == 0:
                 progress(i + 1, total)
             if stop_above is not None and (i + 1) % STOP_CHECK_EVENTS == 0 and \
@@ -546,10 +679,48 @@ def replay(
         recorded_peak_reserved=recorded,
         reserved_vs_recorded=(peak_res / recorded) if recorded else None,
         placed_segments=placed,
-        recorded_segments=len(trace.segments),
+        recorded_segments=len(trace.segments) + (len(start_segs) if not_seeded is None and placements else 0),
+        start_segments=len(start_segs) if not_seeded is None else 0,
+        start_reserved=sum(g.size for g in start_segs) if not_seeded is None else 0,
+        start_not_seeded=not_seeded,
+        capacity_from=capacity_from,
+        recorded_retries=conditions.get("retries", 0) if type(conditions.get("retries", 0)) is int else 0,
+        recorded_ooms=trace.meta.get("recorded_ooms", 0) if type(trace.meta.get("recorded_ooms", 0)) is int else 0,
         stopped_at=stopped_at,
         stats=stats,
     )
+
+
+def _seed(pool: MemPool, trace: Union[Trace, TraceFile], start: Sequence[StartSegment],
+          offsets: Sequence[Optional[int]], devices: int, seeded: dict[int, int]) -> Optional[str]:
+    """Give ``pool`` the segments ``start`` (at their ``offsets`` in the
+    placement window), filling ``seeded`` with the addresses of their live
+    blocks by id; returns why it could not (nothing is then seeded), or
+    None."""
+    ids = {bid for g in start for _, bid in g.blocks if bid}
+    requested = _start_sizes(trace, ids)
+    made: list[int] = []
+    for g, off in zip(start, offsets):
+        if g.device >= devices:
+            continue
+        blocks = [(size, min(requested.get(bid, size), size) if bid else 0, bool(bid)) for size, bid in g.blocks]
+        if off is not None:
+            pool.sim_place_next(off, g.size, g.device)
+        try:
+            addrs = pool.seed_segment(blocks, device=g.device, stream=g.stream, small=g.small)
+        except OutOfMemoryError:
+            for a in made:
+                pool.free(a)
+            pool.empty_cache()
+            seeded.clear()
+            return (f"the {sum(x.size for x in start)} bytes held at the start do not fit the replay's device or "
+                    "limit")
+        finally:
+            if off is not None:
+                pool.sim_place_next(None, device=g.device)
+        made += addrs
+        seeded.update(zip([bid for _, bid in g.blocks if bid], addrs))
+    return None
 
 
 class _CallableModule(types.ModuleType):

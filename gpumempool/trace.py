@@ -290,15 +290,19 @@ class Trace(_Provenance):
         return iter(self.events)
 
     def recorded_peak_reserved(self) -> Optional[int]:
-        """Peak of :attr:`reserved` (summed over devices of each device's
-        peak, as ``reserved_bytes.all.peak`` is); None without a series."""
+        """Peak of :attr:`reserved` from the first event of the run on
+        (summed over devices of each device's peak, as
+        ``reserved_bytes.all.peak`` is); None without a series. The run's
+        first event is the first after the blocks allocated before it
+        (``meta["preexisting_blocks"]``): what the recording allocator held
+        before it, and released at once (an ``empty_cache()`` first), is
+        not a peak of the run."""
         if not self.reserved:
             return None
-        peaks: dict[int, int] = {}
-        for _, dev, b in self.reserved:
-            if b > peaks.get(dev, -1):
-                peaks[dev] = b
-        return sum(peaks.values())
+        peaks = _RecordedPeaks(self.meta)
+        for r in self.reserved:
+            peaks.add(r)
+        return peaks.total()
 
     def peak_requested(self) -> int:
         """Peak of the bytes the trace holds allocated (sizes as written)."""
@@ -403,6 +407,30 @@ class Trace(_Provenance):
         return tr
 
 
+class _RecordedPeaks:
+    """The peak of an ``R`` series per device from the run's first event
+    (see :meth:`Trace.recorded_peak_reserved`), fed one record at a time."""
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        first = meta.get("preexisting_blocks", 0)
+        self.first = first if type(first) is int and first >= 0 else 0
+        self.base: dict[int, int] = {}  # device -> bytes after the first event
+        self.later: dict[int, int] = {}  # device -> peak after it
+
+    def add(self, r: tuple[int, int, int]) -> None:
+        idx, dev, b = r
+        if idx <= self.first:
+            self.base[dev] = b
+        elif b > self.later.get(dev, -1):
+            self.later[dev] = b
+
+    def total(self) -> Optional[int]:
+        devs = set(self.base) | set(self.later)
+        if not devs:
+            return None
+        return sum(max(self.base.get(d, 0), self.later.get(d, 0)) for d in devs)
+
+
 def _save_atomically(path: PathLike, write: Callable[[Any], None]) -> None:
     """Call ``write(text_file)`` on a new file in the directory of ``path``
     (gzip when it ends in ``.gz``), then put that file in place of ``path``
@@ -468,7 +496,7 @@ class TraceFile(_Provenance):
         self.max_events = max_events
         self.meta: dict[str, Any] = {}
         self.segments: list[tuple[int, int, int, int]] = []
-        self._peaks: dict[int, int] = {}  # device -> peak of its R series
+        self._peaks: Optional[_RecordedPeaks] = None  # the R series' peaks, once the first R record is read
         names = {"a": "alloc", "A": "alloc", "f": "free", "r": "record_stream", "s": "sync", "e": "empty_cache",
                  "t": "trim"}
         by_op = dict.fromkeys(names, 0)
@@ -479,9 +507,9 @@ class TraceFile(_Provenance):
                 by_op[r] += 1  # type: ignore[index]
             elif t is tuple:
                 if len(r) == 3:  # type: ignore[arg-type]
-                    _, dev, b = r  # type: ignore[misc]
-                    if b > self._peaks.get(dev, -1):
-                        self._peaks[dev] = b
+                    if self._peaks is None:  # the metadata (which names the first event) comes first
+                        self._peaks = _RecordedPeaks(self.meta)
+                    self._peaks.add(r)  # type: ignore[arg-type]
                 else:
                     self.segments.append(r)  # type: ignore[arg-type]
             else:
@@ -509,7 +537,7 @@ class TraceFile(_Provenance):
 
     def recorded_peak_reserved(self) -> Optional[int]:
         """As :meth:`Trace.recorded_peak_reserved`."""
-        return sum(self._peaks.values()) if self._peaks else None
+        return self._peaks.total() if self._peaks is not None else None
 
     def peak_requested(self) -> int:
         """As :meth:`Trace.peak_requested`."""
@@ -1068,16 +1096,27 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
         ids[(d, addr)] = next_id
         out.append(Alloc(next_id, size, stream, d))
 
+    start_state = None
+    if flavor == "torch":
+        from ._start_state import rebuild
+
+        start_state = rebuild(segments, imported, pre, ids, torch_allocator_policy(snap.get("allocator_settings")))
+
     vstreams = _VirtualStreams()
     vstream_of: dict[int, int] = {}
     pending: dict[tuple[int, int], int] = {}  # (device, addr) -> id waiting for free_completed
     synced: set[int] = set()  # ids whose completion was synced early (before a marker)
     counts = {"allocs": 0, "frees": 0, "deferred_frees": 0, "unmatched_frees": 0, "repaired_allocs": 0,
               "recorded_ooms": 0, "record_stream_entries": 0, "inferred_empty_cache": 0,
-              "preexisting_blocks": len(pre), "recorder_calls": 0}
+              "preexisting_blocks": len(pre), "recorder_calls": 0, "failed_requests": 0}
     marks = sorted(markers or [], key=lambda m: m.t0)
     mi = 0
     n = len(imported)
+    release_at: Optional[int] = None  # the index of the EmptyCache a run of releases was taken for
+    # What the recording shows of memory pressure, per device: the reserved
+    # bytes before a run of releases, the peak, the failing attempts' needs
+    # and what an OOM entry says the device had (see _recorded_conditions).
+    pressure = _Pressure(reserved)
 
     def sync_completion(k: tuple[int, int]) -> None:
         bid = pending.get(k)
@@ -1105,6 +1144,8 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
             counts["recorder_calls"] += 1
             mi += 1
         k = (d, _entry_key(e))
+        if a not in ("segment_free", "segment_unmap"):
+            release_at = None
         if a == "alloc":
             if e["size"] <= 0:
                 continue
@@ -1154,26 +1195,46 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                 synced.discard(pending.pop(k))
         elif a in ("segment_alloc", "segment_map", "segment_free", "segment_unmap"):
             grow = a in ("segment_alloc", "segment_map")
+            prev = imported[pos - 1][2]["action"] if pos > 0 else ""
+            if not grow and prev not in ("segment_free", "segment_unmap"):
+                j = pos
+                while j < n and imported[j][2]["action"] in ("segment_free", "segment_unmap"):
+                    j += 1
+                after = imported[j][2]["action"] if j < n else ""
+                if after in ("segment_alloc", "segment_map", "oom"):
+                    # torch released its cache to retry an allocation that failed
+                    pressure.retry(d, reserved.get(d, 0), imported[j][2] if after != "oom" else None)
             if not grow and infer_empty_cache:
-                prev = imported[pos - 1][2]["action"] if pos > 0 else ""
                 if prev not in ("segment_free", "segment_unmap"):
-                    j = pos
-                    while j < n and imported[j][2]["action"] in ("segment_free", "segment_unmap"):
-                        j += 1
-                    after = imported[j][2]["action"] if j < n else ""
                     # Inside one allocation a release is followed by a new
                     # segment (or an OOM); anything else, a cache hit
                     # included, means empty_cache() ran.
                     if after not in ("segment_alloc", "segment_map", "oom"):
                         out.append(EmptyCache())
                         counts["inferred_empty_cache"] += 1
+                        release_at = len(out) - 1
             reserved[d] = reserved.get(d, 0) + (e["size"] if grow else -e["size"])
-            series.append((len(out), d, min(max(0, reserved[d]), _U64 - 1)))
+            pressure.seen(d)
+            # The release of an empty_cache() happened while serving that event.
+            at = release_at if release_at is not None and not grow else len(out)
+            series.append((at, d, min(max(0, reserved[d]), _U64 - 1)))
             if a == "segment_alloc" and e["size"] > 0:
                 # Where the device put it: replay keeps the segments' address order.
                 tr_out.segments.append((len(out), d, e.get("addr", 0), e["size"]))
         elif a == "oom":
             counts["recorded_ooms"] += 1
+            pressure.oom(d, e)
+            size = e.get("size", 0)
+            if type(size) is int and 0 < size <= _MAX_OOM_REQUEST:
+                # Torch records no alloc for the request it could not serve:
+                # replay asks for it (and gives it back at once, as the
+                # program went on without it), so that a replay under the
+                # recording's conditions runs out of memory where torch did,
+                # and a setting fits only if it serves that request too.
+                next_id += 1
+                out.append(Alloc(next_id, size, e.get("stream", 0), d))
+                out.append(Free(next_id))
+                counts["failed_requests"] += 1
     while mi < len(marks):
         out.append(marks[mi].event)
         counts["recorder_calls"] += 1
@@ -1187,6 +1248,13 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
         "devices": max(len(traces), 1 + max([ev.device for ev in out if type(ev) is Alloc] + [0])),
         **{k: v for k, v in counts.items() if v},
     }
+    conditions = pressure.conditions()
+    if conditions:
+        tr_out.meta["recorded_conditions"] = conditions
+    if start_state is not None and start_state.segments:
+        tr_out.meta["start_segments"] = [g.as_row() for g in start_state.segments]
+    elif start_state is not None and start_state.skipped:
+        tr_out.meta["start_state_skipped"] = start_state.skipped
     if unknown:
         tr_out.meta["ignored_actions"] = unknown
     if flavor == "torch":
@@ -1194,6 +1262,71 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
         if settings:
             tr_out.meta["recorded_policy"] = settings
     return tr_out
+
+
+#: The largest failed request (an ``oom`` entry's size) a replay asks for:
+#: the engine's largest request (1 PiB).
+_MAX_OOM_REQUEST = 1 << 50
+
+
+class _Pressure:
+    """What a recording shows of the memory its allocator could get.
+
+    Torch releases its cache and retries when the device (or its memory
+    fraction) refuses a segment, and records an ``oom`` entry, with the
+    device's free bytes, when the retry fails too. So the memory torch
+    could get on a device was at least the most it ever reserved there,
+    less than the reserved bytes plus the segment of every failing attempt,
+    and, at an OOM, about the reserved bytes plus the free ones."""
+
+    def __init__(self, reserved: dict[int, int]) -> None:
+        self.reserved = reserved
+        self.peak: dict[int, int] = dict(reserved)
+        self.retries: dict[int, int] = {}
+        self.below: dict[int, int] = {}  # device -> least reserved + segment that failed
+        self.at_oom: dict[int, int] = {}  # device -> reserved + device_free at its last OOM
+        self.ooms: dict[int, int] = {}
+
+    def seen(self, d: int) -> None:
+        r = self.reserved.get(d, 0)
+        if r > self.peak.get(d, -1):
+            self.peak[d] = r
+
+    def retry(self, d: int, before: int, segment: Optional[dict[str, Any]]) -> None:
+        self.retries[d] = self.retries.get(d, 0) + 1
+        if segment is not None and segment["action"] == "segment_alloc":
+            need = before + segment["size"]
+            self.below[d] = min(self.below.get(d, need), need)
+
+    def oom(self, d: int, e: dict[str, Any]) -> None:
+        self.ooms[d] = self.ooms.get(d, 0) + 1
+        free = e.get("device_free")
+        if type(free) is int and 0 <= free < _U64:
+            self.at_oom[d] = self.reserved.get(d, 0) + free
+
+    def conditions(self) -> dict[str, Any]:
+        """``retries``, ``ooms`` and ``capacity`` (the bytes per device a
+        replay needs to meet the recording's pressure; None when it cannot
+        be told), with ``how`` it was found. Empty without pressure."""
+        if not self.retries and not self.ooms:
+            return {}
+        devs = set(self.retries) | set(self.ooms)
+        caps = {}
+        for d in devs:
+            cap = self.at_oom.get(d)
+            if cap is None or cap < self.peak.get(d, 0):
+                cap = self.peak.get(d, 0)
+            caps[d] = cap
+        capacity: Optional[int] = max(caps.values())
+        how = ("reserved + free device memory at the OOM" if self.at_oom and capacity in
+               [self.at_oom.get(d) for d in devs] else "the most torch reserved before it released its cache to retry")
+        # One capacity for every device: it must hold the others' peaks, and
+        # stay below what failed on the devices under pressure.
+        others = max([p for d, p in self.peak.items() if d not in devs] + [0])
+        if others > (capacity or 0) or any(capacity >= self.below[d] for d in self.below):  # type: ignore[operator]
+            capacity, how = None, "the devices' pressures differ: no one capacity meets them all"
+        return {"retries": sum(self.retries.values()), "ooms": sum(self.ooms.values()), "capacity": capacity,
+                "how": how}
 
 
 def torch_allocator_policy(settings: Any) -> dict[str, Any]:

@@ -285,6 +285,8 @@ class ReplayResult:
     # replay(stop_above=...) stopped after this many events (its figures are
     # those of the events up to there); None: it ran to the end
     stopped_at: Optional[int] = None
+    # the index of the first event the replay could not serve (None: no OOM)
+    first_oom_event: Optional[int] = None
     stats: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -439,6 +441,7 @@ def replay(
     ptrs: dict[int, Optional[int]] = {}
     sizes: dict[int, int] = {}
     allocs = frees = ooms = skipped = 0
+    first_oom: Optional[int] = None
     cur = peak_req = 0
     # An expandable replay grows one segment per stream: the recording's
     # segments have no counterpart there.
@@ -474,6 +477,8 @@ def replay(
                         e.size, e.device, e.stream)  # type: ignore[union-attr]
                 except OutOfMemoryError:
                     ooms += 1
+                    if first_oom is None:
+                        first_oom = i
                     ptrs[e.id] = None  # type: ignore[union-attr]
                 if placing:  # a placement is for the allocation it was recorded in, not a later one
                     for dev in placing:
@@ -548,6 +553,7 @@ def replay(
         placed_segments=placed,
         recorded_segments=len(trace.segments),
         stopped_at=stopped_at,
+        first_oom_event=first_oom,
         stats=stats,
     )
 

@@ -457,7 +457,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if best.fits and not best.recorded and best.settings:
         print(f"best torch setting: {format_bytes(best.peak_reserved)} peak reserved, "
               f"{best.peak_reserved / base.peak_reserved:.3f} of the {result.baseline_name} settings' "
-              f"{format_bytes(base.peak_reserved)} (saves {format_bytes(saving)})")
+              f"{format_bytes(base.peak_reserved)} " + (f"(saves {format_bytes(saving)})" if saving >= 0 else
+                                                         f"({format_bytes(-saving)} more: they are excluded)"))
     if best.settings:
         print(f"  {result.env_var}={best.alloc_conf}")
         if result.pitfall:

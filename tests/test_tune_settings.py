@@ -110,6 +110,24 @@ def test_constructor_sun_says_when_the_recorded_setting_is_already_the_best() ->
     assert "recorded settings: " in p.stdout and "expandable_segments:True" in p.stdout
 
 
+def test_a_torch_snapshots_settings_are_read_as_torch_writes_them() -> None:
+    # torch keys roundup_power2_divisions by each interval's first size in
+    # MiB, and says max_non_split_rounding_mb only in its setting string
+    settings = {"expandable_segments": False, "max_split_size": 512 * MiB,
+                "roundup_power2_divisions": {str(1 << i): 4 if i < 3 else 8 for i in range(16)},
+                "PYTORCH_ALLOC_CONF": "max_split_size_mb:512,max_non_split_rounding_mb:256"}
+    snap = dict(snapshot_with_stacks(), allocator_settings=settings)
+    trace = from_torch_snapshot(snap)
+    assert trace.meta["recorded_policy"] == {"max_split_size": 512 * MiB,
+                                             "roundup_power2_divisions": [4, 4, 4] + [8] * 13,
+                                             "max_non_split_rounding_size": 256 * MiB}
+    r = gmp.tune(trace, jobs=1, extra=False)
+    assert r.recorded is not None and r.recorded.alloc_conf == (
+        "max_split_size_mb:512,roundup_power2_divisions:[1:4,2:4,4:4,8:8,16:8,32:8,64:8,128:8,256:8,512:8,1024:8,"
+        "2048:8,4096:8,8192:8,16384:8,32768:8],max_non_split_rounding_mb:256")
+    assert r.best.peak_reserved <= r.recorded.peak_reserved
+
+
 # ---- 3. --exclude ----
 
 
@@ -190,13 +208,15 @@ def test_the_variable_is_the_one_that_torch_reads_with_the_2_9_pitfall(tmp_path:
     assert old.env_var == "PYTORCH_CUDA_ALLOC_CONF"
     assert old.pitfall is not None and "pytorch/pytorch#183387" in old.pitfall
     assert old.as_dict()["pitfall"] == old.pitfall
-    path = tmp_path / "sizes.trace.gz"
-    trace.save(path)
-    p = run_cli(str(path), "--torch-version", "2.9", "--no-extra")
+    # a run that expandable segments fit in 110 MiB (the defaults do not)
+    path = tmp_path / "oom.pickle"
+    path.write_bytes(pickle.dumps(snapshot_with_stacks()))
+    p = run_cli(str(path), "--torch-version", "2.9", "--limit", "110MiB", "--no-extra")
     assert p.returncode == 0, p.stderr
-    if old.best.settings:
-        assert f"  PYTORCH_CUDA_ALLOC_CONF={old.best.alloc_conf}" in p.stdout
-        assert "torch 2.9.1 reads PYTORCH_ALLOC_CONF too, but silently ignores expandable_segments" in p.stdout
+    assert "\n  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True\n" in p.stdout
+    assert "torch 2.9.1 reads PYTORCH_ALLOC_CONF too, but silently ignores expandable_segments" in p.stdout
+    p = run_cli(str(path), "--torch-version", "2.11", "--limit", "110MiB", "--no-extra")
+    assert "\n  PYTORCH_ALLOC_CONF=expandable_segments:True\n" in p.stdout and "2.9.1" not in p.stdout
 
 
 # ---- 6. GMLake's fragmentation ratio ----

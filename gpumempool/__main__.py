@@ -370,21 +370,55 @@ def _cmd_oracle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune_limit(text: str) -> Any:
+    """--limit: bytes ("40GiB", "42949672960") or, written with a decimal
+    point, a fraction of the device ("0.9")."""
+    from .replay import parse_size
+
+    t = text.strip()
+    if "." in t and t.replace(".", "", 1).isdigit():
+        value = float(t)
+        if not 0 < value <= 1:
+            raise ValueError(f"a fraction of the device must be in (0, 1], got {t[:40]!r}")
+        return value
+    size = parse_size(t)
+    if size == 0:
+        raise ValueError("must be more than 0 bytes")
+    return size
+
+
+def _oom_site(c: Any, trace: Any) -> str:
+    """Where ``c``'s replay first ran out: the event and, where the snapshot
+    recorded them, the innermost Python frames (else the innermost named ones)."""
+    from .trace import Alloc
+
+    i = c.first_oom_event
+    what = f"event {i:,}"
+    events = getattr(trace, "events", None)
+    if events is not None and 0 <= i < len(events) and isinstance(events[i], Alloc):
+        e = events[i]
+        what += f" (alloc {format_bytes(e.size)} on device {e.device}, stream {e.stream})"
+    frames = c.first_oom_frames
+    shown = [f for f in frames if f["filename"].endswith(".py")] or \
+        [f for f in frames if f["filename"] not in ("", "??")]
+    if not shown:
+        return what + ": the trace holds no recorded stack for it"
+    return what + " at " + " < ".join(f"{f['name']} ({os.path.basename(f['filename'])}:{f['line']})"
+                                     for f in shown[:4])
+
+
 def _cmd_tune(args: argparse.Namespace) -> int:
     from ._errors import InvalidArgumentError
     from ._progress import Progress
-    from .replay import parse_size
     from .trace import TraceFormatError
     from .tune import tune
 
     limit = None
     if args.limit is not None:
         try:
-            limit = parse_size(args.limit)
+            limit = _tune_limit(args.limit)
         except ValueError as exc:
             return _fail(f"--limit: {exc}", 2, json_out=args.json)
-        if limit == 0:
-            return _fail("--limit: must be more than 0 bytes", 2, json_out=args.json)
     try:
         trace = _load_trace(args.trace, args)
     except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError) as exc:
@@ -392,12 +426,13 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     try:
         with Progress("tune", unit="replay", enabled=not (args.json or args.no_progress)) as bar:
             result = tune(trace, limit=limit, extra=not args.no_extra, jobs=args.jobs, progress=bar,
-                          torch_version=args.torch_version)
+                          torch_version=args.torch_version, exclude=args.exclude or None,
+                          min_capacity=args.min_capacity, min_capacity_rows=min(args.top, 3))
     except InvalidArgumentError as exc:
         return _fail(str(exc), 2, json_out=args.json)
     except (ValueError, TraceFormatError) as exc:
         return _fail(str(exc), json_out=args.json)
-    best, default, extra = result.best, result.default, result.best_extra
+    best, default, extra, base = result.best, result.default, result.best_extra, result.baseline
     if args.json:
         out = result.as_dict(n=args.top)
         out["trace"] = {"path": args.trace, "meta": trace.meta}
@@ -420,36 +455,63 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if result.torch_version:
         print(f"modelled torch: {result.torch_version} (only settings the fidelity matrix proved exact against it "
               "are recommended; others are marked unverified)")
+    if result.limit is not None:
+        how = "" if result.limit_source == "given" else f" ({result.limit_source})"
+        print(f"limit {format_bytes(result.limit)}{how} on each device")
+    if result.excluded:
+        from .tune import _TORCH_NAMES
+
+        print(f"excluded from the search: {', '.join(_TORCH_NAMES.get(k, k) for k in result.excluded)}")
     for note in result.notes:
         print(f"note: {note}")
     print()
-    saving = default.peak_reserved - best.peak_reserved
+    rec = result.recorded
+    if rec is not None:
+        said = f"{result.env_var}={rec.alloc_conf}" if rec.alloc_conf else "torch's defaults"
+        print(f"recorded settings: {said}: {format_bytes(rec.peak_reserved)} peak reserved in the replay"
+              + ("" if rec.fits else f", {rec.result.ooms:,} allocations fail"))
+    saving = base.peak_reserved - best.peak_reserved
     if not best.fits:
-        print(f"no torch setting fits this run in {format_bytes(limit or 0)}: the best still fails "
-              f"{best.result.ooms:,} allocations")
+        room = (format_bytes(result.limit) if result.limit is not None else
+                f"the simulated {format_bytes(best.result.capacity)} device (--limit to set another)")
+        print(f"no torch setting fits this run in {room}: the best still fails {best.result.ooms:,} allocations")
+    elif best.recorded:
+        print("best: the recorded settings already; no setting tried does better")
     elif not best.settings:
         print(f"best: torch's defaults ({format_bytes(best.peak_reserved)} peak reserved); no setting tried does "
               "better")
-    else:
+    if best.fits and not best.recorded and best.settings:
         print(f"best torch setting: {format_bytes(best.peak_reserved)} peak reserved, "
-              f"{best.peak_reserved / default.peak_reserved:.3f} of the default's "
-              f"{format_bytes(default.peak_reserved)} (saves {format_bytes(saving)})")
+              f"{best.peak_reserved / base.peak_reserved:.3f} of the {result.baseline_name} settings' "
+              f"{format_bytes(base.peak_reserved)} " + (f"(saves {format_bytes(saving)})" if saving >= 0 else
+                                                         f"({format_bytes(-saving)} more: they are excluded)"))
+    if best.settings:
         print(f"  {result.env_var}={best.alloc_conf}")
-        if result.torch_version == "2.9":
-            print("  (torch 2.9 reads PYTORCH_ALLOC_CONF but is reported to ignore some settings there: "
-                  "PYTORCH_CUDA_ALLOC_CONF, which it honours with a deprecation warning, is the safe one)")
+        if result.pitfall:
+            print(f"  ({result.pitfall})")
         print(f"  {best.mempool_call}")
     left = best.peak_reserved - result.lower_bound
     print(f"lower bound: {format_bytes(result.lower_bound)} (the most bytes the run holds allocated at once; "
           f"{format_bytes(max(0, left))} above it)")
     if result.recorded_peak_reserved is not None:
         print(f"{result.recorded_by or 'the recording'} reserved {format_bytes(result.recorded_peak_reserved)} "
-              f"at its peak; the default's replay: {format_bytes(default.peak_reserved)}")
-    if limit is not None:
-        print(f"with --limit: give torch the same memory, torch.cuda.set_per_process_memory_fraction("
-              f"{format_bytes(limit)} / total), for the same behaviour")
+              f"at its peak; the {result.baseline_name} settings' replay: {format_bytes(base.peak_reserved)}")
+    if result.limit is not None:
+        print(f"with a limit: give torch the same memory, torch.cuda.set_per_process_memory_fraction("
+              f"{format_bytes(result.limit)} / total), for the same behaviour")
     print()
     print(result.table(args.top))
+    if args.min_capacity:
+        print("fits on: the smallest device (per device, to 2 MiB or 1 %) on which the run fits under that setting")
+    # the first allocation each failing row cannot serve, once per event
+    failing: dict[int, list[tuple[str, Any]]] = {}
+    for tag, c in result.rows(args.top):
+        if not c.fits and c.first_oom_event is not None:
+            failing.setdefault(c.first_oom_event, []).append((tag, c))
+    if failing:
+        print()
+        for rows in failing.values():
+            print(f"first OOM of {', '.join(tag for tag, _ in rows)}: {_oom_site(rows[0][1], trace)}")
     if args.verify:
         code = _tune_verify(args, result, trace)
         if code:
@@ -457,7 +519,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if extra is not None:
         print()
         print(f"gpumempool pools only: {extra.describe()}: {format_bytes(extra.peak_reserved)} "
-              f"({extra.peak_reserved / default.peak_reserved:.3f} of the default, "
+              f"({extra.peak_reserved / base.peak_reserved:.3f} of the {result.baseline_name} settings, "
               f"{extra.result.backend_calls:,} backend calls)")
         print(f"  {extra.mempool_call}")
     return 0 if best.fits else 1
@@ -771,14 +833,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay TRACE (a gmptrace file, or a torch snapshot pickle with history) on the simulated "
         "device under the settings torch's caching allocator accepts (expandable_segments, max_split_size_mb, "
         "roundup_power2_divisions, max_non_split_rounding_mb; garbage_collection_threshold with --limit) and, "
-        "listed apart, those only gpumempool's pools accept; print the best as a PYTORCH_CUDA_ALLOC_CONF line "
-        "and as gmp.MemPool arguments, with a table of the best few, the default and the lower bound. Exit "
-        "status 1 when no setting fits in --limit.",
+        "listed apart, those only gpumempool's pools accept; print the best as a line for the variable the "
+        "modelled torch reads (PYTORCH_ALLOC_CONF from 2.10, PYTORCH_CUDA_ALLOC_CONF before) and as gmp.MemPool "
+        "arguments, with a table of the best few, the recorded run's own settings (the baseline), the default "
+        "and the lower bound. Exit status 1 when no setting fits in --limit.",
     )
     tun.add_argument("trace", metavar="TRACE", help="a .trace[.gz] file or a .pickle/.pkl snapshot with history")
-    tun.add_argument("--limit", metavar="BYTES",
-                     help="memory the run may use on each device (e.g. 40GiB): settings that cannot serve it within that are "
-                     "marked and ranked last")
+    tun.add_argument("--limit", metavar="BYTES|FRACTION",
+                     help="memory the run may use on each device (e.g. 40GiB), or a fraction of the device (0.9): "
+                     "settings that cannot serve it within that are marked and ranked last (default: the device "
+                     "the recording ran on, where the snapshot says)")
+    tun.add_argument("--exclude", action="append", metavar="OPTION",
+                     help="leave an option out of the search (repeat, or separate with commas), e.g. "
+                     "expandable_segments where CUDA IPC, NIXL or vLLM's sleep mode cannot use it; torch's names "
+                     "or policy keys")
+    tun.add_argument("--min-capacity", action="store_true",
+                     help="also find the smallest device each of the best few settings (and the recorded ones and "
+                     "the default) fits on, by bisection")
     tun.add_argument("--jobs", type=_positive, help="replays run in parallel (default: the CPU count, at most 8)")
     tun.add_argument("--top", type=_positive, default=5, help="rows of the table (default 5)")
     tun.add_argument("--no-extra", action="store_true", help="only the settings torch accepts")

@@ -299,6 +299,8 @@ class ReplayResult:
     # replay(stop_above=...) stopped after this many events (its figures are
     # those of the events up to there); None: it ran to the end
     stopped_at: Optional[int] = None
+    # the index of the first event the replay could not serve (None: no OOM)
+    first_oom_event: Optional[int] = None
     stats: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -554,6 +556,7 @@ def replay(
     ptrs: dict[int, Optional[int]] = {}
     sizes: dict[int, int] = {}
     allocs = frees = ooms = skipped = 0
+    first_oom: Optional[int] = None
     cur = peak_req = 0
     # An expandable replay grows one segment per stream: the recording's
     # segments have no counterpart there.
@@ -603,6 +606,8 @@ def replay(
                         e.size, e.device, e.stream)  # type: ignore[union-attr]
                 except OutOfMemoryError:
                     ooms += 1
+                    if first_oom is None:
+                        first_oom = i
                     ptrs[e.id] = None  # type: ignore[union-attr]
                 if placing:  # a placement is for the allocation it was recorded in, not a later one
                     for dev in placing:
@@ -687,6 +692,7 @@ def replay(
         recorded_retries=conditions.get("retries", 0) if type(conditions.get("retries", 0)) is int else 0,
         recorded_ooms=trace.meta.get("recorded_ooms", 0) if type(trace.meta.get("recorded_ooms", 0)) is int else 0,
         stopped_at=stopped_at,
+        first_oom_event=first_oom,
         stats=stats,
     )
 

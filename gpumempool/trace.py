@@ -119,13 +119,14 @@ import heapq
 import io
 import json
 import os
+import re
 import secrets
 import stat
 import time
 import warnings
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeGuard, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, TypeGuard, Union
 
 from ._args import MAX_DEVICE
 from ._safepickle import MAX_PICKLE_BYTES, UnsafePickleError, load_pickle
@@ -282,9 +283,43 @@ class Trace(_Provenance):
     meta: dict[str, Any] = field(default_factory=dict)
     reserved: list[tuple[int, int, int]] = field(default_factory=list)
     segments: list[tuple[int, int, int, int]] = field(default_factory=list)
+    #: For a trace imported from a torch snapshot: event index -> (device,
+    #: index of its entry in the snapshot's ``device_traces[device]``), and
+    #: the snapshot (its path, bytes or dict), so that :meth:`frames` can
+    #: read the stacks torch recorded without the trace holding them all.
+    snapshot_entries: dict[int, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
+    snapshot: Any = field(default=None, compare=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.events)
+
+    def frames(self, indices: Iterable[int]) -> dict[int, list[dict[str, Any]]]:
+        """The stack frames the snapshot recorded for each event of
+        ``indices`` that came from one (``{"name", "filename", "line"}``,
+        innermost first), reading the snapshot again (once) only now; an
+        event without a recorded stack, or a snapshot no longer readable,
+        is left out."""
+        wanted = {i: self.snapshot_entries[i] for i in indices if i in self.snapshot_entries}
+        if not wanted or self.snapshot is None:
+            return {}
+        try:
+            snap = self.snapshot if isinstance(self.snapshot, dict) else load_pickle(self.snapshot)
+            traces = snap["device_traces"]
+        except (OSError, ValueError, KeyError, TypeError, EOFError, MemoryError):
+            return {}
+        out: dict[int, list[dict[str, Any]]] = {}
+        for i, (dev, pos) in wanted.items():
+            try:
+                raw = traces[dev][pos].get("frames")
+            except (IndexError, KeyError, TypeError, AttributeError):
+                continue
+            frames = [{"name": f["name"], "filename": f["filename"], "line": f["line"]}
+                      for f in (raw if isinstance(raw, list) else [])
+                      if isinstance(f, dict) and isinstance(f.get("name"), str)
+                      and isinstance(f.get("filename"), str) and isinstance(f.get("line"), int)]
+            if frames:
+                out[i] = frames
+        return out
 
     def __iter__(self) -> Iterator[Event]:
         return iter(self.events)
@@ -1154,6 +1189,7 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                 counts["repaired_allocs"] += 1
             next_id += 1
             ids[k] = next_id
+            tr_out.snapshot_entries[len(out)] = (d, i)
             out.append(Alloc(next_id, e["size"], e.get("stream", 0), d, e.get("caller_sized") is True))
             counts["allocs"] += 1
         elif a == "record_stream":
@@ -1350,14 +1386,24 @@ def torch_allocator_policy(settings: Any) -> dict[str, Any]:
         out["garbage_collection_threshold"] = float(gc)
     div = settings.get("roundup_power2_divisions")
     if isinstance(div, dict):
-        from ._args import roundup_option
+        from ._args import ROUNDUP_INTERVALS, roundup_option
 
+        starts = [str(1 << i) for i in range(ROUNDUP_INTERVALS)]
+        if set(map(str, div)) == set(starts):
+            # torch writes the intervals by their first size in MiB ("1", "2", "4", ... "32768")
+            div = [div[k] if k in div else div[int(k)] for k in starts]
         try:
             vals = roundup_option(div)["roundup_power2_divisions_by_size"]
         except (ValueError, TypeError):  # not torch's 16 intervals of counts
             vals = []
         if any(v > 1 for v in vals):
             out["roundup_power2_divisions"] = vals[0] if len(set(vals)) == 1 else vals
+    # max_non_split_rounding_mb has no field of its own: only the setting string says it
+    for key, conf in settings.items():
+        if isinstance(key, str) and key.endswith("ALLOC_CONF") and isinstance(conf, str):
+            m = re.search(r"(?:^|,)\s*max_non_split_rounding_mb\s*:\s*(\d{1,9})\s*(?:,|$)", conf)
+            if m and int(m.group(1)) > 20:
+                out["max_non_split_rounding_size"] = int(m.group(1)) << 20
     return out
 
 
@@ -1416,6 +1462,7 @@ def from_torch_snapshot(path_or_dict: Union[PathLike, bytes, dict[str, Any]], *,
     tr = _convert(snap, source=flavor, infer_empty_cache=infer_empty_cache and flavor == "torch")
     if name not in ("<dict>", "<bytes>"):
         tr.meta["file"] = os.path.basename(name)
+    tr.snapshot = path_or_dict  # read again for Trace.frames, not held here
     return tr
 
 

@@ -47,10 +47,10 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 from ._errors import InvalidArgumentError
 from ._units import format_bytes
-from .replay import ReplayResult, replay
+from .replay import DEFAULT_CAPACITY, ReplayResult, replay
 from .trace import Alloc, Free, PathLike, Trace, TraceFile, TraceFormatError, from_torch_snapshot, is_trace_file
 
-__all__ = ["Candidate", "TuneResult", "alloc_conf", "tune", "TORCH_SPACE", "EXTRA_SPACE"]
+__all__ = ["Candidate", "TuneResult", "alloc_conf", "tune", "TORCH_SPACE", "EXTRA_SPACE", "OPTION_NAMES"]
 
 MiB = 1 << 20
 
@@ -92,6 +92,15 @@ _TORCH_NAMES = {
 }
 _SETTING_KEYS = tuple(dict.fromkeys([*TORCH_SPACE, *EXTRA_SPACE]))
 
+#: The names ``exclude`` accepts: torch's option names and the replay
+#: policy keys, each to the policy key it drops from the search.
+OPTION_NAMES: dict[str, str] = {**{name: key for key, name in _TORCH_NAMES.items()},
+                                **{key: key for key in _SETTING_KEYS}}
+
+#: Where the 2.9.1 pitfall applies, what to do about it (pytorch/pytorch#183387).
+_PITFALL_2_9 = ("torch 2.9.1 reads PYTORCH_ALLOC_CONF too, but silently ignores expandable_segments there "
+                "(pytorch/pytorch#183387, fixed by 2.11): keep PYTORCH_CUDA_ALLOC_CONF")
+
 ProgressFn = Callable[[int, int], None]
 
 
@@ -102,9 +111,18 @@ def _torch_expressible(settings: Mapping[str, Any]) -> bool:
             return False
         if key in ("max_split_size", "max_non_split_rounding_size") and (value % MiB or value <= 20 * MiB):
             return False
-        if key == "roundup_power2_divisions" and (not isinstance(value, int) or value & (value - 1)):
+        if key == "roundup_power2_divisions" and not _divisions_ok(value):
             return False
     return True
+
+
+def _divisions_ok(value: Any) -> bool:
+    """A count torch accepts for roundup_power2_divisions (a power of two),
+    or one per size interval (a power of two or 0 each, as torch's
+    ``[1:n,2:n,...]`` form takes them)."""
+    if isinstance(value, (list, tuple)):
+        return len(value) == 16 and all(_divisions_ok(v) or v == 0 for v in value)
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0 and not value & (value - 1)
 
 
 def alloc_conf(settings: Mapping[str, Any]) -> str:
@@ -117,6 +135,9 @@ def alloc_conf(settings: Mapping[str, Any]) -> str:
             parts.append(f"{name}:True")
         elif key in ("max_split_size", "max_non_split_rounding_size"):
             parts.append(f"{name}:{value // MiB}")
+        elif key == "roundup_power2_divisions" and isinstance(value, (list, tuple)):
+            # per size interval, keyed by its first size in MiB as torch reads them
+            parts.append(f"{name}:[" + ",".join(f"{1 << i}:{v}" for i, v in enumerate(value)) + "]")
         else:
             parts.append(f"{name}:{value}")
     return ",".join(parts)
@@ -135,10 +156,31 @@ class Candidate:
     #: the fidelity matrix (gpumempool/oracle/proven.json); tune recommends
     #: only verified ones
     verified: bool = True
+    #: these are the settings the recorded run had (trace.meta["recorded_policy"])
+    recorded: bool = False
+    #: the smallest device (bytes, per device) on which the run fits under
+    #: these settings, with ``tune(min_capacity=True)``; None: not measured
+    min_capacity: Optional[int] = None
+    #: the stack frames the snapshot recorded for the first allocation
+    #: these settings cannot serve (innermost first; empty without OOM or
+    #: without recorded stacks)
+    first_oom_frames: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def peak_reserved(self) -> int:
         return self.result.peak_reserved
+
+    @property
+    def fragmentation_ratio(self) -> float:
+        """GMLake's fragmentation ratio: 1 - peak allocated / peak reserved
+        (0: every reserved byte was allocated at the peak)."""
+        r = self.result
+        return 1 - r.peak_allocated / r.peak_reserved if r.peak_reserved else 0.0
+
+    @property
+    def first_oom_event(self) -> Optional[int]:
+        """The index of the first trace event these settings cannot serve."""
+        return self.result.first_oom_event
 
     @property
     def fits(self) -> bool:
@@ -198,7 +240,10 @@ class Candidate:
             "mempool": self.mempool_kwargs, "fits": self.fits if self.complete else None, "complete": self.complete,
             "stopped_at": r.stopped_at, "peak_reserved": r.peak_reserved,
             "peak_allocated": r.peak_allocated, "fragmentation": r.fragmentation,
+            "fragmentation_ratio": self.fragmentation_ratio,
             "backend_calls": r.backend_calls, "alloc_retries": r.alloc_retries, "ooms": r.ooms,
+            "recorded": self.recorded, "min_capacity": self.min_capacity,
+            "first_oom_event": r.first_oom_event, "first_oom_frames": list(self.first_oom_frames),
         }
 
 
@@ -217,7 +262,12 @@ class TuneResult:
     bytes, fewer settings and backend calls). A candidate whose replay
     stopped early (``complete`` False) reserved more than the best known
     then, and its figures cover the events up to there. Of settings that do
-    not fit, those failing fewer allocations come first."""
+    not fit, those failing fewer allocations come first.
+
+    ``recorded`` is the recorded run's own settings (those of its
+    ``recorded_policy`` torch can express; torch's defaults when it names
+    none), always replayed in full: the baseline the table's ratios are
+    set against, and the floor of :attr:`best`."""
 
     source: str
     events: int
@@ -232,26 +282,62 @@ class TuneResult:
     notes: list[str] = field(default_factory=list)
     #: the torch version (major.minor) whose allocator the engine modelled
     torch_version: str = ""
+    #: the recorded run's settings, replayed (None only for results made by hand)
+    recorded: Optional[Candidate] = None
+    #: where :attr:`limit` came from: "", "given", "fraction 0.9 of 80.00 GiB
+    #: (...)", "inferred from the recording"
+    limit_source: str = ""
+    #: the policy keys left out of the search (``exclude``)
+    excluded: list[str] = field(default_factory=list)
+    #: the torch version (major.minor) the settings are written for: the one
+    #: asked for or installed (the modelled one when neither is known); it
+    #: may be newer than :attr:`torch_version` when that one was not judged
+    torch_target: str = ""
+
+    @property
+    def baseline(self) -> Candidate:
+        """What ratios are set against: the recorded settings, else the default."""
+        return self.recorded if self.recorded is not None else self.default
+
+    @property
+    def baseline_name(self) -> str:
+        """``recorded`` when the trace says what its run had, else ``default``."""
+        return "recorded" if self.recorded is not None else "default"
 
     @property
     def env_var(self) -> str:
-        """The variable that torch version reads the settings from."""
+        """The variable the torch the settings are for reads them from."""
         from .oracle import env_var
 
-        return env_var(self.torch_version)
+        return env_var(self.torch_target or self.torch_version)
+
+    @property
+    def pitfall(self) -> Optional[str]:
+        """A known way that torch version misreads the variable, if any."""
+        return _PITFALL_2_9 if (self.torch_target or self.torch_version) == "2.9" else None
+
+    def _eligible(self, c: Candidate) -> bool:
+        """Whether :attr:`best` may be ``c``: a torch setting proven for the
+        modelled version (or the recorded run's own), using no excluded option."""
+        return c.torch and (c.verified or c.recorded) and not set(c.settings) & set(self.excluded)
 
     @property
     def best(self) -> Candidate:
         """The best setting torch accepts that the fidelity matrix proved
-        for the modelled torch version (never worse than the default)."""
-        return next(c for c in self.candidates if c.torch and c.verified)
+        for the modelled torch version, or the recorded settings where
+        nothing beats them (never worse than those, nor than the default)."""
+        best = next(c for c in self.candidates if self._eligible(c))
+        rec = self.recorded
+        if rec is not None and rec is not best and self._eligible(rec) and _outcome(rec) == _outcome(best):
+            return rec  # as good: nothing to change
+        return best
 
     @property
     def best_extra(self) -> Optional[Candidate]:
         """The best setting only gpumempool's pools accept, if it beats :attr:`best`."""
         best = self.best
         for c in self.candidates:
-            if not c.torch and _rank(c) < _rank(best):
+            if not c.torch and not set(c.settings) & set(self.excluded) and _rank(c) < _rank(best):
                 return c
         return None
 
@@ -259,11 +345,12 @@ class TuneResult:
         """The best ``n`` distinct outcomes (torch's settings only,
         gpumempool's only, or all for ``torch=None``): of the settings that
         replay to the same figures, only the simplest is listed (the rest
-        are in :attr:`candidates`)."""
+        are in :attr:`candidates`). Settings using an excluded option (only
+        the recorded ones can) are not listed."""
         out: list[Candidate] = []
         seen: set[tuple[Any, ...]] = set()
         for c in self.candidates:
-            if (torch is not None and c.torch != torch) or not c.complete:
+            if (torch is not None and c.torch != torch) or not c.complete or set(c.settings) & set(self.excluded):
                 continue
             r = c.result
             outcome = (r.peak_reserved, r.peak_allocated, r.backend_calls, r.alloc_retries, r.ooms)
@@ -274,26 +361,47 @@ class TuneResult:
                     break
         return out
 
+    def rows(self, n: int = 5) -> list[tuple[str, Candidate]]:
+        """The table's rows: the best ``n`` torch settings, the recorded
+        settings and the default where they are not among them, and the
+        best of the extra settings, each with its tag."""
+        top, best = self.top(n), self.best
+        if best not in top:  # the recorded settings, listed in place of a simpler one as good
+            same = [i for i, c in enumerate(top) if _outcome(c) == _outcome(best)]
+            if same:
+                top[same[0]] = best
+            else:
+                top = ([best] + top)[:n]
+        out = [(str(i) + (" (recorded)" if c.recorded else ""), c) for i, c in enumerate(top, 1)]
+        if self.recorded is not None and self.recorded not in top:
+            out.append(("recorded", self.recorded))
+        if self.default not in top and self.default is not self.recorded:
+            out.append(("default", self.default))
+        extra = self.best_extra
+        if extra is not None:
+            out.append(("gmp only", extra))
+        return out
+
     def table(self, n: int = 5) -> str:
-        """The best ``n`` torch settings, the default and the best of the
-        extra settings, as a text table."""
-        rows: list[tuple[str, ...]] = [("#", "settings", "peak reserved", "vs default", "fragmentation",
-                                        "backend calls", "retries", "OOMs")]
-        base = self.default.peak_reserved or 1
+        """The best ``n`` torch settings, the recorded settings, the default
+        and the best of the extra settings, as a text table."""
+        with_min = any(c.min_capacity is not None for _, c in self.rows(n))
+        header: tuple[str, ...] = ("#", "settings", "peak reserved", f"vs {self.baseline_name}", "frag ratio",
+                                   "reserved/alloc", "backend calls", "retries", "OOMs")
+        rows = [header + (("fits on",) if with_min else ())]
+        base = self.baseline.peak_reserved or 1
 
         def row(tag: str, c: Candidate) -> tuple[str, ...]:
             r = c.result
-            return (tag, c.describe(), format_bytes(r.peak_reserved), f"{r.peak_reserved / base:.3f}",
-                    f"{r.fragmentation:.3f}", f"{r.backend_calls:,}", f"{r.alloc_retries:,}",
-                    f"{r.ooms:,}" + ("" if c.fits else " (does not fit)"))
+            out: tuple[str, ...] = (tag, c.describe(), format_bytes(r.peak_reserved), f"{r.peak_reserved / base:.3f}",
+                   f"{c.fragmentation_ratio:.3f}", f"{r.fragmentation:.3f}", f"{r.backend_calls:,}",
+                   f"{r.alloc_retries:,}", f"{r.ooms:,}" + ("" if c.fits else " (does not fit)"))
+            if with_min:
+                out += (format_bytes(c.min_capacity) if c.min_capacity is not None else "-",)
+            return out
 
-        for i, c in enumerate(self.top(n), 1):
-            rows.append(row(str(i), c))
-        if self.default not in self.top(n):
-            rows.append(row("default", self.default))
-        extra = self.best_extra
-        if extra is not None:
-            rows.append(row("gmp only", extra))
+        for tag, c in self.rows(n):
+            rows.append(row(tag, c))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [" | ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
                  for r in rows]
@@ -301,17 +409,27 @@ class TuneResult:
         return "\n".join(lines)
 
     def as_dict(self, n: int = 10) -> dict[str, Any]:
-        best, extra = self.best, self.best_extra
+        best, extra, base = self.best, self.best_extra, self.baseline
         return {
             "source": self.source, "events": self.events, "lower_bound": self.lower_bound, "limit": self.limit,
+            "limit_source": self.limit_source, "excluded": list(self.excluded),
             "recorded_by": self.recorded_by, "recorded_peak_reserved": self.recorded_peak_reserved,
             "best": best.as_dict(), "default": self.default.as_dict(),
+            "recorded": self.recorded.as_dict() if self.recorded is not None else None,
+            "baseline": self.baseline_name, "best_is_recorded": best.recorded,
             "best_extra": extra.as_dict() if extra is not None else None,
             "saving": 1 - best.peak_reserved / self.default.peak_reserved if self.default.peak_reserved else 0.0,
+            "saving_vs_baseline": 1 - best.peak_reserved / base.peak_reserved if base.peak_reserved else 0.0,
             "candidates": [c.as_dict() for c in self.candidates[:n]],
             "replays": self.replays, "seconds": self.seconds, "notes": list(self.notes),
-            "torch_version": self.torch_version, "env_var": self.env_var,
+            "torch_version": self.torch_version, "torch_target": self.torch_target, "env_var": self.env_var,
+            "pitfall": self.pitfall,
         }
+
+
+def _outcome(c: Candidate) -> tuple[Any, ...]:
+    """What ranks ``c`` apart from how simple its settings are."""
+    return (c.complete, c.fits, c.result.ooms, c.result.peak_reserved)
 
 
 def _rank(c: Candidate) -> tuple[Any, ...]:
@@ -331,7 +449,8 @@ def _clean(settings: Mapping[str, Any]) -> dict[str, Any]:
     """``settings`` without the defaults, and without the settings that do
     nothing in that company (torch ignores max_non_split_rounding_mb
     without max_split_size_mb)."""
-    out = {k: v for k, v in settings.items() if v is not None and v is not False}
+    # per-interval divisions as a tuple: settings are keys of the replays done
+    out = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items() if v is not None and v is not False}
     if "max_non_split_rounding_size" in out and "max_split_size" not in out:
         del out["max_non_split_rounding_size"]
     return out
@@ -344,10 +463,15 @@ def _replay_settings(trace: Union[Trace, TraceFile], settings: Mapping[str, Any]
                      capacity: Optional[int], stop_above: Optional[int] = None,
                      torch_version: Optional[str] = None) -> ReplayResult:
     policy = dict(settings)
-    if limit:
+    if "capacity" in policy:
+        # a probe of tune(min_capacity=True): a device of that size, no other limit
+        if "garbage_collection_threshold" in policy:
+            policy["limit"] = policy["capacity"]
+    elif limit:
         policy["limit"] = limit
-    elif "garbage_collection_threshold" in policy and capacity:
-        policy["limit"] = capacity  # torch's threshold is a fraction of the device's memory
+    elif "garbage_collection_threshold" in policy:
+        # torch's threshold is a fraction of the memory it may use: the device's
+        policy["limit"] = capacity or DEFAULT_CAPACITY
     return replay(trace, policy, recorded_policy=False, stop_above=stop_above, torch_version=torch_version)
 
 
@@ -517,9 +641,10 @@ class _Runner:
 
 
 def _candidate(settings: Mapping[str, Any], result: ReplayResult, limit: Optional[int],
-               proven: Optional[frozenset[str]] = None) -> Candidate:
+               proven: Optional[frozenset[str]] = None, recorded: Optional[Mapping[str, Any]] = None) -> Candidate:
     s = _clean(settings)
-    return Candidate(s, result, _torch_expressible(s), limit, proven is None or set(s) <= proven)
+    return Candidate(s, result, _torch_expressible(s), limit, proven is None or set(s) <= proven,
+                     recorded=recorded is not None and _key(s) == _key(_clean(recorded)))
 
 
 def _load(trace: Union[Trace, TraceFile, PathLike]) -> tuple[Union[Trace, TraceFile], Optional[str]]:
@@ -534,47 +659,101 @@ def _load(trace: Union[Trace, TraceFile, PathLike]) -> tuple[Union[Trace, TraceF
     return from_torch_snapshot(path), None  # a snapshot pickle (its loader says what else is wrong)
 
 
+def _excluded_keys(exclude: Union[str, Iterable[str], None]) -> list[str]:
+    """The policy keys of ``exclude`` (torch's option names or policy keys;
+    a string may list several, comma-separated)."""
+    if exclude is None:
+        return []
+    names = [exclude] if isinstance(exclude, str) else list(exclude)
+    keys: list[str] = []
+    for item in names:
+        if not isinstance(item, str):
+            raise InvalidArgumentError(f"exclude takes option names, got {item!r}")
+        for name in (n.strip() for n in item.split(",")):
+            if not name:
+                continue
+            if name not in OPTION_NAMES:
+                raise InvalidArgumentError(f"exclude: unknown option {name!r}; valid: {', '.join(OPTION_NAMES)}")
+            keys.append(OPTION_NAMES[name])
+    return list(dict.fromkeys(keys))
+
+
+def _recorded_capacity(meta: Mapping[str, Any]) -> Optional[int]:
+    """The device size the recording ran on, where the trace says it
+    (``recorded_conditions.capacity``, inferred from the snapshot)."""
+    cond = meta.get("recorded_conditions")
+    cap = cond.get("capacity") if isinstance(cond, Mapping) else None
+    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else None
+
+
 def tune(
     trace: Union[Trace, TraceFile, PathLike],
     *,
-    limit: Optional[int] = None,
+    limit: Union[int, float, None] = None,
     extra: bool = True,
     jobs: Optional[int] = None,
     progress: Optional[ProgressFn] = None,
     torch_version: Optional[str] = None,
+    exclude: Union[str, Iterable[str], None] = None,
+    min_capacity: bool = False,
+    min_capacity_rows: int = 3,
 ) -> TuneResult:
     """Search the allocator settings for the lowest peak reserved bytes of
     ``trace`` (a :class:`~gpumempool.trace.Trace`, a
     :class:`~gpumempool.trace.TraceFile`, or the path of a gmptrace file or
     of a torch snapshot pickle with history).
 
+    The recorded run's own settings (``trace.meta["recorded_policy"]``,
+    from a torch snapshot's ``allocator_settings``; torch's defaults where
+    it names none) are always replayed: they are :attr:`TuneResult.recorded`,
+    the baseline of the table, and the best is never worse than them.
+
     ``limit`` (bytes) replays every candidate with that much memory, as
     ``torch.cuda.set_per_process_memory_fraction`` would give torch:
     settings that cannot serve the run within it are marked (``fits`` is
-    False) and ranked last. ``extra`` also tries settings only gpumempool's
-    pools accept. ``jobs`` worker processes replay in parallel (default: the
-    machine's cores, at most 8; 1 replays in this process).
-    ``progress(done, total)`` follows the replays. ``torch_version``
-    (major.minor) is the torch whose allocator the result is for (default:
-    the installed torch's, else the newest the fidelity matrix judged): the
-    replays follow its rules (``MemPool(torch_version=...)``), and only
-    settings the matrix proved exact for it are recommended
-    (:attr:`Candidate.verified`).
+    False) and ranked last. A float in (0, 1] is a fraction of the device:
+    the trace's ``capacity``, else the recorded one
+    (``meta["recorded_conditions"]["capacity"]``), else the replay's default
+    80 GiB. Without ``limit``, a recorded capacity is the limit.
+    ``exclude`` (names of torch's options, such as ``expandable_segments``,
+    or policy keys; a string may list several, comma-separated) leaves
+    options out of the search, for programs that cannot use them (CUDA IPC,
+    NIXL and vLLM's sleep mode with expandable segments).
+    ``extra`` also tries settings only gpumempool's pools accept. ``jobs``
+    worker processes replay in parallel (default: the machine's cores, at
+    most 8; 1 replays in this process). ``progress(done, total)`` follows
+    the replays. ``torch_version`` (major.minor) is the torch whose
+    allocator the result is for (default: the installed torch's, else the
+    newest the fidelity matrix judged): the replays follow its rules
+    (``MemPool(torch_version=...)``), and only settings the matrix proved
+    exact for it are recommended (:attr:`Candidate.verified`).
+    ``min_capacity`` finds, by bisection to 2 MiB or 1 %, the smallest
+    device the run fits on (:attr:`Candidate.min_capacity`) for the best
+    ``min_capacity_rows`` settings, the recorded ones and the default.
 
     Raises ValueError (:class:`~gpumempool.trace.TraceFormatError` for a bad
     file) for a trace without events, and
     :class:`~gpumempool.InvalidArgumentError` for a limit below the trace's
     lower bound on a device (the peak of the bytes it holds at once there:
-    the limit holds for each device)."""
+    the limit holds for each device) or an unknown option to exclude."""
     start = time.perf_counter()
-    from .oracle.proven import MODELLED, installed_torch_version, modelled_version, proven_settings
+    from .oracle.proven import MODELLED, _minor, installed_torch_version, modelled_version, proven_settings
 
     if torch_version is not None and not re.match(r"^\d+\.\d+(\.|\+|$)", str(torch_version)):
         raise InvalidArgumentError(f"torch_version must be MAJOR.MINOR (e.g. 2.15), got {torch_version!r}")
-    modelled = modelled_version(torch_version or installed_torch_version())
+    target = torch_version or installed_torch_version()
+    modelled = modelled_version(target)
     proven = proven_settings(modelled) if modelled in MODELLED else None
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
-        raise InvalidArgumentError(f"limit must be a positive number of bytes, got {limit!r}")
+    fraction: Optional[float] = None
+    if isinstance(limit, float):
+        if not 0 < limit <= 1:
+            raise InvalidArgumentError(f"limit as a fraction of the device must be in (0, 1], got {limit!r}")
+        fraction = limit
+    elif limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
+        raise InvalidArgumentError(f"limit must be a positive number of bytes or a fraction, got {limit!r}")
+    excluded = _excluded_keys(exclude)
+    if isinstance(min_capacity_rows, bool) or not isinstance(min_capacity_rows, int) or min_capacity_rows < 0:
+        raise InvalidArgumentError(f"min_capacity_rows must be an int >= 0, got {min_capacity_rows!r}")
     tr, path = _load(trace)
     source = os.fspath(trace) if isinstance(trace, (str, os.PathLike)) else (path or tr.source or "trace")
     counts = tr.counts()
@@ -586,29 +765,60 @@ def tune(
         # file: they would refuse it as they load it.
         tr.validate()
     lower = tr.peak_requested()
+    notes: list[str] = []
+    capacity = tr.meta.get("capacity") if isinstance(tr.meta.get("capacity"), int) else None
+    recorded_capacity = _recorded_capacity(tr.meta)
+    limit_bytes = limit if isinstance(limit, int) else None
+    limit_source = "given" if limit is not None else ""
+    if fraction is not None:
+        device, whose = ((capacity, "the trace's device") if capacity else
+                         (recorded_capacity, "the recorded device") if recorded_capacity else
+                         (DEFAULT_CAPACITY, "the replay's default device: the trace records none"))
+        limit_bytes = int(device * fraction)
+        limit_source = f"fraction {fraction:g} of {format_bytes(device)} ({whose})"
     # The limit holds for each device (replay's, as torch's memory fraction):
     # below the total, it may still be above what each device holds.
-    if limit is not None and limit < lower and limit < (device_lower := _device_peak_requested(tr)):
+    device_lower = _device_peak_requested(tr)
+    if limit_bytes is None and recorded_capacity is not None:
+        if recorded_capacity >= device_lower:
+            limit_bytes, limit_source = recorded_capacity, "inferred from the recording"
+        else:
+            notes.append(f"the recorded capacity {format_bytes(recorded_capacity)} is below the bytes the run "
+                         "holds at once on a device: replayed without a limit")
+    if limit_bytes is not None and limit_bytes < device_lower:
+        how = f" ({limit_source})" if limit_source != "given" else ""
         raise InvalidArgumentError(
-            f"limit {format_bytes(limit)} is below the trace's lower bound {format_bytes(device_lower)} on one "
-            "device (the most bytes the program holds allocated at once on a device; the limit applies to each): "
+            f"limit {format_bytes(limit_bytes)}{how} is below the trace's lower bound {format_bytes(device_lower)} "
+            "on one device (the most bytes the program holds allocated at once on a device; the limit applies to each): "
             "no setting can run it in that much memory")
-    notes: list[str] = []
     if proven is None:
         notes.append(f"torch {modelled or '(none installed)'} was not judged by the fidelity matrix: every "
                      "setting is shown as the engine predicts it, none verified against torch")
-    recorded = tr.meta.get("recorded_policy")
-    if isinstance(recorded, dict):
-        odd = {k: v for k, v in recorded.items() if k not in _TORCH_NAMES and k not in ("backend", "capacity")}
+    policy = tr.meta.get("recorded_policy")
+    recorded_settings: dict[str, Any] = {}
+    if isinstance(policy, dict):
+        recorded_settings = _clean({k: v for k, v in policy.items() if k in _TORCH_NAMES})
+        if not _torch_expressible(recorded_settings):
+            notes.append(f"the recorded settings {recorded_settings} are not torch's to say: 'recorded' below is "
+                         "torch's defaults")
+            recorded_settings = {}
+        odd = {k: v for k, v in policy.items() if k not in _TORCH_NAMES and k not in ("backend", "capacity")}
         if odd:
             notes.append("the recording used settings torch has no equivalent for ("
-                         + ", ".join(f"{k}={v}" for k, v in odd.items())
-                         + "): 'default' below is torch's defaults, not the recording's settings")
-    capacity = tr.meta.get("capacity") if isinstance(tr.meta.get("capacity"), int) else None
+                         + ", ".join(f"{k}={v}" for k, v in odd.items()) + "): 'recorded' below is "
+                         + ("its torch settings without them" if recorded_settings else "torch's defaults"))
+    # the baseline is "recorded" where the trace comes from a recording (a
+    # torch snapshot names its settings, or says nothing of torch's defaults)
+    recorded: Optional[dict[str, Any]] = recorded_settings if isinstance(policy, dict) or tr.recorded_by else None
+    if set(recorded_settings) & set(excluded):
+        notes.append("the recorded settings use an excluded option: they are the baseline, not a recommendation")
     if jobs is None:
         jobs = min(os.cpu_count() or 1, 8)
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise InvalidArgumentError(f"jobs must be a positive int, got {jobs!r}")
+
+    def allowed(settings: Mapping[str, Any]) -> bool:
+        return not set(_clean(settings)) & set(excluded)
 
     with tempfile.TemporaryDirectory(prefix="gmp-tune-") as tmp:
         if jobs > 1 and path is None:
@@ -616,46 +826,131 @@ def tune(
             path = os.path.join(tmp, "trace.gz")
             assert isinstance(tr, Trace)
             tr.save(path)
-        runner = _Runner(tr, path, jobs, limit, capacity, progress, modelled or None)
+        runner = _Runner(tr, path, jobs, limit_bytes, capacity, progress, modelled or None)
+        probes: dict[tuple[tuple[str, Any], ...], int] = {}
         try:
-            space = dict(TORCH_SPACE)
-            if limit is None:
+            space = {k: v for k, v in TORCH_SPACE.items() if k not in excluded}
+            if limit_bytes is None and "garbage_collection_threshold" in space:
                 space["garbage_collection_threshold"] = [None]
-            # The default and the usual winner first, in full: from then on a
-            # replay stops once it reserves more than the best so far.
-            runner.run([{}, {"expandable": True}], expect=20)
-            best = _best_of(runner, limit, proven)
+            coarse = {k: v for k, v in _COARSE.items() if k not in excluded}
+            # The default, the recorded settings and the usual winner first,
+            # in full: from then on a replay stops once it reserves more than
+            # the best so far.
+            first = [{}, recorded_settings] + ([{"expandable": True}] if allowed({"expandable": True}) else [])
+            runner.run(first, expect=20)
+            best = _best_of(runner, limit_bytes, proven, recorded, excluded)
             grid: list[dict[str, Any]] = [{}]
-            for key, values in _COARSE.items():
+            for key, values in coarse.items():
                 grid = [dict(g, **{key: v}) for g in grid for v in values]
-            if limit is not None:
+            if limit_bytes is not None and "garbage_collection_threshold" not in excluded:
                 grid += [dict(g, garbage_collection_threshold=0.8) for g in grid]
             runner.run(grid, expect=12, stop_above=_stop(best))
-            best = _best_of(runner, limit, proven)
+            best = _best_of(runner, limit_bytes, proven, recorded, excluded)
             # one setting at a time around the best, until nothing helps
             for _ in range(4):
                 before = _key(best.settings)
                 for key, values in space.items():
-                    runner.run([dict(best.settings, **{key: v}) for v in values], stop_above=_stop(best))
-                    best = _best_of(runner, limit, proven)
+                    tries = [dict(best.settings, **{key: v}) for v in values]
+                    runner.run([t for t in tries if allowed(t)], stop_above=_stop(best))
+                    best = _best_of(runner, limit_bytes, proven, recorded, excluded)
                 if _key(best.settings) == before:
                     break
             if extra:
-                runner.run([dict(best.settings, **{key: v}) for key, values in EXTRA_SPACE.items() for v in values],
-                           stop_above=_stop(best))
+                tries = [dict(best.settings, **{key: v}) for key, values in EXTRA_SPACE.items() if key not in excluded
+                         for v in values]
+                runner.run([t for t in tries if allowed(t)], stop_above=_stop(best))
+            cands = sorted((_candidate(dict(k), r, limit_bytes, proven, recorded) for k, r in runner.done.items()),
+                           key=_rank)
+            replays = len(runner.done)
+            result = TuneResult(
+                source=source, events=len(tr), lower_bound=lower, limit=limit_bytes,
+                default=next(c for c in cands if not c.settings), candidates=cands,
+                recorded_peak_reserved=cands[0].result.recorded_peak_reserved,
+                recorded_by=cands[0].result.recorded_by, replays=replays, notes=notes, torch_version=modelled,
+                recorded=next((c for c in cands if c.recorded), None), limit_source=limit_source, excluded=excluded,
+                torch_target=_minor(target) if target else modelled)
+            if min_capacity:
+                rows = [c for _, c in result.rows(min_capacity_rows) if c.torch]
+                for c in [result.recorded, result.default]:
+                    if c is not None and c not in rows:
+                        rows.append(c)
+                probes = _min_capacities(runner, rows, device_lower)
         except BaseException:
             runner.close(kill=True)
             raise
         finally:
             runner.close()
 
-    cands = sorted((_candidate(dict(k), r, limit, proven) for k, r in runner.done.items()), key=_rank)
-    default = next(c for c in cands if not c.settings)
-    first = cands[0].result
-    return TuneResult(
-        source=source, events=len(tr), lower_bound=lower, limit=limit, default=default, candidates=cands,
-        recorded_peak_reserved=first.recorded_peak_reserved, recorded_by=first.recorded_by,
-        replays=len(runner.done), seconds=time.perf_counter() - start, notes=notes, torch_version=modelled)
+    result.replays = replays + len(probes)
+    if isinstance(tr, Trace):
+        failing = [c for c in cands if c.first_oom_event is not None and c.complete]
+        stacks = tr.frames({c.first_oom_event for c in failing if c.first_oom_event is not None})
+        for c in failing:
+            c.first_oom_frames = stacks.get(c.first_oom_event, []) if c.first_oom_event is not None else []
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+#: Precision of tune(min_capacity=True): 2 MiB, or 1 % of the capacity.
+_MIN_CAPACITY_STEP = 2 * MiB
+_MIN_CAPACITY_PART = 0.01
+
+
+def _min_capacities(runner: _Runner, rows: list[Candidate], lower: int) -> dict[tuple[tuple[str, Any], ...], int]:
+    """Set each row's :attr:`Candidate.min_capacity`: the smallest device
+    (per device, a multiple of 2 MiB) on which its settings serve every
+    allocation, by bisection between the bytes the run holds at once on a
+    device (nothing fits below) and a size where it fits, all rows a step
+    at a time (the steps of the rows run in parallel). Returns the probes
+    replayed, by their settings."""
+    probes: dict[tuple[tuple[str, Any], ...], int] = {}
+
+    def up(n: int) -> int:
+        return -(-n // _MIN_CAPACITY_STEP) * _MIN_CAPACITY_STEP
+
+    def fits(pairs: list[tuple[Candidate, int]]) -> list[bool]:
+        jobs = [dict(c.settings, capacity=cap) for c, cap in pairs]
+        runner.run(jobs)
+        out = []
+        for job in jobs:
+            k = _key(_clean(job))
+            probes[k] = job["capacity"]
+            out.append(runner.done.pop(k).ooms == 0)
+        return out
+
+    # (low: does not fit, high: fits) per row
+    bounds = {id(c): [up(lower) - _MIN_CAPACITY_STEP, up(max(lower, c.peak_reserved))] for c in rows}
+    todo = list(rows)
+    # a high bound that fits: the peak the settings reserved (doubled until it fits)
+    while todo:
+        ok = fits([(c, bounds[id(c)][1]) for c in todo])
+        nxt = []
+        for c, good in zip(todo, ok):
+            if good:
+                continue
+            bounds[id(c)][0] = bounds[id(c)][1]
+            if bounds[id(c)][1] >= 1 << 50:
+                bounds[id(c)][1] = -1  # never fits (an allocation larger than any device)
+                continue
+            bounds[id(c)][1] *= 2
+            nxt.append(c)
+        todo = nxt
+    todo = [c for c in rows if bounds[id(c)][1] > 0]
+
+    def done(c: Candidate) -> bool:
+        lo, hi = bounds[id(c)]
+        return hi - lo <= max(_MIN_CAPACITY_STEP, int(hi * _MIN_CAPACITY_PART))
+
+    todo = [c for c in todo if not done(c)]
+    while todo:
+        mids = [up((bounds[id(c)][0] + bounds[id(c)][1]) // 2) for c in todo]
+        for c, mid, good in zip(todo, mids, fits(list(zip(todo, mids)))):
+            bounds[id(c)][1 if good else 0] = mid
+        todo = [c for c in todo if not done(c)]
+    for c in rows:
+        hi = bounds[id(c)][1]
+        c.min_capacity = hi if hi > 0 else None
+    return probes
 
 
 def _device_peak_requested(tr: Union[Trace, TraceFile]) -> int:
@@ -674,10 +969,13 @@ def _device_peak_requested(tr: Union[Trace, TraceFile]) -> int:
     return peak
 
 
-def _best_of(runner: _Runner, limit: Optional[int], proven: Optional[frozenset[str]] = None) -> Candidate:
-    """The best verified torch setting replayed so far."""
-    cands = [_candidate(dict(k), r, limit, proven) for k, r in runner.done.items()]
-    return min((c for c in cands if c.torch and c.verified), key=_rank)
+def _best_of(runner: _Runner, limit: Optional[int], proven: Optional[frozenset[str]] = None,
+             recorded: Optional[Mapping[str, Any]] = None, excluded: Iterable[str] = ()) -> Candidate:
+    """The best verified torch setting (or the recorded ones) replayed so
+    far, using no excluded option."""
+    cands = [_candidate(dict(k), r, limit, proven, recorded) for k, r in runner.done.items()]
+    return min((c for c in cands if c.torch and (c.verified or c.recorded) and not set(c.settings) & set(excluded)),
+               key=_rank)
 
 
 def _stop(best: Candidate) -> Optional[int]:

@@ -1268,6 +1268,7 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                 # recording's conditions runs out of memory where torch did,
                 # and a setting fits only if it serves that request too.
                 next_id += 1
+                tr_out.snapshot_entries[len(out)] = (d, i)  # its stack is the OOM entry's
                 out.append(Alloc(next_id, size, e.get("stream", 0), d))
                 out.append(Free(next_id))
                 counts["failed_requests"] += 1

@@ -463,15 +463,12 @@ def _replay_settings(trace: Union[Trace, TraceFile], settings: Mapping[str, Any]
                      capacity: Optional[int], stop_above: Optional[int] = None,
                      torch_version: Optional[str] = None) -> ReplayResult:
     policy = dict(settings)
-    if "capacity" in policy:
-        # a probe of tune(min_capacity=True): a device of that size, no other limit
-        if "garbage_collection_threshold" in policy:
-            policy["limit"] = policy["capacity"]
-    elif limit:
-        policy["limit"] = limit
-    elif "garbage_collection_threshold" in policy:
-        # torch's threshold is a fraction of the memory it may use: the device's
-        policy["limit"] = capacity or DEFAULT_CAPACITY
+    # The limit is torch's memory fraction (allowed_memory_maximum). Torch
+    # collects garbage only under one (its malloc checks set_fraction), so
+    # a threshold without --limit does nothing, there as here (replay warns).
+    if limit:
+        # a probe of tune(min_capacity=True) is a device of that size: the limit stays within it
+        policy["limit"] = min(limit, policy["capacity"]) if "capacity" in policy else limit
     return replay(trace, policy, recorded_policy=False, stop_above=stop_above, torch_version=torch_version)
 
 
@@ -783,8 +780,12 @@ def tune(
         if recorded_capacity >= device_lower:
             limit_bytes, limit_source = recorded_capacity, "inferred from the recording"
         else:
-            notes.append(f"the recorded capacity {format_bytes(recorded_capacity)} is below the bytes the run "
-                         "holds at once on a device: replayed without a limit")
+            # The request torch could not serve is in the trace (replay asks
+            # for it again): no setting serves it on the device the run had.
+            notes.append(f"the run holds {format_bytes(device_lower)} at once on one device (counting the request "
+                         f"torch could not serve), more than the {format_bytes(recorded_capacity)} it had there "
+                         "(inferred from the recording): no setting fits that device; settings are ranked by "
+                         "their peak on it")
     if limit_bytes is not None and limit_bytes < device_lower:
         how = f" ({limit_source})" if limit_source != "given" else ""
         raise InvalidArgumentError(

@@ -232,6 +232,9 @@ class TuneResult:
     notes: list[str] = field(default_factory=list)
     #: the torch version (major.minor) whose allocator the engine modelled
     torch_version: str = ""
+    #: the search stopped at ``deadline_s`` before it was done: the best of
+    #: the settings replayed by then
+    partial: bool = False
 
     @property
     def env_var(self) -> str:
@@ -310,7 +313,7 @@ class TuneResult:
             "saving": 1 - best.peak_reserved / self.default.peak_reserved if self.default.peak_reserved else 0.0,
             "candidates": [c.as_dict() for c in self.candidates[:n]],
             "replays": self.replays, "seconds": self.seconds, "notes": list(self.notes),
-            "torch_version": self.torch_version, "env_var": self.env_var,
+            "torch_version": self.torch_version, "env_var": self.env_var, "partial": self.partial,
         }
 
 
@@ -442,9 +445,13 @@ class _Runner:
     ``jobs`` worker processes or, for ``jobs == 1``, here."""
 
     def __init__(self, trace: Union[Trace, TraceFile], path: Optional[str], jobs: int, limit: Optional[int],
-                 capacity: Optional[int], progress: Optional[ProgressFn], torch_version: Optional[str] = None) -> None:
+                 capacity: Optional[int], progress: Optional[ProgressFn], torch_version: Optional[str] = None,
+                 deadline: Optional[float] = None) -> None:
         self.trace, self.limit, self.capacity, self.progress = trace, limit, capacity, progress
         self.torch_version = torch_version
+        #: time.perf_counter() at which replays stop (None: never)
+        self.deadline = deadline
+        self.out_of_time = False
         self.done: dict[tuple[tuple[str, Any], ...], ReplayResult] = {}
         self.planned = 0
         self.workers: list[_Worker] = []
@@ -498,8 +505,12 @@ class _Runner:
             if _key(c) not in self.done:
                 todo.setdefault(_key(c), c)
         self.planned = max(self.planned, len(self.done) + len(todo) + expect)
+        if self.out_of_time or not todo:
+            return
         if not self.workers:
             for k, s in todo.items():
+                if self._past_deadline():  # checked between replays: one replay here is not interrupted
+                    return
                 self.done[k] = _replay_settings(self.trace, s, self.limit, self.capacity, stop_above,
                                                 self.torch_version)
                 self._tick()
@@ -507,9 +518,21 @@ class _Runner:
         import concurrent.futures
 
         futures = {self.threads.submit(self._on_worker, s, stop_above): k for k, s in todo.items()}
-        for fut in concurrent.futures.as_completed(futures):
-            self.done[futures[fut]] = fut.result()
-            self._tick()
+        left = None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
+        try:
+            for fut in concurrent.futures.as_completed(futures, timeout=left):
+                self.done[futures[fut]] = fut.result()
+                self._tick()
+        except concurrent.futures.TimeoutError:
+            # The replays under way are killed with their workers (the
+            # threads waiting for them see them die and are not listened to).
+            self.out_of_time = True
+            self.close(kill=True)
+
+    def _past_deadline(self) -> bool:
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            self.out_of_time = True
+        return self.out_of_time
 
     def _tick(self) -> None:
         if self.progress is not None:
@@ -542,6 +565,7 @@ def tune(
     jobs: Optional[int] = None,
     progress: Optional[ProgressFn] = None,
     torch_version: Optional[str] = None,
+    deadline_s: Optional[float] = None,
 ) -> TuneResult:
     """Search the allocator settings for the lowest peak reserved bytes of
     ``trace`` (a :class:`~gpumempool.trace.Trace`, a
@@ -559,7 +583,12 @@ def tune(
     the installed torch's, else the newest the fidelity matrix judged): the
     replays follow its rules (``MemPool(torch_version=...)``), and only
     settings the matrix proved exact for it are recommended
-    (:attr:`Candidate.verified`).
+    (:attr:`Candidate.verified`). ``deadline_s`` bounds the search: once
+    that many seconds have passed, the replays under way are stopped (in
+    worker processes; with ``jobs=1`` the one replay under way finishes)
+    and the best setting replayed by then is returned, with
+    :attr:`TuneResult.partial` set; TimeoutError when not even torch's
+    defaults were replayed by then.
 
     Raises ValueError (:class:`~gpumempool.trace.TraceFormatError` for a bad
     file) for a trace without events, and
@@ -605,6 +634,10 @@ def tune(
                          + ", ".join(f"{k}={v}" for k, v in odd.items())
                          + "): 'default' below is torch's defaults, not the recording's settings")
     capacity = tr.meta.get("capacity") if isinstance(tr.meta.get("capacity"), int) else None
+    if deadline_s is not None and (isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float))
+                                   or not deadline_s > 0):
+        raise InvalidArgumentError(f"deadline_s must be a positive number of seconds, got {deadline_s!r}")
+    deadline = None if deadline_s is None else start + deadline_s
     if jobs is None:
         jobs = min(os.cpu_count() or 1, 8)
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
@@ -616,7 +649,7 @@ def tune(
             path = os.path.join(tmp, "trace.gz")
             assert isinstance(tr, Trace)
             tr.save(path)
-        runner = _Runner(tr, path, jobs, limit, capacity, progress, modelled or None)
+        runner = _Runner(tr, path, jobs, limit, capacity, progress, modelled or None, deadline)
         try:
             space = dict(TORCH_SPACE)
             if limit is None:
@@ -624,6 +657,9 @@ def tune(
             # The default and the usual winner first, in full: from then on a
             # replay stops once it reserves more than the best so far.
             runner.run([{}, {"expandable": True}], expect=20)
+            if _key({}) not in runner.done:
+                raise TimeoutError(f"tune: {source}: not even torch's defaults were replayed in {deadline_s} s "
+                                   "(deadline_s)")
             best = _best_of(runner, limit, proven)
             grid: list[dict[str, Any]] = [{}]
             for key, values in _COARSE.items():
@@ -655,7 +691,8 @@ def tune(
     return TuneResult(
         source=source, events=len(tr), lower_bound=lower, limit=limit, default=default, candidates=cands,
         recorded_peak_reserved=first.recorded_peak_reserved, recorded_by=first.recorded_by,
-        replays=len(runner.done), seconds=time.perf_counter() - start, notes=notes, torch_version=modelled)
+        replays=len(runner.done), seconds=time.perf_counter() - start, notes=notes, torch_version=modelled,
+        partial=runner.out_of_time)
 
 
 def _device_peak_requested(tr: Union[Trace, TraceFile]) -> int:

@@ -359,8 +359,15 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             return _fail(f"--limit: {exc}", 2, json_out=args.json)
         if limit == 0:
             return _fail("--limit: must be more than 0 bytes", 2, json_out=args.json)
+    oom_capacity = None  # the memory a snapshot's run failed in, the limit when none is given
     try:
-        trace = _load_trace(args.trace, args)
+        if limit is None and (args.format if args.format != "auto" else _file_kind(args.trace)) == "snapshot":
+            from ._oom_doctor import oom_trace
+
+            trace, oom_capacity = oom_trace(args.trace, infer_empty_cache=not args.no_infer_empty_cache)
+            limit = oom_capacity
+        else:
+            trace = _load_trace(args.trace, args)
     except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError) as exc:
         return _fail(str(exc), json_out=args.json)
     try:
@@ -375,6 +382,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if args.json:
         out = result.as_dict(n=args.top)
         out["trace"] = {"path": args.trace, "meta": trace.meta}
+        if oom_capacity is not None:
+            out["out_of_memory"] = {"capacity": oom_capacity,
+                                    "fits": {c.alloc_conf if c.alloc_conf is not None else c.describe(): c.fits
+                                             for c in result.top(args.top) + [default]}}
         if args.verify:
             from .oracle import FakeStackError, OracleError
             from .oracle.verify import verify
@@ -396,6 +407,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
               "are recommended; others are marked unverified)")
     for note in result.notes:
         print(f"note: {note}")
+    if oom_capacity is not None:
+        print(f"out of memory: the run failed on a device with {format_bytes(oom_capacity)} for it (reserved plus "
+              "free at its last oom entry); each setting is replayed in that much, the failed request included "
+              "(--limit for another size)")
     print()
     saving = default.peak_reserved - best.peak_reserved
     if not best.fits:
@@ -405,9 +420,13 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         print(f"best: torch's defaults ({format_bytes(best.peak_reserved)} peak reserved); no setting tried does "
               "better")
     else:
-        print(f"best torch setting: {format_bytes(best.peak_reserved)} peak reserved, "
-              f"{best.peak_reserved / default.peak_reserved:.3f} of the default's "
-              f"{format_bytes(default.peak_reserved)} (saves {format_bytes(saving)})")
+        if not default.fits:
+            print(f"best torch setting: {format_bytes(best.peak_reserved)} peak reserved; torch's defaults do not "
+                  f"fit ({default.result.ooms:,} allocation(s) fail)")
+        else:
+            print(f"best torch setting: {format_bytes(best.peak_reserved)} peak reserved, "
+                  f"{best.peak_reserved / default.peak_reserved:.3f} of the default's "
+                  f"{format_bytes(default.peak_reserved)} (saves {format_bytes(saving)})")
         print(f"  {result.env_var}={best.alloc_conf}")
         if result.torch_version == "2.9":
             print("  (torch 2.9 reads PYTORCH_ALLOC_CONF but is reported to ignore some settings there: "
@@ -419,11 +438,20 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if result.recorded_peak_reserved is not None:
         print(f"{result.recorded_by or 'the recording'} reserved {format_bytes(result.recorded_peak_reserved)} "
               f"at its peak; the default's replay: {format_bytes(default.peak_reserved)}")
-    if limit is not None:
+    if limit is not None and oom_capacity is None:
         print(f"with --limit: give torch the same memory, torch.cuda.set_per_process_memory_fraction("
               f"{format_bytes(limit)} / total), for the same behaviour")
     print()
     print(result.table(args.top))
+    if oom_capacity is not None:
+        print()
+        print(f"would have fit in {format_bytes(oom_capacity)} (the device it failed on):")
+        shown = result.top(args.top) + ([] if default in result.top(args.top) else [default])
+        for c in shown:
+            conf = f"{result.env_var}={c.alloc_conf}" if c.alloc_conf else \
+                ("torch's defaults" if c.alloc_conf == "" else c.describe())
+            print(f"  {'yes' if c.fits else 'no '}  {conf}: {format_bytes(c.peak_reserved)} peak reserved"
+                  + ("" if c.fits else f", {c.result.ooms:,} allocation(s) fail"))
     if args.verify:
         code = _tune_verify(args, result, trace)
         if code:

@@ -362,14 +362,25 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     oom_capacity = None  # the memory a snapshot's run failed in, the limit when none is given
     try:
         if limit is None and (args.format if args.format != "auto" else _file_kind(args.trace)) == "snapshot":
-            from ._oom_doctor import oom_trace
+            from ._oom_doctor import held_at_once, oom_trace
 
-            trace, oom_capacity = oom_trace(args.trace, infer_empty_cache=not args.no_infer_empty_cache)
+            trace, oom_capacity, oom_device = oom_trace(args.trace, infer_empty_cache=not args.no_infer_empty_cache)
             limit = oom_capacity
         else:
             trace = _load_trace(args.trace, args)
     except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError) as exc:
         return _fail(str(exc), json_out=args.json)
+    if oom_capacity is not None and (held := held_at_once(trace, oom_device)) > oom_capacity:
+        # An answer, not an error: tune would refuse the limit.
+        if args.json:
+            _print_json({"source": args.trace, "limit": oom_capacity, "lower_bound": held,
+                         "out_of_memory": {"capacity": oom_capacity, "device": oom_device, "fits": {}}})
+        else:
+            print(f"out of memory: the run failed on device {oom_device} with {format_bytes(oom_capacity)} for it "
+                  f"(reserved plus free at its last oom entry), and holds {format_bytes(held)} allocated at once "
+                  "there, the failed request included: no allocator setting would have fit (--limit to tune for "
+                  "another size)")
+        return 1
     try:
         with Progress("tune", unit="replay", enabled=not (args.json or args.no_progress)) as bar:
             result = tune(trace, limit=limit, extra=not args.no_extra, jobs=args.jobs, progress=bar,

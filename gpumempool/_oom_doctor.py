@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 
 from ._units import format_bytes
 
-__all__ = ["Diagnosis", "capacity_at_oom", "diagnose", "last_oom", "oom_trace", "with_failed_request"]
+__all__ = ["Diagnosis", "capacity_at_oom", "diagnose", "held_at_once", "last_oom", "oom_trace", "with_failed_request"]
 
 MiB = 1 << 20
 _GROW = ("segment_alloc", "segment_map")
@@ -272,7 +272,7 @@ def _diagnose(diag: Diagnosis, time_limit_s: float, jobs: Optional[int], torch_v
         jobs = min(max(os.cpu_count() or 1, 2), 8)
     stem = diag.snapshot[:-len(".pickle")] if diag.snapshot.endswith(".pickle") else diag.snapshot
     found = last_oom(snap)
-    held = _held_at_once(trace, found[0] if found else 0)
+    held = held_at_once(trace, found[0] if found else 0)
     if diag.capacity is not None and held > diag.capacity:
         # No setting can help: tune would refuse the limit.
         diag.fits = False
@@ -312,7 +312,7 @@ def _diagnose(diag: Diagnosis, time_limit_s: float, jobs: Optional[int], torch_v
         f.write("\n".join(head) + result.table(10) + "\n")
 
 
-def _held_at_once(trace: Any, device: int) -> int:
+def held_at_once(trace: Any, device: int) -> int:
     """The most bytes ``trace`` holds allocated at once on ``device``: no
     setting serves the run in less."""
     from .trace import Alloc, Free
@@ -329,16 +329,19 @@ def _held_at_once(trace: Any, device: int) -> int:
     return peak
 
 
-def oom_trace(path: Union[str, os.PathLike[str]], *, infer_empty_cache: bool = True) -> tuple[Any, Optional[int]]:
-    """The trace of a snapshot file and the capacity it ran out of memory
-    in (:func:`capacity_at_oom`; None when it records no out-of-memory, and
-    the trace is then the snapshot's as it is). With an out-of-memory, the
-    trace has the failed request put back (:func:`with_failed_request`)."""
+def oom_trace(path: Union[str, os.PathLike[str]], *,
+              infer_empty_cache: bool = True) -> tuple[Any, Optional[int], int]:
+    """The trace of a snapshot file, the capacity it ran out of memory in
+    (:func:`capacity_at_oom`; None when it records no out-of-memory, and the
+    trace is then the snapshot's as it is) and the device it failed on. With
+    an out-of-memory, the trace has the failed request put back
+    (:func:`with_failed_request`)."""
     from ._safepickle import load_pickle
     from .trace import TraceFormatError, from_torch_snapshot
 
     snap = load_pickle(path)
     capacity = capacity_at_oom(snap) if isinstance(snap, dict) else None
+    found = last_oom(snap) if capacity is not None else None
     if capacity is not None:
         snap = with_failed_request(snap)
     try:
@@ -346,4 +349,4 @@ def oom_trace(path: Union[str, os.PathLike[str]], *, infer_empty_cache: bool = T
     except TraceFormatError as exc:  # named by the file, as from_torch_snapshot(path) does
         raise TraceFormatError(f"{os.fspath(path)}: {str(exc).removeprefix('<dict>: ')}") from None
     trace.meta["file"] = os.path.basename(os.fspath(path))
-    return trace, capacity
+    return trace, capacity, found[0] if found else 0

@@ -380,3 +380,29 @@ def test_torch_oom_on_the_fake_cuda_stack_prints_the_line(torch_python: str, tmp
     assert Path(diag["text_path"]).read_text().startswith(diag["line"])
     # the file says the same from the command line: the device it failed on
     assert capacity_at_oom(torch_file) == 1 << 30
+
+
+# ---- a snapshot recorded on a real GPU that ran out of memory ----
+
+EXTERNAL = ROOT.parent / "shared" / "traces-external"
+
+
+def test_the_external_snapshot_that_ran_out_of_memory(tmp_path: Path) -> None:
+    # Recorded with expandable_segments:True on 80 GB cards; device 1 failed
+    # to allocate 4.94 GiB with 91 MiB free: it held more than the card.
+    src = EXTERNAL / "Constructor-Sun_memory_snapshot_52e52b2.pickle"
+    if not src.is_file():
+        pytest.skip("../shared/traces-external is not here")
+    cap = capacity_at_oom(src)
+    assert cap is not None and 78 << 30 < cap < 80 << 30, "the memory an 80 GB card (79.1 GiB) leaves to torch"
+    p = run_cli("tune", str(src), "--no-progress")
+    assert p.returncode == 1 and p.stderr == ""
+    assert p.stdout.startswith(f"out of memory: the run failed on device 1 with {format_bytes(cap)} for it ")
+    assert "holds 83.23 GiB allocated at once there, the failed request included: no allocator setting would " \
+           "have fit" in p.stdout
+    snap = tmp_path / "rank00000-oom1.pickle"
+    snap.write_bytes(src.read_bytes())
+    diag = _oom_doctor.diagnose(snap, quiet=True)
+    assert diag.fits is False and diag.capacity == cap and diag.error is None
+    assert diag.line.startswith(f"gpumempool: no setting searched fits {format_bytes(cap, 1)}; the run holds 83.2 GiB")
+    assert json.loads((tmp_path / "rank00000-oom1-tune.json").read_text())["capacity"] == cap

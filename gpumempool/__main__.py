@@ -300,6 +300,31 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _oom_capacity(trace: Any) -> Optional[int]:
+    """The device a recorded run ran out of memory on (the replay's, as
+    inferred from the recording), or None when it did not run out."""
+    cond = trace.meta.get("recorded_conditions")
+    if not trace.meta.get("recorded_ooms") or not isinstance(cond, dict):
+        return None
+    cap = cond.get("capacity")
+    return cap if type(cap) is int and cap > 0 else None
+
+
+def _oom_rows(trace: Any, result: Any, top: int) -> list[str]:
+    """For a run that ran out of memory: whether each setting shown would
+    have fit the device it failed on."""
+    cap = _oom_capacity(trace)
+    if cap is None:
+        return []
+    lines = [f"would have fit on the {format_bytes(cap)} device the run failed on:"]
+    for tag, c in result.rows(top):
+        conf = f"{result.env_var}={c.alloc_conf}" if c.alloc_conf else \
+            ("torch's defaults" if c.alloc_conf == "" else c.describe())
+        lines.append(f"  {'yes' if c.fits else 'no '}  {tag}: {conf}: {format_bytes(c.peak_reserved)} peak reserved"
+                     + ("" if c.fits else f", {c.result.ooms:,} allocation(s) fail"))
+    return lines
+
+
 def _conditions_rows(result: Any, trace: Any) -> list[tuple[str, str]]:
     """Where the replay started and under which memory, for its table."""
     rows = []
@@ -423,6 +448,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         trace = _load_trace(args.trace, args)
     except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError) as exc:
         return _fail(str(exc), json_out=args.json)
+    oom_capacity = _oom_capacity(trace)  # a run that ran out of memory: the device it failed on
     try:
         with Progress("tune", unit="replay", enabled=not (args.json or args.no_progress)) as bar:
             result = tune(trace, limit=limit, extra=not args.no_extra, jobs=args.jobs, progress=bar,
@@ -436,6 +462,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if args.json:
         out = result.as_dict(n=args.top)
         out["trace"] = {"path": args.trace, "meta": trace.meta}
+        if oom_capacity is not None:
+            out["out_of_memory"] = {"capacity": oom_capacity,
+                                    "fits": {c.alloc_conf if c.alloc_conf is not None else c.describe(): c.fits
+                                             for c in result.top(args.top) + [default]}}
         if args.verify:
             from .oracle import FakeStackError, OracleError
             from .oracle.verify import verify
@@ -464,6 +494,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         print(f"excluded from the search: {', '.join(_TORCH_NAMES.get(k, k) for k in result.excluded)}")
     for note in result.notes:
         print(f"note: {note}")
+    if oom_capacity is not None:
+        print(f"out of memory: the run failed on a device with {format_bytes(oom_capacity)} for it (inferred from "
+              "the recording: reserved plus free at its oom entry); each setting is replayed on that device, the "
+              "request torch could not serve included")
     print()
     rec = result.recorded
     if rec is not None:
@@ -512,6 +546,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         print()
         for rows in failing.values():
             print(f"first OOM of {', '.join(tag for tag, _ in rows)}: {_oom_site(rows[0][1], trace)}")
+    oom = _oom_rows(trace, result, args.top)
+    if oom:
+        print()
+        print("\n".join(oom))
     if args.verify:
         code = _tune_verify(args, result, trace)
         if code:

@@ -17,11 +17,16 @@ triggers, because an out-of-memory error reaches the user by three paths:
   torch has no observers: ``sys.excepthook`` and ``threading.excepthook``.
 
 An error seen by the first two is not written again by the third.
+
+Where history was recorded, the out-of-memory doctor (:mod:`._oom_doctor`)
+then tunes it under the memory the run failed in and prints one line: which
+setting would have fit.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import threading
@@ -61,9 +66,19 @@ class OomSnapshots:
     """The snapshots written by :func:`snapshot_on_oom` (use it as a context
     manager, or call :meth:`close`, to stop)."""
 
-    def __init__(self, directory: str, max_snapshots: int) -> None:
+    def __init__(self, directory: str, max_snapshots: int, doctor_time_limit_s: Optional[float] = None,
+                 doctor_hint: bool = False) -> None:
         self.directory = directory
         self.max_snapshots = max_snapshots
+        #: Seconds the out-of-memory doctor may tune each snapshot's history
+        #: for (None: no doctor).
+        self.doctor_time_limit_s = doctor_time_limit_s
+        #: Whether the doctor says so when no history was recorded
+        #: (``gmp.torch.oom_doctor``; ``snapshot_on_oom`` says nothing then).
+        self.doctor_hint = doctor_hint
+        #: What the doctor found, one per snapshot it looked at
+        #: (:class:`gpumempool._oom_doctor.Diagnosis`).
+        self.diagnoses: list[Any] = []
         #: The files written so far, in order (torch's own snapshot files,
         #: ``...-torch.pickle``, are listed after the one they go with).
         self.written: list[str] = []
@@ -148,13 +163,16 @@ class OomSnapshots:
         if not self._closed and _is_oom(exc) and not self._seen(exc):
             self.write("uncaught", f"{type(exc).__name__}: {exc}", torch_native=True)
 
-    def write(self, trigger: str, message: str, torch_native: bool = False) -> Optional[str]:
+    def write(self, trigger: str, message: str, torch_native: bool = False,
+              capacity: Optional[int] = None) -> Optional[str]:
         """Write this rank's snapshot now, as if it had run out of memory
         (``trigger`` and ``message`` are recorded in it, under ``"oom"``);
         returns the path, or None once ``max_snapshots`` are written or when
         closed. A failure is a warning, never an exception (not even with
         warnings turned into errors): this runs while an out-of-memory error
         is on its way to the caller, inside torch's allocator too.
+        ``capacity``: the memory (bytes) the run failed in, where the caller
+        knows it, for the doctor (else it is read from the snapshot).
 
         In a forked child nothing is written: no pool can be read there, and
         the child is not the rank whose file name it would take."""
@@ -190,10 +208,29 @@ class OomSnapshots:
                 self.written.append(stem + "-torch.pickle")
         extra = f" (torch's own allocator: {stem}-torch.pickle)" if native else ""
         _warn(f"gpumempool: rank {rank} ran out of memory ({trigger}); its snapshot is in {stem}.pickle{extra}")
+        if self.doctor_time_limit_s is not None:
+            self._doctor(stem + ("-torch.pickle" if native else ".pickle"), capacity)
         return stem + ".pickle"
 
+    def _doctor(self, path: str, capacity: Optional[int]) -> None:
+        """Tune the history of the snapshot at ``path`` and say which setting
+        would have fit (never raises: see write())."""
+        try:
+            from ._oom_doctor import diagnose
 
-def snapshot_on_oom(directory: Any, *, max_snapshots: int = 1) -> OomSnapshots:
+            assert self.doctor_time_limit_s is not None
+            diag = diagnose(path, capacity=capacity, time_limit_s=self.doctor_time_limit_s, quiet=True)
+            with self._write_lock:
+                self.diagnoses.append(diag)
+            if diag.error != "no history" or self.doctor_hint:
+                sys.stderr.write(diag.line + "\n")
+                sys.stderr.flush()
+        except BaseException as exc:  # noqa: BLE001 - the out-of-memory error on its way matters more
+            _warn(f"gpumempool: the out-of-memory doctor failed: {type(exc).__name__}: {exc}")
+
+
+def snapshot_on_oom(directory: Any, *, max_snapshots: int = 1,
+                    doctor_time_limit_s: Optional[float] = 30.0) -> OomSnapshots:
     """Write a snapshot of this rank when it runs out of memory, to
     ``directory/rankNNNNN-oomK.pickle`` (every open gpumempool pool, in the
     format of :func:`gpumempool.dump_snapshot`, with ``"oom"``, ``"rank"``,
@@ -208,26 +245,62 @@ def snapshot_on_oom(directory: Any, *, max_snapshots: int = 1) -> OomSnapshots:
     ``import torch`` so that torch's out-of-memory observer can be attached.
     A new call replaces the previous one. The directory is made now, so a
     path that cannot be used fails here (``OSError``), not at the moment
-    of the failure."""
+    of the failure.
+
+    Where allocator history was recorded (torch's
+    ``torch.cuda.memory._record_memory_history()``, or
+    :func:`gpumempool.record_history` for pools), the out-of-memory doctor
+    then replays it under each allocator setting, for at most
+    ``doctor_time_limit_s`` seconds (None: no doctor), in the memory the
+    run failed in, prints one line to stderr (which setting would have fit,
+    and its peak) and writes the full answer beside the snapshot
+    (``...-tune.json``, ``...-tune.txt``); see :func:`gpumempool.torch.oom_doctor`."""
+    snapper, _ = install(directory, max_snapshots, doctor_time_limit_s, doctor_hint=False)
+    return snapper
+
+
+def install(directory: Any, max_snapshots: int, doctor_time_limit_s: Optional[float], *, doctor_hint: bool,
+            keep_same: bool = False, on_close: Optional[Callable[[], None]] = None) -> tuple[OomSnapshots, bool]:
+    """Install a snapshotter (:func:`snapshot_on_oom`, ``gmp.torch.oom_doctor``)
+    in place of the active one, and whether it is new: with ``keep_same``,
+    an active one with the same settings is kept. ``on_close`` runs when the
+    new one is closed."""
     global _active, _torch_observer
     if isinstance(max_snapshots, bool) or not isinstance(max_snapshots, int) or max_snapshots < 1:
         raise ValueError(f"max_snapshots must be a positive int, not {max_snapshots!r}")
+    if doctor_time_limit_s is not None and (isinstance(doctor_time_limit_s, bool)
+                                            or not isinstance(doctor_time_limit_s, (int, float))
+                                            or not doctor_time_limit_s > 0):
+        raise ValueError(f"the doctor's time limit must be a positive number of seconds or None, "
+                         f"not {doctor_time_limit_s!r}")
     path = os.fspath(directory)
     os.makedirs(path, exist_ok=True)
     if not os.access(path, os.W_OK | os.X_OK):
         raise PermissionError(f"snapshot_on_oom: cannot write in {path}")
     with _lock:  # one lock throughout: two threads calling at once each close the other's in turn
+        if keep_same and _active is not None and _active.directory == os.path.abspath(path) and \
+                _active.max_snapshots == max_snapshots and _active.doctor_time_limit_s == doctor_time_limit_s and \
+                _active.doctor_hint == doctor_hint:
+            return _active, False
         if _active is not None:
             _active._close_locked()
         if not _torch_observer:
             _torch_observer = _attach_torch_observer()
-        snapper = OomSnapshots(os.path.abspath(path), max_snapshots)  # takes the hooks it replaces
+        snapper = OomSnapshots(os.path.abspath(path), max_snapshots, doctor_time_limit_s,
+                               doctor_hint)  # takes the hooks it replaces
         snapper.torch_observer = _torch_observer
-        snapper._unsubscribe = _errors.on_out_of_memory(_on_pool_oom)
+        unsubscribe = _errors.on_out_of_memory(_on_pool_oom)
+
+        def stop() -> None:
+            unsubscribe()
+            if on_close is not None:
+                on_close()
+
+        snapper._unsubscribe = stop
         sys.excepthook = snapper._sys_hook
         threading.excepthook = snapper._thread_hook
         _active = snapper
-    return snapper
+    return snapper, True
 
 
 def _warn(message: str) -> None:
@@ -284,12 +357,54 @@ def _torch_oom_observer(device: int, alloc: int, device_allocated: int, device_f
     if snapper is not None:
         snapper.write("torch's CUDA caching allocator",
                       f"tried to allocate {alloc} bytes on device {device} "
-                      f"({device_allocated} allocated, {device_free} free on the device)", torch_native=True)
+                      f"({device_allocated} allocated, {device_free} free on the device)", torch_native=True,
+                      capacity=_torch_capacity(device, device_free) if snapper.doctor_time_limit_s else None)
+
+
+def _torch_capacity(device: int, device_free: int) -> Optional[int]:
+    """The memory torch's allocator had on ``device`` when it failed: what it
+    had reserved (its cache released, as it does before failing) plus the
+    device's free bytes, within its memory fraction where one is set."""
+    torch = sys.modules.get("torch")
+    try:
+        assert torch is not None
+        have = int(torch.cuda.memory_reserved(device)) + int(device_free)
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if fraction is not None and float(fraction(device)) < 1.0:
+            total = int(torch.cuda.get_device_properties(device).total_memory)
+            have = min(have, int(total * float(fraction(device))))
+        return have
+    except Exception:  # noqa: BLE001 - the doctor then reads it from the snapshot
+        return None
+
+
+def _pool_capacity(err: OutOfMemoryError) -> Optional[int]:
+    """The memory the pool that raised ``err`` may use on a device: its limit
+    or its backend's capacity (the smaller), where it names one."""
+    from . import _lifecycle
+
+    m = re.match(r'pool "([^"]*)"', str(err))
+    if m is None:
+        return None
+    for p in _lifecycle.open_pools():
+        try:
+            cfg = p.config()
+        except Exception:  # noqa: BLE001 - closed meanwhile
+            continue
+        if cfg.get("name") != m.group(1):
+            continue
+        caps = [c for c in (cfg.get("limit"), (cfg.get("backend_options") or {}).get("capacity"))
+                if isinstance(c, int) and c > 0]
+        return min(caps) if caps else None
+    return None
 
 
 def _on_pool_oom(err: OutOfMemoryError) -> None:
     snapper = _active
-    path = None if snapper is None else snapper.write("a gpumempool pool call", str(err))
+    path = None
+    if snapper is not None:
+        cap = _pool_capacity(err) if snapper.doctor_time_limit_s else None
+        path = snapper.write("a gpumempool pool call", str(err), capacity=cap)
     setattr(err, SNAPSHOT_ATTR, path)
 
 

@@ -26,6 +26,11 @@ A rank that runs out of memory can leave its own snapshot behind, taken at
 that moment (not a collective: only that rank fails)::
 
     gd.snapshot_on_oom("snapshots/")     # rank00003-oom1.pickle when rank 3 runs out
+
+With allocator history recorded, the out-of-memory doctor then says in one
+line which allocator setting would have fit (``...-tune.json`` and
+``...-tune.txt`` beside the snapshot; ``gmp.torch.oom_doctor()`` sets it all
+up in one call).
 """
 
 from __future__ import annotations
@@ -35,10 +40,11 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ._oom_doctor import Diagnosis
 from ._oom_snapshot import OomSnapshots, snapshot_on_oom
 from ._units import format_bytes
 
-__all__ = ["MemoryReport", "OomSnapshots", "dump_snapshots", "local_report", "memory_report", "snapshot_on_oom"]
+__all__ = ["Diagnosis", "MemoryReport", "OomSnapshots", "dump_snapshots", "local_report", "memory_report", "snapshot_on_oom"]
 
 #: The name under which torch's own CUDA allocator is listed.
 TORCH_NATIVE = "torch (native)"

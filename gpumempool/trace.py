@@ -1306,6 +1306,17 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
 _MAX_OOM_REQUEST = 1 << 50
 
 
+def _torch_segment_size(size: int) -> int:
+    """The segment torch's allocator asks the device for to serve ``size``
+    bytes (its small pool's 2 MiB, 20 MiB up to 10 MiB, else 2 MiB steps)."""
+    mib = 1 << 20
+    if size <= mib:
+        return 2 * mib
+    if size < 10 * mib:
+        return 20 * mib
+    return -(-size // (2 * mib)) * (2 * mib)
+
+
 class _Pressure:
     """What a recording shows of the memory its allocator could get.
 
@@ -1337,9 +1348,15 @@ class _Pressure:
 
     def oom(self, d: int, e: dict[str, Any]) -> None:
         self.ooms[d] = self.ooms.get(d, 0) + 1
-        free = e.get("device_free")
+        free, size = e.get("device_free"), e.get("size")
         if type(free) is int and 0 <= free < _U64:
-            self.at_oom[d] = self.reserved.get(d, 0) + free
+            reserved = self.reserved.get(d, 0)
+            if type(size) is int and 0 < size and free >= _torch_segment_size(size) and reserved:
+                # The device had room for the segment: a limit (torch's memory
+                # fraction) refused it, and what was reserved is what it allowed.
+                self.at_oom[d] = reserved
+            else:
+                self.at_oom[d] = reserved + free
 
     def conditions(self) -> dict[str, Any]:
         """``retries``, ``ooms`` and ``capacity`` (the bytes per device a

@@ -303,6 +303,9 @@ class TuneResult:
     def baseline_name(self) -> str:
         """``recorded`` when the trace says what its run had, else ``default``."""
         return "recorded" if self.recorded is not None else "default"
+    #: the search stopped at ``deadline_s`` before it was done: the best of
+    #: the settings replayed by then
+    partial: bool = False
 
     @property
     def env_var(self) -> str:
@@ -423,7 +426,7 @@ class TuneResult:
             "candidates": [c.as_dict() for c in self.candidates[:n]],
             "replays": self.replays, "seconds": self.seconds, "notes": list(self.notes),
             "torch_version": self.torch_version, "torch_target": self.torch_target, "env_var": self.env_var,
-            "pitfall": self.pitfall,
+            "pitfall": self.pitfall, "partial": self.partial,
         }
 
 
@@ -563,9 +566,13 @@ class _Runner:
     ``jobs`` worker processes or, for ``jobs == 1``, here."""
 
     def __init__(self, trace: Union[Trace, TraceFile], path: Optional[str], jobs: int, limit: Optional[int],
-                 capacity: Optional[int], progress: Optional[ProgressFn], torch_version: Optional[str] = None) -> None:
+                 capacity: Optional[int], progress: Optional[ProgressFn], torch_version: Optional[str] = None,
+                 deadline: Optional[float] = None) -> None:
         self.trace, self.limit, self.capacity, self.progress = trace, limit, capacity, progress
         self.torch_version = torch_version
+        #: time.perf_counter() at which replays stop (None: never)
+        self.deadline = deadline
+        self.out_of_time = False
         self.done: dict[tuple[tuple[str, Any], ...], ReplayResult] = {}
         self.planned = 0
         self.workers: list[_Worker] = []
@@ -619,8 +626,12 @@ class _Runner:
             if _key(c) not in self.done:
                 todo.setdefault(_key(c), c)
         self.planned = max(self.planned, len(self.done) + len(todo) + expect)
+        if self.out_of_time or not todo:
+            return
         if not self.workers:
             for k, s in todo.items():
+                if self._past_deadline():  # checked between replays: one replay here is not interrupted
+                    return
                 self.done[k] = _replay_settings(self.trace, s, self.limit, self.capacity, stop_above,
                                                 self.torch_version)
                 self._tick()
@@ -628,9 +639,21 @@ class _Runner:
         import concurrent.futures
 
         futures = {self.threads.submit(self._on_worker, s, stop_above): k for k, s in todo.items()}
-        for fut in concurrent.futures.as_completed(futures):
-            self.done[futures[fut]] = fut.result()
-            self._tick()
+        left = None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
+        try:
+            for fut in concurrent.futures.as_completed(futures, timeout=left):
+                self.done[futures[fut]] = fut.result()
+                self._tick()
+        except concurrent.futures.TimeoutError:
+            # The replays under way are killed with their workers (the
+            # threads waiting for them see them die and are not listened to).
+            self.out_of_time = True
+            self.close(kill=True)
+
+    def _past_deadline(self) -> bool:
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            self.out_of_time = True
+        return self.out_of_time
 
     def _tick(self) -> None:
         if self.progress is not None:
@@ -694,6 +717,7 @@ def tune(
     exclude: Union[str, Iterable[str], None] = None,
     min_capacity: bool = False,
     min_capacity_rows: int = 3,
+    deadline_s: Optional[float] = None,
 ) -> TuneResult:
     """Search the allocator settings for the lowest peak reserved bytes of
     ``trace`` (a :class:`~gpumempool.trace.Trace`, a
@@ -727,6 +751,11 @@ def tune(
     ``min_capacity`` finds, by bisection to 2 MiB or 1 %, the smallest
     device the run fits on (:attr:`Candidate.min_capacity`) for the best
     ``min_capacity_rows`` settings, the recorded ones and the default.
+    ``deadline_s`` bounds the search: once that many seconds have passed,
+    the replays under way are stopped (in worker processes; with ``jobs=1``
+    the one replay under way finishes) and the best setting replayed by
+    then is returned, with :attr:`TuneResult.partial` set; TimeoutError
+    when not even torch's defaults were replayed by then.
 
     Raises ValueError (:class:`~gpumempool.trace.TraceFormatError` for a bad
     file) for a trace without events, and
@@ -813,6 +842,10 @@ def tune(
     recorded: Optional[dict[str, Any]] = recorded_settings if isinstance(policy, dict) or tr.recorded_by else None
     if set(recorded_settings) & set(excluded):
         notes.append("the recorded settings use an excluded option: they are the baseline, not a recommendation")
+    if deadline_s is not None and (isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float))
+                                   or not deadline_s > 0):
+        raise InvalidArgumentError(f"deadline_s must be a positive number of seconds, got {deadline_s!r}")
+    deadline = None if deadline_s is None else start + deadline_s
     if jobs is None:
         jobs = min(os.cpu_count() or 1, 8)
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
@@ -827,7 +860,7 @@ def tune(
             path = os.path.join(tmp, "trace.gz")
             assert isinstance(tr, Trace)
             tr.save(path)
-        runner = _Runner(tr, path, jobs, limit_bytes, capacity, progress, modelled or None)
+        runner = _Runner(tr, path, jobs, limit_bytes, capacity, progress, modelled or None, deadline)
         probes: dict[tuple[tuple[str, Any], ...], int] = {}
         try:
             space = {k: v for k, v in TORCH_SPACE.items() if k not in excluded}
@@ -839,6 +872,9 @@ def tune(
             # the best so far.
             first = [{}, recorded_settings] + ([{"expandable": True}] if allowed({"expandable": True}) else [])
             runner.run(first, expect=20)
+            if _key({}) not in runner.done:
+                raise TimeoutError(f"tune: {source}: not even torch's defaults were replayed in {deadline_s} s "
+                                   "(deadline_s)")
             best = _best_of(runner, limit_bytes, proven, recorded, excluded)
             grid: list[dict[str, Any]] = [{}]
             for key, values in coarse.items():
@@ -870,7 +906,7 @@ def tune(
                 recorded_by=cands[0].result.recorded_by, replays=replays, notes=notes, torch_version=modelled,
                 recorded=next((c for c in cands if c.recorded), None), limit_source=limit_source, excluded=excluded,
                 torch_target=_minor(target) if target else modelled)
-            if min_capacity:
+            if min_capacity and not runner.out_of_time:  # probes after the deadline would not run
                 rows = [c for _, c in result.rows(min_capacity_rows) if c.torch]
                 for c in [result.recorded, result.default]:
                     if c is not None and c not in rows:
@@ -883,6 +919,7 @@ def tune(
             runner.close()
 
     result.replays = replays + len(probes)
+    result.partial = runner.out_of_time
     if isinstance(tr, Trace):
         failing = [c for c in cands if c.first_oom_event is not None and c.complete]
         stacks = tr.frames({c.first_oom_event for c in failing if c.first_oom_event is not None})

@@ -136,6 +136,7 @@ from .. import _lifecycle, _native
 from .._pool import MemPool
 from . import _capabilities, _lanes, _nccl, _replace, _routing
 from ._capabilities import TorchCapabilities, capabilities
+from ._doctor import oom_doctor
 from ._errors import (
     AllocatorInitializedError,
     OOMErrorFallbackWarning,
@@ -167,6 +168,7 @@ __all__ = [
     "deregister",
     "hook_errors",
     "mempool",
+    "oom_doctor",
     "oom_shim_readiness",
     "pool_release",
     "register",

@@ -316,11 +316,11 @@ def _oom_rows(trace: Any, result: Any, top: int) -> list[str]:
     cap = _oom_capacity(trace)
     if cap is None:
         return []
-    lines = [f"would have fit on the {format_bytes(cap)} device the run failed on:"]
-    for tag, c in result.rows(top):
+    lines = [f"would have fit in {format_bytes(cap)} (the device it failed on):"]
+    for _, c in result.rows(top):
         conf = f"{result.env_var}={c.alloc_conf}" if c.alloc_conf else \
             ("torch's defaults" if c.alloc_conf == "" else c.describe())
-        lines.append(f"  {'yes' if c.fits else 'no '}  {tag}: {conf}: {format_bytes(c.peak_reserved)} peak reserved"
+        lines.append(f"  {'yes' if c.fits else 'no '}  {conf}: {format_bytes(c.peak_reserved)} peak reserved"
                      + ("" if c.fits else f", {c.result.ooms:,} allocation(s) fail"))
     return lines
 
@@ -448,7 +448,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         trace = _load_trace(args.trace, args)
     except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError) as exc:
         return _fail(str(exc), json_out=args.json)
-    oom_capacity = _oom_capacity(trace)  # a run that ran out of memory: the device it failed on
+    # a run that ran out of memory: the device it failed on (unless --limit asks about another)
+    oom_capacity = _oom_capacity(trace) if limit is None else None
     try:
         with Progress("tune", unit="replay", enabled=not (args.json or args.no_progress)) as bar:
             result = tune(trace, limit=limit, extra=not args.no_extra, jobs=args.jobs, progress=bar,
@@ -514,7 +515,11 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     elif not best.settings:
         print(f"best: torch's defaults ({format_bytes(best.peak_reserved)} peak reserved); no setting tried does "
               "better")
-    if best.fits and not best.recorded and best.settings:
+    if best.fits and not best.recorded and best.settings and not base.fits:
+        print(f"best torch setting: {format_bytes(best.peak_reserved)} peak reserved; torch's "
+              f"{'defaults' if not base.settings else result.baseline_name + ' settings'} do not fit "
+              f"({base.result.ooms:,} allocation(s) fail)")
+    elif best.fits and not best.recorded and best.settings:
         print(f"best torch setting: {format_bytes(best.peak_reserved)} peak reserved, "
               f"{best.peak_reserved / base.peak_reserved:.3f} of the {result.baseline_name} settings' "
               f"{format_bytes(base.peak_reserved)} " + (f"(saves {format_bytes(saving)})" if saving >= 0 else
@@ -546,7 +551,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         print()
         for rows in failing.values():
             print(f"first OOM of {', '.join(tag for tag, _ in rows)}: {_oom_site(rows[0][1], trace)}")
-    oom = _oom_rows(trace, result, args.top)
+    oom = _oom_rows(trace, result, args.top) if oom_capacity is not None else []
     if oom:
         print()
         print("\n".join(oom))

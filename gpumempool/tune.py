@@ -470,8 +470,14 @@ def _replay_settings(trace: Union[Trace, TraceFile], settings: Mapping[str, Any]
     # collects garbage only under one (its malloc checks set_fraction), so
     # a threshold without --limit does nothing, there as here (replay warns).
     if limit:
-        # a probe of tune(min_capacity=True) is a device of that size: the limit stays within it
-        policy["limit"] = min(limit, policy["capacity"]) if "capacity" in policy else limit
+        if "capacity" in policy:
+            # a probe of tune(min_capacity=True) is a device of that size: the limit stays within it
+            policy["limit"] = min(limit, policy["capacity"])
+        else:
+            # A device that has the limit, whatever the recording had: --limit
+            # asks about another size (a larger card than the one it ran out on).
+            policy["limit"] = limit
+            policy["capacity"] = max(limit, capacity or 0)
     return replay(trace, policy, recorded_policy=False, stop_above=stop_above, torch_version=torch_version)
 
 

@@ -179,7 +179,19 @@ def _load_trace(path: str, args: argparse.Namespace) -> Any:
         # The bar follows the bytes read; it is closed (its line ended) before any error is printed.
         with Progress("load", unit="B", enabled=not (args.json or args.no_progress)) as bar:
             return TraceFile(path, progress=bar)
-    return from_torch_snapshot(path, infer_empty_cache=not args.no_infer_empty_cache)
+    return from_torch_snapshot(path, infer_empty_cache=not args.no_infer_empty_cache, lenient=args.lenient)
+
+
+def _skipped(trace: Any) -> Optional[tuple[str, str]]:
+    """What --lenient left out of a snapshot: how many, for a table, and
+    the sentence with the first reason; None when nothing."""
+    meta = trace.meta
+    kinds = (("skipped_events", "malformed event"), ("skipped_segments", "malformed segment"))
+    counts = " and ".join(f"{meta[k]:,} {what}{'s' if meta[k] != 1 else ''}" for k, what in kinds if meta.get(k))
+    if not counts:  # at most the snapshot's missing segments, taken as none
+        first = meta.get("first_skipped")
+        return ("no segments (--lenient)", f"--lenient: {first}: taken as none") if first else None
+    return f"{counts} (--lenient)", f"--lenient left out {counts}; the first: {meta.get('first_skipped')}"
 
 
 def _prog() -> str:
@@ -259,6 +271,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if error is not None:  # reported once the bar is closed, so that it starts a line of its own
         return _fail(str(error), 2, json_out=args.json)
     notes = [str(w.message) for w in caught]
+    skipped = _skipped(trace)
+    if skipped:
+        notes.insert(0, skipped[1])
     for note in notes:  # one line each, as the errors
         print(f"{_prog()}: warning: {note}", file=sys.stderr)
     if args.json:
@@ -270,6 +285,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     pol = ", ".join(f"{k}={v}" + ("" if k in policy else " (recorded)") for k, v in result.policy.items()) or "defaults"
     rows = [
         ("trace", f"{os.path.basename(args.trace)} ({trace.source}, {len(trace):,} events)"),
+    ]
+    if skipped:
+        rows.append(("skipped", skipped[0]))
+    rows += [
         ("policy", pol),
         (figure_label("allocations"), f"{result.allocations:,} ({result.ooms:,} OOM)"),
         (figure_label("peak_requested"), format_bytes(result.peak_requested)),
@@ -366,10 +385,13 @@ def _cmd_oracle(args: argparse.Namespace) -> int:
                            devices=args.devices)
     except (OSError, ValueError, pickle.UnpicklingError, TraceFormatError, oracle.OracleError) as exc:
         return _fail(str(exc), json_out=args.json)
+    skipped = _skipped(trace)
+    if skipped:
+        print(f"{_prog()}: warning: {skipped[1]}", file=sys.stderr)
     if args.compare:
         out = {"torch": c.torch_version, "alloc_conf": c.alloc_conf, "matched": c.matched, "total": c.total,
                "first_difference": c.first_difference, "torch_peak_reserved": c.torch_peak_reserved,
-               "engine_peak_reserved": c.engine_peak_reserved}
+               "engine_peak_reserved": c.engine_peak_reserved, "skipped_events": trace.meta.get("skipped_events", 0)}
         if args.json:
             _print_json(out)
         else:
@@ -380,9 +402,11 @@ def _cmd_oracle(args: argparse.Namespace) -> int:
     if args.json:
         d = r.as_dict()
         d["points"] = [list(vars(p).values()) for p in r.points] if args.points else None
+        d["skipped_events"] = trace.meta.get("skipped_events", 0)
         _print_json(d)
         return 0
-    rows = [
+    rows = [("skipped", skipped[0])] if skipped else []
+    rows += [
         ("torch", f"{r.torch_version} (its own caching allocator, on the fake CUDA stack)"),
         ("settings", f"{r.env_var}={r.alloc_conf}" if r.alloc_conf else "defaults"),
         ("device", format_bytes(r.capacity) + (f", memory fraction {r.fraction}" if r.fraction else "")),
@@ -483,6 +507,9 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     print(f"gpumempool tune: {name} ({trace.source}, {len(trace):,} events): {result.replays} settings replayed on "
           f"the simulated device in {result.seconds:.1f} s" + (f" ({stopped} stopped early, once they reserved "
                                                                  "a quarter more than the best)" if stopped else ""))
+    skipped = _skipped(trace)
+    if skipped:
+        print(f"note: {skipped[1]}")
     if result.torch_version:
         print(f"modelled torch: {result.torch_version} (only settings the fidelity matrix proved exact against it "
               "are recommended; others are marked unverified)")
@@ -812,11 +839,15 @@ def _fraction_arg(text: str) -> float:
 
 def _trace_input_options(cmd: argparse.ArgumentParser) -> None:
     """The options of the commands that read a trace: its format, torch
-    snapshots' empty_cache inference, the progress bar, JSON output."""
+    snapshots' empty_cache inference and malformed entries, the progress
+    bar, JSON output."""
     cmd.add_argument("--format", choices=("auto", "trace", "snapshot"), default="auto",
                      help="input format (default: by extension and content)")
     cmd.add_argument("--no-infer-empty-cache", action="store_true",
                      help="torch snapshots: do not treat released segments outside an allocation as empty_cache()")
+    cmd.add_argument("--lenient", action="store_true",
+                     help="snapshots: leave out malformed history entries and segments, and say how many, instead "
+                     "of refusing the file (a snapshot without history is refused all the same)")
     cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
     cmd.add_argument("--json", action="store_true", help="print the result as JSON")
 

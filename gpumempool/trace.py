@@ -108,7 +108,10 @@ unpickler that refuses every global (so only plain dict/list/tuple/str/int/
 float/bool/None/bytes survive), with size limits, and after a scan of the
 opcodes and a walk of the result that refuse what is crafted to cost far
 more than its size (huge memo indexes, deep nesting, cycles, shared
-references that multiply the work).
+references that multiply the work). What they hold is checked before it is
+imported: a snapshot without history is refused ("record history first"),
+and so is every malformed entry or segment, named by device and index, or
+with ``lenient=True`` left out and counted (``gpumempool._snapshot_check``).
 """
 
 from __future__ import annotations
@@ -130,6 +133,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, T
 
 from ._args import MAX_DEVICE
 from ._safepickle import MAX_PICKLE_BYTES, UnsafePickleError, load_pickle
+from ._snapshot_check import check_history
+from ._trace_errors import MalformedEventError, MalformedSegmentError, NoHistoryError, TraceFormatError
 
 if TYPE_CHECKING:
     from ._pool import MemPool
@@ -139,6 +144,9 @@ __all__ = [
     "EmptyCache",
     "Event",
     "Free",
+    "MalformedEventError",
+    "MalformedSegmentError",
+    "NoHistoryError",
     "RecordStream",
     "Sync",
     "Trace",
@@ -164,10 +172,6 @@ VERSIONS = (1, 2)
 VIRTUAL_STREAM_BASE = 1 << 63
 _U64 = 1 << 64
 PathLike = Union[str, "os.PathLike[str]"]
-
-
-class TraceFormatError(ValueError):
-    """A trace file (or history) that cannot be read."""
 
 
 # -- events ---------------------------------------------------------------
@@ -1459,19 +1463,31 @@ def _describe_pool(tr: Trace, pool: Any) -> None:
 
 
 def from_torch_snapshot(path_or_dict: Union[PathLike, bytes, dict[str, Any]], *,
-                        infer_empty_cache: bool = True, max_bytes: int = MAX_PICKLE_BYTES) -> Trace:
+                        infer_empty_cache: bool = True, max_bytes: int = MAX_PICKLE_BYTES,
+                        lenient: bool = False) -> Trace:
     """Import a torch memory snapshot with history: the pickle written by
     ``torch.cuda.memory._record_memory_history()`` then
     ``torch.cuda.memory._dump_snapshot(path)`` (loaded with
     :func:`load_pickle`, which runs none of its content), or its dict
     (``torch.cuda.memory._snapshot()``). gpumempool's own snapshots are
-    recognised and imported as :func:`from_history` does."""
+    recognised and imported as :func:`from_history` does.
+
+    A snapshot without history (no events, one, or none that allocates) is
+    refused, and so is the first malformed entry or segment (a missing or
+    mistyped field, an unknown action, an alloc at a live block's address,
+    a double free, more than 1 PiB), naming the file, device and entry:
+    :class:`TraceFormatError`. With ``lenient``, malformed entries and
+    segments are left out instead, and counted in the trace's ``meta``
+    (``skipped_events``, ``skipped_segments``, ``first_skipped``)."""
     if isinstance(path_or_dict, dict):
         snap = path_or_dict
         name = "<dict>"
     else:
         snap = load_pickle(path_or_dict, max_bytes=max_bytes)
         name = "<bytes>" if isinstance(path_or_dict, (bytes, bytearray)) else os.fspath(path_or_dict)
+    checked = check_history(snap, name, block_key=_entry_key, lenient=lenient)
+    trimmed = checked.snapshot is not snap  # lenient left entries out: indices are the copy's
+    snap = checked.snapshot
     try:
         traces, _ = _check_snapshot(snap)
     except TraceFormatError as exc:
@@ -1480,7 +1496,9 @@ def from_torch_snapshot(path_or_dict: Union[PathLike, bytes, dict[str, Any]], *,
     tr = _convert(snap, source=flavor, infer_empty_cache=infer_empty_cache and flavor == "torch")
     if name not in ("<dict>", "<bytes>"):
         tr.meta["file"] = os.path.basename(name)
-    tr.snapshot = path_or_dict  # read again for Trace.frames, not held here
+    # read again for Trace.frames (the file is not held here)
+    tr.snapshot = snap if trimmed else path_or_dict
+    checked.describe(tr.meta)
     return tr
 
 

@@ -510,7 +510,7 @@ def test_pickle_size_limits(tmp_path: Path) -> None:
         load_pickle(data[: len(data) // 2])
     with pytest.raises(TraceFormatError, match="device_traces"):
         from_torch_snapshot({"segments": []})
-    with pytest.raises(TraceFormatError, match="addr must be a non-negative int"):
+    with pytest.raises(TraceFormatError, match=r"<dict>: device 0 event 0 \(alloc\): addr must be an int, got str"):
         from_torch_snapshot({"device_traces": [[{"action": "alloc", "addr": "x", "size": 1}]]})
 
 
@@ -787,7 +787,7 @@ def test_exponential_structures_are_refused_without_repr() -> None:
     with pytest.raises(UnsafePickleError, match="shared references"):
         from_torch_snapshot(pickle.dumps(snap, protocol=4))
     # A dict given directly: the error names the type, never the value.
-    with pytest.raises(TraceFormatError, match="size must be a non-negative int below 2\\*\\*63, got list"):
+    with pytest.raises(TraceFormatError, match="size must be an int, got list"):
         from_torch_snapshot(snap)
     assert time.perf_counter() - t0 < 1.0
 
@@ -931,25 +931,28 @@ def test_metadata_must_be_plain_json(line: str, match: str) -> None:
 
 def test_imported_traces_stay_readable() -> None:
     """Out-of-range values from a snapshot never reach the trace (which
-    could then not be read back): entries are refused, segments left out."""
-    with pytest.raises(TraceFormatError, match="size must be a non-negative int below 2\\*\\*63, got an int of 71 bits"):
+    could then not be read back): entries and segments are refused, or
+    with lenient=True left out."""
+    with pytest.raises(TraceFormatError, match=r"size must be at most 2\*\*50 bytes \(1 PiB.*got an int of 71 bits"):
         from_torch_snapshot({"device_traces": [[_entry(size=1 << 70)]]})
     with pytest.raises(TraceFormatError, match="stream must be"):
         from_torch_snapshot({"device_traces": [[_entry(stream=1 << 64)]]})
     with pytest.raises(TraceFormatError, match="time_us must be a number, got str"):
         from_torch_snapshot({"device_traces": [[_entry()], [{"action": "snapshot", "time_us": "x"}]]})
-    seg = {"address": 0x1000, "total_size": 4 * MiB, "stream": 0, "device": 0,
-           "blocks": [{"address": 0x1000, "size": 1 << 70, "state": "active_allocated"},
-                      {"address": 0x2000, "size": 512, "state": "active_allocated"}]}
-    snap = {"device_traces": [[_entry(addr=0x9000, t=1)]],
-            "segments": [seg, dict(seg, device=-1), dict(seg, device=1 << 40), dict(seg, stream=-5, address=0x8000,
-                                                                                      blocks=[dict(seg["blocks"][1], address=0x8000)])]}
-    tr = from_torch_snapshot(snap)
+    good = {"address": 0x1000, "total_size": 4 * MiB, "stream": 0, "device": 0,
+            "blocks": [{"address": 0x2000, "size": 512, "state": "active_allocated"}]}
+    seg = dict(good, blocks=[{"address": 0x1000, "size": 1 << 70, "state": "active_allocated"}])
+    snap = {"device_traces": [[_entry(addr=0x9000, t=1), _entry(addr=0xA000, t=2)]],
+            "segments": [good, seg, dict(good, device=-1), dict(good, device=1 << 40), dict(good, stream=-5)]}
+    with pytest.raises(TraceFormatError, match="segment 1: block 0: size must be at most 2"):
+        from_torch_snapshot(snap)
+    tr = from_torch_snapshot(snap, lenient=True)
+    assert tr.meta["skipped_segments"] == 4 and "skipped_events" not in tr.meta
     again = Trace.loads(tr.dumps())
     assert again.events == tr.events and again.reserved == tr.reserved
     allocs = [e for e in tr.events if isinstance(e, Alloc)]
     assert {(e.size, e.device, e.stream) for e in allocs} == {(512, 0, 0)}
-    assert len(allocs) == 3  # the trace's own, the 512-byte block, and the one of the stream -5 segment
+    assert len(allocs) == 3  # the trace's two, and the 512-byte block live before it
 
 
 def test_history_trace_records_max_non_split_rounding_size() -> None:
@@ -1063,7 +1066,7 @@ def test_replay_policy_of_the_wrong_kind_is_a_clear_error() -> None:
 
 def test_load_trace_of_a_snapshot_pickle_says_what_to_use(tmp_path: Path) -> None:
     """gmp.load_trace('snap.pickle') failed with a UTF-8 decode error."""
-    snap = {"segments": [], "device_traces": [[]]}
+    snap = {"segments": [], "device_traces": [[_entry(), _entry(action="free_requested")]]}
     plain, zipped = tmp_path / "snap.pickle", tmp_path / "snap.pickle.gz"
     gmp.dump_snapshot(str(plain), snap)
     zipped.write_bytes(gzip.compress(plain.read_bytes()))

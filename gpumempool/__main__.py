@@ -517,9 +517,9 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         how = "" if result.limit_source == "given" else f" ({result.limit_source})"
         print(f"limit {format_bytes(result.limit)}{how} on each device")
     if result.excluded:
-        from .tune import _TORCH_NAMES
+        from .tune import TORCH_NAMES
 
-        print(f"excluded from the search: {', '.join(_TORCH_NAMES.get(k, k) for k in result.excluded)}")
+        print(f"excluded from the search: {', '.join(TORCH_NAMES.get(k, k) for k in result.excluded)}")
     for note in result.notes:
         print(f"note: {note}")
     if oom_capacity is not None:

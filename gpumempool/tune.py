@@ -50,7 +50,7 @@ from ._units import format_bytes
 from .replay import DEFAULT_CAPACITY, ReplayResult, replay
 from .trace import Alloc, Free, PathLike, Trace, TraceFile, TraceFormatError, from_torch_snapshot, is_trace_file
 
-__all__ = ["Candidate", "TuneResult", "alloc_conf", "tune", "TORCH_SPACE", "EXTRA_SPACE", "OPTION_NAMES"]
+__all__ = ["Candidate", "TuneResult", "alloc_conf", "tune", "TORCH_SPACE", "EXTRA_SPACE", "OPTION_NAMES", "TORCH_NAMES"]
 
 MiB = 1 << 20
 
@@ -83,7 +83,7 @@ _COARSE: dict[str, list[Any]] = {
 _STOP_MARGIN = 1.25
 
 #: torch's PYTORCH_CUDA_ALLOC_CONF names of the replay policy keys.
-_TORCH_NAMES = {
+TORCH_NAMES = {
     "expandable": "expandable_segments",
     "max_split_size": "max_split_size_mb",
     "roundup_power2_divisions": "roundup_power2_divisions",
@@ -94,7 +94,7 @@ _SETTING_KEYS = tuple(dict.fromkeys([*TORCH_SPACE, *EXTRA_SPACE]))
 
 #: The names ``exclude`` accepts: torch's option names and the replay
 #: policy keys, each to the policy key it drops from the search.
-OPTION_NAMES: dict[str, str] = {**{name: key for key, name in _TORCH_NAMES.items()},
+OPTION_NAMES: dict[str, str] = {**{name: key for key, name in TORCH_NAMES.items()},
                                 **{key: key for key in _SETTING_KEYS}}
 
 #: Where the 2.9.1 pitfall applies, what to do about it (pytorch/pytorch#183387).
@@ -107,7 +107,7 @@ ProgressFn = Callable[[int, int], None]
 def _torch_expressible(settings: Mapping[str, Any]) -> bool:
     """Whether torch's allocator accepts ``settings``."""
     for key, value in settings.items():
-        if key not in _TORCH_NAMES:
+        if key not in TORCH_NAMES:
             return False
         if key in ("max_split_size", "max_non_split_rounding_size") and (value % MiB or value <= 20 * MiB):
             return False
@@ -129,8 +129,8 @@ def alloc_conf(settings: Mapping[str, Any]) -> str:
     """Replay policy keys torch accepts as torch's ``key:value,...`` setting
     ("" for its defaults), in torch's documented order."""
     parts = []
-    for key, value in sorted(settings.items(), key=lambda kv: list(_TORCH_NAMES).index(kv[0])):
-        name = _TORCH_NAMES[key]
+    for key, value in sorted(settings.items(), key=lambda kv: list(TORCH_NAMES).index(kv[0])):
+        name = TORCH_NAMES[key]
         if key == "expandable":
             parts.append(f"{name}:True")
         elif key in ("max_split_size", "max_non_split_rounding_size"):
@@ -769,7 +769,7 @@ def tune(
     lower bound on a device (the peak of the bytes it holds at once there:
     the limit holds for each device) or an unknown option to exclude."""
     start = time.perf_counter()
-    from .oracle.proven import MODELLED, _minor, installed_torch_version, modelled_version, proven_settings
+    from .oracle.proven import MODELLED, installed_torch_version, minor_version, modelled_version, proven_settings
 
     if torch_version is not None and not re.match(r"^\d+\.\d+(\.|\+|$)", str(torch_version)):
         raise InvalidArgumentError(f"torch_version must be MAJOR.MINOR (e.g. 2.15), got {torch_version!r}")
@@ -833,12 +833,12 @@ def tune(
     policy = tr.meta.get("recorded_policy")
     recorded_settings: dict[str, Any] = {}
     if isinstance(policy, dict):
-        recorded_settings = _clean({k: v for k, v in policy.items() if k in _TORCH_NAMES})
+        recorded_settings = _clean({k: v for k, v in policy.items() if k in TORCH_NAMES})
         if not _torch_expressible(recorded_settings):
             notes.append(f"the recorded settings {recorded_settings} are not torch's to say: 'recorded' below is "
                          "torch's defaults")
             recorded_settings = {}
-        odd = {k: v for k, v in policy.items() if k not in _TORCH_NAMES and k not in ("backend", "capacity")}
+        odd = {k: v for k, v in policy.items() if k not in TORCH_NAMES and k not in ("backend", "capacity")}
         if odd:
             notes.append("the recording used settings torch has no equivalent for ("
                          + ", ".join(f"{k}={v}" for k, v in odd.items()) + "): 'recorded' below is "
@@ -911,7 +911,7 @@ def tune(
                 recorded_peak_reserved=cands[0].result.recorded_peak_reserved,
                 recorded_by=cands[0].result.recorded_by, replays=replays, notes=notes, torch_version=modelled,
                 recorded=next((c for c in cands if c.recorded), None), limit_source=limit_source, excluded=excluded,
-                torch_target=_minor(target) if target else modelled)
+                torch_target=minor_version(target) if target else modelled)
             if min_capacity and not runner.out_of_time:  # probes after the deadline would not run
                 rows = [c for _, c in result.rows(min_capacity_rows) if c.torch]
                 for c in [result.recorded, result.default]:

@@ -92,7 +92,8 @@ def test_best_fit_ties_follow_torchs_addresses() -> None:
                                           (hi + 10 * MiB, 30 * MiB, 0, "inactive")]),
                      _seg(lo, 40 * MiB, [(lo, 10 * MiB, 10 * MiB, "active_allocated"),
                                           (lo + 10 * MiB, 30 * MiB, 30 * MiB, "active_allocated")])],
-        "device_traces": [[_e("alloc", lo + 10 * MiB, 30 * MiB)]],
+        "device_traces": [[_e("alloc", lo + 10 * MiB, 30 * MiB), _e("free_requested", lo + 10 * MiB, 30 * MiB),
+                           _e("free_completed", lo + 10 * MiB, 30 * MiB)]],
     }
     tr = from_torch_snapshot(snap)
     res = replay(tr)

@@ -35,7 +35,8 @@ def _table() -> dict[str, Any]:
 MODELLED: tuple[str, ...] = tuple(sorted(_table().get("versions", {}), key=lambda v: tuple(map(int, v.split(".")))))
 
 
-def _minor(version: str) -> str:
+def minor_version(version: str) -> str:
+    """``"2.11"`` of ``"2.11.0+cu130"``: the major.minor a version string names."""
     parts = version.split("+")[0].split(".")
     return ".".join(parts[:2])
 
@@ -66,15 +67,15 @@ def modelled_version(installed: Optional[str]) -> str:
     when it was judged, else the newest judged version not newer than it,
     else the newest judged (no torch installed)."""
     if not MODELLED:
-        return _minor(installed) if installed else ""
+        return minor_version(installed) if installed else ""
     if not installed:
         return MODELLED[-1]
-    want = tuple(map(int, _minor(installed).split(".")))
+    want = tuple(map(int, minor_version(installed).split(".")))
     older = [v for v in MODELLED if tuple(map(int, v.split("."))) <= want]
     return older[-1] if older else MODELLED[0]
 
 
 def proven_settings(version: str) -> frozenset[str]:
     """The replay policy keys proven for ``version`` (major.minor)."""
-    v = _table().get("versions", {}).get(_minor(version), {})
+    v = _table().get("versions", {}).get(minor_version(version), {})
     return frozenset(k for k, ok in v.items() if ok)

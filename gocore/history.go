@@ -28,6 +28,12 @@ type TraceEntry struct {
 	// CallerSized marks "alloc" entries of AllocSegment: a replay must
 	// size their segments as the recording did.
 	CallerSized bool `json:"caller_sized,omitempty"`
+	// Thread is the OS thread that made the call which recorded the entry
+	// (0 where the platform does not say): the Python API notes the stack
+	// of each of its calls by thread and time, and gives every entry of a
+	// call that call's stack, as torch gives each trace entry the context
+	// of the call that made it.
+	Thread int `json:"thread,omitempty"`
 }
 
 // history is a ring buffer of trace entries; nil when recording is off, so
@@ -93,7 +99,8 @@ func (p *Pool) trace(action string, dev int, addr, size uint64, stream Stream) *
 // record is trace with recording on.
 func (p *Pool) record(action string, dev int, addr, size uint64, stream Stream) *TraceEntry {
 	h := p.hist
-	e := TraceEntry{Action: action, Device: dev, Addr: addr, Size: size, Stream: uint64(stream), TimeUS: time.Now().UnixMicro()}
+	e := TraceEntry{Action: action, Device: dev, Addr: addr, Size: size, Stream: uint64(stream), TimeUS: time.Now().UnixMicro(),
+		Thread: callerThread()}
 	if len(h.entries) < p.histMax {
 		h.entries = append(h.entries, e)
 		return &h.entries[len(h.entries)-1]

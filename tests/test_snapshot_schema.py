@@ -57,9 +57,10 @@ def deep(n: int, fn: Callable[[], Any]) -> Any:
     return fn() if n == 0 else deep(n - 1, fn)
 
 
-def workload(pool: gmp.MemPool, side: int = 7) -> None:
+def workload(pool: gmp.MemPool, side: int = 7) -> list[int]:
     """Allocates, frees, uses a side stream and record_stream, runs out of
-    memory, empties the cache; leaves a live block and a pending free."""
+    memory, empties the cache; leaves a pending free and live blocks (two
+    large ones: an expandable segment that grew), which it returns."""
     a = deep(40, lambda: pool.alloc(30 * MiB))
     b = pool.alloc(50 * MiB)
     c = pool.alloc(1000, stream=side)
@@ -76,17 +77,20 @@ def workload(pool: gmp.MemPool, side: int = 7) -> None:
     late = pool.alloc(2000)
     pool.record_stream(late, side)
     pool.free(late)  # pending at the snapshot
-    assert small
+    return [small, pool.alloc(30 * MiB), pool.alloc(30 * MiB)]
 
 
 def snapshot_of(expandable: bool) -> dict[str, Any]:
     with gmp.MemPool("sim", name=f"schema-{expandable}", capacity=1 << 30, manual_events=True,
                      expandable=expandable) as pool:
         pool.record_history(True, stacks=True)
-        workload(pool)
+        live = workload(pool)
         snap = pool.snapshot()
+        for p in live:
+            pool.free(p)
         pool.sim_complete()
         pool.process_events()
+    assert any(s["total_size"] > 40 * MiB for s in snap["segments"]) == expandable, "a segment grew"
     return snap
 
 
@@ -259,10 +263,12 @@ def test_a_merged_snapshot_keeps_record_streams_in_place() -> None:
 def test_our_pickle_replays_with_its_record_streams(tmp_path) -> None:
     with gmp.MemPool("sim", name="pick", capacity=1 << 30, manual_events=True) as pool:
         pool.record_history(True)
-        workload(pool)
+        live = workload(pool)
         direct = from_history(pool)
         path = tmp_path / "ours.pickle"
         gmp.dump_snapshot(str(path), pool.snapshot())
+        for p in live:
+            pool.free(p)
         pool.sim_complete()
     loaded = from_torch_snapshot(path)
     assert loaded.meta["source"] == "gpumempool"  # recognised: not taken for torch's

@@ -116,6 +116,7 @@ func TestHistoryMarksCallerSizedAllocs(t *testing.T) {
 func TestExpandableSegmentsAreTracedByTheirMappings(t *testing.T) {
 	p, _ := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{})
 	p.RecordHistory(true, 100)
+	p.RecordThreads(true)
 	a := mustAlloc(t, p, 40*MiB, 0, 0)
 	b := mustAlloc(t, p, 6*MiB, 0, 0) // grows the segment by a 20 MiB page
 	require.NoError(t, p.Free(a))
@@ -156,4 +157,7 @@ func TestPlainSegmentsAreTracedAsAllocAndFree(t *testing.T) {
 	}
 	assert.Equal(t, []string{ActionSegmentAlloc, ActionAlloc, ActionFreeRequested, ActionFreeCompleted,
 		ActionSegmentFree}, actions)
+	for _, e := range p.History() {
+		assert.Zero(t, e.Thread, "threads are recorded only when asked for")
+	}
 }

@@ -765,6 +765,8 @@ class MemPool:
     def record_history(self, enabled: bool = True, max_entries: int = 100_000, stacks: bool = False) -> None:
         """Record this pool's allocator events (see :func:`gpumempool.record_history`)."""
         self._native(_b.PoolRecordHistory, self._handle(), bool(enabled), check_int("max_entries", max_entries, 1, 1 << 31))
+        # entries name their thread only for the stacks: a system call each
+        self._native(_b.PoolRecordThreads, self._handle(), bool(enabled and stacks))
         with self._frames_lock:
             if not (enabled and stacks):
                 self._frames = None

@@ -676,6 +676,24 @@ func poolRecordHistory(id int64, enabled bool, maxEntries int64) (err error) {
 	return nil
 }
 
+// PoolRecordThreads makes history entries name the OS thread of the call
+// that made each, or stops it (see gocore.Pool.RecordThreads).
+//
+// ok is true when err is nil (see okOf).
+func PoolRecordThreads(id int64, on bool) (ok bool, err error) {
+	return okOf(poolRecordThreads(id, on))
+}
+
+func poolRecordThreads(id int64, on bool) (err error) {
+	defer guard(&err)
+	e, err := entry(id)
+	if err != nil {
+		return err
+	}
+	e.Pool.RecordThreads(on)
+	return nil
+}
+
 // PoolHistory returns the recorded events, oldest first, as JSON.
 func PoolHistory(id int64) (js string, err error) {
 	defer guard(&err)

@@ -256,7 +256,14 @@ func (p *Pool) newSegmentLocked(d *deviceState, addr, segSize uint64, kind poolK
 		d.growing[growKey{stream, kind}] = seg // the newest one has the most room to grow
 	}
 	d.segments[addr] = seg
-	p.trace(ActionSegmentAlloc, d.id, addr, segSize, stream)
+	if expandable {
+		// torch traces an expandable segment by its mappings alone (its
+		// address reservation is no segment_alloc): memory_viz's segment
+		// timeline then shows the pages mapped, not the first mapping.
+		p.trace(ActionSegmentMap, d.id, addr, segSize, stream)
+	} else {
+		p.trace(ActionSegmentAlloc, d.id, addr, segSize, stream)
+	}
 	d.stats.NumDeviceAlloc++
 	d.countSegment(seg, 1)
 	d.stats.ReservedBytes.add(kind, int64(segSize)) // the budget counted it in backendAlloc

@@ -27,12 +27,42 @@ func (p *Pool) releaseSegmentLocked(d *deviceState, s *segment) error {
 	if k := (growKey{s.stream, s.kind}); d.growing[k] == s {
 		delete(d.growing, k)
 	}
-	p.trace(ActionSegmentFree, d.id, s.addr, s.size, s.stream)
+	p.traceRelease(d, s)
 	d.stats.NumDeviceFree++
 	d.countSegment(s, -1)
 	p.addReserved(d, s.kind, -int64(s.mapped()))
 	p.uncountOversize(d, s)
 	return nil
+}
+
+// traceRelease records the release of segment s: a segment_free, or for an
+// expandable segment, as torch writes it, a segment_unmap of each mapped
+// range (torch drops the emptied address reservation untraced).
+func (p *Pool) traceRelease(d *deviceState, s *segment) {
+	if p.hist == nil {
+		return
+	}
+	if !s.expandable {
+		p.record(ActionSegmentFree, d.id, s.addr, s.size, s.stream)
+		return
+	}
+	var start, n uint64
+	for b := s.first; b != nil; b = b.next {
+		if b.unmapped {
+			if n > 0 {
+				p.record(ActionSegmentUnmap, d.id, start, n, s.stream)
+			}
+			n = 0
+			continue
+		}
+		if n == 0 {
+			start = b.addr
+		}
+		n += b.size
+	}
+	if n > 0 {
+		p.record(ActionSegmentUnmap, d.id, start, n, s.stream)
+	}
 }
 
 // countSegment adds delta to Stats.Segment for s, unless s is expandable:

@@ -28,6 +28,13 @@ type TraceEntry struct {
 	// CallerSized marks "alloc" entries of AllocSegment: a replay must
 	// size their segments as the recording did.
 	CallerSized bool `json:"caller_sized,omitempty"`
+	// Thread is the OS thread that made the call which recorded the entry,
+	// with RecordThreads on (else 0, as where the platform does not say):
+	// the Python API notes the stack
+	// of each of its calls by thread and time, and gives every entry of a
+	// call that call's stack, as torch gives each trace entry the context
+	// of the call that made it.
+	Thread int `json:"thread,omitempty"`
 }
 
 // history is a ring buffer of trace entries; nil when recording is off, so
@@ -58,6 +65,16 @@ func (p *Pool) RecordHistory(enabled bool, maxEntries int) {
 	h.entries = append(h.entries, kept...)
 	p.hist = h
 	p.histMax = maxEntries
+}
+
+// RecordThreads makes the history's entries name the OS thread of the call
+// that made each (TraceEntry.Thread), or stops it: a system call per entry,
+// paid only by those who match entries to their calls (the Python API's
+// stacks).
+func (p *Pool) RecordThreads(on bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.histThreads = on
 }
 
 // History returns the recorded events, oldest first.
@@ -94,6 +111,9 @@ func (p *Pool) trace(action string, dev int, addr, size uint64, stream Stream) *
 func (p *Pool) record(action string, dev int, addr, size uint64, stream Stream) *TraceEntry {
 	h := p.hist
 	e := TraceEntry{Action: action, Device: dev, Addr: addr, Size: size, Stream: uint64(stream), TimeUS: time.Now().UnixMicro()}
+	if p.histThreads {
+		e.Thread = callerThread()
+	}
 	if len(h.entries) < p.histMax {
 		h.entries = append(h.entries, e)
 		return &h.entries[len(h.entries)-1]

@@ -584,9 +584,11 @@ func TestGrowthIsTracedAtTheOldEndAndAFailedOneUncounted(t *testing.T) {
 			maps = append(maps, h)
 		}
 	}
-	require.Len(t, maps, 1)
-	assert.Equal(t, info.SegmentAddr+40*MiB, maps[0].Addr)
-	assert.EqualValues(t, 20*MiB, maps[0].Size)
+	require.Len(t, maps, 2, "the segment's first mapping, then its growth")
+	assert.Equal(t, info.SegmentAddr, maps[0].Addr)
+	assert.EqualValues(t, 40*MiB, maps[0].Size)
+	assert.Equal(t, info.SegmentAddr+40*MiB, maps[1].Addr)
+	assert.EqualValues(t, 20*MiB, maps[1].Size)
 
 	_, err = p.Alloc(30*MiB, 0, 0) // beyond the device: growth fails, before and after the retry
 	require.ErrorIs(t, err, ErrOutOfMemory)

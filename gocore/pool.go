@@ -155,6 +155,9 @@ type Pool struct {
 	mapper   PageMapper     // non-nil when it can also unmap and map pages inside them
 	hist     *history       // recorded events; nil when recording is off
 	histMax  int
+	// histThreads: history entries name their caller's OS thread
+	// (RecordThreads).
+	histThreads bool
 	// budget holds the limits (cfg.Limit, and per device: torch's
 	// set_per_process_memory_fraction is per device) and counts reserved
 	// bytes against them, with pools sharing it (cfg.Budget).

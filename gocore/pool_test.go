@@ -1598,7 +1598,8 @@ func TestExpandableFreeTailGoesBack(t *testing.T) {
 		}
 	}
 	require.Len(t, unmapped, 1)
-	assert.Equal(t, TraceEntry{Action: ActionSegmentUnmap, Addr: a + 20*MiB, Size: 40 * MiB, TimeUS: unmapped[0].TimeUS}, unmapped[0])
+	assert.Equal(t, TraceEntry{Action: ActionSegmentUnmap, Addr: a + 20*MiB, Size: 40 * MiB, TimeUS: unmapped[0].TimeUS,
+		Thread: unmapped[0].Thread}, unmapped[0])
 	// The shrunk segment grows again.
 	d := mustAlloc(t, p, 3*MiB, 0, 0)
 	assert.Equal(t, a+20*MiB, d)

@@ -109,3 +109,55 @@ func TestHistoryMarksCallerSizedAllocs(t *testing.T) {
 	assert.Equal(t, b, allocs[1].Addr)
 	assert.True(t, allocs[1].CallerSized)
 }
+
+// An expandable segment is traced as torch traces one: mappings only, no
+// segment_alloc or segment_free, and what EmptyCache releases is unmapped
+// range by range. Each entry names the thread of the call that made it.
+func TestExpandableSegmentsAreTracedByTheirMappings(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{})
+	p.RecordHistory(true, 100)
+	p.RecordThreads(true)
+	a := mustAlloc(t, p, 40*MiB, 0, 0)
+	b := mustAlloc(t, p, 6*MiB, 0, 0) // grows the segment by a 20 MiB page
+	require.NoError(t, p.Free(a))
+	require.NoError(t, p.Free(b))
+	released, err := p.EmptyCache()
+	require.NoError(t, err)
+	require.EqualValues(t, 60*MiB, released)
+	var actions []string
+	var mapped, unmapped uint64
+	for _, e := range p.History() {
+		actions = append(actions, e.Action)
+		switch e.Action {
+		case ActionSegmentMap:
+			mapped += e.Size
+		case ActionSegmentUnmap:
+			unmapped += e.Size
+		}
+		assert.Equal(t, callerThread(), e.Thread, "entry %s", e.Action)
+	}
+	assert.NotContains(t, actions, ActionSegmentAlloc)
+	assert.NotContains(t, actions, ActionSegmentFree)
+	assert.Equal(t, ActionSegmentMap, actions[0])
+	assert.EqualValues(t, 60*MiB, mapped)
+	assert.Equal(t, mapped, unmapped, "every mapped byte is unmapped once")
+	assert.Empty(t, p.Snapshot())
+}
+
+// A segment of a plain backend keeps its segment_alloc and segment_free.
+func TestPlainSegmentsAreTracedAsAllocAndFree(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{Capacity: 64 * MiB}, Config{})
+	p.RecordHistory(true, 100)
+	require.NoError(t, p.Free(mustAlloc(t, p, 30*MiB, 0, 0)))
+	_, err := p.EmptyCache()
+	require.NoError(t, err)
+	var actions []string
+	for _, e := range p.History() {
+		actions = append(actions, e.Action)
+	}
+	assert.Equal(t, []string{ActionSegmentAlloc, ActionAlloc, ActionFreeRequested, ActionFreeCompleted,
+		ActionSegmentFree}, actions)
+	for _, e := range p.History() {
+		assert.Zero(t, e.Thread, "threads are recorded only when asked for")
+	}
+}

@@ -310,12 +310,12 @@ class MemPool:
         self._keep: list[Any] = []
         self._py_callbacks = False  # errors of Python callbacks need checking
         # With record_history(stacks=True): the Python stack of each live
-        # block allocated through this API (addr -> frames, dropped at free),
-        # and of each allocation for the history's alloc entries (addr, time
-        # window of the call, frames): an address is reused, so an entry is
-        # matched by the time the engine recorded it.
-        self._frames: Optional[dict[int, list[dict[str, Any]]]] = None
-        self._alloc_frames: "collections.deque[tuple[int, int, int, list[dict[str, Any]]]]" = collections.deque()
+        # block allocated through this API (addr -> stack, dropped at free),
+        # and of each call of this API that may record events (time window,
+        # thread, stack): the history's entries are matched to the call
+        # that made them by the thread and time the engine recorded.
+        self._frames: Optional[dict[int, _snapshot.Stack]] = None
+        self._calls: "collections.deque[_snapshot.Call]" = collections.deque()
         self._frames_max = 0
         # reentrant: a finalizer freeing a block may run (GC) while alloc holds it
         self._frames_lock = threading.RLock()
@@ -477,15 +477,20 @@ class MemPool:
             stream = as_stream(stream)
         handle = self._id if self._report is None else self._handle()
         t0 = _now_us() if self._frames is not None else 0
-        if self._fast is not None:
-            try:
-                ptr = self._fast.alloc(handle, size, device, stream)
-            except RuntimeError as exc:
-                raise translate(exc) from None
-        elif self._py_callbacks:
-            ptr = self._alloc_with_callbacks(_b.PoolAlloc, handle, size, device, stream)
-        else:
-            ptr = self._native(_b.PoolAlloc, handle, size, device, stream)
+        try:
+            if self._fast is not None:
+                try:
+                    ptr = self._fast.alloc(handle, size, device, stream)
+                except RuntimeError as exc:
+                    raise translate(exc) from None
+            elif self._py_callbacks:
+                ptr = self._alloc_with_callbacks(_b.PoolAlloc, handle, size, device, stream)
+            else:
+                ptr = self._native(_b.PoolAlloc, handle, size, device, stream)
+        except OutOfMemoryError:
+            if t0:
+                self._note_call(t0)  # the oom entry and the releases before it
+            raise
         return ptr if self._frames is None else self._with_frames(ptr, t0)
 
     def alloc_segment(self, size: int, device: Any = None, stream: Any = 0) -> int:
@@ -503,15 +508,20 @@ class MemPool:
         stream = as_stream(stream)
         handle = self._handle()
         t0 = _now_us() if self._frames is not None else 0
-        if self._py_callbacks:
-            ptr = self._alloc_with_callbacks(_b.PoolAllocSegment, handle, size, device, stream)
-        else:
-            ptr = self._native(_b.PoolAllocSegment, handle, size, device, stream)
+        try:
+            if self._py_callbacks:
+                ptr = self._alloc_with_callbacks(_b.PoolAllocSegment, handle, size, device, stream)
+            else:
+                ptr = self._native(_b.PoolAllocSegment, handle, size, device, stream)
+        except OutOfMemoryError:
+            if t0:
+                self._note_call(t0)
+            raise
         return ptr if self._frames is None else self._with_frames(ptr, t0)
 
     def _with_frames(self, ptr: int, t0: int) -> int:
         try:
-            self._remember_frames(ptr, t0, skip=4)
+            self._note_call(t0, block=ptr)
         except BaseException:
             self._free_quietly(ptr)  # never leak the block for bookkeeping
             raise
@@ -554,32 +564,51 @@ class MemPool:
         except Exception:  # the pool may be closed; nothing more to do
             pass
 
-    def _remember_frames(self, ptr: int, t0: int, skip: int = 3) -> None:
-        """Keep the caller's stack for block ``ptr``, leaving out the
-        ``skip`` innermost frames (this one, and the pool's methods)."""
-        captured = _snapshot.capture_frames(skip=skip)
+    def _note_call(self, t0: int, block: Optional[int] = None, freed: Optional[int] = None) -> None:
+        """Keep the caller's stack for the events of the call that began at
+        ``t0`` (µs), and for the block ``block`` it allocated; forget the
+        stack of the block ``freed``."""
+        captured = _snapshot.capture_frames()
         t1 = _now_us()
+        thread = threading.get_native_id()
         with self._frames_lock:
             frames = self._frames
             if frames is None:  # history turned off meanwhile
                 return
-            frames[ptr] = captured
-            while len(frames) > self._frames_max:  # blocks never freed through this API
-                del frames[next(iter(frames))]
-            self._alloc_frames.append((ptr, t0, t1, captured))
-            while len(self._alloc_frames) > self._frames_max:
-                self._alloc_frames.popleft()
+            if block is not None:
+                frames[block] = captured
+                while len(frames) > self._frames_max:  # blocks never freed through this API
+                    del frames[next(iter(frames))]
+            elif freed is not None:
+                frames.pop(freed, None)
+            self._calls.append((t0, t1, thread, captured))
+            # a call records an event or more, but some none (an empty_cache
+            # with nothing cached): room for twice the history's entries
+            while len(self._calls) > 2 * self._frames_max:
+                self._calls.popleft()
 
     def _forget_frames(self, ptr: int) -> None:
         with self._frames_lock:
             if self._frames is not None:
                 self._frames.pop(ptr, None)
 
+    def _traced(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``self._native(fn, *args)`` for a call that may record events
+        (releases, completed frees): with stacks on, they get its stack."""
+        if self._frames is None:
+            return self._native(fn, *args)
+        t0 = _now_us()
+        try:
+            return self._native(fn, *args)
+        finally:
+            self._note_call(t0)
+
     def free(self, ptr: int) -> None:
         """Return the block at ``ptr`` to the pool."""
         if type(ptr) is not int or not 0 <= ptr < U64:
             ptr = check_int("ptr", ptr, 0, U64)
         handle = self._id if self._report is None else self._handle()
+        t0 = _now_us() if self._frames is not None else 0
         if self._fast is not None:
             try:
                 self._fast.free(handle, ptr)
@@ -587,32 +616,32 @@ class MemPool:
                 raise translate(exc) from None
         else:
             self._native(_b.PoolFree, handle, ptr)
-        if self._frames is not None:
-            self._forget_frames(ptr)
+        if t0:
+            self._note_call(t0, freed=ptr)
 
     def record_stream(self, ptr: int, stream: Any) -> None:
         """Mark the block at ``ptr`` as used on ``stream``: after it is freed
         it is reused only once that stream's work up to the free is done."""
         ptr = check_int("ptr", ptr, 0, U64)
-        self._native(_b.PoolRecordStream, self._handle(), ptr, as_stream(stream))
+        self._traced(_b.PoolRecordStream, self._handle(), ptr, as_stream(stream))
 
     def process_events(self) -> int:
         """Free blocks whose cross-stream events completed; return how many
         frees still wait."""
-        return self._native(_b.PoolProcessEvents, self._handle())
+        return int(self._traced(_b.PoolProcessEvents, self._handle()))
 
     # -- cache ------------------------------------------------------------
 
     def empty_cache(self) -> int:
         """Release every wholly free segment to the backend; return bytes released."""
-        return self._native(_b.PoolEmptyCache, self._handle())
+        return int(self._traced(_b.PoolEmptyCache, self._handle()))
 
     def trim(self, keep_bytes: int = 0, device: Optional[Any] = None) -> int:
         """Release whole free segments until at most ``keep_bytes`` unused
         bytes stay cached on ``device`` (every device when None)."""
         keep = check_int("keep_bytes", keep_bytes, 0, U64)
         dev = -1 if device is None else device_index(device)
-        return self._native(_b.PoolTrim, self._handle(), dev, keep)
+        return int(self._traced(_b.PoolTrim, self._handle(), dev, keep))
 
     def set_limit(self, limit: Optional[int], device: Optional[Any] = None) -> None:
         """Cap the bytes the pool reserves on ``device``, or on every device
@@ -620,7 +649,7 @@ class MemPool:
         no cap."""
         nbytes = check_int("limit", limit or 0, 0, U64)
         dev = -1 if device is None else device_index(device)
-        self._native(_b.PoolSetLimit, self._handle(), nbytes, dev)
+        self._traced(_b.PoolSetLimit, self._handle(), nbytes, dev)
 
     def limit(self, device: Any = 0) -> Optional[int]:
         """The byte cap in force on ``device`` (None when uncapped)."""
@@ -628,7 +657,7 @@ class MemPool:
 
     def set_release_threshold(self, nbytes: Optional[int]) -> None:
         """Keep at most ``nbytes`` unused bytes cached per device (None or 0: all)."""
-        self._native(_b.PoolSetReleaseThreshold, self._handle(), check_int("nbytes", nbytes or 0, 0, U64))
+        self._traced(_b.PoolSetReleaseThreshold, self._handle(), check_int("nbytes", nbytes or 0, 0, U64))
 
     # -- introspection ------------------------------------------------------
 
@@ -758,8 +787,8 @@ class MemPool:
         history = json.loads(self._native(_b.PoolHistory, self._handle()))
         with self._frames_lock:
             frames = dict(self._frames or {})
-            alloc_frames = list(self._alloc_frames)
-        return _snapshot.pool_snapshot(self.name, self.handle, self.backend, raw, history, frames, alloc_frames)
+            calls = list(self._calls)
+        return _snapshot.pool_snapshot(self.name, self.handle, self.backend, raw, history, frames, calls)
 
     def segments(self) -> list[dict[str, int]]:
         """The pool's segments: device, address, size, stream."""
@@ -770,10 +799,12 @@ class MemPool:
     def record_history(self, enabled: bool = True, max_entries: int = 100_000, stacks: bool = False) -> None:
         """Record this pool's allocator events (see :func:`gpumempool.record_history`)."""
         self._native(_b.PoolRecordHistory, self._handle(), bool(enabled), check_int("max_entries", max_entries, 1, 1 << 31))
+        # entries name their thread only for the stacks: a system call each
+        self._native(_b.PoolRecordThreads, self._handle(), bool(enabled and stacks))
         with self._frames_lock:
             if not (enabled and stacks):
                 self._frames = None
-                self._alloc_frames.clear()
+                self._calls.clear()
             elif self._frames is None:
                 self._frames = {}
             self._frames_max = max_entries

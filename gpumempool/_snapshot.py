@@ -5,20 +5,24 @@ fragmentation figures of our own.
 ``pool.snapshot()`` covers one pool, :func:`snapshot` every open pool;
 :func:`dump_snapshot` writes the pickle torch's tools read;
 :func:`record_history` turns on event recording (alloc, free_requested,
-free_completed, segment_alloc, segment_free, segment_map, oom), optionally
-with the Python stack of each allocation made through the Python API
-(allocations torch makes through the C ABI carry no Python frames).
+free_completed, segment_alloc, segment_free, segment_map, segment_unmap,
+oom, as torch names them, and record_stream, which torch does not record:
+kept under ``gpumempool_record_stream``), optionally with the Python stack
+of each call of the Python API, given to every event the call made (events
+of calls torch makes through the C ABI carry no Python frames; their frees
+get the frames of the block's allocation, as in torch).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import os
 import pickle
+import sys
 import tempfile
 import threading
-import traceback
 from typing import Any, Optional, Sequence
 
 from . import _lifecycle, _native
@@ -39,35 +43,173 @@ _native.after_fork_in_child(_new_lock_after_fork)
 _history_settings: Optional[tuple[int, bool]] = None
 
 
-def capture_frames(skip: int = 2, limit: int = 32) -> list[dict[str, Any]]:
-    """The caller's Python stack, innermost first, as torch writes frames."""
-    stack = traceback.extract_stack(limit=limit + skip)[:-skip]
-    return [{"filename": f.filename, "line": f.lineno or 0, "name": f.name} for f in reversed(stack)]
+#: A Python stack as recorded: (filename, line, function) per frame,
+#: innermost first.
+Stack = tuple[tuple[str, int, str], ...]
+#: A recorded call of the pool's Python API: its start and end (µs, the
+#: clock of the engine's history), the OS thread that made it, its stack.
+Call = tuple[int, int, int, Stack]
+
+#: Where our snapshots keep the record_stream calls: torch's trace has no
+#: such action (memory_viz shows one as "..._undefined"), so they sit beside
+#: device_traces, a list per device, each entry with the index in its
+#: device's trace before which it was recorded (RECORD_STREAM_INDEX).
+RECORD_STREAM_KEY = "gpumempool_record_stream"
+RECORD_STREAM_INDEX = "gpumempool_index"
+
+# The modules whose frames are left off the top of every stack (the pool's
+# methods: torch's stacks start at the Python code that asked for memory).
+_OWN_MODULES = frozenset((__name__, __name__.rsplit(".", 1)[0] + "._pool"))
+# Stacks repeat (the same loop allocates again and again): each is kept
+# once, so that a long history holds references, not copies. Cleared when
+# it grows past _STACKS_MAX distinct stacks.
+_stacks: dict[Stack, Stack] = {}
+_STACKS_MAX = 1 << 16
+
+
+def capture_frames() -> Stack:
+    """The caller's whole Python stack (as torch records it: every frame),
+    innermost first, without the pool's own frames."""
+    f: Any = sys._getframe(1)
+    while f is not None and f.f_globals.get("__name__") in _OWN_MODULES:
+        f = f.f_back
+    out = []
+    while f is not None:
+        code = f.f_code
+        out.append((code.co_filename, f.f_lineno or 0, code.co_name))
+        f = f.f_back
+    stack = tuple(out)
+    if len(_stacks) >= _STACKS_MAX:
+        _stacks.clear()
+    return _stacks.setdefault(stack, stack)
+
+
+class _Frames:
+    """Stacks as torch's frame lists, each distinct frame and stack made
+    once per snapshot (torch shares them too: its pickles stay small)."""
+
+    def __init__(self) -> None:
+        self._frames: dict[tuple[str, int, str], dict[str, Any]] = {}
+        self._lists: dict[int, tuple[Stack, list[dict[str, Any]]]] = {}
+
+    def __call__(self, stack: Optional[Stack]) -> list[dict[str, Any]]:
+        if not stack:
+            return []
+        hit = self._lists.get(id(stack))
+        if hit is not None and hit[0] is stack:
+            return hit[1]
+        out = []
+        for f in stack:
+            d = self._frames.get(f)
+            if d is None:
+                d = self._frames[f] = {"name": f[2], "filename": f[0], "line": f[1]}
+            out.append(d)
+        self._lists[id(stack)] = (stack, out)
+        return out
+
+
+class _Calls:
+    """Finds the recorded call an engine entry was made in: the one of the
+    entry's thread whose time window holds the entry's time (the engine's
+    events of one call are recorded on the calling thread, inside its
+    window; calls of one thread follow each other)."""
+
+    def __init__(self, calls: Sequence[Call]) -> None:
+        by_thread: dict[int, list[tuple[int, int, Stack]]] = {}
+        for t0, t1, tid, stack in calls:
+            if tid:
+                by_thread.setdefault(tid, []).append((t0, t1, stack))
+            by_thread.setdefault(0, []).append((t0, t1, stack))  # for entries of no known thread
+        self._starts: dict[int, list[int]] = {}
+        self._calls: dict[int, list[tuple[int, int, Stack]]] = {}
+        for tid, cs in by_thread.items():
+            cs.sort(key=lambda c: c[0])
+            self._starts[tid] = [c[0] for c in cs]
+            self._calls[tid] = cs
+
+    def stack(self, time_us: int, thread: int) -> Optional[Stack]:
+        """The stack of the call made on ``thread`` (0: any) at ``time_us``,
+        or None when no recorded call was running then (a call through the
+        C ABI, as torch's, or one whose record was dropped)."""
+        starts = self._starts.get(thread)
+        if starts is None:
+            return None
+        # Of two calls that touch in one microsecond, the later: the earlier
+        # one's events come before the stack capture that ends its window.
+        i = bisect.bisect_right(starts, time_us) - 1
+        if i >= 0:
+            t0, t1, stack = self._calls[thread][i]
+            if t0 <= time_us <= t1:
+                return stack
+        return None
 
 
 def pool_snapshot(name: str, handle: int, backend: str, raw: dict[str, Any], history: list[dict[str, Any]],
-                  frames: dict[int, list[dict[str, Any]]],
-                  alloc_frames: Sequence[tuple[int, int, int, list[dict[str, Any]]]] = ()) -> dict[str, Any]:
+                  frames: dict[int, Stack], calls: Sequence[Call] = ()) -> dict[str, Any]:
     """Build torch's snapshot dict of the pool ``name`` (engine handle
     ``handle``, backend ``backend``) from the engine's JSON. ``frames``: the
-    Python stacks of live blocks by address; ``alloc_frames``: (address,
-    start and end of the call in µs, stack) per allocation, matched to the
-    history's alloc entries by address and time (an address is reused)."""
+    Python stacks of live blocks by address; ``calls``: the pool's recorded
+    Python API calls, whose stacks go to the history entries they made.
+
+    As torch does: every entry has frames, those of the call that made it
+    (a free with none, through the C ABI, those of its block's allocation);
+    a segment has those of the call that made it, an active block those of
+    its allocation. What torch has no key for is under a ``gpumempool_``
+    key: the pool of an entry or segment (a merged snapshot of several
+    pools repeats addresses), allocations sized by their caller
+    (``alloc_segment``: a replay repeats them), record_stream calls."""
+    to_frames = _Frames()
+    windows = _Calls(calls)
+    devices = 1 + max([s["device"] for s in raw["segments"]] + [e["device"] for e in history] + [-1])
+    traces: list[list[dict[str, Any]]] = [[] for _ in range(max(devices, 1))]
+    streams: list[list[dict[str, Any]]] = [[] for _ in traces]
+    block_stack: dict[tuple[int, int], Stack] = {}  # (device, addr) -> its allocation's stack
+    segment_stack: dict[tuple[int, int], Stack] = {}  # (device, address) -> the stack that made it
+    for e in history:
+        action, d = e["action"], e["device"]
+        key = (d, e["addr"])
+        stack = windows.stack(e["time_us"], e.get("thread", 0))
+        if action == "alloc":
+            block_stack[key] = stack or ()
+        elif action in ("free_requested", "free_completed", "record_stream") and stack is None:
+            stack = block_stack.get(key)  # torch: the block's context_when_allocated
+        if action == "free_completed":
+            block_stack.pop(key, None)
+        elif action == "segment_alloc" or (action == "segment_map" and key not in segment_stack):
+            segment_stack[key] = stack or ()
+        elif action in ("segment_free", "segment_unmap"):
+            segment_stack.pop(key, None)
+        entry: dict[str, Any] = {"action": action}
+        if action == "oom":
+            entry["device_free"] = e.get("device_free", 0)  # torch's oom has no addr
+        else:
+            entry["addr"] = e["addr"]
+        entry.update(size=e["size"], stream=e["stream"], time_us=e["time_us"], frames=to_frames(stack),
+                     gpumempool_pool_handle=handle)
+        if e.get("caller_sized"):
+            entry["gpumempool_caller_sized"] = True
+        if action == "record_stream":
+            entry[RECORD_STREAM_INDEX] = len(traces[d])
+            streams[d].append(entry)
+        else:
+            traces[d].append(entry)
     segments = []
     for s in raw["segments"]:
+        d = s["device"]
         blocks = [
             {
                 "address": b["address"],
                 "size": b["size"],
                 "requested_size": b["requested_size"],
                 "state": b["state"],
-                "frames": frames.get(b["address"], []) if b["state"] != "inactive" else [],
+                "frames": to_frames(frames.get(b["address"]) or block_stack.get((d, b["address"])))
+                if b["state"] != "inactive" else [],
             }
             for b in s["blocks"]
         ]
         segments.append(
             {
-                "device": s["device"],
+                "device": d,
                 "address": s["address"],
                 "total_size": s["total_size"],
                 "allocated_size": s["allocated_size"],
@@ -77,53 +219,79 @@ def pool_snapshot(name: str, handle: int, backend: str, raw: dict[str, Any], his
                 "segment_type": s["segment_type"],
                 "segment_pool_id": (0, handle),
                 "is_expandable": s["is_expandable"],
-                "frames": [],
+                "frames": to_frames(segment_stack.get((d, s["address"]))),
                 "blocks": blocks,
-                "pool": name,
+                "gpumempool_pool": name,
             }
         )
-    devices = 1 + max([s["device"] for s in segments] + [e["device"] for e in history] + [-1])
-    traces: list[list[dict[str, Any]]] = [[] for _ in range(max(devices, 1))]
-    by_addr: dict[int, list[tuple[int, int, list[dict[str, Any]]]]] = {}
-    for addr, t0, t1, stack in alloc_frames:
-        by_addr.setdefault(addr, []).append((t0, t1, stack))
-    for e in history:
-        entry = {
-            "action": e["action"],
-            "addr": e["addr"],
-            # Pools hand out the same addresses (sim pools, or pools over
-            # one cached allocator): a merged snapshot keeps them apart.
-            "pool_handle": handle,
-            "size": e["size"],
-            "stream": e["stream"],
-            "time_us": e["time_us"],
-            "frames": _alloc_stack(by_addr, e) if e["action"] == "alloc" else [],
-        }
-        if e["action"] == "oom":
-            entry["device_free"] = e.get("device_free", 0)
-        elif e.get("caller_sized"):
-            entry["caller_sized"] = True  # an alloc_segment: replays repeat it
-        traces[e["device"]].append(entry)
-    return {
+    snap = {
         "segments": segments,
         "device_traces": traces,
         "allocator_settings": {"pool": name, "backend": backend},
         "fragmentation": raw["fragmentation"],
     }
+    if any(streams):
+        snap[RECORD_STREAM_KEY] = streams
+    return snap
 
 
-def _alloc_stack(by_addr: dict[int, list[tuple[int, int, list[dict[str, Any]]]]],
-                 e: dict[str, Any]) -> list[dict[str, Any]]:
-    """The stack of the Python call that made alloc entry ``e`` (taken from
-    by_addr), or [] when none did (torch through the C ABI, or not kept)."""
-    calls = by_addr.get(e["addr"])
-    if calls:
-        t = e["time_us"]
-        for i, (t0, t1, stack) in enumerate(calls):
-            if t0 <= t <= t1:
-                del calls[i]
-                return stack
-    return []
+def with_record_streams(snap: dict[str, Any], traces: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """``traces`` (the ``device_traces`` of ``snap``) with the record_stream
+    calls our snapshots keep aside (RECORD_STREAM_KEY) put back where they
+    were recorded, as entries of action ``record_stream``; ``traces`` itself
+    when there are none. Raises ValueError, naming the entry, on a malformed
+    one."""
+    extra = snap.get(RECORD_STREAM_KEY)
+    if extra is None:
+        return traces
+    if not isinstance(extra, list) or len(extra) > len(traces) or not all(isinstance(x, list) for x in extra):
+        raise ValueError(f"{RECORD_STREAM_KEY} must be a list per device of device_traces")
+    out = []
+    for d, trace in enumerate(traces):
+        adds = extra[d] if d < len(extra) else []
+        if not adds:
+            out.append(trace)
+            continue
+        joined: list[dict[str, Any]] = []
+        at = 0
+        for i, e in enumerate(adds):
+            where = e.get(RECORD_STREAM_INDEX) if isinstance(e, dict) else None
+            if type(where) is not int or not at <= where <= len(trace):
+                raise ValueError(f"{RECORD_STREAM_KEY}[{d}][{i}]: {RECORD_STREAM_INDEX} must be an int from {at} "
+                                 f"to {len(trace)} (its place in device_traces[{d}])")
+            for k, bits in (("addr", 64), ("size", 63), ("stream", 64)):
+                v = e.get(k, 0)
+                if type(v) is not int or not 0 <= v < 1 << bits:
+                    raise ValueError(f"{RECORD_STREAM_KEY}[{d}][{i}]: {k} must be a non-negative int below 2**{bits}, "
+                                     f"got {v if type(v) is int and abs(v) < 1 << 64 else type(v).__name__}")
+            joined += trace[at:where]
+            joined.append(dict(e, action="record_stream"))
+            at = where
+        joined += trace[at:]
+        out.append(joined)
+    return out
+
+
+def _set_record_streams_aside(snap: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of with_record_streams: move the record_stream entries of
+    ``snap``'s device_traces under RECORD_STREAM_KEY (in place)."""
+    traces: list[list[dict[str, Any]]] = []
+    streams: list[list[dict[str, Any]]] = []
+    for trace in snap["device_traces"]:
+        kept: list[dict[str, Any]] = []
+        aside: list[dict[str, Any]] = []
+        for e in trace:
+            if e["action"] == "record_stream":
+                aside.append(dict(e, **{RECORD_STREAM_INDEX: len(kept)}))
+            else:
+                kept.append(e)
+        traces.append(kept)
+        streams.append(aside)
+    snap["device_traces"] = traces
+    snap.pop(RECORD_STREAM_KEY, None)
+    if any(streams):
+        snap[RECORD_STREAM_KEY] = streams
+    return snap
 
 
 def merge(snaps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -132,14 +300,15 @@ def merge(snaps: list[dict[str, Any]]) -> dict[str, Any]:
     traces: list[list[dict[str, Any]]] = []
     for s in snaps:
         segments += s["segments"]
-        for d, t in enumerate(s["device_traces"]):
+        for d, t in enumerate(with_record_streams(s, s["device_traces"])):
             while len(traces) <= d:
                 traces.append([])
             traces[d] += t
     for t in traces:
         t.sort(key=lambda e: e["time_us"])
     segments.sort(key=lambda s: (s["device"], s["address"]))
-    return {"segments": segments, "device_traces": traces or [[]], "allocator_settings": {"pools": [s["allocator_settings"]["pool"] for s in snaps]}}
+    return _set_record_streams_aside({"segments": segments, "device_traces": traces or [[]],
+                                      "allocator_settings": {"pools": [s["allocator_settings"]["pool"] for s in snaps]}})
 
 
 def snapshot(not_read: Optional[list[str]] = None) -> dict[str, Any]:
@@ -204,8 +373,9 @@ def _about(exc: OSError, path: str) -> OSError:
 
 def record_history(enabled: bool = True, max_entries: int = 100_000, stacks: bool = False) -> None:
     """Record allocator events in every open pool and every pool created
-    from now on (``stacks``: with the Python stack of allocations made
-    through the Python API). Off by default; when off it costs one check."""
+    from now on (``stacks``: with the whole Python stack of each call of the
+    Python API that records events, as torch's ``stacks="python"``). Off by
+    default; when off it costs one check."""
     global _history_settings
 
     if isinstance(max_entries, bool) or not isinstance(max_entries, int) or not 0 < max_entries < 1 << 31:

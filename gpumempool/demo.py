@@ -2,9 +2,9 @@
 
 Each step runs a forward wave (activations allocated layer by layer, sizes
 varying with a random sequence length, like variable-length batches) on the
-compute stream, then a backward wave that frees activations in reverse and
-allocates gradients; the gradients are also used by a second stream (as an
-all-reduce would be) through ``record_stream``, so their blocks come back
+default stream (0), then a backward wave that frees activations in reverse and
+allocates gradients; the gradients are also used by a side stream (1, as
+an all-reduce would be) through ``record_stream``, so their blocks come back
 only after that stream's work completes. Small temporaries come and go
 throughout. The summary shows what the cache saved.
 """
@@ -25,8 +25,10 @@ from ._snapshot import dump_snapshot
 from ._summary import figure_label
 from ._units import format_bytes
 
-COMPUTE_STREAM = 0x1000
-COMM_STREAM = 0x2000
+#: The default stream, where a torch program computes.
+COMPUTE_STREAM = 0
+#: A side stream, as the one an all-reduce runs on.
+COMM_STREAM = 1
 MiB = 1 << 20
 
 
@@ -81,7 +83,8 @@ def run_demo(
         pool = MemPool("sim", name="demo", capacity=64 << 30, manual_events=True)
     if snapshot_path is not None:
         # every event of the run: about 3 per allocation, plus segments
-        pool.record_history(True, max_entries=min(1 << 30, 24 * (steps + 1) * (layers + 1) + 4096))
+        # with the stack of each call, as torch's _record_memory_history()
+        pool.record_history(True, max_entries=min(1 << 30, 24 * (steps + 1) * (layers + 1) + 4096), stacks=True)
     rng = random.Random(seed)
     bar = Progress("demo", unit="step", enabled=progress, total=steps)
     allocations = 0

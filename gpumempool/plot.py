@@ -107,7 +107,7 @@ def timeline(snapshot: Union[PathLike, dict[str, Any]],
     total = len(entries)
     for n, (_, d, e) in enumerate(entries):
         a = e.get("action")
-        k = (d, _int(e.get("addr")), e.get("pool_handle"))  # merged pools reuse addresses
+        k = (d, _int(e.get("addr")), e.get("gpumempool_pool_handle", e.get("pool_handle")))  # merged pools reuse addresses
         size = _int(e.get("size"))
         da = dr = 0
         if a == "alloc":

@@ -79,7 +79,9 @@ its dict). Both read the same torch-format ``device_traces``:
   snapshot of several pools (``gmp.snapshot()``), whose addresses may
   repeat, keeps their blocks apart.
 * A free that waited for other streams (gpumempool: its block had
-  ``record_stream`` entries; torch, which records none: its
+  ``record_stream`` entries, which our snapshots keep beside
+  ``device_traces`` under ``gpumempool_record_stream``, each with its
+  place in the trace; torch, which records none: its
   ``free_completed`` did not follow at once) gets a *virtual stream*
   (``1 << 63`` plus a small number, reused once synced): ``r ID VSTREAM``
   before the free and ``s VSTREAM`` where the recording shows the free
@@ -133,6 +135,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, T
 
 from ._args import MAX_DEVICE
 from ._safepickle import MAX_PICKLE_BYTES, UnsafePickleError, load_pickle
+from ._snapshot import RECORD_STREAM_KEY, with_record_streams
 from ._snapshot_check import check_history
 from ._trace_errors import MalformedEventError, MalformedSegmentError, NoHistoryError, TraceFormatError
 
@@ -937,19 +940,21 @@ _IMPORTED = ("alloc", "free_requested", "free_completed", "segment_alloc", "segm
 def _akey(addr: Any, handle: Any) -> Any:
     """The key of an address in a snapshot that may merge several pools
     (``gmp.snapshot()``): ours carry their pool's handle (entries:
-    ``pool_handle``; segments: ``segment_pool_id``), torch's none."""
+    ``gpumempool_pool_handle``, ``pool_handle`` before; segments:
+    ``segment_pool_id``), torch's none."""
     if type(handle) is int and 0 < handle < 1 << 31:
         return (handle << 64) + addr
     return addr
 
 
 def _entry_key(e: dict[str, Any]) -> Any:
-    return _akey(e.get("addr", 0), e.get("pool_handle"))
+    return _akey(e.get("addr", 0), e.get("gpumempool_pool_handle", e.get("pool_handle")))
 
 
 def _segment_handle(s: dict[str, Any]) -> Any:
     pid = s.get("segment_pool_id")
-    return pid[1] if isinstance(pid, (tuple, list)) and len(pid) == 2 and s.get("pool") is not None else None
+    ours = s.get("gpumempool_pool", s.get("pool"))
+    return pid[1] if isinstance(pid, (tuple, list)) and len(pid) == 2 and ours is not None else None
 
 
 @dataclass
@@ -1022,9 +1027,21 @@ def _flavor(snap: dict[str, Any], traces: list[list[dict[str, Any]]]) -> str:
     # Ours: {"pool": name, "backend": ...} (pool.snapshot) or {"pools": [...]} (gmp.snapshot).
     if isinstance(settings, dict) and (("pool" in settings and "backend" in settings) or "pools" in settings):
         return "gpumempool"
-    if any(e.get("action") == "record_stream" for t in traces for e in t):
+    if RECORD_STREAM_KEY in snap or any(e.get("action") == "record_stream" for t in traces for e in t):
         return "gpumempool"
     return "torch"
+
+
+def _with_record_streams(snap: dict[str, Any], traces: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """Our snapshots keep record_stream calls beside device_traces (torch
+    has no such action): put them back in place, checked as other entries."""
+    try:
+        joined = with_record_streams(snap, traces)
+    except ValueError as exc:
+        raise TraceFormatError(str(exc)) from None
+    if joined is not traces:
+        _check_snapshot(dict(snap, device_traces=joined))
+    return joined
 
 
 class _VirtualStreams:
@@ -1045,6 +1062,7 @@ class _VirtualStreams:
 def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[_Marker]] = None,
              infer_empty_cache: Optional[bool] = None) -> Trace:
     traces, segments = _check_snapshot(snap)
+    traces = _with_record_streams(snap, traces)
     flavor = source or _flavor(snap, traces)
     if infer_empty_cache is None:
         infer_empty_cache = flavor == "torch"
@@ -1194,7 +1212,8 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
             next_id += 1
             ids[k] = next_id
             tr_out.snapshot_entries[len(out)] = (d, i)
-            out.append(Alloc(next_id, e["size"], e.get("stream", 0), d, e.get("caller_sized") is True))
+            out.append(Alloc(next_id, e["size"], e.get("stream", 0), d,
+                             e.get("gpumempool_caller_sized", e.get("caller_sized")) is True))
             counts["allocs"] += 1
         elif a == "record_stream":
             counts["record_stream_entries"] += 1

@@ -69,7 +69,7 @@ def test_global_snapshot_and_record_history_cover_all_pools() -> None:
             p1.alloc(100)
             p2.alloc(200)
             snap = gmp.snapshot()
-            names = {s["pool"] for s in snap["segments"]}
+            names = {s["gpumempool_pool"] for s in snap["segments"]}
             assert {"one", "two"} <= names
             assert {"one", "two"} <= set(snap["allocator_settings"]["pools"])
             times = [e["time_us"] for e in snap["device_traces"][0]]
@@ -170,7 +170,7 @@ def test_global_snapshot_skips_a_pool_closed_meanwhile(monkeypatch) -> None:
         gone = gmp.MemPool("sim", name="gone")
         gone.close()
         monkeypatch.setattr(_lifecycle, "open_pools", lambda: [gone, alive])  # closed between listing and use
-        assert {s["pool"] for s in gmp.snapshot()["segments"]} == {"open"}
+        assert {s["gpumempool_pool"] for s in gmp.snapshot()["segments"]} == {"open"}
         gmp.record_history(True, max_entries=10)
         gmp.record_history(False)
 

@@ -113,22 +113,7 @@ func (p *Pool) SeedSegment(dev int, stream Stream, small bool, blocks []SeedBloc
 // ResetPeakStats makes every peak of the pool's statistics its current
 // value, on every device (torch's reset_peak_memory_stats).
 func (p *Pool) ResetPeakStats() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, d := range p.devices {
-		if d == nil {
-			continue
-		}
-		s := &d.stats
-		for _, a := range s.statArrays() {
-			for k := range a {
-				a[k].Peak = a[k].Current
-			}
-		}
-		for _, st := range s.singleStats() {
-			st.Peak = st.Current
-		}
-	}
+	p.eachStat(func(st *Stat) { st.Peak = st.Current }, nil)
 }
 
 // ResetAccumulatedStats zeroes the running totals of the pool's statistics
@@ -136,6 +121,15 @@ func (p *Pool) ResetPeakStats() {
 // every device (torch's reset_accumulated_memory_stats); current values and
 // peaks stay.
 func (p *Pool) ResetAccumulatedStats() {
+	p.eachStat(func(st *Stat) { st.Allocated, st.Freed = 0, 0 }, func(s *Stats) {
+		s.NumAllocRetries, s.NumOOMs, s.NumDeviceAlloc, s.NumDeviceFree = 0, 0, 0, 0
+		s.NumCacheHits, s.NumRecordStream, s.NumExpansions, s.NumGCReleases, s.NumSyncAllStreams = 0, 0, 0, 0, 0
+	})
+}
+
+// eachStat calls stat on every Stat of every device's statistics, then
+// whole (if not nil) on each device's Stats, under the pool's lock.
+func (p *Pool) eachStat(stat func(*Stat), whole func(*Stats)) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, d := range p.devices {
@@ -145,15 +139,14 @@ func (p *Pool) ResetAccumulatedStats() {
 		s := &d.stats
 		for _, a := range s.statArrays() {
 			for k := range a {
-				a[k].Allocated, a[k].Freed = 0, 0
+				stat(&a[k])
 			}
 		}
 		for _, st := range s.singleStats() {
-			st.Allocated, st.Freed = 0, 0
+			stat(st)
 		}
-		mss := s.MaxSplitSize
-		s.NumAllocRetries, s.NumOOMs, s.NumDeviceAlloc, s.NumDeviceFree = 0, 0, 0, 0
-		s.NumCacheHits, s.NumRecordStream, s.NumExpansions, s.NumGCReleases, s.NumSyncAllStreams = 0, 0, 0, 0, 0
-		s.MaxSplitSize = mss
+		if whole != nil {
+			whole(s)
+		}
 	}
 }

@@ -70,7 +70,7 @@ class CheckedSnapshot:
             meta["first_skipped"] = self.first_skipped
 
 
-def _show(v: Any) -> str:
+def show_value(v: Any) -> str:
     """A value of untrusted data for an error message: a short int as is,
     anything else by its type (never its repr, which can be huge)."""
     if type(v) is int and -(10**20) < v < 10**20:
@@ -83,13 +83,13 @@ def _show(v: Any) -> str:
 def _int_problem(name: str, v: Any, hi: int) -> Optional[str]:
     """Why ``v`` is not an int in [0, hi], or None."""
     if type(v) is not int:
-        return f"{name} must be an int, got {_show(v)}"
+        return f"{name} must be an int, got {show_value(v)}"
     if v < 0:
-        return f"{name} must not be negative, got {_show(v)}"
+        return f"{name} must not be negative, got {show_value(v)}"
     if v > hi:
         if hi == MAX_BYTES:
-            return f"{name} must be at most 2**50 bytes (1 PiB, more than any device holds), got {_show(v)}"
-        return f"{name} must be below 2**64, got {_show(v)}"
+            return f"{name} must be at most 2**50 bytes (1 PiB, more than any device holds), got {show_value(v)}"
+        return f"{name} must be below 2**64, got {show_value(v)}"
     return None
 
 
@@ -142,7 +142,7 @@ class _Checker:
         a = e["action"]
         tu = e.get("time_us", 0)
         if type(tu) not in (int, float):
-            self.bad(d, i, a, f"time_us must be a number, got {_show(tu)}")
+            self.bad(d, i, a, f"time_us must be a number, got {show_value(tu)}")
             return False
         if a in OTHER_ACTIONS:
             return True
@@ -183,7 +183,7 @@ class _Checker:
 def _segment_problem(s: Any) -> Optional[str]:
     """Why segment ``s`` is not one torch writes, or None."""
     if not isinstance(s, dict):
-        return f"not a dict, got {_show(s)}"
+        return f"not a dict, got {show_value(s)}"
     for k in ("device", "total_size", "blocks"):
         if k not in s:
             return f"missing {k!r}"
@@ -192,7 +192,7 @@ def _segment_problem(s: Any) -> Optional[str]:
         return why
     d = s["device"]
     if type(d) is not int or not 0 <= d < MAX_DEVICE:
-        return f"device must be an int in 0..{MAX_DEVICE - 1}, got {_show(d)}"
+        return f"device must be an int in 0..{MAX_DEVICE - 1}, got {show_value(d)}"
     for k in ("address", "stream"):
         if k in s:
             why = _int_problem(k, s[k], _U64 - 1)
@@ -200,17 +200,17 @@ def _segment_problem(s: Any) -> Optional[str]:
                 return why
     blocks = s["blocks"]
     if not isinstance(blocks, list):
-        return f"blocks must be a list, got {_show(blocks)}"
+        return f"blocks must be a list, got {show_value(blocks)}"
     for j, b in enumerate(blocks):
         if not isinstance(b, dict):
-            return f"block {j} is not a dict, got {_show(b)}"
+            return f"block {j} is not a dict, got {show_value(b)}"
         for k, hi in (("address", _U64 - 1), ("size", MAX_BYTES), ("requested_size", MAX_BYTES)):
             if k in b:
                 why = _int_problem(k, b[k], hi)
                 if why:
                     return f"block {j}: {why}"
         if not isinstance(b.get("state", ""), str):
-            return f"block {j}: state must be a str, got {_show(b['state'])}"
+            return f"block {j}: state must be a str, got {show_value(b['state'])}"
     return None
 
 
@@ -263,7 +263,7 @@ def check_history(snap: Any, file: str, *, block_key: Callable[[dict[str, Any]],
         out.first_skipped = out.first_skipped or missing
         kept_segments = []
     elif not isinstance(segments, list):
-        raise MalformedSegmentError(file, None, f"segments must be a list, got {_show(segments)}")
+        raise MalformedSegmentError(file, None, f"segments must be a list, got {show_value(segments)}")
     else:
         kept_segments = []
         for j, s in enumerate(segments):

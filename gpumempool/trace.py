@@ -136,7 +136,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, T
 from ._args import MAX_DEVICE
 from ._safepickle import MAX_PICKLE_BYTES, UnsafePickleError, load_pickle
 from ._snapshot import RECORD_STREAM_KEY, with_record_streams
-from ._snapshot_check import check_history
+from ._snapshot_check import check_history, show_value
 from ._trace_errors import MalformedEventError, MalformedSegmentError, NoHistoryError, TraceFormatError
 
 if TYPE_CHECKING:
@@ -991,10 +991,10 @@ def _check_snapshot(snap: Any) -> tuple[list[list[dict[str, Any]]], list[dict[st
                     v = e.get(k, 0)
                     if type(v) is not int or not 0 <= v < hi:
                         raise TraceFormatError(f"device_traces[{d}][{i}] ({e['action']}): {k} must be a non-negative "
-                                               f"int below 2**{hi.bit_length() - 1}, got {_show(v)}")
+                                               f"int below 2**{hi.bit_length() - 1}, got {show_value(v)}")
             tu = e.get("time_us", 0)
             if type(tu) not in (int, float):
-                raise TraceFormatError(f"device_traces[{d}][{i}]: time_us must be a number, got {_show(tu)}")
+                raise TraceFormatError(f"device_traces[{d}][{i}]: time_us must be a number, got {show_value(tu)}")
     segments = snap.get("segments", [])
     if not isinstance(segments, list):
         raise TraceFormatError("snapshot segments must be a list")
@@ -1010,16 +1010,6 @@ def _check_snapshot(snap: Any) -> tuple[list[list[dict[str, Any]]], list[dict[st
 
 def _in_range(v: Any, lo: int, hi: int) -> TypeGuard[int]:
     return type(v) is int and lo <= v < hi
-
-
-def _show(v: Any) -> str:
-    """A value of untrusted data for an error message: a short int as is,
-    anything else by its type (never its repr, which can be huge)."""
-    if type(v) is int and -(10**20) < v < 10**20:
-        return str(v)
-    if type(v) is int:
-        return f"an int of {v.bit_length()} bits"
-    return type(v).__name__
 
 
 def _flavor(snap: dict[str, Any], traces: list[list[dict[str, Any]]]) -> str:

@@ -407,9 +407,9 @@ def _placements(trace: Union[Trace, TraceFile], devices: int, start: Sequence[St
     for idx, dev, addr, size in trace.segments:
         if dev >= devices:
             continue
-        off = offset(dev, addr)
-        if off is not None:
-            out.setdefault(idx, []).append((dev, off, size))
+        at = offset(dev, addr)
+        if at is not None:
+            out.setdefault(idx, []).append((dev, at, size))
     return out, [offset(g.device, g.addr) if g.device < devices else None for g in start]
 
 

@@ -113,7 +113,8 @@ def rebuild(segments: list[dict[str, Any]], imported: list[tuple[int, int, dict[
         private = isinstance(pid, (tuple, list)) and any(v != 0 for v in pid)
         stream = s.get("stream", 0)
         start[(dev, addr)] = {"size": size, "stream": stream if type(stream) is int and stream >= 0 else 0,
-                              "small": s.get("segment_type") == "small", "private": private}
+                              "small": s.get("segment_type") == "small" and size <= SMALL_BUFFER,
+                              "private": private}
         for b in s.get("blocks") or []:
             if isinstance(b, dict) and b.get("state") == "active_allocated" and type(b.get("address")) is int \
                     and type(b.get("size")) is int:

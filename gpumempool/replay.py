@@ -422,20 +422,37 @@ def _start_segments(trace: Union[Trace, TraceFile]) -> list[StartSegment]:
     if not isinstance(rows, list):
         raise InvalidArgumentError("trace metadata 'start_segments' must be a list")
     try:
-        return sorted((StartSegment.from_row(r) for r in rows), key=lambda g: (g.device, g.addr))
+        segs = sorted((StartSegment.from_row(r) for r in rows), key=lambda g: (g.device, g.addr))
     except ValueError as exc:
         raise InvalidArgumentError(f"trace metadata 'start_segments': {exc}") from None
+    seen: set[int] = set()
+    for k, g in enumerate(segs):
+        if g.addr + g.size > 1 << 64:
+            raise InvalidArgumentError(f"trace metadata 'start_segments': the segment at {g.addr:#x} ends past 2**64")
+        if k and segs[k - 1].device == g.device and segs[k - 1].addr + segs[k - 1].size > g.addr:
+            raise InvalidArgumentError(f"trace metadata 'start_segments': the segments at {segs[k - 1].addr:#x} "
+                                       f"and {g.addr:#x} overlap")
+        for _, bid in g.blocks:
+            if bid and bid in seen:
+                raise InvalidArgumentError(f"trace metadata 'start_segments': block {bid} is in more than one place")
+            seen.add(bid)
+    return segs
 
 
-def _start_sizes(trace: Union[Trace, TraceFile], ids: set[int]) -> dict[int, int]:
+def _start_sizes(trace: Union[Trace, TraceFile], ids: set[int], first: int) -> dict[int, int]:
     """The requested sizes of the blocks ``ids`` allocated at the start
-    (their ``Alloc`` events come first)."""
+    (their ``Alloc`` events are the trace's first ``first`` events); raises
+    InvalidArgumentError for an id that is not one of them (a seeded block
+    nobody would free, or an allocation of the trace served twice)."""
     sizes: dict[int, int] = {}
-    for e in trace:
-        if type(e) is not Alloc or len(sizes) == len(ids):
+    for i, e in enumerate(trace):
+        if i >= first or type(e) is not Alloc or len(sizes) == len(ids):
             break
         if e.id in ids:
             sizes[e.id] = e.size
+    for bid in sorted(ids - set(sizes)):
+        raise InvalidArgumentError(f"trace metadata 'start_segments': block {bid} is not allocated at the start "
+                                   f"(one of the first {first} events)")
     return sizes
 
 
@@ -704,7 +721,8 @@ def _seed(pool: MemPool, trace: Union[Trace, TraceFile], start: Sequence[StartSe
     blocks by id; returns why it could not (nothing is then seeded), or
     None."""
     ids = {bid for g in start for _, bid in g.blocks if bid}
-    requested = _start_sizes(trace, ids)
+    first = trace.meta.get("preexisting_blocks", 0)
+    requested = _start_sizes(trace, ids, first if type(first) is int and first >= 0 else 0)
     made: list[int] = []
     for g, off in zip(start, offsets):
         if g.device >= devices:

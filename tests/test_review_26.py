@@ -31,3 +31,36 @@ def test_a_small_segment_larger_than_the_small_pool_is_not_a_go_panic() -> None:
     with pytest.raises(gmp.InvalidArgumentError):
         pool.seed_segment([(40 * MiB, 0, False)], device=0, stream=0, small=True)
     pool.close()
+
+
+def _with_rows(tmp_path: Path, rows) -> Path:
+    """The mid-run snapshot as a gmptrace file whose start_segments are ``rows``."""
+    tr = from_torch_snapshot(mid_run_snapshot())
+    tr.meta["start_segments"] = rows
+    p = tmp_path / "t.gmptrace"
+    tr.save(p)
+    return p
+
+
+B, C = 0x7F0000000000, 0x7F0004000000
+
+
+@pytest.mark.parametrize("rows, why", [
+    # block 2 listed twice: one of the two seeded blocks is never freed
+    ([[0, B, 0, 0, [10 * MiB, 2, 30 * MiB, 2]]], "block 2"),
+    # no block 99 at the start: a live block nobody frees
+    ([[0, B, 0, 0, [10 * MiB, 99, 30 * MiB, 0]]], "block 99"),
+    # block 3 is the trace's own alloc, not one live at the start
+    ([[0, B, 0, 0, [10 * MiB, 3, 30 * MiB, 0]]], "block 3"),
+    # two segments over the same bytes
+    ([[0, B, 0, 0, [10 * MiB, 2, 30 * MiB, 0]], [0, B + 2 * MiB, 0, 0, [20 * MiB, 0, 4 * MiB, 1, 16 * MiB, 0]]],
+     "overlap"),
+])
+def test_bad_start_segments_metadata_is_refused_in_one_line(tmp_path: Path, rows, why: str) -> None:
+    p = _with_rows(tmp_path, rows)
+    with pytest.raises(gmp.InvalidArgumentError, match=why):
+        replay(Trace.load(p))
+    r = subprocess.run([sys.executable, "-m", "gpumempool", "replay", "--no-progress", str(p)],
+                       capture_output=True, text=True)
+    err = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode != 0 and len(err) == 1 and "start_segments" in err[0], r.stderr

@@ -12,7 +12,8 @@ rest of each segment cached, as one free block between two live ones:
 torch merges free neighbours, so no two free blocks touch.
 
 The size of a live block whose only record is a ``free_requested`` (its
-request, not its block) is its request rounded to 512 bytes, grown to the
+request, not its block) is its request rounded as torch rounds it (to 512
+bytes, or by the recorded ``roundup_power2_divisions``), grown to the
 next block when the rest could not have been split off (1 MiB or less in
 the large pool; torch keeps such a rest in the block) or when it is
 oversize (torch never splits those). Were the rest a separate free block
@@ -87,8 +88,19 @@ class StartState:
         return sum(s.size for s in self.segments)
 
 
-def _round(requested: int) -> int:
-    return max(MIN_BLOCK, -(-requested // MIN_BLOCK) * MIN_BLOCK)
+def _round(requested: int, divisions: Any = 0) -> int:
+    """torch's round_size: ``requested`` up to 512 bytes, or, with
+    ``roundup_power2_divisions`` (one count, or one per size interval as
+    :func:`gpumempool.trace.torch_allocator_policy` gives them), up to the
+    next of that many steps between the powers of two around it."""
+    if isinstance(divisions, (list, tuple)):
+        log = max(requested, 1).bit_length() - 1
+        divisions = divisions[0 if log <= 20 else min(log - 20, len(divisions) - 1)] if divisions else 0
+    div = divisions if type(divisions) is int else 0
+    if div < 2 or requested <= MIN_BLOCK * div or requested & (requested - 1) == 0:
+        return max(MIN_BLOCK, -(-requested // MIN_BLOCK) * MIN_BLOCK)
+    step = (1 << (requested.bit_length() - 1)) // div
+    return -(-requested // step) * step
 
 
 def rebuild(segments: list[dict[str, Any]], imported: list[tuple[int, int, dict[str, Any]]],
@@ -138,6 +150,7 @@ def rebuild(segments: list[dict[str, Any]], imported: list[tuple[int, int, dict[
         return StartState([])
     mss = settings.get("max_split_size") or 0
     nsr = settings.get("max_non_split_rounding_size") or DEFAULT_NON_SPLIT_ROUNDING
+    divisions = settings.get("roundup_power2_divisions") or 0
     by_dev: dict[int, list[tuple[int, int, int]]] = {}  # device -> [(addr, requested, id)]
     for d, addr, size, _ in pre:
         if type(addr) is int:
@@ -156,7 +169,7 @@ def rebuild(segments: list[dict[str, Any]], imported: list[tuple[int, int, dict[
                 return StartState([], f"blocks overlap or are misaligned in the segment at {base:#x}")
             if addr > cursor:
                 seg.blocks.append((addr - cursor, 0))
-            size = live_at_dump.get((d, addr)) or _round(requested)
+            size = live_at_dump.get((d, addr)) or _round(requested, divisions)
             rest = nxt - addr - size
             if rest < 0:
                 return StartState([], f"the block at {addr:#x} overlaps the next one")

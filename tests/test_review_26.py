@@ -64,3 +64,34 @@ def test_bad_start_segments_metadata_is_refused_in_one_line(tmp_path: Path, rows
                        capture_output=True, text=True)
     err = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode != 0 and len(err) == 1 and "start_segments" in err[0], r.stderr
+
+
+def test_a_block_live_at_the_start_is_rounded_as_torch_rounded_it() -> None:
+    # roundup_power2_divisions:4 (every interval): torch's block for a
+    # request of 1100 MiB is 1280 MiB, its whole segment. The block was
+    # live at the start and freed in the trace; rebuilt as 1100 MiB it left
+    # a cached 180 MiB tail that served the trace's 100 MiB request, where
+    # torch (no cached block) obtained a 112 MiB segment.
+    A, A2 = 0x7F0000000000, 0x7F0100000000
+    settings = {"PYTORCH_CUDA_ALLOC_CONF": "roundup_power2_divisions:4", "max_split_size": -1,
+                "garbage_collection_threshold": 0.0, "expandable_segments": False,
+                "roundup_power2_divisions": {str(1 << i): 4 for i in range(16)}}
+    trace = [
+        {"action": "segment_alloc", "addr": A2, "size": 112 * MiB, "stream": 0},
+        {"action": "alloc", "addr": A2, "size": 100 * MiB, "stream": 0},
+        {"action": "free_requested", "addr": A, "size": 1100 * MiB, "stream": 0},
+        {"action": "free_completed", "addr": A, "size": 1100 * MiB, "stream": 0},
+        {"action": "free_requested", "addr": A2, "size": 100 * MiB, "stream": 0},
+        {"action": "free_completed", "addr": A2, "size": 100 * MiB, "stream": 0},
+    ]
+    seg = lambda addr, size: {"device": 0, "address": addr, "total_size": size, "stream": 0,  # noqa: E731
+                              "segment_type": "large", "segment_pool_id": (0, 0), "is_expandable": False,
+                              "blocks": [{"address": addr, "size": size, "requested_size": 0,
+                                          "state": "inactive"}]}
+    snap = {"segments": [seg(A, 1280 * MiB), seg(A2, 112 * MiB)], "device_traces": [trace],
+            "allocator_settings": settings}
+    tr = from_torch_snapshot(snap)
+    assert tr.meta["start_segments"][0][4][0] == 1280 * MiB  # the block torch had: the whole segment
+    res = replay(tr)
+    assert res.recorded_peak_reserved == 1392 * MiB
+    assert res.peak_reserved == 1392 * MiB and res.ratio_vs_torch == 1.0

@@ -1169,7 +1169,16 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
     marks = sorted(markers or [], key=lambda m: m.t0)
     mi = 0
     n = len(imported)
-    release_at: Optional[int] = None  # the index of the EmptyCache a run of releases was taken for
+    # device -> the index of the EmptyCache a run of releases on it was taken for
+    release_at: dict[int, int] = {}
+    # Each device's entries by position in imported: a release and the
+    # allocation it was for are on one device (another's entries may come
+    # between them in time).
+    same_dev: dict[int, list[int]] = {}
+    rank: list[int] = []
+    for pos, (d, _, _) in enumerate(imported):
+        rank.append(len(same_dev.setdefault(d, [])))
+        same_dev[d].append(pos)
     # What the recording shows of memory pressure, per device: the reserved
     # bytes before a run of releases, the peak, the failing attempts' needs
     # and what an OOM entry says the device had (see _recorded_conditions).
@@ -1202,7 +1211,7 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
             mi += 1
         k = (d, _entry_key(e))
         if a not in ("segment_free", "segment_unmap"):
-            release_at = None
+            release_at.pop(d, None)
         if a == "alloc":
             if e["size"] <= 0:
                 continue
@@ -1254,15 +1263,16 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                 synced.discard(pending.pop(k))
         elif a in ("segment_alloc", "segment_map", "segment_free", "segment_unmap"):
             grow = a in ("segment_alloc", "segment_map")
-            prev = imported[pos - 1][2]["action"] if pos > 0 else ""
+            mine, r = same_dev[d], rank[pos]
+            prev = imported[mine[r - 1]][2]["action"] if r > 0 else ""
             if not grow and prev not in ("segment_free", "segment_unmap"):
-                j = pos
-                while j < n and imported[j][2]["action"] in ("segment_free", "segment_unmap"):
+                j = r
+                while j < len(mine) and imported[mine[j]][2]["action"] in ("segment_free", "segment_unmap"):
                     j += 1
-                after = imported[j][2]["action"] if j < n else ""
+                after = imported[mine[j]][2]["action"] if j < len(mine) else ""
                 if after in ("segment_alloc", "segment_map", "oom"):
                     # torch released its cache to retry an allocation that failed
-                    pressure.retry(d, reserved.get(d, 0), imported[j][2] if after != "oom" else None)
+                    pressure.retry(d, reserved.get(d, 0), imported[mine[j]][2] if after != "oom" else None)
             if not grow and infer_empty_cache:
                 if prev not in ("segment_free", "segment_unmap"):
                     # Inside one allocation a release is followed by a new
@@ -1271,11 +1281,11 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                     if after not in ("segment_alloc", "segment_map", "oom"):
                         out.append(EmptyCache())
                         counts["inferred_empty_cache"] += 1
-                        release_at = len(out) - 1
+                        release_at[d] = len(out) - 1
             reserved[d] = reserved.get(d, 0) + (e["size"] if grow else -e["size"])
             pressure.seen(d)
             # The release of an empty_cache() happened while serving that event.
-            at = release_at if release_at is not None and not grow else len(out)
+            at = release_at[d] if d in release_at and not grow else len(out)
             series.append((at, d, min(max(0, reserved[d]), _U64 - 1)))
             if a == "segment_alloc" and e["size"] > 0:
                 # Where the device put it: replay keeps the segments' address order.

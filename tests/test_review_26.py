@@ -95,3 +95,26 @@ def test_a_block_live_at_the_start_is_rounded_as_torch_rounded_it() -> None:
     res = replay(tr)
     assert res.recorded_peak_reserved == 1392 * MiB
     assert res.peak_reserved == 1392 * MiB and res.ratio_vs_torch == 1.0
+
+
+def test_a_release_on_one_device_is_not_a_retry_for_another_devices_segment() -> None:
+    # Device 0 runs empty_cache() at the end of its trace; in time, device
+    # 1 obtains a segment after it. That is no release-and-retry: no recorded pressure, and the
+    # release is an empty_cache() the replay runs too.
+    A, D = 0x7F0000000000, 0x7F1000000000
+
+    def e(a: str, addr: int, size: int, t: int) -> dict:
+        return {"action": a, "addr": addr, "size": size, "stream": 0, "time_us": t}
+
+    d0 = [e("segment_alloc", A, 100 * MiB, 1), e("alloc", A, 100 * MiB, 2), e("free_requested", A, 100 * MiB, 3),
+          e("free_completed", A, 100 * MiB, 4), e("segment_free", A, 100 * MiB, 10)]
+    d1 = [e("segment_alloc", D, 200 * MiB, 20), e("alloc", D, 200 * MiB, 21)]
+    seg = lambda dev, addr, size: {"device": dev, "address": addr, "total_size": size, "stream": 0,  # noqa: E731
+                                   "segment_type": "large", "blocks": [{"address": addr, "size": size,
+                                                                        "requested_size": size,
+                                                                        "state": "active_allocated"}]}
+    tr = from_torch_snapshot({"segments": [seg(1, D, 200 * MiB)], "device_traces": [d0, d1]})
+    assert "recorded_conditions" not in tr.meta
+    assert tr.meta.get("inferred_empty_cache") == 1
+    res = replay(tr)
+    assert res.comparable and res.ratio_vs_torch == 1.0

@@ -118,3 +118,27 @@ def test_a_release_on_one_device_is_not_a_retry_for_another_devices_segment() ->
     assert tr.meta.get("inferred_empty_cache") == 1
     res = replay(tr)
     assert res.comparable and res.ratio_vs_torch == 1.0
+
+
+def test_min_capacity_probes_that_run_past_the_deadline_do_not_crash_tune(monkeypatch) -> None:
+    # The deadline passes once the search is done and the bisection of
+    # --min-capacity has begun: tune returns the search's answer, partial,
+    # with no min_capacity measured, not a KeyError from a probe that never ran.
+    import time
+
+    from gpumempool import tune as tune_mod
+    from gpumempool.trace import Alloc, Free
+
+    real_run = tune_mod._Runner.run
+
+    def run(self, settings_list, expect=0, stop_above=None):
+        settings_list = list(settings_list)
+        if any("capacity" in s for s in settings_list):
+            self.deadline = time.perf_counter() - 1  # past, from the probes on
+        return real_run(self, settings_list, expect, stop_above)
+
+    monkeypatch.setattr(tune_mod._Runner, "run", run)
+    trace = Trace([Alloc(1, 12 * MiB), Alloc(2, 12 * MiB), Free(1), Free(2)], {})
+    r = gmp.tune(trace, jobs=1, extra=False, min_capacity=True, deadline_s=3600)
+    assert r.partial
+    assert r.default.min_capacity is None and r.best.fits

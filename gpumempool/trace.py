@@ -316,6 +316,8 @@ class Trace(_Provenance):
             return {}
         out: dict[int, list[dict[str, Any]]] = {}
         for i, (dev, pos) in wanted.items():
+            if pos < 0:
+                continue
             try:
                 raw = traces[dev][pos].get("frames")
             except (IndexError, KeyError, TypeError, AttributeError):
@@ -1062,7 +1064,15 @@ class _VirtualStreams:
 def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[_Marker]] = None,
              infer_empty_cache: Optional[bool] = None) -> Trace:
     traces, segments = _check_snapshot(snap)
+    recorded = traces
     traces = _with_record_streams(snap, traces)
+    # The index of each entry in the snapshot's own device_traces (the
+    # record_stream calls put back among them have none): Trace.frames
+    # reads the stacks there.
+    if traces is recorded:
+        where: Optional[list[dict[int, int]]] = None
+    else:
+        where = [{id(e): k for k, e in enumerate(t)} for t in recorded]
     flavor = source or _flavor(snap, traces)
     if infer_empty_cache is None:
         infer_empty_cache = flavor == "torch"
@@ -1220,7 +1230,7 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                 counts["repaired_allocs"] += 1
             next_id += 1
             ids[k] = next_id
-            tr_out.snapshot_entries[len(out)] = (d, i)
+            tr_out.snapshot_entries[len(out)] = (d, i if where is None else where[d].get(id(e), -1))
             out.append(Alloc(next_id, e["size"], e.get("stream", 0), d,
                              e.get("gpumempool_caller_sized", e.get("caller_sized")) is True))
             counts["allocs"] += 1
@@ -1301,7 +1311,8 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                 # recording's conditions runs out of memory where torch did,
                 # and a setting fits only if it serves that request too.
                 next_id += 1
-                tr_out.snapshot_entries[len(out)] = (d, i)  # its stack is the OOM entry's
+                # its stack is the OOM entry's
+                tr_out.snapshot_entries[len(out)] = (d, i if where is None else where[d].get(id(e), -1))
                 out.append(Alloc(next_id, size, e.get("stream", 0), d))
                 out.append(Free(next_id))
                 counts["failed_requests"] += 1

@@ -142,3 +142,39 @@ def test_min_capacity_probes_that_run_past_the_deadline_do_not_crash_tune(monkey
     r = gmp.tune(trace, jobs=1, extra=False, min_capacity=True, deadline_s=3600)
     assert r.partial
     assert r.default.min_capacity is None and r.best.fits
+
+
+def _first_alloc() -> int:
+    return _POOL.alloc(4 * MiB)
+
+
+def _after_record_stream() -> int:
+    return _POOL.alloc(8 * MiB)
+
+
+_POOL: gmp.MemPool
+
+
+def test_frames_of_an_event_after_a_record_stream_are_its_own() -> None:
+    # Our snapshots keep record_stream calls aside (gpumempool_record_stream);
+    # the importer puts them back among the entries, and the indices of the
+    # later entries it keeps for Trace.frames must be those of device_traces.
+    global _POOL
+    with gmp.MemPool("sim", name="review-frames", capacity=1 << 30, manual_events=True) as pool:
+        _POOL = pool
+        pool.record_history(True, stacks=True)
+        a = _first_alloc()
+        pool.record_stream(a, 7)
+        b = _after_record_stream()
+        snap = pool.snapshot()
+        pool.free(a)
+        pool.free(b)
+        pool.sim_complete()
+        pool.process_events()
+    assert snap.get("gpumempool_record_stream")
+    tr = from_torch_snapshot(snap)
+    allocs = [i for i, e in enumerate(tr.events) if type(e).__name__ == "Alloc"]
+    by_size = {tr.events[i].size: i for i in allocs}
+    frames = tr.frames([by_size[4 * MiB], by_size[8 * MiB]])
+    assert frames[by_size[4 * MiB]][0]["name"] == "_first_alloc"
+    assert frames[by_size[8 * MiB]][0]["name"] == "_after_record_stream"

@@ -178,3 +178,29 @@ def test_frames_of_an_event_after_a_record_stream_are_its_own() -> None:
     frames = tr.frames([by_size[4 * MiB], by_size[8 * MiB]])
     assert frames[by_size[4 * MiB]][0]["name"] == "_first_alloc"
     assert frames[by_size[8 * MiB]][0]["name"] == "_after_record_stream"
+
+
+def test_lenient_keeps_our_record_streams_in_place() -> None:
+    # Our snapshot keeps record_stream calls aside, each with its index in
+    # device_traces. --lenient leaving out a malformed entry before one must
+    # not move it past the free it was for (a deferred free lost).
+    import copy
+
+    with gmp.MemPool("sim", name="review-lenient", capacity=1 << 30, manual_events=True) as pool:
+        pool.record_history(True)
+        x = pool.alloc(3 * MiB)
+        y = pool.alloc(5 * MiB)
+        pool.record_stream(y, 7)
+        pool.free(y)
+        pool.alloc(5 * MiB)
+        pool.free(x)
+        snap = pool.snapshot()
+    good = from_torch_snapshot(copy.deepcopy(snap))
+    assert good.meta["deferred_frees"] == 1
+    bad = copy.deepcopy(snap)
+    bad["device_traces"][0].insert(0, {"action": "bogus", "addr": 1, "size": 1, "stream": 0, "time_us": 0})
+    for e in bad["gpumempool_record_stream"][0]:
+        e["gpumempool_index"] += 1  # where it is in this file
+    tr = from_torch_snapshot(bad, lenient=True)
+    assert tr.meta["skipped_events"] == 1
+    assert tr.events == good.events and tr.meta["deferred_frees"] == 1

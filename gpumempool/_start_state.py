@@ -22,7 +22,8 @@ block of 1 MiB or less serves no large request.
 
 Segments of expandable segments (``segment_map``) and of private pools
 (CUDA graphs, ``torch.cuda.MemPool``) are not rebuilt: replay does not seed
-those, and their blocks are allocated at the start as before.
+those, and their blocks are allocated at the start as before (before
+the seeded segments are made: they do not take torch's default pool's cache).
 """
 
 from __future__ import annotations

@@ -204,3 +204,44 @@ def test_lenient_keeps_our_record_streams_in_place() -> None:
     tr = from_torch_snapshot(bad, lenient=True)
     assert tr.meta["skipped_events"] == 1
     assert tr.events == good.events and tr.meta["deferred_frees"] == 1
+
+
+def test_blocks_live_at_the_start_outside_the_seeded_segments_do_not_take_torchs_cache() -> None:
+    # 2,100 blocks live at the start (more than replay's STOP_CHECK_EVENTS)
+    # in a private pool's segment (a CUDA graph's: not seeded, allocated
+    # as the replay begins), and a 10 GiB default-pool cache that the
+    # trace's first event, an empty_cache(), releases: the run peaks at
+    # 4,300 MiB from its first event on. The replay served the private
+    # blocks from that cache (10,240 MiB peak, "comparable"); and one told
+    # to stop above 5,000 MiB (tune's stop_above) must not stop on the
+    # cache held before the run began.
+    from gpumempool import replay as replay_mod
+
+    n = 2100
+    assert n > replay_mod.STOP_CHECK_EVENTS
+    P, S2, S3 = 0x7F0000000000, 0x7F1000000000, 0x7F2000000000
+    blocks = [{"address": P + k * 2 * MiB, "size": 2 * MiB, "requested_size": 2 * MiB,
+               "state": "active_allocated"} for k in range(n)]
+    trace = [
+        {"action": "segment_free", "addr": S2, "size": 10240 * MiB, "stream": 0},  # empty_cache()
+        {"action": "segment_alloc", "addr": S3, "size": 100 * MiB, "stream": 0, "time_us": 1},
+        {"action": "alloc", "addr": S3, "size": 100 * MiB, "stream": 0},
+    ]
+    trace.insert(1, {"action": "free_requested", "addr": P, "size": 2 * MiB, "stream": 0})
+    trace.insert(2, {"action": "free_completed", "addr": P, "size": 2 * MiB, "stream": 0})
+    seg = {"device": 0, "address": P, "total_size": n * 2 * MiB, "stream": 0, "segment_type": "large",
+           "segment_pool_id": (1, 5), "is_expandable": False,
+           "blocks": [dict(blocks[0], state="inactive")] + blocks[1:]}
+    seg3 = {"device": 0, "address": S3, "total_size": 100 * MiB, "stream": 0, "segment_type": "large",
+            "segment_pool_id": (0, 0), "is_expandable": False,
+            "blocks": [{"address": S3, "size": 100 * MiB, "requested_size": 100 * MiB, "state": "active_allocated"}]}
+    tr = from_torch_snapshot({"segments": [seg, seg3], "device_traces": [trace]})
+    assert tr.meta["preexisting_blocks"] == n and tr.meta["inferred_empty_cache"] == 1
+    full = replay(tr)
+    assert full.start_segments == 1 and full.start_reserved == 10240 * MiB
+    assert full.recorded_peak_reserved == (n * 2 + 100) * MiB
+    # The private pool's blocks took segments of their own, not torch's
+    # cached 10 GiB (which the empty_cache() then could not release).
+    assert full.peak_reserved == full.recorded_peak_reserved and full.comparable
+    stopped = replay(tr, stop_above=5000 * MiB)
+    assert stopped.stopped_at is None and stopped.peak_reserved == full.peak_reserved

@@ -57,6 +57,11 @@ func (p *Pool) SeedSegment(dev int, stream Stream, small bool, blocks []SeedBloc
 				p.name, uint64(MaxRequest), ErrInvalidSize)
 		}
 	}
+	if small && total > SmallBuffer {
+		// The small pool's bins index blocks of at most SmallBuffer bytes.
+		return nil, fmt.Errorf("seed segment in pool %q: a small segment holds at most %d bytes, got %d: %w",
+			p.name, uint64(SmallBuffer), total, ErrInvalidArgument)
+	}
 	d, err := p.device(dev)
 	if err != nil {
 		return nil, fmt.Errorf("seed segment: %w", err)

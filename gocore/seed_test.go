@@ -108,3 +108,14 @@ func TestResetStats(t *testing.T) {
 	assert.EqualValues(t, 1, s.Allocation[0].Current, "current values stay")
 	assert.EqualValues(t, -1, s.MaxSplitSize)
 }
+
+// A small segment larger than SmallBuffer is refused, not indexed in the
+// small bins (whose size classes end at SmallBuffer: a panic).
+func TestSeedSegmentSmallTooLarge(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{})
+	_, err := p.SeedSegment(0, 0, true, []SeedBlock{{Size: 10 * MiB, Requested: MiB, Live: true}, {Size: 30 * MiB}})
+	require.ErrorIs(t, err, ErrInvalidArgument)
+	_, err = p.SeedSegment(0, 0, true, []SeedBlock{{Size: MiB, Requested: MiB, Live: true}, {Size: MiB}})
+	require.NoError(t, err)
+	require.NoError(t, p.CheckInvariants())
+}

@@ -13,10 +13,12 @@ counted; so is a segment that is not what torch writes.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
 from ._args import MAX_DEVICE
+from ._snapshot import RECORD_STREAM_INDEX, RECORD_STREAM_KEY
 from ._trace_errors import MalformedEventError, MalformedSegmentError, NoHistoryError, TraceFormatError
 
 __all__ = ["CheckedSnapshot", "check_history"]
@@ -292,5 +294,25 @@ def check_history(snap: Any, file: str, *, block_key: Callable[[dict[str, Any]],
         copy["device_traces"] = [[e for i, e in enumerate(tr) if i not in left] if left else tr
                                  for tr, left in zip(traces, bad)]
         copy["segments"] = kept_segments
+        aside = snap.get(RECORD_STREAM_KEY)
+        if out.skipped_events and isinstance(aside, list):
+            # Our record_stream calls kept aside name their place in
+            # device_traces: the same entry's place once others are left out.
+            copy[RECORD_STREAM_KEY] = [_moved_back(x, bad[d]) if d < len(bad) and bad[d] and isinstance(x, list)
+                                       else x for d, x in enumerate(aside)]
         out.snapshot = copy
+    return out
+
+
+def _moved_back(aside: list[Any], left_out: set[int]) -> list[Any]:
+    """The record_stream entries ``aside`` of one device with their index
+    in device_traces lowered by the entries left out before it (an entry
+    that is not one is kept as it is, for the importer to refuse)."""
+    gone = sorted(left_out)
+    out = []
+    for e in aside:
+        where = e.get(RECORD_STREAM_INDEX) if isinstance(e, dict) else None
+        if type(where) is int:
+            e = dict(e, **{RECORD_STREAM_INDEX: where - bisect.bisect_left(gone, where)})
+        out.append(e)
     return out

@@ -12,7 +12,8 @@ rest of each segment cached, as one free block between two live ones:
 torch merges free neighbours, so no two free blocks touch.
 
 The size of a live block whose only record is a ``free_requested`` (its
-request, not its block) is its request rounded to 512 bytes, grown to the
+request, not its block) is its request rounded as torch rounds it (to 512
+bytes, or by the recorded ``roundup_power2_divisions``), grown to the
 next block when the rest could not have been split off (1 MiB or less in
 the large pool; torch keeps such a rest in the block) or when it is
 oversize (torch never splits those). Were the rest a separate free block
@@ -21,7 +22,8 @@ block of 1 MiB or less serves no large request.
 
 Segments of expandable segments (``segment_map``) and of private pools
 (CUDA graphs, ``torch.cuda.MemPool``) are not rebuilt: replay does not seed
-those, and their blocks are allocated at the start as before.
+those, and their blocks are allocated at the start as before (before
+the seeded segments are made: they do not take torch's default pool's cache).
 """
 
 from __future__ import annotations
@@ -87,8 +89,19 @@ class StartState:
         return sum(s.size for s in self.segments)
 
 
-def _round(requested: int) -> int:
-    return max(MIN_BLOCK, -(-requested // MIN_BLOCK) * MIN_BLOCK)
+def _round(requested: int, divisions: Any = 0) -> int:
+    """torch's round_size: ``requested`` up to 512 bytes, or, with
+    ``roundup_power2_divisions`` (one count, or one per size interval as
+    :func:`gpumempool.trace.torch_allocator_policy` gives them), up to the
+    next of that many steps between the powers of two around it."""
+    if isinstance(divisions, (list, tuple)):
+        log = max(requested, 1).bit_length() - 1
+        divisions = divisions[0 if log <= 20 else min(log - 20, len(divisions) - 1)] if divisions else 0
+    div = divisions if type(divisions) is int else 0
+    if div < 2 or requested <= MIN_BLOCK * div or requested & (requested - 1) == 0:
+        return max(MIN_BLOCK, -(-requested // MIN_BLOCK) * MIN_BLOCK)
+    step = (1 << (requested.bit_length() - 1)) // div
+    return -(-requested // step) * step
 
 
 def rebuild(segments: list[dict[str, Any]], imported: list[tuple[int, int, dict[str, Any]]],
@@ -113,7 +126,8 @@ def rebuild(segments: list[dict[str, Any]], imported: list[tuple[int, int, dict[
         private = isinstance(pid, (tuple, list)) and any(v != 0 for v in pid)
         stream = s.get("stream", 0)
         start[(dev, addr)] = {"size": size, "stream": stream if type(stream) is int and stream >= 0 else 0,
-                              "small": s.get("segment_type") == "small", "private": private}
+                              "small": s.get("segment_type") == "small" and size <= SMALL_BUFFER,
+                              "private": private}
         for b in s.get("blocks") or []:
             if isinstance(b, dict) and b.get("state") == "active_allocated" and type(b.get("address")) is int \
                     and type(b.get("size")) is int:
@@ -137,6 +151,7 @@ def rebuild(segments: list[dict[str, Any]], imported: list[tuple[int, int, dict[
         return StartState([])
     mss = settings.get("max_split_size") or 0
     nsr = settings.get("max_non_split_rounding_size") or DEFAULT_NON_SPLIT_ROUNDING
+    divisions = settings.get("roundup_power2_divisions") or 0
     by_dev: dict[int, list[tuple[int, int, int]]] = {}  # device -> [(addr, requested, id)]
     for d, addr, size, _ in pre:
         if type(addr) is int:
@@ -155,7 +170,7 @@ def rebuild(segments: list[dict[str, Any]], imported: list[tuple[int, int, dict[
                 return StartState([], f"blocks overlap or are misaligned in the segment at {base:#x}")
             if addr > cursor:
                 seg.blocks.append((addr - cursor, 0))
-            size = live_at_dump.get((d, addr)) or _round(requested)
+            size = live_at_dump.get((d, addr)) or _round(requested, divisions)
             rest = nxt - addr - size
             if rest < 0:
                 return StartState([], f"the block at {addr:#x} overlaps the next one")

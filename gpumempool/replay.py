@@ -422,20 +422,37 @@ def _start_segments(trace: Union[Trace, TraceFile]) -> list[StartSegment]:
     if not isinstance(rows, list):
         raise InvalidArgumentError("trace metadata 'start_segments' must be a list")
     try:
-        return sorted((StartSegment.from_row(r) for r in rows), key=lambda g: (g.device, g.addr))
+        segs = sorted((StartSegment.from_row(r) for r in rows), key=lambda g: (g.device, g.addr))
     except ValueError as exc:
         raise InvalidArgumentError(f"trace metadata 'start_segments': {exc}") from None
+    seen: set[int] = set()
+    for k, g in enumerate(segs):
+        if g.addr + g.size > 1 << 64:
+            raise InvalidArgumentError(f"trace metadata 'start_segments': the segment at {g.addr:#x} ends past 2**64")
+        if k and segs[k - 1].device == g.device and segs[k - 1].addr + segs[k - 1].size > g.addr:
+            raise InvalidArgumentError(f"trace metadata 'start_segments': the segments at {segs[k - 1].addr:#x} "
+                                       f"and {g.addr:#x} overlap")
+        for _, bid in g.blocks:
+            if bid and bid in seen:
+                raise InvalidArgumentError(f"trace metadata 'start_segments': block {bid} is in more than one place")
+            seen.add(bid)
+    return segs
 
 
-def _start_sizes(trace: Union[Trace, TraceFile], ids: set[int]) -> dict[int, int]:
+def _start_sizes(trace: Union[Trace, TraceFile], ids: set[int], first: int) -> dict[int, int]:
     """The requested sizes of the blocks ``ids`` allocated at the start
-    (their ``Alloc`` events come first)."""
+    (their ``Alloc`` events are the trace's first ``first`` events); raises
+    InvalidArgumentError for an id that is not one of them (a seeded block
+    nobody would free, or an allocation of the trace served twice)."""
     sizes: dict[int, int] = {}
-    for e in trace:
-        if type(e) is not Alloc or len(sizes) == len(ids):
+    for i, e in enumerate(trace):
+        if i >= first or type(e) is not Alloc or len(sizes) == len(ids):
             break
         if e.id in ids:
             sizes[e.id] = e.size
+    for bid in sorted(ids - set(sizes)):
+        raise InvalidArgumentError(f"trace metadata 'start_segments': block {bid} is not allocated at the start "
+                                   f"(one of the first {first} events)")
     return sizes
 
 
@@ -581,10 +598,36 @@ def replay(
     try:
         alloc, alloc_segment, free, record_stream = pool.alloc, pool.alloc_segment, pool.free, pool.record_stream
         place = pool.sim_place_next
-        if start_segs:
+        # The recording's segments are made just before the run's first
+        # event: the blocks live at the start that they do not hold (a
+        # private pool's, a CUDA graph's) are allocated before them, in
+        # segments of their own as torch's were, not in torch's default
+        # pool's cache. Their allocations' ids: those the seeding serves.
+        seed_ids = {bid for g in start_segs if g.device < devices for _, bid in g.blocks if bid}
+        deferred: list[tuple[int, Alloc]] = []  # their Alloc events (and indices), until the seeding
+
+        def seed() -> None:
+            nonlocal not_seeded, ooms, first_oom
             not_seeded = _seed(pool, trace, start_segs, start_offsets, devices, seeded)
-            pool.reset_accumulated_stats()  # the seeding is not the run's
+            for k, a in deferred:
+                if a.id in seeded:
+                    ptrs[a.id] = seeded.pop(a.id)
+                    continue
+                try:  # not seeded after all: allocated as the trace asks
+                    ptrs[a.id] = (alloc_segment if a.caller_sized else alloc)(a.size, a.device, a.stream)
+                except OutOfMemoryError:
+                    ooms += 1
+                    if first_oom is None:
+                        first_oom = k
+                    ptrs[a.id] = None
+            deferred.clear()
+            pool.reset_accumulated_stats()  # the state at the start is not the run's
+
+        to_seed = bool(start_segs)
         for i, e in enumerate(trace):
+            if to_seed and i >= first:
+                seed()
+                to_seed = False
             t = type(e)
             if placements and i in placements:
                 # The recording obtained these while serving event i (or, if
@@ -598,8 +641,8 @@ def replay(
                 sizes[e.id] = e.size  # type: ignore[union-attr]
                 if cur > peak_req:
                     peak_req = cur
-                if seeded and e.id in seeded:  # type: ignore[union-attr]
-                    ptrs[e.id] = seeded.pop(e.id)  # type: ignore[union-attr]
+                if to_seed and e.id in seed_ids:  # type: ignore[union-attr]
+                    deferred.append((i, e))  # type: ignore[arg-type]
                     continue
                 try:
                     ptrs[e.id] = (alloc_segment if e.caller_sized else alloc)(  # type: ignore[union-attr]
@@ -643,6 +686,8 @@ def replay(
                     pool.stats().get("reserved_bytes.all.peak", 0) > stop_above:
                 stopped_at = i + 1
                 break
+        if to_seed and stopped_at is None:  # the trace has no event after those live at the start
+            seed()
         pool.sim_complete()
         pool.process_events()
         stats = pool.stats()
@@ -704,7 +749,8 @@ def _seed(pool: MemPool, trace: Union[Trace, TraceFile], start: Sequence[StartSe
     blocks by id; returns why it could not (nothing is then seeded), or
     None."""
     ids = {bid for g in start for _, bid in g.blocks if bid}
-    requested = _start_sizes(trace, ids)
+    first = trace.meta.get("preexisting_blocks", 0)
+    requested = _start_sizes(trace, ids, first if type(first) is int and first >= 0 else 0)
     made: list[int] = []
     for g, off in zip(start, offsets):
         if g.device >= devices:

@@ -316,6 +316,8 @@ class Trace(_Provenance):
             return {}
         out: dict[int, list[dict[str, Any]]] = {}
         for i, (dev, pos) in wanted.items():
+            if pos < 0:
+                continue
             try:
                 raw = traces[dev][pos].get("frames")
             except (IndexError, KeyError, TypeError, AttributeError):
@@ -1052,7 +1054,15 @@ class _VirtualStreams:
 def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[_Marker]] = None,
              infer_empty_cache: Optional[bool] = None) -> Trace:
     traces, segments = _check_snapshot(snap)
+    recorded = traces
     traces = _with_record_streams(snap, traces)
+    # The index of each entry in the snapshot's own device_traces (the
+    # record_stream calls put back among them have none): Trace.frames
+    # reads the stacks there.
+    if traces is recorded:
+        where: Optional[list[dict[int, int]]] = None
+    else:
+        where = [{id(e): k for k, e in enumerate(t)} for t in recorded]
     flavor = source or _flavor(snap, traces)
     if infer_empty_cache is None:
         infer_empty_cache = flavor == "torch"
@@ -1159,7 +1169,16 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
     marks = sorted(markers or [], key=lambda m: m.t0)
     mi = 0
     n = len(imported)
-    release_at: Optional[int] = None  # the index of the EmptyCache a run of releases was taken for
+    # device -> the index of the EmptyCache a run of releases on it was taken for
+    release_at: dict[int, int] = {}
+    # Each device's entries by position in imported: a release and the
+    # allocation it was for are on one device (another's entries may come
+    # between them in time).
+    same_dev: dict[int, list[int]] = {}
+    rank: list[int] = []
+    for pos, (d, _, _) in enumerate(imported):
+        rank.append(len(same_dev.setdefault(d, [])))
+        same_dev[d].append(pos)
     # What the recording shows of memory pressure, per device: the reserved
     # bytes before a run of releases, the peak, the failing attempts' needs
     # and what an OOM entry says the device had (see _recorded_conditions).
@@ -1192,7 +1211,7 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
             mi += 1
         k = (d, _entry_key(e))
         if a not in ("segment_free", "segment_unmap"):
-            release_at = None
+            release_at.pop(d, None)
         if a == "alloc":
             if e["size"] <= 0:
                 continue
@@ -1201,7 +1220,7 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                 counts["repaired_allocs"] += 1
             next_id += 1
             ids[k] = next_id
-            tr_out.snapshot_entries[len(out)] = (d, i)
+            tr_out.snapshot_entries[len(out)] = (d, i if where is None else where[d].get(id(e), -1))
             out.append(Alloc(next_id, e["size"], e.get("stream", 0), d,
                              e.get("gpumempool_caller_sized", e.get("caller_sized")) is True))
             counts["allocs"] += 1
@@ -1244,15 +1263,16 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                 synced.discard(pending.pop(k))
         elif a in ("segment_alloc", "segment_map", "segment_free", "segment_unmap"):
             grow = a in ("segment_alloc", "segment_map")
-            prev = imported[pos - 1][2]["action"] if pos > 0 else ""
+            mine, r = same_dev[d], rank[pos]
+            prev = imported[mine[r - 1]][2]["action"] if r > 0 else ""
             if not grow and prev not in ("segment_free", "segment_unmap"):
-                j = pos
-                while j < n and imported[j][2]["action"] in ("segment_free", "segment_unmap"):
+                j = r
+                while j < len(mine) and imported[mine[j]][2]["action"] in ("segment_free", "segment_unmap"):
                     j += 1
-                after = imported[j][2]["action"] if j < n else ""
+                after = imported[mine[j]][2]["action"] if j < len(mine) else ""
                 if after in ("segment_alloc", "segment_map", "oom"):
                     # torch released its cache to retry an allocation that failed
-                    pressure.retry(d, reserved.get(d, 0), imported[j][2] if after != "oom" else None)
+                    pressure.retry(d, reserved.get(d, 0), imported[mine[j]][2] if after != "oom" else None)
             if not grow and infer_empty_cache:
                 if prev not in ("segment_free", "segment_unmap"):
                     # Inside one allocation a release is followed by a new
@@ -1261,11 +1281,11 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                     if after not in ("segment_alloc", "segment_map", "oom"):
                         out.append(EmptyCache())
                         counts["inferred_empty_cache"] += 1
-                        release_at = len(out) - 1
+                        release_at[d] = len(out) - 1
             reserved[d] = reserved.get(d, 0) + (e["size"] if grow else -e["size"])
             pressure.seen(d)
             # The release of an empty_cache() happened while serving that event.
-            at = release_at if release_at is not None and not grow else len(out)
+            at = release_at[d] if d in release_at and not grow else len(out)
             series.append((at, d, min(max(0, reserved[d]), _U64 - 1)))
             if a == "segment_alloc" and e["size"] > 0:
                 # Where the device put it: replay keeps the segments' address order.
@@ -1281,7 +1301,8 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                 # recording's conditions runs out of memory where torch did,
                 # and a setting fits only if it serves that request too.
                 next_id += 1
-                tr_out.snapshot_entries[len(out)] = (d, i)  # its stack is the OOM entry's
+                # its stack is the OOM entry's
+                tr_out.snapshot_entries[len(out)] = (d, i if where is None else where[d].get(id(e), -1))
                 out.append(Alloc(next_id, size, e.get("stream", 0), d))
                 out.append(Free(next_id))
                 counts["failed_requests"] += 1

@@ -756,7 +756,8 @@ def tune(
     exact for it are recommended (:attr:`Candidate.verified`).
     ``min_capacity`` finds, by bisection to 2 MiB or 1 %, the smallest
     device the run fits on (:attr:`Candidate.min_capacity`) for the best
-    ``min_capacity_rows`` settings, the recorded ones and the default.
+    ``min_capacity_rows`` settings, the recorded ones and the default
+    (a row whose bisection the deadline cut short has none).
     ``deadline_s`` bounds the search: once that many seconds have passed,
     the replays under way are stopped (in worker processes; with ``jobs=1``
     the one replay under way finishes) and the best setting replayed by
@@ -949,18 +950,37 @@ def _min_capacities(runner: _Runner, rows: list[Candidate], lower: int) -> dict[
     replayed, by their settings."""
     probes: dict[tuple[tuple[str, Any], ...], int] = {}
 
-    def up(n: int) -> int:
-        return -(-n // _MIN_CAPACITY_STEP) * _MIN_CAPACITY_STEP
+    class OutOfTime(Exception):
+        """The deadline passed before these probes were replayed."""
 
     def fits(pairs: list[tuple[Candidate, int]]) -> list[bool]:
         jobs = [dict(c.settings, capacity=cap) for c, cap in pairs]
         runner.run(jobs)
+        if runner.out_of_time:  # some were not replayed: the bisection stops here
+            for job in jobs:
+                runner.done.pop(_key(_clean(job)), None)
+            raise OutOfTime
         out = []
         for job in jobs:
             k = _key(_clean(job))
             probes[k] = job["capacity"]
             out.append(runner.done.pop(k).ooms == 0)
         return out
+
+    try:
+        _bisect(rows, lower, fits)
+    except OutOfTime:
+        # rows whose bisection did not end have no measure (the bounds so far are not one)
+        pass
+    return probes
+
+
+def _bisect(rows: list[Candidate], lower: int, fits: Callable[[list[tuple[Candidate, int]]], list[bool]]) -> None:
+    """The bisection of :func:`_min_capacities`: each row's min_capacity
+    is set once its bisection ends."""
+
+    def up(n: int) -> int:
+        return -(-n // _MIN_CAPACITY_STEP) * _MIN_CAPACITY_STEP
 
     # (low: does not fit, high: fits) per row
     bounds = {id(c): [up(lower) - _MIN_CAPACITY_STEP, up(max(lower, c.peak_reserved))] for c in rows}
@@ -985,16 +1005,23 @@ def _min_capacities(runner: _Runner, rows: list[Candidate], lower: int) -> dict[
         lo, hi = bounds[id(c)]
         return hi - lo <= max(_MIN_CAPACITY_STEP, int(hi * _MIN_CAPACITY_PART))
 
+    def finish(c: Candidate) -> None:
+        hi = bounds[id(c)][1]
+        c.min_capacity = hi if hi > 0 else None
+
+    for c in todo:
+        if done(c):
+            finish(c)
     todo = [c for c in todo if not done(c)]
     while todo:
         mids = [up((bounds[id(c)][0] + bounds[id(c)][1]) // 2) for c in todo]
         for c, mid, good in zip(todo, mids, fits(list(zip(todo, mids)))):
             bounds[id(c)][1 if good else 0] = mid
+            if done(c):
+                finish(c)
         todo = [c for c in todo if not done(c)]
     for c in rows:
-        hi = bounds[id(c)][1]
-        c.min_capacity = hi if hi > 0 else None
-    return probes
+        finish(c)
 
 
 def _device_peak_requested(tr: Union[Trace, TraceFile]) -> int:

@@ -97,7 +97,9 @@ func (p *Pool) SeedSegment(dev int, stream Stream, small bool, blocks []SeedBloc
 		if !sb.Live || requested == 0 {
 			requested = sb.Size
 		}
-		p.handOutLocked(d, b, requested, kind, stream, false)
+		// Sized by the recording's allocator, not by this pool's rounding
+		// (whose roundup_power2_divisions may differ): as AllocSegment's.
+		p.handOutLocked(d, b, requested, kind, stream, sb.Live)
 		if sb.Live {
 			live = append(live, b.addr)
 		} else {

@@ -119,3 +119,12 @@ func TestSeedSegmentSmallTooLarge(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, p.CheckInvariants())
 }
+
+// A live block sized by another allocator's rounding keeps the pool's
+// invariants even where this pool would round its request higher.
+func TestSeedSegmentOtherRounding(t *testing.T) {
+	p, _ := newTestPool(t, SimConfig{}, Config{RoundupPower2Divisions: 4})
+	_, err := p.SeedSegment(0, 0, false, []SeedBlock{{Size: 20*MiB + 512, Requested: 20*MiB + 1, Live: true}, {Size: 2*MiB - 512}})
+	require.NoError(t, err)
+	require.NoError(t, p.CheckInvariants())
+}

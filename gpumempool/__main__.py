@@ -352,6 +352,9 @@ def _conditions_rows(result: Any, trace: Any) -> list[tuple[str, str]]:
                                         "reserved at the first event (torch's, rebuilt from the snapshot)"))
     elif result.start_not_seeded:
         rows.append(("started mid-run", f"from an empty device: {result.start_not_seeded}"))
+    elif trace.meta.get("start_state_skipped"):
+        rows.append(("started mid-run", f"from an empty device: torch's state at the first event could not be "
+                                        f"rebuilt ({trace.meta['start_state_skipped']})"))
     source = {"given": "given", "trace": "the trace's", "recording": "inferred from the recording",
               "default": "default"}.get(result.capacity_from, result.capacity_from)
     device = f"{format_bytes(result.capacity)} ({source})"

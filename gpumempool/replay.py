@@ -356,6 +356,11 @@ class ReplayResult:
         return d
 
 
+def _meta_count(meta: Mapping[str, Any], key: str) -> int:
+    v = meta.get(key, 0)
+    return v if type(v) is int and v >= 0 else 0
+
+
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
@@ -577,7 +582,7 @@ def replay(
     cur = peak_req = 0
     # An expandable replay grows one segment per stream: the recording's
     # segments have no counterpart there.
-    start_segs = _start_segments(trace) if start_state else []
+    start_segs = [g for g in _start_segments(trace) if g.device < devices] if start_state else []
     not_seeded: Optional[str] = None
     if start_segs and pol.get("expandable"):
         not_seeded, start_segs = "expandable segments start empty (torch's layout at the start has no counterpart)", []
@@ -735,7 +740,8 @@ def replay(
         start_not_seeded=not_seeded,
         capacity_from=capacity_from,
         recorded_retries=conditions.get("retries", 0) if type(conditions.get("retries", 0)) is int else 0,
-        recorded_ooms=trace.meta.get("recorded_ooms", 0) if type(trace.meta.get("recorded_ooms", 0)) is int else 0,
+        # the OOMs a replay can meet: those whose request it asks for again
+        recorded_ooms=_meta_count(trace.meta, "failed_requests"),
         stopped_at=stopped_at,
         first_oom_event=first_oom,
         stats=stats,

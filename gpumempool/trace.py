@@ -1183,6 +1183,7 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
     # bytes before a run of releases, the peak, the failing attempts' needs
     # and what an OOM entry says the device had (see _recorded_conditions).
     pressure = _Pressure(reserved)
+    most_reserved = _most_reserved(reserved, imported)
 
     def sync_completion(k: tuple[int, int]) -> None:
         bid = pending.get(k)
@@ -1270,6 +1271,13 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
                 while j < len(mine) and imported[mine[j]][2]["action"] in ("segment_free", "segment_unmap"):
                     j += 1
                 after = imported[mine[j]][2]["action"] if j < len(mine) else ""
+                if after in ("segment_alloc", "segment_map") and \
+                        reserved.get(d, 0) + imported[mine[j]][2]["size"] <= most_reserved.get(d, 0):
+                    # The device held that much at another time of the run: the
+                    # segment cannot have failed for lack of memory, so the
+                    # release was an empty_cache() (whose next request wanted
+                    # a new segment), not a retry.
+                    after = "empty_cache"
                 if after in ("segment_alloc", "segment_map", "oom"):
                     # torch released its cache to retry an allocation that failed
                     pressure.retry(d, reserved.get(d, 0), imported[mine[j]][2] if after != "oom" else None)
@@ -1324,7 +1332,8 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
         tr_out.meta["recorded_conditions"] = conditions
     if start_state is not None and start_state.segments:
         tr_out.meta["start_segments"] = [g.as_row() for g in start_state.segments]
-    elif start_state is not None and start_state.skipped:
+    elif start_state is not None and start_state.skipped and any(b for i, _, b in series if i == 0):
+        # (only where torch held memory at the start: otherwise nothing was lost)
         tr_out.meta["start_state_skipped"] = start_state.skipped
     if unknown:
         tr_out.meta["ignored_actions"] = unknown
@@ -1333,6 +1342,18 @@ def _convert(snap: Any, *, source: Optional[str] = None, markers: Optional[list[
         if settings:
             tr_out.meta["recorded_policy"] = settings
     return tr_out
+
+
+def _most_reserved(start: dict[int, int], imported: list[tuple[int, int, dict[str, Any]]]) -> dict[int, int]:
+    """The most bytes the recording reserved on each device at any time,
+    from ``start`` (the bytes at the start) through the segment entries."""
+    now, most = dict(start), dict(start)
+    for d, _, e in imported:
+        a = e["action"]
+        if a in ("segment_alloc", "segment_map", "segment_free", "segment_unmap"):
+            now[d] = now.get(d, 0) + (e["size"] if a in ("segment_alloc", "segment_map") else -e["size"])
+            most[d] = max(most.get(d, 0), now[d])
+    return most
 
 
 #: The largest failed request (an ``oom`` entry's size) a replay asks for:

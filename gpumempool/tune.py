@@ -807,8 +807,15 @@ def tune(
         device, whose = ((capacity, "the trace's device") if capacity else
                          (recorded_capacity, "the recorded device") if recorded_capacity else
                          (DEFAULT_CAPACITY, "the replay's default device: the trace records none"))
-        limit_bytes = int(device * fraction)
+        from .oracle.fidelity import fraction_limit
+
+        # torch's own rule for the modelled version (truncated, or rounded from 2.15)
+        limit_bytes = fraction_limit(device, fraction, modelled or None) or device
         limit_source = f"fraction {fraction:g} of {format_bytes(device)} ({whose})"
+    if tr.meta.get("start_segments"):
+        notes.append(f"the run started mid-run: settings without expandable segments start from the "
+                     f"{len(tr.meta['start_segments']):,} segments torch held at the first event, expandable ones "
+                     "from an empty device (torch's layout has no counterpart there)")
     # The limit holds for each device (replay's, as torch's memory fraction):
     # below the total, it may still be above what each device holds.
     device_lower = _device_peak_requested(tr)

@@ -206,3 +206,51 @@ def test_external_snapshots_replay_to_torchs_peak(name: str) -> None:
     res = replay(from_torch_snapshot(path))
     assert res.comparable, res.not_comparable_because
     assert res.peak_reserved == res.recorded_peak_reserved, (res.peak_reserved, res.recorded_peak_reserved)
+
+
+def test_an_empty_cache_before_a_new_segment_is_not_a_retry() -> None:
+    # The device held 80 MiB early on. Later empty_cache() released a
+    # 40 MiB segment at 60 MiB reserved, and the next request took a new
+    # 20 MiB one: 60 + 20 MiB cannot have failed where 80 MiB fitted, so this
+    # release was no retry under memory pressure.
+    S1, S2, S3, S5 = 0x7F0000000000, 0x7F0004000000, 0x7F0008000000, 0x7F000C000000
+    trace = [
+        _e("segment_alloc", S1, 40 * MiB), _e("alloc", S1, 20 * MiB),
+        _e("segment_alloc", S5, 40 * MiB), _e("alloc", S5, 40 * MiB),  # 80 MiB reserved
+        _e("free_requested", S5, 40 * MiB), _e("free_completed", S5, 40 * MiB),
+        _e("segment_free", S5, 40 * MiB),  # empty_cache(), then a cache hit
+        _e("alloc", S1 + 20 * MiB, 20 * MiB),
+        _e("segment_alloc", S2, 20 * MiB), _e("alloc", S2, 20 * MiB),  # 60 MiB
+        _e("free_requested", S1, 20 * MiB), _e("free_completed", S1, 20 * MiB),
+        _e("free_requested", S1 + 20 * MiB, 20 * MiB), _e("free_completed", S1 + 20 * MiB, 20 * MiB),
+        _e("segment_free", S1, 40 * MiB), _e("segment_alloc", S3, 20 * MiB), _e("alloc", S3, 20 * MiB),
+    ]
+    tr = from_torch_snapshot({"segments": [], "device_traces": [trace]})
+    assert "recorded_conditions" not in tr.meta and tr.meta["inferred_empty_cache"] == 2
+    assert sum(type(e).__name__ == "EmptyCache" for e in tr.events) == 2
+    res = replay(tr)
+    assert res.comparable and res.capacity_from == "default" and res.recorded_retries == 0
+
+
+def test_a_start_state_that_cannot_be_rebuilt_is_said(tmp_path, capsys) -> None:
+    import pickle
+
+    snap = mid_run_snapshot()
+    # a live block that overlaps the next one: torch's state is not this
+    # two blocks live at the start, 2 MiB apart, the first of 4 MiB
+    snap["device_traces"][0][1:3] = [_e("free_requested", C + 20 * MiB, 4 * MiB),
+                                      _e("free_completed", C + 20 * MiB, 4 * MiB),
+                                      _e("free_requested", C + 22 * MiB, 4 * MiB),
+                                      _e("free_completed", C + 22 * MiB, 4 * MiB)]
+    tr = from_torch_snapshot(snap)
+    assert "start_segments" not in tr.meta and "overlaps" in tr.meta["start_state_skipped"]
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    assert main(["replay", str(path), "--no-progress"]) == 0
+    assert "from an empty device: torch's state at the first event could not be rebuilt" in capsys.readouterr().out
+
+
+def test_tune_says_how_candidates_start_on_a_mid_run_trace() -> None:
+    r = gmp.tune(from_torch_snapshot(mid_run_snapshot()), jobs=1, extra=False)
+    assert any("the run started mid-run" in n and "expandable ones from an empty device" in n for n in r.notes)
+    assert r.recorded is not None and r.recorded.peak_reserved == 80 * MiB

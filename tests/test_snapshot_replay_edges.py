@@ -1,5 +1,8 @@
-"""Review of issue 26 (start state, recorded conditions, bad input, tune,
-doctor, snapshot writer): each test here failed before its fix."""
+"""Edges of replaying real snapshots: the start state (small segments,
+rounding, blocks outside the seeded segments, bad start_segments
+metadata), releases on several devices, tune's deadline during
+--min-capacity, the stacks and --lenient of our own snapshots. Each
+failed before its fix (found in review)."""
 
 from __future__ import annotations
 

@@ -317,6 +317,20 @@ def test_cli_tune_of_an_oom_snapshot_says_what_fits_the_device_it_failed_on(tmp_
 
 # ---- torch's own out-of-memory error, on the fake CUDA stack ----
 
+
+def _importable_gpumempool(tmp_path: Path) -> str:
+    """A directory that holds just the gpumempool this test imports (the
+    installed copy in CI, where the source tree has no built extension; the
+    checkout in development), for another Python's PYTHONPATH: not the
+    whole site-packages it may sit in, whose packages would shadow that
+    Python's own."""
+    where = tmp_path / "importable"
+    where.mkdir(exist_ok=True)
+    link = where / "gpumempool"
+    if not link.exists():
+        link.symlink_to(Path(gmp.__file__).resolve().parent, target_is_directory=True)
+    return str(where)
+
 TORCH_CHILD = textwrap.dedent("""
     import ctypes, json, sys
     req = json.loads(sys.argv[1])
@@ -354,7 +368,7 @@ def test_torch_oom_on_the_fake_cuda_stack_prints_the_line(torch_python: str, tmp
 
     stack = _stack.build(_stack.find_torch(torch_python))
     env = torch_env(stack, "", 1 << 30, 1)  # a 1 GiB fake device, torch's defaults
-    env["PYTHONPATH"] = str(ROOT)  # this gpumempool, in the torch's Python
+    env["PYTHONPATH"] = _importable_gpumempool(tmp_path)  # this gpumempool, in the torch's Python
     req = {"preload": list(stack.preload), "dir": str(tmp_path)}
     p = subprocess.run([torch_python, "-c", TORCH_CHILD, json.dumps(req)], capture_output=True, text=True, env=env,
                        timeout=300)

@@ -135,8 +135,12 @@ def test_cli_replay_torch_pickle(tmp_path: Path) -> None:
     # torch reserved 20 MiB before the trace and 22 MiB at its peak.
     assert out["recorded_by"] == "torch" and out["torch_peak_reserved"] == 22 * MiB
     assert out["ratio_vs_torch"] == pytest.approx(out["peak_reserved"] / (22 * MiB))
-    # The replay starts empty: a 12 MiB segment, then a 2 MiB small one for the 100 bytes.
-    assert out["peak_reserved"] == 14 * MiB and out["ratio_vs_torch"] == pytest.approx(14 / 22)
+    # The replay starts where torch was (its 20 MiB segment, seeded) and
+    # reserves what torch did; from an empty device it would take a 12 MiB
+    # segment, then a 2 MiB small one for the 100 bytes.
+    assert out["start_segments"] >= 1 and out["peak_reserved"] == 22 * MiB and out["ratio_vs_torch"] == 1.0
+    empty = json.loads(run_cli("replay", str(snap), "--json", "--no-start-state").stdout)
+    assert empty["peak_reserved"] == 14 * MiB and empty["ratio_vs_torch"] == pytest.approx(14 / 22)
     assert Trace.load(saved).recorded_peak_reserved() == 22 * MiB
     # Detected by content as well as by extension.
     odd = tmp_path / "snapshot.bin"

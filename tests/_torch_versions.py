@@ -1,0 +1,217 @@
+"""The real-torch tests (tests/test_torch_gpu.py) under another Python's
+torch, on the oracle's fake CUDA stack (gpumempool.oracle._stack): a child
+pytest run by that Python, for tests/test_torch_versions.py (CI, three
+versions) and tools/torch_matrix.py (every minor release).
+
+The child gets a site directory of its own on PYTHONPATH: gpumempool (a
+link to the package this process imports, whose extension is cp311 like the
+slim installs of tools/torch_slim.py) and a sitecustomize that loads the
+stack's libraries with RTLD_GLOBAL before anything imports torch, in that
+child and in every Python it starts (the tests' fresh-process scripts,
+torch.multiprocessing's spawned children). GMP_FAKE_CUDA_STACK=1 tells the
+tests they run there: kernels and copies do nothing, so the checks of
+tensor values are skipped (their tests are marked ``real_gpu``, or check
+values only on a real GPU)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from gpumempool.oracle import FakeStack
+
+ROOT = Path(__file__).resolve().parent.parent
+#: The test files run in the child, relative to the repository.
+TEST_FILES = ("tests/test_torch_gpu.py",)
+GiB = 1 << 30
+
+#: Loads the fake stack before torch in every Python started with this site
+#: directory on its path; a library that does not load ends the process
+#: with one line (torch would otherwise load without CUDA and every test
+#: would fail for a reason far from the cause).
+SITECUSTOMIZE = '''\
+import ctypes, os, sys
+for _path in os.environ.get("GMP_FAKE_CUDA_PRELOAD", "").split(os.pathsep):
+    if _path:
+        try:
+            ctypes.CDLL(_path, mode=ctypes.RTLD_GLOBAL)
+        except OSError as _exc:
+            sys.stderr.write(f"gpumempool fake CUDA stack: cannot load {_path}: {_exc}\\n")
+            raise SystemExit(3)
+'''
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One test of the child run: passed, failed, error or skipped, and
+    why (the failure's first line, the skip's reason)."""
+
+    name: str
+    outcome: str
+    reason: str = ""
+
+
+@dataclass
+class VersionRun:
+    """The child run under one torch: its tests' outcomes, or ``error``
+    when it did not run (no stack for this torch, the child died)."""
+
+    python: str
+    torch_version: str = "?"
+    outcomes: list[Outcome] = field(default_factory=list)
+    error: str = ""
+    output: str = ""
+
+    def by_name(self) -> dict[str, Outcome]:
+        return {o.name: o for o in self.outcomes}
+
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.outcome in ("failed", "error")]
+
+
+def site_dir(work: Path) -> Path:
+    """The child's site directory (see the module's docstring)."""
+    import gpumempool
+
+    site = work / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    link = site / "gpumempool"
+    if not link.exists():
+        link.symlink_to(Path(gpumempool.__file__).resolve().parent, target_is_directory=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return site
+
+
+def child_env(stack: "FakeStack", site: Path, work: Path) -> dict[str, str]:
+    """The child's environment: the oracle's (one fake device of 80 GiB in
+    virtual mode, no allocator settings from this shell), the stack to
+    preload, the site directory, a cache of its own for the OOM shim."""
+    from gpumempool.oracle import torch_env
+
+    env = torch_env(stack, "", 80 * GiB, 1)
+    env.pop("PYTHONWARNINGS", None)  # the tests check warnings
+    env.update(PYTHONPATH=str(site), GMP_FAKE_CUDA_PRELOAD=os.pathsep.join(stack.preload), GMP_FAKE_CUDA_STACK="1",
+               GMP_CACHE_DIR=str(work / "cache"))
+    return env
+
+
+def run_version(python: str, work: Optional[Path] = None, tests: tuple[str, ...] = TEST_FILES,
+                select: str = "", timeout: float = 1200, rootdir: Path = ROOT) -> VersionRun:
+    """Runs ``tests`` (paths under ``rootdir``, relative to it or absolute)
+    under ``python``'s torch on the fake stack."""
+    from gpumempool.oracle import FakeStackError, _stack
+
+    run = VersionRun(python)
+    try:
+        torch = _stack.find_torch(python)
+        run.torch_version = torch.version
+        stack = _stack.build(torch)
+    except FakeStackError as e:
+        run.error = f"no fake CUDA stack: {e}"
+        return run
+    work = Path(work or tempfile.mkdtemp(prefix="gmp-torch-versions-"))
+    work.mkdir(parents=True, exist_ok=True)
+    site = site_dir(work)
+    env = child_env(stack, site, work)
+    xml = work / "junit.xml"
+    crashed: list[Outcome] = []
+    crashed_ids: list[str] = []
+    # A test that kills the process (an abort in torch's C++) takes the
+    # report with it: that test is recorded as failed with the process's
+    # last words, and the run is made again without it. (--capture=sys:
+    # what C++ writes goes to the real stderr, not to a buffer lost then.)
+    for _ in range(MAX_CRASHES + 1):
+        xml.unlink(missing_ok=True)
+        cmd = [python, "-m", "pytest", "-v", "-rfEs", "--capture=sys", "-p", "no:cacheprovider", f"--junitxml={xml}",
+               f"--rootdir={rootdir}", *(str(rootdir / t) for t in tests), *(["-k", select] if select else []),
+               *(a for nodeid in crashed_ids for a in ("--deselect", nodeid))]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=rootdir, env=env)
+        except subprocess.TimeoutExpired:
+            run.error = f"the child pytest ran past {timeout:.0f} s"
+            break
+        run.output = (proc.stdout + proc.stderr)[-8000:]
+        if xml.is_file():
+            run.outcomes = read_junit(xml)
+            break
+        started = re.findall(r"^(\S+::\S+) ?(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)?", proc.stdout, re.M)
+        if not started or started[-1][1]:
+            last = [line for line in run.output.strip().splitlines() if line.strip()][-1:]
+            run.error = f"the child pytest exited {proc.returncode} without a report: {last[0] if last else ''}"
+            break
+        crashed_ids.append(started[-1][0])
+        crashed.append(Outcome(started[-1][0].split("::")[-1], "failed", f"the process died ({_exit(proc.returncode)}) in this test: "
+                               f"{_last_words(proc.stderr)}"))
+    else:
+        run.error = f"more than {MAX_CRASHES} tests killed the process"
+    run.outcomes = [*crashed, *run.outcomes]
+    return run
+
+
+#: How many tests may kill the child before the run is given up.
+MAX_CRASHES = 8
+
+
+def _exit(code: int) -> str:
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit status {code}"
+
+
+def _last_words(stderr: str) -> str:
+    """What a dying process said before Python's fatal-error dump: the C++
+    exception that ended it (terminate called ..., what(): ...), else its
+    last lines."""
+    text = stderr.split("Fatal Python error")[0]
+    if "terminate called" in text:
+        text = text[text.rindex("terminate called"):]
+        text = re.split(r"\n(?:Exception raised from|frame #)", text)[0]
+        said = [line.strip() for line in text.splitlines() if line.strip()]
+    else:
+        said = [line.strip() for line in text.splitlines()
+                if line.strip() and not line.startswith((" ", "Traceback", "frame #"))][-3:]
+    return " / ".join(said)[:400] or "no message"
+
+
+def read_junit(path: Path) -> list[Outcome]:
+    """The outcomes in a pytest --junitxml report."""
+    out = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = case.get("name", "?")
+        outcome, reason = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                reason = _first_line(el.get("message") or el.text or "")
+                break
+        out.append(Outcome(name, outcome, reason))
+    return out
+
+
+def _first_line(text: str) -> str:
+    text = text.strip()
+    for prefix in ("Skipped: ",):
+        text = text.removeprefix(prefix)
+    return (text.splitlines() or [""])[0][:300]
+
+
+if __name__ == "__main__":  # python tests/_torch_versions.py PYTHON [-k EXPR]: the outcomes, one a line
+    r = run_version(sys.argv[1], select=sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "-k" else "")
+    print(f"torch {r.torch_version}: {r.error or ''}")
+    for o in r.outcomes:
+        print(f"{o.outcome:8} {o.name}  {o.reason}")
+    if r.error:
+        print(r.output)

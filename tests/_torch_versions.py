@@ -30,8 +30,10 @@ if TYPE_CHECKING:
     from gpumempool.oracle import FakeStack
 
 ROOT = Path(__file__).resolve().parent.parent
-#: The test files run in the child, relative to the repository.
-TEST_FILES = ("tests/test_torch_gpu.py",)
+#: The tests run in the child (files or node ids), relative to the repository.
+TEST_FILES = ("tests/test_torch_gpu.py",
+              # torch's own tools read our snapshots (a test that needs torch, no GPU)
+              "tests/test_snapshot.py::test_torch_memory_viz_renders_our_snapshot")
 GiB = 1 << 30
 
 #: Loads the fake stack before torch in every Python started with this site
@@ -195,18 +197,25 @@ def read_junit(path: Path) -> list[Outcome]:
             el = case.find(tag)
             if el is not None:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                reason = _first_line(el.get("message") or el.text or "")
+                # A failure's message is cut short; its report's "E" lines are whole.
+                said = [line[1:].strip() for line in (el.text or "").splitlines() if line.startswith("E ")]
+                reason = _first_line("\n".join(said) if tag != "skipped" and said else el.get("message") or "")
                 break
         out.append(Outcome(name, outcome, reason))
     return out
 
 
 def _first_line(text: str) -> str:
-    text = text.strip()
-    for prefix in ("Skipped: ",):
-        text = text.removeprefix(prefix)
-    return (text.splitlines() or [""])[0][:300]
-
+    """A failure's or skip's first line; where that only announces what
+    follows (a script's output), the last line of it too: the exception."""
+    lines = [line.strip() for line in text.strip().removeprefix("Skipped: ").splitlines() if line.strip()]
+    if not lines:
+        return ""
+    first = lines[0]
+    if first.endswith(":") and len(lines) > 1:
+        raised = [line for line in lines[1:] if re.match(r"[A-Za-z_][\w.]*(Error|Exception)\b", line)]
+        first = f"{first} ... {(raised or lines)[-1]}"
+    return first[:400]
 
 if __name__ == "__main__":  # python tests/_torch_versions.py PYTHON [-k EXPR]: the outcomes, one a line
     r = run_version(sys.argv[1], select=sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "-k" else "")

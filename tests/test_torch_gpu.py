@@ -319,6 +319,28 @@ def test_torch_empty_cache_leaves_a_live_torch_pool() -> None:
         assert allocated(pool) == held, "torch.cuda.empty_cache() released a live torch pool's segments"
 
 
+def test_snapshot_of_a_routed_pool_reads_in_this_torchs_memory_viz() -> None:
+    """gmp.snapshot() of a pool torch allocated from through gmp.mempool,
+    with history, is what this torch's own tools read: segsum re-adds every
+    segment from its blocks (and raises on a mismatch), trace replays the
+    history."""
+    from torch.cuda import _memory_viz
+
+    with make_pool() as pool:
+        pool.record_history(True)
+        with gmp.mempool(pool):
+            x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+            y = torch.empty(300 << 10, dtype=torch.uint8, device="cuda")
+        snap = gmp.snapshot()
+        ours = [s for s in snap["segments"] if s["allocated_size"]]
+        # torch took a 20 MiB segment for x and a 2 MiB one for y, each one block of the engine
+        assert sorted(s["allocated_size"] for s in ours) == [2 * MiB, 20 * MiB], ours
+        summary = _memory_viz.segsum(snap)
+        assert "total_allocated: " in summary and "total_reserved: " in summary
+        assert _memory_viz.trace(snap).count("cudaMalloc(") >= 2
+        del x, y
+
+
 # ---------------------------------------------------------------------------
 # full replacement (fresh processes)
 # ---------------------------------------------------------------------------
@@ -518,9 +540,10 @@ def test_full_replacement_torch_mempool_is_private() -> None:
     )
     print("\n", out)
     if "unsupported" in out:
-        # torch <= 2.11: MemPool() calls createOrIncrefPool (2.6 and 2.7:
-        # ensureExistsAndIncrefPool), which CUDAPluggableAllocator does not
-        # implement (c10's default refuses). Any other failure is ours.
+        # torch 2.6 to 2.15 (at least): MemPool() calls createOrIncrefPool
+        # (2.6 and 2.7: ensureExistsAndIncrefPool), which
+        # CUDAPluggableAllocator does not implement (c10's default refuses).
+        # Any other failure is ours.
         assert re.search(r"createOrIncrefPool|ensureExistsAndIncrefPool", out["unsupported"]), out
         pytest.skip(f"this torch refuses torch.cuda.MemPool under a pluggable allocator: {out['unsupported']}")
     if "begin_allocate_to_pool" not in out["hooks"]:

@@ -19,35 +19,10 @@ from typing import Any
 
 import pytest
 
-from _torch_versions import VersionRun, run_version
+from _torch_versions import KNOWN_FAILURES, VersionRun, minor, run_version
 
 PYTHONS = [p for p in os.environ.get("GMP_TORCH_PYTHONS", "").split(os.pathsep) if p]
 REQUIRED = os.environ.get("GMP_REQUIRE_TORCH_ORACLE") == "1"
-
-#: Tests that fail on a torch minor version, with the cause. Each must still
-#: fail there: one that passes is a fix, whose line goes.
-_RELEASE_25 = ("torch 2.5's use_mem_pool never calls _cuda_releasePool and its MemPool holds no reference of its "
-               "own: each entry adds one to the torch pool's use count, which never returns to 0, so empty_cache "
-               "never frees its segments and release() finds them still there. Forcing it (_cuda_releasePool once "
-               "per entry, then empty_cache) is no fix: torch 2.5 then frees the segments with cudaFree, not "
-               "through the pool's free function (the fake driver counts the cuMemFree, the engine still counts "
-               "them allocated)")
-KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    **{("2.5", name): _RELEASE_25 for name in (
-        "test_tensors_come_from_the_pool[cuda]", "test_tensors_come_from_the_pool[vmm]",
-        "test_tensors_come_from_the_pool[async]", "test_backward_inside_all_threads_context",
-        "test_release_and_reentry_without_backend_cost", "test_cache_scope_peak_stays_flat",
-        "test_cache_scope_refuses_to_invalidate_live_tensors")},
-    **{(v, "test_backward_inside_all_threads_context"): (
-        "torch 2.6 and 2.7 route every thread to the torch pool but take the allocator from a thread-local "
-        "MemPoolContext: autograd's device thread puts gradients in the pool with cudaMalloc, and when release() "
-        "drops the pool, torch's MemPool destructor frees them through the pluggable allocator, which throws "
-        "'Trying to free a pointer not allocated here' out of the destructor: the process aborts "
-        "(ProcessWideRoutingWarning foretells a cross-pool free, not the abort)") for v in ("2.6", "2.7")},
-    ("2.5", "test_full_replacement_torch_mempool_is_private"): (
-        "the same in torch itself: a torch.cuda.MemPool of torch 2.5 is never released, so its private pool "
-        "outlives it (graph_pools() still lists it after del)"),
-}
 
 #: Tests that must pass (not skip) on every version: what the fake stack
 #: can check of each feature.
@@ -72,10 +47,6 @@ def _params() -> list[Any]:
     from gpumempool.oracle import _stack
 
     return [pytest.param(p, id=_stack.find_torch(p).version.split("+")[0]) for p in PYTHONS]
-
-
-def minor(version: str) -> str:
-    return ".".join(version.split("+")[0].split(".")[:2])
 
 
 def describe(run: VersionRun) -> str:

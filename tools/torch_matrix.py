@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tools"))
 
 import torch_slim  # noqa: E402
-from _torch_versions import Outcome, VersionRun, run_version  # noqa: E402
+from _torch_versions import KNOWN_FAILURES, Outcome, VersionRun, minor, run_version  # noqa: E402
 
 #: The newest patch release of each minor version from 2.5 on PyPI's index.
 VERSIONS = ["2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.0", "2.13.0", "2.14.0", "2.15.0"]
@@ -78,6 +78,7 @@ def feature_cell(outcomes: list[Outcome]) -> str:
 
 def _short(reason: str) -> str:
     for key, short in (("needs a real GPU", "real GPU only"), ("createOrIncrefPool", "torch refuses it"),
+                       ("ensureExistsAndIncrefPool", "torch refuses it"),
                        ("shareIPcHandle", "torch refuses it"), ("routes every thread", "torch < 2.8"),
                        ("NCCL", "no NCCL")):
         if key in reason:
@@ -96,7 +97,18 @@ def table(runs: list[VersionRun]) -> str:
         cells = [feature_cell([o for o in r.outcomes if any(_matches(o.name, p) for p in pats)])
                  for _, pats in FEATURES]
         lines.append(f"| {r.torch_version} | " + " | ".join(cells) + " |")
-    out = ["\n".join(lines), ""]
+    out = ["\n".join(lines), "", "## Failures and their causes", ""]
+    causes: dict[str, list[str]] = {}
+    for r in runs:
+        for o in r.failed():
+            cause = KNOWN_FAILURES.get((minor(r.torch_version), o.name), "not yet known (not in KNOWN_FAILURES of "
+                                       "tests/_torch_versions.py): " + o.reason)
+            causes.setdefault(cause, []).append(f"{r.torch_version.split('+')[0]} `{o.name}`")
+    for cause, where in causes.items():
+        out.append(f"- {cause}. Failed: {', '.join(where)}.")
+    if not causes:
+        out.append("None.")
+    out += ["", "## Each version's failures and skips, as the tests said them", ""]
     for r in runs:
         out.append(f"### torch {r.torch_version}\n")
         if r.error:

@@ -3,6 +3,12 @@
 H100/H200 with torch (validated target: 2.11, CUDA 13), CuPy and NCCL;
 skipped where NVML finds no GPU (tests/conftest.py) or torch is missing.
 
+The same tests run on gpumempool.oracle's fake CUDA stack under each torch
+of a version matrix (tests/test_torch_versions.py, GMP_FAKE_CUDA_STACK=1):
+there kernels, copies and cuBLAS do nothing, so the checks of tensor values
+are made on a real GPU only (VALUES), and the NCCL and CuPy tests are
+marked real_gpu.
+
 Full replacement and NCCL need fresh processes (torch's allocator can be
 swapped only before CUDA is initialised; a process group per run), so those
 tests run small scripts with this Python. Measured figures are attached
@@ -28,10 +34,12 @@ from typing import Any, Iterator
 import pytest
 
 import gpumempool as gmp
-from conftest import import_or_skip, nccl_ok
+from conftest import FAKE_CUDA_STACK, import_or_skip, nccl_ok
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
+#: Whether tensors hold what kernels wrote: not on the fake CUDA stack.
+VALUES = not FAKE_CUDA_STACK
 
 torch: Any = import_or_skip("torch", module_level=True) if gmp.devices() else None
 
@@ -50,7 +58,7 @@ def warm_up_blas() -> None:
     made inside gmp.mempool it would pin a block of that pool, so release()
     would refuse and close() would free memory torch still uses."""
     global _blas_warm
-    if _blas_warm:
+    if _blas_warm or FAKE_CUDA_STACK:  # the fake stack's cuBLAS is a stand-in: no workspaces, no products
         return
     lin = torch.nn.Linear(64, 64, device="cuda")
     x = torch.randn(16, 64, device="cuda", requires_grad=True)
@@ -79,10 +87,19 @@ def make_pool(backend: str = "cuda", **kw: Any) -> Iterator[gmp.MemPool]:
         pool.close()
 
 
+def pool_segments(torch_pool: Any) -> list[dict[str, Any]]:
+    """torch's segments of a torch.cuda.MemPool: its snapshot(), or (torch
+    < 2.7 has none) those of the process-wide snapshot in its pool."""
+    if hasattr(torch_pool, "snapshot"):
+        return list(torch_pool.snapshot())
+    segments = torch.cuda.memory._snapshot()["segments"]
+    return [s for s in segments if tuple(s.get("segment_pool_id") or ()) == tuple(torch_pool.id)]
+
+
 def in_pool(t: Any, torch_pool: Any) -> bool:
     """Whether tensor t's memory lies in a segment of the torch pool."""
     ptr = t.untyped_storage().data_ptr()
-    return any(s["address"] <= ptr < s["address"] + s["total_size"] for s in torch_pool.snapshot())
+    return any(s["address"] <= ptr < s["address"] + s["total_size"] for s in pool_segments(torch_pool))
 
 
 def allocated(pool: gmp.MemPool) -> int:
@@ -138,11 +155,11 @@ def test_tensors_come_from_the_pool(backend: str) -> None:
         assert inside >= x.numel() * 4
         assert in_pool(x, tp) and not in_pool(y, tp)
         assert allocated(pool) == inside  # y came from torch's own allocator
-        assert sum(s["total_size"] for s in tp.snapshot()) == inside
+        assert sum(s["total_size"] for s in pool_segments(tp)) == inside
         # the tensor outlives the block and stays valid
         ref = x.cpu()
         torch.cuda.synchronize()
-        assert torch.equal((x * 2).cpu(), ref * 2)
+        assert torch.equal((x * 2).cpu(), ref * 2) or not VALUES
         del x, tp
         assert gmp.torch.release(pool) == inside
         assert allocated(pool) == 0
@@ -175,7 +192,8 @@ def test_nesting_routes_to_the_innermost_pool() -> None:
         assert all(in_pool(t, to) and not in_pool(t, ti) for t in (a1, a2, a3))
         assert all(in_pool(t, ti) and not in_pool(t, to) for t in (b1, b2))
         assert not in_pool(n, to) and not in_pool(n, ti)
-        assert to.use_count() == ti.use_count() == 1
+        if hasattr(to, "use_count"):  # torch >= 2.6
+            assert to.use_count() == ti.use_count() == 1
         del a1, a2, a3, b1, b2, to, ti
 
 
@@ -222,7 +240,7 @@ def test_two_threads_inside_at_once() -> None:
             th.join()
         (ta, xa), (tb, xb) = out["a"], out["b"]
         assert ta is not tb and in_pool(xa, ta) and in_pool(xb, tb)
-        assert float(xa.sum()) == float(xb.sum()) == 3 * MiB
+        assert float(xa.sum()) == float(xb.sum()) == 3 * MiB or not VALUES
         out.clear()
         del ta, tb, xa, xb
 
@@ -231,7 +249,12 @@ def test_backward_inside_all_threads_context(record_property) -> None:
     with make_pool() as pool:
         for all_threads in (False, True):
             with gmp.mempool(pool, all_threads=all_threads) as tp:
-                model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).cuda()
+                if VALUES:
+                    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
+                                                torch.nn.Linear(4096, 1024)).cuda()
+                else:  # no cuBLAS on the fake stack: parameters and gradients without matrix products
+                    model = torch.nn.Sequential(torch.nn.LayerNorm(1024), torch.nn.GELU(),
+                                                torch.nn.LayerNorm(1024)).cuda()
                 loss = model(torch.randn(256, 1024, device="cuda")).square().mean()
                 loss.backward()
             grads_in_pool = all(in_pool(p.grad, tp) for p in model.parameters())
@@ -253,7 +276,7 @@ def test_stream_is_entered_with_the_pool() -> None:
             x = torch.full((MiB,), 5.0, device="cuda")
         assert torch.cuda.current_stream() == torch.cuda.default_stream()
         side.synchronize()
-        assert in_pool(x, tp) and float(x.sum()) == 5.0 * MiB
+        assert in_pool(x, tp) and (float(x.sum()) == 5.0 * MiB or not VALUES)
         del x, tp
 
 
@@ -269,7 +292,7 @@ def test_release_and_reentry_without_backend_cost(record_property) -> None:
             gmp.torch.release(pool)
         # untouched by the refused release: still the pool's, still the pattern
         assert allocated(pool) == held >= 256 * MiB
-        assert bool(x.eq(0xA5).all()) and int(x[-1]) == 0xA5
+        assert (bool(x.eq(0xA5).all()) and int(x[-1]) == 0xA5) or not VALUES
         del x
         n_alloc = pool.stats()["num_device_alloc"]
         assert gmp.torch.release(pool) >= 256 * MiB
@@ -296,6 +319,28 @@ def test_torch_empty_cache_leaves_a_live_torch_pool() -> None:
         assert allocated(pool) == held, "torch.cuda.empty_cache() released a live torch pool's segments"
 
 
+def test_snapshot_of_a_routed_pool_reads_in_this_torchs_memory_viz() -> None:
+    """gmp.snapshot() of a pool torch allocated from through gmp.mempool,
+    with history, is what this torch's own tools read: segsum re-adds every
+    segment from its blocks (and raises on a mismatch), trace replays the
+    history."""
+    from torch.cuda import _memory_viz
+
+    with make_pool() as pool:
+        pool.record_history(True)
+        with gmp.mempool(pool):
+            x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+            y = torch.empty(300 << 10, dtype=torch.uint8, device="cuda")
+        snap = gmp.snapshot()
+        ours = [s for s in snap["segments"] if s["allocated_size"]]
+        # torch took a 20 MiB segment for x and a 2 MiB one for y, each one block of the engine
+        assert sorted(s["allocated_size"] for s in ours) == [2 * MiB, 20 * MiB], ours
+        summary = _memory_viz.segsum(snap)
+        assert "total_allocated: " in summary and "total_reserved: " in summary
+        assert _memory_viz.trace(snap).count("cudaMalloc(") >= 2
+        del x, y
+
+
 # ---------------------------------------------------------------------------
 # full replacement (fresh processes)
 # ---------------------------------------------------------------------------
@@ -304,7 +349,7 @@ def test_torch_empty_cache_leaves_a_live_torch_pool() -> None:
 def test_full_replacement() -> None:
     out = run_script(
         """
-        import json, torch, gpumempool as gmp
+        import json, os, torch, gpumempool as gmp
         pool = gmp.MemPool("cuda")
         hooks = gmp.set_torch_allocator(pool)
         x = torch.ones(1 << 20, device="cuda")
@@ -319,7 +364,8 @@ def test_full_replacement() -> None:
         x.record_stream(side)
         res["record_stream"] = pool.stats()["num_record_stream"]
         a = torch.randn(1024, 1024, device="cuda")
-        res["matmul_ok"] = bool(torch.allclose((a @ a).cpu(), a.cpu() @ a.cpu(), rtol=1e-3, atol=1e-2))
+        if os.environ.get("GMP_FAKE_CUDA_STACK") != "1":  # the fake stack has no cuBLAS
+            res["matmul_ok"] = bool(torch.allclose((a @ a).cpu(), a.cpu() @ a.cpu(), rtol=1e-3, atol=1e-2))
         del x, a
         big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # a segment of its own
         del big
@@ -343,7 +389,7 @@ def test_full_replacement() -> None:
         """
     )
     print("\n", out)
-    assert out["allocated"] >= 4 * MiB and out["matmul_ok"]
+    assert out["allocated"] >= 4 * MiB and (not VALUES or out["matmul_ok"])
     assert out["hook_errors"] == []
     if "record_stream" in out["hooks"]:
         assert out["record_stream"] >= 1
@@ -385,7 +431,7 @@ def test_full_replacement_oom_error_torch(tmp_path: Path) -> None:
     print("\n", out)
     assert out["torch_oom"] and out["cuda_oom"], out
     assert out["msg"].startswith("CUDA out of memory. Tried to allocate 256.00 MiB on device 0. gpumempool: "), out
-    assert "limit" in out["msg"] and out["sum"] == float(1 << 20)
+    assert "limit" in out["msg"] and (out["sum"] == float(1 << 20) or not VALUES)
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"], "the shim was not built in GMP_CACHE_DIR"
 
 
@@ -454,10 +500,10 @@ def test_full_replacement_cuda_graph_keeps_its_memory_private(backend: str) -> N
     if "begin_allocate_to_pool" not in out["hooks"]:
         pytest.skip("this torch's pluggable allocator has no CUDA-graph hooks")
     assert len(out["pools_after_capture"]) == 1 and out["pools_after_capture"][0]["reserved_bytes"] > 0
-    assert out["others_intact"], "a replay overwrote a tensor allocated after the capture"
-    assert out["graph_correct"]
+    assert out["others_intact"] or not VALUES, "a replay overwrote a tensor allocated after the capture"
+    assert out["graph_correct"] or not VALUES
     assert len(out["pools_after_first_release"]) == 1, "g2 still uses the pool"
-    assert out["later_intact"] and out["graph2_correct"]
+    assert (out["later_intact"] and out["graph2_correct"]) or not VALUES
     assert out["pools_after_release"] == []
 
 
@@ -494,10 +540,11 @@ def test_full_replacement_torch_mempool_is_private() -> None:
     )
     print("\n", out)
     if "unsupported" in out:
-        # torch <= 2.11: MemPool() calls createOrIncrefPool, which
+        # torch 2.6 to 2.15 (at least): MemPool() calls createOrIncrefPool
+        # (2.6 and 2.7: ensureExistsAndIncrefPool), which
         # CUDAPluggableAllocator does not implement (c10's default refuses).
         # Any other failure is ours.
-        assert "createOrIncrefPool" in out["unsupported"], out
+        assert re.search(r"createOrIncrefPool|ensureExistsAndIncrefPool", out["unsupported"]), out
         pytest.skip(f"this torch refuses torch.cuda.MemPool under a pluggable allocator: {out['unsupported']}")
     if "begin_allocate_to_pool" not in out["hooks"]:
         pytest.skip(f"this torch has no begin_allocate_to_pool hook: {out['hooks']}")
@@ -611,6 +658,7 @@ print(json.dumps(res))
 _NCCL_REGISTERED = re.compile(r"(?:register comm \S+ buffer|Skipping registration for buffer) (0x[0-9a-fA-F]+) size (\d+)")
 
 
+@pytest.mark.real_gpu
 def test_nccl_world_size_one(tmp_path: Path) -> None:
     """The collectives work, and NCCL itself saw the registrations: its debug
     output names a registered range around each buffer the collectives
@@ -633,6 +681,7 @@ def test_nccl_world_size_one(tmp_path: Path) -> None:
         assert any(a <= ptr and ptr + size <= a + n for a, n in ranges), (hex(ptr), size, ranges)
 
 
+@pytest.mark.real_gpu
 def test_nccl_two_ranks() -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
@@ -661,6 +710,7 @@ def test_nccl_two_ranks() -> None:
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.real_gpu
 def test_cupy_and_torch_share_one_pool() -> None:
     cp = import_or_skip("cupy")
     with make_pool() as pool:
@@ -685,6 +735,7 @@ def test_cupy_and_torch_share_one_pool() -> None:
         assert allocated(pool) == 0  # CuPy's block went back when the array died
 
 
+@pytest.mark.real_gpu
 def test_cupy_set_allocator_process_wide() -> None:
     cp = import_or_skip("cupy")
     with make_pool() as pool:
@@ -759,7 +810,7 @@ def test_cache_scope_refuses_to_invalidate_live_tensors() -> None:
             keep = torch.ones(MiB, device="cuda")
         with pytest.raises(gmp.torch.PoolInUseError):
             gmp.invalidate("live")
-        assert float(keep.sum()) == float(MiB)
+        assert float(keep.sum()) == float(MiB) or not VALUES
         del keep
         torch.cuda.synchronize()
         gmp.invalidate("live")

@@ -10,6 +10,9 @@ Each venv gets ``torch==VERSION`` without its NVIDIA dependencies
 of torch's CUDA release for its headers (``nvidia-cuda-runtime-cu12`` or
 ``nvidia-cuda-runtime`` 13.x): about 0.5 GB instead of 3 GB. The NVIDIA
 libraries torch links are replaced at run time by the oracle's stand-ins.
+Each venv also gets what the real-torch tests need to run there
+(tests/_torch_versions.py runs them with gpumempool on PYTHONPATH): pytest,
+and gpumempool's own requirement, tqdm.
 
 Venvs are kept in ``--cache`` (default ``$GMP_TORCH_CACHE``, else
 ``~/.cache/gpumempool/torch-slim``) and reused while complete; a failed
@@ -27,6 +30,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+#: What the real-torch tests run in each venv need besides torch.
+_TEST_REQUIREMENTS = ("pytest", "tqdm")
 
 #: Requirements that are NVIDIA's libraries (replaced by stand-ins) or
 #: triton (only for torch.compile): never installed.
@@ -61,6 +67,8 @@ def install(version: str, cache: Path) -> Path:
     venv = cache / f"torch-{version}-{tag}"
     py = venv / "bin" / "python"
     if (venv / ".complete").is_file() and py.exists():
+        if not (venv / "bin" / "pytest").exists():  # made before the venvs had them
+            _pip(py, *_TEST_REQUIREMENTS)
         return py
     shutil.rmtree(venv, ignore_errors=True)
     try:
@@ -71,7 +79,7 @@ def install(version: str, cache: Path) -> Path:
         pure = [r for r in requires if "extra ==" not in r and not _SKIP.match(r)]
         # "name (>=1.0) ; marker" (old metadata) is not a pip requirement: drop the parentheses.
         pure = [re.sub(r"\s*\(([^)]*)\)", r" \1", r) for r in pure]
-        _pip(py, *pure, "numpy")
+        _pip(py, *pure, "numpy", *_TEST_REQUIREMENTS)
         _pip(py, "--no-deps", _runtime_requirement(requires))
         (venv / ".complete").write_text(version + "\n")
     except BaseException:

@@ -936,7 +936,12 @@ static void pool_trim(struct fake_pool *p, uint64_t keep) {
  * (whichever stream captures), allowed on others in the relaxed mode. */
 EXPORT CUresult cuStreamSynchronize(CUstream hStream) {
     ENTER(cuStreamSynchronize);
-    if (is_legacy((uintptr_t)hStream)) NEVER_IN_CAPTURE();
+    /* The legacy stream waits for every blocking stream: refused while one
+     * captures (NOT_ON_CAPTURING_STREAM) or while a capture of unknown
+     * streams is played; with only non-blocking streams capturing it is
+     * legal in the relaxed mode (torch 2.12 and 2.13 synchronize it when a
+     * CUDA graph capture begins, their RNG state's initialisation). */
+    if (is_legacy((uintptr_t)hStream) && global_capture) NEVER_IN_CAPTURE();
     NOT_ON_CAPTURING_STREAM(hStream);
     UNSAFE_IN_CAPTURE();
     NEED_CTX();

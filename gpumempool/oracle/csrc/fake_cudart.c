@@ -488,6 +488,13 @@ EXPORT cudaError_t cudaFuncGetAttributes(void *attr, const void *f) {
     *(int *)(a + 36) = 90;
     return cudaSuccess;
 }
+/* cudaGetKernel's runtime half (torch 2.12 and 2.13 ask it for a kernel of
+ * their own when a CUDA graph capture begins): the handle is the stub's
+ * address, which nothing here dereferences. */
+EXPORT cudaError_t __cudaGetKernel(void **kernel, const void *entry) {
+    *kernel = (void *)entry;
+    return cudaSuccess;
+}
 EXPORT cudaError_t cudaFuncSetAttribute(const void *f, int attr, int v) { return cudaSuccess; }
 EXPORT cudaError_t cudaKernelSetAttributeForDevice(void *k, int attr, int v, int d) { return cudaSuccess; }
 EXPORT cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *n, const void *f, int bs, size_t sm) {
@@ -520,8 +527,7 @@ EXPORT cudaError_t cudaProfilerStop(void) { return cudaSuccess; }
     X(cudaGraphAddEmptyNode) X(cudaGraphAddNode) X(cudaGraphConditionalHandleCreate)                       \
     X(cudaGraphNodeGetDependencies) X(cudaGraphNodeGetType) X(cudaStreamBeginCaptureToGraph)               \
     X(cudaLibraryGetGlobal) X(cudaLibraryGetKernel) X(cudaLibraryGetKernelCount) X(cudaLibraryGetManaged)  \
-    X(cudaLibraryGetUnifiedFunction) X(cudaLibraryLoadData) X(cudaLibraryLoadFromFile) X(cudaLibraryUnload) \
-    X(__cudaGetKernel)
+    X(cudaLibraryGetUnifiedFunction) X(cudaLibraryLoadData) X(cudaLibraryLoadFromFile) X(cudaLibraryUnload)
 
 static pthread_mutex_t said_mu = PTHREAD_MUTEX_INITIALIZER;
 static void say_once(const char *name, int *said) {

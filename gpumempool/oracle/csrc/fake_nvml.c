@@ -51,6 +51,27 @@ EXPORT int nvmlDeviceGetHandleByUUID(const char *uuid, void **d) {
     if (!tail) return NVML_ERROR_INVALID_ARGUMENT;
     return nvmlDeviceGetHandleByIndex_v2((unsigned)strtoul(tail + 1, NULL, 10), d);
 }
+/* What gpumempool's own device listing asks (gocore/nvmldev): the name and
+ * compute capability the fake runtime reports, FAKE_CUDA_CAPACITY bytes,
+ * all free (this library does not see the fake driver's allocations). */
+EXPORT int nvmlDeviceGetCount(unsigned *n) { return nvmlDeviceGetCount_v2(n); }
+EXPORT int nvmlDeviceGetName(void *d, char *buf, unsigned len) {
+    snprintf(buf, len, "gpumempool fake GPU %ld", index_of(d));
+    return NVML_SUCCESS;
+}
+EXPORT int nvmlDeviceGetCudaComputeCapability(void *d, int *major, int *minor) {
+    *major = 9;
+    *minor = 0;
+    return NVML_SUCCESS;
+}
+typedef struct { unsigned long long total, free, used; } memory_info;
+EXPORT int nvmlDeviceGetMemoryInfo(void *d, memory_info *m) {
+    const char *s = getenv("FAKE_CUDA_CAPACITY");
+    m->total = s && *s ? strtoull(s, NULL, 10) : 1ull << 30;
+    m->free = m->total;
+    m->used = 0;
+    return NVML_SUCCESS;
+}
 EXPORT int nvmlDeviceGetComputeRunningProcesses(void *d, unsigned *n, void *infos) {
     *n = 0;
     return NVML_SUCCESS;

@@ -545,9 +545,41 @@ def test_without_torch_the_error_says_what_to_install(monkeypatch, sim):
 
 def test_torch_without_mempool_is_too_old(monkeypatch, sim):
     install(monkeypatch, "2.4", mem_pool=False)
-    with pytest.raises(gtorch.TorchVersionError, match=r"torch >= 2\.5.*this is torch 2\.4"):
+    with pytest.warns(gtorch.TorchVersionWarning, match=r"tested with torch 2\.5-2\.15; this is torch 2\.4"), \
+            pytest.raises(gtorch.TorchVersionError, match=r"torch >= 2\.5.*this is torch 2\.4") as exc:
         with gmp.mempool(sim):
             pass
+    assert exc.value.version == "2.4.0+fake" and exc.value.needed == "torch >= 2.5"
+
+
+def test_a_torch_outside_the_tested_range_warns_once(monkeypatch, sim):
+    import warnings
+
+    assert gtorch.TESTED_TORCH == ((2, 5), (2, 15))
+    install(monkeypatch, "2.16")
+    with pytest.warns(gtorch.TorchVersionWarning, match=r"tested with torch 2\.5-2\.15; this is torch 2\.16\.0"):
+        gtorch.capabilities()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gtorch.capabilities()  # once
+        with gmp.mempool(sim):
+            pass
+    install(monkeypatch, "2.11")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gtorch.capabilities()  # a tested torch says nothing
+
+
+@pytest.mark.parametrize("build, words", [("cpu", "a CPU-only build"), ("rocm", "a ROCm build")])
+def test_a_torch_that_is_not_a_cuda_build_is_one_clear_error(monkeypatch, sim, build, words):
+    torch = install(monkeypatch, "2.11")
+    torch.version = types.SimpleNamespace(cuda=None if build == "cpu" else "12.8",  # type: ignore[attr-defined]
+                                          hip="6.2" if build == "rocm" else None)
+    for call in (lambda: gmp.mempool(sim).__enter__(), lambda: gtorch.set_torch_allocator(sim)):
+        with pytest.raises(gtorch.TorchVersionError, match=f"torch 2.11.0\\+fake is {words}: gpumempool's torch "
+                           "integration needs a CUDA build") as exc:
+            call()
+        assert exc.value.needed == "a CUDA build"
 
 
 @pytest.mark.parametrize(

@@ -135,7 +135,7 @@ from typing import Optional
 from .. import _lifecycle, _native
 from .._pool import MemPool
 from . import _capabilities, _lanes, _nccl, _replace, _routing
-from ._capabilities import TorchCapabilities, capabilities
+from ._capabilities import TESTED_TORCH, TorchCapabilities, capabilities
 from ._doctor import oom_doctor
 from ._errors import (
     AllocatorInitializedError,
@@ -146,6 +146,7 @@ from ._errors import (
     RoutingConflictWarning,
     TorchIntegrationError,
     TorchVersionError,
+    TorchVersionWarning,
 )
 from ._oom import readiness as oom_shim_readiness
 from ._registration import deregister, register
@@ -164,6 +165,8 @@ __all__ = [
     "TorchCapabilities",
     "TorchIntegrationError",
     "TorchVersionError",
+    "TorchVersionWarning",
+    "TESTED_TORCH",
     "capabilities",
     "deregister",
     "hook_errors",
@@ -184,7 +187,7 @@ __all__ = [
 # wherever in the package they are defined.
 for _cls in (AllocatorInitializedError, MempoolContext, OOMErrorFallbackWarning, PoolInUseError,
              ProcessWideRoutingWarning, PythonCallbackWarning, RoutingConflictWarning, TorchCapabilities,
-             TorchIntegrationError, TorchVersionError):
+             TorchIntegrationError, TorchVersionError, TorchVersionWarning):
     _cls.__module__ = __name__
 del _cls
 

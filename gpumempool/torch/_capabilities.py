@@ -6,11 +6,12 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from .._errors import InvalidArgumentError
-from ._errors import TorchVersionError
+from ._errors import TorchVersionError, TorchVersionWarning
 
 __all__ = [
     "TorchCapabilities",
@@ -19,7 +20,10 @@ __all__ = [
     "cuda_index",
     "import_torch",
     "mem_pool_class",
+    "require_cuda",
     "require_mem_pool",
+    "tested_range",
+    "TESTED_TORCH",
     "use_mem_pool_fn",
     "version_tuple",
 ]
@@ -33,6 +37,18 @@ def import_torch() -> Any:
         raise TorchVersionError(
             "gpumempool's PyTorch integration needs torch >= 2.5 (pip install 'gpumempool[torch]')"
         ) from exc
+
+
+#: The torch releases (major, minor) gpumempool's integration was tested
+#: with, oldest and newest (benchmarks/results/torch_versions.md; the
+#: ``torch`` extra of pyproject.toml says the same).
+TESTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 5), (2, 15))
+
+
+def tested_range() -> str:
+    """``"2.5-2.15"``: :data:`TESTED_TORCH` in words."""
+    (a, b), (c, d) = TESTED_TORCH
+    return f"{a}.{b}-{c}.{d}"
 
 
 def version_tuple(version: str) -> tuple[int, int]:
@@ -67,6 +83,8 @@ class TorchCapabilities:
     nccl_registers_new_segments: bool
     #: hooks the pluggable allocator takes besides alloc/free (its set_* methods, "set_" and "_fn" cut)
     pluggable_hooks: tuple[str, ...] = ()
+    #: the build: "cuda", "cpu" (torch.version.cuda is None) or "rocm" (torch.version.hip)
+    build: str = "cuda"
 
 
 def mem_pool_class(torch: Any) -> Any:
@@ -98,6 +116,7 @@ def capabilities(torch: Any = None) -> TorchCapabilities:
     if hit is not None and hit[0] is torch:
         return hit[1]
     caps = _detect(torch)
+    _warn_untested(caps)
     caps_cache[id(torch)] = (torch, caps)  # keeps the module, so its id is not reused
     return caps
 
@@ -139,15 +158,47 @@ def _detect(torch: Any) -> TorchCapabilities:
             sorted(n[len("set_"):].removesuffix("_fn") for n in dir(getattr(C, "_CUDAPluggableAllocator", None))
                    if n.startswith("set_"))
         ) if hasattr(C, "_CUDAPluggableAllocator") else (),
+        build=_build(torch),
     )
+
+
+def _build(torch: Any) -> str:
+    tv = getattr(torch, "version", None)
+    if getattr(tv, "hip", None):
+        return "rocm"
+    return "cpu" if tv is not None and getattr(tv, "cuda", "") is None else "cuda"
+
+
+def _warn_untested(caps: TorchCapabilities) -> None:
+    """Once per torch module (capabilities caches): a torch outside the
+    tested range works or fails untested, and the user should know."""
+    v = version_tuple(caps.version)
+    if v != (0, 0) and not TESTED_TORCH[0] <= v <= TESTED_TORCH[1]:
+        warnings.warn(TorchVersionWarning(
+            f"gpumempool's torch integration was tested with torch {tested_range()}; this is torch {caps.version}"),
+            stacklevel=3)
+
+
+def require_cuda(caps: TorchCapabilities) -> None:
+    """TorchVersionError unless torch is a CUDA build (not CPU-only, not ROCm)."""
+    if caps.build == "cpu":
+        raise TorchVersionError(
+            f"torch {caps.version} is a CPU-only build: gpumempool's torch integration needs a CUDA build of torch "
+            f"{tested_range()} (pip install torch --index-url https://download.pytorch.org/whl/cu128, or PyPI's "
+            "default torch on Linux)", version=caps.version, needed="a CUDA build")
+    if caps.build == "rocm":
+        raise TorchVersionError(
+            f"torch {caps.version} is a ROCm build: gpumempool's torch integration needs a CUDA build of torch "
+            f"{tested_range()}", version=caps.version, needed="a CUDA build")
 
 
 def require_mem_pool(caps: TorchCapabilities) -> None:
     """TorchVersionError unless torch can route allocations to a MemPool."""
+    require_cuda(caps)
     if not caps.mem_pool or not caps.pluggable:
         raise TorchVersionError(
             f"gpumempool.mempool needs torch >= 2.5 (torch.cuda.MemPool and CUDAPluggableAllocator); "
-            f"this is torch {caps.version}"
+            f"this is torch {caps.version}", version=caps.version, needed="torch >= 2.5"
         )
     if not caps.use_mem_pool and (caps.begin_fn is None or caps.end_fn is None):
         raise TorchVersionError(

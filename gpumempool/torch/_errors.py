@@ -19,6 +19,7 @@ __all__ = [
     "RoutingConflictWarning",
     "TorchIntegrationError",
     "TorchVersionError",
+    "TorchVersionWarning",
     "warn_python_callbacks",
 ]
 
@@ -35,7 +36,20 @@ class TorchIntegrationError(GpuMemPoolError, RuntimeError):
 
 
 class TorchVersionError(TorchIntegrationError):
-    """torch is missing, or too old for the feature."""
+    """torch is missing, too old for the feature, or not a CUDA build:
+    ``version`` is the torch found (None when there is none), ``needed``
+    what the feature needs."""
+
+    def __init__(self, message: str, *, version: "str | None" = None, needed: "str | None" = None) -> None:
+        super().__init__(message)
+        self.version = version
+        self.needed = needed
+
+
+class TorchVersionWarning(UserWarning):
+    """The installed torch is outside the versions gpumempool was tested
+    with (:data:`gpumempool.torch.TESTED_TORCH`): given once, at its first
+    use."""
 
 
 class AllocatorInitializedError(TorchIntegrationError):

@@ -13,7 +13,7 @@ from .. import _native
 from .._errors import InvalidArgumentError, PoolClosedError
 from .._pool import MemPool
 from . import _lanes, _oom
-from ._capabilities import capabilities, cuda_index, import_torch
+from ._capabilities import capabilities, cuda_index, import_torch, require_cuda
 from ._errors import AllocatorInitializedError, OOMErrorFallbackWarning, TorchIntegrationError, TorchVersionError, \
     warn_python_callbacks
 from ._lanes import check_open
@@ -115,6 +115,7 @@ def set_torch_allocator(pool: MemPool, *, oom_error: str = "runtime") -> tuple[s
         raise InvalidArgumentError(f"oom_error must be one of {', '.join(map(repr, _OOM_ERRORS))}, got {oom_error!r}")
     torch = import_torch()
     caps = capabilities(torch)
+    require_cuda(caps)
     if not caps.pluggable:
         raise TorchVersionError(f"torch {caps.version} has no CUDAPluggableAllocator/change_current_allocator")
     with _lanes.lock:

@@ -136,6 +136,9 @@ def _torch_caller(path: str) -> ctypes.CDLL:
                                ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
     lib.call_begin.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_ulonglong,
                                ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_int]
+    lib.call_begin_layout.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_ulonglong,
+                                      ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+                                      ctypes.c_long, ctypes.c_char_p, ctypes.c_size_t]
     lib.call_end.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_ulonglong]
     lib.live_filters.restype = ctypes.c_long
     lib.filter_call_count.restype = ctypes.c_long

@@ -505,6 +505,75 @@ def test_an_empty_torch_filter_accepts_nothing(cxx_caller) -> None:
         pool.free(a)
 
 
+# What a std::function of another layout could hand the glue, as (manager,
+# invoker): -1 is data of a loaded library, -2 a real function (see
+# call_begin_layout in tests/csrc/torch_caller.cpp).
+WRONG_LAYOUTS = {
+    "garbage-pointers": (0x1234, 0x5678, "its manager (0x1234) is not code"),
+    "half-empty-no-manager": (0, -2, "one is NULL, the other not"),
+    "half-empty-no-invoker": (-2, 0, "one is NULL, the other not"),
+    "manager-is-data": (-1, -2, "its manager"),
+    "invoker-is-data": (-2, -1, "its invoker"),
+}
+
+
+@pytest.mark.parametrize("layout", list(WRONG_LAYOUTS))
+def test_a_torch_filter_of_another_layout_is_refused_not_called(cxx_caller, layout: str) -> None:
+    """Issue 27: the glue reads torch's std::function as libstdc++ lays it
+    out. Bytes laid out otherwise (another C++ library's std::function, a
+    torch built with another ABI) must not be called, moved or destroyed
+    through: the begin hook throws one clear error to its C++ caller (torch
+    raises it as a RuntimeError), the pool keeps it as its last error, no
+    private pool is begun and the pool goes on serving."""
+    manager, invoker, why = WRONG_LAYOUTS[layout]
+    S1 = 0x51
+    with gmp.MemPool("sim", capacity=64 * MiB) as pool:
+        path, alloc, begin, end, _ = _graph_hooks(pool)
+        msg = ctypes.create_string_buffer(1024)
+        rc = cxx_caller.call_begin_layout(path, begin, 0, 11, 0, 0xDEAD, 0xBEEF, manager, invoker, msg, len(msg))
+        assert rc == 1, f"the hook returned {rc} instead of throwing std::runtime_error"
+        thrown = msg.value.decode()
+        assert thrown.startswith("gpumempool: gmp_begin_allocate_to_pool: refused the allocation to pool (11, 0)")
+        assert "does not have the libstdc++ layout" in thrown and why in thrown
+        assert "Nothing was called through it" in thrown and "\n" not in thrown
+        recorded = pool.last_error() or ""
+        assert recorded.startswith("gmp_begin_allocate_to_pool: refused") and why in recorded
+        assert pool.graph_pools() == []
+        a = alloc(MiB, 0, S1)  # served by the shared pool: nothing routes to a private one
+        assert a and pool.graph_pools() == []
+        pool.free(a)
+        pool.check()
+
+
+def test_a_heap_pointer_as_invoker_is_refused(cxx_caller) -> None:
+    """libc++'s std::function is 32 bytes too, but its last word points at
+    its own storage: data, in no loaded library."""
+    storage = ctypes.create_string_buffer(32)
+    with gmp.MemPool("sim", capacity=64 * MiB) as pool:
+        path, _, begin, _, _ = _graph_hooks(pool)
+        msg = ctypes.create_string_buffer(1024)
+        assert cxx_caller.call_begin_layout(path, begin, 0, 12, 0, 0, 0, -2, ctypes.addressof(storage), msg,
+                                            len(msg)) == 1
+        assert "its invoker" in msg.value.decode() and "not code of any loaded library" in msg.value.decode()
+        assert "its invoker" in (pool.last_error() or "")
+
+
+def test_an_empty_filter_of_any_functor_bytes_is_accepted_as_empty(cxx_caller) -> None:
+    """An empty std::function (manager and invoker NULL) is libstdc++'s own
+    layout whatever its storage holds: begun, it routes nothing and nothing
+    is called through it."""
+    S1 = 0x52
+    with gmp.MemPool("sim", capacity=64 * MiB) as pool:
+        path, alloc, begin, end, _ = _graph_hooks(pool)
+        msg = ctypes.create_string_buffer(1024)
+        assert cxx_caller.call_begin_layout(path, begin, 0, 13, 0, 0xDEAD, 0xBEEF, 0, 0, msg, len(msg)) == 0
+        assert pool.last_error() is None
+        a = alloc(MiB, 0, S1)
+        assert a and pool.graph_pools() == []
+        assert cxx_caller.call_end(path, end, 0, 13, 0) == 0
+        pool.free(a)
+
+
 def test_graph_capture_pauses_events(cxx_caller) -> None:
     """During a capture no event is recorded or queried (either would break
     the capture on a GPU): a block freed after use on another stream waits

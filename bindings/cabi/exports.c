@@ -68,6 +68,10 @@ void gmp_graph_begin(int slot, int device, uint64_t id0, uint64_t id1, void* fil
   gmpgo_graph_begin(slot, device, id0, id1, filter);
 }
 
+void gmp_graph_refuse(int slot, const char* why) {
+  if (!GMP_FORKED()) gmpgo_graph_refuse(slot, (char*)why);
+}
+
 void gmp_graph_end(int slot, int device, uint64_t id0, uint64_t id1) {
   if (!GMP_FORKED()) gmpgo_graph_end(slot, device, id0, id1);
 }

@@ -15,6 +15,7 @@ void gmp_filter_delete(void *filter);
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"unsafe"
 
@@ -62,6 +63,17 @@ func gmpgo_graph_begin(slot, device C.int, id0, id1 C.uint64_t, filter unsafe.Po
 	if !passed { // a panic came first (PanicNext): nobody owns the filter
 		f.Release()
 	}
+}
+
+// gmpgo_graph_refuse (in C gmp_graph_refuse, exports.c, which first
+// refuses a forked child) records why torch_glue.c refused a
+// beginAllocateToPool without calling through torch's filter (its layout
+// is not libstdc++'s) as the pool's last error.
+//
+//export gmpgo_graph_refuse
+func gmpgo_graph_refuse(slot C.int, why *C.char) {
+	msg := C.GoString(why)
+	slotHook(int(slot), "gmp_begin_allocate_to_pool", func(*registry.Entry) error { return errors.New(msg) })
 }
 
 // gmpgo_graph_end (in C gmp_graph_end, exports.c, which first refuses a

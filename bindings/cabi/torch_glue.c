@@ -17,11 +17,22 @@
  *    is caught in filter_call.cpp, the package's only C++, which needs no
  *    C++ library: its catch uses the runtime's functions through the
  *    forwarders below.
+ *  - before any of that, the filter's layout is checked (filter_layout_error):
+ *    a std::function laid out otherwise (another C++ library's, a torch built
+ *    with another ABI) would have us jump to whatever its bytes say. Its
+ *    manager and invoker must be both NULL (an empty function) or both code
+ *    of a loaded object; anything else is refused with one error (the
+ *    pool's last error, and a std::runtime_error torch raises as a
+ *    RuntimeError) and nothing is called through it. Plausible is all a
+ *    check can say, but the likely mismatches fail it: libc++'s
+ *    std::function (32 bytes too) keeps a pointer to its own storage where
+ *    libstdc++ keeps the invoker, which is data, not code.
  */
 #define _GNU_SOURCE
 #include "torch_glue.h"
 
 #include <dlfcn.h>
+#include <link.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -108,7 +119,75 @@ void* gmp_alloc_or_throw(int slot, size_t size, int device, void* stream) {
   return NULL; /* no C++ runtime in the process: the caller is not torch */
 }
 
+/* dl_iterate_phdr's callback: sets *found when the object has an
+ * executable PT_LOAD segment holding the address. */
+struct code_search {
+  uintptr_t addr;
+  int found;
+};
+
+static int in_executable_segment(struct dl_phdr_info* info, size_t size, void* data) {
+  (void)size;
+  struct code_search* s = data;
+  for (int i = 0; i < info->dlpi_phnum; i++) {
+    const ElfW(Phdr)* ph = &info->dlpi_phdr[i];
+    if (ph->p_type != PT_LOAD || !(ph->p_flags & PF_X)) continue;
+    uintptr_t start = info->dlpi_addr + ph->p_vaddr;
+    if (s->addr >= start && s->addr - start < ph->p_memsz) {
+      s->found = 1;
+      return 1; /* stops the iteration */
+    }
+  }
+  return 0;
+}
+
+/* 1 when p is code of a loaded object: dladdr knows the object, and the
+ * address lies in one of its executable segments (dladdr alone also
+ * accepts an object's data). */
+static int is_loaded_code(const void* p) {
+  Dl_info info;
+  if (p == NULL || dladdr(p, &info) == 0 || info.dli_fname == NULL) return 0;
+  struct code_search s = {(uintptr_t)p, 0};
+  dl_iterate_phdr(in_executable_segment, &s);
+  return s.found;
+}
+
+/* 0 when filter has libstdc++'s std::function layout as far as can be
+ * told (see the top of this file); else 1, with the reason in why. */
+static int filter_layout_error(const gmp_std_function* filter, char* why, size_t n) {
+  if (filter == NULL) {
+    snprintf(why, n, "no std::function was passed (NULL)");
+    return 1;
+  }
+  void* manager = (void*)filter->manager;
+  void* invoker = (void*)filter->invoker;
+  if (manager == NULL && invoker == NULL) return 0; /* empty: nothing is called */
+  if (manager == NULL || invoker == NULL) {
+    snprintf(why, n, "manager %p and invoker %p: one is NULL, the other not (never so in libstdc++)", manager,
+             invoker);
+    return 1;
+  }
+  const char* bad = !is_loaded_code(manager) ? "manager" : !is_loaded_code(invoker) ? "invoker" : NULL;
+  if (bad == NULL) return 0;
+  snprintf(why, n, "its %s (%p) is not code of any loaded library (manager %p, invoker %p)", bad,
+           bad[0] == 'm' ? manager : invoker, manager, invoker);
+  return 1;
+}
+
 void gmp_begin_allocate_to_pool(int slot, int device, gmp_mempool_id id, gmp_std_function* filter) {
+  char why[256];
+  if (filter_layout_error(filter, why, sizeof why)) {
+    char msg[600], thrown[640];
+    snprintf(msg, sizeof msg,
+             "refused the allocation to pool (%llu, %llu) on device %d: torch's stream filter "
+             "(std::function<bool(cudaStream_t)>) does not have the libstdc++ layout the glue was built for: %s. "
+             "Nothing was called through it; this torch's C++ ABI is not supported",
+             id.first, id.second, device, why);
+    gmp_graph_refuse(slot, msg); /* the pool's last error */
+    snprintf(thrown, sizeof thrown, "gpumempool: gmp_begin_allocate_to_pool: %s", msg);
+    throw_runtime_error(thrown); /* torch: a RuntimeError where the capture (or use_mem_pool) begins */
+    return;                      /* no C++ runtime to throw with: the caller is not torch */
+  }
   gmp_std_function* copy = malloc(sizeof *copy);
   if (copy != NULL) {
     memcpy(copy, filter, sizeof *copy);

@@ -42,6 +42,7 @@ extern uintptr_t gmp_slot_alloc_ex(int slot, size_t size, int device, uintptr_t 
 extern void gmp_graph_begin(int slot, int device, uint64_t id0, uint64_t id1, void* filter);
 extern void gmp_graph_end(int slot, int device, uint64_t id0, uint64_t id1);
 extern void gmp_graph_release(int slot, int device, uint64_t id0, uint64_t id1);
+extern void gmp_graph_refuse(int slot, const char* why);
 
 /* Allocates through slot; a failure (size > 0) is thrown as a C++
  * std::runtime_error (torch turns it into a Python RuntimeError). Where no
@@ -49,7 +50,9 @@ extern void gmp_graph_release(int slot, int device, uint64_t id0, uint64_t id1);
 void* gmp_alloc_or_throw(int slot, size_t size, int device, void* stream);
 
 /* Moves torch's filter into a heap copy Go owns from then on, and begins
- * the allocation to pool id. */
+ * the allocation to pool id. A filter without libstdc++'s layout is not
+ * touched: the refusal is the pool's last error and is thrown as a
+ * std::runtime_error (where a C++ runtime is loaded). */
 void gmp_begin_allocate_to_pool(int slot, int device, gmp_mempool_id id, gmp_std_function* filter);
 
 /* The four entry points of slot i, with the types torch casts their

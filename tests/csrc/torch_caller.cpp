@@ -127,6 +127,44 @@ int call_begin(const char* path, const char* sym, int device, unsigned long long
   }
 }
 
+// call_begin_layout calls the begin-allocate-to-pool hook sym with 32
+// bytes that are no libstdc++ std::function, as a torch built with another
+// C++ ABI would pass them (by the caller's temporary's address): a pointer
+// to its storage: two functor words, then manager and invoker as given,
+// where -1 stands for this library's data (a loaded object, but not code)
+// and -2 for a real function of this library. Returns what call_alloc does
+// (0 returned, 1 threw a std::exception, its what() in msg, 2 threw
+// something else, -1 no such symbol).
+namespace {
+long some_data[4];
+bool some_invoker(const void*, void**) { return true; }
+}  // namespace
+
+int call_begin_layout(const char* path, const char* sym, int device, unsigned long long id0,
+                      unsigned long long id1, void* functor0, void* functor1, long manager, long invoker, char* msg,
+                      std::size_t n) {
+  using raw_begin_fn = void (*)(int, mempool_id, void*);
+  auto fn = reinterpret_cast<raw_begin_fn>(lookup(path, sym));
+  if (fn == nullptr) return -1;
+  auto resolve = [](long v) -> void* {
+    if (v == -1) return static_cast<void*>(some_data);
+    if (v == -2) return reinterpret_cast<void*>(&some_invoker);
+    return reinterpret_cast<void*>(v);
+  };
+  void* layout[4] = {functor0, functor1, resolve(manager), resolve(invoker)};
+  msg[0] = 0;
+  try {
+    fn(device, mempool_id{id0, id1}, layout);
+    return 0;
+  } catch (const std::exception& e) {
+    std::strncpy(msg, e.what(), n - 1);
+    msg[n - 1] = 0;
+    return 1;
+  } catch (...) {
+    return 2;
+  }
+}
+
 // call_end calls an end-allocate-to-pool or release-pool hook.
 int call_end(const char* path, const char* sym, int device, unsigned long long id0, unsigned long long id1) {
   auto fn = reinterpret_cast<end_fn>(lookup(path, sym));

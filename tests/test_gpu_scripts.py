@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SHELL_SCRIPTS = [ROOT / "tools" / name for name in ("build-gpu-wheel.sh", "gpu-check.sh", "gpu-dryrun.sh")]
+SHELL_SCRIPTS = [ROOT / "tools" / name for name in ("build-gpu-wheel.sh", "gpu-check.sh", "gpu-dryrun.sh",
+                                                     "torch-versions.sh")]
 PY_SCRIPTS = [ROOT / "benchmarks" / name for name in ("record_traces.py", "suite_gpu.py", "gpt2_train.py",
                                                       "gpu_stress.py", "tune_proof.py")]
 MiB = 1 << 20
@@ -229,6 +230,99 @@ def test_gpu_check_arguments(tmp_path: Path) -> None:
     assert r.returncode == 0
     for word in ("part1", "part2", "part3", "gputests", "sanitizer", "stress", 'carry=["wheelhouse"]'):
         assert word in r.stdout
+
+
+@needs_bash
+def test_gpu_check_has_a_torch_versions_stage(tmp_path: Path) -> None:
+    """Issue 27, item 5: the GPU suite under the machine's torch and a newer
+    one; the stage runs tools/torch-versions.sh and is asked for like any
+    other (its name has a dash: its time budget is GMP_T_TORCH_VERSIONS)."""
+    assert "tools/torch-versions.sh" in _stage_command("torch-versions")
+    r = gpu_check(tmp_path, "--help")
+    assert "torch-versions" in r.stdout and "part5" in r.stdout
+    r = gpu_check(tmp_path, "part5")
+    assert r.returncode == 3 and "no wheel" in r.stderr  # accepted; stopped by the missing wheel
+    assert "| torch-versions | **not run** |" in (tmp_path / "out" / "summary.md").read_text()
+    assert 'var=${var//-/_}' in (ROOT / "tools" / "gpu-check.sh").read_text()
+
+
+def _fake_torch_python(tmp_path: Path, version: str) -> Path:
+    """A venv whose torch is a stub reporting version: the machine's
+    python as tools/torch-versions.sh sees it (it imports torch first)."""
+    venv = tmp_path / "machine"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    (site / "torch").mkdir()
+    (site / "torch" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    return py
+
+
+def _stub_torch_wheel(directory: Path, version: str) -> Path:
+    """A pure-Python wheel of a stub torch that reports version."""
+    import zipfile
+
+    directory.mkdir(parents=True, exist_ok=True)
+    whl = directory / f"torch-{version}-py3-none-any.whl"
+    info = f"torch-{version}.dist-info"
+    files = {"torch/__init__.py": f"__version__ = {version!r}\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    with zipfile.ZipFile(whl, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr(f"{info}/RECORD", "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n")
+    return whl
+
+
+def torch_versions(tmp_path: Path, py: Path, caches: list[Path]) -> subprocess.CompletedProcess:
+    env = {"PY": str(py), "WORK": str(tmp_path / "work"), "GMP_TORCH_WHEELS": ":".join(map(str, caches)),
+           "GMP_TORCH_FIND": "0", "GMP_TORCH_VERSIONS_DRY_RUN": "1", "HOME": str(tmp_path),
+           "WHEELHOUSE": str(tmp_path / "wheelhouse"), "PIP_NO_CACHE_DIR": "1"}
+    return run(["bash", str(ROOT / "tools" / "torch-versions.sh")], tmp_path, **env)
+
+
+@needs_bash
+def test_torch_versions_dry_run_says_why_the_newer_torch_is_not_run(tmp_path: Path) -> None:
+    """The device has no internet: without a torch 2.15 wheel on the machine,
+    or with one pip cannot install, the stage says so on its last line and
+    exits 99 (gpu-check's "skipped", with that line as the detail); the
+    machine's torch is run all the same."""
+    py = _fake_torch_python(tmp_path, "2.11.0")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = torch_versions(tmp_path, py, [empty])
+    assert r.returncode == 99, (r.stdout, r.stderr)
+    assert f"+ timeout 200 {py} -m pytest" in r.stdout and "tests/test_torch_gpu.py" in r.stdout
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("torch 2.11.0: dry run, not run; torch 2.15: not run: no torch-2.15*.whl in any wheel cache")
+    assert str(empty) in last and "no internet" in last
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "torch-2.15.0-py3-none-any.whl").write_bytes(b"not a zip")
+    r = torch_versions(tmp_path, py, [empty, broken])
+    assert r.returncode == 99, (r.stdout, r.stderr)
+    last = r.stdout.strip().splitlines()[-1]
+    assert f"torch 2.15: not run: pip could not install torch==2.15.* offline from {broken}" in last
+    assert "--no-index" in r.stdout and "--no-deps" in r.stdout  # tried with its dependencies, then without
+
+
+@needs_bash
+def test_torch_versions_dry_run_installs_the_newer_torch_offline(tmp_path: Path) -> None:
+    """With a torch 2.15 wheel in a cache, it goes into a venv of its own
+    (offline), shadowing the machine's torch there, and the GPU suite is run
+    with that venv's python."""
+    py = _fake_torch_python(tmp_path, "2.11.0")
+    cache = tmp_path / "cache"
+    _stub_torch_wheel(cache, "2.15.0")
+    r = torch_versions(tmp_path, py, [cache])
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    new_py = tmp_path / "work" / "torch-2.15-venv" / "bin" / "python"
+    assert f"+ timeout 200 {new_py} -m pytest" in r.stdout
+    assert r.stdout.strip().splitlines()[-1] == "torch 2.11.0: dry run, not run; torch 2.15.0: dry run, not run"
+    assert "--no-index" in (tmp_path / "work" / "logs" / "torch-install.log").read_text()
 
 
 @needs_bash

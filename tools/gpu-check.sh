@@ -40,10 +40,16 @@
 #   stress     benchmarks/gpu_stress.py: threads x streams on cuda, vmm,      (~5-6 min)
 #              vmm-expandable and async, tags checked on the GPU (~3.5 min),
 #              then its short mode under compute-sanitizer memcheck (~1 min)
+#   torch-versions  tools/torch-versions.sh: tests/test_torch_gpu.py under     (~2-8 min)
+#              the machine's torch (2.11), then under torch 2.15 installed
+#              offline from a wheel cache on the machine into a venv of its
+#              own (GMP_TORCH_NEW, GMP_TORCH_WHEELS); no cache with it, or
+#              no offline install: skipped, the reason in the detail
 # Groups: part1 = info gputests bench sanitizer cputests
 #         part2 = info traces gpt2 suite          (suite also replays the traces just recorded)
 #         part3 = info stress gpt2 suite          (stress takes most of one call: what is left runs)
 #         part4 = info tune                       (the tune proof takes most of one call)
+#         part5 = info torch-versions             (issue 27: the GPU suite under two torches)
 #         all   = every stage but `tests` (the default; the deadline skips what does not fit)
 # The whole invocation stops starting stages at GMP_CHECK_DEADLINE seconds
 # (default 570, for the run tool's 600-s limit) and caps each stage's
@@ -71,13 +77,15 @@ T_START=$SECONDS
 # shellcheck source=tools/source-digest.sh
 . "$ROOT/tools/source-digest.sh"
 
-ALL_STAGES=(info gputests cputests tests bench gpt2 traces suite sanitizer stress tune oracle)
+ALL_STAGES=(info gputests cputests tests bench gpt2 traces suite sanitizer stress tune oracle torch-versions)
 declare -A BUDGET=([info]=60 [gputests]=300 [cputests]=180 [tests]=420 [bench]=300 [gpt2]=360
-                   [traces]=300 [suite]=420 [sanitizer]=240 [stress]=420 [tune]=540 [oracle]=240)
+                   [traces]=300 [suite]=420 [sanitizer]=240 [stress]=420 [tune]=540 [oracle]=240
+                   [torch-versions]=540)
 declare -A STAGE_GROUPS=([part1]="info gputests bench sanitizer cputests"
                          [part2]="info traces gpt2 suite"
                          [part3]="info stress gpt2 suite"
                          [part4]="info tune"
+                         [part5]="info torch-versions"
                          [all]="info gputests bench traces gpt2 suite sanitizer stress cputests")
 
 usage() {
@@ -396,6 +404,8 @@ stage_cmd() {  # the stage's command, run from the repository root
       run_sanitizer ;;
     stress)
       run_stress ;;
+    torch-versions)
+      bash "$ROOT/tools/torch-versions.sh" ;;
   esac
 }
 
@@ -517,6 +527,7 @@ run_stress() {
 run_stage() {
   local stage=$1 budget elapsed left t rc t0 var
   var="GMP_T_${stage^^}"
+  var=${var//-/_}  # GMP_T_TORCH_VERSIONS
   budget=${!var:-${BUDGET[$stage]}}
   elapsed=$((SECONDS - T_START))
   left=$(( ${GMP_CHECK_DEADLINE:-570} - elapsed - 10 ))
@@ -531,7 +542,7 @@ run_stage() {
   (
     echo "== $stage, run $RUN_ID, timeout ${t}s, $(date -u +%H:%M:%S)"
     export -f stage_cmd sanitizer_path run_sanitizer run_stress
-    export PY WORK ROOT
+    export PY WORK ROOT WHEEL WHEELHOUSE
     timeout -k 15 "$t" bash -c "$(declare -p PYTEST_EXTRA); stage_cmd $stage"
     rc=$?
     echo "== exit status $rc after $((SECONDS - t0))s"
@@ -552,6 +563,8 @@ run_stage() {
       detail="${detail:+$detail; }$line"
       # everything skipped (no GPU seen, torch or CuPy missing) is not a pass
       [[ $result == ok && $line != *passed* ]] && result="ALL SKIPPED" ;;
+    torch-versions)  # its last line: what each torch did (with 99, already the detail)
+      ((rc != 99)) && detail="${detail:+$detail; }$(tail -n 2 "$WORK/logs/$stage.log" | head -n 1)" ;;
   esac
   set_status "$stage" "$result" "$secs" "$detail"
   log "$stage: $result ($secs s)"

@@ -319,6 +319,78 @@ def test_torch_empty_cache_leaves_a_live_torch_pool() -> None:
         assert allocated(pool) == held, "torch.cuda.empty_cache() released a live torch pool's segments"
 
 
+def test_mempool_options_reach_torch_where_it_has_them() -> None:
+    """no_split: torch hands out each segment of the torch pool whole;
+    use_on_oom: an allocation outside every pool that torch cannot serve
+    takes a block torch caches in the torch pool; a torch without the
+    option: one TorchVersionError naming it."""
+    have = gmp.torch.capabilities().mem_pool_options
+    with make_pool() as pool:
+        for option in ("use_on_oom", "no_split"):
+            if option not in have:
+                with pytest.raises(gmp.torch.TorchVersionError, match=f"{option}=True.*torch {re.escape(torch.__version__)}") \
+                        as exc:
+                    with gmp.mempool(pool, **{option: True}):
+                        pass
+                assert exc.value.version == torch.__version__ and exc.value.needed.startswith("torch >= ")
+        if "no_split" in have:
+            for no_split in (False, True):
+                with gmp.mempool(pool, no_split=no_split) as tp:
+                    small = [torch.empty(1000, dtype=torch.uint8, device="cuda") for _ in range(2)]
+                segs = pool_segments(tp)
+                # split: both in one 2 MiB segment (and its free rest); unsplit: a segment each, whole
+                assert sorted(len(s["blocks"]) for s in segs) == ([1, 1] if no_split else [3]), segs
+                del small, tp
+                gmp.torch.release(pool)
+        if "use_on_oom" in have:
+            torch.cuda.empty_cache()
+            total = torch.cuda.get_device_properties(0).total_memory
+            outside: dict[bool, Any] = {}
+            for use_on_oom in (False, True):
+                with gmp.mempool(pool, use_on_oom=use_on_oom) as tp:
+                    x = torch.empty(20 * MiB, dtype=torch.uint8, device="cuda")
+                del x  # torch caches the 20 MiB block in the torch pool
+                torch.cuda.set_per_process_memory_fraction(1 / 1024 / 1024, 0)  # torch's own cudaMalloc fails
+                try:
+                    outside[use_on_oom] = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+                except torch.cuda.OutOfMemoryError:
+                    outside[use_on_oom] = None
+                finally:
+                    torch.cuda.set_per_process_memory_fraction(1.0, 0)
+                if use_on_oom:
+                    assert outside[True] is not None and in_pool(outside[True], tp)
+                else:
+                    assert outside[False] is None, "the memory fraction did not make torch run out of memory"
+                del tp
+            assert total > 0
+            outside.clear()
+            gmp.torch.release(pool)
+
+
+def test_snapshot_holds_torchs_view_of_each_torch_pool() -> None:
+    """gmp.snapshot() keeps torch's own segments of the torch pools over a
+    pool (torch's caching inside our segments) under gpumempool_torch_pools,
+    readable by this torch's memory_viz."""
+    from torch.cuda import _memory_viz
+
+    with make_pool() as pool:
+        with gmp.mempool(pool) as tp:
+            x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+            y = torch.empty(1000, dtype=torch.uint8, device="cuda")
+        del y  # torch keeps its block cached
+        snap = gmp.snapshot()
+        (view,) = [v for v in snap["gpumempool_torch_pools"] if v["pool_handle"] == pool.handle]
+        assert view["torch_pool_id"] == tuple(tp.id) and view["device"] == 0 and "error" not in view
+        segs = view["segments"]
+        assert sorted((s["total_size"], s["allocated_size"]) for s in segs) == [(2 * MiB, 0), (20 * MiB, 3 * MiB)]
+        assert all(tuple(s["segment_pool_id"]) == tuple(tp.id) for s in segs)
+        ours = [(s["address"], s["address"] + s["total_size"]) for s in snap["segments"]
+                if s["gpumempool_pool"] == pool.name]
+        assert all(any(a <= t["address"] and t["address"] + t["total_size"] <= b for a, b in ours) for t in segs)
+        assert "total_reserved: 22.0MiB" in _memory_viz.segsum({"segments": segs, "device_traces": [[]]})
+        del x, tp
+
+
 def test_snapshot_of_a_routed_pool_reads_in_this_torchs_memory_viz() -> None:
     """gmp.snapshot() of a pool torch allocated from through gmp.mempool,
     with history, is what this torch's own tools read: segsum re-adds every

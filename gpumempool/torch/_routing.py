@@ -446,8 +446,8 @@ def torch_pool_views(pool: MemPool) -> list[dict[str, Any]]:
                                 "broken": lane.broken}
         try:
             # read outside the lock: torch takes its allocator's lock meanwhile
-            view["segments"] = [s for s in torch_segments(torch, None, lane.torch_pool) if s.get("device", lane.device)
-                                == lane.device]
+            segments = torch_segments(torch, None, lane.torch_pool)
+            view["segments"] = [s for s in segments if s.get("device", lane.device) == lane.device]
         except Exception as exc:  # noqa: BLE001 - a snapshot never fails for torch's sake
             view["segments"], view["error"] = [], f"{type(exc).__name__}: {exc}"
         views.append(view)

@@ -405,7 +405,10 @@ def mempool(
     options (use_on_oom from torch 2.8, no_split from 2.10; an older torch
     is a :class:`TorchVersionError` naming the option); a torch pool keeps
     the options it was made with, so entering ``pool`` with other options
-    routes to another torch pool over it.
+    routes to another torch pool over it. Torch's limit: while a thread is
+    inside a use_on_oom torch pool, another thread's allocation that would
+    run out of memory gets torch's RuntimeError "beginAllocateToPool:
+    already recording to mempool_id" (checked on torch 2.9 and 2.15).
     Entering yields the torch.cuda.MemPool. See the module docstring.
     """
     options: dict[str, bool] = {}

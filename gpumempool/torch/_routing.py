@@ -438,22 +438,25 @@ def torch_pool_views(pool: MemPool) -> list[dict[str, Any]]:
     where MemPool has none: torch 2.5), which show torch's caching inside
     the pool's segments. Never raises and never imports torch: a torch pool
     torch cannot read gets ``segments`` [] and ``error``."""
-    with _lanes.lock:
-        st = pool_state(pool, create=False)
-        lanes = list(st.lanes) if st is not None else []
     torch = sys.modules.get("torch")
     views: list[dict[str, Any]] = []
-    for lane in lanes:
-        view: dict[str, Any] = {"pool": pool.name, "pool_handle": pool.handle, "device": lane.device,
-                                "torch_pool_id": tuple(lane.torch_pool.id), "options": dict(lane.options),
-                                "broken": lane.broken}
-        try:
-            # read outside the lock: torch takes its allocator's lock meanwhile
-            segments = torch_segments(torch, None, lane.torch_pool)
-            view["segments"] = [s for s in segments if s.get("device", lane.device) == lane.device]
-        except Exception as exc:  # noqa: BLE001 - a snapshot never fails for torch's sake
-            view["segments"], view["error"] = [], f"{type(exc).__name__}: {exc}"
-        views.append(view)
+    # Read under the lock, as release() reads them: a torch pool this thread
+    # still referenced after release() dropped its lane would run its
+    # destructor here, outside release()'s guard against routes under way.
+    with _lanes.lock:
+        st = pool_state(pool, create=False)
+        for lane in list(st.lanes) if st is not None else []:
+            tp = lane.torch_pool
+            view: dict[str, Any] = {"pool": pool.name, "pool_handle": pool.handle, "device": lane.device,
+                                    "torch_pool_id": tuple(tp.id), "options": dict(lane.options),
+                                    "broken": lane.broken}
+            try:
+                segments = torch_segments(torch, None, tp)
+                view["segments"] = [s for s in segments if s.get("device", lane.device) == lane.device]
+            except Exception as exc:  # noqa: BLE001 - a snapshot never fails for torch's sake
+                view["segments"], view["error"] = [], f"{type(exc).__name__}: {exc}"
+            views.append(view)
+            del tp
     return views
 
 

@@ -56,6 +56,12 @@ Call = tuple[int, int, int, Stack]
 #: device's trace before which it was recorded (RECORD_STREAM_INDEX).
 RECORD_STREAM_KEY = "gpumempool_record_stream"
 RECORD_STREAM_INDEX = "gpumempool_index"
+#: Where gmp.snapshot() keeps torch's own view of the torch pools that
+#: gmp.mempool made over the pools it covers (gpumempool.torch provides
+#: "torch_pool_views"): torch's segments of a torch pool are blocks inside
+#: our segments, so among torch's top-level segments they would count the
+#: same memory twice.
+TORCH_POOLS_KEY = "gpumempool_torch_pools"
 
 # The modules whose frames are left off the top of every stack (the pool's
 # methods: torch's stacks start at the Python code that asked for memory).
@@ -317,6 +323,7 @@ def snapshot(not_read: Optional[list[str]] = None) -> dict[str, Any]:
     allocator function: it cannot be read until that returns) is left out
     and named there, instead of raising CallbackReentryError."""
     snaps = []
+    read = []
     for p in _lifecycle.open_pools():
         try:
             snaps.append(p.snapshot())
@@ -326,7 +333,27 @@ def snapshot(not_read: Optional[list[str]] = None) -> dict[str, Any]:
             if not_read is None:
                 raise
             not_read.append(exc.pool)
-    return merge(snaps)
+            continue
+        read.append(p)
+    snap = merge(snaps)
+    views = _torch_pool_views(read)
+    if views:
+        snap[TORCH_POOLS_KEY] = views
+    return snap
+
+
+def _torch_pool_views(pools: list[Any]) -> list[dict[str, Any]]:
+    """What gpumempool.torch reads of the torch pools over ``pools`` (none
+    when it is not loaded, or no pool was routed through gmp.mempool)."""
+    try:
+        views = _lifecycle.provided("torch_pool_views")
+    except LookupError:
+        return []
+    out: list[dict[str, Any]] = []
+    for p in pools:
+        with contextlib.suppress(PoolClosedError):  # closed by another thread meanwhile
+            out += views(p)
+    return out
 
 
 def dump_snapshot(path: str, snap: Optional[dict[str, Any]] = None) -> None:

@@ -319,6 +319,82 @@ def test_torch_empty_cache_leaves_a_live_torch_pool() -> None:
         assert allocated(pool) == held, "torch.cuda.empty_cache() released a live torch pool's segments"
 
 
+def test_mempool_option_this_torch_lacks_is_one_typed_error() -> None:
+    missing = [o for o in ("use_on_oom", "no_split") if o not in gmp.torch.capabilities().mem_pool_options]
+    if not missing:
+        pytest.skip(f"torch {torch.__version__}'s MemPool has use_on_oom and no_split")
+    with make_pool() as pool:
+        for option in missing:
+            with pytest.raises(gmp.torch.TorchVersionError,
+                               match=f"{option}=True.*torch {re.escape(torch.__version__)}") as exc:
+                with gmp.mempool(pool, **{option: True}):
+                    pass
+            assert exc.value.version == torch.__version__ and exc.value.needed.startswith("torch >= ")
+        assert gmp.torch.torch_pools(pool) == []
+
+
+def test_mempool_options_reach_torch_where_it_has_them() -> None:
+    """no_split: torch hands out each segment of the torch pool whole;
+    use_on_oom: an allocation outside every pool that torch cannot serve
+    takes a block torch caches in the torch pool."""
+    have = gmp.torch.capabilities().mem_pool_options
+    if "use_on_oom" not in have and "no_split" not in have:
+        pytest.skip(f"torch {torch.__version__}'s MemPool has neither use_on_oom (torch >= 2.8) nor no_split (>= 2.10)")
+    with make_pool() as pool:
+        if "no_split" in have:
+            for no_split in (False, True):
+                with gmp.mempool(pool, no_split=no_split) as tp:
+                    small = [torch.empty(1000, dtype=torch.uint8, device="cuda") for _ in range(2)]
+                segs = pool_segments(tp)
+                # split: both in one 2 MiB segment (and its free rest); unsplit: a segment each, whole
+                assert sorted(len(s["blocks"]) for s in segs) == ([1, 1] if no_split else [3]), segs
+                del small, tp
+                gmp.torch.release(pool)
+        if "use_on_oom" in have:
+            torch.cuda.empty_cache()
+            for use_on_oom in (False, True):
+                with gmp.mempool(pool, use_on_oom=use_on_oom) as tp:
+                    x = torch.empty(20 * MiB, dtype=torch.uint8, device="cuda")
+                del x  # torch caches the 20 MiB block in the torch pool
+                torch.cuda.set_per_process_memory_fraction(1 / 1024 / 1024, 0)  # torch's own cudaMalloc fails
+                try:
+                    outside = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+                except torch.cuda.OutOfMemoryError:
+                    outside = None
+                finally:
+                    torch.cuda.set_per_process_memory_fraction(1.0, 0)
+                if use_on_oom:
+                    assert outside is not None and in_pool(outside, tp)
+                else:
+                    assert outside is None, "the memory fraction did not make torch run out of memory"
+                del outside, tp
+            gmp.torch.release(pool)
+
+
+def test_snapshot_holds_torchs_view_of_each_torch_pool() -> None:
+    """gmp.snapshot() keeps torch's own segments of the torch pools over a
+    pool (torch's caching inside our segments) under gpumempool_torch_pools,
+    readable by this torch's memory_viz."""
+    from torch.cuda import _memory_viz
+
+    with make_pool() as pool:
+        with gmp.mempool(pool) as tp:
+            x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+            y = torch.empty(1000, dtype=torch.uint8, device="cuda")
+        del y  # torch keeps its block cached
+        snap = gmp.snapshot()
+        (view,) = [v for v in snap["gpumempool_torch_pools"] if v["pool_handle"] == pool.handle]
+        assert view["torch_pool_id"] == tuple(tp.id) and view["device"] == 0 and "error" not in view
+        segs = view["segments"]
+        assert sorted((s["total_size"], s["allocated_size"]) for s in segs) == [(2 * MiB, 0), (20 * MiB, 3 * MiB)]
+        assert all(tuple(s["segment_pool_id"]) == tuple(tp.id) for s in segs)
+        ours = [(s["address"], s["address"] + s["total_size"]) for s in snap["segments"]
+                if s["gpumempool_pool"] == pool.name]
+        assert all(any(a <= t["address"] and t["address"] + t["total_size"] <= b for a, b in ours) for t in segs)
+        assert "total_reserved: 22.0MiB" in _memory_viz.segsum({"segments": segs, "device_traces": [[]]})
+        del x, tp
+
+
 def test_snapshot_of_a_routed_pool_reads_in_this_torchs_memory_viz() -> None:
     """gmp.snapshot() of a pool torch allocated from through gmp.mempool,
     with history, is what this torch's own tools read: segsum re-adds every

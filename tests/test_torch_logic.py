@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import gc
 import os
+import pickle
 import sys
 import threading
 import types
@@ -392,10 +393,20 @@ def make_torch(variant: str = "2.11", *, use_mem_pool: bool = True, mem_pool: bo
                 if world.version >= (2, 6):
                     world.empty_pool(self._pid)
 
-    if world.version >= (2, 8):
+    if world.version >= (2, 10):
         class MemPool(MemPoolBase):
             def __init__(self, allocator: Any = None, use_on_oom: bool = False, no_split: bool = False) -> None:
                 self._setup(allocator, {"use_on_oom": use_on_oom, "no_split": no_split})
+
+            def use_count(self) -> int:
+                return world.pools[self._pid].use_count
+
+            def snapshot(self) -> list[dict[str, Any]]:
+                return world.snapshot(self._pid)
+    elif world.version >= (2, 8):
+        class MemPool(MemPoolBase):  # type: ignore[no-redef]
+            def __init__(self, allocator: Any = None, use_on_oom: bool = False) -> None:  # 2.9 (2.8: + symmetric)
+                self._setup(allocator, {"use_on_oom": use_on_oom})
 
             def use_count(self) -> int:
                 return world.pools[self._pid].use_count
@@ -856,22 +867,50 @@ def test_exiting_out_of_order_is_an_error(monkeypatch, sim):
     other.close()
 
 
-def test_mempool_options(monkeypatch, sim):
-    install(monkeypatch, "2.11")
+def test_mempool_options_are_fixed_per_torch_pool(monkeypatch, sim):
+    torch = install(monkeypatch, "2.11")
     with gmp.mempool(sim, use_on_oom=True, no_split=True) as tp:
+        a = torch.empty(1000)
+    assert tp.options == {"use_on_oom": True, "no_split": True} and a.pid == tp.id
+    # other options: another torch pool over the same gmp pool, torch's defaults
+    with gmp.mempool(sim) as plain:
+        b = torch.empty(1000)
+    assert plain is not tp and plain.options == {"use_on_oom": False, "no_split": False} and b.pid == plain.id
+    with gmp.mempool(sim, no_split=True) as split_only:
         pass
-    assert tp.options == {"use_on_oom": True, "no_split": True}
-    with pytest.raises(gmp.InvalidArgumentError, match="options"):
-        with gmp.mempool(sim):
-            pass
+    assert split_only.options == {"use_on_oom": False, "no_split": True}
+    # the same options again: the same torch pool
+    with gmp.mempool(sim, use_on_oom=True, no_split=True) as again, gmp.mempool(sim) as plain_again:
+        pass
+    assert again is tp and plain_again is plain
+    assert gtorch.torch_pools(sim) == [tp, plain, split_only]
+    assert allocated(sim) == 2 * 2 * MiB  # both tensors in the gmp pool
+    del a, b
 
 
 @pytest.mark.filterwarnings("ignore::gpumempool.torch.ProcessWideRoutingWarning")
-def test_mempool_options_need_a_torch_that_has_them(monkeypatch, sim):
-    install(monkeypatch, "2.7")
-    with pytest.raises(gtorch.TorchVersionError, match="use_on_oom"):
-        with gmp.mempool(sim, use_on_oom=True):
+@pytest.mark.parametrize("variant, option, since", [
+    ("2.7", "use_on_oom", "2.8"), ("2.7", "no_split", "2.10"), ("2.9", "no_split", "2.10")])
+def test_mempool_options_need_a_torch_that_has_them(monkeypatch, sim, variant, option, since):
+    install(monkeypatch, variant)
+    with pytest.raises(gtorch.TorchVersionError) as exc:
+        with gmp.mempool(sim, **{option: True}):
             pass
+    assert str(exc.value) == (f"gmp.mempool('torchpool', {option}=True) needs torch.cuda.MemPool's {option} option "
+                              f"(torch >= {since}); torch {variant}.0+fake's MemPool has none")
+    assert exc.value.version == f"{variant}.0+fake" and exc.value.needed == f"torch >= {since}"
+    assert gtorch.torch_pools(sim) == []  # no torch pool left behind
+    with gmp.mempool(sim) as tp:  # without the option: fine
+        pass
+    assert gtorch.torch_pools(sim) == [tp]
+
+
+def test_mempool_passes_the_options_this_torch_has(monkeypatch, sim):
+    install(monkeypatch, "2.9")
+    assert gtorch.capabilities().mem_pool_options == ("use_on_oom",)
+    with gmp.mempool(sim, use_on_oom=True) as tp:
+        pass
+    assert tp.options == {"use_on_oom": True}
 
 
 def test_begin_failure_leaves_nothing_half_done(monkeypatch, sim):
@@ -925,6 +964,50 @@ def test_release(monkeypatch, sim, variant):
     del z, tp2
     assert gmp.torch.pool_release(sim, to_backend=True) == 20 * MiB
     assert sim.stats()["reserved_bytes.all.current"] == 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_snapshot_holds_torchs_view_of_each_torch_pool(monkeypatch, sim, variant):
+    torch = install(monkeypatch, variant)
+    warnings.simplefilter("ignore", gtorch.ProcessWideRoutingWarning)
+    other = gmp.MemPool("sim", name="untouched", capacity=1 << 26)
+    assert "gpumempool_torch_pools" not in gmp.snapshot()  # nothing routed through gmp.mempool yet
+    with gmp.mempool(sim) as tp:
+        x = torch.empty(3 * MiB)
+        y = torch.empty(1000)
+    del y  # torch keeps the freed block cached in the torch pool
+    snap = gmp.snapshot()
+    views = snap["gpumempool_torch_pools"]
+    assert [(v["pool"], v["pool_handle"], v["device"], v["torch_pool_id"], v["options"], v["broken"])
+            for v in views] == [("torchpool", sim.handle, 0, tuple(tp.id), {}, False)]
+    segs = views[0]["segments"]
+    assert sorted((s["total_size"], s["allocated_size"], s["segment_pool_id"]) for s in segs) == [
+        (2 * MiB, 0, tp.id), (20 * MiB, 20 * MiB, tp.id)]
+    # torch's segments are blocks of the gmp pool's segments: beside them, not among them
+    ours = [(s["address"], s["address"] + s["total_size"]) for s in snap["segments"]
+            if s["gpumempool_pool"] == "torchpool"]
+    assert all(any(a <= t["address"] and t["address"] + t["total_size"] <= b for a, b in ours) for t in segs)
+    assert {k for k in snap if not k.startswith("gpumempool_")} == {"segments", "device_traces", "allocator_settings"}
+    assert pickle.loads(pickle.dumps(snap))["gpumempool_torch_pools"] == views
+    del x, tp
+    gtorch.release(sim)
+    assert "gpumempool_torch_pools" not in gmp.snapshot()  # no torch pool left
+    other.close()
+
+
+def test_snapshot_survives_a_torch_pool_torch_cannot_read(monkeypatch, sim):
+    torch = install(monkeypatch, "2.11")
+    with gmp.mempool(sim, use_on_oom=True) as tp:
+        pass
+
+    def broken(*a: Any, **k: Any) -> Any:
+        raise RuntimeError("torch says no")
+
+    monkeypatch.setattr(type(tp), "snapshot", broken)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", broken)
+    (view,) = gmp.snapshot()["gpumempool_torch_pools"]
+    assert view["segments"] == [] and view["error"] == "RuntimeError: torch says no"
+    assert view["options"] == {"use_on_oom": True}
 
 
 def test_release_clears_cublas_workspaces_made_inside(monkeypatch, sim):

@@ -52,6 +52,9 @@ FEATURES: list[tuple[str, tuple[str, ...]]] = [
     ("sharing across processes (replacement)", ("test_full_replacement_shares_tensors_across_processes",)),
     ("snapshot in torch's memory_viz", ("test_snapshot_of_a_routed_pool_reads_in_this_torchs_memory_viz",
                                         "test_torch_memory_viz_renders_our_snapshot")),
+    ("MemPool options (use_on_oom, no_split)", ("test_mempool_options_reach_torch_where_it_has_them",
+                                                "test_mempool_option_this_torch_lacks_is_one_typed_error")),
+    ("torch's per-pool snapshots in gmp.snapshot()", ("test_snapshot_holds_torchs_view_of_each_torch_pool",)),
     ("cache scopes", ("test_cache_scope_peak_stays_flat", "test_cache_scope_refuses_to_invalidate_live_tensors")),
     ("NCCL, CuPy", ("test_nccl_", "test_cupy_")),
 ]

@@ -94,8 +94,8 @@ torch < 2.5            no ``torch.cuda.MemPool``: :class:`TorchVersionError`
                        ThreadToPool``, pytorch#153356), ``MemPoolContext`` is
                        gone (pytorch#154042), ``register_mem_pool`` also
                        registers future segments (pytorch#150684, by version);
-                       ``MemPool(use_on_oom=, no_split=)`` where the signature
-                       has them.
+                       ``MemPool(use_on_oom=)`` (``no_split=`` from 2.10),
+                       passed by ``mempool`` where the signature has them.
 2.10 / 2.11            nested ``use_mem_pool`` is LIFO (pytorch#168382); we do
                        not depend on it: entering a pool suspends the
                        thread's active one (end + release, re-begun on exit),
@@ -225,3 +225,4 @@ _lifecycle.on_exit_leaks(exit_leaks)
 _lifecycle.provide("register", register)
 _lifecycle.provide("deregister", deregister)
 _lifecycle.provide("release", release)
+_lifecycle.provide("torch_pool_views", _routing.torch_pool_views)

@@ -5,12 +5,13 @@ the version differences of torch's routing calls."""
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import warnings
 from typing import Any, Optional
 
 from .. import _native
-from .._errors import InvalidArgumentError, PoolClosedError
+from .._errors import PoolClosedError
 from .._pool import MemPool
 from . import _lanes, _replace
 from ._capabilities import (
@@ -24,10 +25,11 @@ from ._capabilities import (
 )
 from ._errors import ProcessWideRoutingWarning, RoutingConflictWarning, TorchIntegrationError, TorchVersionError, \
     warn_python_callbacks
-from ._lanes import Lane, PoolState, orphan_lanes, pool_state, thread_frames
+from ._lanes import Lane, PoolState, orphan_lanes, pool_state, thread_frames, torch_segments
 from ._nccl import deregister_lane, lane_freed, lane_taken, register_lane
 
-__all__ = ["MempoolContext", "active_routes", "mempool", "new_lane", "reset", "routes_lock", "torch_pools"]
+__all__ = ["MempoolContext", "active_routes", "mempool", "new_lane", "reset", "routes_lock", "torch_pool_views",
+           "torch_pools"]
 
 _warned_process_wide = False
 
@@ -38,6 +40,13 @@ def _allocator(torch: Any, st: PoolState) -> Any:
     return st.allocator
 
 
+#: The first torch release whose torch.cuda.MemPool takes each option of
+#: gmp.mempool (checked against the official wheels: 2.8 added use_on_oom,
+#: 2.10 no_split). Used only to word the error: whether an option is there
+#: is read from MemPool's signature (TorchCapabilities.mem_pool_options).
+MEM_POOL_OPTION_SINCE = {"use_on_oom": "2.8", "no_split": "2.10"}
+
+
 def new_lane(torch: Any, caps: TorchCapabilities, st: PoolState, device: int, tag: Any, options: dict[str, bool]) -> Lane:
     """A new torch pool over ``st``'s pool on ``device`` (call under
     _lanes.lock), registered with the pool's NCCL registrations on that
@@ -45,7 +54,11 @@ def new_lane(torch: Any, caps: TorchCapabilities, st: PoolState, device: int, ta
     kwargs: dict[str, bool] = {}
     for name, value in options.items():
         if value and name not in caps.mem_pool_options:
-            raise TorchVersionError(f"torch {caps.version}'s torch.cuda.MemPool has no {name!r} option")
+            first = MEM_POOL_OPTION_SINCE.get(name)
+            needed = f"torch >= {first}" if first else f"a torch whose MemPool takes {name}"
+            raise TorchVersionError(
+                f"gmp.mempool({st.pool.name!r}, {name}=True) needs torch.cuda.MemPool's {name} option "
+                f"({needed}); torch {caps.version}'s MemPool has none", version=caps.version, needed=needed)
         if name in caps.mem_pool_options:
             kwargs[name] = value
     raw = _allocator(torch, st).allocator()
@@ -79,13 +92,10 @@ def _acquire_lane(
     assert st is not None
     free: Optional[Lane] = None
     for lane in st.lanes:
-        if lane.device != device or lane.tag != tag or lane.broken:
+        # torch fixes a MemPool's options when it is made: other options
+        # get (or reuse) another torch pool over the same gpumempool pool
+        if lane.device != device or lane.tag != tag or lane.options != options or lane.broken:
             continue
-        if lane.options != options:
-            raise InvalidArgumentError(
-                f"pool {pool.name!r} already has a torch pool on cuda:{device} with options {lane.options}; "
-                f"release(pool) before entering it with {options}"
-            )
         if lane.holder == tid:
             lane.holds += 1
             return lane, False
@@ -386,8 +396,19 @@ def mempool(
     on the device in an order that depends on its version, so combining
     them is unreliable: a :class:`RoutingConflictWarning` says when it
     happens.
-    ``use_on_oom`` / ``no_split``: torch.cuda.MemPool's options (torch
-    versions whose MemPool has them); fixed when the torch pool is created.
+    ``use_on_oom``: torch may serve an allocation outside every pool that
+    would otherwise run out of memory from the free blocks it caches in
+    this torch pool (never from new segments of ``pool``); such a block
+    stays in the torch pool until freed. ``no_split``: torch hands out each
+    of this torch pool's segments whole, unsplit (one segment of ``pool``
+    per block, however small the tensor). Both are torch.cuda.MemPool's
+    options (use_on_oom from torch 2.8, no_split from 2.10; an older torch
+    is a :class:`TorchVersionError` naming the option); a torch pool keeps
+    the options it was made with, so entering ``pool`` with other options
+    routes to another torch pool over it. Torch's limit: while a thread is
+    inside a use_on_oom torch pool, another thread's allocation that would
+    run out of memory gets torch's RuntimeError "beginAllocateToPool:
+    already recording to mempool_id" (checked on torch 2.9 and 2.15).
     Entering yields the torch.cuda.MemPool. See the module docstring.
     """
     options: dict[str, bool] = {}
@@ -409,6 +430,34 @@ def torch_pools(pool: MemPool, device: Any = None) -> list[Any]:
         lanes = [lane for lane in lanes if lane.device == dev]
     return [lane.torch_pool for lane in lanes]
 
+
+def torch_pool_views(pool: MemPool) -> list[dict[str, Any]]:
+    """torch's own view of the torch pools gmp.mempool made over ``pool``,
+    oldest first: per torch pool its device, id, options and torch's
+    segments of it (``MemPool.snapshot()``, or torch's process-wide snapshot
+    where MemPool has none: torch 2.5), which show torch's caching inside
+    the pool's segments. Never raises and never imports torch: a torch pool
+    torch cannot read gets ``segments`` [] and ``error``."""
+    torch = sys.modules.get("torch")
+    views: list[dict[str, Any]] = []
+    # Read under the lock, as release() reads them: a torch pool this thread
+    # still referenced after release() dropped its lane would run its
+    # destructor here, outside release()'s guard against routes under way.
+    with _lanes.lock:
+        st = pool_state(pool, create=False)
+        for lane in list(st.lanes) if st is not None else []:
+            tp = lane.torch_pool
+            view: dict[str, Any] = {"pool": pool.name, "pool_handle": pool.handle, "device": lane.device,
+                                    "torch_pool_id": tuple(tp.id), "options": dict(lane.options),
+                                    "broken": lane.broken}
+            try:
+                segments = torch_segments(torch, None, tp)
+                view["segments"] = [s for s in segments if s.get("device", lane.device) == lane.device]
+            except Exception as exc:  # noqa: BLE001 - a snapshot never fails for torch's sake
+                view["segments"], view["error"] = [], f"{type(exc).__name__}: {exc}"
+            views.append(view)
+            del tp
+    return views
 
 
 def _new_lock_after_fork() -> None:

@@ -143,6 +143,7 @@ from ._errors import (
     PoolInUseError,
     ProcessWideRoutingWarning,
     PythonCallbackWarning,
+    RetainedTorchPoolWarning,
     RoutingConflictWarning,
     TorchIntegrationError,
     TorchVersionError,
@@ -160,6 +161,7 @@ __all__ = [
     "PoolInUseError",
     "ProcessWideRoutingWarning",
     "PythonCallbackWarning",
+    "RetainedTorchPoolWarning",
     "RoutingConflictWarning",
     "TorchCapabilities",
     "TorchIntegrationError",
@@ -183,8 +185,8 @@ __all__ = [
 # The classes are gpumempool.torch's in reprs, tracebacks and pickles,
 # wherever in the package they are defined.
 for _cls in (AllocatorInitializedError, MempoolContext, OOMErrorFallbackWarning, PoolInUseError,
-             ProcessWideRoutingWarning, PythonCallbackWarning, RoutingConflictWarning, TorchCapabilities,
-             TorchIntegrationError, TorchVersionError):
+             ProcessWideRoutingWarning, PythonCallbackWarning, RetainedTorchPoolWarning, RoutingConflictWarning,
+             TorchCapabilities, TorchIntegrationError, TorchVersionError):
     _cls.__module__ = __name__
 del _cls
 

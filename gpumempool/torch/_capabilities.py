@@ -20,6 +20,7 @@ __all__ = [
     "import_torch",
     "mem_pool_class",
     "require_mem_pool",
+    "require_pool_release",
     "use_mem_pool_fn",
     "version_tuple",
 ]
@@ -67,6 +68,13 @@ class TorchCapabilities:
     nccl_registers_new_segments: bool
     #: hooks the pluggable allocator takes besides alloc/free (its set_* methods, "set_" and "_fn" cut)
     pluggable_hooks: tuple[str, ...] = ()
+    #: torch gives a torch.cuda.MemPool's segments back through the pool's own
+    #: free function when the MemPool goes (torch >= 2.6, whose MemPool counts
+    #: its uses: ``use_count()``, a destructor that releases the pool, and a
+    #: use_mem_pool that drops its use on exit). torch 2.5 never releases such
+    #: a pool, and forcing it frees the segments with cudaFree: release()
+    #: refuses there (:func:`require_pool_release`).
+    pool_release: bool = True
 
 
 def mem_pool_class(torch: Any) -> Any:
@@ -139,7 +147,20 @@ def _detect(torch: Any) -> TorchCapabilities:
             sorted(n[len("set_"):].removesuffix("_fn") for n in dir(getattr(C, "_CUDAPluggableAllocator", None))
                    if n.startswith("set_"))
         ) if hasattr(C, "_CUDAPluggableAllocator") else (),
+        pool_release=cls is not None and hasattr(cls, "use_count"),
     )
+
+
+def require_pool_release(caps: TorchCapabilities) -> None:
+    """TorchVersionError unless torch can give a torch pool's segments back
+    to gpumempool (see ``TorchCapabilities.pool_release``)."""
+    if not caps.pool_release:
+        raise TorchVersionError(
+            f"torch {caps.version} cannot give a torch pool's segments back to gpumempool (its "
+            "torch.cuda.MemPool keeps its pool for the life of the process, and forcing it would free our "
+            "segments with cudaFree): release needs torch >= 2.6; torch keeps them cached for the next "
+            "gmp.mempool(pool), and closing the pool returns them to the backend"
+        )
 
 
 def require_mem_pool(caps: TorchCapabilities) -> None:

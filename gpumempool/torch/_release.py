@@ -280,6 +280,14 @@ def _forget_unreleasable(torch: Any, caps: TorchCapabilities, pool: MemPool, lan
             f"{live_blocks} tensor block(s), {live_bytes} bytes, allocated inside gmp.mempool(...) are still alive "
             "and lose their memory"
         )
+    # The segments torch keeps cached there go back to the engine (each is one
+    # engine segment, pluggable_symbols(segments=True)), so that closing it
+    # counts no live block for them.
+    for ln in lanes:
+        with contextlib.suppress(Exception):
+            for seg in torch_segments(torch, caps, ln.torch_pool):
+                if not int(seg.get("allocated_size", 0) or 0):
+                    pool.free(int(seg["address"]))
     # torch 2.5's MemPool has no destructor: dropping it does nothing in torch
     orphan_lanes.extend(lanes)
     pool_states.pop(id(pool), None)

@@ -110,6 +110,14 @@ def release(pool: MemPool, device: Any = None, *, to_backend: bool = False, tag:
     stream, and kept) are not counted as alive: when blocks remain, this
     clears them (``torch._C._cuda_clearCublasWorkspaces``; torch makes new
     ones on the next matmul) before deciding.
+    Raises :class:`TorchVersionError` where torch cannot give a torch pool
+    back (torch 2.5, ``capabilities().pool_release``: it never frees a
+    MemPool's pool, and forcing it frees our segments with cudaFree). A
+    torch pool holding segments gpumempool did not allocate (torch 2.5-2.7
+    make those of autograd's thread with cudaMalloc) is not destroyed,
+    since its destructor would free them through the pool's free function
+    and abort the process: it is kept for the life of the process, with a
+    :class:`RetainedTorchPoolWarning`, and its bytes are not counted.
     NCCL registrations stay: they apply to the next torch pool too. When
     torch's MemPool destructor did not free the segments (older versions),
     this calls ``torch.cuda.empty_cache()``, which also empties torch's own

@@ -306,6 +306,11 @@ def test_a_torch_pool_holding_cudamalloc_segments_is_kept_not_destroyed(monkeypa
         with pytest.warns(gtorch.RetainedTorchPoolWarning, match=r"holds 1 segment\(s\), 2097152 bytes.*cudaMalloc"):
             assert gtorch.release(sim) == 0
         assert gtorch.torch_pools(sim) == []
+        # the exit's leak report says where the pool's blocks are (x's segment, not the cudaMalloc'd one)
+        ours = [s for s in world.snapshot(pid) if s["address"] in {g["address"] for g in sim.segments()}]
+        _, _, note = gtorch.exit_leaks(sim, 1, ours[0]["total_size"])
+        assert len(ours) == 1 and note.endswith(
+            f"kept for good (RetainedTorchPoolWarning) hold 1 segment(s) of it, {ours[0]['total_size']} bytes")
         with gmp.mempool(sim) as tp2:  # the next entry gets a new torch pool
             z = torch.empty(1000)
         assert tuple(tp2.id) != pid

@@ -50,6 +50,8 @@ class Lane:
     #: ending a route to it failed: torch may still route to it, so no thread
     #: is given it again (release() still gives back its segments)
     broken: bool = False
+    #: kept for good (:func:`retain`): a weak reference to its gpumempool pool
+    retained_for: Any = None
 
 
 @dataclass(eq=False)
@@ -94,12 +96,14 @@ orphan_lanes: list["Lane"] = []
 retained_lanes: list["Lane"] = []
 
 
-def retain(lane: "Lane") -> None:
-    """Keep the lane's torch pool for the life of the process, through the
-    interpreter's teardown too (one reference no one drops): its destructor
-    would abort the process (RetainedTorchPoolWarning)."""
+def retain(lane: "Lane", pool: MemPool) -> None:
+    """Keep the lane's torch pool (over ``pool``) for the life of the
+    process, through the interpreter's teardown too (one reference no one
+    drops): its destructor would abort the process
+    (RetainedTorchPoolWarning)."""
     if lane in retained_lanes:
         return
+    lane.retained_for = weakref.ref(pool)
     retained_lanes.append(lane)
     if lane.torch_pool is not None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(lane.torch_pool))

@@ -87,7 +87,7 @@ def retain_foreign(torch: Any, caps: TorchCapabilities, pool: MemPool, lanes: li
         segs = torch_segments(torch, caps, ln.torch_pool)
         foreign = foreign_segments(segs, ours.get(ln.device, set()))
         if foreign:
-            retain(ln)
+            retain(ln, pool)
             said.append(_retain_warning(torch, pool, ln, segs, foreign))
     return said
 
@@ -188,7 +188,7 @@ def release(pool: MemPool, device: Any = None, *, to_backend: bool = False, tag:
                 st.lanes.remove(ln)
                 foreign = foreign_segments(segs, ours.get(ln.device, set()))
                 if foreign:
-                    retain(ln)
+                    retain(ln, pool)
                     retained.append(_retain_warning(torch, pool, ln, segs, foreign))
                     continue
                 ids.add(tuple(ln.torch_pool.id))
@@ -315,15 +315,19 @@ def exit_leaks(pool: MemPool, blocks: int, nbytes: int) -> tuple[int, int, str]:
         try:
             st = pool_states.get(id(pool))
             lanes = [ln for ln in st.lanes if ln.torch_pool is not None] if st is not None else []
+            kept = [ln for ln in _lanes.retained_lanes if ln.retained_for is not None and ln.retained_for() is pool]
         finally:
             _lanes.lock.release()
-        if not lanes:
+        if not lanes and not kept:
             return blocks, nbytes, ""
         hint = "gmp.torch.release(pool) gives them back to the pool (torch >= 2.6)"
         try:
             torch = import_torch()
             caps = capabilities(torch)
             segs = [s for ln in lanes for s in torch_segments(torch, caps, ln.torch_pool)]
+            ours = _engine_addresses(pool) if kept else {}
+            kept_segs = [s for ln in kept for s in torch_segments(torch, caps, ln.torch_pool)
+                         if int(s.get("address", 0) or 0) in ours.get(ln.device, set())]
         except Exception:  # noqa: BLE001 - torch half torn down: say what it may be
             return blocks, nbytes, (
                 f"; torch's pools over it (gmp.mempool) keep freed blocks cached and count here: {hint}")
@@ -335,6 +339,9 @@ def exit_leaks(pool: MemPool, blocks: int, nbytes: int) -> tuple[int, int, str]:
         if used:
             note = (f"; {len(used)} of them, {sum(int(s.get('total_size', 0) or 0) for s in used)} bytes, are "
                     "segments of torch pools over it (gmp.mempool) holding tensors still alive")
+        if kept_segs:
+            note += (f"; torch pools over it kept for good (RetainedTorchPoolWarning) hold {len(kept_segs)} "
+                     f"segment(s) of it, {sum(int(s.get('total_size', 0) or 0) for s in kept_segs)} bytes")
         return blocks, nbytes, note
     except Exception:  # noqa: BLE001 - an exit report must not fail
         return blocks, nbytes, ""

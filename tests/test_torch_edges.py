@@ -61,8 +61,12 @@ def test_legacy_release_refuses_while_another_pool_routes_the_device(monkeypatch
     aborts = _abort_recorder(torch)
     try:
         with gmp.mempool(other):
-            with pytest.raises(gtorch.PoolInUseError, match="active on cuda:0"):
-                gtorch.release(sim)
+            if variant == "2.5":  # torch 2.5 cannot release a torch pool at all: refused first
+                with pytest.raises(gtorch.TorchVersionError, match="needs torch >= 2.6"):
+                    gtorch.release(sim)
+            else:
+                with pytest.raises(gtorch.PoolInUseError, match="active on cuda:0"):
+                    gtorch.release(sim)
         assert aborts == []
     finally:
         other.close()
@@ -274,3 +278,71 @@ def test_keep_false_exit_does_not_swallow_a_failing_free() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             pool.close()
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("via", ["release", "close"])
+def test_a_torch_pool_holding_cudamalloc_segments_is_kept_not_destroyed(monkeypatch, sim, via):
+    """torch 2.6/2.7: autograd's thread (no MemPoolContext) adds segments to
+    the torch pool with cudaMalloc, and torch's MemPool destructor frees them
+    through the pluggable allocator, which throws from the destructor: the
+    process aborts. release() (and close) keep such a torch pool for good,
+    with a warning, and never run its destructor."""
+    torch = install(monkeypatch, "2.7")
+    warnings.simplefilter("ignore", gtorch.ProcessWideRoutingWarning)
+    world = torch._world
+    with gmp.mempool(sim) as tp:
+        x = torch.empty(1000)
+    pid = tuple(tp.id)
+    world.native_next += 2 * MiB  # a segment autograd's thread cudaMalloc'd into the pool, freed since
+    world.pools[pid].segs[world.native_next] = [2 * MiB, False]
+    destroyed: list[Any] = []
+    real_empty = world.empty_pool
+    world.empty_pool = lambda p: (destroyed.append(tuple(p)), real_empty(p))
+    del x, tp
+    if via == "release":
+        with pytest.warns(gtorch.RetainedTorchPoolWarning, match=r"holds 1 segment\(s\), 2097152 bytes.*cudaMalloc"):
+            assert gtorch.release(sim) == 0
+        assert gtorch.torch_pools(sim) == []
+        # the exit's leak report says where the pool's blocks are (x's segment, not the cudaMalloc'd one)
+        ours = [s for s in world.snapshot(pid) if s["address"] in {g["address"] for g in sim.segments()}]
+        _, _, note = gtorch.exit_leaks(sim, 1, ours[0]["total_size"])
+        assert len(ours) == 1 and note.endswith(
+            f"kept for good (RetainedTorchPoolWarning) hold 1 segment(s) of it, {ours[0]['total_size']} bytes")
+        with gmp.mempool(sim) as tp2:  # the next entry gets a new torch pool
+            z = torch.empty(1000)
+        assert tuple(tp2.id) != pid
+        del tp2, z
+        assert gtorch.release(sim) > 0 and gtorch.torch_pools(sim) == []  # that one holds only ours: it goes
+    else:
+        with pytest.warns(gtorch.RetainedTorchPoolWarning):
+            sim.close()
+    gc.collect()
+    assert pid not in destroyed and world.pools[pid].segs, "the MemPool destructor ran: abort"
+    assert any(tuple(ln.torch_pool.id) == pid for ln in gtorch._lanes.retained_lanes)
+
+
+def test_close_on_torch_25_returns_torchs_cached_segments(monkeypatch, sim):
+    """torch 2.5 never frees a MemPool's pool (release refuses): closing the
+    pool gives the engine back the segments torch keeps cached there, and
+    says nothing of leaks; a tensor still alive is reported."""
+    torch = install(monkeypatch, "2.5")
+    warnings.simplefilter("ignore", gtorch.ProcessWideRoutingWarning)
+    with gmp.mempool(sim):
+        x = torch.empty(3 * MiB)
+    with pytest.raises(gtorch.TorchVersionError):
+        gtorch.release(sim)
+    del x
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gmp.LeakWarning)
+        report = sim.close()
+    assert report.live_blocks == [] and report.bytes_freed >= 3 * MiB
+
+    other = gmp.MemPool("sim", name="other", capacity=1 << 30)
+    with gmp.mempool(other):
+        y = torch.empty(3 * MiB)
+    with pytest.warns(gmp.LeakWarning, match=r"1 tensor block\(s\).*still alive and lose their memory"):
+        other.close()
+    del y

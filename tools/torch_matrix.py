@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tools"))
 
 import torch_slim  # noqa: E402
-from _torch_versions import KNOWN_FAILURES, Outcome, VersionRun, minor, run_version  # noqa: E402
+from _torch_versions import KNOWN_FAILURES, LIMITATIONS, Outcome, VersionRun, minor, run_version  # noqa: E402
 
 #: The newest patch release of each minor version from 2.5 on PyPI's index.
 VERSIONS = ["2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0", "2.12.0", "2.13.0", "2.14.0", "2.15.0"]
@@ -83,7 +83,7 @@ def _short(reason: str) -> str:
     for key, short in (("needs a real GPU", "real GPU only"), ("createOrIncrefPool", "torch refuses it"),
                        ("ensureExistsAndIncrefPool", "torch refuses it"),
                        ("shareIPcHandle", "torch refuses it"), ("routes every thread", "torch < 2.8"),
-                       ("NCCL", "no NCCL")):
+                       ("NCCL", "no NCCL"), ("release needs torch >= 2.6", "torch 2.5 cannot release a torch pool")):
         if key in reason:
             return short
     return reason[:60]
@@ -100,7 +100,12 @@ def table(runs: list[VersionRun]) -> str:
         cells = [feature_cell([o for o in r.outcomes if any(_matches(o.name, p) for p in pats)])
                  for _, pats in FEATURES]
         lines.append(f"| {r.torch_version} | " + " | ".join(cells) + " |")
-    out = ["\n".join(lines), "", "## Failures and their causes", ""]
+    out = ["\n".join(lines), "", "## Limitations, by design, with their reason", ""]
+    tested = {minor(r.torch_version) for r in runs if not r.error}
+    for versions, text in LIMITATIONS:
+        if tested & set(versions):
+            out.append(f"- torch {', '.join(versions)}: {text}.")
+    out += ["", "## Failures and their causes", ""]
     causes: dict[str, list[str]] = {}
     for r in runs:
         for o in r.failed():

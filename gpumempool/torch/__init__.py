@@ -68,9 +68,11 @@ called (``pip install 'gpumempool[torch]'``). Four pieces:
     NCCL user-buffer registration of the pool's segments with a process
     group's communicator, kept up to date as the pool grows (see below).
 
-Which torch versions do what (checked against PyTorch's sources and pull
-requests; the version of a pull request is the first release cut after it
-was merged). Features are detected, not inferred from the version string,
+Which torch versions do what: the tested truth, tests/test_torch_gpu.py
+under each minor release from 2.5.1 to 2.15.0 on gpumempool.oracle's fake
+CUDA stack (tools/torch_matrix.py, benchmarks/results/torch_versions.md;
+CI runs 2.5.1, 2.11.0 and 2.15.0), with the pull requests that made each
+difference. Features are detected, not inferred from the version string,
 except where noted:
 
 =====================  ====================================================
@@ -81,25 +83,54 @@ torch < 2.5            no ``torch.cuda.MemPool``: :class:`TorchVersionError`
                        filter: while any thread is inside, **every thread's**
                        allocations on that device go to the pool
                        (pytorch#152861); a :class:`ProcessWideRoutingWarning`
-                       says so once.
-2.6, 2.7               + ``ProcessGroupNCCL.register_mem_pool`` (pytorch#133603),
+                       says so once. Passes: routing, full replacement with
+                       its stats, OOM errors and CUDA graphs, snapshots.
+                       Limitations: its MemPool has no ``use_count`` (our
+                       ``capabilities().pool_release`` is False): torch never
+                       frees its pool, and forcing it frees our segments with
+                       cudaFree, so ``release`` (and invalidating a torch
+                       cache scope) raises :class:`TorchVersionError`; torch
+                       keeps the segments cached for the next entry and
+                       ``pool.close()`` returns them to the backend. Under
+                       ``set_torch_allocator`` a ``torch.cuda.MemPool``'s
+                       private pool outlives it until
+                       ``torch._C._cuda_releasePool(device, mp.id)`` (once
+                       per ``use_mem_pool`` entry).
+2.6, 2.7               + ``MemPool.use_count()``, a destructor that frees the
+                       pool through its allocator, ``release`` works;
+                       ``ProcessGroupNCCL.register_mem_pool`` (pytorch#133603),
                        which registers the segments present at the call only
                        and refuses to register one twice: the registration is
                        lifted while a thread is inside ``mempool(pool)`` (the
                        pool may grow) and renewed on exit, as NVIDIA apex's
-                       ``nccl_mem`` does. ``MemPool.use_count()`` and
-                       ``snapshot()`` (by 2.7; we fall back to
-                       ``torch.cuda.memory._snapshot()`` without them).
+                       ``nccl_mem`` does. ``MemPool.snapshot()`` (we fall
+                       back to ``torch.cuda.memory._snapshot()`` without it).
+                       Limitation (2.5-2.7): a ``backward()`` inside
+                       ``mempool`` puts autograd's segments in the torch pool
+                       with cudaMalloc (the allocator comes from a
+                       thread-local MemPoolContext); torch's destructor would
+                       free them through our free function and abort, so
+                       ``release`` keeps that torch pool for good with a
+                       :class:`RetainedTorchPoolWarning`. torch refuses a
+                       ``torch.cuda.MemPool`` under a pluggable allocator
+                       (``ensureExistsAndIncrefPool``).
 2.8 and later          routing is thread-local (``_cuda_beginAllocateCurrent
                        ThreadToPool``, pytorch#153356), ``MemPoolContext`` is
-                       gone (pytorch#154042), ``register_mem_pool`` also
+                       gone (pytorch#154042), the pool's own allocator makes
+                       every segment of it (backward included, with
+                       ``all_threads=True``), ``register_mem_pool`` also
                        registers future segments (pytorch#150684, by version);
                        ``MemPool(use_on_oom=)`` (``no_split=`` from 2.10),
                        passed by ``mempool`` where the signature has them.
+                       Everything the fake stack checks passes through 2.15;
+                       torch refuses a ``torch.cuda.MemPool`` under a
+                       pluggable allocator (``createOrIncrefPool``).
 2.10 / 2.11            nested ``use_mem_pool`` is LIFO (pytorch#168382); we do
                        not depend on it: entering a pool suspends the
                        thread's active one (end + release, re-begun on exit),
                        so nesting is correct on every version.
+every version          sharing a tensor of a pluggable allocator with another
+                       process: torch refuses (``shareIpcHandle``).
 =====================  ====================================================
 
 Target of the GPU validation: torch 2.11 with CUDA 13 (tests/test_torch_gpu.py,
@@ -143,6 +174,7 @@ from ._errors import (
     PoolInUseError,
     ProcessWideRoutingWarning,
     PythonCallbackWarning,
+    RetainedTorchPoolWarning,
     RoutingConflictWarning,
     TorchIntegrationError,
     TorchVersionError,
@@ -161,6 +193,7 @@ __all__ = [
     "PoolInUseError",
     "ProcessWideRoutingWarning",
     "PythonCallbackWarning",
+    "RetainedTorchPoolWarning",
     "RoutingConflictWarning",
     "TorchCapabilities",
     "TorchIntegrationError",
@@ -186,8 +219,8 @@ __all__ = [
 # The classes are gpumempool.torch's in reprs, tracebacks and pickles,
 # wherever in the package they are defined.
 for _cls in (AllocatorInitializedError, MempoolContext, OOMErrorFallbackWarning, PoolInUseError,
-             ProcessWideRoutingWarning, PythonCallbackWarning, RoutingConflictWarning, TorchCapabilities,
-             TorchIntegrationError, TorchVersionError, TorchVersionWarning):
+             ProcessWideRoutingWarning, PythonCallbackWarning, RetainedTorchPoolWarning, RoutingConflictWarning,
+             TorchCapabilities, TorchIntegrationError, TorchVersionError, TorchVersionWarning):
     _cls.__module__ = __name__
 del _cls
 

@@ -22,6 +22,7 @@ __all__ = [
     "mem_pool_class",
     "require_cuda",
     "require_mem_pool",
+    "require_pool_release",
     "tested_range",
     "TESTED_TORCH",
     "use_mem_pool_fn",
@@ -85,6 +86,13 @@ class TorchCapabilities:
     pluggable_hooks: tuple[str, ...] = ()
     #: the build: "cuda", "cpu" (torch.version.cuda is None) or "rocm" (torch.version.hip)
     build: str = "cuda"
+    #: torch gives a torch.cuda.MemPool's segments back through the pool's own
+    #: free function when the MemPool goes (torch >= 2.6, whose MemPool counts
+    #: its uses: ``use_count()``, a destructor that releases the pool, and a
+    #: use_mem_pool that drops its use on exit). torch 2.5 never releases such
+    #: a pool, and forcing it frees the segments with cudaFree: release()
+    #: refuses there (:func:`require_pool_release`).
+    pool_release: bool = True
 
 
 def mem_pool_class(torch: Any) -> Any:
@@ -159,6 +167,7 @@ def _detect(torch: Any) -> TorchCapabilities:
                    if n.startswith("set_"))
         ) if hasattr(C, "_CUDAPluggableAllocator") else (),
         build=_build(torch),
+        pool_release=cls is not None and hasattr(cls, "use_count"),
     )
 
 
@@ -190,6 +199,18 @@ def require_cuda(caps: TorchCapabilities) -> None:
         raise TorchVersionError(
             f"torch {caps.version} is a ROCm build: gpumempool's torch integration needs a CUDA build of torch "
             f"{tested_range()}", version=caps.version, needed="a CUDA build")
+
+
+def require_pool_release(caps: TorchCapabilities) -> None:
+    """TorchVersionError unless torch can give a torch pool's segments back
+    to gpumempool (see ``TorchCapabilities.pool_release``)."""
+    if not caps.pool_release:
+        raise TorchVersionError(
+            f"torch {caps.version} cannot give a torch pool's segments back to gpumempool (its "
+            "torch.cuda.MemPool keeps its pool for the life of the process, and forcing it would free our "
+            "segments with cudaFree): release needs torch >= 2.6; torch keeps them cached for the next "
+            "gmp.mempool(pool), and closing the pool returns them to the backend",
+            version=caps.version, needed="torch >= 2.6")
 
 
 def require_mem_pool(caps: TorchCapabilities) -> None:

@@ -16,6 +16,7 @@ __all__ = [
     "PoolInUseError",
     "ProcessWideRoutingWarning",
     "PythonCallbackWarning",
+    "RetainedTorchPoolWarning",
     "RoutingConflictWarning",
     "TorchIntegrationError",
     "TorchVersionError",
@@ -62,6 +63,16 @@ class PoolInUseError(TorchIntegrationError):
 
 class ProcessWideRoutingWarning(UserWarning):
     """This torch routes every thread's allocations to an entered pool."""
+
+
+class RetainedTorchPoolWarning(UserWarning):
+    """A torch pool holds segments another thread allocated with cudaMalloc
+    (autograd's backward, on torch 2.5-2.7, whose allocator comes from a
+    thread-local MemPoolContext): torch's MemPool destructor would free them
+    through the pool's free function, which throws from the destructor and
+    aborts the process. So that torch pool is never destroyed: it is kept
+    for the life of the process with its segments, and the next
+    ``mempool(pool)`` gets a new one."""
 
 
 class RoutingConflictWarning(UserWarning):

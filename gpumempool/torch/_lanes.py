@@ -5,6 +5,7 @@ pool's segments from torch. Everything here is guarded by :data:`lock`."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -21,8 +22,11 @@ __all__ = [
     "Registration",
     "check_open",
     "closing_pools",
+    "foreign_segments",
     "lock",
     "orphan_lanes",
+    "retain",
+    "retained_lanes",
     "pool_state",
     "pool_states",
     "reset",
@@ -46,6 +50,8 @@ class Lane:
     #: ending a route to it failed: torch may still route to it, so no thread
     #: is given it again (release() still gives back its segments)
     broken: bool = False
+    #: kept for good (:func:`retain`): a weak reference to its gpumempool pool
+    retained_for: Any = None
 
 
 @dataclass(eq=False)
@@ -86,6 +92,28 @@ _tls = threading.local()
 # aborts the process when a route is under way on the device. They are kept
 # here and dropped once no route is (_route_stopped).
 orphan_lanes: list["Lane"] = []
+#: Lanes whose torch pools must never be destroyed (see :func:`retain`).
+retained_lanes: list["Lane"] = []
+
+
+def retain(lane: "Lane", pool: MemPool) -> None:
+    """Keep the lane's torch pool (over ``pool``) for the life of the
+    process, through the interpreter's teardown too (one reference no one
+    drops): its destructor would abort the process
+    (RetainedTorchPoolWarning)."""
+    if lane in retained_lanes:
+        return
+    lane.retained_for = weakref.ref(pool)
+    retained_lanes.append(lane)
+    if lane.torch_pool is not None:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(lane.torch_pool))
+
+
+def foreign_segments(segs: list[dict[str, Any]], ours: set[int]) -> list[dict[str, Any]]:
+    """The torch segments (snapshot dicts) whose address is none of the
+    gpumempool pool's segment addresses ``ours``: torch allocated them
+    with another allocator (cudaMalloc) into the torch pool."""
+    return [s for s in segs if int(s.get("address", 0) or 0) not in ours]
 
 
 def thread_frames() -> list[Any]:

@@ -186,6 +186,12 @@ def run_version(python: str, work: Optional[Path] = None, tests: tuple[str, ...]
         run.output = (proc.stdout + proc.stderr)[-8000:]
         if xml.is_file():
             run.outcomes = read_junit(xml)
+            # pytest exits 0 (all passed) or 1 (some failed); anything else
+            # is no verdict: 5, nothing collected (no outcome is no pass);
+            # a signal after the report (a destructor aborting at exit).
+            if proc.returncode not in (0, 1) or not run.outcomes:
+                run.error = (f"the child pytest exited {_exit(proc.returncode)} after its report"
+                             f" ({len(run.outcomes)} tests): {_last_words(proc.stderr)}")
             break
         started = re.findall(r"^(\S+::\S+) ?(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)?", proc.stdout, re.M)
         if not started or started[-1][1]:

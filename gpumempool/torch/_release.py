@@ -291,11 +291,21 @@ def _forget_unreleasable(torch: Any, caps: TorchCapabilities, pool: MemPool, lan
     # The segments torch keeps cached there go back to the engine (each is one
     # engine segment, pluggable_symbols(segments=True)), so that closing it
     # counts no live block for them.
+    # Only the engine's own: segments autograd's thread cudaMalloc'd into a
+    # torch pool (backward inside gmp.mempool) are none of the engine's, and
+    # one failed free must not keep the engine's others from going back.
+    ours: dict[int, set[int]] = {}
+    with contextlib.suppress(Exception):
+        ours = _engine_addresses(pool)
     for ln in lanes:
+        segs: list[dict[str, Any]] = []
         with contextlib.suppress(Exception):
-            for seg in torch_segments(torch, caps, ln.torch_pool):
-                if not int(seg.get("allocated_size", 0) or 0):
-                    pool.free(int(seg["address"]))
+            segs = torch_segments(torch, caps, ln.torch_pool)
+        for seg in segs:
+            with contextlib.suppress(Exception):
+                addr = int(seg["address"])
+                if not int(seg.get("allocated_size", 0) or 0) and addr in ours.get(ln.device, set()):
+                    pool.free(addr)
     # torch 2.5's MemPool has no destructor: dropping it does nothing in torch
     orphan_lanes.extend(lanes)
     pool_states.pop(id(pool), None)

@@ -18,6 +18,7 @@ from ._capabilities import TorchCapabilities, capabilities, cuda_index, import_t
 from ._errors import PoolInUseError, RetainedTorchPoolWarning, TorchIntegrationError
 from ._lanes import (
     Lane,
+    Spans,
     closing_pools,
     foreign_segments,
     orphan_lanes,
@@ -51,14 +52,15 @@ def _scan_lanes(torch: Any, caps: "TorchCapabilities", lanes: list["Lane"]) -> t
     return per_lane, live_blocks, live_bytes
 
 
-def _engine_addresses(pool: MemPool) -> dict[int, set[int]]:
-    """The addresses of the pool's segments in the engine, by device; none
-    when the pool is closed (then every torch segment counts as foreign,
-    and its torch pool is kept rather than destroyed)."""
-    out: dict[int, set[int]] = {}
+def _engine_addresses(pool: MemPool) -> dict[int, Spans]:
+    """The address ranges of the pool's segments in the engine, by device
+    (``addr in out[device]``: the address lies in one); none when the pool
+    is closed (then every torch segment counts as foreign, and its torch
+    pool is kept rather than destroyed)."""
+    out: dict[int, Spans] = {}
     with contextlib.suppress(PoolClosedError):
         for seg in pool.segments():
-            out.setdefault(int(seg["device"]), set()).add(int(seg["address"]))
+            out.setdefault(int(seg["device"]), Spans()).add(int(seg["address"]), int(seg["size"]))
     return out
 
 
@@ -294,7 +296,7 @@ def _forget_unreleasable(torch: Any, caps: TorchCapabilities, pool: MemPool, lan
     # Only the engine's own: segments autograd's thread cudaMalloc'd into a
     # torch pool (backward inside gmp.mempool) are none of the engine's, and
     # one failed free must not keep the engine's others from going back.
-    ours: dict[int, set[int]] = {}
+    ours: dict[int, Spans] = {}
     with contextlib.suppress(Exception):
         ours = _engine_addresses(pool)
     for ln in lanes:

@@ -319,6 +319,28 @@ def test_stream_is_entered_with_the_pool() -> None:
         del x, tp
 
 
+def test_release_after_torch_segments_carved_from_a_cached_engine_segment() -> None:
+    """After a release the engine keeps torch's 40 MiB segment cached; the
+    next torch pool's two 12 MiB segments are carved from it, the second at
+    no engine segment's start. They are the pool's all the same: release()
+    gives them back (no torch pool kept for good as if cudaMalloc'd)."""
+    if not gmp.torch.capabilities().pool_release:
+        pytest.skip(no_release_reason())
+    with make_pool() as pool:
+        with gmp.mempool(pool):
+            x = torch.empty(40 * MiB, dtype=torch.uint8, device="cuda")
+        del x
+        assert gmp.torch.release(pool) == 40 * MiB and len(pool.segments()) == 1
+        with gmp.mempool(pool) as tp:
+            xs = [torch.empty(12 * MiB, dtype=torch.uint8, device="cuda") for _ in range(2)]
+        assert len(pool_segments(tp)) == 2 and len(pool.segments()) == 1
+        del xs, tp
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", gmp.torch.RetainedTorchPoolWarning)
+            assert gmp.torch.release(pool) == 24 * MiB
+        assert allocated(pool) == 0
+
+
 def test_release_and_reentry_without_backend_cost(record_property) -> None:
     with make_pool() as pool:
         t0 = time.perf_counter()

@@ -39,6 +39,9 @@ MUST_PASS = (
     "test_snapshot_of_a_routed_pool_reads_in_this_torchs_memory_viz",
     "test_torch_memory_viz_renders_our_snapshot",
     "test_snapshot_holds_torchs_view_of_each_torch_pool",
+    # skips where MemPool has neither option (EXPECTED_SKIPS): a detection
+    # that lost them would otherwise skip it, and pass the typed-error test
+    "test_mempool_options_reach_torch_where_it_has_them",
 )
 
 
@@ -95,3 +98,35 @@ def test_a_test_that_kills_the_child_is_a_failure_with_its_cause(tmp_path: Path)
     got = {o.name: (o.outcome, o.reason) for o in run.outcomes}
     assert got["test_before"] == ("passed", "") and got["test_after"] == ("passed", ""), describe(run)
     assert got["test_dies"] == ("failed", "the process died (SIGABRT) in this test: terminate called: the cause")
+
+
+def test_a_child_that_dies_after_its_report_is_an_error(tmp_path: Path) -> None:
+    """The child writes its report at the session's end; a process that
+    dies after it (a torch pool's destructor aborting at interpreter exit,
+    as torch 2.6/2.7's would with cudaMalloc'd segments) is no pass."""
+    if not PYTHONS:
+        if REQUIRED:
+            pytest.fail("GMP_REQUIRE_TORCH_ORACLE=1 but GMP_TORCH_PYTHONS names no torch (tools/torch_slim.py)")
+        pytest.skip("no CUDA build of torch: set GMP_TORCH_PYTHONS (tools/torch_slim.py makes slim installs)")
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_dies_at_exit.py").write_text(
+        "import atexit, os\n"
+        "def test_fine():\n"
+        "    atexit.register(lambda: (os.write(2, b'terminate called: at exit\\n'), os.abort()))\n")
+    run = run_version(PYTHONS[0], tmp_path / "work", tests=("tests/test_dies_at_exit.py",), rootdir=tmp_path)
+    assert run.error and "SIGABRT" in run.error, describe(run)
+
+
+def test_a_child_that_collects_nothing_is_an_error(tmp_path: Path) -> None:
+    """A child run that ran no test (a -k that matches none, a file with no
+    tests) reports it as an error, not as an empty pass."""
+    if not PYTHONS:
+        if REQUIRED:
+            pytest.fail("GMP_REQUIRE_TORCH_ORACLE=1 but GMP_TORCH_PYTHONS names no torch (tools/torch_slim.py)")
+        pytest.skip("no CUDA build of torch: set GMP_TORCH_PYTHONS (tools/torch_slim.py makes slim installs)")
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_none.py").write_text("def helper(): pass\n")
+    run = run_version(PYTHONS[0], tmp_path / "work", tests=("tests/test_none.py",), rootdir=tmp_path)
+    assert run.error, describe(run)

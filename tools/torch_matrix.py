@@ -94,12 +94,15 @@ def table(runs: list[VersionRun]) -> str:
     head = ["torch"] + [f for f, _ in FEATURES]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
-        if r.error:
+        if r.error and not r.outcomes:
             lines.append(f"| {r.torch_version} | " + " | ".join(["not run"] * len(FEATURES)) + " |")
             continue
         cells = [feature_cell([o for o in r.outcomes if any(_matches(o.name, p) for p in pats)])
                  for _, pats in FEATURES]
-        lines.append(f"| {r.torch_version} | " + " | ".join(cells) + " |")
+        # tests ran, but the child died or erred after them (an abort at exit): no clean pass
+        version = f"{r.torch_version} (**the child died or erred after its tests, see below**)" if r.error \
+            else r.torch_version
+        lines.append(f"| {version} | " + " | ".join(cells) + " |")
     out = ["\n".join(lines), "", "## Limitations, by design, with their reason", ""]
     tested = {minor(r.torch_version) for r in runs if not r.error}
     for versions, text in LIMITATIONS:
@@ -119,9 +122,11 @@ def table(runs: list[VersionRun]) -> str:
     out += ["", "## Each version's failures and skips, as the tests said them", ""]
     for r in runs:
         out.append(f"### torch {r.torch_version}\n")
-        if r.error:
+        if r.error and not r.outcomes:
             out.append(f"Not run: {r.error}\n")
             continue
+        if r.error:
+            out.append(f"**Error**: {r.error}\n")
         counts = {k: sum(1 for o in r.outcomes if o.outcome == k) for k in ("passed", "failed", "error", "skipped")}
         out.append(", ".join(f"{n} {k}" for k, n in counts.items() if n) + ".\n")
         for o in r.outcomes:

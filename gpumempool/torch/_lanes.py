@@ -5,6 +5,7 @@ pool's segments from torch. Everything here is guarded by :data:`lock`."""
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import threading
 import weakref
@@ -20,6 +21,7 @@ __all__ = [
     "Lane",
     "PoolState",
     "Registration",
+    "Spans",
     "check_open",
     "closing_pools",
     "foreign_segments",
@@ -109,10 +111,36 @@ def retain(lane: "Lane", pool: MemPool) -> None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(lane.torch_pool))
 
 
-def foreign_segments(segs: list[dict[str, Any]], ours: set[int]) -> list[dict[str, Any]]:
-    """The torch segments (snapshot dicts) whose address is none of the
-    gpumempool pool's segment addresses ``ours``: torch allocated them
-    with another allocator (cudaMalloc) into the torch pool."""
+class Spans:
+    """The address ranges of a gpumempool pool's segments on one device;
+    ``addr in spans`` when an address lies in one of them. A torch segment
+    is a block of the engine, carved from an engine segment (one cached
+    from an earlier torch pool may hold several): its address is the
+    pool's when it lies in a segment, whether or not it starts one."""
+
+    def __init__(self, ranges: Any = ()) -> None:
+        self._ranges = sorted((int(a), int(a) + int(n)) for a, n in ranges)
+        self._starts = [a for a, _ in self._ranges]
+
+    def add(self, address: int, size: int) -> None:
+        self._ranges.append((int(address), int(address) + int(size)))
+        self._ranges.sort()
+        self._starts = [a for a, _ in self._ranges]
+
+    def __contains__(self, addr: object) -> bool:
+        if not isinstance(addr, int):
+            return False
+        i = bisect.bisect_right(self._starts, addr) - 1
+        return i >= 0 and addr < self._ranges[i][1]
+
+    def __len__(self) -> int:
+        return len(self._ranges)
+
+
+def foreign_segments(segs: list[dict[str, Any]], ours: Any) -> list[dict[str, Any]]:
+    """The torch segments (snapshot dicts) whose address lies in none of the
+    gpumempool pool's segments ``ours`` (:class:`Spans`): torch allocated
+    them with another allocator (cudaMalloc) into the torch pool."""
     return [s for s in segs if int(s.get("address", 0) or 0) not in ours]
 
 

@@ -18,6 +18,7 @@ from ._capabilities import TorchCapabilities, capabilities, cuda_index, import_t
 from ._errors import PoolInUseError, RetainedTorchPoolWarning, TorchIntegrationError
 from ._lanes import (
     Lane,
+    Spans,
     closing_pools,
     foreign_segments,
     orphan_lanes,
@@ -51,14 +52,15 @@ def _scan_lanes(torch: Any, caps: "TorchCapabilities", lanes: list["Lane"]) -> t
     return per_lane, live_blocks, live_bytes
 
 
-def _engine_addresses(pool: MemPool) -> dict[int, set[int]]:
-    """The addresses of the pool's segments in the engine, by device; none
-    when the pool is closed (then every torch segment counts as foreign,
-    and its torch pool is kept rather than destroyed)."""
-    out: dict[int, set[int]] = {}
+def _engine_addresses(pool: MemPool) -> dict[int, Spans]:
+    """The address ranges of the pool's segments in the engine, by device
+    (``addr in out[device]``: the address lies in one); none when the pool
+    is closed (then every torch segment counts as foreign, and its torch
+    pool is kept rather than destroyed)."""
+    out: dict[int, Spans] = {}
     with contextlib.suppress(PoolClosedError):
         for seg in pool.segments():
-            out.setdefault(int(seg["device"]), set()).add(int(seg["address"]))
+            out.setdefault(int(seg["device"]), Spans()).add(int(seg["address"]), int(seg["size"]))
     return out
 
 
@@ -291,11 +293,21 @@ def _forget_unreleasable(torch: Any, caps: TorchCapabilities, pool: MemPool, lan
     # The segments torch keeps cached there go back to the engine (each is one
     # engine segment, pluggable_symbols(segments=True)), so that closing it
     # counts no live block for them.
+    # Only the engine's own: segments autograd's thread cudaMalloc'd into a
+    # torch pool (backward inside gmp.mempool) are none of the engine's, and
+    # one failed free must not keep the engine's others from going back.
+    ours: dict[int, Spans] = {}
+    with contextlib.suppress(Exception):
+        ours = _engine_addresses(pool)
     for ln in lanes:
+        segs: list[dict[str, Any]] = []
         with contextlib.suppress(Exception):
-            for seg in torch_segments(torch, caps, ln.torch_pool):
-                if not int(seg.get("allocated_size", 0) or 0):
-                    pool.free(int(seg["address"]))
+            segs = torch_segments(torch, caps, ln.torch_pool)
+        for seg in segs:
+            with contextlib.suppress(Exception):
+                addr = int(seg["address"])
+                if not int(seg.get("allocated_size", 0) or 0) and addr in ours.get(ln.device, set()):
+                    pool.free(addr)
     # torch 2.5's MemPool has no destructor: dropping it does nothing in torch
     orphan_lanes.extend(lanes)
     pool_states.pop(id(pool), None)

@@ -1,5 +1,7 @@
-"""Review of issue 27's torch changes: regressions found, with the fake torch
-of tests/test_torch_logic.py."""
+"""Releasing and closing torch pools at their edges (torch pools carved from
+a segment the engine cached, cudaMalloc'd segments on torch 2.5, a matrix
+run that crashed), with the fake torch of tests/test_torch_logic.py. Each
+failed before its fix (found in review)."""
 
 from __future__ import annotations
 

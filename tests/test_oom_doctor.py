@@ -19,6 +19,8 @@ from typing import Any, Iterator
 
 import pytest
 
+from _torch_pythons import PYTHONS, no_torch
+
 import gpumempool as gmp
 import gpumempool.distributed as gd
 import gpumempool.torch as gt
@@ -29,8 +31,6 @@ from gpumempool._units import format_bytes
 from gpumempool.trace import Trace, from_torch_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
-PYTHONS = [p for p in os.environ.get("GMP_TORCH_PYTHONS", "").split(os.pathsep) if p]
-REQUIRED = os.environ.get("GMP_REQUIRE_TORCH_ORACLE") == "1"
 MiB = 1 << 20
 #: The doctor's line when a setting fits: the variable, the setting, the peak.
 FITS_LINE = re.compile(r"^gpumempool: with (PYTORCH_(?:CUDA_)?ALLOC_CONF)=(\S+) this run peaks at "
@@ -357,9 +357,7 @@ TORCH_CHILD = textwrap.dedent("""
     os.path.dirname(os.path.dirname(p))))
 def torch_python(request: pytest.FixtureRequest) -> str:
     if request.param is None:
-        if REQUIRED:
-            pytest.fail("GMP_REQUIRE_TORCH_ORACLE=1 but GMP_TORCH_PYTHONS names no torch (tools/torch_slim.py)")
-        pytest.skip("no CUDA build of torch: set GMP_TORCH_PYTHONS (tools/torch_slim.py makes slim installs)")
+        no_torch()
     return str(request.param)
 
 

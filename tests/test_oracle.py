@@ -20,14 +20,14 @@ from typing import Any
 
 import pytest
 
+from _torch_pythons import PYTHONS, no_torch
+
 from gpumempool.oracle import FakeStackError, OracleError, _stack, adversarial, fidelity, run
 from gpumempool.trace import Alloc, EmptyCache, Free, RecordStream, Sync, Trace, from_torch_snapshot, load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "benchmarks" / "traces"
 EXTERNAL = ROOT.parent / "shared" / "traces-external"
-PYTHONS = [p for p in os.environ.get("GMP_TORCH_PYTHONS", "").split(os.pathsep) if p]
-REQUIRED = os.environ.get("GMP_REQUIRE_TORCH_ORACLE") == "1"
 GiB, MiB = 1 << 30, 1 << 20
 
 
@@ -45,9 +45,7 @@ def _params() -> list[Any]:
 def torch_python(request: pytest.FixtureRequest) -> str:
     p = request.param
     if p is None:
-        if REQUIRED:
-            pytest.fail("GMP_REQUIRE_TORCH_ORACLE=1 but GMP_TORCH_PYTHONS names no torch (tools/torch_slim.py)")
-        pytest.skip("no CUDA build of torch: set GMP_TORCH_PYTHONS (tools/torch_slim.py makes slim installs)")
+        no_torch()
     return str(p)
 
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from _torch_pythons import PYTHONS, no_torch
+
 from gpumempool.oracle import FakeStackError, _stack, run
 from gpumempool.trace import Alloc, Free, Trace
 
@@ -31,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _full_torch import full_torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PYTHONS = [p for p in os.environ.get("GMP_TORCH_PYTHONS", "").split(os.pathsep) if p]
 MAJORS = {12: "libcudart.so.12", 13: "libcudart.so.13"}
 #: What the fake libraries may need: the C library and the fake driver.
 SYSTEM_LIBS = {"libc.so.6", "libdl.so.2", "libpthread.so.0", "ld-linux-x86-64.so.2", "ld-linux-aarch64.so.1"}
@@ -180,9 +181,7 @@ def _params() -> list[Any]:
 @pytest.fixture(params=_params())
 def torch_python(request: pytest.FixtureRequest) -> str:
     if request.param is None:
-        if os.environ.get("GMP_REQUIRE_TORCH_ORACLE") == "1":
-            pytest.fail("GMP_REQUIRE_TORCH_ORACLE=1 but GMP_TORCH_PYTHONS names no torch (tools/torch_slim.py)")
-        pytest.skip("no CUDA build of torch: set GMP_TORCH_PYTHONS (tools/torch_slim.py makes slim installs)")
+        no_torch()
     if not (_stack.PREBUILT / "stack.json").is_file():
         pytest.skip("no prebuilt stack")
     return str(request.param)

@@ -13,16 +13,15 @@ benchmarks/results/torch_versions.md."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from _torch_pythons import PYTHONS, no_torch
+
 from _torch_versions import EXPECTED_SKIPS, KNOWN_FAILURES, VersionRun, minor, run_version
 
-PYTHONS = [p for p in os.environ.get("GMP_TORCH_PYTHONS", "").split(os.pathsep) if p]
-REQUIRED = os.environ.get("GMP_REQUIRE_TORCH_ORACLE") == "1"
 
 #: Tests that must pass (not skip) on every version: what the fake stack
 #: can check of each feature.
@@ -60,9 +59,7 @@ def describe(run: VersionRun) -> str:
 @pytest.mark.parametrize("python", _params())
 def test_real_torch_tests_on_the_fake_stack(python: Any, tmp_path: Path) -> None:
     if python is None:
-        if REQUIRED:
-            pytest.fail("GMP_REQUIRE_TORCH_ORACLE=1 but GMP_TORCH_PYTHONS names no torch (tools/torch_slim.py)")
-        pytest.skip("no CUDA build of torch: set GMP_TORCH_PYTHONS (tools/torch_slim.py makes slim installs)")
+        no_torch()
     run = run_version(python, tmp_path)
     assert not run.error, f"torch {run.torch_version}: {run.error}\n{run.output[-3000:]}"
     v = minor(run.torch_version)
@@ -83,9 +80,7 @@ def test_a_test_that_kills_the_child_is_a_failure_with_its_cause(tmp_path: Path)
     """A test that aborts the child (as torch's C++ asserts do) is reported
     as failed, with what the process said, and the others still run."""
     if not PYTHONS:
-        if REQUIRED:
-            pytest.fail("GMP_REQUIRE_TORCH_ORACLE=1 but GMP_TORCH_PYTHONS names no torch (tools/torch_slim.py)")
-        pytest.skip("no CUDA build of torch: set GMP_TORCH_PYTHONS (tools/torch_slim.py makes slim installs)")
+        no_torch()
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "test_dies.py").write_text(
@@ -105,9 +100,7 @@ def test_a_child_that_dies_after_its_report_is_an_error(tmp_path: Path) -> None:
     dies after it (a torch pool's destructor aborting at interpreter exit,
     as torch 2.6/2.7's would with cudaMalloc'd segments) is no pass."""
     if not PYTHONS:
-        if REQUIRED:
-            pytest.fail("GMP_REQUIRE_TORCH_ORACLE=1 but GMP_TORCH_PYTHONS names no torch (tools/torch_slim.py)")
-        pytest.skip("no CUDA build of torch: set GMP_TORCH_PYTHONS (tools/torch_slim.py makes slim installs)")
+        no_torch()
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "test_dies_at_exit.py").write_text(
@@ -122,9 +115,7 @@ def test_a_child_that_collects_nothing_is_an_error(tmp_path: Path) -> None:
     """A child run that ran no test (a -k that matches none, a file with no
     tests) reports it as an error, not as an empty pass."""
     if not PYTHONS:
-        if REQUIRED:
-            pytest.fail("GMP_REQUIRE_TORCH_ORACLE=1 but GMP_TORCH_PYTHONS names no torch (tools/torch_slim.py)")
-        pytest.skip("no CUDA build of torch: set GMP_TORCH_PYTHONS (tools/torch_slim.py makes slim installs)")
+        no_torch()
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "test_none.py").write_text("def helper(): pass\n")

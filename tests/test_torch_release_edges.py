@@ -22,6 +22,17 @@ def _kept_for(pool: object) -> list[object]:
     return [ln for ln in gtorch._lanes.retained_lanes if ln.retained_for is not None and ln.retained_for() is pool]
 
 
+def _release_keeping_nothing(pool: gmp.MemPool) -> int:
+    """``release(pool)``, asserting it keeps no torch pool for good (no
+    RetainedTorchPoolWarning, none kept) and gives every byte back; returns
+    what it released."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gtorch.RetainedTorchPoolWarning)
+        released = gtorch.release(pool)
+    assert pool.stats()["allocated_bytes.all.current"] == 0 and not _kept_for(pool)
+    return released
+
+
 def test_close_on_torch_25_with_a_cudamalloc_segment_still_returns_ours(monkeypatch, sim):  # noqa: F811
     """torch 2.5: autograd's thread cudaMalloc's segments into the torch pool
     (backward inside gmp.mempool). Closing the pool hands the engine back
@@ -76,10 +87,7 @@ def test_release_of_many_small_torch_segments_keeps_no_torch_pool(monkeypatch, s
         xs = [torch.empty(1 * MiB + 4096) for _ in range(12)]  # 12 torch segments of 2 MiB
     inside = sim.stats()["allocated_bytes.all.current"]
     del xs
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", gtorch.RetainedTorchPoolWarning)
-        assert gtorch.release(sim) == inside
-    assert sim.stats()["allocated_bytes.all.current"] == 0 and not _kept_for(sim)
+    assert _release_keeping_nothing(sim) == inside
 
 
 @pytest.mark.parametrize("variant", ["2.7", "2.11"])
@@ -97,10 +105,7 @@ def test_release_after_reuse_of_the_engines_cache_keeps_no_torch_pool(monkeypatc
         xs = [torch.empty(1 * MiB + 4096) for _ in range(4)]  # 2 MiB torch segments
     inside = sim.stats()["allocated_bytes.all.current"]
     del xs
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", gtorch.RetainedTorchPoolWarning)
-        assert gtorch.release(sim) == inside
-    assert sim.stats()["allocated_bytes.all.current"] == 0 and not _kept_for(sim)
+    assert _release_keeping_nothing(sim) == inside
 
 
 @pytest.mark.parametrize("variant", ["2.7", "2.11"])
@@ -123,7 +128,4 @@ def test_torch_segments_carved_from_one_cached_engine_segment_are_ours(monkeypat
     assert len(tp.snapshot()) == 2
     inside = sim.stats()["allocated_bytes.all.current"]
     del xs, tp
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", gtorch.RetainedTorchPoolWarning)
-        assert gtorch.release(sim) == inside == 40 * MiB
-    assert sim.stats()["allocated_bytes.all.current"] == 0 and not _kept_for(sim)
+    assert _release_keeping_nothing(sim) == inside == 40 * MiB

@@ -201,7 +201,7 @@ func TestPlainSegmentsAreTracedAsAllocAndFree(t *testing.T) {
 		actions = append(actions, e.Action)
 	}
 	assert.Equal(t, []string{ActionSegmentAlloc, ActionAlloc, ActionFreeRequested, ActionFreeCompleted,
-		ActionSegmentFree}, actions)
+		ActionSegmentFree, ActionEmptyCache}, actions)
 	for _, e := range p.History() {
 		assert.Zero(t, e.Thread, "threads are recorded only when asked for")
 	}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import os
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeGuard, Union
 
 from .._safepickle import MAX_PICKLE_BYTES, load_pickle
 from .._snapshot import RECORD_STREAM_KEY, with_entries_aside
@@ -57,7 +57,7 @@ def _segment_handle(s: dict[str, Any]) -> Any:
     return pid[1] if isinstance(pid, (tuple, list)) and len(pid) == 2 and ours is not None else None
 
 
-def _in_range(v: Any, lo: int, hi: int) -> bool:
+def _in_range(v: Any, lo: int, hi: int) -> TypeGuard[int]:
     return type(v) is int and lo <= v < hi
 
 

@@ -262,21 +262,14 @@ def pool_snapshot(name: str, handle: int, backend: str, raw: dict[str, Any], his
     return snap
 
 
-def with_record_streams(snap: dict[str, Any], traces: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
-    """``traces`` (the ``device_traces`` of ``snap``) with the record_stream
-    calls our snapshots keep aside (RECORD_STREAM_KEY) put back where they
-    were recorded, as entries of action ``record_stream``; ``traces`` itself
-    when there are none. Raises ValueError, naming the entry, on a malformed
-    one."""
-    return _join(snap, traces, RECORD_STREAM_KEY)
-
-
 def with_entries_aside(snap: dict[str, Any], traces: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
-    """``traces`` with every kind of entry our snapshots keep aside put back
-    where it was recorded: record_stream calls (RECORD_STREAM_KEY), then the
-    empty_cache and trim calls (CACHE_CALLS_KEY, entries of their own
-    action, ``keep`` and ``every_device``). Raises ValueError as
-    :func:`with_record_streams`."""
+    """``traces`` (the ``device_traces`` of ``snap``) with every kind of
+    entry our snapshots keep aside put back where it was recorded:
+    record_stream calls (RECORD_STREAM_KEY, as entries of action
+    ``record_stream``), then the empty_cache and trim calls
+    (CACHE_CALLS_KEY, entries of their own action, ``keep`` and
+    ``every_device``); ``traces`` itself when there are none. Raises
+    ValueError, naming the entry, on a malformed one."""
     return _join(snap, _join(snap, traces, RECORD_STREAM_KEY), CACHE_CALLS_KEY, traces)
 
 

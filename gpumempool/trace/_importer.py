@@ -32,7 +32,7 @@ IMPORTED = ("alloc", "free_requested", "free_completed", "segment_alloc", "segme
 _GROW = ("segment_alloc", "segment_map")
 _SHRINK = ("segment_free", "segment_unmap")
 
-#: (device, index in imported, entry)
+#: (device, index of the entry in its device's trace, entry)
 Entry = tuple[int, int, dict[str, Any]]
 
 
@@ -451,7 +451,9 @@ def convert(checked: CheckedSnapshot, *, source: Optional[str] = None,
 def from_history(pool_or_snapshot: Any, *, infer_empty_cache: bool = False) -> Trace:
     """The trace of a pool's recorded history: ``pool`` (a
     :class:`~gpumempool.MemPool` with history on) or a snapshot dict of ours
-    (``pool.snapshot()``, ``gmp.snapshot()``) with ``device_traces``."""
+    (``pool.snapshot()``, ``gmp.snapshot()``) with ``device_traces``. The
+    ``empty_cache`` and ``trim`` calls the engine recorded become ``e`` and
+    ``t`` events where they were made."""
     pool = pool_or_snapshot if hasattr(pool_or_snapshot, "snapshot") and callable(pool_or_snapshot.snapshot) else None
     snap = pool.snapshot() if pool is not None else pool_or_snapshot
     tr = convert(check_pool_history(snap), source="gpumempool", infer_empty_cache=infer_empty_cache)

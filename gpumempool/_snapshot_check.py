@@ -1,5 +1,8 @@
-"""The checks a snapshot pickle's history passes before it is imported as a
-trace (:func:`gpumempool.trace.from_torch_snapshot`).
+"""The checks a snapshot's history passes before it is imported as a trace
+(:func:`gpumempool.trace.from_torch_snapshot`, and, without the demand for
+a replayable history, :func:`~gpumempool.trace.from_history` and
+:class:`~gpumempool.trace.TraceRecorder`): the one pass over a snapshot
+on every path to a trace.
 
 A snapshot without history (``device_traces`` empty, one event, or events
 none of which allocates) is refused: a replay of it would only re-allocate

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/gpumempool/gpumempool/bindings/pyerr"
 	"github.com/gpumempool/gpumempool/gocore"
 )
 
@@ -67,7 +68,7 @@ func TestBackendOptionsAreDecodedStrictly(t *testing.T) {
 	} {
 		_, err := NewPool(in)
 		require.Error(t, err, in)
-		assert.True(t, strings.HasPrefix(err.Error(), want), "%s -> %v", in, err)
+		assertKind(t, err, pyerr.InvalidArgument, strings.TrimPrefix(want, "ValueError: "))
 	}
 }
 

@@ -11,7 +11,7 @@
 // callers may also use gmp_pool_alloc / gmp_pool_free with a pool handle, and
 // gmp_last_error to read why a call returned NULL or -1.
 //
-// Every call serves the pool through registry.Entry.Graphs, which routes to
+// Every call serves the pool through registry.Entry.Pool, which routes to
 // the private pools of CUDA graphs (package graphpool) while a capture or a
 // private block says so. Besides: torch's optional hooks per slot
 // (hooks.go), the CUDA-graph hooks (graphs.go, zz_slots.c), the throwing alloc
@@ -118,9 +118,9 @@ func allocRecovered(e *registry.Entry, size uint64, device int, stream gocore.St
 	defer stopPanic(&returned, &err)
 	if err = enter(e); err == nil {
 		if segment {
-			addr, err = e.Graphs.AllocSegment(size, device, stream)
+			addr, err = e.Pool.AllocSegment(size, device, stream)
 		} else {
-			addr, err = e.Graphs.Alloc(size, device, stream)
+			addr, err = e.Pool.Alloc(size, device, stream)
 		}
 	}
 	returned = true
@@ -133,7 +133,7 @@ func freeRecovered(e *registry.Entry, addr uint64) (err error) {
 	returned := false
 	defer stopPanic(&returned, &err)
 	if err = enter(e); err == nil {
-		err = e.Graphs.Free(addr)
+		err = e.Pool.Free(addr)
 	}
 	returned = true
 	return err

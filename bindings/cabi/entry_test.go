@@ -15,7 +15,7 @@ func slotEntry(tb testing.TB, be gocore.Backend) (*registry.Entry, int) {
 	tb.Helper()
 	p, err := gocore.NewPool(gocore.Config{Name: "entry", Backend: be})
 	require.NoError(tb, err)
-	e := registry.Add(p, nil, nil)
+	e := registry.Add(p, nil)
 	tb.Cleanup(func() { registry.Remove(e.ID) })
 	slot, err := registry.AssignSlot(e)
 	require.NoError(tb, err)

@@ -30,17 +30,13 @@ var ErrNoFreeSlot = errors.New("all C entry points are in use")
 
 // Entry is a registered pool.
 type Entry struct {
-	ID   int64
-	Pool *gocore.Pool
-	// Graphs is Pool with the private pools of its CUDA graphs and
-	// torch.cuda.MemPools: every entry point (C, torch, Python) allocates,
-	// frees, records and looks up through it.
-	Graphs *graphpool.Pools
+	ID int64
+	// Pool is the pool with the private pools of its CUDA graphs and
+	// torch.cuda.MemPools: the one face of the pool every entry point (C,
+	// torch, Python) sees; it decides which of them a call concerns.
+	Pool *graphpool.Pools
 	// Sim is the pool's backend when it is a simulator, for test controls.
 	Sim *gocore.SimBackend
-	// Keep holds the objects the backend depends on (e.g. a private
-	// backend) for as long as the entry lives.
-	Keep any
 
 	// reentry is the pool's backend when it runs user code under the
 	// pool's lock (package callback), else nil: looked up once, not on
@@ -112,11 +108,11 @@ var (
 )
 
 // Add registers a pool and returns its entry with a fresh handle.
-func Add(p *gocore.Pool, sim *gocore.SimBackend, keep any) *Entry {
+func Add(p *gocore.Pool, sim *gocore.SimBackend) *Entry {
 	mu.Lock()
 	defer mu.Unlock()
 	nextID++
-	e := &Entry{ID: nextID, Pool: p, Graphs: graphpool.New(p), Sim: sim, Keep: keep}
+	e := &Entry{ID: nextID, Pool: graphpool.New(p), Sim: sim}
 	e.reentry, _ = p.Backend().(interface{ CalledFromCallback() bool })
 	e.slot.Store(-1)
 	pools.Store(e.ID, e)
@@ -277,26 +273,6 @@ func BySlot(i int) *Entry {
 		e.called.Store(true)
 	}
 	return e
-}
-
-// Kind names the Python exception for err (gpumempool's exception classes,
-// or a builtin): the Python layer raises it for a message "Kind: text".
-func Kind(err error) string {
-	switch {
-	case errors.Is(err, gocore.ErrOutOfMemory):
-		return "OutOfMemoryError"
-	case errors.Is(err, gocore.ErrDoubleFree):
-		return "DoubleFreeError"
-	case errors.Is(err, gocore.ErrUnknownPointer), errors.Is(err, gocore.ErrInteriorPointer):
-		return "InvalidPointerError"
-	case errors.Is(err, gocore.ErrClosed), errors.Is(err, ErrNoSuchPool):
-		return "PoolClosedError"
-	case errors.Is(err, gocore.ErrInvalidSize), errors.Is(err, gocore.ErrInvalidDevice),
-		errors.Is(err, gocore.ErrInvalidArgument):
-		return "ValueError"
-	default:
-		return "RuntimeError"
-	}
 }
 
 // SetOrphanError records an error from a C call that no pool could own.

@@ -398,9 +398,17 @@ func PoolHookSymbols(id int64) (js string, err error) {
 func PoolTakeError(id int64) (msg string, err error) {
 	defer guard(&err)
 	if id == 0 {
-		return registry.TakeOrphanError(), nil
+		return errorText(registry.TakeOrphanError()), nil
 	}
-	return withEntry(id, func(e *registry.Entry) (string, error) { return e.TakeError(), nil })
+	return withEntry(id, func(e *registry.Entry) (string, error) { return errorText(e.TakeError()), nil })
+}
+
+// errorText is err's text, "" for nil.
+func errorText(err error) string {
+	if err == nil {
+		return ""
+	}
+	return err.Error()
 }
 
 // DebugPanicNext makes the pool's next C-ABI call panic inside Go (fault

@@ -20,13 +20,13 @@ MiB = 1 << 20
 PACKAGE = pathlib.Path(gmp.__file__).parent
 
 
-def _assert_oom_fields(err: gmp.OutOfMemoryError, *, requested: int, limit: int) -> None:
+def _assert_oom_fields(err: gmp.OutOfMemoryError, *, requested: int, limit: int, where: str = "") -> None:
     assert err.kind == "OutOfMemoryError"
     assert (err.pool, err.backend, err.device) == ("errs", "sim", 0), err.fields
     assert (err.requested, err.limit, err.allocated) == (requested, limit, 0), err.fields
     assert err.segment is not None and err.segment >= requested
     assert err.reserved == 0 and err.cause == "" and err.device_total == 64 * MiB, err.fields
-    assert str(err).startswith('pool "errs" (sim backend) out of memory on device 0'), str(err)
+    assert str(err).startswith(where + 'pool "errs" (sim backend) out of memory on device 0'), str(err)
 
 
 def test_out_of_memory_carries_its_fields_through_the_fast_path() -> None:
@@ -114,6 +114,45 @@ def test_the_fork_refusal_is_made_in_c_as_a_value() -> None:
     assert text.value.decode() == f"ForkedProcessError: {err}"
     short = ctypes.create_string_buffer(8)
     assert fork_error(short, len(short), 0) == len(text.value) and short.value == b"ForkedP"
+
+
+def _c_abi() -> ctypes.CDLL:
+    lib = ctypes.CDLL(_native.library_path())
+    lib.gmp_pool_alloc.restype = ctypes.c_void_p
+    lib.gmp_pool_alloc.argtypes = [ctypes.c_int64, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    for name in ("gmp_last_error", "gmp_last_error_value"):
+        getattr(lib, name).restype = ctypes.c_size_t
+        getattr(lib, name).argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_size_t]
+    return lib
+
+
+def test_the_c_abis_last_error_crosses_as_a_value() -> None:
+    """gmp_last_error gives C callers the text; gmp_last_error_value the
+    same error as its value, with the fields of the Go struct, read through
+    ctypes."""
+    lib = _c_abi()
+    buf = ctypes.create_string_buffer(4096)
+    with gmp.MemPool("sim", name="errs", capacity=64 * MiB, limit=4 * MiB) as pool:
+        assert not lib.gmp_pool_alloc(pool.handle, 6 * MiB, 0, None)
+        n = lib.gmp_last_error_value(pool.handle, buf, len(buf))
+        assert n == len(buf.value) > 0
+        err = _errors.error_from_value(buf.value.decode())
+        assert isinstance(err, gmp.OutOfMemoryError)
+        _assert_oom_fields(err, requested=6 * MiB, limit=4 * MiB, where="gmp_pool_alloc: ")
+        assert lib.gmp_last_error_value(pool.handle, buf, len(buf)) == 0 and buf.value == b"", "read, it is cleared"
+        assert not lib.gmp_pool_alloc(pool.handle, 6 * MiB, 0, None)
+        lib.gmp_last_error(pool.handle, buf, len(buf))
+        assert buf.value.decode() == str(err), "the text C callers read is the value's message"
+        assert not lib.gmp_pool_alloc(pool.handle, 6 * MiB, 0, None)
+        small = ctypes.create_string_buffer(120)  # the message is shortened, never the value cut
+        assert lib.gmp_last_error_value(pool.handle, small, len(small)) < len(small)
+        short = _errors.error_from_value(small.value.decode())
+        assert isinstance(short, gmp.OutOfMemoryError) and str(short).endswith("...")
+    lib.gmp_last_error_value(0, buf, len(buf))  # no older orphans
+    assert not lib.gmp_pool_alloc(10**9, 4096, 0, None)  # a handle no pool has: the orphans' error
+    lib.gmp_last_error_value(0, buf, len(buf))
+    err = _errors.error_from_value(buf.value.decode())
+    assert type(err) is gmp.PoolClosedError and str(err) == f"gmp_pool_alloc: pool handle {10**9}: no such pool"
 
 
 def _parses_error_text(node: ast.Call) -> bool:

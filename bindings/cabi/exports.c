@@ -61,6 +61,11 @@ size_t gmp_last_error(int64_t pool, char* buf, size_t n) {
   return gmpgo_last_error(pool, buf, n);
 }
 
+size_t gmp_last_error_value(int64_t pool, char* buf, size_t n) {
+  if (GMP_FORKED()) return gmp_fork_error(buf, n, GMP_ERROR_JSON);
+  return gmpgo_last_error_value(pool, buf, n);
+}
+
 void gmp_graph_begin(int slot, int device, uint64_t id0, uint64_t id1, void* filter) {
   if (GMP_FORKED()) { /* nobody will own torch's filter: destroy it (C++, no Go) */
     gmp_filter_delete(filter);

@@ -27,7 +27,8 @@ enum gmp_error_form {
    * error (gmp_last_error) and what torch's throwing entry point throws. */
   GMP_ERROR_TEXT = 0,
   /* For Python: the value every error crosses to Python as (bindings/pyerr),
-   * {"kind": "ForkedProcessError", "message": <gmp_fork_message>}. */
+   * {"kind": "ForkedProcessError", "message": <gmp_fork_message>}: what
+   * gmp_py_alloc / gmp_py_free and gmp_last_error_value give. */
   GMP_ERROR_JSON = 1,
 };
 

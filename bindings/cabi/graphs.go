@@ -50,7 +50,7 @@ func gmpgo_graph_begin(slot, device C.int, id0, id1 C.uint64_t, filter unsafe.Po
 	e := registry.BySlot(int(slot))
 	if e == nil {
 		f.Release()
-		registry.SetOrphanError(fmt.Sprintf("gmp_begin_allocate_to_pool_%d: no pool holds this slot (closed?)", int(slot)))
+		registry.SetOrphanError(fmt.Errorf("gmp_begin_allocate_to_pool_%d: no pool holds this slot (closed?)", int(slot)))
 		return
 	}
 	passed := false
@@ -92,7 +92,7 @@ func gmpgo_graph_end(slot, device C.int, id0, id1 C.uint64_t) {
 func graphEnd(slot, device int, id graphpool.ID) {
 	if registry.BySlot(slot) == nil {
 		if _, err := graphpool.RetryLingering(); err != nil {
-			registry.SetOrphanError(fmt.Sprintf("gmp_end_allocate_to_pool_%d: give back the segments of a pool closed during its capture: %v", slot, err))
+			registry.SetOrphanError(fmt.Errorf("gmp_end_allocate_to_pool_%d: give back the segments of a pool closed during its capture: %w", slot, err))
 		}
 	}
 	slotHook(slot, "gmp_end_allocate_to_pool", func(e *registry.Entry) error {

@@ -51,5 +51,5 @@ func TestGraphPoolSegmentsOfAPoolClosedDuringItsCaptureGoBackAtItsEnd(t *testing
 	be.Refuse.Store(false) // the capture ended; torch ends the allocation to the pool
 	graphEnd(slot, 0, id)
 	assert.Zero(t, sim.UsedBytes(0), "the refused segments went back")
-	assert.Equal(t, fmt.Sprintf("gmp_end_allocate_to_pool_%d: no pool holds this slot (closed?)", slot), registry.TakeOrphanError())
+	assert.EqualError(t, registry.TakeOrphanError(), fmt.Sprintf("gmp_end_allocate_to_pool_%d: no pool holds this slot (closed?)", slot))
 }

@@ -52,7 +52,7 @@ func HookSymbols(slot int) map[string]string {
 func slotHook(slot int, where string, fn func(e *registry.Entry) error) {
 	e := registry.BySlot(slot)
 	if e == nil {
-		registry.SetOrphanError(fmt.Sprintf("%s_%d: no pool holds this slot (closed?)", where, slot))
+		registry.SetOrphanError(fmt.Errorf("%s_%d: no pool holds this slot (closed?)", where, slot))
 		return
 	}
 	guarded(e, where, func() error { return fn(e) })

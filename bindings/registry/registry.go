@@ -53,7 +53,7 @@ type Entry struct {
 	// caller (torch, cupy, anyone who resolved the names) holds the
 	// functions and may still call them, e.g. to free a block it got.
 	called  atomic.Bool
-	lastErr atomic.Pointer[string]
+	lastErr atomic.Pointer[error]
 }
 
 // CalledFromCallback reports whether the calling thread is inside the
@@ -61,15 +61,20 @@ type Entry struct {
 // pool's lock: a call of the pool from there would wait for it forever.
 func (e *Entry) CalledFromCallback() bool { return e.reentry != nil && e.reentry.CalledFromCallback() }
 
-// SetError records the last error seen at the C boundary for this pool.
-func (e *Entry) SetError(msg string) { e.lastErr.Store(&msg) }
+// SetError records the last error seen at the C boundary for this pool:
+// the error itself, so that it crosses as text (gmp_last_error) or as its
+// structured value (gmp_last_error_value, package pyerr).
+func (e *Entry) SetError(err error) { e.lastErr.Store(&err) }
 
-// TakeError returns and clears the last recorded error ("" when none).
-func (e *Entry) TakeError() string {
-	if p := e.lastErr.Swap(nil); p != nil {
-		return *p
+// TakeError returns and clears the last recorded error (nil when none).
+func (e *Entry) TakeError() error { return take(&e.lastErr) }
+
+// take returns and clears the error held by p, or nil.
+func take(p *atomic.Pointer[error]) error {
+	if err := p.Swap(nil); err != nil {
+		return *err
 	}
-	return ""
+	return nil
 }
 
 // Slot returns the entry's C slot, or -1.
@@ -104,7 +109,7 @@ var (
 	// for torch (AssignPinnedSlot, KeepSlotRetired).
 	retiredSlots, pinnedSlots int
 	// orphanErr holds errors from C calls on slots with no pool.
-	orphanErr atomic.Pointer[string]
+	orphanErr atomic.Pointer[error]
 )
 
 // Add registers a pool and returns its entry with a fresh handle.
@@ -276,12 +281,7 @@ func BySlot(i int) *Entry {
 }
 
 // SetOrphanError records an error from a C call that no pool could own.
-func SetOrphanError(msg string) { orphanErr.Store(&msg) }
+func SetOrphanError(err error) { orphanErr.Store(&err) }
 
-// TakeOrphanError returns and clears the last such error.
-func TakeOrphanError() string {
-	if p := orphanErr.Swap(nil); p != nil {
-		return *p
-	}
-	return ""
-}
+// TakeOrphanError returns and clears the last such error (nil when none).
+func TakeOrphanError() error { return take(&orphanErr) }

@@ -7,7 +7,6 @@ import collections
 import json
 import math
 import os
-import re
 import threading
 import time
 import warnings
@@ -28,6 +27,7 @@ from ._errors import (
     translate,
 )
 from ._lifecycle import open_pools
+from ._units import format_bytes
 
 if TYPE_CHECKING:
     from .ipc import IpcHandle
@@ -192,10 +192,6 @@ def _callback_failure(kind: str, exc: BaseException) -> str:
     return f"the Python {kind} function raised {_describe_exc(exc)}"
 
 
-#: The start of the engine's OutOfMemoryError message: pool, device, request.
-_OOM_HEAD = re.compile(r'^pool (".*?") \(.*? backend\) out of memory on device (\d+): tried to allocate ([^(]+?) \(')
-
-
 def _callback_error_message(kind: str, exc: BaseException, err: BaseException) -> str:
     """The error of a pool call during which a Python function failed: the
     function's failure first. The engine only saw NULL from a failed alloc
@@ -203,8 +199,10 @@ def _callback_error_message(kind: str, exc: BaseException, err: BaseException) -
     not repeated; it is kept as context for other errors."""
     what = _callback_failure(kind, exc)
     if isinstance(err, OutOfMemoryError):
-        m = _OOM_HEAD.match(str(err))
-        return what + (f" (pool {m.group(1)} could not allocate {m.group(3)} on device {m.group(2)})" if m else "")
+        if err.pool is None or err.requested is None:  # not the engine's: nothing more to say
+            return what
+        pool = json.dumps(err.pool, ensure_ascii=False)  # quoted, as the engine quotes it
+        return what + f" (pool {pool} could not allocate {format_bytes(err.requested)} on device {err.device})"
     return f"{what} (the pool call failed: {err})"
 
 

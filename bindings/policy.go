@@ -11,7 +11,7 @@ import (
 )
 
 // poolOptions is the JSON accepted by NewPool: the pool's settings, as the
-// options of gocore.Config declare them (Policy, see poolSchema), and what
+// options of gocore.Config declare them (Policy, see poolFields), and what
 // the bindings need besides to build the pool and its backend.
 type poolOptions struct {
 	Backend string `json:"backend"`

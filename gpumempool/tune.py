@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 from ._errors import InvalidArgumentError
+from ._policy import SETTINGS, torch_settings
 from ._units import format_bytes
 from .replay import DEFAULT_CAPACITY, ReplayResult, replay
 from .trace import Alloc, Free, PathLike, Trace, TraceFile, TraceFormatError, from_torch_snapshot, is_trace_file
@@ -82,14 +83,10 @@ _COARSE: dict[str, list[Any]] = {
 #: A replay stops once it reserves this much more than the best so far.
 _STOP_MARGIN = 1.25
 
-#: torch's PYTORCH_CUDA_ALLOC_CONF names of the replay policy keys.
-TORCH_NAMES = {
-    "expandable": "expandable_segments",
-    "max_split_size": "max_split_size_mb",
-    "roundup_power2_divisions": "roundup_power2_divisions",
-    "max_non_split_rounding_size": "max_non_split_rounding_mb",
-    "garbage_collection_threshold": "garbage_collection_threshold",
-}
+#: torch's PYTORCH_CUDA_ALLOC_CONF names of the replay policy keys, in
+#: torch's documented order: expandable segments (a backend's option, not a
+#: pool setting), then the pool settings torch has too (the engine's schema).
+TORCH_NAMES = {"expandable": "expandable_segments", **torch_settings()}
 _SETTING_KEYS = tuple(dict.fromkeys([*TORCH_SPACE, *EXTRA_SPACE]))
 
 #: The names ``exclude`` accepts: torch's option names and the replay
@@ -109,7 +106,9 @@ def _torch_expressible(settings: Mapping[str, Any]) -> bool:
     for key, value in settings.items():
         if key not in TORCH_NAMES:
             return False
-        if key in ("max_split_size", "max_non_split_rounding_size") and (value % MiB or value <= 20 * MiB):
+        field = SETTINGS.get(key, {})
+        scale, least = field.get("torch_scale"), int(field.get("torch_min", 0))
+        if scale and (value % scale or value // scale < least):  # torch reads whole MiB, from its minimum
             return False
         if key == "roundup_power2_divisions" and not _divisions_ok(value):
             return False
@@ -133,9 +132,9 @@ def alloc_conf(settings: Mapping[str, Any]) -> str:
         name = TORCH_NAMES[key]
         if key == "expandable":
             parts.append(f"{name}:True")
-        elif key in ("max_split_size", "max_non_split_rounding_size"):
-            parts.append(f"{name}:{value // MiB}")
-        elif key == "roundup_power2_divisions" and isinstance(value, (list, tuple)):
+        elif SETTINGS.get(key, {}).get("torch_scale"):
+            parts.append(f"{name}:{value // SETTINGS[key]['torch_scale']}")
+        elif isinstance(value, (list, tuple)):
             # per size interval, keyed by its first size in MiB as torch reads them
             parts.append(f"{name}:[" + ",".join(f"{1 << i}:{v}" for i, v in enumerate(value)) + "]")
         else:
@@ -250,7 +249,7 @@ class Candidate:
 def _show(key: str, value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, int) and key not in ("roundup_power2_divisions",):
+    if isinstance(value, int) and SETTINGS.get(key, {}).get("unit", "bytes") == "bytes":
         return format_bytes(value, 0) if value % MiB == 0 else format_bytes(value)
     return str(value)
 

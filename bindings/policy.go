@@ -101,14 +101,13 @@ func PoolSchema() (js string, err error) {
 // torchSizes are the sizes of torch's caching allocator that the engine
 // follows (gocore/round.go), by the names the Python layer reads them by.
 var torchSizes = map[string]uint64{
-	"min_block_size":        gocore.MinBlockSize,
-	"small_size":            gocore.SmallSize,
-	"small_buffer":          gocore.SmallBuffer,
-	"large_buffer":          gocore.LargeBuffer,
-	"min_large_alloc":       gocore.MinLargeAlloc,
-	"round_large":           gocore.RoundLarge,
-	"roundup_intervals":     gocore.RoundupIntervals,
-	"max_roundup_divisions": gocore.MaxRoundupDivisions,
+	"min_block_size":    gocore.MinBlockSize,
+	"small_size":        gocore.SmallSize,
+	"small_buffer":      gocore.SmallBuffer,
+	"large_buffer":      gocore.LargeBuffer,
+	"min_large_alloc":   gocore.MinLargeAlloc,
+	"round_large":       gocore.RoundLarge,
+	"roundup_intervals": gocore.RoundupIntervals,
 }
 
 // TorchSizes returns torch's allocator sizes the engine follows (block

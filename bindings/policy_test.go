@@ -126,6 +126,5 @@ func TestTorchSizes(t *testing.T) {
 	var sizes map[string]uint64
 	require.NoError(t, json.Unmarshal([]byte(js), &sizes))
 	assert.Equal(t, map[string]uint64{"min_block_size": 512, "small_size": 1 << 20, "small_buffer": 2 << 20,
-		"large_buffer": 20 << 20, "min_large_alloc": 10 << 20, "round_large": 2 << 20, "roundup_intervals": 16,
-		"max_roundup_divisions": 1 << 16}, sizes)
+		"large_buffer": 20 << 20, "min_large_alloc": 10 << 20, "round_large": 2 << 20, "roundup_intervals": 16}, sizes)
 }

@@ -43,8 +43,7 @@ LIST_FORMS: dict[str, str] = {f["given_as"]: f["name"] for f in SCHEMA if f.get(
 
 #: torch's allocator sizes the engine follows (gocore/round.go):
 #: ``min_block_size``, ``small_size``, ``small_buffer``, ``large_buffer``,
-#: ``min_large_alloc``, ``round_large``, ``roundup_intervals``,
-#: ``max_roundup_divisions``.
+#: ``min_large_alloc``, ``round_large``, ``roundup_intervals``.
 TORCH_SIZES: dict[str, int] = json.loads(_native.bindings.TorchSizes())
 
 

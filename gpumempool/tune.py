@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 from ._errors import InvalidArgumentError
-from ._policy import SETTINGS, torch_settings
+from ._policy import SETTINGS, TORCH_SIZES, torch_settings
 from ._units import format_bytes
 from .replay import DEFAULT_CAPACITY, ReplayResult, replay
 from .trace import Alloc, Free, PathLike, Trace, TraceFile, TraceFormatError, from_torch_snapshot, is_trace_file
@@ -120,7 +120,7 @@ def _divisions_ok(value: Any) -> bool:
     or one per size interval (a power of two or 0 each, as torch's
     ``[1:n,2:n,...]`` form takes them)."""
     if isinstance(value, (list, tuple)):
-        return len(value) == 16 and all(_divisions_ok(v) or v == 0 for v in value)
+        return len(value) == TORCH_SIZES["roundup_intervals"] and all(_divisions_ok(v) or v == 0 for v in value)
     return isinstance(value, int) and not isinstance(value, bool) and value > 0 and not value & (value - 1)
 
 

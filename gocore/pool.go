@@ -21,7 +21,8 @@ import (
 // torch's option of the same setting, doc), from which the Python layer
 // builds its argument checks, replay and tune keys, and docs. Adding a
 // setting is adding a tagged field here (and the engine code that reads
-// it). The fields are in the order torch documents its options.
+// it), and tune searches it over the values its search tag lists. The
+// fields are in the order torch documents its options.
 type Config struct {
 	// Name identifies the pool in errors and stats; default "pool".
 	Name string
@@ -43,12 +44,12 @@ type Config struct {
 	// torch requires: below that every LargeBuffer segment would be
 	// oversize, and each small large request would cost a segment of its
 	// own.
-	MaxSplitSize uint64 `option:"max_split_size" unit:"bytes" torch:"max_split_size_mb" torch_unit:"MiB" torch_min:"21" doc:"blocks at least this large are never split (torch's max_split_size_mb, in bytes; 0: no limit, else at least 20 MiB)"`
+	MaxSplitSize uint64 `option:"max_split_size" unit:"bytes" torch:"max_split_size_mb" torch_unit:"MiB" torch_min:"21" search:"32MiB,64MiB,128MiB,256MiB,512MiB,1GiB,2GiB" doc:"blocks at least this large are never split (torch's max_split_size_mb, in bytes; 0: no limit, else at least 20 MiB)"`
 	// RoundupPower2Divisions, when at least 2, rounds requests up to one of
 	// this many equal steps between consecutive powers of two (torch's
 	// roundup_power2_divisions); it must be a power of two, at most
 	// MaxRoundupDivisions. 0 or 1: plain 512-byte rounding.
-	RoundupPower2Divisions uint64 `option:"roundup_power2_divisions" unit:"count" torch:"roundup_power2_divisions" doc:"round requests up to one of N steps between powers of two (torch's option; N a power of two, 0 or 1: off); or 16 counts, one per size interval (below 2 MiB, then [2^(20+i), 2^(21+i)) bytes, the last from 32 GiB): a list, or the dict {'1': n1, ..., '16': n16} of a torch snapshot's allocator_settings"`
+	RoundupPower2Divisions uint64 `option:"roundup_power2_divisions" unit:"count" torch:"roundup_power2_divisions" search:"1,2,4,8,16" doc:"round requests up to one of N steps between powers of two (torch's option; N a power of two, 0 or 1: off); or 16 counts, one per size interval (below 2 MiB, then [2^(20+i), 2^(21+i)) bytes, the last from 32 GiB): a list, or the dict {'1': n1, ..., '16': n16} of a torch snapshot's allocator_settings"`
 	// RoundupPower2DivisionsBySize, when set (RoundupIntervals entries),
 	// gives the divisions per size interval instead, like torch's
 	// roundup_power2_divisions:[256:1,512:2,>:8] (see RoundupIntervals).
@@ -58,7 +59,7 @@ type Config struct {
 	// (torch's max_non_split_rounding_mb). 0 means torch's default,
 	// LargeBuffer (20 MiB); when set it must be at least LargeBuffer, as
 	// torch requires.
-	MaxNonSplitRoundingSize uint64 `option:"max_non_split_rounding_size" unit:"bytes" torch:"max_non_split_rounding_mb" torch_unit:"MiB" torch_min:"21" default:"20 MiB (LargeBuffer), as torch" doc:"how much larger than an oversize request a cached oversize block it takes may be (torch's max_non_split_rounding_mb, in bytes)"`
+	MaxNonSplitRoundingSize uint64 `option:"max_non_split_rounding_size" unit:"bytes" torch:"max_non_split_rounding_mb" torch_unit:"MiB" torch_min:"21" default:"20 MiB (LargeBuffer), as torch" search:"64MiB,256MiB,1GiB" doc:"how much larger than an oversize request a cached oversize block it takes may be (torch's max_non_split_rounding_mb, in bytes)"`
 	// GarbageCollectionThreshold (torch's garbage_collection_threshold, in
 	// (0, 1); 0 is off) acts on devices with a limit: when a large request
 	// misses the cache while the device reserves more than this fraction of
@@ -67,13 +68,13 @@ type Config struct {
 	// before asking the backend for more. Unlike the release-and-retry of
 	// the OOM path it runs before memory is exhausted, so the limit is
 	// rarely reached.
-	GarbageCollectionThreshold float64 `option:"garbage_collection_threshold" unit:"fraction" torch:"garbage_collection_threshold" doc:"fraction of the limit above which a cache miss first releases the cached large segments unused the longest (torch's option, in [0, 1); needs limit)"`
+	GarbageCollectionThreshold float64 `option:"garbage_collection_threshold" unit:"fraction" torch:"garbage_collection_threshold" search:"0.5,0.6,0.7,0.8,0.9" doc:"fraction of the limit above which a cache miss first releases the cached large segments unused the longest (torch's option, in [0, 1); needs limit)"`
 	// ReleaseThreshold is how many unused reserved bytes a device may keep
 	// cached: when a free leaves more, whole free segments (then the free
 	// tails of expandable segments) go back to the backend until it is under
 	// the threshold (like the release threshold of a CUDA memory pool); a
 	// capture defers that to its end. 0 means unlimited.
-	ReleaseThreshold uint64 `option:"release_threshold" unit:"bytes" doc:"unused bytes kept cached per device (0: keep all)"`
+	ReleaseThreshold uint64 `option:"release_threshold" unit:"bytes" search:"64MiB,256MiB,1GiB" doc:"unused bytes kept cached per device (0: keep all)"`
 	// KeepSegments: segments go back to the backend only when the pool is
 	// closed. Freed memory stays cached whatever happens: no release and
 	// retry when the backend runs out (the allocation fails instead), no

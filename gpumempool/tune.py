@@ -56,21 +56,21 @@ __all__ = ["Candidate", "TuneResult", "alloc_conf", "tune", "TORCH_SPACE", "EXTR
 MiB = 1 << 20
 
 #: The values tried for each setting torch's allocator accepts (replay
-#: policy keys; ``None`` is torch's default). torch refuses
-#: ``max_split_size_mb`` of 20 or less and ``roundup_power2_divisions`` that
-#: are not powers of two; ``garbage_collection_threshold`` is a fraction of
-#: the memory torch may use, so it is tried only with a limit.
+#: policy keys; ``None`` is torch's default): expandable segments, then the
+#: pool settings torch has, with the values the engine's schema says are
+#: worth trying (``search``). torch refuses ``max_split_size_mb`` of 20 or
+#: less and ``roundup_power2_divisions`` that are not powers of two;
+#: ``garbage_collection_threshold`` is a fraction of the memory torch may
+#: use, so it is tried only with a limit.
 TORCH_SPACE: dict[str, list[Any]] = {
     "expandable": [False, True],
-    "max_split_size": [None, 32 * MiB, 64 * MiB, 128 * MiB, 256 * MiB, 512 * MiB, 1024 * MiB, 2048 * MiB],
-    "roundup_power2_divisions": [None, 1, 2, 4, 8, 16],
-    "max_non_split_rounding_size": [None, 64 * MiB, 256 * MiB, 1024 * MiB],
-    "garbage_collection_threshold": [None, 0.5, 0.6, 0.7, 0.8, 0.9],
+    **{key: [None, *SETTINGS[key].get("search", [])] for key in torch_settings()},
 }
 
-#: Values only gpumempool's pools accept, tried from the best torch setting.
+#: Values only gpumempool's pools accept (the settings torch has not),
+#: tried from the best torch setting.
 EXTRA_SPACE: dict[str, list[Any]] = {
-    "release_threshold": [64 * MiB, 256 * MiB, 1024 * MiB],
+    f["name"]: list(f["search"]) for f in SETTINGS.values() if f.get("search") and not f.get("torch")
 }
 
 #: The coarse grid the search starts from.

@@ -58,9 +58,16 @@ def test_replay_and_tune_keys_come_from_the_schema() -> None:
     assert list(POLICY_KEYS)[:len(settings)] == settings
     assert list(POLICY_KEYS)[len(settings):] == ["expandable", "granularity", "capacity"]
     assert {k: v for k, v in TORCH_NAMES.items() if k != "expandable"} == _policy.torch_settings()
-    # every torch setting is searched, and every setting tune tries is one
-    assert set(TORCH_SPACE) == set(TORCH_NAMES)
-    assert set(EXTRA_SPACE) <= set(_policy.ARGUMENTS)
+    # tune searches the values the schema lists: torch's settings from their
+    # default, the engine's own from the best torch setting
+    assert TORCH_SPACE == {
+        "expandable": [False, True],
+        "max_split_size": [None, 32 * MiB, 64 * MiB, 128 * MiB, 256 * MiB, 512 * MiB, 1024 * MiB, 2048 * MiB],
+        "roundup_power2_divisions": [None, 1, 2, 4, 8, 16],
+        "max_non_split_rounding_size": [None, 64 * MiB, 256 * MiB, 1024 * MiB],
+        "garbage_collection_threshold": [None, 0.5, 0.6, 0.7, 0.8, 0.9],
+    }
+    assert EXTRA_SPACE == {"release_threshold": [64 * MiB, 256 * MiB, 1024 * MiB]}
 
 
 def test_torch_sizes_are_the_engines() -> None:
@@ -78,7 +85,7 @@ def test_torch_sizes_are_the_engines() -> None:
 #: one more tagged field.
 NEW_SETTING = {"name": "spare_size", "type": "int", "min": 0, "max": (1 << 64) - 1, "unit": "bytes",
                "torch": "spare_size_mb", "torch_unit": "MiB", "torch_scale": MiB, "torch_min": 4,
-               "doc": "bytes kept spare per device"}
+               "search": [8 * MiB], "doc": "bytes kept spare per device"}
 
 ADDED = r"""
 import importlib, json, sys
@@ -113,6 +120,7 @@ print(json.dumps({
     "alloc_conf": tune.alloc_conf({"spare_size": 8 * MiB}),
     "torch_accepts": [tune._torch_expressible({"spare_size": v}) for v in (2 * MiB, 8 * MiB, 8 * MiB + 1)],
     "exclude": tune.OPTION_NAMES.get("spare_size_mb"),
+    "searched": tune.TORCH_SPACE.get("spare_size"),
     "oracle": fidelity.parse_alloc_conf("spare_size_mb:8"),
     "table": "| `spare_size` | bytes | 0 | `spare_size_mb` (in MiB) | bytes kept spare per device |"
              in _policy.settings_table(),
@@ -138,7 +146,7 @@ def test_a_setting_added_to_the_engines_schema_reaches_every_layer() -> None:
     assert got["policy_keys"] and got["parsed"] == {"spare_size": 8 * MiB}
     assert got["torch_name"] == "spare_size_mb" and got["alloc_conf"] == "spare_size_mb:8"
     assert got["torch_accepts"] == [False, True, False]
-    assert got["exclude"] == "spare_size"
+    assert got["exclude"] == "spare_size" and got["searched"] == [None, 8 * MiB]
     assert got["oracle"] == {"spare_size": 8 * MiB}
     assert got["table"]
 
@@ -162,8 +170,8 @@ NAMED_BY_HAND: dict[str, tuple[set[str], str]] = {
                             "the torch importer reads torch's snapshot keys; _describe_pool still lists the "
                             "settings a recorded policy keeps (to build from _policy once trace.py is split)"),
     "gpumempool/tune.py": ({"garbage_collection_threshold", "limit", "max_non_split_rounding_size", "max_split_size",
-                            "release_threshold", "roundup_power2_divisions", "torch_version"},
-                           "the values tune tries for each setting; torch's rules (divisions are powers of two, "
+                            "roundup_power2_divisions", "torch_version"},
+                           "its coarse first grid; torch's rules (divisions are powers of two, "
                            "non-split rounding needs max_split_size, the threshold needs a limit); "
                            "TuneResult's own limit and torch_version fields"),
     "gocore/stats.go": ({"max_split_size"}, "torch's memory_stats key of the same name, a statistic"),

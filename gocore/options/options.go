@@ -26,6 +26,9 @@
 //	  - given_as: the option users give this one through (another option's
 //	    name): e.g. per-size divisions are given as a list for the option
 //	    of one count.
+//	  - search: the values worth trying when searching for the best
+//	    setting (gpumempool.tune), comma-separated; sizes may end in KiB,
+//	    MiB or GiB.
 //
 // Defaults are described by the struct's OptionDefaults method, when it has
 // one (see Defaulter), so that they are computed from the constants that
@@ -74,6 +77,9 @@ type Field struct {
 	TorchMin   *json.Number `json:"torch_min,omitempty"`
 	// GivenAs names the option this one is given through ("": itself).
 	GivenAs string `json:"given_as,omitempty"`
+	// Search lists the values worth trying in a search for the best
+	// setting, besides the default.
+	Search []json.Number `json:"search,omitempty"`
 
 	index  []int  // the struct field, for Decode
 	goName string // its name in Go, for NameOf
@@ -194,6 +200,15 @@ func describe(t reflect.Type, sf reflect.StructField, f *Field) {
 		}
 		f.TorchScale = scale
 	}
+	if list := sf.Tag.Get("search"); list != "" {
+		for _, item := range strings.Split(list, ",") {
+			v, ok := searchValue(strings.TrimSpace(item), f.Type, f.Unit)
+			if !ok {
+				bad(fmt.Sprintf("search value %q is no %s in %s", item, f.Type, f.Unit))
+			}
+			f.Search = append(f.Search, v)
+		}
+	}
 	if m := sf.Tag.Get("torch_min"); m != "" {
 		if _, err := strconv.ParseUint(m, 10, 64); err != nil || f.Torch == "" {
 			bad(fmt.Sprintf("torch_min %q needs a torch name and a whole number", m))
@@ -201,6 +216,32 @@ func describe(t reflect.Type, sf reflect.StructField, f *Field) {
 		n := json.Number(m)
 		f.TorchMin = &n
 	}
+}
+
+// sizeUnits are the suffixes a size in a search tag may have.
+var sizeUnits = map[string]uint64{"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+// searchValue reads one value of a search tag as a JSON number of the
+// option's type: a float, or an int (with a size suffix for bytes).
+func searchValue(item, typ, unit string) (json.Number, bool) {
+	switch typ {
+	case "float":
+		_, err := strconv.ParseFloat(item, 64)
+		return json.Number(item), err == nil
+	case "int":
+		scale := uint64(1)
+		for suffix, s := range sizeUnits {
+			if unit == "bytes" && strings.HasSuffix(item, suffix) {
+				item, scale = strings.TrimSuffix(item, suffix), s
+			}
+		}
+		n, err := strconv.ParseUint(item, 10, 64)
+		if err != nil || n > math.MaxUint64/scale {
+			return "", false
+		}
+		return json.Number(strconv.FormatUint(n*scale, 10)), true
+	}
+	return "", false
 }
 
 // kind maps a field's Go type (and type tag) to a schema type and bounds.

@@ -145,10 +145,10 @@ func TestDecodeErrors(t *testing.T) {
 // setting is declared as gocore.Config declares a pool's settings: with a
 // unit, torch's option of the same setting, a list form, a default in words.
 type setting struct {
-	Split    uint64   `option:"split" unit:"bytes" torch:"split_mb" torch_unit:"MiB" torch_min:"21" doc:"never split above"`
+	Split    uint64   `option:"split" unit:"bytes" torch:"split_mb" torch_unit:"MiB" torch_min:"21" search:"64, 32MiB,2GiB" doc:"never split above"`
 	Steps    uint64   `option:"steps" unit:"count" torch:"steps" doc:"steps"`
 	BySize   []uint64 `option:"steps_by_size" unit:"count" given_as:"steps" doc:"steps per size"`
-	Fraction float64  `option:"fraction" unit:"fraction" doc:"of the limit"`
+	Fraction float64  `option:"fraction" unit:"fraction" search:"0.5,0.75" doc:"of the limit"`
 	Version  string   `option:"version" unit:"version" default:"the oldest rules" doc:"rules"`
 	Internal bool
 }
@@ -163,11 +163,11 @@ func TestSchemaDescribesSettings(t *testing.T) {
 	require.NoError(t, err)
 	assert.JSONEq(t, `[
 		{"name":"split","type":"int","min":0,"max":18446744073709551615,"doc":"never split above","unit":"bytes",
-		 "torch":"split_mb","torch_unit":"MiB","torch_scale":1048576,"torch_min":21},
+		 "torch":"split_mb","torch_unit":"MiB","torch_scale":1048576,"torch_min":21,"search":[64,33554432,2147483648]},
 		{"name":"steps","type":"int","min":0,"max":18446744073709551615,"doc":"steps","unit":"count","torch":"steps"},
 		{"name":"steps_by_size","type":"ints","min":0,"max":18446744073709551615,"doc":"steps per size","unit":"count",
 		 "given_as":"steps"},
-		{"name":"fraction","type":"float","doc":"of the limit","unit":"fraction"},
+		{"name":"fraction","type":"float","doc":"of the limit","unit":"fraction","search":[0.5,0.75]},
 		{"name":"version","type":"string","default":"the oldest rules","doc":"rules","unit":"version"}]`, string(js))
 }
 
@@ -205,6 +205,18 @@ func TestSchemaPanicsOnMalformedMeanings(t *testing.T) {
 	type givenAsItself struct {
 		A []uint64 `option:"a" given_as:"a" doc:"x"`
 	}
+	type searchSuffixOnCount struct {
+		A uint64 `option:"a" unit:"count" search:"2MiB" doc:"x"`
+	}
+	type searchNotANumber struct {
+		A float64 `option:"a" search:"half" doc:"x"`
+	}
+	type searchOverflows struct {
+		A uint64 `option:"a" unit:"bytes" search:"17179869184GiB" doc:"x"`
+	}
+	type searchOnString struct {
+		A string `option:"a" search:"x" doc:"x"`
+	}
 	type twoDefaults struct {
 		Count int `option:"count" default:"4" doc:"x"`
 	}
@@ -212,7 +224,9 @@ func TestSchemaPanicsOnMalformedMeanings(t *testing.T) {
 		"unknownUnit": func() { Schema[unknownUnit]() }, "fractionInt": func() { Schema[fractionInt]() },
 		"torchUnitAlone": func() { Schema[torchUnitAlone]() }, "torchUnitUnknown": func() { Schema[torchUnitUnknown]() },
 		"torchMinAlone": func() { Schema[torchMinAlone]() }, "givenAsNothing": func() { Schema[givenAsNothing]() },
-		"givenAsItself": func() { Schema[givenAsItself]() },
+		"givenAsItself":       func() { Schema[givenAsItself]() },
+		"searchSuffixOnCount": func() { Schema[searchSuffixOnCount]() }, "searchNotANumber": func() { Schema[searchNotANumber]() },
+		"searchOverflows": func() { Schema[searchOverflows]() }, "searchOnString": func() { Schema[searchOnString]() },
 	} {
 		assert.Panics(t, f, name)
 	}

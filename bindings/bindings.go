@@ -14,7 +14,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"strings"
 
 	// The C ABI lives in the same .so: importing it links its //export
 	// functions into the extension.
@@ -24,6 +23,7 @@ import (
 	"github.com/gpumempool/gpumempool/gocore/callback"
 	"github.com/gpumempool/gpumempool/gocore/graphpool"
 	"github.com/gpumempool/gpumempool/gocore/nvmldev"
+	"github.com/gpumempool/gpumempool/gocore/options"
 )
 
 // Version returns the engine version.
@@ -31,43 +31,6 @@ func Version() string { return "0.1.0" }
 
 // NumSlots returns how many pools can expose C entry points at once.
 func NumSlots() int64 { return registry.NumSlots }
-
-// poolOptions is the JSON accepted by NewPool.
-type poolOptions struct {
-	Backend          string   `json:"backend"`
-	Name             string   `json:"name"`
-	Limit            uint64   `json:"limit"`
-	MaxSplitSize     uint64   `json:"max_split_size"`
-	RoundupDivisions uint64   `json:"roundup_power2_divisions"`
-	RoundupBySize    []uint64 `json:"roundup_power2_divisions_by_size"`
-	GCThreshold      float64  `json:"garbage_collection_threshold"`
-	MaxNonSplitRound uint64   `json:"max_non_split_rounding_size"`
-	ReleaseThreshold uint64   `json:"release_threshold"`
-	TorchVersion     string   `json:"torch_version"`
-	// Options are the backend's own, decoded by its registry entry
-	// (backends.go).
-	Options json.RawMessage `json:"options"`
-	// The callback backend's functions, which Python passes besides its
-	// options.
-	AllocFn         uint64 `json:"alloc_fn"`
-	FreeFn          uint64 `json:"free_fn"`
-	PythonCallbacks bool   `json:"python_callbacks"`
-}
-
-// decodeOptions parses NewPool's JSON strictly: unknown keys and trailing
-// values are errors.
-func decodeOptions(optionsJSON string) (poolOptions, error) {
-	dec := json.NewDecoder(strings.NewReader(optionsJSON))
-	dec.DisallowUnknownFields()
-	var o poolOptions
-	if err := dec.Decode(&o); err != nil {
-		return o, fmt.Errorf("pool options: %v: %w", err, gocore.ErrInvalidArgument)
-	}
-	if dec.More() {
-		return o, fmt.Errorf("pool options: more than one JSON value: %w", gocore.ErrInvalidArgument)
-	}
-	return o, nil
-}
 
 // NewPool creates a pool from a JSON object of options and returns its
 // handle.
@@ -81,11 +44,9 @@ func NewPool(optionsJSON string) (id int64, err error) {
 	if err != nil {
 		return 0, err
 	}
-	p, err := gocore.NewPool(gocore.Config{Name: o.Name, Backend: be, Limit: o.Limit,
-		MaxSplitSize: o.MaxSplitSize, ReleaseThreshold: o.ReleaseThreshold,
-		RoundupPower2Divisions: o.RoundupDivisions, RoundupPower2DivisionsBySize: o.RoundupBySize,
-		GarbageCollectionThreshold: o.GCThreshold, MaxNonSplitRoundingSize: o.MaxNonSplitRound,
-		TorchVersion: o.TorchVersion})
+	cfg := o.Policy
+	cfg.Name, cfg.Backend = o.Name, be
+	p, err := gocore.NewPool(cfg)
 	if err != nil {
 		return 0, err
 	}
@@ -257,7 +218,8 @@ func PoolSetReleaseThreshold(id int64, bytes uint64) (ok bool, err error) {
 	return withEntryOK(id, func(e *registry.Entry) error { return e.Pool.SetReleaseThreshold(bytes) })
 }
 
-// PoolConfig returns the pool's name, backend and options as JSON.
+// PoolConfig returns the pool's name, backend, settings (every option of
+// PoolSchema) and devices, alignment and slot as JSON.
 func PoolConfig(id int64) (js string, err error) {
 	defer guard(&err)
 	e, err := entry(id)
@@ -265,13 +227,10 @@ func PoolConfig(id int64) (js string, err error) {
 		return "", err
 	}
 	c := e.Pool.Config()
-	return marshal(map[string]any{"name": c.Name, "backend": c.Backend.Name(), "limit": c.Limit,
-		"max_split_size": c.MaxSplitSize, "release_threshold": c.ReleaseThreshold,
-		"roundup_power2_divisions": c.RoundupPower2Divisions, "roundup_power2_divisions_by_size": c.RoundupPower2DivisionsBySize,
-		"garbage_collection_threshold": c.GarbageCollectionThreshold,
-		"max_non_split_rounding_size":  c.MaxNonSplitRoundingSize,
-		"torch_version":                c.TorchVersion,
-		"devices":                      c.Backend.Devices(), "alignment": c.Backend.Alignment(), "slot": e.Slot()})
+	out := options.Values(poolFields, &c)
+	out["name"], out["backend"] = c.Name, c.Backend.Name()
+	out["devices"], out["alignment"], out["slot"] = c.Backend.Devices(), c.Backend.Alignment(), e.Slot()
+	return marshal(out)
 }
 
 // PoolCheck verifies the pool's invariants (see gocore.Pool.CheckInvariants).

@@ -134,6 +134,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, TypeGuard, Union
 
 from ._args import MAX_DEVICE
+from ._policy import TORCH_SIZES
 from ._safepickle import MAX_PICKLE_BYTES, UnsafePickleError, load_pickle
 from ._snapshot import RECORD_STREAM_KEY, with_record_streams
 from ._snapshot_check import check_history, show_value
@@ -1363,13 +1364,14 @@ _MAX_OOM_REQUEST = 1 << 50
 
 def _torch_segment_size(size: int) -> int:
     """The segment torch's allocator asks the device for to serve ``size``
-    bytes (its small pool's 2 MiB, 20 MiB up to 10 MiB, else 2 MiB steps)."""
-    mib = 1 << 20
-    if size <= mib:
-        return 2 * mib
-    if size < 10 * mib:
-        return 20 * mib
-    return -(-size // (2 * mib)) * (2 * mib)
+    bytes (its small pool's 2 MiB, 20 MiB up to 10 MiB, else 2 MiB steps:
+    the engine's sizes, gocore/round.go)."""
+    if size <= TORCH_SIZES["small_size"]:
+        return TORCH_SIZES["small_buffer"]
+    if size < TORCH_SIZES["min_large_alloc"]:
+        return TORCH_SIZES["large_buffer"]
+    step = TORCH_SIZES["round_large"]
+    return -(-size // step) * step
 
 
 class _Pressure:
@@ -1494,7 +1496,7 @@ def from_history(pool_or_snapshot: Any, *, infer_empty_cache: bool = False) -> T
 
 #: The engine's default max_non_split_rounding_size (torch's 20 MiB), left
 #: out of recorded policies like the other defaults.
-_DEFAULT_MAX_NON_SPLIT_ROUNDING = 20 << 20
+_DEFAULT_MAX_NON_SPLIT_ROUNDING = TORCH_SIZES["large_buffer"]
 
 
 def _describe_pool(tr: Trace, pool: Any) -> None:

@@ -4,8 +4,9 @@
 // those reliably; the typed Python API is built on top in gpumempool/.
 //
 // Every function recovers Go panics into errors: a panic must never abort
-// the Python process. Error messages start with the name of the Python
-// exception the package raises for them ("ValueError: ..."), see errorKind.
+// the Python process. Every error crosses as a structured value (package
+// pyerr: kind, message, fields), see guard; every function that serves a
+// pool reaches it through withEntry.
 package bindings
 
 import (
@@ -13,7 +14,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"strings"
 
 	// The C ABI lives in the same .so: importing it links its //export
 	// functions into the extension.
@@ -23,6 +23,7 @@ import (
 	"github.com/gpumempool/gpumempool/gocore/callback"
 	"github.com/gpumempool/gpumempool/gocore/graphpool"
 	"github.com/gpumempool/gpumempool/gocore/nvmldev"
+	"github.com/gpumempool/gpumempool/gocore/options"
 )
 
 // Version returns the engine version.
@@ -30,43 +31,6 @@ func Version() string { return "0.1.0" }
 
 // NumSlots returns how many pools can expose C entry points at once.
 func NumSlots() int64 { return registry.NumSlots }
-
-// poolOptions is the JSON accepted by NewPool.
-type poolOptions struct {
-	Backend          string   `json:"backend"`
-	Name             string   `json:"name"`
-	Limit            uint64   `json:"limit"`
-	MaxSplitSize     uint64   `json:"max_split_size"`
-	RoundupDivisions uint64   `json:"roundup_power2_divisions"`
-	RoundupBySize    []uint64 `json:"roundup_power2_divisions_by_size"`
-	GCThreshold      float64  `json:"garbage_collection_threshold"`
-	MaxNonSplitRound uint64   `json:"max_non_split_rounding_size"`
-	ReleaseThreshold uint64   `json:"release_threshold"`
-	TorchVersion     string   `json:"torch_version"`
-	// Options are the backend's own, decoded by its registry entry
-	// (backends.go).
-	Options json.RawMessage `json:"options"`
-	// The callback backend's functions, which Python passes besides its
-	// options.
-	AllocFn         uint64 `json:"alloc_fn"`
-	FreeFn          uint64 `json:"free_fn"`
-	PythonCallbacks bool   `json:"python_callbacks"`
-}
-
-// decodeOptions parses NewPool's JSON strictly: unknown keys and trailing
-// values are errors.
-func decodeOptions(optionsJSON string) (poolOptions, error) {
-	dec := json.NewDecoder(strings.NewReader(optionsJSON))
-	dec.DisallowUnknownFields()
-	var o poolOptions
-	if err := dec.Decode(&o); err != nil {
-		return o, fmt.Errorf("pool options: %v: %w", err, gocore.ErrInvalidArgument)
-	}
-	if dec.More() {
-		return o, fmt.Errorf("pool options: more than one JSON value: %w", gocore.ErrInvalidArgument)
-	}
-	return o, nil
-}
 
 // NewPool creates a pool from a JSON object of options and returns its
 // handle.
@@ -80,22 +44,21 @@ func NewPool(optionsJSON string) (id int64, err error) {
 	if err != nil {
 		return 0, err
 	}
-	p, err := gocore.NewPool(gocore.Config{Name: o.Name, Backend: be, Limit: o.Limit,
-		MaxSplitSize: o.MaxSplitSize, ReleaseThreshold: o.ReleaseThreshold,
-		RoundupPower2Divisions: o.RoundupDivisions, RoundupPower2DivisionsBySize: o.RoundupBySize,
-		GarbageCollectionThreshold: o.GCThreshold, MaxNonSplitRoundingSize: o.MaxNonSplitRound,
-		TorchVersion: o.TorchVersion})
+	cfg := o.Policy
+	cfg.Name, cfg.Backend = o.Name, be
+	p, err := gocore.NewPool(cfg)
 	if err != nil {
 		return 0, err
 	}
-	return registry.Add(p, sim, be).ID, nil
+	return registry.Add(p, sim).ID, nil
 }
 
+// entry returns the pool behind handle id (withEntry is the way an entry
+// point reaches a pool; PoolConfig still calls this).
 func entry(id int64) (*registry.Entry, error) { return registry.Get(id) }
 
 // PoolAlloc allocates size bytes on device for stream; it returns the address.
 func PoolAlloc(id, size, device int64, stream uint64) (addr uint64, err error) {
-	defer guard(&err)
 	return poolAlloc(id, size, device, stream, (*graphpool.Pools).Alloc)
 }
 
@@ -104,61 +67,42 @@ func PoolAlloc(id, size, device int64, stream uint64) (addr uint64, err error) {
 // allocator does above a torch.cuda.MemPool; replays of such a pool's
 // history call it.
 func PoolAllocSegment(id, size, device int64, stream uint64) (addr uint64, err error) {
-	defer guard(&err)
 	return poolAlloc(id, size, device, stream, (*graphpool.Pools).AllocSegment)
 }
 
 func poolAlloc(id, size, device int64, stream uint64,
 	alloc func(*graphpool.Pools, uint64, int, gocore.Stream) (uint64, error)) (uint64, error) {
-	e, err := entry(id)
-	if err != nil {
-		return 0, err
-	}
-	if size <= 0 {
-		return 0, fmt.Errorf("alloc of %d bytes: size must be positive: %w", size, gocore.ErrInvalidSize)
-	}
-	if device < 0 || device >= gocore.MaxDevices {
-		return 0, fmt.Errorf("alloc on device %d: %w", device, gocore.ErrInvalidDevice)
-	}
-	if err := cabi.Reentered(e); err != nil {
-		return 0, err
-	}
-	return alloc(e.Graphs, uint64(size), int(device), gocore.Stream(stream))
+	return withEntry(id, func(e *registry.Entry) (uint64, error) {
+		if size <= 0 {
+			return 0, fmt.Errorf("alloc of %d bytes: size must be positive: %w", size, gocore.ErrInvalidSize)
+		}
+		if device < 0 || device >= gocore.MaxDevices {
+			return 0, fmt.Errorf("alloc on device %d: %w", device, gocore.ErrInvalidDevice)
+		}
+		if err := cabi.Reentered(e); err != nil {
+			return 0, err
+		}
+		return alloc(e.Pool, uint64(size), int(device), gocore.Stream(stream))
+	})
 }
 
 // PoolFree frees the block at addr.
 //
 // ok is true when err is nil (see okOf).
 func PoolFree(id int64, addr uint64) (ok bool, err error) {
-	return okOf(poolFree(id, addr))
-}
-
-func poolFree(id int64, addr uint64) (err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return err
-	}
-	if err := cabi.Reentered(e); err != nil {
-		return err
-	}
-	return e.Graphs.Free(addr)
+	return withEntryOK(id, func(e *registry.Entry) error {
+		if err := cabi.Reentered(e); err != nil {
+			return err
+		}
+		return e.Pool.Free(addr)
+	})
 }
 
 // PoolRecordStream marks the block at addr as used on stream.
 //
 // ok is true when err is nil (see okOf).
 func PoolRecordStream(id int64, addr, stream uint64) (ok bool, err error) {
-	return okOf(poolRecordStream(id, addr, stream))
-}
-
-func poolRecordStream(id int64, addr, stream uint64) (err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return err
-	}
-	return e.Graphs.RecordStream(addr, gocore.Stream(stream))
+	return withEntryOK(id, func(e *registry.Entry) error { return e.Pool.RecordStream(addr, gocore.Stream(stream)) })
 }
 
 // PoolSeedSegment makes a segment of the blocks in blocksJSON (a JSON list
@@ -167,11 +111,10 @@ func poolRecordStream(id int64, addr, stream uint64) (err error) {
 // it returns the live blocks' addresses as a JSON list. Replay seeds a pool
 // with the segments the recording allocator had at a trace's first event.
 func PoolSeedSegment(id, device int64, stream uint64, small bool, blocksJSON string) (js string, err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return "", err
-	}
+	return withEntry(id, func(e *registry.Entry) (string, error) { return seedSegment(e, device, stream, small, blocksJSON) })
+}
+
+func seedSegment(e *registry.Entry, device int64, stream uint64, small bool, blocksJSON string) (string, error) {
 	var raw [][3]json.RawMessage
 	if err := json.Unmarshal([]byte(blocksJSON), &raw); err != nil {
 		return "", fmt.Errorf("seed segment: blocks must be a JSON list of [size, requested, live]: %v: %w",
@@ -201,74 +144,47 @@ func PoolSeedSegment(id, device int64, stream uint64, small bool, blocksJSON str
 //
 // ok is true when err is nil (see okOf).
 func PoolResetStats(id int64, peaks, accumulated bool) (ok bool, err error) {
-	return okOf(poolResetStats(id, peaks, accumulated))
-}
-
-func poolResetStats(id int64, peaks, accumulated bool) (err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return err
-	}
-	if peaks {
-		e.Pool.ResetPeakStats()
-	}
-	if accumulated {
-		e.Pool.ResetAccumulatedStats()
-	}
-	return nil
+	return withEntryOK(id, func(e *registry.Entry) error {
+		if peaks {
+			e.Pool.ResetPeakStats()
+		}
+		if accumulated {
+			e.Pool.ResetAccumulatedStats()
+		}
+		return nil
+	})
 }
 
 // PoolProcessEvents frees blocks whose events completed; it returns how many
 // frees still wait.
 func PoolProcessEvents(id int64) (waiting int64, err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return 0, err
-	}
-	n, err := e.Pool.ProcessEvents()
-	return int64(n), err
+	return withEntry(id, func(e *registry.Entry) (int64, error) {
+		n, err := e.Pool.ProcessEvents()
+		return int64(n), err
+	})
 }
 
 // PoolStats returns the stats of device (all devices when < 0) as JSON with
 // torch's key names.
 func PoolStats(id, device int64) (js string, err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return "", err
-	}
-	s, err := e.Pool.Stats(int(device))
-	if err != nil {
-		return "", err
-	}
-	// Torch's CUDA graphs' private pools (full-replacement mode) count too.
-	if err := e.Graphs.AddStats(int(device), &s); err != nil {
-		return "", err
-	}
-	return marshal(s.ToMap())
+	return withEntry(id, func(e *registry.Entry) (string, error) {
+		s, err := e.Pool.Stats(int(device)) // torch's CUDA graphs' private pools count too
+		if err != nil {
+			return "", err
+		}
+		return marshal(s.ToMap())
+	})
 }
 
 // PoolEmptyCache releases every wholly free segment, and closes the private
 // pools no CUDA graph uses any more; it returns the bytes the pool released.
 func PoolEmptyCache(id int64) (released uint64, err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return 0, err
-	}
-	return e.Graphs.EmptyCache()
+	return withEntry(id, func(e *registry.Entry) (uint64, error) { return e.Pool.EmptyCache() })
 }
 
 // PoolTrim keeps at most keep unused bytes cached on device (all when < 0).
 func PoolTrim(id, device int64, keep uint64) (released uint64, err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return 0, err
-	}
-	return e.Pool.Trim(int(device), keep)
+	return withEntry(id, func(e *registry.Entry) (uint64, error) { return e.Pool.Trim(int(device), keep) })
 }
 
 // PoolSetLimit sets the byte limit (0: none) of device, or of every device
@@ -276,52 +192,34 @@ func PoolTrim(id, device int64, keep uint64) (released uint64, err error) {
 //
 // ok is true when err is nil (see okOf).
 func PoolSetLimit(id int64, limit uint64, device int64) (ok bool, err error) {
-	return okOf(poolSetLimit(id, limit, device))
-}
-
-func poolSetLimit(id int64, limit uint64, device int64) (err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return err
-	}
-	if device == -1 {
-		return e.Pool.SetLimit(limit)
-	}
-	return e.Pool.SetDeviceLimit(int(device), limit)
+	return withEntryOK(id, func(e *registry.Entry) error {
+		if device == -1 {
+			return e.Pool.SetLimit(limit)
+		}
+		return e.Pool.SetDeviceLimit(int(device), limit)
+	})
 }
 
 // PoolLimit returns the byte limit in force on device (0: none).
 func PoolLimit(id int64, device int64) (limit uint64, err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return 0, err
-	}
-	if device < 0 || device >= int64(e.Pool.Backend().Devices()) {
-		return 0, fmt.Errorf("limit: device %d out of range [0, %d): %w",
-			device, e.Pool.Backend().Devices(), gocore.ErrInvalidDevice)
-	}
-	return e.Pool.Limit(int(device)), nil
+	return withEntry(id, func(e *registry.Entry) (uint64, error) {
+		if device < 0 || device >= int64(e.Pool.Backend().Devices()) {
+			return 0, fmt.Errorf("limit: device %d out of range [0, %d): %w",
+				device, e.Pool.Backend().Devices(), gocore.ErrInvalidDevice)
+		}
+		return e.Pool.Limit(int(device)), nil
+	})
 }
 
 // PoolSetReleaseThreshold sets the release threshold (0: unlimited).
 //
 // ok is true when err is nil (see okOf).
 func PoolSetReleaseThreshold(id int64, bytes uint64) (ok bool, err error) {
-	return okOf(poolSetReleaseThreshold(id, bytes))
+	return withEntryOK(id, func(e *registry.Entry) error { return e.Pool.SetReleaseThreshold(bytes) })
 }
 
-func poolSetReleaseThreshold(id int64, bytes uint64) (err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return err
-	}
-	return e.Pool.SetReleaseThreshold(bytes)
-}
-
-// PoolConfig returns the pool's name, backend and options as JSON.
+// PoolConfig returns the pool's name, backend, settings (every option of
+// PoolSchema) and devices, alignment and slot as JSON.
 func PoolConfig(id int64) (js string, err error) {
 	defer guard(&err)
 	e, err := entry(id)
@@ -329,29 +227,17 @@ func PoolConfig(id int64) (js string, err error) {
 		return "", err
 	}
 	c := e.Pool.Config()
-	return marshal(map[string]any{"name": c.Name, "backend": c.Backend.Name(), "limit": c.Limit,
-		"max_split_size": c.MaxSplitSize, "release_threshold": c.ReleaseThreshold,
-		"roundup_power2_divisions": c.RoundupPower2Divisions, "roundup_power2_divisions_by_size": c.RoundupPower2DivisionsBySize,
-		"garbage_collection_threshold": c.GarbageCollectionThreshold,
-		"max_non_split_rounding_size":  c.MaxNonSplitRoundingSize,
-		"torch_version":                c.TorchVersion,
-		"devices":                      c.Backend.Devices(), "alignment": c.Backend.Alignment(), "slot": e.Slot()})
+	out := options.Values(poolFields, &c)
+	out["name"], out["backend"] = c.Name, c.Backend.Name()
+	out["devices"], out["alignment"], out["slot"] = c.Backend.Devices(), c.Backend.Alignment(), e.Slot()
+	return marshal(out)
 }
 
 // PoolCheck verifies the pool's invariants (see gocore.Pool.CheckInvariants).
 //
 // ok is true when err is nil (see okOf).
 func PoolCheck(id int64) (ok bool, err error) {
-	return okOf(poolCheck(id))
-}
-
-func poolCheck(id int64) (err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return err
-	}
-	return e.Pool.CheckInvariants()
+	return withEntryOK(id, func(e *registry.Entry) error { return e.Pool.CheckInvariants() })
 }
 
 // PythonExiting stops pools whose allocator functions are Python callables
@@ -367,13 +253,10 @@ func PythonExiting() (ok bool, err error) {
 // after this one closes: for a pool whose torch objects (torch.cuda.MemPool
 // over its functions) could not be released and may still call them.
 func PoolRetireSlot(id int64) (ok bool, err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return false, err
-	}
-	registry.KeepSlotRetired(e)
-	return true, nil
+	return withEntryOK(id, func(e *registry.Entry) error {
+		registry.KeepSlotRetired(e)
+		return nil
+	})
 }
 
 // PoolClose closes the pool and forgets its handle; it returns the close
@@ -385,22 +268,16 @@ func PoolClose(id int64) (js string, err error) {
 	// threads may close it at once).
 	e := registry.Unregister(id)
 	if e == nil {
-		_, err := entry(id)
+		_, err := registry.Get(id)
 		return "", err
 	}
+	// The pool and torch's private pools over it (CUDA graphs,
+	// torch.cuda.MemPool), which share the backend: closed before it.
 	rep, err := e.Pool.Close()
 	// A block that outlived the pool may still be freed by torch through
 	// the slot: then the slot must never serve another pool.
 	defer func() { registry.FreeSlot(e, len(rep.LiveBlocks) == 0) }()
-	// Torch's private pools (CUDA graphs, torch.cuda.MemPool) share the
-	// backend: closed before it.
-	prep, perr := e.Graphs.ClosePrivate()
-	err = errors.Join(err, perr)
-	rep.LiveBlocks = append(rep.LiveBlocks, prep.LiveBlocks...)
-	rep.LiveBytes += prep.LiveBytes
-	rep.SegmentsFreed += prep.SegmentsFreed
-	rep.BytesFreed += prep.BytesFreed
-	if c, ok := e.Keep.(io.Closer); ok {
+	if c, ok := e.Pool.Backend().(io.Closer); ok {
 		// Backend resources beyond segments (CUDA memory pools, ...).
 		err = errors.Join(err, c.Close())
 	}
@@ -422,16 +299,13 @@ func PoolClose(id int64) (js string, err error) {
 // through the pool's C hooks (CUDA graphs and torch.cuda.MemPool in
 // full-replacement mode; see graphpool.Pools.List).
 func PoolGraphPools(id int64) (js string, err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return "", err
-	}
-	pools, err := e.Graphs.List()
-	if err != nil {
-		return "", err
-	}
-	return marshal(pools)
+	return withEntry(id, func(e *registry.Entry) (string, error) {
+		pools, err := e.Pool.List()
+		if err != nil {
+			return "", err
+		}
+		return marshal(pools)
+	})
 }
 
 // PoolSymbols gives the pool a C slot and returns the names of its torch
@@ -447,17 +321,13 @@ func PoolSymbols(id int64, kind string) (names string, err error) {
 	case "throwing":
 		// For full replacement: torch calls these for the rest of the
 		// process, so the slot is never handed to another pool.
-		e, err := entry(id)
-		if err != nil {
-			return "", err
-		}
-		slot, err := registry.AssignPinnedSlot(e)
+		slot, err := withEntry(id, registry.AssignPinnedSlot)
 		if err != nil {
 			return "", err
 		}
 		return fmt.Sprintf("gmp_alloc_or_throw_%d,gmp_free_%d", slot, slot), nil
 	case "plain", "segments":
-		slot, err := slotOf(id)
+		slot, err := withEntry(id, registry.AssignSlot)
 		if err != nil {
 			return "", err
 		}
@@ -473,21 +343,13 @@ func PoolSymbols(id int64, kind string) (names string, err error) {
 // CUDAPluggableAllocator hook setters mapped to the pool's exported hook
 // functions (init, empty cache, memory fraction, record stream).
 func PoolHookSymbols(id int64) (js string, err error) {
-	defer guard(&err)
-	slot, err := slotOf(id)
-	if err != nil {
-		return "", err
-	}
-	return marshal(cabi.HookSymbols(slot))
-}
-
-// slotOf returns the pool's C slot, assigning one on first use.
-func slotOf(id int64) (int, error) {
-	e, err := entry(id)
-	if err != nil {
-		return 0, err
-	}
-	return registry.AssignSlot(e)
+	return withEntry(id, func(e *registry.Entry) (string, error) {
+		slot, err := registry.AssignSlot(e)
+		if err != nil {
+			return "", err
+		}
+		return marshal(cabi.HookSymbols(slot))
+	})
 }
 
 // PoolTakeError returns and clears the last error a C call on this pool
@@ -495,13 +357,17 @@ func slotOf(id int64) (int, error) {
 func PoolTakeError(id int64) (msg string, err error) {
 	defer guard(&err)
 	if id == 0 {
-		return registry.TakeOrphanError(), nil
+		return errorText(registry.TakeOrphanError()), nil
 	}
-	e, err := entry(id)
-	if err != nil {
-		return "", err
+	return withEntry(id, func(e *registry.Entry) (string, error) { return errorText(e.TakeError()), nil })
+}
+
+// errorText is err's text, "" for nil.
+func errorText(err error) string {
+	if err == nil {
+		return ""
 	}
-	return e.TakeError(), nil
+	return err.Error()
 }
 
 // DebugPanicNext makes the pool's next C-ABI call panic inside Go (fault
@@ -509,17 +375,10 @@ func PoolTakeError(id int64) (msg string, err error) {
 //
 // ok is true when err is nil (see okOf).
 func DebugPanicNext(id int64) (ok bool, err error) {
-	return okOf(debugPanicNext(id))
-}
-
-func debugPanicNext(id int64) (err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return err
-	}
-	e.PanicNext.Store(true)
-	return nil
+	return withEntryOK(id, func(e *registry.Entry) error {
+		e.PanicNext.Store(true)
+		return nil
+	})
 }
 
 // ListPools returns the open pools' handles and names as JSON.
@@ -535,15 +394,16 @@ func ListPools() (js string, err error) {
 	return marshal(out)
 }
 
-func simOf(id int64) (*gocore.SimBackend, error) {
-	e, err := entry(id)
-	if err != nil {
-		return nil, err
-	}
-	if e.Sim == nil {
-		return nil, fmt.Errorf("pool %q uses the %s backend, not sim: %w", e.Pool.Name(), e.Pool.Backend().Name(), gocore.ErrInvalidArgument)
-	}
-	return e.Sim, nil
+// withSim runs work on the simulated device of the pool behind id, under
+// guard; a pool of another backend is an error.
+func withSim[T any](id int64, work func(s *gocore.SimBackend) (T, error)) (T, error) {
+	return withEntry(id, func(e *registry.Entry) (T, error) {
+		if e.Sim == nil {
+			var none T
+			return none, fmt.Errorf("pool %q uses the %s backend, not sim: %w", e.Pool.Name(), e.Pool.Backend().Name(), gocore.ErrInvalidArgument)
+		}
+		return work(e.Sim)
+	})
 }
 
 // SimCompleteStream completes the work queued so far on stream (all streams
@@ -551,21 +411,14 @@ func simOf(id int64) (*gocore.SimBackend, error) {
 //
 // ok is true when err is nil (see okOf).
 func SimCompleteStream(id int64, stream uint64, all bool) (ok bool, err error) {
-	return okOf(simCompleteStream(id, stream, all))
-}
-
-func simCompleteStream(id int64, stream uint64, all bool) (err error) {
-	defer guard(&err)
-	s, err := simOf(id)
-	if err != nil {
-		return err
-	}
-	if all {
-		s.CompleteAll()
-	} else {
-		s.CompleteStream(gocore.Stream(stream))
-	}
-	return nil
+	return withSim(id, func(s *gocore.SimBackend) (bool, error) {
+		if all {
+			s.CompleteAll()
+		} else {
+			s.CompleteStream(gocore.Stream(stream))
+		}
+		return true, nil
+	})
 }
 
 // SimSetManualEvents switches the simulated device between events that
@@ -573,17 +426,10 @@ func simCompleteStream(id int64, stream uint64, all bool) (err error) {
 //
 // ok is true when err is nil (see okOf).
 func SimSetManualEvents(id int64, manual bool) (ok bool, err error) {
-	return okOf(simSetManualEvents(id, manual))
-}
-
-func simSetManualEvents(id int64, manual bool) (err error) {
-	defer guard(&err)
-	s, err := simOf(id)
-	if err != nil {
-		return err
-	}
-	s.SetManualEvents(manual)
-	return nil
+	return withSim(id, func(s *gocore.SimBackend) (bool, error) {
+		s.SetManualEvents(manual)
+		return true, nil
+	})
 }
 
 // SimPlaceNext asks the pool's simulated device to put the next segment of
@@ -594,30 +440,20 @@ func simSetManualEvents(id int64, manual bool) (err error) {
 //
 // ok is true when err is nil (see okOf).
 func SimPlaceNext(id, device int64, offset, size uint64) (ok bool, err error) {
-	return okOf(simPlaceNext(id, device, offset, size))
-}
-
-func simPlaceNext(id, device int64, offset, size uint64) (err error) {
-	defer guard(&err)
-	s, err := simOf(id)
-	if err != nil {
-		return err
-	}
-	return s.PlaceNext(int(device), offset, size)
+	return withSim(id, func(s *gocore.SimBackend) (bool, error) {
+		return okOf(s.PlaceNext(int(device), offset, size))
+	})
 }
 
 // SimStats returns the simulated device's counters as JSON.
 func SimStats(id int64) (js string, err error) {
-	defer guard(&err)
-	s, err := simOf(id)
-	if err != nil {
-		return "", err
-	}
-	st := s.Stats()
-	return marshal(map[string]any{"allocs": st.Allocs, "frees": st.Frees, "failed_allocs": st.FailedAllocs,
-		"failed_frees": st.FailedFrees, "live_segments": st.LiveSegments, "live_bytes": st.LiveBytes,
-		"events_created": st.EventsCreated, "live_events": st.LiveEvents, "expansions": st.Expansions,
-		"shrinks": st.Shrinks, "placed": st.Placed})
+	return withSim(id, func(s *gocore.SimBackend) (string, error) {
+		st := s.Stats()
+		return marshal(map[string]any{"allocs": st.Allocs, "frees": st.Frees, "failed_allocs": st.FailedAllocs,
+			"failed_frees": st.FailedFrees, "live_segments": st.LiveSegments, "live_bytes": st.LiveBytes,
+			"events_created": st.EventsCreated, "live_events": st.LiveEvents, "expansions": st.Expansions,
+			"shrinks": st.Shrinks, "placed": st.Placed})
+	})
 }
 
 // Devices lists the machine's NVIDIA devices as JSON
@@ -644,36 +480,26 @@ func marshal(v any) (string, error) {
 // PoolSnapshot returns the pool's segments and blocks as JSON (a list in
 // torch's snapshot vocabulary).
 func PoolSnapshot(id int64) (js string, err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return "", err
-	}
-	segs := e.Pool.Snapshot()
-	if segs == nil {
-		segs = []gocore.SnapshotSegment{}
-	}
-	return marshal(map[string]any{"segments": segs, "fragmentation": gocore.FragmentationOf(segs)})
+	return withEntry(id, func(e *registry.Entry) (string, error) {
+		segs := e.Pool.Snapshot()
+		if segs == nil {
+			segs = []gocore.SnapshotSegment{}
+		}
+		return marshal(map[string]any{"segments": segs, "fragmentation": gocore.FragmentationOf(segs)})
+	})
 }
 
 // PoolRecordHistory turns event recording on (keeping maxEntries) or off.
 //
 // ok is true when err is nil (see okOf).
 func PoolRecordHistory(id int64, enabled bool, maxEntries int64) (ok bool, err error) {
-	return okOf(poolRecordHistory(id, enabled, maxEntries))
-}
-
-func poolRecordHistory(id int64, enabled bool, maxEntries int64) (err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return err
-	}
-	if enabled && maxEntries <= 0 {
-		return fmt.Errorf("max_entries %d must be positive: %w", maxEntries, gocore.ErrInvalidArgument)
-	}
-	e.Pool.RecordHistory(enabled, int(min(maxEntries, 1<<30)))
-	return nil
+	return withEntryOK(id, func(e *registry.Entry) error {
+		if enabled && maxEntries <= 0 {
+			return fmt.Errorf("max_entries %d must be positive: %w", maxEntries, gocore.ErrInvalidArgument)
+		}
+		e.Pool.RecordHistory(enabled, int(min(maxEntries, 1<<30)))
+		return nil
+	})
 }
 
 // PoolRecordThreads makes history entries name the OS thread of the call
@@ -681,29 +507,19 @@ func poolRecordHistory(id int64, enabled bool, maxEntries int64) (err error) {
 //
 // ok is true when err is nil (see okOf).
 func PoolRecordThreads(id int64, on bool) (ok bool, err error) {
-	return okOf(poolRecordThreads(id, on))
-}
-
-func poolRecordThreads(id int64, on bool) (err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return err
-	}
-	e.Pool.RecordThreads(on)
-	return nil
+	return withEntryOK(id, func(e *registry.Entry) error {
+		e.Pool.RecordThreads(on)
+		return nil
+	})
 }
 
 // PoolHistory returns the recorded events, oldest first, as JSON.
 func PoolHistory(id int64) (js string, err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return "", err
-	}
-	h := e.Pool.History()
-	if h == nil {
-		h = []gocore.TraceEntry{}
-	}
-	return marshal(h)
+	return withEntry(id, func(e *registry.Entry) (string, error) {
+		h := e.Pool.History()
+		if h == nil {
+			h = []gocore.TraceEntry{}
+		}
+		return marshal(h)
+	})
 }

@@ -7,6 +7,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/gpumempool/gpumempool/bindings/pyerr"
 )
 
 func TestPoolLifecycleThroughHandles(t *testing.T) {
@@ -33,45 +35,45 @@ func TestPoolLifecycleThroughHandles(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, strings.Replace(names, "gmp_alloc_", "gmp_alloc_or_throw_", 1), throwing)
 	_, err = PoolSymbols(id, "other")
-	assert.True(t, strings.HasPrefix(err.Error(), "ValueError: "), err.Error())
+	assertKind(t, err, pyerr.InvalidArgument, "")
 	ok, err := PoolFree(id, a)
 	require.NoError(t, err)
 	require.True(t, ok)
 	_, err = PoolFree(id, a)
 	require.Error(t, err)
-	assert.True(t, strings.HasPrefix(err.Error(), "DoubleFreeError: "), err.Error())
+	assertKind(t, err, pyerr.DoubleFree, "")
 	rep, err := PoolClose(id)
 	require.NoError(t, err)
 	assert.Contains(t, rep, `"live_bytes":0`)
 	_, err = PoolAlloc(id, 1, 0, 0)
-	assert.True(t, strings.HasPrefix(err.Error(), "PoolClosedError: "), err.Error())
+	assertKind(t, err, pyerr.PoolClosed, "")
 }
 
 func TestErrorKinds(t *testing.T) {
-	cases := map[string]string{
-		`{"backend":"cuda9"}`:                         "ValueError: unknown backend",
-		`{"backend":"sim","bogus":1}`:                 "ValueError: pool options",
-		`{"backend":"sim","options":{"fail_rate":2}}`: "ValueError: ",
-		`{"backend":"callback"}`:                      "ValueError: callback backend",
-		`{"backend":"sim","max_split_size":5}`:        "ValueError: new pool",
-		`not json`:                                    "ValueError: pool options",
-		`{"backend":"sim"} {"limit":5}`:               "ValueError: pool options: more than one",
+	cases := map[string]string{ // the message starts so; every kind is InvalidArgument
+		`{"backend":"cuda9"}`:                         "unknown backend",
+		`{"backend":"sim","bogus":1}`:                 "pool options",
+		`{"backend":"sim","options":{"fail_rate":2}}`: "",
+		`{"backend":"callback"}`:                      "callback backend",
+		`{"backend":"sim","max_split_size":5}`:        "new pool",
+		`not json`:                                    "pool options",
+		`{"backend":"sim"} {"limit":5}`:               "pool options: more than one",
 	}
 	for in, want := range cases {
 		_, err := NewPool(in)
 		require.Error(t, err, in)
-		assert.True(t, strings.HasPrefix(err.Error(), want), "%s -> %s", in, err)
+		assertKind(t, err, pyerr.InvalidArgument, want)
 	}
 	id, err := NewPool(`{"options":{"capacity":4194304},"limit":2097152}`)
 	require.NoError(t, err)
 	_, err = PoolAlloc(id, 3<<20, 0, 0)
-	assert.True(t, strings.HasPrefix(err.Error(), "OutOfMemoryError: "), err.Error())
+	assertKind(t, err, pyerr.OutOfMemory, "")
 	_, err = PoolAlloc(id, 0, 0, 0)
-	assert.True(t, strings.HasPrefix(err.Error(), "ValueError: "), err.Error())
+	assertKind(t, err, pyerr.InvalidArgument, "")
 	_, err = PoolAlloc(id, 1, 3, 0)
-	assert.True(t, strings.HasPrefix(err.Error(), "ValueError: "), err.Error())
+	assertKind(t, err, pyerr.InvalidArgument, "")
 	_, err = PoolFree(id, 42)
-	assert.True(t, strings.HasPrefix(err.Error(), "InvalidPointerError: "), err.Error())
+	assertKind(t, err, pyerr.InvalidPointer, "")
 	_, err = PoolClose(id)
 	require.NoError(t, err)
 }
@@ -85,7 +87,7 @@ func TestGuardRecoversPanics(t *testing.T) {
 	}
 	err := f()
 	require.Error(t, err)
-	assert.True(t, strings.HasPrefix(err.Error(), "RuntimeError: gpumempool internal error (Go panic recovered)"), err.Error())
+	assertKind(t, err, pyerr.Backend, "gpumempool internal error (Go panic recovered)")
 }
 
 func TestDevicesWithoutDriverIsNotAnError(t *testing.T) {
@@ -124,8 +126,8 @@ func TestSimOptionsRefusedByName(t *testing.T) {
 		t.Run(tc.sim, func(t *testing.T) {
 			_, err := NewPool(`{"backend":"sim","options":` + tc.sim + `}`)
 			require.Error(t, err)
-			assert.True(t, strings.HasPrefix(err.Error(), "ValueError: "), err.Error())
-			assert.Contains(t, err.Error(), tc.msg)
+			assertKind(t, err, pyerr.InvalidArgument, "")
+			assert.Contains(t, pyerr.Of(err).Message, tc.msg)
 		})
 	}
 	// Leaving the options out, or giving them in range, still works.
@@ -135,4 +137,15 @@ func TestSimOptionsRefusedByName(t *testing.T) {
 		_, err = PoolClose(id)
 		require.NoError(t, err)
 	}
+}
+
+// assertKind checks that err crosses to Python as a value of kind whose
+// message starts with prefix.
+func assertKind(t *testing.T, err error, kind pyerr.Kind, prefix string) {
+	t.Helper()
+	require.Error(t, err)
+	v, ok := pyerr.Decode(err.Error())
+	require.True(t, ok, "not a pyerr value: %s", err)
+	assert.Equal(t, kind, v.Kind, err.Error())
+	assert.True(t, strings.HasPrefix(v.Message, prefix), "%q does not start with %q", v.Message, prefix)
 }

@@ -1,36 +1,42 @@
 package bindings
 
 import (
-	"errors"
 	"fmt"
 	"runtime/debug"
 
+	"github.com/gpumempool/gpumempool/bindings/pyerr"
 	"github.com/gpumempool/gpumempool/bindings/registry"
 )
 
-// errorKind names the Python exception for err. gopy raises every Go error
-// as RuntimeError with the error's text; the Python layer reads this prefix
-// to raise the right subclass.
-func errorKind(err error) string { return registry.Kind(err) }
-
-// kindError carries the Python exception name in front of the message.
-type kindError struct{ err error }
-
-func (k kindError) Error() string { return errorKind(k.err) + ": " + k.err.Error() }
-func (k kindError) Unwrap() error { return k.err }
-
-// guard turns a panic into an error and prefixes every error with its kind.
-// Deferred by every exported function.
+// guard turns a panic into an error and every error into the value that
+// crosses to Python (pyerr: gopy raises an error as RuntimeError with its
+// text, which is then the value's JSON). Deferred by every exported
+// function.
 func guard(err *error) {
 	if r := recover(); r != nil {
 		*err = fmt.Errorf("gpumempool internal error (Go panic recovered): %v\n%s", r, debug.Stack())
 	}
-	if *err != nil {
-		var k kindError
-		if !errors.As(*err, &k) {
-			*err = kindError{*err}
-		}
+	*err = pyerr.Wrap(*err)
+}
+
+// withEntry runs work on the pool behind handle id, under guard: the one
+// way an entry point reaches a pool.
+func withEntry[T any](id int64, work func(e *registry.Entry) (T, error)) (out T, err error) {
+	defer guard(&err)
+	e, err := registry.Get(id)
+	if err != nil {
+		return out, err
 	}
+	return work(e)
+}
+
+// withEntryOK is withEntry for work with nothing to return but an error
+// (see okOf).
+func withEntryOK(id int64, work func(e *registry.Entry) error) (bool, error) {
+	return withEntry(id, func(e *registry.Entry) (bool, error) {
+		err := work(e)
+		return err == nil, err
+	})
 }
 
 // okOf is the result of a binding that has nothing to return but an error.
@@ -38,3 +44,10 @@ func guard(err *error) {
 // frees, about 32 bytes a call, so every binding returns a value: ok, true
 // when err is nil.
 func okOf(err error) (bool, error) { return err == nil, err }
+
+// ErrorKinds lists, as JSON, the kinds of error that cross to Python
+// (pyerr.Kinds): gpumempool's tests check that it has a class for each.
+func ErrorKinds() (js string, err error) {
+	defer guard(&err)
+	return marshal(pyerr.Kinds())
+}

@@ -2,12 +2,12 @@ package bindings
 
 import (
 	"path/filepath"
-	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/gpumempool/gpumempool/bindings/pyerr"
 	"github.com/gpumempool/gpumempool/gocore/nccl/libnccl"
 )
 
@@ -46,8 +46,9 @@ func TestNcclCommRegister(t *testing.T) {
 
 	_, err = NcclCommDeregister(comm, handle)
 	require.Error(t, err)
-	assert.Regexp(t, `^RuntimeError: deregister handle 0x[0-9a-f]+ from NCCL communicator 0xc0ffee: `+
-		`ncclCommDeregister: .* \[ncclInvalidUsage = 5\]`, err.Error())
+	assertKind(t, err, pyerr.Backend, "")
+	assert.Regexp(t, `^deregister handle 0x[0-9a-f]+ from NCCL communicator 0xc0ffee: `+
+		`ncclCommDeregister: .* \[ncclInvalidUsage = 5\]`, pyerr.Of(err).Message)
 
 	_, err = NcclCommRegister(0, 0x10000, 4096)
 	require.Error(t, err)
@@ -70,5 +71,5 @@ func TestNcclCommRegisterWithoutTheLibrary(t *testing.T) {
 	t.Setenv(libnccl.EnvLibrary, filepath.Join(t.TempDir(), "libnccl.so.2"))
 	_, err = NcclRegistrationLibrary()
 	require.ErrorIs(t, err, libnccl.ErrNoNCCL)
-	assert.True(t, strings.HasPrefix(err.Error(), "RuntimeError: "), err.Error())
+	assertKind(t, err, pyerr.Backend, "")
 }

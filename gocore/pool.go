@@ -14,6 +14,15 @@ import (
 // Config configures a Pool. The zero value of every option means "as torch
 // does": no limit, blocks of any size may be split, everything freed is
 // cached until EmptyCache.
+//
+// Config is the one declaration of the pool's settings (its policy): the
+// fields with an option tag (see gocore/options) are the settings users
+// give by name, and the bindings publish their schema (name, unit, default,
+// torch's option of the same setting, doc), from which the Python layer
+// builds its argument checks, replay and tune keys, and docs. Adding a
+// setting is adding a tagged field here (and the engine code that reads
+// it), and tune searches it over the values its search tag lists. The
+// fields are in the order torch documents its options.
 type Config struct {
 	// Name identifies the pool in errors and stats; default "pool".
 	Name string
@@ -23,7 +32,7 @@ type Config struct {
 	// Limit caps the bytes the pool reserves on each device (0: no limit).
 	// It sets the limit of the pool's own budget; with Budget set it is
 	// ignored (the shared budget holds the limits).
-	Limit uint64
+	Limit uint64 `option:"limit" unit:"bytes" doc:"bytes the pool may reserve per device (0: no limit)"`
 	// Budget, when set, is a budget shared with other pools over the same
 	// backend: each device's limit applies to what they reserve together.
 	// Config returns the pool's budget, so a pool made from another's
@@ -35,22 +44,22 @@ type Config struct {
 	// torch requires: below that every LargeBuffer segment would be
 	// oversize, and each small large request would cost a segment of its
 	// own.
-	MaxSplitSize uint64
+	MaxSplitSize uint64 `option:"max_split_size" unit:"bytes" torch:"max_split_size_mb" torch_unit:"MiB" torch_min:"21" search:"32MiB,64MiB,128MiB,256MiB,512MiB,1GiB,2GiB" doc:"blocks at least this large are never split (torch's max_split_size_mb, in bytes; 0: no limit, else at least 20 MiB)"`
+	// RoundupPower2Divisions, when at least 2, rounds requests up to one of
+	// this many equal steps between consecutive powers of two (torch's
+	// roundup_power2_divisions); it must be a power of two, at most
+	// MaxRoundupDivisions. 0 or 1: plain 512-byte rounding.
+	RoundupPower2Divisions uint64 `option:"roundup_power2_divisions" unit:"count" torch:"roundup_power2_divisions" search:"1,2,4,8,16" doc:"round requests up to one of N steps between powers of two (torch's option; N a power of two, 0 or 1: off); or 16 counts, one per size interval (below 2 MiB, then [2^(20+i), 2^(21+i)) bytes, the last from 32 GiB): a list, or the dict {'1': n1, ..., '16': n16} of a torch snapshot's allocator_settings"`
+	// RoundupPower2DivisionsBySize, when set (RoundupIntervals entries),
+	// gives the divisions per size interval instead, like torch's
+	// roundup_power2_divisions:[256:1,512:2,>:8] (see RoundupIntervals).
+	RoundupPower2DivisionsBySize []uint64 `option:"roundup_power2_divisions_by_size" unit:"count" given_as:"roundup_power2_divisions" doc:"the divisions of each of the 16 size intervals (roundup_power2_divisions given as a list)"`
 	// MaxNonSplitRoundingSize: a request of at least MaxSplitSize takes a
 	// cached block (unsplit) only if the block is less than this much larger
 	// (torch's max_non_split_rounding_mb). 0 means torch's default,
 	// LargeBuffer (20 MiB); when set it must be at least LargeBuffer, as
 	// torch requires.
-	MaxNonSplitRoundingSize uint64
-	// RoundupPower2Divisions, when at least 2, rounds requests up to one of
-	// this many equal steps between consecutive powers of two (torch's
-	// roundup_power2_divisions); it must be a power of two, at most
-	// MaxRoundupDivisions. 0 or 1: plain 512-byte rounding.
-	RoundupPower2Divisions uint64
-	// RoundupPower2DivisionsBySize, when set (RoundupIntervals entries),
-	// gives the divisions per size interval instead, like torch's
-	// roundup_power2_divisions:[256:1,512:2,>:8] (see RoundupIntervals).
-	RoundupPower2DivisionsBySize []uint64
+	MaxNonSplitRoundingSize uint64 `option:"max_non_split_rounding_size" unit:"bytes" torch:"max_non_split_rounding_mb" torch_unit:"MiB" torch_min:"21" default:"20 MiB (LargeBuffer), as torch" search:"64MiB,256MiB,1GiB" doc:"how much larger than an oversize request a cached oversize block it takes may be (torch's max_non_split_rounding_mb, in bytes)"`
 	// GarbageCollectionThreshold (torch's garbage_collection_threshold, in
 	// (0, 1); 0 is off) acts on devices with a limit: when a large request
 	// misses the cache while the device reserves more than this fraction of
@@ -59,27 +68,28 @@ type Config struct {
 	// before asking the backend for more. Unlike the release-and-retry of
 	// the OOM path it runs before memory is exhausted, so the limit is
 	// rarely reached.
-	GarbageCollectionThreshold float64
+	GarbageCollectionThreshold float64 `option:"garbage_collection_threshold" unit:"fraction" torch:"garbage_collection_threshold" search:"0.5,0.6,0.7,0.8,0.9" doc:"fraction of the limit above which a cache miss first releases the cached large segments unused the longest (torch's option, in [0, 1); needs limit)"`
 	// ReleaseThreshold is how many unused reserved bytes a device may keep
 	// cached: when a free leaves more, whole free segments (then the free
 	// tails of expandable segments) go back to the backend until it is under
 	// the threshold (like the release threshold of a CUDA memory pool); a
 	// capture defers that to its end. 0 means unlimited.
-	ReleaseThreshold uint64
+	ReleaseThreshold uint64 `option:"release_threshold" unit:"bytes" search:"64MiB,256MiB,1GiB" doc:"unused bytes kept cached per device (0: keep all)"`
 	// KeepSegments: segments go back to the backend only when the pool is
 	// closed. Freed memory stays cached whatever happens: no release and
 	// retry when the backend runs out (the allocation fails instead), no
 	// ReleaseThreshold or garbage collection, and Trim / EmptyCache release
 	// nothing. For pools whose freed blocks may still be written by work
 	// recorded earlier, such as the private pool of a CUDA graph, which
-	// every replay runs with the addresses it was captured with.
+	// every replay runs with the addresses it was captured with. Not a
+	// setting users give: the graph pools set it.
 	KeepSegments bool
 	// TorchVersion selects the rules of one torch release where releases
 	// differ ("2.15", "2.15.0", "2.15.0+cu130"; "" is the default, the
 	// rules of torch 2.5 to 2.14). From 2.15 best fit breaks ties between
 	// free blocks of the same size by the order their segments were
 	// created, oldest first, instead of by address.
-	TorchVersion string
+	TorchVersion string `option:"torch_version" unit:"version" default:"the rules of torch 2.5 to 2.14" doc:"the torch release whose rules apply where releases differ (\"2.15\", or torch.__version__; from 2.15 best fit breaks ties between free blocks of one size by segment age, oldest first, instead of by address)"`
 }
 
 // torchRules are the version-dependent choices Config.TorchVersion makes.

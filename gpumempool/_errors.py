@@ -1,12 +1,19 @@
 """Exceptions raised by gpumempool. Each subclasses the builtin a user would
 catch for it (``MemoryError``, ``ValueError``, ``RuntimeError``) and the
-common base :class:`GpuMemPoolError`."""
+common base :class:`GpuMemPoolError`.
+
+The engine's errors reach Python as one structured value by every route
+(gopy's wrappers, the C fast path, the C side's refusal of a forked child):
+a JSON object ``{"kind", "message", "fields"}`` (bindings/pyerr).
+:func:`translate` raises the class named by ``kind`` with the message and the
+fields; the exceptions' attributes (``OutOfMemoryError.device``, ...) come
+from the fields, never from the message."""
 
 from __future__ import annotations
 
-import re
+import json
 import threading
-from typing import Callable
+from typing import Any, Callable, Mapping, Optional
 
 __all__ = [
     "BackendError",
@@ -26,31 +33,104 @@ __all__ = [
 
 
 class GpuMemPoolError(Exception):
-    """Base class of every gpumempool error."""
+    """Base class of every gpumempool error.
+
+    ``kind`` names the class as the engine names it (bindings/pyerr's kinds);
+    ``fields`` are the values the engine's error carried (empty for errors
+    raised in Python, or that carry none)."""
+
+    kind = "GpuMemPoolError"
+
+    def __init__(self, *args: Any, fields: Optional[Mapping[str, Any]] = None) -> None:
+        super().__init__(*args)
+        self.fields: dict[str, Any] = dict(fields or {})
 
 
 class OutOfMemoryError(GpuMemPoolError, MemoryError):
     """An allocation failed after the pool released its cache and retried.
 
     The message names the pool, device, requested, allocated, reserved and
-    limit bytes (like torch's OutOfMemoryError)."""
+    limit bytes (like torch's OutOfMemoryError). An error from the engine
+    carries them as attributes too: ``pool``, ``backend``, ``device``,
+    ``requested``, ``segment``, ``allocated``, ``reserved``, ``limit`` (0:
+    none), ``shared_reserved``, ``device_free`` and ``device_total`` (0 when
+    the backend cannot tell) and ``cause`` (the backend's error, "" when the
+    pool's limit was hit); each is None on an error made in Python."""
+
+    kind = "OutOfMemoryError"
+
+    @property
+    def pool(self) -> Optional[str]:
+        return self.fields.get("pool")
+
+    @property
+    def backend(self) -> Optional[str]:
+        return self.fields.get("backend")
+
+    @property
+    def device(self) -> Optional[int]:
+        return self.fields.get("device")
+
+    @property
+    def requested(self) -> Optional[int]:
+        return self.fields.get("requested")
+
+    @property
+    def segment(self) -> Optional[int]:
+        return self.fields.get("segment")
+
+    @property
+    def allocated(self) -> Optional[int]:
+        return self.fields.get("allocated")
+
+    @property
+    def reserved(self) -> Optional[int]:
+        return self.fields.get("reserved")
+
+    @property
+    def limit(self) -> Optional[int]:
+        return self.fields.get("limit")
+
+    @property
+    def shared_reserved(self) -> Optional[int]:
+        return self.fields.get("shared_reserved")
+
+    @property
+    def device_free(self) -> Optional[int]:
+        return self.fields.get("device_free")
+
+    @property
+    def device_total(self) -> Optional[int]:
+        return self.fields.get("device_total")
+
+    @property
+    def cause(self) -> Optional[str]:
+        return self.fields.get("cause")
 
 
 class InvalidArgumentError(GpuMemPoolError, ValueError):
     """A bad size, device, option or configuration."""
 
+    kind = "InvalidArgumentError"
+
 
 class InvalidPointerError(GpuMemPoolError, ValueError):
     """The address does not belong to the pool."""
+
+    kind = "InvalidPointerError"
 
 
 class DoubleFreeError(InvalidPointerError):
     """The address is inside the pool but not an allocated block: freed
     already, or an interior pointer."""
 
+    kind = "DoubleFreeError"
+
 
 class PoolClosedError(GpuMemPoolError, RuntimeError):
     """The pool was closed (possibly by another thread)."""
+
+    kind = "PoolClosedError"
 
 
 class ForkedProcessError(GpuMemPoolError, RuntimeError):
@@ -60,9 +140,13 @@ class ForkedProcessError(GpuMemPoolError, RuntimeError):
     'spawn' or 'forkserver' start method, or importing gpumempool only in
     the processes that use it."""
 
+    kind = "ForkedProcessError"
+
 
 class BackendError(GpuMemPoolError, RuntimeError):
     """The backend (or a user allocator callback) failed."""
+
+    kind = "BackendError"
 
 
 class CallbackReentryError(GpuMemPoolError, RuntimeError):
@@ -74,8 +158,10 @@ class CallbackReentryError(GpuMemPoolError, RuntimeError):
     :class:`BackendError` chained to it (unless the function caught it).
     ``pool`` is the pool's name (or ``#handle``), as the message gives it."""
 
-    def __init__(self, message: str, pool: str = "") -> None:
-        super().__init__(message)
+    kind = "CallbackReentryError"
+
+    def __init__(self, message: str, pool: str = "", *, fields: Optional[Mapping[str, Any]] = None) -> None:
+        super().__init__(message, fields=fields)
         self.pool = pool
 
 
@@ -83,31 +169,40 @@ class LeakWarning(UserWarning):
     """A pool was closed while blocks were still allocated."""
 
 
-_KINDS: dict[str, type[GpuMemPoolError]] = {
-    "OutOfMemoryError": OutOfMemoryError,
-    "ValueError": InvalidArgumentError,
-    "InvalidPointerError": InvalidPointerError,
-    "DoubleFreeError": DoubleFreeError,
-    "PoolClosedError": PoolClosedError,
-    "ForkedProcessError": ForkedProcessError,
-    "RuntimeError": BackendError,
+#: The class of each kind of error the engine sends (bindings/pyerr.Kinds;
+#: a test checks that the two lists agree).
+KINDS: dict[str, type[GpuMemPoolError]] = {
+    cls.kind: cls
+    for cls in (OutOfMemoryError, DoubleFreeError, InvalidPointerError, PoolClosedError, InvalidArgumentError,
+                ForkedProcessError, BackendError)
 }
 
-_PREFIX = re.compile(r"^(\w+): ")
+
+def error_from_value(text: str) -> GpuMemPoolError:
+    """The exception for an error value the engine sent as ``text`` (JSON
+    ``{"kind", "message", "fields"}``). Text that is no such value (an
+    error gopy itself raised, a fallback of the C fast path) is a
+    :class:`BackendError` with that text."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return BackendError(text)
+    if not isinstance(value, dict) or not isinstance(value.get("kind"), str):
+        return BackendError(text)
+    fields = value.get("fields")
+    cls = KINDS.get(value["kind"], BackendError)
+    return cls(str(value.get("message", "")), fields=fields if isinstance(fields, dict) else None)
 
 
 def translate(exc: BaseException) -> BaseException:
-    """Turn gopy's RuntimeError("Kind: message") into our exception type."""
+    """Turn the RuntimeError an engine call raised (gopy's wrappers, the C
+    fast path: its text is the error's value) into our exception type."""
     if isinstance(exc, GpuMemPoolError):  # ours already (ForkedProcessError in a forked child)
         return exc
-    msg = str(exc)
-    m = _PREFIX.match(msg)
-    if m and m.group(1) in _KINDS:
-        err = _KINDS[m.group(1)](msg[m.end():])
-        if isinstance(err, OutOfMemoryError) and _oom_listeners and not getattr(_expected, "on", False):
-            _tell_out_of_memory(err)
-        return err
-    return BackendError(msg)
+    err = error_from_value(str(exc))
+    if isinstance(err, OutOfMemoryError) and _oom_listeners and not getattr(_expected, "on", False):
+        _tell_out_of_memory(err)
+    return err
 
 
 #: Told of every OutOfMemoryError a pool call raises (translate makes them

@@ -40,7 +40,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from ._errors import ForkedProcessError
+from ._errors import ForkedProcessError, error_from_value
 
 __all__ = ["after_fork_in_child", "bindings", "check_not_forked", "fastcall", "forked", "library_path"]
 
@@ -122,16 +122,26 @@ fastcall = _load_fastcall()
 
 
 def _fork_message() -> str:
-    """The C side's message (exports.c), read from the library: one text."""
+    """The C side's refusal of a forked child (exports.c's gmp_fork_error), as
+    the error value every route carries (see gpumempool._errors): one text,
+    made in C."""
     try:
-        lib = ctypes.CDLL(_LIBRARY_PATH)  # loaded already: the same handle
-        text = ctypes.cast(ctypes.addressof(ctypes.c_char.in_dll(lib, "gmp_fork_message")), ctypes.c_char_p).value
-        return (text or b"").decode().removeprefix("ForkedProcessError: ")
-    except (OSError, ValueError):  # an extension built before the check existed
-        return ("this process was forked from one that had loaded gpumempool, whose Go runtime does not survive "
-                "fork(); use the 'spawn' or 'forkserver' start method")
+        fork_error = ctypes.CDLL(_LIBRARY_PATH).gmp_fork_error  # loaded already: the same handle
+        fork_error.restype = ctypes.c_size_t
+        fork_error.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
+        buf = ctypes.create_string_buffer(fork_error(None, 0, _FORK_ERROR_JSON) + 1)
+        fork_error(buf, len(buf), _FORK_ERROR_JSON)
+        err = error_from_value(buf.value.decode())
+        if isinstance(err, ForkedProcessError):
+            return str(err)
+    except (AttributeError, OSError, ValueError):  # an extension built before the check existed
+        pass
+    return ("this process was forked from one that had loaded gpumempool, whose Go runtime does not survive "
+            "fork(); use the 'spawn' or 'forkserver' start method")
 
 
+#: exports.h's GMP_ERROR_JSON: gmp_fork_error writes the error value.
+_FORK_ERROR_JSON = 1
 _FORK_MESSAGE = _fork_message()
 _parent_pid = os.getpid()
 _forked = False

@@ -26,7 +26,6 @@ setting would have fit.
 from __future__ import annotations
 
 import os
-import re
 import socket
 import sys
 import threading
@@ -383,15 +382,14 @@ def _pool_capacity(err: OutOfMemoryError) -> Optional[int]:
     or its backend's capacity (the smaller), where it names one."""
     from . import _lifecycle
 
-    m = re.match(r'pool "([^"]*)"', str(err))
-    if m is None:
+    if err.pool is None:  # not the engine's error: no pool named
         return None
     for p in _lifecycle.open_pools():
         try:
             cfg = p.config()
         except Exception:  # noqa: BLE001 - closed meanwhile
             continue
-        if cfg.get("name") != m.group(1):
+        if cfg.get("name") != err.pool:
             continue
         caps = [c for c in (cfg.get("limit"), (cfg.get("backend_options") or {}).get("capacity"))
                 if isinstance(c, int) and c > 0]

@@ -7,7 +7,6 @@ import collections
 import json
 import math
 import os
-import re
 import threading
 import time
 import warnings
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Ty
 
 from . import _lifecycle, _native
 from . import _snapshot, _summary
-from ._args import I64, MAX_DEVICE, U64, as_stream, check_bool, check_int, device_index, roundup_option
+from ._args import I64, MAX_DEVICE, U64, as_stream, check_bool, check_int, check_settings, device_index
 from ._callbacks import AllocatorFunction, CallbackErrors, function_address
 from ._errors import (
     BackendError,
@@ -28,6 +27,8 @@ from ._errors import (
     translate,
 )
 from ._lifecycle import open_pools
+from ._policy import ARGUMENTS, SETTINGS
+from ._units import format_bytes
 
 if TYPE_CHECKING:
     from .ipc import IpcHandle
@@ -192,10 +193,6 @@ def _callback_failure(kind: str, exc: BaseException) -> str:
     return f"the Python {kind} function raised {_describe_exc(exc)}"
 
 
-#: The start of the engine's OutOfMemoryError message: pool, device, request.
-_OOM_HEAD = re.compile(r'^pool (".*?") \(.*? backend\) out of memory on device (\d+): tried to allocate ([^(]+?) \(')
-
-
 def _callback_error_message(kind: str, exc: BaseException, err: BaseException) -> str:
     """The error of a pool call during which a Python function failed: the
     function's failure first. The engine only saw NULL from a failed alloc
@@ -203,8 +200,10 @@ def _callback_error_message(kind: str, exc: BaseException, err: BaseException) -
     not repeated; it is kept as context for other errors."""
     what = _callback_failure(kind, exc)
     if isinstance(err, OutOfMemoryError):
-        m = _OOM_HEAD.match(str(err))
-        return what + (f" (pool {m.group(1)} could not allocate {m.group(3)} on device {m.group(2)})" if m else "")
+        if err.pool is None or err.requested is None:  # not the engine's: nothing more to say
+            return what
+        pool = json.dumps(err.pool, ensure_ascii=False)  # quoted, as the engine quotes it
+        return what + f" (pool {pool} could not allocate {format_bytes(err.requested)} on device {err.device})"
     return f"{what} (the pool call failed: {err})"
 
 
@@ -261,24 +260,11 @@ class MemPool:
     (:meth:`last_error`).
 
     Common options: ``name``; ``device`` (default device of :meth:`alloc`);
-    ``limit`` (bytes the pool may reserve per device); ``max_split_size``
-    (torch's max_split_size_mb, in bytes); ``max_non_split_rounding_size``
-    (torch's max_non_split_rounding_mb, in bytes: how much larger than an
-    oversize request a cached oversize block it takes may be; default 20
-    MiB); ``release_threshold`` (unused
-    bytes kept cached per device; 0 keeps all); ``roundup_power2_divisions``
-    (torch's option of that name: requests round up to one of N equal steps
-    between powers of two; N a power of two, 0 or 1 for off; or 16 such
-    counts, one per size interval as in torch: sizes below 2 MiB, then
-    [2^(20+i), 2^(21+i)) bytes, the last from 32 GiB; a list, or the dict
-    ``{"1": n1, ..., "16": n16}`` of a torch snapshot's allocator_settings);
-    ``garbage_collection_threshold`` (torch's option, in [0, 1); with a
-    limit on a device, a cache miss while more than this fraction of the
-    limit is reserved first releases the cached large segments unused the
-    longest); ``torch_version`` (``"2.15"``, or ``torch.__version__``: the
-    rules of that torch release where releases differ; from 2.15 best fit
-    breaks ties between free blocks of one size by segment age, oldest
-    first, instead of by address; default: torch 2.5 to 2.14).
+    and the pool's settings, as the engine declares them
+    (``docs/pool-settings.md``; a setting the signature does not name yet
+    may be given among ``options``):
+
+    {settings}
 
     Thread-safe. Use it as a context manager to close it on exit.
     """
@@ -302,6 +288,10 @@ class MemPool:
         torch_version: Optional[str] = None,
         **options: Any,
     ) -> None:
+        # The settings are the keyword arguments the engine's schema names
+        # (ARGUMENTS); one without a parameter of its own comes in options.
+        args = locals()
+        given = {key: args[key] if key in args else options.pop(key, None) for key in ARGUMENTS}
         self._id = 0
         self._callback_errors = CallbackErrors()
         self._device = device_index(device)
@@ -335,33 +325,14 @@ class MemPool:
         if unknown:
             raise InvalidArgumentError(
                 f"unknown option(s) {', '.join(unknown)} for backend {backend!r}; "
-                f"valid: name, limit, max_split_size, max_non_split_rounding_size, release_threshold, "
-                "roundup_power2_divisions, "
-                "garbage_collection_threshold, torch_version, "
-                f"{', '.join(_option_names(backend))}"
+                f"valid: name, {', '.join(ARGUMENTS)}, {', '.join(_option_names(backend))}"
             )
         cfg: dict[str, Any] = {"backend": backend}
         if name is not None:
             if not isinstance(name, str):
                 raise TypeError(f"name must be a str, got {type(name).__name__}")
             cfg["name"] = name
-        for key, value in (("limit", limit), ("max_split_size", max_split_size), ("release_threshold", release_threshold),
-                           ("max_non_split_rounding_size", max_non_split_rounding_size)):
-            if value is not None:
-                cfg[key] = check_int(key, value, 0, U64)
-        if roundup_power2_divisions is not None:
-            cfg.update(roundup_option(roundup_power2_divisions))
-        if garbage_collection_threshold is not None:
-            gc = garbage_collection_threshold
-            if isinstance(gc, bool) or not isinstance(gc, (int, float)):
-                raise TypeError(f"garbage_collection_threshold must be a number, got {type(gc).__name__}")
-            if not 0 <= gc < 1:  # NaN too
-                raise InvalidArgumentError(f"garbage_collection_threshold must be in [0, 1), got {gc!r}")
-            cfg["garbage_collection_threshold"] = float(gc)
-        if torch_version is not None:
-            if not isinstance(torch_version, str):
-                raise TypeError(f"torch_version must be a str, got {type(torch_version).__name__}")
-            cfg["torch_version"] = torch_version
+        cfg.update(check_settings(given))
         if options:
             cfg["options"] = _backend_options(backend, options)
             self._options = dict(cfg["options"])
@@ -989,3 +960,10 @@ class MemPool:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"handle={self._id}"
         return f"<gpumempool.MemPool backend={getattr(self, 'backend', '?')} {state}>"
+
+
+# MemPool's doc lists the settings as the engine's schema declares them.
+if MemPool.__doc__:
+    MemPool.__doc__ = MemPool.__doc__.replace("    {settings}", "\n".join(
+        f"    ``{f['name']}``: {f['doc']}" + (f"; default {f['default']}" if f.get("default") else "")
+        for f in SETTINGS.values() if not f.get("given_as")))

@@ -31,18 +31,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ._policy import TORCH_SIZES
+
 __all__ = ["StartSegment", "StartState", "rebuild"]
 
+# torch's sizes, as the engine follows them (gocore/round.go).
 #: torch's kSmallSize: the largest request of the small pool, and the
 #: largest rest of a large block that is not split off.
-SMALL_SIZE = 1 << 20
+SMALL_SIZE: int = TORCH_SIZES["small_size"]
 #: torch's kSmallBuffer: the size of a small-pool segment.
-SMALL_BUFFER = 2 << 20
+SMALL_BUFFER: int = TORCH_SIZES["small_buffer"]
 #: torch's kMinBlockSize: every block size is a multiple of it.
-MIN_BLOCK = 512
-#: torch's default max_non_split_rounding_size: how much larger than an
-#: oversize request the cached block that serves it may be.
-DEFAULT_NON_SPLIT_ROUNDING = 20 << 20
+MIN_BLOCK: int = TORCH_SIZES["min_block_size"]
+#: torch's default max_non_split_rounding_size (kLargeBuffer): how much
+#: larger than an oversize request the cached block that serves it may be.
+DEFAULT_NON_SPLIT_ROUNDING: int = TORCH_SIZES["large_buffer"]
 
 
 @dataclass

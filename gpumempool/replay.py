@@ -46,28 +46,28 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 from ._errors import InvalidArgumentError, LeakWarning, OutOfMemoryError, expect_out_of_memory
 from ._args import MAX_DEVICE, ROUNDUP_INTERVALS
 from ._pool import MemPool
+from ._policy import ARGUMENTS, LIST_FORMS, SETTINGS
 from ._start_state import StartSegment
 from .trace import Alloc, EmptyCache, Free, PathLike, RecordStream, Sync, Trace, TraceFile, Trim
 
 __all__ = ["POLICY_KEYS", "ReplayResult", "parse_policy", "parse_size", "replay"]
 
-#: Policy keys and what they set on the replay pool.
+#: The pool settings a policy sets, as the engine declares them (not
+#: torch_version, which is replay's own argument: it picks rules, it is no
+#: setting to compare).
+_POOL_KEYS = tuple(key for key in ARGUMENTS if SETTINGS[key].get("unit") != "version")
+
+#: Policy keys and what they set on the replay pool: the pool's settings,
+#: then the simulated device's options a replay takes.
 POLICY_KEYS: dict[str, str] = {
-    "max_split_size": "blocks at least this large are never split (torch's max_split_size_mb, in bytes)",
-    "max_non_split_rounding_size": "how much larger than an oversize request a cached oversize block may be "
-    "(torch's max_non_split_rounding_mb, in bytes; default 20 MiB)",
-    "release_threshold": "unused bytes kept cached per device (0: keep all)",
-    "garbage_collection_threshold": "fraction of the limit above which a cache miss first releases old cached "
-    "segments (torch's option; needs limit)",
-    "roundup_power2_divisions": "round requests up to one of N steps between powers of two (torch's option; 0: off; "
-    "or 16 counts, one per size interval: roundup_power2_divisions=1,1,2,...,4 or [1,1,2,...,4])",
-    "limit": "bytes the pool may reserve per device (0: no limit)",
+    **{key: SETTINGS[key]["doc"] + (f"; on the command line {key}=1,1,2,...,4 or [1,1,2,...,4]"
+                                    if key in LIST_FORMS else "") for key in _POOL_KEYS},
     "expandable": "grow one segment per stream in place (torch's expandable_segments)",
     "granularity": "mapping granularity of expandable segments, bytes",
     "capacity": "bytes of the simulated device (default: the trace's 'capacity' metadata, else 80 GiB)",
 }
 _BOOL_KEYS = {"expandable"}
-_FRACTION_KEYS = {"garbage_collection_threshold"}
+_FRACTION_KEYS = {key for key in _POOL_KEYS if SETTINGS[key].get("unit") == "fraction"}
 #: Device size when neither the policy nor the trace names one: an 80 GB H100.
 DEFAULT_CAPACITY = 80 << 30
 #: Boundary at which each run of recorded segments starts when they are
@@ -156,7 +156,7 @@ def _policy_entries(items: Any) -> list[tuple[str, str]]:
                 continue
             key, sep, value = part.partition("=")
             if not sep:
-                if entries and entries[-1][0] == "roundup_power2_divisions" and part.strip().isdigit():
+                if entries and entries[-1][0] in LIST_FORMS and part.strip().isdigit():
                     entries[-1] = (entries[-1][0], f"{entries[-1][1]},{part.strip()}")
                     continue
                 raise ValueError(f"policy entries are key=value, got {part!r}")
@@ -164,9 +164,9 @@ def _policy_entries(items: Any) -> list[tuple[str, str]]:
     return entries
 
 
-def _parse_roundup(value: str) -> Any:
+def _parse_roundup(key: str, value: str) -> Any:
     """One count, or 16 (one per size interval), comma-separated, in
-    brackets or not."""
+    brackets or not: the value of ``key``, a setting with a list form."""
     t = value.strip()
     if t.startswith("[") and t.endswith("]"):
         t = t[1:-1]
@@ -174,8 +174,8 @@ def _parse_roundup(value: str) -> Any:
     if len(counts) == 1 and not value.strip().startswith("["):
         return parse_size(counts[0])
     if len(counts) != ROUNDUP_INTERVALS or not all(c.isascii() and c.isdigit() and len(c) < 20 for c in counts):
-        raise ValueError(f"roundup_power2_divisions takes one count or {ROUNDUP_INTERVALS} whole numbers, one per "
-                         f"size interval (roundup_power2_divisions=1,1,2,...), got {value[:80]!r}")
+        raise ValueError(f"{key} takes one count or {ROUNDUP_INTERVALS} whole numbers, one per "
+                         f"size interval ({key}=1,1,2,...), got {value[:80]!r}")
     return [int(c) for c in counts]
 
 
@@ -190,8 +190,8 @@ def parse_policy(items: Any) -> dict[str, Any]:
     for key, value in _policy_entries(items):
         if key not in POLICY_KEYS:
             raise ValueError(f"unknown policy key {key!r}; valid: {', '.join(POLICY_KEYS)}")
-        if key == "roundup_power2_divisions":
-            policy[key] = _parse_roundup(value)
+        if key in LIST_FORMS:
+            policy[key] = _parse_roundup(key, value)
         elif key in _BOOL_KEYS:
             policy[key] = _parse_bool(value)
         elif key in _FRACTION_KEYS:
@@ -226,7 +226,7 @@ def _check_policy(policy: Any) -> dict[str, Any]:
         elif key in _FRACTION_KEYS:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"policy {key} must be a number, got {value!r}")
-        elif key == "roundup_power2_divisions" and isinstance(value, (list, tuple, dict)):
+        elif key in LIST_FORMS and isinstance(value, (list, tuple, dict)):
             value = dict(value) if isinstance(value, dict) else list(value)  # MemPool checks the counts
         elif isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"policy {key} must be a non-negative int (bytes), got {type(value).__name__} "
@@ -566,12 +566,7 @@ def replay(
     pool = MemPool(
         "sim",
         name="replay",
-        limit=pol.get("limit") or None,
-        max_split_size=pol.get("max_split_size") or None,
-        max_non_split_rounding_size=pol.get("max_non_split_rounding_size") or None,
-        release_threshold=pol.get("release_threshold") or None,
-        roundup_power2_divisions=pol.get("roundup_power2_divisions") or None,
-        garbage_collection_threshold=pol.get("garbage_collection_threshold") or None,
+        **{key: pol.get(key) or None for key in _POOL_KEYS},
         torch_version=torch_version,
         **sim,
     )

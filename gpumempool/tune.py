@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 from ._errors import InvalidArgumentError
+from ._policy import SETTINGS, TORCH_SIZES, torch_settings
 from ._units import format_bytes
 from .replay import DEFAULT_CAPACITY, ReplayResult, replay
 from .trace import Alloc, Free, PathLike, Trace, TraceFile, TraceFormatError, from_torch_snapshot, is_trace_file
@@ -55,21 +56,21 @@ __all__ = ["Candidate", "TuneResult", "alloc_conf", "tune", "TORCH_SPACE", "EXTR
 MiB = 1 << 20
 
 #: The values tried for each setting torch's allocator accepts (replay
-#: policy keys; ``None`` is torch's default). torch refuses
-#: ``max_split_size_mb`` of 20 or less and ``roundup_power2_divisions`` that
-#: are not powers of two; ``garbage_collection_threshold`` is a fraction of
-#: the memory torch may use, so it is tried only with a limit.
+#: policy keys; ``None`` is torch's default): expandable segments, then the
+#: pool settings torch has, with the values the engine's schema says are
+#: worth trying (``search``). torch refuses ``max_split_size_mb`` of 20 or
+#: less and ``roundup_power2_divisions`` that are not powers of two;
+#: ``garbage_collection_threshold`` is a fraction of the memory torch may
+#: use, so it is tried only with a limit.
 TORCH_SPACE: dict[str, list[Any]] = {
     "expandable": [False, True],
-    "max_split_size": [None, 32 * MiB, 64 * MiB, 128 * MiB, 256 * MiB, 512 * MiB, 1024 * MiB, 2048 * MiB],
-    "roundup_power2_divisions": [None, 1, 2, 4, 8, 16],
-    "max_non_split_rounding_size": [None, 64 * MiB, 256 * MiB, 1024 * MiB],
-    "garbage_collection_threshold": [None, 0.5, 0.6, 0.7, 0.8, 0.9],
+    **{key: [None, *SETTINGS[key].get("search", [])] for key in torch_settings()},
 }
 
-#: Values only gpumempool's pools accept, tried from the best torch setting.
+#: Values only gpumempool's pools accept (the settings torch has not),
+#: tried from the best torch setting.
 EXTRA_SPACE: dict[str, list[Any]] = {
-    "release_threshold": [64 * MiB, 256 * MiB, 1024 * MiB],
+    f["name"]: list(f["search"]) for f in SETTINGS.values() if f.get("search") and not f.get("torch")
 }
 
 #: The coarse grid the search starts from.
@@ -82,14 +83,10 @@ _COARSE: dict[str, list[Any]] = {
 #: A replay stops once it reserves this much more than the best so far.
 _STOP_MARGIN = 1.25
 
-#: torch's PYTORCH_CUDA_ALLOC_CONF names of the replay policy keys.
-TORCH_NAMES = {
-    "expandable": "expandable_segments",
-    "max_split_size": "max_split_size_mb",
-    "roundup_power2_divisions": "roundup_power2_divisions",
-    "max_non_split_rounding_size": "max_non_split_rounding_mb",
-    "garbage_collection_threshold": "garbage_collection_threshold",
-}
+#: torch's PYTORCH_CUDA_ALLOC_CONF names of the replay policy keys, in
+#: torch's documented order: expandable segments (a backend's option, not a
+#: pool setting), then the pool settings torch has too (the engine's schema).
+TORCH_NAMES = {"expandable": "expandable_segments", **torch_settings()}
 _SETTING_KEYS = tuple(dict.fromkeys([*TORCH_SPACE, *EXTRA_SPACE]))
 
 #: The names ``exclude`` accepts: torch's option names and the replay
@@ -109,7 +106,9 @@ def _torch_expressible(settings: Mapping[str, Any]) -> bool:
     for key, value in settings.items():
         if key not in TORCH_NAMES:
             return False
-        if key in ("max_split_size", "max_non_split_rounding_size") and (value % MiB or value <= 20 * MiB):
+        field = SETTINGS.get(key, {})
+        scale, least = field.get("torch_scale"), int(field.get("torch_min", 0))
+        if scale and (value % scale or value // scale < least):  # torch reads whole MiB, from its minimum
             return False
         if key == "roundup_power2_divisions" and not _divisions_ok(value):
             return False
@@ -121,7 +120,7 @@ def _divisions_ok(value: Any) -> bool:
     or one per size interval (a power of two or 0 each, as torch's
     ``[1:n,2:n,...]`` form takes them)."""
     if isinstance(value, (list, tuple)):
-        return len(value) == 16 and all(_divisions_ok(v) or v == 0 for v in value)
+        return len(value) == TORCH_SIZES["roundup_intervals"] and all(_divisions_ok(v) or v == 0 for v in value)
     return isinstance(value, int) and not isinstance(value, bool) and value > 0 and not value & (value - 1)
 
 
@@ -133,9 +132,9 @@ def alloc_conf(settings: Mapping[str, Any]) -> str:
         name = TORCH_NAMES[key]
         if key == "expandable":
             parts.append(f"{name}:True")
-        elif key in ("max_split_size", "max_non_split_rounding_size"):
-            parts.append(f"{name}:{value // MiB}")
-        elif key == "roundup_power2_divisions" and isinstance(value, (list, tuple)):
+        elif SETTINGS.get(key, {}).get("torch_scale"):
+            parts.append(f"{name}:{value // SETTINGS[key]['torch_scale']}")
+        elif isinstance(value, (list, tuple)):
             # per size interval, keyed by its first size in MiB as torch reads them
             parts.append(f"{name}:[" + ",".join(f"{1 << i}:{v}" for i, v in enumerate(value)) + "]")
         else:
@@ -250,7 +249,7 @@ class Candidate:
 def _show(key: str, value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, int) and key not in ("roundup_power2_divisions",):
+    if isinstance(value, int) and SETTINGS.get(key, {}).get("unit", "bytes") == "bytes":
         return format_bytes(value, 0) if value % MiB == 0 else format_bytes(value)
     return str(value)
 

@@ -152,6 +152,12 @@ def test_every_kind_of_call_in_a_child_is_refused() -> None:
             lib.gmp_last_error.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_size_t]
             n = lib.gmp_last_error(pool.handle, buf, len(buf))
             assert buf.value.startswith(b"ForkedProcessError: ") and n > 100, buf.value
+            lib.gmp_last_error_value.restype = ctypes.c_size_t
+            lib.gmp_last_error_value.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_size_t]
+            lib.gmp_last_error_value(pool.handle, buf, len(buf))  # the same, as the value Python reads
+            from gpumempool._errors import error_from_value
+            err = error_from_value(buf.value.decode())
+            assert type(err) is gmp.ForkedProcessError and "this process was forked" in str(err), buf.value
             assert lib.gmp_in_forked_child() == 1
             return 0
         run(child)

@@ -9,9 +9,10 @@
 // Slot i (0 <= i < registry.NumSlots) routes to whichever pool holds it, so
 // several pools can be plugged in at once, each through its own pair. Plain C
 // callers may also use gmp_pool_alloc / gmp_pool_free with a pool handle, and
-// gmp_last_error to read why a call returned NULL or -1.
+// gmp_last_error to read why a call returned NULL or -1 (gmp_last_error_value:
+// the same as package pyerr's structured value, with its kind and fields).
 //
-// Every call serves the pool through registry.Entry.Graphs, which routes to
+// Every call serves the pool through registry.Entry.Pool, which routes to
 // the private pools of CUDA graphs (package graphpool) while a capture or a
 // private block says so. Besides: torch's optional hooks per slot
 // (hooks.go), the CUDA-graph hooks (graphs.go, zz_slots.c), the throwing alloc
@@ -37,6 +38,7 @@ import (
 	"unicode/utf8"
 	"unsafe"
 
+	"github.com/gpumempool/gpumempool/bindings/pyerr"
 	"github.com/gpumempool/gpumempool/bindings/registry"
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/callback"
@@ -118,9 +120,9 @@ func allocRecovered(e *registry.Entry, size uint64, device int, stream gocore.St
 	defer stopPanic(&returned, &err)
 	if err = enter(e); err == nil {
 		if segment {
-			addr, err = e.Graphs.AllocSegment(size, device, stream)
+			addr, err = e.Pool.AllocSegment(size, device, stream)
 		} else {
-			addr, err = e.Graphs.Alloc(size, device, stream)
+			addr, err = e.Pool.Alloc(size, device, stream)
 		}
 	}
 	returned = true
@@ -133,7 +135,7 @@ func freeRecovered(e *registry.Entry, addr uint64) (err error) {
 	returned := false
 	defer stopPanic(&returned, &err)
 	if err = enter(e); err == nil {
-		err = e.Graphs.Free(addr)
+		err = e.Pool.Free(addr)
 	}
 	returned = true
 	return err
@@ -158,7 +160,7 @@ func guardedErr(e *registry.Entry, where string, fn func() error) error {
 // it so prefixed.
 func failed(e *registry.Entry, where string, err error) error {
 	err = fmt.Errorf("%s: %w", where, err)
-	e.SetError(err.Error())
+	e.SetError(err)
 	return err
 }
 
@@ -227,7 +229,7 @@ func slotAllocAs(slot int, name string, size C.size_t, device C.int, stream C.ui
 // name when no pool holds the slot.
 func noPoolInSlot(name string, slot int) error {
 	err := fmt.Errorf("%s_%d: no pool holds this slot (closed?)", name, slot)
-	registry.SetOrphanError(err.Error())
+	registry.SetOrphanError(err)
 	return err
 }
 
@@ -238,7 +240,7 @@ func slotFree(slot int, ptr C.uintptr_t) {
 	}
 	e := registry.BySlot(slot)
 	if e == nil {
-		registry.SetOrphanError(fmt.Sprintf("gmp_free_%d(%#x): no pool holds this slot (closed?)", slot, uint64(ptr)))
+		registry.SetOrphanError(fmt.Errorf("gmp_free_%d(%#x): no pool holds this slot (closed?)", slot, uint64(ptr)))
 		return
 	}
 	entryFree(e, "gmp_free", ptr)
@@ -267,7 +269,7 @@ func gmpgo_slot_alloc_ex(slot C.int, size C.size_t, device C.int, stream C.uintp
 func gmpgo_pool_alloc(pool C.int64_t, size C.size_t, device C.int, stream C.uintptr_t) C.uintptr_t {
 	e, err := registry.Get(int64(pool))
 	if err != nil {
-		registry.SetOrphanError("gmp_pool_alloc: " + err.Error())
+		registry.SetOrphanError(fmt.Errorf("gmp_pool_alloc: %w", err))
 		return 0
 	}
 	addr, _ := entryAlloc(e, "gmp_pool_alloc", size, device, stream, false)
@@ -281,7 +283,7 @@ func gmpgo_pool_alloc(pool C.int64_t, size C.size_t, device C.int, stream C.uint
 func gmpgo_pool_free(pool C.int64_t, ptr C.uintptr_t, size C.size_t, device C.int, stream C.uintptr_t) C.int {
 	e, err := registry.Get(int64(pool))
 	if err != nil {
-		registry.SetOrphanError("gmp_pool_free: " + err.Error())
+		registry.SetOrphanError(fmt.Errorf("gmp_pool_free: %w", err))
 		return -1
 	}
 	return entryFree(e, "gmp_pool_free", ptr)
@@ -306,20 +308,45 @@ func copyCString(msg string, buf *C.char, n C.size_t) C.size_t {
 	return C.size_t(len(msg))
 }
 
-// gmpgo_last_error (in C gmp_last_error, exports.c, which first refuses a forked child) copies the last error of pool (or, for pool 0, of calls no
-// pool owned) into buf as a NUL-terminated string, clears it, and returns its
-// full length (0 when there was none). Like snprintf, it writes at most n
-// bytes.
+// takeLastError returns and clears the last error of pool (for pool 0, of
+// calls no pool owned); for a handle of no pool, that is the error.
+func takeLastError(pool C.int64_t) error {
+	if pool == 0 {
+		return registry.TakeOrphanError()
+	}
+	e, err := registry.Get(int64(pool))
+	if err != nil {
+		return err
+	}
+	return e.TakeError()
+}
+
+// gmpgo_last_error (in C gmp_last_error, exports.c, which first refuses a
+// forked child) copies the last error of pool (or, for pool 0, of calls no
+// pool owned) into buf as a NUL-terminated string, clears it, and returns
+// its full length (0 when there was none). Like snprintf, it writes at most
+// n bytes.
 //
 //export gmpgo_last_error
 func gmpgo_last_error(pool C.int64_t, buf *C.char, n C.size_t) C.size_t {
 	var msg string
-	if pool == 0 {
-		msg = registry.TakeOrphanError()
-	} else if e, err := registry.Get(int64(pool)); err == nil {
-		msg = e.TakeError()
-	} else {
+	if err := takeLastError(pool); err != nil {
 		msg = err.Error()
 	}
 	return copyCString(msg, buf, n)
+}
+
+// gmpgo_last_error_value (in C gmp_last_error_value, exports.c, which first
+// refuses a forked child) is gmp_last_error as the structured value every
+// error crosses to Python as (package pyerr: kind, message, fields, in
+// JSON), "" when there was none. A message too long for n bytes is
+// shortened so that the value still decodes; it returns the length written.
+//
+//export gmpgo_last_error_value
+func gmpgo_last_error_value(pool C.int64_t, buf *C.char, n C.size_t) C.size_t {
+	var value string
+	if err := takeLastError(pool); err != nil {
+		value = pyerr.Of(err).JSONWithin(int(n))
+	}
+	return copyCString(value, buf, n)
 }

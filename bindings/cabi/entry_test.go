@@ -15,7 +15,7 @@ func slotEntry(tb testing.TB, be gocore.Backend) (*registry.Entry, int) {
 	tb.Helper()
 	p, err := gocore.NewPool(gocore.Config{Name: "entry", Backend: be})
 	require.NoError(tb, err)
-	e := registry.Add(p, nil, nil)
+	e := registry.Add(p, nil)
 	tb.Cleanup(func() { registry.Remove(e.ID) })
 	slot, err := registry.AssignSlot(e)
 	require.NoError(tb, err)
@@ -43,18 +43,18 @@ func TestSlotPairRecoversPanics(t *testing.T) {
 	addr, err := slotAlloc(slot, 4096, 0, 0)
 	require.ErrorContains(t, err, "gmp_alloc: Go panic recovered: injected by PanicNext")
 	assert.Zero(t, addr)
-	assert.Equal(t, err.Error(), e.TakeError())
+	assert.EqualError(t, e.TakeError(), err.Error())
 
 	addr, err = slotAlloc(slot, 4096, 0, 0)
 	require.NoError(t, err, "PanicNext injects one panic")
 	require.NotZero(t, addr)
 	e.PanicNext.Store(true)
 	slotFree(slot, addr)
-	assert.Equal(t, "gmp_free: Go panic recovered: injected by PanicNext", e.TakeError())
+	assert.EqualError(t, e.TakeError(), "gmp_free: Go panic recovered: injected by PanicNext")
 	_, err = e.Pool.Lookup(uint64(addr))
 	require.NoError(t, err, "the panic came before the free")
 	slotFree(slot, addr)
-	assert.Empty(t, e.TakeError())
+	assert.NoError(t, e.TakeError())
 	_, err = e.Pool.Lookup(uint64(addr))
 	require.ErrorIs(t, err, gocore.ErrDoubleFree, "freed")
 
@@ -64,7 +64,7 @@ func TestSlotPairRecoversPanics(t *testing.T) {
 	addr, err = slotAllocSegment(badSlot, 4096, 0, 0)
 	require.ErrorContains(t, err, "gmp_segment_alloc: Go panic recovered: backend bug")
 	assert.Zero(t, addr)
-	assert.Equal(t, err.Error(), bad.TakeError())
+	assert.EqualError(t, bad.TakeError(), err.Error())
 }
 
 // A slot no pool holds fails cleanly, with the error kept for pool 0.
@@ -73,9 +73,9 @@ func TestSlotPairWithoutPool(t *testing.T) {
 	registry.Remove(e.ID)
 	_, err := slotAlloc(slot, 4096, 0, 0)
 	require.ErrorContains(t, err, "no pool holds this slot")
-	assert.Equal(t, err.Error(), registry.TakeOrphanError())
+	assert.EqualError(t, registry.TakeOrphanError(), err.Error())
 	slotFree(slot, 0x1000)
-	assert.Contains(t, registry.TakeOrphanError(), "gmp_free_")
+	assert.ErrorContains(t, registry.TakeOrphanError(), "gmp_free_")
 }
 
 // The engine's cache-hit pair alone: the floor of what the slot pair adds to.

@@ -3,14 +3,18 @@
 #include "exports.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "_cgo_export.h"
+#include "filter.h"
 
 __attribute__((visibility("hidden"))) volatile int gmp_forked_child_flag;
 
+/* Plain text that needs no JSON escaping (no '"', no '\\'): gmp_fork_error
+ * writes it into a JSON string as it is. */
 const char gmp_fork_message[] =
-    "ForkedProcessError: this process was forked from one that had loaded gpumempool; the Go runtime behind its "
+    "this process was forked from one that had loaded gpumempool; the Go runtime behind its "
     "pools does not survive fork(), so the pools it inherited cannot be used here. Use the 'spawn' or "
     "'forkserver' start method of multiprocessing (or torch.multiprocessing), or import gpumempool only in the "
     "processes that use it, after they start";
@@ -21,23 +25,23 @@ static void gmp_fork_child(void) { gmp_forked_child_flag = 1; }
  * this process forks (os.fork, multiprocessing's fork, fork() in C). */
 __attribute__((constructor)) static void gmp_fork_register(void) { pthread_atfork(NULL, NULL, gmp_fork_child); }
 
-void gmp_fork_error(char* buf, size_t n) {
-  if (buf == NULL || n == 0) return;
-  size_t len = strlen(gmp_fork_message);
-  if (len >= n) len = n - 1;
-  memcpy(buf, gmp_fork_message, len);
-  buf[len] = 0;
+size_t gmp_fork_error(char* buf, size_t n, int form) {
+  const char* format = form == GMP_ERROR_JSON ? "{\"kind\":\"%s\",\"message\":\"%s\"}" : "%s: %s";
+  char scratch[1];
+  if (buf == NULL || n == 0) { /* the length alone */
+    buf = scratch;
+    n = sizeof scratch;
+  }
+  int len = snprintf(buf, n, format, GMP_ERROR_KIND_FORKED, gmp_fork_message);
+  return len < 0 ? 0 : (size_t)len;
 }
-
-/* torch_glue.c */
-extern void gmp_filter_delete(void* filter);
 
 /* 1 in a forked child: Python's layer asks before it calls anything. */
 int gmp_in_forked_child(void) { return gmp_forked_child_flag != 0; }
 
 uintptr_t gmp_slot_alloc_ex(int slot, size_t size, int device, uintptr_t stream, char* buf, size_t n, int* oom) {
   if (GMP_FORKED()) {
-    gmp_fork_error(buf, n);
+    gmp_fork_error(buf, n, GMP_ERROR_TEXT); /* C callers: torch's throwing entry point */
     return 0;
   }
   return gmpgo_slot_alloc_ex(slot, size, device, stream, buf, n, oom);
@@ -53,11 +57,13 @@ int gmp_pool_free(int64_t pool, uintptr_t ptr, size_t size, int device, uintptr_
 
 /* In a forked child every call failed for the same reason. */
 size_t gmp_last_error(int64_t pool, char* buf, size_t n) {
-  if (GMP_FORKED()) {
-    gmp_fork_error(buf, n);
-    return strlen(gmp_fork_message);
-  }
+  if (GMP_FORKED()) return gmp_fork_error(buf, n, GMP_ERROR_TEXT);
   return gmpgo_last_error(pool, buf, n);
+}
+
+size_t gmp_last_error_value(int64_t pool, char* buf, size_t n) {
+  if (GMP_FORKED()) return gmp_fork_error(buf, n, GMP_ERROR_JSON);
+  return gmpgo_last_error_value(pool, buf, n);
 }
 
 void gmp_graph_begin(int slot, int device, uint64_t id0, uint64_t id1, void* filter) {
@@ -88,7 +94,7 @@ int gmp_pickle_scan(uint8_t* data, size_t n, int64_t max_depth, int64_t* ops, in
   if (GMP_FORKED()) {
     *nodes = 0;
     *depth = -1;
-    gmp_fork_error(why, why_len);
+    gmp_fork_error(why, why_len, GMP_ERROR_TEXT); /* a reason, like the scan's own */
     return PICKLE_FAILED;
   }
   return gmpgo_pickle_scan(data, n, max_depth, ops, pos, why, why_len, nodes, depth);
@@ -96,7 +102,7 @@ int gmp_pickle_scan(uint8_t* data, size_t n, int64_t max_depth, int64_t* ops, in
 
 uintptr_t gmp_py_alloc(int64_t handle, uint64_t size, int device, uintptr_t stream, char* buf, size_t n) {
   if (GMP_FORKED()) {
-    gmp_fork_error(buf, n);
+    gmp_fork_error(buf, n, GMP_ERROR_JSON);
     return 0;
   }
   return gmpgo_py_alloc(handle, size, device, stream, buf, n);
@@ -104,7 +110,7 @@ uintptr_t gmp_py_alloc(int64_t handle, uint64_t size, int device, uintptr_t stre
 
 int gmp_py_free(int64_t handle, uintptr_t ptr, char* buf, size_t n) {
   if (GMP_FORKED()) {
-    gmp_fork_error(buf, n);
+    gmp_fork_error(buf, n, GMP_ERROR_JSON);
     return -1;
   }
   return gmpgo_py_free(handle, ptr, buf, n);

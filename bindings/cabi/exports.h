@@ -14,11 +14,35 @@
 extern volatile int gmp_forked_child_flag;
 #define GMP_FORKED() __builtin_expect(gmp_forked_child_flag != 0, 0)
 
+/* The kind of error a forked child is refused with: bindings/pyerr's
+ * ForkedProcess (a Go test checks that they agree). */
+#define GMP_ERROR_KIND_FORKED "ForkedProcessError"
+
 /* Why a forked child is refused, and what to do. */
 extern const char gmp_fork_message[];
 
-/* Copies gmp_fork_message into buf (n bytes, NUL-terminated). */
-void gmp_fork_error(char* buf, size_t n);
+/* The forms gmp_fork_error writes the refusal in. */
+enum gmp_error_form {
+  /* For C callers: "ForkedProcessError: <gmp_fork_message>", the C ABI's last
+   * error (gmp_last_error) and what torch's throwing entry point throws. */
+  GMP_ERROR_TEXT = 0,
+  /* For Python: the value every error crosses to Python as (bindings/pyerr),
+   * {"kind": "ForkedProcessError", "message": <gmp_fork_message>}: what
+   * gmp_py_alloc / gmp_py_free and gmp_last_error_value give. */
+  GMP_ERROR_JSON = 1,
+};
+
+/* Writes the refusal of a forked child into buf (n bytes, NUL-terminated,
+ * cut like snprintf) in form; returns its full length. The one place the C
+ * side makes an error. */
+size_t gmp_fork_error(char* buf, size_t n, int form);
+
+/* The entry points of exports.c that torch_glue.c calls. */
+uintptr_t gmp_slot_alloc_ex(int slot, size_t size, int device, uintptr_t stream, char* buf, size_t n, int* oom);
+void gmp_graph_begin(int slot, int device, uint64_t id0, uint64_t id1, void* filter);
+void gmp_graph_end(int slot, int device, uint64_t id0, uint64_t id1);
+void gmp_graph_release(int slot, int device, uint64_t id0, uint64_t id1);
+void gmp_graph_refuse(int slot, const char* why);
 
 /* The Go side of every slot's entry points (slots.go): one function per kind,
  * told the slot. */

@@ -8,9 +8,7 @@ package cabi
 #cgo LDFLAGS: -ldl
 #include <stdint.h>
 
-// torch_glue.c: call and delete torch's std::function<bool(cudaStream_t)>.
-int gmp_filter_accepts(void *filter, uintptr_t stream);
-void gmp_filter_delete(void *filter);
+#include "filter.h"
 */
 import "C"
 
@@ -26,7 +24,7 @@ import (
 
 // Torch's CUDA-graph / torch.cuda.MemPool hooks: beginAllocateToPool,
 // endAllocateToPool and releasePool, which the private pools of package
-// graphpool serve (registry.Entry.Graphs). Torch passes a MempoolId_t and a
+// graphpool serve (registry.Entry.Pool). Torch passes a MempoolId_t and a
 // std::function stream filter by value, so C wrappers (zz_slots.c,
 // torch_glue.c) hand Go plain values and a heap copy of the filter.
 
@@ -52,13 +50,13 @@ func gmpgo_graph_begin(slot, device C.int, id0, id1 C.uint64_t, filter unsafe.Po
 	e := registry.BySlot(int(slot))
 	if e == nil {
 		f.Release()
-		registry.SetOrphanError(fmt.Sprintf("gmp_begin_allocate_to_pool_%d: no pool holds this slot (closed?)", int(slot)))
+		registry.SetOrphanError(fmt.Errorf("gmp_begin_allocate_to_pool_%d: no pool holds this slot (closed?)", int(slot)))
 		return
 	}
 	passed := false
 	guarded(e, "gmp_begin_allocate_to_pool", func() error {
 		passed = true // BeginCapture owns f from here, whatever happens
-		return e.Graphs.BeginCapture(int(device), graphpool.ID{uint64(id0), uint64(id1)}, f)
+		return e.Pool.BeginCapture(int(device), graphpool.ID{uint64(id0), uint64(id1)}, f)
 	})
 	if !passed { // a panic came first (PanicNext): nobody owns the filter
 		f.Release()
@@ -94,11 +92,11 @@ func gmpgo_graph_end(slot, device C.int, id0, id1 C.uint64_t) {
 func graphEnd(slot, device int, id graphpool.ID) {
 	if registry.BySlot(slot) == nil {
 		if _, err := graphpool.RetryLingering(); err != nil {
-			registry.SetOrphanError(fmt.Sprintf("gmp_end_allocate_to_pool_%d: give back the segments of a pool closed during its capture: %v", slot, err))
+			registry.SetOrphanError(fmt.Errorf("gmp_end_allocate_to_pool_%d: give back the segments of a pool closed during its capture: %w", slot, err))
 		}
 	}
 	slotHook(slot, "gmp_end_allocate_to_pool", func(e *registry.Entry) error {
-		return e.Graphs.EndCapture(device, id)
+		return e.Pool.EndCapture(device, id)
 	})
 }
 
@@ -109,6 +107,6 @@ func graphEnd(slot, device int, id graphpool.ID) {
 //export gmpgo_graph_release
 func gmpgo_graph_release(slot, device C.int, id0, id1 C.uint64_t) {
 	slotHook(int(slot), "gmp_release_pool", func(e *registry.Entry) error {
-		return e.Graphs.Release(int(device), graphpool.ID{uint64(id0), uint64(id1)})
+		return e.Pool.Release(int(device), graphpool.ID{uint64(id0), uint64(id1)})
 	})
 }

@@ -52,7 +52,7 @@ func HookSymbols(slot int) map[string]string {
 func slotHook(slot int, where string, fn func(e *registry.Entry) error) {
 	e := registry.BySlot(slot)
 	if e == nil {
-		registry.SetOrphanError(fmt.Sprintf("%s_%d: no pool holds this slot (closed?)", where, slot))
+		registry.SetOrphanError(fmt.Errorf("%s_%d: no pool holds this slot (closed?)", where, slot))
 		return
 	}
 	guarded(e, where, func() error { return fn(e) })
@@ -70,14 +70,14 @@ func slotInit(slot int, deviceCount C.int) {
 
 func slotEmptyCache(slot int) {
 	slotHook(slot, "gmp_empty_cache", func(e *registry.Entry) error {
-		_, err := e.Graphs.EmptyCache()
+		_, err := e.Pool.EmptyCache()
 		return err
 	})
 }
 
 func slotMemoryFraction(slot int, fraction C.double, device C.int) {
 	slotHook(slot, "gmp_memory_fraction", func(e *registry.Entry) error {
-		limit, err := fractionLimit(e.Pool, float64(fraction), int(device))
+		limit, err := fractionLimit(e.Pool.Backend(), float64(fraction), int(device))
 		if err != nil {
 			return err
 		}
@@ -88,12 +88,12 @@ func slotMemoryFraction(slot int, fraction C.double, device C.int) {
 // fractionLimit turns torch's per-process memory fraction of device into a
 // byte limit. Fraction 0 allows nothing (a limit of one byte: limit 0 would
 // mean none).
-func fractionLimit(p *gocore.Pool, fraction float64, device int) (uint64, error) {
+func fractionLimit(be gocore.Backend, fraction float64, device int) (uint64, error) {
 	if math.IsNaN(fraction) || fraction < 0 || fraction > 1 {
 		return 0, fmt.Errorf("memory fraction %v of device %d is outside [0, 1]: %w",
 			fraction, device, gocore.ErrInvalidArgument)
 	}
-	total, _, err := p.Backend().Capacity(device)
+	total, _, err := be.Capacity(device)
 	if err != nil {
 		return 0, fmt.Errorf("memory fraction of device %d: total memory unknown: %w", device, err)
 	}
@@ -108,7 +108,7 @@ func slotRecordStream(slot int, ptr, stream C.uintptr_t) {
 		return
 	}
 	slotHook(slot, "gmp_record_stream", func(e *registry.Entry) error {
-		return e.Graphs.RecordStream(uint64(ptr), gocore.Stream(stream))
+		return e.Pool.RecordStream(uint64(ptr), gocore.Stream(stream))
 	})
 }
 
@@ -125,7 +125,7 @@ func slotBaseAlloc(slot int, ptr C.uintptr_t, size *C.size_t) C.uintptr_t {
 	var base uint64
 	slotHook(slot, "gmp_base_alloc", func(e *registry.Entry) error {
 		addr := uint64(ptr)
-		info, err := e.Graphs.Lookup(addr)
+		info, err := e.Pool.Lookup(addr)
 		if err != nil {
 			return err
 		}

@@ -201,27 +201,6 @@ void gmp_begin_allocate_to_pool(int slot, int device, gmp_mempool_id id, gmp_std
   gmp_graph_begin(slot, device, id.first, id.second, copy);
 }
 
-/* filter_call.cpp: the invoker's call, with any exception caught. */
-extern int gmp_filter_call(_Bool (*invoker)(const void*, void**), const void* functor, void* stream);
-
-/* 1 when filter accepts stream; an exception (or an empty filter) is 0:
- * nothing may unwind into Go. */
-int gmp_filter_accepts(void* filter, uintptr_t stream) {
-  gmp_std_function* f = filter;
-  if (f == NULL || f->manager == NULL || f->invoker == NULL) return 0;
-  return gmp_filter_call(f->invoker, f->functor, (void*)stream);
-}
-
-/* libstdc++'s _Manager_operation __destroy_functor. */
-#define DESTROY_FUNCTOR 3
-
-void gmp_filter_delete(void* filter) {
-  gmp_std_function* f = filter;
-  if (f == NULL) return;
-  if (f->manager != NULL) f->manager(f->functor, f->functor, DESTROY_FUNCTOR);
-  free(f);
-}
-
 /* The C++ runtime functions filter_call.cpp's catch needs, forwarded to the
  * process's runtime (hidden: they stand in for it inside this library only,
  * so the library links and loads without a C++ library). */

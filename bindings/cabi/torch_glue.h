@@ -16,6 +16,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "exports.h"
+#include "filter.h"
+
 /* torch's c10::MempoolId_t, std::pair<unsigned long long, unsigned long long>.
  * The pair's copy and move constructors are trivial and its destructor too,
  * so by value it is passed exactly like this struct (two integer registers
@@ -24,25 +27,6 @@ typedef struct gmp_mempool_id {
   unsigned long long first;
   unsigned long long second;
 } gmp_mempool_id;
-
-/* libstdc++'s std::function<bool(cudaStream_t)>: _Any_data (16 bytes), the
- * manager, the invoker. It is not trivially copyable, so a by-value argument
- * is passed as a pointer to the caller's temporary, which the caller
- * destroys after the call (Itanium C++ ABI). */
-typedef struct gmp_std_function {
-  void* functor[2];
-  int (*manager)(void* dest, const void* source, int op);
-  /* bool(const _Any_data&, CUstream_st*&&): the argument by reference. */
-  _Bool (*invoker)(const void* functor, void** stream);
-} gmp_std_function;
-
-/* Exported by Go (cabi.go, graphs.go). */
-extern uintptr_t gmp_slot_alloc_ex(int slot, size_t size, int device, uintptr_t stream, char* buf, size_t n,
-                                   int* oom);
-extern void gmp_graph_begin(int slot, int device, uint64_t id0, uint64_t id1, void* filter);
-extern void gmp_graph_end(int slot, int device, uint64_t id0, uint64_t id1);
-extern void gmp_graph_release(int slot, int device, uint64_t id0, uint64_t id1);
-extern void gmp_graph_refuse(int slot, const char* why);
 
 /* Allocates through slot; a failure (size > 0) is thrown as a C++
  * std::runtime_error (torch turns it into a Python RuntimeError). Where no

@@ -30,17 +30,13 @@ var ErrNoFreeSlot = errors.New("all C entry points are in use")
 
 // Entry is a registered pool.
 type Entry struct {
-	ID   int64
-	Pool *gocore.Pool
-	// Graphs is Pool with the private pools of its CUDA graphs and
-	// torch.cuda.MemPools: every entry point (C, torch, Python) allocates,
-	// frees, records and looks up through it.
-	Graphs *graphpool.Pools
+	ID int64
+	// Pool is the pool with the private pools of its CUDA graphs and
+	// torch.cuda.MemPools: the one face of the pool every entry point (C,
+	// torch, Python) sees; it decides which of them a call concerns.
+	Pool *graphpool.Pools
 	// Sim is the pool's backend when it is a simulator, for test controls.
 	Sim *gocore.SimBackend
-	// Keep holds the objects the backend depends on (e.g. a private
-	// backend) for as long as the entry lives.
-	Keep any
 
 	// reentry is the pool's backend when it runs user code under the
 	// pool's lock (package callback), else nil: looked up once, not on
@@ -57,7 +53,7 @@ type Entry struct {
 	// caller (torch, cupy, anyone who resolved the names) holds the
 	// functions and may still call them, e.g. to free a block it got.
 	called  atomic.Bool
-	lastErr atomic.Pointer[string]
+	lastErr atomic.Pointer[error]
 }
 
 // CalledFromCallback reports whether the calling thread is inside the
@@ -65,15 +61,20 @@ type Entry struct {
 // pool's lock: a call of the pool from there would wait for it forever.
 func (e *Entry) CalledFromCallback() bool { return e.reentry != nil && e.reentry.CalledFromCallback() }
 
-// SetError records the last error seen at the C boundary for this pool.
-func (e *Entry) SetError(msg string) { e.lastErr.Store(&msg) }
+// SetError records the last error seen at the C boundary for this pool:
+// the error itself, so that it crosses as text (gmp_last_error) or as its
+// structured value (gmp_last_error_value, package pyerr).
+func (e *Entry) SetError(err error) { e.lastErr.Store(&err) }
 
-// TakeError returns and clears the last recorded error ("" when none).
-func (e *Entry) TakeError() string {
-	if p := e.lastErr.Swap(nil); p != nil {
-		return *p
+// TakeError returns and clears the last recorded error (nil when none).
+func (e *Entry) TakeError() error { return take(&e.lastErr) }
+
+// take returns and clears the error held by p, or nil.
+func take(p *atomic.Pointer[error]) error {
+	if err := p.Swap(nil); err != nil {
+		return *err
 	}
-	return ""
+	return nil
 }
 
 // Slot returns the entry's C slot, or -1.
@@ -108,15 +109,15 @@ var (
 	// for torch (AssignPinnedSlot, KeepSlotRetired).
 	retiredSlots, pinnedSlots int
 	// orphanErr holds errors from C calls on slots with no pool.
-	orphanErr atomic.Pointer[string]
+	orphanErr atomic.Pointer[error]
 )
 
 // Add registers a pool and returns its entry with a fresh handle.
-func Add(p *gocore.Pool, sim *gocore.SimBackend, keep any) *Entry {
+func Add(p *gocore.Pool, sim *gocore.SimBackend) *Entry {
 	mu.Lock()
 	defer mu.Unlock()
 	nextID++
-	e := &Entry{ID: nextID, Pool: p, Graphs: graphpool.New(p), Sim: sim, Keep: keep}
+	e := &Entry{ID: nextID, Pool: graphpool.New(p), Sim: sim}
 	e.reentry, _ = p.Backend().(interface{ CalledFromCallback() bool })
 	e.slot.Store(-1)
 	pools.Store(e.ID, e)
@@ -279,33 +280,8 @@ func BySlot(i int) *Entry {
 	return e
 }
 
-// Kind names the Python exception for err (gpumempool's exception classes,
-// or a builtin): the Python layer raises it for a message "Kind: text".
-func Kind(err error) string {
-	switch {
-	case errors.Is(err, gocore.ErrOutOfMemory):
-		return "OutOfMemoryError"
-	case errors.Is(err, gocore.ErrDoubleFree):
-		return "DoubleFreeError"
-	case errors.Is(err, gocore.ErrUnknownPointer), errors.Is(err, gocore.ErrInteriorPointer):
-		return "InvalidPointerError"
-	case errors.Is(err, gocore.ErrClosed), errors.Is(err, ErrNoSuchPool):
-		return "PoolClosedError"
-	case errors.Is(err, gocore.ErrInvalidSize), errors.Is(err, gocore.ErrInvalidDevice),
-		errors.Is(err, gocore.ErrInvalidArgument):
-		return "ValueError"
-	default:
-		return "RuntimeError"
-	}
-}
-
 // SetOrphanError records an error from a C call that no pool could own.
-func SetOrphanError(msg string) { orphanErr.Store(&msg) }
+func SetOrphanError(err error) { orphanErr.Store(&err) }
 
-// TakeOrphanError returns and clears the last such error.
-func TakeOrphanError() string {
-	if p := orphanErr.Swap(nil); p != nil {
-		return *p
-	}
-	return ""
-}
+// TakeOrphanError returns and clears the last such error (nil when none).
+func TakeOrphanError() error { return take(&orphanErr) }

@@ -18,7 +18,7 @@ func newEntry(t *testing.T) *Entry {
 	p, err := gocore.NewPool(gocore.Config{Name: t.Name(), Backend: be})
 	require.NoError(t, err)
 	t.Cleanup(func() { _, _ = p.Close() })
-	return Add(p, be, nil)
+	return Add(p, be)
 }
 
 // resetSlots puts the slot table back as a fresh process has it.

@@ -16,10 +16,23 @@
 //	  - zero: "default" when 0 selects the default, so that an explicit 0 is
 //	    refused (leave the option out for the default) rather than silently
 //	    meaning something else.
+//	  - unit: what a number counts, for the layers that parse, show and
+//	    convert it: "bytes", "count", "fraction" (in [0, 1)) or "version"
+//	    (a string naming a release).
+//	  - torch: the name of the PYTORCH_CUDA_ALLOC_CONF option the setting is
+//	    (a pool setting torch also has), with torch_unit ("MiB") the unit
+//	    torch gives it in and torch_min the smallest value torch accepts, in
+//	    that unit.
+//	  - given_as: the option users give this one through (another option's
+//	    name): e.g. per-size divisions are given as a list for the option
+//	    of one count.
+//	  - search: the values worth trying when searching for the best
+//	    setting (gpumempool.tune), comma-separated; sizes may end in KiB,
+//	    MiB or GiB.
 //
 // Defaults are described by the struct's OptionDefaults method, when it has
 // one (see Defaulter), so that they are computed from the constants that
-// define them.
+// define them; or, where words are enough, by a default tag.
 package options
 
 import (
@@ -38,9 +51,11 @@ import (
 type Field struct {
 	Name string `json:"name"`
 	// Type is "bool", "int", "float", "string", "path", "device",
-	// "devices" (a list of devices) or "probability".
+	// "devices" (a list of devices), "ints" (a list of unsigned ints) or
+	// "probability".
 	Type string `json:"type"`
-	// Min and Max bound an "int" (inclusive); JSON numbers, exact.
+	// Min and Max bound an "int", or each of "ints" (inclusive); JSON
+	// numbers, exact.
 	Min *json.Number `json:"min,omitempty"`
 	Max *json.Number `json:"max,omitempty"`
 	// Default says what leaving the option out gives, in words ("" when the
@@ -49,6 +64,22 @@ type Field struct {
 	// ZeroIsDefault: an explicit 0 is refused (0 would mean the default).
 	ZeroIsDefault bool   `json:"zero_is_default,omitempty"`
 	Doc           string `json:"doc"`
+	// Unit is what a number counts: "bytes", "count", "fraction",
+	// "version" ("" for none).
+	Unit string `json:"unit,omitempty"`
+	// Torch is the PYTORCH_CUDA_ALLOC_CONF option of the same setting ("":
+	// torch has none); TorchUnit is the unit torch reads it in ("MiB"),
+	// TorchScale that unit in bytes, TorchMin the least value torch
+	// accepts, in that unit.
+	Torch      string       `json:"torch,omitempty"`
+	TorchUnit  string       `json:"torch_unit,omitempty"`
+	TorchScale uint64       `json:"torch_scale,omitempty"`
+	TorchMin   *json.Number `json:"torch_min,omitempty"`
+	// GivenAs names the option this one is given through ("": itself).
+	GivenAs string `json:"given_as,omitempty"`
+	// Search lists the values worth trying in a search for the best
+	// setting, besides the default.
+	Search []json.Number `json:"search,omitempty"`
 
 	index  []int  // the struct field, for Decode
 	goName string // its name in Go, for NameOf
@@ -89,6 +120,11 @@ func Schema[T any]() []Field {
 			panic(fmt.Sprintf("options: %v: OptionDefaults names %q, which is no option", t, name))
 		}
 	}
+	for _, f := range fields {
+		if f.GivenAs != "" && (!seen[f.GivenAs] || f.GivenAs == f.Name) {
+			panic(fmt.Sprintf("options: %v: option %q is given as %q, which is no other option", t, f.Name, f.GivenAs))
+		}
+	}
 	return fields
 }
 
@@ -108,10 +144,17 @@ func collect(t reflect.Type, index []int, defaults map[string]string) []Field {
 		}
 		f := Field{Name: name, Doc: sf.Tag.Get("doc"), Default: defaults[name], index: idx, goName: sf.Name,
 			ZeroIsDefault: sf.Tag.Get("zero") == "default"}
+		if d := sf.Tag.Get("default"); d != "" {
+			if f.Default != "" {
+				panic(fmt.Sprintf("options: %v.%s: option %q has a default tag and an OptionDefaults entry", t, sf.Name, name))
+			}
+			f.Default = d
+		}
 		if f.Doc == "" {
 			panic(fmt.Sprintf("options: %v.%s: option %q has no doc", t, sf.Name, name))
 		}
 		f.Type, f.Min, f.Max = kind(sf)
+		describe(t, sf, &f)
 		for _, bound := range []struct {
 			tag string
 			dst **json.Number
@@ -129,6 +172,76 @@ func collect(t reflect.Type, index []int, defaults map[string]string) []Field {
 		out = append(out, f)
 	}
 	return out
+}
+
+// torchUnits are the units torch reads sizes in, in bytes.
+var torchUnits = map[string]uint64{"MiB": 1 << 20}
+
+// units are the values of the unit tag.
+var units = map[string]bool{"bytes": true, "count": true, "fraction": true, "version": true}
+
+// describe reads the tags that say what an option means (unit, torch,
+// given_as) into f, refusing malformed ones.
+func describe(t reflect.Type, sf reflect.StructField, f *Field) {
+	bad := func(what string) {
+		panic(fmt.Sprintf("options: %v.%s: option %q: %s", t, sf.Name, f.Name, what))
+	}
+	f.Unit, f.Torch, f.TorchUnit, f.GivenAs = sf.Tag.Get("unit"), sf.Tag.Get("torch"), sf.Tag.Get("torch_unit"), sf.Tag.Get("given_as")
+	if f.Unit != "" && !units[f.Unit] {
+		bad(fmt.Sprintf("unknown unit %q", f.Unit))
+	}
+	if f.Unit == "fraction" && f.Type != "float" || f.Unit == "version" && f.Type != "string" {
+		bad(fmt.Sprintf("unit %s on a %s", f.Unit, f.Type))
+	}
+	if f.TorchUnit != "" {
+		scale, ok := torchUnits[f.TorchUnit]
+		if !ok || f.Torch == "" || f.Unit != "bytes" {
+			bad(fmt.Sprintf("torch_unit %q needs a torch name, unit bytes and one of MiB", f.TorchUnit))
+		}
+		f.TorchScale = scale
+	}
+	if list := sf.Tag.Get("search"); list != "" {
+		for _, item := range strings.Split(list, ",") {
+			v, ok := searchValue(strings.TrimSpace(item), f.Type, f.Unit)
+			if !ok {
+				bad(fmt.Sprintf("search value %q is no %s in %s", item, f.Type, f.Unit))
+			}
+			f.Search = append(f.Search, v)
+		}
+	}
+	if m := sf.Tag.Get("torch_min"); m != "" {
+		if _, err := strconv.ParseUint(m, 10, 64); err != nil || f.Torch == "" {
+			bad(fmt.Sprintf("torch_min %q needs a torch name and a whole number", m))
+		}
+		n := json.Number(m)
+		f.TorchMin = &n
+	}
+}
+
+// sizeUnits are the suffixes a size in a search tag may have.
+var sizeUnits = map[string]uint64{"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+// searchValue reads one value of a search tag as a JSON number of the
+// option's type: a float, or an int (with a size suffix for bytes).
+func searchValue(item, typ, unit string) (json.Number, bool) {
+	switch typ {
+	case "float":
+		_, err := strconv.ParseFloat(item, 64)
+		return json.Number(item), err == nil
+	case "int":
+		scale := uint64(1)
+		for suffix, s := range sizeUnits {
+			if unit == "bytes" && strings.HasSuffix(item, suffix) {
+				item, scale = strings.TrimSuffix(item, suffix), s
+			}
+		}
+		n, err := strconv.ParseUint(item, 10, 64)
+		if err != nil || n > math.MaxUint64/scale {
+			return "", false
+		}
+		return json.Number(strconv.FormatUint(n*scale, 10)), true
+	}
+	return "", false
 }
 
 // kind maps a field's Go type (and type tag) to a schema type and bounds.
@@ -157,6 +270,8 @@ func kind(sf reflect.StructField) (string, *json.Number, *json.Number) {
 		return "int", num(strconv.FormatInt(-1<<(bits-1), 10)), num(strconv.FormatInt(1<<(bits-1)-1, 10))
 	case k >= reflect.Uint && k <= reflect.Uint64:
 		return "int", num("0"), num(strconv.FormatUint(math.MaxUint64>>(64-sf.Type.Bits()), 10))
+	case k == reflect.Slice && sf.Type.Elem().Kind() >= reflect.Uint && sf.Type.Elem().Kind() <= reflect.Uint64:
+		return "ints", num("0"), num(strconv.FormatUint(math.MaxUint64>>(64-sf.Type.Elem().Bits()), 10))
 	case k == reflect.Pointer && sf.Type.Elem().Kind() == reflect.Bool:
 		return "bool", nil, nil // nil: left out
 	}
@@ -271,4 +386,15 @@ func NameOf(fields []Field, goName string) (string, bool) {
 		}
 	}
 	return "", false
+}
+
+// Values returns the options of *src by name, in the Go types of their
+// fields: what a struct decoded by Decode holds, to publish it back.
+func Values[T any](fields []Field, src *T) map[string]any {
+	v := reflect.ValueOf(src).Elem()
+	out := make(map[string]any, len(fields))
+	for _, f := range fields {
+		out[f.Name] = v.FieldByIndex(f.index).Interface()
+	}
+	return out
 }

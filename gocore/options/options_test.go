@@ -141,3 +141,101 @@ func TestDecodeErrors(t *testing.T) {
 		assert.Contains(t, err.Error(), want, in)
 	}
 }
+
+// setting is declared as gocore.Config declares a pool's settings: with a
+// unit, torch's option of the same setting, a list form, a default in words.
+type setting struct {
+	Split    uint64   `option:"split" unit:"bytes" torch:"split_mb" torch_unit:"MiB" torch_min:"21" search:"64, 32MiB,2GiB" doc:"never split above"`
+	Steps    uint64   `option:"steps" unit:"count" torch:"steps" doc:"steps"`
+	BySize   []uint64 `option:"steps_by_size" unit:"count" given_as:"steps" doc:"steps per size"`
+	Fraction float64  `option:"fraction" unit:"fraction" search:"0.5,0.75" doc:"of the limit"`
+	Version  string   `option:"version" unit:"version" default:"the oldest rules" doc:"rules"`
+	Internal bool
+}
+
+// The tags that say what a setting means reach the schema, and the layers
+// above read them from there (units, torch's name, unit and minimum, the
+// option a list form is given as).
+func TestSchemaDescribesSettings(t *testing.T) {
+	fields := Schema[setting]()
+	require.Len(t, fields, 5, "an untagged field is no option")
+	js, err := json.Marshal(fields)
+	require.NoError(t, err)
+	assert.JSONEq(t, `[
+		{"name":"split","type":"int","min":0,"max":18446744073709551615,"doc":"never split above","unit":"bytes",
+		 "torch":"split_mb","torch_unit":"MiB","torch_scale":1048576,"torch_min":21,"search":[64,33554432,2147483648]},
+		{"name":"steps","type":"int","min":0,"max":18446744073709551615,"doc":"steps","unit":"count","torch":"steps"},
+		{"name":"steps_by_size","type":"ints","min":0,"max":18446744073709551615,"doc":"steps per size","unit":"count",
+		 "given_as":"steps"},
+		{"name":"fraction","type":"float","doc":"of the limit","unit":"fraction","search":[0.5,0.75]},
+		{"name":"version","type":"string","default":"the oldest rules","doc":"rules","unit":"version"}]`, string(js))
+}
+
+// Values reads back what Decode wrote, by option name, for every option.
+func TestValuesReadsBackDecoded(t *testing.T) {
+	fields := Schema[setting]()
+	var s setting
+	require.NoError(t, Decode([]byte(`{"split":5,"steps_by_size":[1,2],"fraction":0.5,"version":"2.15"}`), fields, &s))
+	assert.Equal(t, map[string]any{"split": uint64(5), "steps": uint64(0), "steps_by_size": []uint64{1, 2},
+		"fraction": 0.5, "version": "2.15"}, Values(fields, &s))
+	err := Decode([]byte(`{"steps_by_size":[-1]}`), fields, &s)
+	assert.ErrorContains(t, err, "option steps_by_size=[-1] does not fit type ints")
+}
+
+// A meaning tag that does not fit its field is a programming error too.
+func TestSchemaPanicsOnMalformedMeanings(t *testing.T) {
+	type unknownUnit struct {
+		A uint64 `option:"a" unit:"pages" doc:"x"`
+	}
+	type fractionInt struct {
+		A uint64 `option:"a" unit:"fraction" doc:"x"`
+	}
+	type torchUnitAlone struct {
+		A uint64 `option:"a" unit:"bytes" torch_unit:"MiB" doc:"x"`
+	}
+	type torchUnitUnknown struct {
+		A uint64 `option:"a" unit:"bytes" torch:"a_gb" torch_unit:"GiB" doc:"x"`
+	}
+	type torchMinAlone struct {
+		A uint64 `option:"a" torch_min:"3" doc:"x"`
+	}
+	type givenAsNothing struct {
+		A []uint64 `option:"a" given_as:"b" doc:"x"`
+	}
+	type givenAsItself struct {
+		A []uint64 `option:"a" given_as:"a" doc:"x"`
+	}
+	type searchSuffixOnCount struct {
+		A uint64 `option:"a" unit:"count" search:"2MiB" doc:"x"`
+	}
+	type searchNotANumber struct {
+		A float64 `option:"a" search:"half" doc:"x"`
+	}
+	type searchOverflows struct {
+		A uint64 `option:"a" unit:"bytes" search:"17179869184GiB" doc:"x"`
+	}
+	type searchOnString struct {
+		A string `option:"a" search:"x" doc:"x"`
+	}
+	type twoDefaults struct {
+		Count int `option:"count" default:"4" doc:"x"`
+	}
+	for name, f := range map[string]func(){
+		"unknownUnit": func() { Schema[unknownUnit]() }, "fractionInt": func() { Schema[fractionInt]() },
+		"torchUnitAlone": func() { Schema[torchUnitAlone]() }, "torchUnitUnknown": func() { Schema[torchUnitUnknown]() },
+		"torchMinAlone": func() { Schema[torchMinAlone]() }, "givenAsNothing": func() { Schema[givenAsNothing]() },
+		"givenAsItself":       func() { Schema[givenAsItself]() },
+		"searchSuffixOnCount": func() { Schema[searchSuffixOnCount]() }, "searchNotANumber": func() { Schema[searchNotANumber]() },
+		"searchOverflows": func() { Schema[searchOverflows]() }, "searchOnString": func() { Schema[searchOnString]() },
+	} {
+		assert.Panics(t, f, name)
+	}
+	assert.Panics(t, func() { Schema[twoDefaultsSample]() }, "a default tag and an OptionDefaults entry")
+	assert.NotPanics(t, func() { Schema[twoDefaults]() })
+}
+
+type twoDefaultsSample struct {
+	Count int `option:"count" default:"4" doc:"how many"`
+}
+
+func (twoDefaultsSample) OptionDefaults() map[string]string { return map[string]string{"count": "3"} }

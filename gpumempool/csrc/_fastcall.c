@@ -11,8 +11,10 @@
  * what torch.empty would make too. Pools whose alloc/free are Python
  * functions do not come here (their callbacks report errors through Python).
  *
- * A failure raises RuntimeError("Kind: message"), the form gopy's errors
- * take, which gpumempool turns into its own exception classes. */
+ * A failure raises RuntimeError(text), where text is the structured value
+ * every error crosses to Python as (bindings/pyerr: {"kind", "message",
+ * "fields"} in JSON), as gopy's errors carry it; gpumempool._errors.translate
+ * turns it into its own exception classes. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -25,6 +27,11 @@ typedef uintptr_t (*gmp_py_alloc_fn)(int64_t handle, uint64_t size, int device, 
 typedef int (*gmp_py_free_fn)(int64_t handle, uintptr_t ptr, char *buf, size_t n);
 typedef int (*gmp_pickle_scan_fn)(const uint8_t *data, size_t n, int64_t max_depth, int64_t *ops, int64_t *pos,
                                   char *why, size_t why_len, uint64_t *nodes, int64_t *depth);
+
+/* Room for an error value: an out-of-memory error's message and fields
+ * take about 700 bytes; a longer message is shortened by Go, never the
+ * JSON cut. */
+#define GMP_ERROR_BUF 4096
 
 static gmp_py_alloc_fn py_alloc;
 static gmp_py_free_fn py_free;
@@ -65,13 +72,14 @@ static int cannot_call(Py_ssize_t nargs, Py_ssize_t want, const char *usage) {
         return 1;
     }
     if (py_alloc == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "RuntimeError: gpumempool._fastcall.bind() was not called");
+        PyErr_SetString(PyExc_RuntimeError, "gpumempool._fastcall.bind() was not called");
         return 1;
     }
     return 0;
 }
 
-/* Raises the "Kind: message" Go wrote into buf (or fallback) and returns NULL.
+/* Raises the error value Go wrote into buf (or fallback, plain text, which
+ * Python takes for a BackendError) and returns NULL.
  * Undecodable bytes (a pool name that is not valid UTF-8 ...) are replaced,
  * so the error raised is always this RuntimeError. */
 static PyObject *failed(const char *buf, const char *fallback) {
@@ -106,10 +114,10 @@ static PyObject *fast_alloc(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_Format(PyExc_ValueError, "device %ld out of range", device);
         return NULL;
     }
-    char buf[1024];
+    char buf[GMP_ERROR_BUF];
     buf[0] = 0;
     uintptr_t p = py_alloc((int64_t)handle, (uint64_t)size, (int)device, (uintptr_t)stream, buf, sizeof buf);
-    if (p == 0) return failed(buf, "RuntimeError: allocation failed");
+    if (p == 0) return failed(buf, "allocation failed");
     return PyLong_FromUnsignedLongLong((unsigned long long)p);
 }
 
@@ -120,9 +128,9 @@ static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (handle == -1 && PyErr_Occurred()) return NULL;
     unsigned long long ptr;
     if (ull_arg(args, 1, &ptr)) return NULL;
-    char buf[1024];
+    char buf[GMP_ERROR_BUF];
     buf[0] = 0;
-    if (py_free((int64_t)handle, (uintptr_t)ptr, buf, sizeof buf) != 0) return failed(buf, "RuntimeError: free failed");
+    if (py_free((int64_t)handle, (uintptr_t)ptr, buf, sizeof buf) != 0) return failed(buf, "free failed");
     Py_RETURN_NONE;
 }
 
@@ -169,9 +177,9 @@ static PyObject *fast_scan_pickle(PyObject *self, PyObject *const *args, Py_ssiz
 static PyMethodDef methods[] = {
     {"bind", fast_bind, METH_O, "bind(library_path): resolve gmp_py_alloc / gmp_py_free there."},
     {"alloc", (PyCFunction)(void (*)(void))fast_alloc, METH_FASTCALL,
-     "alloc(handle, size, device, stream) -> address; RuntimeError('Kind: message') on failure."},
+     "alloc(handle, size, device, stream) -> address; RuntimeError(error value as JSON) on failure."},
     {"free", (PyCFunction)(void (*)(void))fast_free, METH_FASTCALL,
-     "free(handle, address); RuntimeError('Kind: message') on failure."},
+     "free(handle, address); RuntimeError(error value as JSON) on failure."},
     {"scan_pickle", (PyCFunction)(void (*)(void))fast_scan_pickle, METH_FASTCALL,
      "scan_pickle(data, max_depth) -> (nodes, depth) bounding what it builds (nodes None: no bound), or "
      "(truncated, why, ops, pos) for a pickle to refuse."},

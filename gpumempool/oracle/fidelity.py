@@ -17,21 +17,18 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from .._errors import LeakWarning, OutOfMemoryError, expect_out_of_memory
+from .._policy import SETTINGS, torch_settings
 from .._pool import MemPool
 from ..trace import Alloc, EmptyCache, Free, RecordStream, Sync, Trace, TraceFile, Trim
 from . import DEFAULT_CAPACITY, OracleResult, Point, run
 
 __all__ = ["Comparison", "compare", "engine_points", "fraction_limit", "parse_alloc_conf"]
 
-MiB = 1 << 20
-#: torch's setting names and the sim pool's arguments they set.
-_SETTINGS = {
-    "expandable_segments": "expandable",
-    "max_split_size_mb": "max_split_size",
-    "roundup_power2_divisions": "roundup_power2_divisions",
-    "max_non_split_rounding_mb": "max_non_split_rounding_size",
-    "garbage_collection_threshold": "garbage_collection_threshold",
-}
+#: torch's setting names and the sim pool's arguments they set: expandable
+#: segments (a sim option), then the pool settings torch has too (the
+#: engine's schema).
+_SETTINGS = {"expandable_segments": "expandable",
+             **{torch: name for name, torch in torch_settings().items()}}
 #: Settings the oracle accepts that change nothing the engine models
 #: (pinned host memory, the backend choice that must stay native).
 _IGNORED = {"pinned_use_cuda_host_register", "pinned_num_register_threads", "pinned_use_background_threads",
@@ -57,9 +54,9 @@ def parse_alloc_conf(conf: str) -> dict[str, Any]:
                              f"(known: {', '.join(sorted(_SETTINGS))})")
         if name == "expandable":
             out[name] = value.lower() == "true"
-        elif name in ("max_split_size", "max_non_split_rounding_size"):
-            out[name] = int(value) * MiB
-        elif name == "garbage_collection_threshold":
+        elif SETTINGS[name].get("torch_scale"):  # torch's MiB
+            out[name] = int(value) * SETTINGS[name]["torch_scale"]
+        elif SETTINGS[name]["unit"] == "fraction":
             out[name] = float(value)
         else:
             if value.startswith("["):

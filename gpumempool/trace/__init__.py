@@ -130,22 +130,28 @@ from __future__ import annotations
 
 from .._safepickle import UnsafePickleError, load_pickle
 from .._trace_errors import MalformedEventError, MalformedSegmentError, NoHistoryError, TraceFormatError
-# The format's constants and limits, PathLike, Record and torch_allocator_policy
-# are here too, as before the package, though not in __all__.
-from ._format import (FORMAT, MAX_LINE, MAX_META_BYTES, MAX_META_DEPTH, SEGMENT_SLACK,  # noqa: F401
-                      VERSION, VERSIONS, VIRTUAL_STREAM_BASE, Alloc, EmptyCache, Event, Free, PathLike, Record,
-                      RecordStream, Sync, Trim)
+from ._format import (FORMAT, MAX_LINE, MAX_META_BYTES, MAX_META_DEPTH, SEGMENT_SLACK, VERSION, VERSIONS,
+                      VIRTUAL_STREAM_BASE, Alloc, EmptyCache, Event, Free, PathLike, Record, RecordStream, Sync, Trim)
 from ._importer import from_history, from_torch_snapshot
-from ._policy import torch_allocator_policy  # noqa: F401
+from ._policy import torch_allocator_policy
 from ._reader import is_trace_file
 from ._recorder import TraceRecorder
 from ._trace import Trace, TraceFile, load_trace
 
 __all__ = [
+    "FORMAT",
+    "MAX_LINE",
+    "MAX_META_BYTES",
+    "MAX_META_DEPTH",
+    "SEGMENT_SLACK",
+    "VERSION",
+    "VERSIONS",
     "Alloc",
     "EmptyCache",
     "Event",
     "Free",
+    "PathLike",
+    "Record",
     "MalformedEventError",
     "MalformedSegmentError",
     "NoHistoryError",
@@ -163,4 +169,5 @@ __all__ = [
     "is_trace_file",
     "load_pickle",
     "load_trace",
+    "torch_allocator_policy",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .._policy import TORCH_SIZES
 from ._trace import Trace
 
 __all__ = ["describe_pool", "torch_allocator_policy"]
@@ -55,7 +56,7 @@ def torch_allocator_policy(settings: Any) -> dict[str, Any]:
 
 #: The engine's default max_non_split_rounding_size (torch's 20 MiB), left
 #: out of recorded policies like the other defaults.
-_DEFAULT_MAX_NON_SPLIT_ROUNDING = 20 << 20
+_DEFAULT_MAX_NON_SPLIT_ROUNDING = TORCH_SIZES["large_buffer"]
 
 
 def describe_pool(tr: Trace, pool: Any) -> None:

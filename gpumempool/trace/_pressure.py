@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from .._policy import TORCH_SIZES
 from ._format import U64
 
 __all__ = ["MAX_OOM_REQUEST", "Pressure", "most_reserved"]
@@ -29,13 +30,14 @@ MAX_OOM_REQUEST = 1 << 50
 
 def _torch_segment_size(size: int) -> int:
     """The segment torch's allocator asks the device for to serve ``size``
-    bytes (its small pool's 2 MiB, 20 MiB up to 10 MiB, else 2 MiB steps)."""
-    mib = 1 << 20
-    if size <= mib:
-        return 2 * mib
-    if size < 10 * mib:
-        return 20 * mib
-    return -(-size // (2 * mib)) * (2 * mib)
+    bytes (its small pool's 2 MiB, 20 MiB up to 10 MiB, else 2 MiB steps:
+    the engine's sizes, gocore/round.go)."""
+    if size <= TORCH_SIZES["small_size"]:
+        return TORCH_SIZES["small_buffer"]
+    if size < TORCH_SIZES["min_large_alloc"]:
+        return TORCH_SIZES["large_buffer"]
+    step = TORCH_SIZES["round_large"]
+    return -(-size // step) * step
 
 
 class Pressure:

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 // The registry publishes every backend NewPool builds, with the options its
@@ -36,7 +37,7 @@ func TestBackendSchema(t *testing.T) {
 			assert.NotEmpty(t, o.Doc, "%s %s", k.Name, o.Name)
 			opts[k.Name][o.Name] = o.Type
 			if o.Name == "capacity" {
-				assert.Equal(t, gocore.FormatBytes(gocore.DefaultSimCapacity), o.Default)
+				assert.Equal(t, gocore.FormatBytes(sim.DefaultCapacity), o.Default)
 				assert.True(t, o.ZeroIsDefault)
 			}
 		}

@@ -23,6 +23,7 @@ import (
 	"github.com/gpumempool/gpumempool/gocore/callback"
 	"github.com/gpumempool/gpumempool/gocore/graphpool"
 	"github.com/gpumempool/gpumempool/gocore/nvmldev"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 // Version returns the engine version.
@@ -535,7 +536,7 @@ func ListPools() (js string, err error) {
 	return marshal(out)
 }
 
-func simOf(id int64) (*gocore.SimBackend, error) {
+func simOf(id int64) (*sim.Backend, error) {
 	e, err := entry(id)
 	if err != nil {
 		return nil, err
@@ -588,7 +589,7 @@ func simSetManualEvents(id int64, manual bool) (err error) {
 
 // SimPlaceNext asks the pool's simulated device to put the next segment of
 // exactly size bytes on device offset bytes into its placement window
-// (size 0 withdraws the request; see gocore.SimBackend.PlaceNext). Replay
+// (size 0 withdraws the request; see sim.Backend.PlaceNext). Replay
 // uses it to give segments the address order the recording allocator's
 // device gave them.
 //

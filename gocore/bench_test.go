@@ -1,15 +1,18 @@
-package gocore
+package gocore_test
 
 import (
 	"fmt"
 	"testing"
+
+	. "github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 // fragmentedPool returns a pool holding n free blocks of mixed small sizes,
 // kept apart by live blocks so they cannot merge: the state a long training
 // run leaves behind.
 func fragmentedPool(b *testing.B, n int) *Pool {
-	p, _ := newTestPool(b, SimConfig{Capacity: 1 << 40}, Config{})
+	p, _ := newTestPool(b, sim.Config{Capacity: 1 << 40}, Config{})
 	addrs := make([]uint64, 0, 2*n)
 	for i := range 2 * n {
 		addrs = append(addrs, mustAlloc(b, p, uint64(512*(1+i%128)), 0, 0))
@@ -57,7 +60,7 @@ func BenchmarkCacheHitParallel(b *testing.B) {
 		})
 	})
 	b.Run("per-goroutine", func(b *testing.B) {
-		be, err := NewSimBackend(SimConfig{Capacity: 1 << 40})
+		be, err := sim.New(sim.Config{Capacity: 1 << 40})
 		if err != nil {
 			b.Fatal(err)
 		}

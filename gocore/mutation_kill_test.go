@@ -1,4 +1,4 @@
-package gocore
+package gocore_test
 
 // Tests written for the survivors (and uncovered mutants) of the gremlins
 // pass over gocore (benchmarks/results/mutation.md): each pins behaviour that
@@ -6,10 +6,11 @@ package gocore
 
 import (
 	"errors"
-	"fmt"
-	"math/rand/v2"
 	"slices"
 	"testing"
+
+	. "github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -17,7 +18,7 @@ import (
 
 // failingRecord is a sim backend whose RecordEvent fails on one stream.
 type failingRecord struct {
-	*SimBackend
+	*sim.Backend
 	bad Stream
 }
 
@@ -25,7 +26,7 @@ func (b *failingRecord) RecordEvent(ev Event, s Stream) error {
 	if s == b.bad {
 		return errors.New("record failed")
 	}
-	return b.SimBackend.RecordEvent(ev, s)
+	return b.Backend.RecordEvent(ev, s)
 }
 
 // A block used on several streams whose event cannot be recorded on one of
@@ -34,9 +35,9 @@ func (b *failingRecord) RecordEvent(ev Event, s Stream) error {
 // it.
 func TestAFailedEventRecordKeepsTheBlockOutOfUse(t *testing.T) {
 	for _, bad := range []Stream{7, 8} { // the first stream used, the last
-		sim, err := NewSimBackend(SimConfig{ManualEvents: true})
+		device, err := sim.New(sim.Config{ManualEvents: true})
 		require.NoError(t, err)
-		p, err := NewPool(Config{Backend: &failingRecord{SimBackend: sim, bad: bad}})
+		p, err := NewPool(Config{Backend: &failingRecord{Backend: device, bad: bad}})
 		require.NoError(t, err)
 		a := mustAlloc(t, p, 4096, 0, 0)
 		require.NoError(t, p.RecordStream(a, 7))
@@ -44,7 +45,7 @@ func TestAFailedEventRecordKeepsTheBlockOutOfUse(t *testing.T) {
 		err = p.Free(a)
 		require.Error(t, err, "stream %d", bad)
 		assert.Contains(t, err.Error(), "record event on stream")
-		sim.CompleteAll()
+		device.CompleteAll()
 		_, err = p.ProcessEvents()
 		require.NoError(t, err)
 		assert.NotEqual(t, a, mustAlloc(t, p, 4096, 0, 0), "failing stream %d: the block was handed out again", bad)
@@ -53,36 +54,11 @@ func TestAFailedEventRecordKeepsTheBlockOutOfUse(t *testing.T) {
 	}
 }
 
-// Once every parked free is done, the pool keeps no per-stream queue of
-// them: a program that records frees on many short-lived streams does not
-// leave a queue behind for each (nor makes every later allocation walk
-// them).
-func TestProcessedEventQueuesAreDropped(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
-	for s := range Stream(100) {
-		a := mustAlloc(t, p, 4096, 0, 0)
-		require.NoError(t, p.RecordStream(a, 1000+s))
-		require.NoError(t, p.Free(a))
-	}
-	d := p.devices[0]
-	assert.Len(t, d.pending, 100, "one queue per stream with a free waiting")
-	be.CompleteStream(1000)
-	n, err := p.ProcessEvents()
-	require.NoError(t, err)
-	assert.Equal(t, 99, n)
-	assert.Len(t, d.pending, 99, "the done stream's queue goes")
-	be.CompleteAll()
-	n, err = p.ProcessEvents()
-	require.NoError(t, err)
-	assert.Zero(t, n)
-	assert.Empty(t, d.pending)
-}
-
 // A second free of a block is a double free, not an interior pointer, both
 // while the block waits for its events and when it ends where an allocated
 // neighbour begins.
 func TestFreeingTwiceIsADoubleFreeAtBlockBoundaries(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	p, be := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
 	a := mustAlloc(t, p, 4096, 0, 0)
 	b := mustAlloc(t, p, 4096, 0, 0)
 	c := mustAlloc(t, p, 4096, 0, 0)
@@ -108,7 +84,7 @@ func TestFreeingTwiceIsADoubleFreeAtBlockBoundaries(t *testing.T) {
 // The first address past a segment belongs to no segment of the pool: an
 // unknown pointer, not a double free.
 func TestFreeingTheAddressPastASegmentIsAnUnknownPointer(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
+	p, _ := newTestPool(t, sim.Config{}, Config{})
 	a := mustAlloc(t, p, 4096, 0, 0)
 	info, err := p.Lookup(a)
 	require.NoError(t, err)
@@ -122,7 +98,7 @@ func TestFreeingTheAddressPastASegmentIsAnUnknownPointer(t *testing.T) {
 // The end of a capture applies the release threshold it held back to free
 // tails of expandable segments too, when no segment is wholly free.
 func TestReleaseThresholdShrinksAnExpandableTailWhenACaptureEnds(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{ReleaseThreshold: 8 * MiB})
+	p, be := newTestPool(t, sim.Config{Expandable: true, Capacity: 256 * MiB}, Config{ReleaseThreshold: 8 * MiB})
 	mustAlloc(t, p, 20*MiB, 0, 0) // one page, in use
 	p.EnterCapture()
 	b := mustAlloc(t, p, 100*MiB, 0, 0) // grows the segment to 120 MiB
@@ -133,36 +109,11 @@ func TestReleaseThresholdShrinksAnExpandableTailWhenACaptureEnds(t *testing.T) {
 	assert.LessOrEqual(t, be.UsedBytes(0), uint64(20*MiB))
 }
 
-// Many free blocks of one size class (a heap on address, not one or two
-// blocks a class as in a mixed workload): every best fit is the lowest
-// address left, through random inserts and removes anywhere in the heap.
-func TestSmallBinsOneClassHeapKeepsTheLowestAddressFirst(t *testing.T) {
-	rng := rand.New(rand.NewPCG(3, 4))
-	var s smallBins
-	var free []*block
-	for step := range 5000 {
-		if len(free) > 0 && (len(free) >= 300 || rng.IntN(2) == 0) {
-			i := rng.IntN(len(free))
-			s.remove(free[i])
-			free[i] = free[len(free)-1]
-			free = free[:len(free)-1]
-		} else {
-			b := &block{addr: uint64(1<<30) + uint64(rng.IntN(1<<24))*MinBlockSize, size: 8 * MinBlockSize}
-			if slices.ContainsFunc(free, func(o *block) bool { return o.addr == b.addr }) {
-				continue
-			}
-			s.insert(b)
-			free = append(free, b)
-		}
-		require.Same(t, bestFitByScan(&s, MinBlockSize), s.bestFit(MinBlockSize), "step %d", step)
-	}
-}
-
 // MaxSplitSize's bounds, exactly: a block of MaxSplitSize is oversize (a
 // smaller request never takes it), and a request of MaxSplitSize is an
 // oversize request (it may take it whole).
 func TestMaxSplitSizeIsTheFirstOversizeSize(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 24 * MiB})
+	p, be := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 24 * MiB})
 	big := mustAlloc(t, p, 24*MiB, 0, 0) // a 24 MiB segment, oversize
 	require.NoError(t, p.Free(big))
 	below := mustAlloc(t, p, 21*MiB, 0, 0)
@@ -176,99 +127,17 @@ func TestMaxSplitSizeIsTheFirstOversizeSize(t *testing.T) {
 
 	// A MaxSplitSize request is held to MaxNonSplitRoundingSize (20 MiB):
 	// a 44 MiB block would waste exactly that.
-	q, qbe := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 24 * MiB})
+	q, qbe := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 24 * MiB})
 	huge := mustAlloc(t, q, 44*MiB, 0, 0)
 	require.NoError(t, q.Free(huge))
 	assert.NotEqual(t, huge, mustAlloc(t, q, 24*MiB, 0, 0), "20 MiB wasted in a cached block")
 	assert.Equal(t, 2, qbe.Stats().LiveSegments)
 }
 
-// The checker's rounding policy at its edges: two divisions (halves), many
-// divisions of a small request (a step below one byte), and the last
-// interval of the per-size table, which holds every size from 32 GiB up.
-func TestLeastBlockSizeAtThePolicysEdges(t *testing.T) {
-	div2, _ := newTestPool(t, SimConfig{}, Config{RoundupPower2Divisions: 2})
-	div32, _ := newTestPool(t, SimConfig{}, Config{RoundupPower2Divisions: 32})
-	by := make([]uint64, RoundupIntervals)
-	by[RoundupIntervals-1] = 4
-	bySize, _ := newTestPool(t, SimConfig{}, Config{RoundupPower2DivisionsBySize: by})
-	for _, c := range []struct {
-		p           *Pool
-		size, least uint64
-	}{
-		{div2, 5*MiB + 1, 6 * MiB}, // [4, 8) MiB in halves
-		{div2, 1025, 1536},         // up to 512*2: plain
-		{div32, 17, 512},
-		{div32, 16*1024 + 1, 16*1024 + 512}, // up to 512*32: plain
-		{bySize, 1<<40 + 1, 1<<40 + 1<<38},  // 1 TiB: the last interval, in quarters
-		{bySize, 1<<35 + 1, 1<<35 + 1<<33},  // 32 GiB, the interval's first size
-	} {
-		assert.Equal(t, c.least, c.p.leastBlockSize(c.size, false), "divisions %d, by size %v, size %d",
-			c.p.cfg.RoundupPower2Divisions, c.p.cfg.RoundupPower2DivisionsBySize != nil, c.size)
-	}
-}
-
-// CheckInvariants reports these corruptions (and says where), rather than
-// missing them or failing itself.
-func TestCheckInvariantsReportsCorruptions(t *testing.T) {
-	for _, c := range []struct {
-		name    string
-		corrupt func(d *deviceState) string // returns the expected report
-	}{
-		{"cached free lists of another stream", func(d *deviceState) string {
-			d.lastStream, d.lastFree = 0, newStreamFree(false)
-			return "device 0: cached free lists of stream 0x0 are not its lists"
-		}},
-		{"wholly free segment placed past the list's end", func(d *deviceState) string {
-			s := d.wholeFree[0]
-			s.wholeFreeAt = len(d.wholeFree)
-			return fmt.Sprintf("wholly free segment %#x is not listed", s.addr)
-		}},
-		{"blocks end short of their segment", func(d *deviceState) string {
-			for _, s := range d.segments {
-				if s.kind == kindSmall {
-					s.last.size -= MinBlockSize
-					return fmt.Sprintf("segment %#x: blocks end at %#x, segment at %#x", s.addr, s.addr+s.size-MinBlockSize, s.addr+s.size)
-				}
-			}
-			panic("no small segment")
-		}},
-		{"small bitmap bit without blocks", func(d *deviceState) string {
-			d.streams[0].small.nonEmpty[1] |= 1 << 5
-			return "device 0 stream 0x0: small class 69: 0 free blocks, bitmap bit true"
-		}},
-		{"free small block placed past its bin's end", func(d *deviceState) string {
-			for _, s := range d.segments {
-				if s.kind == kindSmall {
-					s.last.heapIdx = len(d.streams[0].small.bins[smallClass(s.last.size)])
-					return fmt.Sprintf("free block %#x is not indexed under stream 0x0", s.last.addr)
-				}
-			}
-			panic("no small segment")
-		}},
-		{"small bitmap bit cleared over blocks", func(d *deviceState) string {
-			// The small segment's free rest: 2 MiB - 4096 bytes, class 4087.
-			d.streams[0].small.nonEmpty[63] &^= 1 << 55
-			return "device 0 stream 0x0: small class 4087: 1 free blocks, bitmap bit false"
-		}},
-	} {
-		t.Run(c.name, func(t *testing.T) {
-			p, _ := newTestPool(t, SimConfig{}, Config{})
-			mustAlloc(t, p, 4096, 0, 0)                               // a split small segment
-			require.NoError(t, p.Free(mustAlloc(t, p, 12*MiB, 0, 0))) // a wholly free large one
-			require.NoError(t, p.CheckInvariants())
-			want := c.corrupt(p.devices[0])
-			err := p.CheckInvariants()
-			require.ErrorIs(t, err, ErrInvariant)
-			assert.Contains(t, err.Error(), want)
-		})
-	}
-}
-
 // MaxRoundupDivisions itself is a valid division count, for the pool and
 // for an interval of the per-size table; the next power of two is not.
 func TestRoundupDivisionsUpToTheirMaximum(t *testing.T) {
-	be, err := NewSimBackend(SimConfig{})
+	be, err := sim.New(sim.Config{})
 	require.NoError(t, err)
 	by := make([]uint64, RoundupIntervals)
 	by[3] = MaxRoundupDivisions
@@ -290,7 +159,7 @@ func TestRoundupDivisionsUpToTheirMaximum(t *testing.T) {
 
 // deviceCount is a sim backend that reports n devices.
 type deviceCount struct {
-	*SimBackend
+	*sim.Backend
 	n int
 }
 
@@ -298,13 +167,13 @@ func (b *deviceCount) Devices() int { return b.n }
 
 // A backend may have from 1 to MaxDevices devices.
 func TestNewPoolTakesOneToMaxDevices(t *testing.T) {
-	sim, err := NewSimBackend(SimConfig{})
+	device, err := sim.New(sim.Config{})
 	require.NoError(t, err)
 	for _, c := range []struct {
 		n  int
 		ok bool
 	}{{-1, false}, {0, false}, {1, true}, {MaxDevices, true}, {MaxDevices + 1, false}} {
-		p, err := NewPool(Config{Backend: &deviceCount{SimBackend: sim, n: c.n}})
+		p, err := NewPool(Config{Backend: &deviceCount{Backend: device, n: c.n}})
 		if !c.ok {
 			assert.ErrorIs(t, err, ErrInvalidArgument, "%d devices", c.n)
 			continue
@@ -317,30 +186,30 @@ func TestNewPoolTakesOneToMaxDevices(t *testing.T) {
 
 // reversedDevices is a two-device sim backend whose device 1 hands out
 // lower addresses than device 0 (real devices' ranges come in any order).
-type reversedDevices struct{ *SimBackend }
+type reversedDevices struct{ *sim.Backend }
 
 func (b *reversedDevices) Alloc(device int, size uint64, s Stream) (uint64, error) {
-	return b.SimBackend.Alloc(1-device, size, s)
+	return b.Backend.Alloc(1-device, size, s)
 }
 
 func (b *reversedDevices) Free(device int, addr, size uint64, s Stream) error {
-	return b.SimBackend.Free(1-device, addr, size, s)
+	return b.Backend.Free(1-device, addr, size, s)
 }
 
 func (b *reversedDevices) NewEvent(device int) (Event, error) {
-	return b.SimBackend.NewEvent(1 - device)
+	return b.Backend.NewEvent(1 - device)
 }
 
 func (b *reversedDevices) Capacity(device int) (uint64, uint64, error) {
-	return b.SimBackend.Capacity(1 - device)
+	return b.Backend.Capacity(1 - device)
 }
 
 // Close lists the live blocks by device, then address, whatever the order
 // of the devices' address ranges.
 func TestCloseListsLiveBlocksByDeviceThenAddress(t *testing.T) {
-	sim, err := NewSimBackend(SimConfig{Devices: 2})
+	device, err := sim.New(sim.Config{Devices: 2})
 	require.NoError(t, err)
-	p, err := NewPool(Config{Backend: &reversedDevices{SimBackend: sim}})
+	p, err := NewPool(Config{Backend: &reversedDevices{Backend: device}})
 	require.NoError(t, err)
 	var dev0 []uint64
 	for range 20 {
@@ -373,7 +242,7 @@ func TestTrimShrinksNoTailOnceAtTheTarget(t *testing.T) {
 
 // Of equal free tails, Trim shrinks the lowest segment's first.
 func TestTrimOfEqualTailsShrinksTheLowestSegmentFirst(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{})
+	p, _ := newTestPool(t, sim.Config{Expandable: true, Capacity: 256 * MiB}, Config{})
 	var bases []uint64
 	for s := range Stream(3) {
 		bases = append(bases, mustAlloc(t, p, 20*MiB, 0, s))
@@ -394,7 +263,7 @@ func TestTrimOfEqualTailsShrinksTheLowestSegmentFirst(t *testing.T) {
 // capture (now over) and frees those whose events are done, so their
 // segments go back too.
 func TestTrimFreesBlocksHeldByAnotherPoolsCaptureFirst(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{}, Config{})
+	p, be := newTestPool(t, sim.Config{}, Config{})
 	a := mustAlloc(t, p, 12*MiB, 0, 0)
 	require.NoError(t, p.RecordStream(a, 7))
 	AddProcessCaptures(1)
@@ -411,7 +280,7 @@ func TestTrimFreesBlocksHeldByAnotherPoolsCaptureFirst(t *testing.T) {
 // reached, and releases each pass's segments in torch's order: size, then
 // address (as the trace shows).
 func TestGarbageCollectionPassesAndOrder(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.3})
+	p, _ := newTestPool(t, sim.Config{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.3})
 	p.RecordHistory(true, 1000)
 	a := mustAlloc(t, p, 20*MiB, 0, 0)
 	e := mustAlloc(t, p, 14*MiB, 0, 0)
@@ -444,7 +313,7 @@ func TestGarbageCollectionPassesAndOrder(t *testing.T) {
 // Trim and Stats take a device ordinal: Trim(0) leaves device 1's cache,
 // and the first ordinal past the last device is refused.
 func TestTrimAndStatsOfOneDevice(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Devices: 2}, Config{})
+	p, be := newTestPool(t, sim.Config{Devices: 2}, Config{})
 	require.NoError(t, p.Free(mustAlloc(t, p, 12*MiB, 0, 0)))
 	require.NoError(t, p.Free(mustAlloc(t, p, 12*MiB, 1, 0)))
 	released, err := p.Trim(0, 0)
@@ -463,7 +332,7 @@ func TestTrimAndStatsOfOneDevice(t *testing.T) {
 // MaxRequest itself is a valid size (it fails for want of memory, not as
 // an invalid size).
 func TestAllocOfMaxRequestIsOutOfMemory(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
+	p, _ := newTestPool(t, sim.Config{}, Config{})
 	_, err := p.Alloc(MaxRequest, 0, 0)
 	require.ErrorIs(t, err, ErrOutOfMemory)
 	assert.NotErrorIs(t, err, ErrInvalidSize)
@@ -472,7 +341,7 @@ func TestAllocOfMaxRequestIsOutOfMemory(t *testing.T) {
 // A block freed during another pool's capture gets its event when an
 // allocation after the capture processes events, and serves it once done.
 func TestAllocAfterAnotherPoolsCaptureReusesTheBlocksFreedDuringIt(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{}, Config{})
+	p, be := newTestPool(t, sim.Config{}, Config{})
 	a := mustAlloc(t, p, 4096, 0, 0)
 	require.NoError(t, p.RecordStream(a, 7))
 	AddProcessCaptures(1)
@@ -485,7 +354,7 @@ func TestAllocAfterAnotherPoolsCaptureReusesTheBlocksFreedDuringIt(t *testing.T)
 // With a limit but no garbage collection threshold, a large miss releases
 // nothing cached.
 func TestNoGarbageCollectionWithoutItsThreshold(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{}, Config{Limit: 100 * MiB})
+	p, be := newTestPool(t, sim.Config{}, Config{Limit: 100 * MiB})
 	a := mustAlloc(t, p, 20*MiB, 0, 0)
 	require.NoError(t, p.Free(a))
 	mustAlloc(t, p, 30*MiB, 0, 0) // a miss
@@ -498,7 +367,7 @@ func TestNoGarbageCollectionWithoutItsThreshold(t *testing.T) {
 // free block, and a request of exactly MaxSplitSize takes a cached oversize
 // block whole.
 func TestSplitAtItsBounds(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{}, Config{})
+	p, be := newTestPool(t, sim.Config{}, Config{})
 	mustAlloc(t, p, MiB, 0, 0)
 	b := mustAlloc(t, p, MiB-512, 0, 0) // leaves 512 bytes of the 2 MiB segment
 	info, err := p.Lookup(b)
@@ -508,7 +377,7 @@ func TestSplitAtItsBounds(t *testing.T) {
 	assert.Equal(t, b+MiB-512, c, "the 512-byte remainder serves a 512-byte request")
 	assert.Equal(t, 1, be.Stats().LiveSegments)
 
-	q, _ := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 24 * MiB})
+	q, _ := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 24 * MiB})
 	big := mustAlloc(t, q, 40*MiB, 0, 0)
 	require.NoError(t, q.Free(big))
 	require.Equal(t, big, mustAlloc(t, q, 24*MiB, 0, 0), "16 MiB wasted is under the rounding allowance")
@@ -529,15 +398,15 @@ func (z zeroBasedFreeFails) Free(int, uint64, uint64, Stream) error {
 // only when it did.
 func TestBackendAddressZeroErrorSaysWhetherItWentBack(t *testing.T) {
 	for _, c := range []struct {
-		backend  func(*SimBackend) Backend
+		backend  func(*sim.Backend) Backend
 		freeFail bool
 	}{
-		{func(s *SimBackend) Backend { return zeroBasedBackend{s} }, false},
-		{func(s *SimBackend) Backend { return zeroBasedFreeFails{zeroBasedBackend{s}} }, true},
+		{func(s *sim.Backend) Backend { return zeroBasedBackend{s} }, false},
+		{func(s *sim.Backend) Backend { return zeroBasedFreeFails{zeroBasedBackend{s}} }, true},
 	} {
-		sim, err := NewSimBackend(SimConfig{Capacity: 1 << 30})
+		device, err := sim.New(sim.Config{Capacity: 1 << 30})
 		require.NoError(t, err)
-		be := c.backend(sim)
+		be := c.backend(device)
 		p, err := NewPool(Config{Backend: be})
 		require.NoError(t, err)
 		_, err = p.Alloc(4096, 0, 0)
@@ -553,7 +422,7 @@ func TestBackendAddressZeroErrorSaysWhetherItWentBack(t *testing.T) {
 // The split/merge cycle of a cache hit reuses block structs: an alloc and
 // free that split a cached block and merge it back allocate nothing.
 func TestCacheHitSplitAndMergeAllocateNothing(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
+	p, _ := newTestPool(t, sim.Config{}, Config{})
 	require.NoError(t, p.Free(mustAlloc(t, p, 4096, 0, 0)))
 	allocs := testing.AllocsPerRun(100, func() {
 		a, err := p.Alloc(4096, 0, 0)
@@ -571,7 +440,7 @@ func TestCacheHitSplitAndMergeAllocateNothing(t *testing.T) {
 // segment's old end, and a failed growth gives its bytes back to the
 // budget.
 func TestGrowthIsTracedAtTheOldEndAndAFailedOneUncounted(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Expandable: true, Capacity: 64 * MiB}, Config{})
+	p, _ := newTestPool(t, sim.Config{Expandable: true, Capacity: 64 * MiB}, Config{})
 	p.RecordHistory(true, 100)
 	a := mustAlloc(t, p, 40*MiB, 0, 0)
 	info, err := p.Lookup(a)
@@ -601,7 +470,7 @@ func TestGrowthIsTracedAtTheOldEndAndAFailedOneUncounted(t *testing.T) {
 // at the pool's next event processing, though this pool parked no block
 // during it (the mutation pass found it skipped: 20 MiB stayed reserved).
 func TestReleaseThresholdHeldByAProcessCaptureAppliesWhenItEnds(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Capacity: 256 * MiB}, Config{ReleaseThreshold: MiB})
+	p, be := newTestPool(t, sim.Config{Capacity: 256 * MiB}, Config{ReleaseThreshold: MiB})
 	b := mustAlloc(t, p, 4*MiB, 0, 0) // a 20 MiB segment
 	AddProcessCaptures(1)
 	require.NoError(t, p.Free(b))
@@ -616,7 +485,7 @@ func TestReleaseThresholdHeldByAProcessCaptureAppliesWhenItEnds(t *testing.T) {
 // The same, found by the next free: its own segment has nothing to give
 // back, but the expandable tail freed during the capture goes.
 func TestReleaseThresholdHeldByAProcessCaptureAppliesAtTheNextFree(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{ReleaseThreshold: 8 * MiB})
+	p, be := newTestPool(t, sim.Config{Expandable: true, Capacity: 256 * MiB}, Config{ReleaseThreshold: 8 * MiB})
 	mustAlloc(t, p, 20*MiB, 0, 0) // one page, in use
 	AddProcessCaptures(1)
 	big := mustAlloc(t, p, 100*MiB, 0, 0)
@@ -634,7 +503,7 @@ func TestReleaseThresholdHeldByAProcessCaptureAppliesAtTheNextFree(t *testing.T)
 // 5000 bytes lie between 4 KiB and 8 KiB, cut into 2 steps of 2 KiB, so the
 // block is 6 KiB where plain rounding gives 5 KiB (as torch's round_size).
 func TestRoundupPower2DivisionsTwoRounds(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 1 << 30}, Config{RoundupPower2Divisions: 2})
+	p, _ := newTestPool(t, sim.Config{Capacity: 1 << 30}, Config{RoundupPower2Divisions: 2})
 	info, err := p.Lookup(mustAlloc(t, p, 5000, 0, 0))
 	require.NoError(t, err)
 	assert.Equal(t, uint64(6144), info.Size)
@@ -646,7 +515,7 @@ func TestRoundupPower2DivisionsTwoRounds(t *testing.T) {
 // A size out of [1, MaxRequest] is refused on a device already in use too,
 // where Alloc's fast path (allocDevice) answers without the slow checks.
 func TestBadSizesAreRefusedOnADeviceInUse(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 1 << 30}, Config{})
+	p, _ := newTestPool(t, sim.Config{Capacity: 1 << 30}, Config{})
 	mustAlloc(t, p, 4096, 0, 0) // the device's state exists now
 	for _, size := range []uint64{0, MaxRequest + 1, MaxRequest + 2, 1<<64 - 1} {
 		_, err := p.Alloc(size, 0, 0)

@@ -1,4 +1,4 @@
-package gocore
+package gocore_test
 
 import (
 	"errors"
@@ -10,16 +10,17 @@ import (
 	"testing"
 	"time"
 
+	. "github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
+
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sync/errgroup"
 )
 
-const MiB = 1 << 20
-
-func newTestPool(t testing.TB, sim SimConfig, cfg Config) (*Pool, *SimBackend) {
+func newTestPool(t testing.TB, device sim.Config, cfg Config) (*Pool, *sim.Backend) {
 	t.Helper()
-	be, err := NewSimBackend(sim)
+	be, err := sim.New(device)
 	require.NoError(t, err)
 	cfg.Backend = be
 	p, err := NewPool(cfg)
@@ -66,7 +67,7 @@ func TestRoundingAndSegmentSizes(t *testing.T) {
 		{11*MiB + 3, 12 * MiB, 12 * MiB, false}, // remainder < 1 MiB: not split
 	}
 	for _, c := range cases {
-		p, _ := newTestPool(t, SimConfig{}, Config{})
+		p, _ := newTestPool(t, sim.Config{}, Config{})
 		mustAlloc(t, p, c.size, 0, 0)
 		s := stats(t, p)
 		k := 2
@@ -95,10 +96,10 @@ func TestRoundupPower2Divisions(t *testing.T) {
 		{5*MiB + 1, 64, 5*MiB + 64<<10},
 	}
 	for _, c := range cases {
-		assert.EqualValues(t, c.want, roundPower2Divisions(c.size, c.divisions), "%d with %d divisions", c.size, c.divisions)
+		assert.EqualValues(t, c.want, RoundPower2Divisions(c.size, c.divisions), "%d with %d divisions", c.size, c.divisions)
 	}
 
-	p, _ := newTestPool(t, SimConfig{}, Config{RoundupPower2Divisions: 4})
+	p, _ := newTestPool(t, sim.Config{}, Config{RoundupPower2Divisions: 4})
 	a := mustAlloc(t, p, 1200*MiB, 0, 0)
 	s := stats(t, p)
 	assert.EqualValues(t, 1280*MiB, s.AllocatedBytes[0].Current)
@@ -120,17 +121,17 @@ func TestRoundupPower2DivisionsBySize(t *testing.T) {
 		size uint64
 		want int
 	}{{512, 0}, {MiB, 0}, {2*MiB - 1, 0}, {2 * MiB, 1}, {3 * MiB, 1}, {4 * MiB, 2}, {31 << 30, 14}, {32 << 30, 15}, {1 << 40, 15}} {
-		assert.Equal(t, c.want, roundupInterval(c.size), "interval of %d", c.size)
+		assert.Equal(t, c.want, RoundupInterval(c.size), "interval of %d", c.size)
 	}
 	by := make([]uint64, RoundupIntervals)
-	by[roundupInterval(1200*MiB)] = 4 // [1 GiB, 2 GiB) in quarters, nothing else rounded
-	p, _ := newTestPool(t, SimConfig{}, Config{RoundupPower2DivisionsBySize: by})
-	by[roundupInterval(1200*MiB)] = 2 // the pool keeps its own copy
+	by[RoundupInterval(1200*MiB)] = 4 // [1 GiB, 2 GiB) in quarters, nothing else rounded
+	p, _ := newTestPool(t, sim.Config{}, Config{RoundupPower2DivisionsBySize: by})
+	by[RoundupInterval(1200*MiB)] = 2 // the pool keeps its own copy
 	a := mustAlloc(t, p, 1200*MiB, 0, 0)
 	b := mustAlloc(t, p, 600*MiB+1, 0, 0)
 	s := stats(t, p)
 	assert.EqualValues(t, 1280*MiB+600*MiB+512, s.AllocatedBytes[0].Current)
-	assert.EqualValues(t, 4, p.Config().RoundupPower2DivisionsBySize[roundupInterval(1200*MiB)])
+	assert.EqualValues(t, 4, p.Config().RoundupPower2DivisionsBySize[RoundupInterval(1200*MiB)])
 	require.NoError(t, p.Free(a))
 	require.NoError(t, p.Free(b))
 
@@ -142,7 +143,7 @@ func TestRoundupPower2DivisionsBySize(t *testing.T) {
 }
 
 func TestGarbageCollectionThreshold(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.5})
+	p, be := newTestPool(t, sim.Config{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.5})
 	a := mustAlloc(t, p, 20*MiB, 0, 0)
 	b := mustAlloc(t, p, 20*MiB, 0, 0)
 	require.NoError(t, p.Free(a)) // cached since the 2nd large search
@@ -168,7 +169,7 @@ func TestGarbageCollectionThreshold(t *testing.T) {
 	assert.Equal(t, before, stats(t, p).NumDeviceAlloc)
 
 	// Without a limit there is nothing to collect against.
-	q, _ := newTestPool(t, SimConfig{}, Config{GarbageCollectionThreshold: 0.1})
+	q, _ := newTestPool(t, sim.Config{}, Config{GarbageCollectionThreshold: 0.1})
 	require.NoError(t, q.Free(mustAlloc(t, q, 30*MiB, 0, 0)))
 	mustAlloc(t, q, 40*MiB, 0, 0)
 	assert.Zero(t, stats(t, q).NumGCReleases)
@@ -180,7 +181,7 @@ func TestGarbageCollectionThreshold(t *testing.T) {
 }
 
 func TestCacheHitReusesAddress(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{}, Config{})
+	p, be := newTestPool(t, sim.Config{}, Config{})
 	a := mustAlloc(t, p, 4096, 0, 0)
 	require.NoError(t, p.Free(a))
 	b := mustAlloc(t, p, 4000, 0, 0)
@@ -194,7 +195,7 @@ func TestCacheHitReusesAddress(t *testing.T) {
 }
 
 func TestBestFitBySizeThenAddress(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
+	p, _ := newTestPool(t, sim.Config{}, Config{})
 	// Carve one small segment into free holes of 8K, 4K, 4K, 16K separated by
 	// live blocks, so that they cannot merge.
 	sizes := []uint64{8192, 512, 4096, 512, 4096, 512, 16384, 512}
@@ -215,7 +216,7 @@ func TestBestFitBySizeThenAddress(t *testing.T) {
 }
 
 func TestSplitAndMergeBackToWholeSegment(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{}, Config{})
+	p, be := newTestPool(t, sim.Config{}, Config{})
 	a := mustAlloc(t, p, 1000, 0, 0)
 	b := mustAlloc(t, p, 1000, 0, 0)
 	c := mustAlloc(t, p, 1000, 0, 0)
@@ -242,7 +243,7 @@ func TestSplitAndMergeBackToWholeSegment(t *testing.T) {
 }
 
 func TestLargeSplitThresholdAndMaxSplitSize(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
+	p, _ := newTestPool(t, sim.Config{}, Config{})
 	a := mustAlloc(t, p, 2*MiB, 0, 0) // 20 MiB segment, 18 MiB remainder split off
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.InactiveSplit[2].Current)
@@ -253,7 +254,7 @@ func TestLargeSplitThresholdAndMaxSplitSize(t *testing.T) {
 	assert.EqualValues(t, 20*MiB, s.AllocatedBytes[2].Current)
 	require.NoError(t, p.Free(b))
 
-	q, _ := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 24 * MiB})
+	q, _ := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 24 * MiB})
 	big := mustAlloc(t, q, 40*MiB, 0, 0)
 	require.NoError(t, q.Free(big))
 	// A small-ish large request must not take the oversize block...
@@ -277,7 +278,7 @@ func TestMaxNonSplitRoundingSize(t *testing.T) {
 		rounding uint64
 		reuse    bool
 	}{{0, false}, {64 * MiB, true}, {60 * MiB, false}} {
-		p, _ := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 32 * MiB, MaxNonSplitRoundingSize: c.rounding})
+		p, _ := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 32 * MiB, MaxNonSplitRoundingSize: c.rounding})
 		big := mustAlloc(t, p, 100*MiB, 0, 0)
 		require.NoError(t, p.Free(big))
 		// 40 MiB in the cached 100 MiB block wastes 60 MiB: allowed only
@@ -289,7 +290,7 @@ func TestMaxNonSplitRoundingSize(t *testing.T) {
 }
 
 func TestStreamOrderedReuse(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
+	p, _ := newTestPool(t, sim.Config{}, Config{})
 	a := mustAlloc(t, p, 4096, 0, 1)
 	require.NoError(t, p.Free(a))
 	b := mustAlloc(t, p, 4096, 0, 2)
@@ -301,7 +302,7 @@ func TestStreamOrderedReuse(t *testing.T) {
 }
 
 func TestRecordStreamWaitsForEvents(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	p, be := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
 	a := mustAlloc(t, p, 4096, 0, 1)
 	require.NoError(t, p.RecordStream(a, 2))
 	require.NoError(t, p.RecordStream(a, 3))
@@ -340,7 +341,7 @@ func TestRecordStreamWaitsForEvents(t *testing.T) {
 }
 
 func TestOOMReleasesCacheAndRetries(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Capacity: 64 * MiB}, Config{Name: "a"})
+	p, be := newTestPool(t, sim.Config{Capacity: 64 * MiB}, Config{Name: "a"})
 	x := mustAlloc(t, p, 15*MiB, 0, 0)
 	y := mustAlloc(t, p, 15*MiB, 0, 0)
 	require.NoError(t, p.Free(x))
@@ -376,7 +377,7 @@ func TestOOMReleasesCacheAndRetries(t *testing.T) {
 }
 
 func TestLimit(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{Limit: 4 * MiB})
+	p, _ := newTestPool(t, sim.Config{}, Config{Limit: 4 * MiB})
 	mustAlloc(t, p, MiB, 0, 0)
 	mustAlloc(t, p, MiB, 0, 0)
 	mustAlloc(t, p, MiB, 0, 0)
@@ -392,7 +393,7 @@ func TestLimit(t *testing.T) {
 }
 
 func TestDeviceLimit(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Devices: 2}, Config{Limit: 8 * MiB})
+	p, _ := newTestPool(t, sim.Config{Devices: 2}, Config{Limit: 8 * MiB})
 	require.NoError(t, p.SetDeviceLimit(1, 2*MiB))
 	assert.EqualValues(t, 8*MiB, p.Limit(0))
 	assert.EqualValues(t, 2*MiB, p.Limit(1))
@@ -419,7 +420,7 @@ func TestDeviceLimit(t *testing.T) {
 }
 
 func TestTrimAndReleaseThreshold(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{}, Config{})
+	p, be := newTestPool(t, sim.Config{}, Config{})
 	var addrs []uint64
 	for range 4 {
 		addrs = append(addrs, mustAlloc(t, p, 12*MiB, 0, 0))
@@ -434,7 +435,7 @@ func TestTrimAndReleaseThreshold(t *testing.T) {
 	mustAlloc(t, p, 12*MiB, 0, 0) // the pool still works and still caches
 	assert.EqualValues(t, 2, be.Stats().LiveSegments)
 
-	q, qbe := newTestPool(t, SimConfig{}, Config{ReleaseThreshold: 30 * MiB})
+	q, qbe := newTestPool(t, sim.Config{}, Config{ReleaseThreshold: 30 * MiB})
 	addrs = addrs[:0]
 	for range 4 {
 		addrs = append(addrs, mustAlloc(t, q, 12*MiB, 0, 0))
@@ -459,7 +460,7 @@ func unusedBytes(t *testing.T, p *Pool) uint64 {
 // The threshold holds whichever free pushes the unused bytes over it, not
 // only one that leaves its own segment wholly free.
 func TestReleaseThresholdAfterAFreeThatLeavesItsSegmentSplit(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{}, Config{ReleaseThreshold: 16 * MiB})
+	p, be := newTestPool(t, sim.Config{}, Config{ReleaseThreshold: 16 * MiB})
 	require.NoError(t, p.Free(mustAlloc(t, p, 12*MiB, 0, 0))) // 12 MiB unused <= 16: kept
 	z1 := mustAlloc(t, p, 9*MiB, 0, 1)                        // a 20 MiB segment: 9 + 11 free
 	mustAlloc(t, p, 9*MiB, 0, 1)                              // 9 + 9 + 2 free
@@ -471,7 +472,7 @@ func TestReleaseThresholdAfterAFreeThatLeavesItsSegmentSplit(t *testing.T) {
 }
 
 func TestReleaseThresholdShrinksAnExpandableTail(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{ReleaseThreshold: 8 * MiB})
+	p, be := newTestPool(t, sim.Config{Expandable: true, Capacity: 256 * MiB}, Config{ReleaseThreshold: 8 * MiB})
 	mustAlloc(t, p, 20*MiB, 0, 0)       // one 20 MiB page, in use
 	b := mustAlloc(t, p, 100*MiB, 0, 0) // grows the segment by five pages to 120 MiB
 	require.NoError(t, p.Free(b))       // a 100 MiB free tail
@@ -481,10 +482,10 @@ func TestReleaseThresholdShrinksAnExpandableTail(t *testing.T) {
 }
 
 func TestShrinkJudgesTheAnswerByTheGranularityItAskedWith(t *testing.T) {
-	sim, err := NewSimBackend(SimConfig{Expandable: true, Capacity: 256 * MiB})
+	device, err := sim.New(sim.Config{Expandable: true, Capacity: 256 * MiB})
 	require.NoError(t, err)
 	// 8 MiB granules: pages of 24 MiB (torch's 20 MiB, in whole granules).
-	be := &growingGranularity{SimBackend: sim, g: 8 * MiB, doubleOnShrink: true}
+	be := &growingGranularity{Backend: device, g: 8 * MiB, doubleOnShrink: true}
 	p, err := NewPool(Config{Backend: be})
 	require.NoError(t, err)
 	mustAlloc(t, p, 24*MiB, 0, 0)
@@ -497,7 +498,7 @@ func TestShrinkJudgesTheAnswerByTheGranularityItAskedWith(t *testing.T) {
 }
 
 func TestReleaseThresholdAppliesWhenACaptureEnds(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{}, Config{ReleaseThreshold: MiB})
+	p, be := newTestPool(t, sim.Config{}, Config{ReleaseThreshold: MiB})
 	a := mustAlloc(t, p, 12*MiB, 0, 0)
 	p.EnterCapture()
 	require.NoError(t, p.Free(a))
@@ -508,7 +509,7 @@ func TestReleaseThresholdAppliesWhenACaptureEnds(t *testing.T) {
 }
 
 func TestProcessEventsCountsWaitingFrees(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	p, _ := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
 	a := mustAlloc(t, p, 4096, 0, 0)
 	require.NoError(t, p.RecordStream(a, 1))
 	require.NoError(t, p.RecordStream(a, 2))
@@ -532,21 +533,21 @@ func TestProcessEventsCountsWaitingFrees(t *testing.T) {
 
 // queryCounter is a sim backend that counts its event queries.
 type queryCounter struct {
-	*SimBackend
+	*sim.Backend
 	queries int
 }
 
 func (b *queryCounter) QueryEvent(ev Event) (bool, error) {
 	b.queries++
-	return b.SimBackend.QueryEvent(ev)
+	return b.Backend.QueryEvent(ev)
 }
 
 // Frees waiting on a busy stream cost an allocation one query for the
 // stream, not one per waiting free; they come back in order once it is done.
 func TestPendingFreesAreQueriedPerStream(t *testing.T) {
-	sim, err := NewSimBackend(SimConfig{ManualEvents: true, Capacity: 1 << 30})
+	device, err := sim.New(sim.Config{ManualEvents: true, Capacity: 1 << 30})
 	require.NoError(t, err)
-	be := &queryCounter{SimBackend: sim}
+	be := &queryCounter{Backend: device}
 	p, err := NewPool(Config{Backend: be})
 	require.NoError(t, err)
 	for i := range 1000 {
@@ -557,11 +558,11 @@ func TestPendingFreesAreQueriedPerStream(t *testing.T) {
 	be.queries = 0
 	mustAlloc(t, p, 4096, 0, 0)
 	assert.Equal(t, 2, be.queries, "the oldest event of each stream")
-	sim.CompleteStream(1)
+	device.CompleteStream(1)
 	n, err := p.ProcessEvents()
 	require.NoError(t, err)
 	assert.Equal(t, 500, n, "stream 1's frees are done, stream 2's wait")
-	sim.CompleteStream(2)
+	device.CompleteStream(2)
 	n, err = p.ProcessEvents()
 	require.NoError(t, err)
 	assert.Zero(t, n)
@@ -570,7 +571,7 @@ func TestPendingFreesAreQueriedPerStream(t *testing.T) {
 
 // failingQuery is a sim backend whose query of one event fails.
 type failingQuery struct {
-	*SimBackend
+	*sim.Backend
 	bad Event
 }
 
@@ -578,15 +579,15 @@ func (b *failingQuery) QueryEvent(ev Event) (bool, error) {
 	if ev == b.bad {
 		return false, errors.New("query failed")
 	}
-	return b.SimBackend.QueryEvent(ev)
+	return b.Backend.QueryEvent(ev)
 }
 
 // An event whose query fails keeps its own block out of use, not the
 // stream's later ones.
 func TestAFailingEventQueryHoldsOnlyItsBlock(t *testing.T) {
-	sim, err := NewSimBackend(SimConfig{})
+	device, err := sim.New(sim.Config{})
 	require.NoError(t, err)
-	be := &failingQuery{SimBackend: sim, bad: 1} // the first event made
+	be := &failingQuery{Backend: device, bad: 1} // the first event made
 	p, err := NewPool(Config{Backend: be})
 	require.NoError(t, err)
 	var addrs []uint64
@@ -608,7 +609,7 @@ func TestAFailingEventQueryHoldsOnlyItsBlock(t *testing.T) {
 // ends (one on the legacy stream would break a blocking stream's capture),
 // then get them at the next processing of events.
 func TestFreesDuringAnotherPoolsCaptureRecordTheirEventsAfterIt(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	p, be := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
 	a := mustAlloc(t, p, 4096, 0, 0)
 	require.NoError(t, p.RecordStream(a, 7))
 	AddProcessCaptures(1)
@@ -632,7 +633,7 @@ func TestFreesDuringAnotherPoolsCaptureRecordTheirEventsAfterIt(t *testing.T) {
 // A huge MaxNonSplitRoundingSize means any cached oversize block may serve
 // a large request; the bound must not wrap around.
 func TestHugeMaxNonSplitRoundingLetsCachedBlocksServe(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 24 * MiB, MaxNonSplitRoundingSize: ^uint64(0)})
+	p, be := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 24 * MiB, MaxNonSplitRoundingSize: ^uint64(0)})
 	a := mustAlloc(t, p, 40*MiB, 0, 0)
 	require.NoError(t, p.Free(a))
 	assert.Equal(t, a, mustAlloc(t, p, 30*MiB, 0, 0))
@@ -642,7 +643,7 @@ func TestHugeMaxNonSplitRoundingLetsCachedBlocksServe(t *testing.T) {
 // Pools sharing a budget share its limits: each device's limit holds for
 // what they reserve together, and a limit set through one is the other's.
 func TestPoolsSharingABudgetShareItsLimit(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Devices: 2}, Config{Limit: 24 * MiB})
+	p, be := newTestPool(t, sim.Config{Devices: 2}, Config{Limit: 24 * MiB})
 	cfg := p.Config()
 	cfg.Limit = 0 // ignored: the shared budget holds the limit
 	q, err := NewPool(cfg)
@@ -666,7 +667,7 @@ func TestPoolsSharingABudgetShareItsLimit(t *testing.T) {
 	mustAlloc(t, p, 12*MiB, 0, 0)
 	assert.Equal(t, 3, be.Stats().LiveSegments)
 
-	other, err := NewSimBackend(SimConfig{Devices: 3})
+	other, err := sim.New(sim.Config{Devices: 3})
 	require.NoError(t, err)
 	cfg.Backend = other
 	_, err = NewPool(cfg)
@@ -676,7 +677,7 @@ func TestPoolsSharingABudgetShareItsLimit(t *testing.T) {
 // slowAlloc is a sim backend whose Alloc waits for a second caller (at
 // most a second), so that two pools sharing a budget allocate at once.
 type slowAlloc struct {
-	*SimBackend
+	*sim.Backend
 	wg sync.WaitGroup
 }
 
@@ -688,15 +689,15 @@ func (b *slowAlloc) Alloc(device int, size uint64, stream Stream) (uint64, error
 	case <-done:
 	case <-time.After(time.Second):
 	}
-	return b.SimBackend.Alloc(device, size, stream)
+	return b.Backend.Alloc(device, size, stream)
 }
 
 // Pools sharing a budget check and count a new segment in one step: two
 // allocating at once cannot both pass the limit.
 func TestSharedBudgetHoldsUnderConcurrentAllocations(t *testing.T) {
-	sim, err := NewSimBackend(SimConfig{})
+	device, err := sim.New(sim.Config{})
 	require.NoError(t, err)
-	be := &slowAlloc{SimBackend: sim}
+	be := &slowAlloc{Backend: device}
 	be.wg.Add(2)
 	p, err := NewPool(Config{Backend: be, Limit: 20 * MiB})
 	require.NoError(t, err)
@@ -717,13 +718,13 @@ func TestSharedBudgetHoldsUnderConcurrentAllocations(t *testing.T) {
 	require.NoError(t, g.Wait())
 	assert.EqualValues(t, 1, ooms.Load())
 	assert.EqualValues(t, 20*MiB, p.Budget().Reserved(0))
-	assert.EqualValues(t, 20*MiB, sim.UsedBytes(0))
+	assert.EqualValues(t, 20*MiB, device.UsedBytes(0))
 }
 
 // The numbers of an OOM under a shared limit explain it; garbage
 // collection counts what the pools sharing the limit reserve.
 func TestSharedBudgetInOOMErrorsAndGarbageCollection(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{Limit: 2 * MiB})
+	p, _ := newTestPool(t, sim.Config{}, Config{Limit: 2 * MiB})
 	q, err := NewPool(p.Config())
 	require.NoError(t, err)
 	mustAlloc(t, q, MiB, 0, 0)
@@ -734,7 +735,7 @@ func TestSharedBudgetInOOMErrorsAndGarbageCollection(t *testing.T) {
 	assert.EqualValues(t, 2*MiB, oom.SharedReserved)
 	assert.Contains(t, err.Error(), "(2.00 MiB reserved by the pools sharing it)")
 
-	gp, _ := newTestPool(t, SimConfig{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.5})
+	gp, _ := newTestPool(t, sim.Config{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.5})
 	gq, err := NewPool(gp.Config())
 	require.NoError(t, err)
 	mustAlloc(t, gq, 40*MiB, 0, 0)
@@ -744,7 +745,7 @@ func TestSharedBudgetInOOMErrorsAndGarbageCollection(t *testing.T) {
 }
 
 func TestCloseReportsLiveBlocksAndReturnsEverything(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Devices: 2}, Config{})
+	p, be := newTestPool(t, sim.Config{Devices: 2}, Config{})
 	a := mustAlloc(t, p, 100, 0, 0)
 	mustAlloc(t, p, 30*MiB, 1, 7)
 	c := mustAlloc(t, p, 5000, 0, 0)
@@ -771,27 +772,27 @@ func TestCloseReportsLiveBlocksAndReturnsEverything(t *testing.T) {
 
 // callLog is a sim backend that logs its event waits and segment frees.
 type callLog struct {
-	*SimBackend
+	*sim.Backend
 	calls []string
 }
 
 func (b *callLog) SynchronizeEvent(ev Event) error {
 	b.calls = append(b.calls, "wait")
-	return b.SimBackend.SynchronizeEvent(ev)
+	return b.Backend.SynchronizeEvent(ev)
 }
 
 func (b *callLog) Free(device int, addr, size uint64, stream Stream) error {
 	b.calls = append(b.calls, "free")
-	return b.SimBackend.Free(device, addr, size, stream)
+	return b.Backend.Free(device, addr, size, stream)
 }
 
 // A block whose free waits for another stream may still be in use there
 // when the pool closes: Close waits for that work before the segment goes.
 func TestCloseWaitsForBlocksStillUsedOnOtherStreams(t *testing.T) {
 	for _, capturing := range []bool{false, true} {
-		sim, err := NewSimBackend(SimConfig{ManualEvents: true})
+		device, err := sim.New(sim.Config{ManualEvents: true})
 		require.NoError(t, err)
-		be := &callLog{SimBackend: sim}
+		be := &callLog{Backend: device}
 		p, err := NewPool(Config{Backend: be})
 		require.NoError(t, err)
 		a := mustAlloc(t, p, 4096, 0, 0)
@@ -806,18 +807,18 @@ func TestCloseWaitsForBlocksStillUsedOnOtherStreams(t *testing.T) {
 		assert.Empty(t, rep.LiveBlocks, "a was freed")
 		if capturing {
 			assert.Equal(t, []string{"free"}, be.calls)
-			assert.Zero(t, sim.Stats().EventWaits)
+			assert.Zero(t, device.Stats().EventWaits)
 		} else {
 			assert.Equal(t, []string{"wait", "wait", "free"}, be.calls, "both streams' work, then the segment")
-			assert.EqualValues(t, 2, sim.Stats().EventWaits)
+			assert.EqualValues(t, 2, device.Stats().EventWaits)
 		}
-		assert.Zero(t, sim.Stats().LiveSegments)
-		assert.Zero(t, sim.Stats().LiveEvents)
+		assert.Zero(t, device.Stats().LiveSegments)
+		assert.Zero(t, device.Stats().LiveEvents)
 	}
 }
 
 func TestBadInput(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{Name: "bad"})
+	p, _ := newTestPool(t, sim.Config{}, Config{Name: "bad"})
 	_, err := p.Alloc(0, 0, 0)
 	assert.ErrorIs(t, err, ErrInvalidSize)
 	_, err = p.Alloc(MaxRequest+1, 0, 0)
@@ -850,9 +851,9 @@ func TestBadInput(t *testing.T) {
 }
 
 func TestFailedBackendAllocIsNotOOM(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
+	p, _ := newTestPool(t, sim.Config{}, Config{})
 	// Free failures leave the segment cached and the pool consistent.
-	q, qbe := newTestPool(t, SimConfig{FreeFailRate: 1}, Config{})
+	q, qbe := newTestPool(t, sim.Config{FreeFailRate: 1}, Config{})
 	a := mustAlloc(t, q, 4096, 0, 0)
 	require.NoError(t, q.Free(a))
 	_, err := q.EmptyCache()
@@ -865,7 +866,7 @@ func TestFailedBackendAllocIsNotOOM(t *testing.T) {
 }
 
 func TestFailOnNthAllocRetriesOnce(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{FailOnNthAlloc: 2}, Config{})
+	p, _ := newTestPool(t, sim.Config{FailOnNthAlloc: 2}, Config{})
 	mustAlloc(t, p, 4096, 0, 0)
 	mustAlloc(t, p, 30*MiB, 0, 0) // 2nd backend call fails, the retry works
 	s := stats(t, p)
@@ -874,7 +875,7 @@ func TestFailOnNthAllocRetriesOnce(t *testing.T) {
 }
 
 func TestStatsMapHasTorchKeys(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
+	p, _ := newTestPool(t, sim.Config{}, Config{})
 	mustAlloc(t, p, 3000, 0, 0)
 	m := stats(t, p)
 	km := m.ToMap()
@@ -902,7 +903,7 @@ func TestRandomWorkloadKeepsInvariants(t *testing.T) {
 
 func randomWorkload(t *testing.T, expandable bool) {
 	rng := rand.New(rand.NewPCG(1, 2))
-	p, be := newTestPool(t, SimConfig{Devices: 2, ManualEvents: true, Capacity: 512 * MiB, Expandable: expandable},
+	p, be := newTestPool(t, sim.Config{Devices: 2, ManualEvents: true, Capacity: 512 * MiB, Expandable: expandable},
 		Config{MaxSplitSize: 40 * MiB, ReleaseThreshold: 200 * MiB})
 	sizes := []uint64{1, 512, 700, 4096, 100000, MiB, MiB + 1, 3 * MiB, 12 * MiB, 50 * MiB}
 	var live []uint64
@@ -958,7 +959,7 @@ func randomWorkload(t *testing.T, expandable bool) {
 // gives the backend exactly the segments its pool held (live blocks
 // included), and in the end the backend holds nothing.
 func TestConcurrentPoolsShareBackend(t *testing.T) {
-	be, err := NewSimBackend(SimConfig{Capacity: 8 << 30})
+	be, err := sim.New(sim.Config{Capacity: 8 << 30})
 	require.NoError(t, err)
 	shared, err := NewPool(Config{Name: "shared", Backend: be})
 	require.NoError(t, err)
@@ -1035,7 +1036,7 @@ func TestConcurrentPoolsShareBackend(t *testing.T) {
 }
 
 func TestExpandableSegmentGrowsInPlace(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 64 * MiB}, Config{})
+	p, be := newTestPool(t, sim.Config{Expandable: true, Capacity: 64 * MiB}, Config{})
 	a := mustAlloc(t, p, 3*MiB, 0, 0)
 	s := stats(t, p)
 	assert.EqualValues(t, 20*MiB, s.ReservedBytes[0].Current, "first segment: one 20 MiB page, as torch maps")
@@ -1091,7 +1092,7 @@ func TestExpandableSegmentGrowsInPlace(t *testing.T) {
 // what it could grow to: a free block elsewhere that fits is taken first,
 // though the tail is smaller.
 func TestExpandableBestFitPassesOverTheGrowableTail(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{})
+	p, _ := newTestPool(t, sim.Config{Expandable: true, Capacity: 256 * MiB}, Config{})
 	a := mustAlloc(t, p, 8*MiB, 0, 0)
 	b := mustAlloc(t, p, 10*MiB, 0, 0) // the page holds a, b and a 2 MiB free tail
 	require.Equal(t, a+8*MiB, b)
@@ -1108,7 +1109,7 @@ func TestExpandableBestFitPassesOverTheGrowableTail(t *testing.T) {
 // torch's small pool is expandable too: one segment a stream, mapped in
 // 2 MiB pages, whose free blocks may outgrow the small size classes.
 func TestExpandableSmallPoolGrowsIn2MiBPages(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{})
+	p, be := newTestPool(t, sim.Config{Expandable: true, Capacity: 256 * MiB}, Config{})
 	var addrs []uint64
 	for range 5 {
 		addrs = append(addrs, mustAlloc(t, p, MiB, 0, 0))
@@ -1117,8 +1118,8 @@ func TestExpandableSmallPoolGrowsIn2MiBPages(t *testing.T) {
 		assert.Equal(t, addrs[0]+uint64(i)*MiB, a, "one segment, grown in place")
 	}
 	s := stats(t, p)
-	assert.EqualValues(t, 6*MiB, s.ReservedBytes[kindSmall].Current, "three 2 MiB pages")
-	assert.Zero(t, s.ReservedBytes[kindLarge].Current)
+	assert.EqualValues(t, 6*MiB, s.ReservedBytes[KindSmall].Current, "three 2 MiB pages")
+	assert.Zero(t, s.ReservedBytes[KindLarge].Current)
 	assert.Zero(t, s.Segment[0].Current)
 	assert.EqualValues(t, 2, s.NumExpansions)
 	assert.Equal(t, 1, be.Stats().LiveSegments)
@@ -1134,7 +1135,7 @@ func TestExpandableSmallPoolGrowsIn2MiBPages(t *testing.T) {
 	released, err = p.EmptyCache()
 	require.NoError(t, err)
 	assert.EqualValues(t, 2*MiB, released, "the third page")
-	assert.EqualValues(t, 2*MiB, stats(t, p).ReservedBytes[kindSmall].Current)
+	assert.EqualValues(t, 2*MiB, stats(t, p).ReservedBytes[KindSmall].Current)
 }
 
 // With a PageMapper backend (the sim), releasing the cache unmaps every
@@ -1144,7 +1145,7 @@ func TestExpandableSmallPoolGrowsIn2MiBPages(t *testing.T) {
 // (with the free blocks beside it) before it grows the segment's end, and
 // best fit counts a hole after a free block as room that block can grow in.
 func TestExpandableHolesAreUnmappedAndMappedAgain(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 512 * MiB}, Config{})
+	p, be := newTestPool(t, sim.Config{Expandable: true, Capacity: 512 * MiB}, Config{})
 	a := mustAlloc(t, p, 30*MiB, 0, 0)
 	b := mustAlloc(t, p, 30*MiB, 0, 0)
 	c := mustAlloc(t, p, 30*MiB, 0, 0) // pages 0-4 (100 MiB), a 10 MiB free tail
@@ -1186,7 +1187,7 @@ func TestExpandableHolesAreUnmappedAndMappedAgain(t *testing.T) {
 // without them (20 MiB under 10 MiB, else the request in 2 MiB steps) on
 // top of what is reserved; the 20 MiB pages it then maps may pass it.
 func TestExpandableLimitIsTorchsFractionCheck(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Expandable: true}, Config{Limit: 30 * MiB})
+	p, _ := newTestPool(t, sim.Config{Expandable: true}, Config{Limit: 30 * MiB})
 	mustAlloc(t, p, 12*MiB, 0, 0) // 0 + 12 <= 30: one page
 	mustAlloc(t, p, 10*MiB, 0, 0) // 20 + 10 <= 30: 8 MiB free, one more page
 	assert.EqualValues(t, 40*MiB, stats(t, p).ReservedBytes[0].Current, "past the limit, as torch")
@@ -1194,30 +1195,30 @@ func TestExpandableLimitIsTorchsFractionCheck(t *testing.T) {
 	oom := mustOOM(t, p, 3*MiB, 0) // the 2 MiB left do not hold it, and 40 + 20 > 30
 	assert.EqualValues(t, 30*MiB, oom.Limit)
 
-	q, _ := newTestPool(t, SimConfig{Expandable: true}, Config{Limit: 30 * MiB})
+	q, _ := newTestPool(t, sim.Config{Expandable: true}, Config{Limit: 30 * MiB})
 	mustAlloc(t, q, 5*MiB, 0, 0) // 0 + 20 <= 30: one page
 	mustOOM(t, q, 16*MiB, 0)     // 20 + 16 > 30, though 15 MiB of the page are free
 	assert.EqualValues(t, 20*MiB, stats(t, q).ReservedBytes[0].Current)
 }
 
 func TestExpandableRespectsLimitAndSmallPool(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Expandable: true}, Config{Limit: 40 * MiB})
+	p, _ := newTestPool(t, sim.Config{Expandable: true}, Config{Limit: 40 * MiB})
 	mustAlloc(t, p, 15*MiB, 0, 0) // one page
 	mustAlloc(t, p, 15*MiB, 0, 0) // two
 	oom := mustOOM(t, p, 15*MiB, 0)
 	assert.EqualValues(t, 40*MiB, oom.Limit)
 	assert.EqualValues(t, 40*MiB, oom.Reserved)
 	// Small requests map one 2 MiB page of the stream's small segment.
-	q, _ := newTestPool(t, SimConfig{Expandable: true}, Config{})
+	q, _ := newTestPool(t, sim.Config{Expandable: true}, Config{})
 	mustAlloc(t, q, 1000, 0, 0)
-	assert.EqualValues(t, 2*MiB, stats(t, q).ReservedBytes[kindSmall].Current)
+	assert.EqualValues(t, 2*MiB, stats(t, q).ReservedBytes[KindSmall].Current)
 }
 
 // A KeepSegments pool (a CUDA graph's private pool) never gives a freed
 // segment back while it is open: not to make room, not by threshold,
 // garbage collection or an explicit empty; Close does.
 func TestKeepSegmentsReleasesOnlyAtClose(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Capacity: 64 * MiB},
+	p, be := newTestPool(t, sim.Config{Capacity: 64 * MiB},
 		Config{Name: "graph", KeepSegments: true, ReleaseThreshold: MiB, Limit: 48 * MiB, GarbageCollectionThreshold: 0.5})
 	x := mustAlloc(t, p, 15*MiB, 0, 0)
 	y := mustAlloc(t, p, 15*MiB, 0, 0)
@@ -1246,7 +1247,7 @@ func TestKeepSegmentsReleasesOnlyAtClose(t *testing.T) {
 // another stream waits, unusable, and gets its events at the last
 // ExitCapture; cached segments stay until then.
 func TestCaptureDefersEventsAndReleases(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	p, be := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
 	parked := mustAlloc(t, p, 4096, 0, 1)
 	require.NoError(t, p.RecordStream(parked, 2))
 	require.NoError(t, p.Free(parked)) // an event recorded before the pause
@@ -1272,7 +1273,7 @@ func TestCaptureDefersEventsAndReleases(t *testing.T) {
 	released, err := p.EmptyCache()
 	require.NoError(t, err)
 	assert.Zero(t, released, "no segment is freed during a capture")
-	assert.NotZero(t, stats(t, p).ReservedBytes[kindLarge].Current)
+	assert.NotZero(t, stats(t, p).ReservedBytes[KindLarge].Current)
 
 	require.NoError(t, p.ExitCapture())
 	assert.EqualValues(t, 1, be.Stats().EventsCreated, "still paused once")
@@ -1302,7 +1303,7 @@ func TestCaptureDefersEventsAndReleases(t *testing.T) {
 // Retired reads like the stats of a pool that gave every segment back: no
 // current counts, the same totals and peaks.
 func TestStatsRetired(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
+	p, _ := newTestPool(t, sim.Config{}, Config{})
 	a := mustAlloc(t, p, 3*MiB, 0, 0)
 	b := mustAlloc(t, p, 1000, 0, 0)
 	require.NoError(t, p.Free(a))
@@ -1310,7 +1311,7 @@ func TestStatsRetired(t *testing.T) {
 	s := stats(t, p)
 	r := s.Retired()
 	assert.EqualValues(t, 2, s.Segment[0].Current)
-	for _, st := range []Stat{r.Segment[0], r.ReservedBytes[0], r.ReservedBytes[kindSmall], r.Allocation[0], r.InactiveSplit[0]} {
+	for _, st := range []Stat{r.Segment[0], r.ReservedBytes[0], r.ReservedBytes[KindSmall], r.Allocation[0], r.InactiveSplit[0]} {
 		assert.Zero(t, st.Current)
 		assert.Equal(t, st.Allocated, st.Freed, "everything counted in is counted out")
 	}
@@ -1326,7 +1327,7 @@ func TestStatsRetired(t *testing.T) {
 // LargeBuffer (20 MiB): with a smaller MaxSplitSize every LargeBuffer
 // segment would be oversize and each 2 MiB request would cost 20 MiB.
 func TestMaxSplitAndNonSplitRoundingMinimum(t *testing.T) {
-	be, err := NewSimBackend(SimConfig{})
+	be, err := sim.New(sim.Config{})
 	require.NoError(t, err)
 	for _, c := range []struct {
 		cfg  Config
@@ -1349,7 +1350,7 @@ func TestMaxSplitAndNonSplitRoundingMinimum(t *testing.T) {
 	// At the minimum, LargeBuffer segments are oversize but each serves one
 	// request below 10 MiB only if nothing smaller is cached: 10 blocks of
 	// 2 MiB share one segment when MaxSplitSize is above LargeBuffer.
-	q, _ := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 24 * MiB})
+	q, _ := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 24 * MiB})
 	for range 10 {
 		mustAlloc(t, q, 2*MiB, 0, 0)
 	}
@@ -1362,7 +1363,7 @@ func TestMaxSplitAndNonSplitRoundingMinimum(t *testing.T) {
 // segment: torch counts there only the segments of cudaMalloc. Its blocks
 // of MaxSplitSize or more are oversize allocations.
 func TestExpandableSegmentsAreNotOversizeSegments(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Expandable: true}, Config{MaxSplitSize: 20 * MiB})
+	p, _ := newTestPool(t, sim.Config{Expandable: true}, Config{MaxSplitSize: 20 * MiB})
 	a := mustAlloc(t, p, 3*MiB, 0, 0)  // a new 20 MiB segment
 	b := mustAlloc(t, p, 30*MiB, 0, 0) // grows it in place to 40 MiB
 	s := stats(t, p)
@@ -1383,7 +1384,7 @@ func TestExpandableSegmentsAreNotOversizeSegments(t *testing.T) {
 // Close gives every segment back, oversize ones included, and counts them
 // out of oversize_segments.
 func TestCloseTakesBackOversizeSegments(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 24 * MiB})
+	p, _ := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 24 * MiB})
 	a := mustAlloc(t, p, 40*MiB, 0, 0)
 	mustAlloc(t, p, 30*MiB, 0, 0) // still live at Close
 	require.NoError(t, p.Free(a))
@@ -1402,7 +1403,7 @@ func TestCloseTakesBackOversizeSegments(t *testing.T) {
 // sized for many segments: hundreds of segments, small and large, on a
 // default (80 GiB) device.
 func TestExpandableSimHoldsManySegments(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Expandable: true}, Config{})
+	p, be := newTestPool(t, sim.Config{Expandable: true}, Config{})
 	const streams = 200
 	var addrs []uint64
 	for s := range streams {
@@ -1428,7 +1429,7 @@ func TestExpandableSimHoldsManySegments(t *testing.T) {
 // for a freed block until it becomes inactive (free_block), like
 // active_bytes.
 func TestRequestedBytesOfPendingFree(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	p, be := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
 	a := mustAlloc(t, p, 1000, 0, 1)
 	require.NoError(t, p.RecordStream(a, 2))
 	require.NoError(t, p.Free(a))
@@ -1436,7 +1437,7 @@ func TestRequestedBytesOfPendingFree(t *testing.T) {
 	assert.Zero(t, s.AllocatedBytes[0].Current)
 	assert.EqualValues(t, 1024, s.ActiveBytes[0].Current)
 	assert.EqualValues(t, 1000, s.RequestedBytes[0].Current)
-	assert.EqualValues(t, 1000, s.RequestedBytes[kindSmall].Current)
+	assert.EqualValues(t, 1000, s.RequestedBytes[KindSmall].Current)
 	seg := p.Snapshot()[0]
 	assert.Equal(t, StatePendingFree, seg.Blocks[0].State)
 	assert.EqualValues(t, 1000, seg.Blocks[0].RequestedSize)
@@ -1456,10 +1457,10 @@ func TestRequestedBytesOfPendingFree(t *testing.T) {
 // A segment whose backend Free fails during Close is kept, still counted as
 // reserved, and a later Close retries it.
 func TestCloseRetriesSegmentsTheBackendKept(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{}, Config{MaxSplitSize: 24 * MiB})
+	p, be := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 24 * MiB})
 	a := mustAlloc(t, p, 4096, 0, 0)
 	mustAlloc(t, p, 30*MiB, 0, 1)
-	be.cfg.FreeFailRate = 1 // every Free fails (a test hook on the sim)
+	require.NoError(t, be.SetFreeFailRate(1)) // every Free fails
 	rep, err := p.Close()
 	require.Error(t, err)
 	assert.NotErrorIs(t, err, ErrClosed)
@@ -1480,7 +1481,7 @@ func TestCloseRetriesSegmentsTheBackendKept(t *testing.T) {
 	assert.NotErrorIs(t, err, ErrClosed)
 	assert.Empty(t, rep.LiveBlocks, "reported by the first Close")
 
-	be.cfg.FreeFailRate = 0
+	require.NoError(t, be.SetFreeFailRate(0))
 	rep, err = p.Close()
 	require.NoError(t, err)
 	assert.Equal(t, 2, rep.SegmentsFreed)
@@ -1502,14 +1503,14 @@ func TestCloseRetriesSegmentsTheBackendKept(t *testing.T) {
 // nothing to release when the backend runs out: it fails at once, without
 // counting a retry or asking the backend twice.
 func TestHoldingSegmentsSkipsReleaseAndRetry(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Capacity: 8 * MiB}, Config{KeepSegments: true})
+	p, be := newTestPool(t, sim.Config{Capacity: 8 * MiB}, Config{KeepSegments: true})
 	mustOOM(t, p, 9*MiB, 0)
 	s := stats(t, p)
 	assert.Zero(t, s.NumAllocRetries)
 	assert.EqualValues(t, 1, s.NumOOMs)
 	assert.EqualValues(t, 1, be.Stats().FailedAllocs)
 
-	q, qbe := newTestPool(t, SimConfig{Capacity: 8 * MiB}, Config{})
+	q, qbe := newTestPool(t, sim.Config{Capacity: 8 * MiB}, Config{})
 	q.EnterCapture()
 	mustOOM(t, q, 9*MiB, 0)
 	s = stats(t, q)
@@ -1522,43 +1523,11 @@ func TestHoldingSegmentsSkipsReleaseAndRetry(t *testing.T) {
 	assert.EqualValues(t, 3, qbe.Stats().FailedAllocs)
 }
 
-// The free lists of a stream are dropped when its last cached segment goes
-// back, and EmptyCache drops those of streams that never got one, so many
-// short-lived streams do not leave a free list each behind.
-func TestEmptyStreamFreeListsAreDropped(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 64 * MiB}, Config{})
-	var addrs []uint64
-	for s := range 20 {
-		addrs = append(addrs, mustAlloc(t, p, 4096, 0, Stream(s)))
-	}
-	for _, a := range addrs {
-		require.NoError(t, p.Free(a))
-	}
-	d := p.devices[0]
-	assert.Len(t, d.streams, 20)
-	_, err := p.Alloc(100*MiB, 0, 99) // fails, but the stream got (empty) lists
-	require.ErrorIs(t, err, ErrOutOfMemory)
-	assert.Len(t, d.streams, 1, "the OOM path released the 20 cached segments and their lists")
-	_, err = p.EmptyCache()
-	require.NoError(t, err)
-	assert.Empty(t, d.streams)
-	// A stream whose lists were dropped works as before (and the cached
-	// lookup of the last stream was reset).
-	a := mustAlloc(t, p, 4096, 0, 99)
-	require.NoError(t, p.Free(a))
-	assert.Equal(t, a, mustAlloc(t, p, 4096, 0, 99))
-	stats(t, p)
-	// Segments with live blocks keep their stream's lists.
-	_, err = p.EmptyCache()
-	require.NoError(t, err)
-	assert.Len(t, d.streams, 1)
-}
-
 // When the out-of-memory path gives back the stream's only cached segment
 // (dropping its lists), the remainder of the new segment still goes into
 // the stream's lists.
 func TestOOMRetryThatDropsTheStreamsLists(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 50 * MiB}, Config{MaxSplitSize: 24 * MiB})
+	p, _ := newTestPool(t, sim.Config{Capacity: 50 * MiB}, Config{MaxSplitSize: 24 * MiB})
 	big := mustAlloc(t, p, 40*MiB, 0, 0)
 	require.NoError(t, p.Free(big)) // cached, oversize: 2 MiB requests may not take it
 	a := mustAlloc(t, p, 2*MiB, 0, 0)
@@ -1575,7 +1544,7 @@ func TestOOMRetryThatDropsTheStreamsLists(t *testing.T) {
 // goes back when the pool releases cached memory, as torch unmaps the free
 // pages of its expandable segments: on the OOM retry and on EmptyCache.
 func TestExpandableFreeTailGoesBack(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 80 * MiB}, Config{})
+	p, be := newTestPool(t, sim.Config{Expandable: true, Capacity: 80 * MiB}, Config{})
 	p.RecordHistory(true, 100)
 	a := mustAlloc(t, p, 20*MiB, 0, 0) // one page, all in use
 	b := mustAlloc(t, p, 40*MiB, 0, 0) // grows stream 0's segment to 60 MiB
@@ -1627,7 +1596,7 @@ func TestExpandableFreeTailGoesBack(t *testing.T) {
 
 // stingyShrinker gives back at most granules granules per Shrink, or fails.
 type stingyShrinker struct {
-	*SimBackend
+	*sim.Backend
 	granules uint64
 	err      error
 }
@@ -1639,16 +1608,16 @@ func (s *stingyShrinker) Shrink(dev int, addr, size, less uint64, st Stream) (ui
 	if s.granules == 0 {
 		return 0, nil
 	}
-	return s.SimBackend.Shrink(dev, addr, size, min(less, s.granules*s.Granularity()), st)
+	return s.Backend.Shrink(dev, addr, size, min(less, s.granules*s.Granularity()), st)
 }
 
 // A Shrinker may give back less than asked, nothing, or fail: the segment
 // then matches what the backend kept; KeepSegments and captures shrink
 // nothing.
 func TestExpandableShrinkPartialAndFailing(t *testing.T) {
-	sim, err := NewSimBackend(SimConfig{Expandable: true})
+	device, err := sim.New(sim.Config{Expandable: true})
 	require.NoError(t, err)
-	be := &stingyShrinker{SimBackend: sim, granules: 1}
+	be := &stingyShrinker{Backend: device, granules: 1}
 	p, err := NewPool(Config{Backend: be})
 	require.NoError(t, err)
 	a := mustAlloc(t, p, 2*MiB, 0, 0)
@@ -1658,7 +1627,7 @@ func TestExpandableShrinkPartialAndFailing(t *testing.T) {
 	require.NoError(t, err)
 	assert.EqualValues(t, 2*MiB, released, "one granule of the free page")
 	assert.EqualValues(t, 38*MiB, stats(t, p).ReservedBytes[0].Current)
-	assert.EqualValues(t, 38*MiB, sim.UsedBytes(0))
+	assert.EqualValues(t, 38*MiB, device.UsedBytes(0))
 
 	be.granules = 0
 	released, err = p.EmptyCache()
@@ -1684,10 +1653,10 @@ func TestExpandableShrinkPartialAndFailing(t *testing.T) {
 	require.NoError(t, p.Free(a))
 	_, err = p.Close()
 	require.NoError(t, err)
-	assert.Zero(t, sim.Stats().LiveSegments)
+	assert.Zero(t, device.Stats().LiveSegments)
 
 	// A pool over a backend that cannot shrink keeps the tail.
-	q, _ := newTestPool(t, SimConfig{Expandable: true}, Config{KeepSegments: true})
+	q, _ := newTestPool(t, sim.Config{Expandable: true}, Config{KeepSegments: true})
 	mustAlloc(t, q, 2*MiB, 0, 0)
 	require.NoError(t, q.Free(mustAlloc(t, q, 8*MiB, 0, 0)))
 	released, err = q.EmptyCache()
@@ -1700,7 +1669,7 @@ func TestExpandableShrinkPartialAndFailing(t *testing.T) {
 // with a coarser one (with doubleOnShrink, during a Shrink: a pool sharing
 // the backend did so meanwhile).
 type growingGranularity struct {
-	*SimBackend
+	*sim.Backend
 	g              uint64
 	asked          []uint64
 	doubleOnShrink bool
@@ -1710,7 +1679,7 @@ func (b *growingGranularity) Granularity() uint64 { return b.g }
 
 func (b *growingGranularity) Shrink(dev int, addr, size, less uint64, st Stream) (uint64, error) {
 	b.asked = append(b.asked, less)
-	n, err := b.SimBackend.Shrink(dev, addr, size, less, st)
+	n, err := b.Backend.Shrink(dev, addr, size, less, st)
 	if b.doubleOnShrink {
 		b.g *= 2
 	}
@@ -1720,9 +1689,9 @@ func (b *growingGranularity) Shrink(dev int, addr, size, less uint64, st Stream)
 // A segment made in 2 MiB granules, its tail then measured in 4 MiB ones:
 // no underflow (6 MiB - 8 MiB), and only whole new granules are asked for.
 func TestShrinkableTailAfterTheGranularityGrew(t *testing.T) {
-	sim, err := NewSimBackend(SimConfig{Expandable: true, Granularity: 2 * MiB})
+	device, err := sim.New(sim.Config{Expandable: true, Granularity: 2 * MiB})
 	require.NoError(t, err)
-	be := &growingGranularity{SimBackend: sim, g: 2 * MiB}
+	be := &growingGranularity{Backend: device, g: 2 * MiB}
 	p, err := NewPool(Config{Backend: be})
 	require.NoError(t, err)
 	a := mustAlloc(t, p, 5*MiB, 0, 0) // a 6 MiB segment with a 1 MiB free tail
@@ -1742,7 +1711,7 @@ func TestShrinkableTailAfterTheGranularityGrew(t *testing.T) {
 	require.NoError(t, p.CheckInvariants())
 	_, err = p.Close()
 	require.NoError(t, err)
-	assert.Zero(t, sim.UsedBytes(0))
+	assert.Zero(t, device.UsedBytes(0))
 }
 
 // AllocSegment serves a caller that sizes its own segments (torch's caching
@@ -1754,11 +1723,11 @@ func TestAllocSegmentReservesWhatTheCallerAsks(t *testing.T) {
 		require.NoError(t, err)
 		return st.ReservedBytes[0].Current
 	}
-	plain, _ := newTestPool(t, SimConfig{Capacity: 1 << 30}, Config{})
+	plain, _ := newTestPool(t, sim.Config{Capacity: 1 << 30}, Config{})
 	mustAlloc(t, plain, 2*MiB, 0, 0)
 	assert.EqualValues(t, LargeBuffer, reserved(plain), "Alloc: torch's 20 MiB buffer")
 
-	p, _ := newTestPool(t, SimConfig{Capacity: 1 << 30}, Config{})
+	p, _ := newTestPool(t, sim.Config{Capacity: 1 << 30}, Config{})
 	for _, c := range []struct{ size, segment uint64 }{
 		{2 * MiB, 2 * MiB},       // torch's small segment
 		{20 * MiB, 20 * MiB},     // its large buffer
@@ -1788,15 +1757,15 @@ func TestAllocSegmentReservesWhatTheCallerAsks(t *testing.T) {
 
 // zeroBasedBackend hands out the sim's addresses shifted down so that its
 // first segment starts at address 0.
-type zeroBasedBackend struct{ *SimBackend }
+type zeroBasedBackend struct{ *sim.Backend }
 
 func (z zeroBasedBackend) Alloc(dev int, size uint64, s Stream) (uint64, error) {
-	a, err := z.SimBackend.Alloc(dev, size, s)
-	return a - DefaultSimBase, err
+	a, err := z.Backend.Alloc(dev, size, s)
+	return a - sim.DefaultBase, err
 }
 
 func (z zeroBasedBackend) Free(dev int, addr, size uint64, s Stream) error {
-	return z.SimBackend.Free(dev, addr+DefaultSimBase, size, s)
+	return z.Backend.Free(dev, addr+sim.DefaultBase, size, s)
 }
 
 // A segment at address 0 cannot be used (NULL is failure to C callers, and
@@ -1804,30 +1773,30 @@ func (z zeroBasedBackend) Free(dev int, addr, size uint64, s Stream) error {
 // allocation with a plain error, and stays consistent (found by review: the
 // live index panicked and left the segment half registered).
 func TestBackendAddressZeroIsRefused(t *testing.T) {
-	sim, err := NewSimBackend(SimConfig{Capacity: 1 << 30})
+	device, err := sim.New(sim.Config{Capacity: 1 << 30})
 	require.NoError(t, err)
-	p, err := NewPool(Config{Backend: zeroBasedBackend{sim}})
+	p, err := NewPool(Config{Backend: zeroBasedBackend{device}})
 	require.NoError(t, err)
 	_, err = p.Alloc(4096, 0, 0)
 	require.ErrorContains(t, err, "returned address 0")
 	assert.NotErrorIs(t, err, ErrOutOfMemory)
 	require.NoError(t, p.CheckInvariants())
-	assert.Zero(t, sim.UsedBytes(0), "the segment went back")
+	assert.Zero(t, device.UsedBytes(0), "the segment went back")
 	// Once address 0 is taken by someone else, the pool is served above it.
-	held, err := sim.Alloc(0, 2*MiB, 0)
+	held, err := device.Alloc(0, 2*MiB, 0)
 	require.NoError(t, err)
 	a, err := p.Alloc(4096, 0, 0)
 	require.NoError(t, err)
 	assert.NotZero(t, a)
 	require.NoError(t, p.Free(a))
 	require.NoError(t, p.CheckInvariants())
-	require.NoError(t, sim.Free(0, held, 2*MiB, 0))
+	require.NoError(t, device.Free(0, held, 2*MiB, 0))
 }
 
 // Torch applied its own rounding options to the segments it asks for: the
 // pool's are not applied again beneath them (found by review).
 func TestAllocSegmentIgnoresThePoolsRounding(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 1 << 30}, Config{RoundupPower2Divisions: 4})
+	p, _ := newTestPool(t, sim.Config{Capacity: 1 << 30}, Config{RoundupPower2Divisions: 4})
 	a, err := p.AllocSegment(26*MiB, 0, 0)
 	require.NoError(t, err)
 	st, err := p.Stats(0)
@@ -1845,7 +1814,7 @@ func TestAllocSegmentIgnoresThePoolsRounding(t *testing.T) {
 // release_available_cached_blocks also frees its largest blocks first),
 // equal sizes by address, lowest first.
 func TestTrimReleasesTheLargestWholeSegmentsFirst(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{}, Config{})
+	p, be := newTestPool(t, sim.Config{}, Config{})
 	small := mustAlloc(t, p, 12*MiB, 0, 0) // a segment of its own size
 	mid := mustAlloc(t, p, 40*MiB, 0, 0)
 	large := mustAlloc(t, p, 60*MiB, 0, 0)
@@ -1862,7 +1831,7 @@ func TestTrimReleasesTheLargestWholeSegmentsFirst(t *testing.T) {
 	assert.Equal(t, mid, mustAlloc(t, p, 40*MiB, 0, 0), "the 40 MiB segment stays cached")
 
 	// Equal sizes: the lowest address goes first.
-	q, qbe := newTestPool(t, SimConfig{}, Config{})
+	q, qbe := newTestPool(t, sim.Config{}, Config{})
 	x := mustAlloc(t, q, 12*MiB, 0, 0)
 	y := mustAlloc(t, q, 12*MiB, 0, 0)
 	require.Less(t, x, y)
@@ -1875,7 +1844,7 @@ func TestTrimReleasesTheLargestWholeSegmentsFirst(t *testing.T) {
 	assert.Equal(t, y, mustAlloc(t, q, 12*MiB, 0, 0), "the higher segment stays cached")
 
 	// The release threshold takes the same path.
-	r, rbe := newTestPool(t, SimConfig{}, Config{ReleaseThreshold: 90 * MiB})
+	r, rbe := newTestPool(t, sim.Config{}, Config{ReleaseThreshold: 90 * MiB})
 	small = mustAlloc(t, r, 12*MiB, 0, 0)
 	mid = mustAlloc(t, r, 40*MiB, 0, 0)
 	large = mustAlloc(t, r, 60*MiB, 0, 0)
@@ -1896,7 +1865,7 @@ func TestTrimReleasesTheLargestWholeSegmentsFirst(t *testing.T) {
 // segment that cannot go back stays cached, and the allocation fails (torch
 // asks cudaMalloc once more, no more).
 func TestOOMRetryWaitsForPendingFrees(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{ManualEvents: true, Capacity: 24 * MiB}, Config{})
+	p, be := newTestPool(t, sim.Config{ManualEvents: true, Capacity: 24 * MiB}, Config{})
 	a := mustAlloc(t, p, 12*MiB, 0, 0)
 	require.NoError(t, p.RecordStream(a, 1))
 	require.NoError(t, p.Free(a)) // waits for stream 1, never completed by the test
@@ -1908,7 +1877,7 @@ func TestOOMRetryWaitsForPendingFrees(t *testing.T) {
 	assert.EqualValues(t, 14*MiB, s.ReservedBytes[0].Current)
 	assert.EqualValues(t, 1, be.Stats().EventWaits)
 
-	q, _ := newTestPool(t, SimConfig{ManualEvents: true, Capacity: 24 * MiB}, Config{})
+	q, _ := newTestPool(t, sim.Config{ManualEvents: true, Capacity: 24 * MiB}, Config{})
 	a = mustAlloc(t, q, 8*MiB, 0, 0) // one 20 MiB segment: a, b and 4 MiB free
 	mustAlloc(t, q, 8*MiB, 0, 0)
 	require.NoError(t, q.RecordStream(a, 1))
@@ -1923,9 +1892,9 @@ func TestOOMRetryWaitsForPendingFrees(t *testing.T) {
 
 // twoFreeTails is an expandable pool whose two streams' segments end in
 // free tails of 20 MiB (stream 0) and 40 MiB (stream 1).
-func twoFreeTails(t *testing.T) (*Pool, *SimBackend) {
+func twoFreeTails(t *testing.T) (*Pool, *sim.Backend) {
 	t.Helper()
-	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{})
+	p, be := newTestPool(t, sim.Config{Expandable: true, Capacity: 256 * MiB}, Config{})
 	mustAlloc(t, p, 20*MiB, 0, 0)                             // a page in use
 	require.NoError(t, p.Free(mustAlloc(t, p, 20*MiB, 0, 0))) // stream 0: a 20 MiB free tail
 	mustAlloc(t, p, 20*MiB, 0, 1)
@@ -1955,7 +1924,7 @@ func TestTrimShrinksTheLargestFreeTailsFirst(t *testing.T) {
 // block and hole, or tail) of any of them that has room. Here the older
 // segment's first hole takes it, though the newer segment could grow.
 func TestExpandableMapsIntoAnOlderSegmentsHole(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{Expandable: true, Capacity: 1024 * MiB}, Config{})
+	p, be := newTestPool(t, sim.Config{Expandable: true, Capacity: 1024 * MiB}, Config{})
 	var xs, ys []uint64
 	for i := 0; i < 3; i++ { // 300 MiB blocks between 20 MiB ones: 960 MiB of the 1,160 MiB reservation
 		xs = append(xs, mustAlloc(t, p, 300*MiB, 0, 0))
@@ -1982,4 +1951,48 @@ func TestExpandableMapsIntoAnOlderSegmentsHole(t *testing.T) {
 	for _, a := range append(ys, c, d) {
 		require.NoError(t, p.Free(a))
 	}
+}
+
+// TestSimPlaceNextBestFitTie reproduces the first decision in which a replay
+// of torch's gpt2-train trace (benchmarks/traces) left torch's: two free
+// small blocks of equal size in two segments, best fit takes the one at the
+// lower address. CUDA had put the second 2 MiB segment below the first; the
+// simulated device, placing by first fit, puts it above, so the replay
+// reused the other block and needed a segment more than torch did. With the
+// segments placed in the recording's order, the replay decides as torch
+// did.
+func TestSimPlaceNextBestFitTie(t *testing.T) {
+	run := func(place bool) (reserved uint64, reusedSecond bool) {
+		p, device := newTestPool(t, sim.Config{}, Config{})
+		defer p.Close()
+		alloc := func(size uint64) uint64 { return mustAlloc(t, p, size, 0, 0) }
+		free := func(addr uint64) { require.NoError(t, p.Free(addr)) }
+		if place {
+			require.NoError(t, device.PlaceNext(0, 2*MiB, SmallBuffer))
+		}
+		a1, a2 := alloc(512<<10), alloc(512<<10)
+		alloc(1 * MiB) // segment A is full
+		if place {
+			require.NoError(t, device.PlaceNext(0, 0, SmallBuffer)) // B below A, as CUDA put it
+		}
+		b1 := alloc(512 << 10)
+		alloc(1 * MiB)
+		alloc(512 << 10) // segment B is full
+		free(a1)
+		free(b1)
+		// Two free 512 KiB blocks: the lower-addressed one serves.
+		r := alloc(256 << 10)
+		reusedSecond = r == b1
+		// a1's block, if untouched, merges with a2's into the 1 MiB that
+		// the next request fits in; if split, 768 KiB stay there.
+		free(a2)
+		alloc(1 * MiB)
+		return uint64(stats(t, p).ReservedBytes[0].Current), reusedSecond
+	}
+	reserved, second := run(true)
+	assert.True(t, second, "segment B, placed below A, holds the lower block")
+	assert.Equal(t, uint64(2*SmallBuffer), reserved, "as torch: no third segment")
+	reserved, second = run(false)
+	assert.False(t, second)
+	assert.Equal(t, uint64(3*SmallBuffer), reserved, "first fit puts B above A: one segment more")
 }

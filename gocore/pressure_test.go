@@ -1,7 +1,10 @@
-package gocore
+package gocore_test
 
 import (
 	"testing"
+
+	. "github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -16,7 +19,7 @@ import (
 // segments: a block freed after use on another stream whose work has not
 // completed goes back with its segment.
 func TestEmptyCacheWaitsForPendingFrees(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	p, be := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
 	a := mustAlloc(t, p, 30*MiB, 0, 0)
 	require.NoError(t, p.RecordStream(a, 7))
 	require.NoError(t, p.Free(a)) // waits for stream 7, which never completes
@@ -48,7 +51,7 @@ func TestEmptyCacheWaitsForPendingFrees(t *testing.T) {
 // retry: the smallest one at least as large as the request (and the max
 // split size) when there is one...
 func TestOOMReleasesOneOversizeSegmentFirst(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 100 * MiB}, Config{MaxSplitSize: 30 * MiB})
+	p, _ := newTestPool(t, sim.Config{Capacity: 100 * MiB}, Config{MaxSplitSize: 30 * MiB})
 	require.NoError(t, p.Free(mustAlloc(t, p, 40*MiB, 0, 0)))
 	require.NoError(t, p.Free(mustAlloc(t, p, 44*MiB, 0, 0)))
 	s := stats(t, p)
@@ -63,7 +66,7 @@ func TestOOMReleasesOneOversizeSegmentFirst(t *testing.T) {
 
 // ... or else the largest ones, largest first, until they add up to it.
 func TestOOMReleasesLargestOversizeSegmentsFirst(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 130 * MiB}, Config{MaxSplitSize: 30 * MiB})
+	p, _ := newTestPool(t, sim.Config{Capacity: 130 * MiB}, Config{MaxSplitSize: 30 * MiB})
 	for _, n := range []uint64{32, 40, 44} {
 		require.NoError(t, p.Free(mustAlloc(t, p, n*MiB, 0, 0)))
 	}
@@ -74,7 +77,7 @@ func TestOOMReleasesLargestOversizeSegmentsFirst(t *testing.T) {
 
 	// When they cannot add up to it, they still go, and the retry
 	// (counted) releases the rest.
-	q, _ := newTestPool(t, SimConfig{Capacity: 100 * MiB}, Config{MaxSplitSize: 30 * MiB})
+	q, _ := newTestPool(t, sim.Config{Capacity: 100 * MiB}, Config{MaxSplitSize: 30 * MiB})
 	require.NoError(t, q.Free(mustAlloc(t, q, 40*MiB, 0, 0)))
 	require.NoError(t, q.Free(mustAlloc(t, q, 10*MiB, 0, 0))) // a 20 MiB segment, not oversize
 	mustAlloc(t, q, 90*MiB, 0, 0)
@@ -86,7 +89,7 @@ func TestOOMReleasesLargestOversizeSegmentsFirst(t *testing.T) {
 // Without a max split size nothing is released before the retry, which is
 // counted.
 func TestOOMWithoutMaxSplitSizeRetriesAtOnce(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 100 * MiB}, Config{})
+	p, _ := newTestPool(t, sim.Config{Capacity: 100 * MiB}, Config{})
 	require.NoError(t, p.Free(mustAlloc(t, p, 40*MiB, 0, 0)))
 	require.NoError(t, p.Free(mustAlloc(t, p, 44*MiB, 0, 0)))
 	mustAlloc(t, p, 50*MiB, 0, 0)
@@ -98,7 +101,7 @@ func TestOOMWithoutMaxSplitSizeRetriesAtOnce(t *testing.T) {
 // A small request that misses the cache collects garbage too, as torch's
 // malloc does for any miss: it may be what passes the threshold.
 func TestGarbageCollectionOnSmallMiss(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.5})
+	p, _ := newTestPool(t, sim.Config{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.5})
 	require.NoError(t, p.Free(mustAlloc(t, p, 60*MiB, 0, 0))) // cached: 60 MiB reserved, over 50
 	mustAlloc(t, p, 4096, 0, 0)                               // a new small segment
 	s := stats(t, p)
@@ -134,7 +137,7 @@ func TestTorchVersionBestFitTieBreak(t *testing.T) {
 		oldest  bool
 	}{{"", false}, {"2.5.1", false}, {"2.14", false}, {"2.15", true}, {"2.15.0+cu130", true}, {"3.0", true}} {
 		for _, size := range []uint64{40 * MiB, SmallBuffer / 2} {
-			p, _ := newTestPool(t, SimConfig{}, Config{TorchVersion: c.version})
+			p, _ := newTestPool(t, sim.Config{}, Config{TorchVersion: c.version})
 			if size <= SmallSize {
 				// Fill each small segment with two blocks, so that the
 				// segments are the tied free blocks.
@@ -179,7 +182,7 @@ func tieBreakSmall(t *testing.T, p *Pool) (old, young uint64) {
 }
 
 func TestTorchVersionIsChecked(t *testing.T) {
-	be, err := NewSimBackend(SimConfig{})
+	be, err := sim.New(sim.Config{})
 	require.NoError(t, err)
 	for _, bad := range []string{"2", "two.15", "2.x", "-2.15", "2.-1", ".15"} {
 		_, err := NewPool(Config{Backend: be, TorchVersion: bad})
@@ -188,5 +191,5 @@ func TestTorchVersionIsChecked(t *testing.T) {
 	p, err := NewPool(Config{Backend: be, TorchVersion: "2.15.0a0+git1234"})
 	require.NoError(t, err)
 	assert.Equal(t, "2.15.0a0+git1234", p.Config().TorchVersion)
-	assert.True(t, p.rules.bestFitBySegment)
+	assert.True(t, p.BestFitBySegment())
 }

@@ -1,7 +1,10 @@
-package gocore
+package gocore_test
 
 import (
 	"testing"
+
+	. "github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -11,7 +14,7 @@ import (
 // ones as free blocks that best fit reuses, as a segment built by requests
 // and frees would.
 func TestSeedSegmentLayout(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
+	p, _ := newTestPool(t, sim.Config{}, Config{})
 	live, err := p.SeedSegment(0, 0, false, []SeedBlock{
 		{Size: 4 * MiB, Requested: 4*MiB - 100, Live: true},
 		{Size: 6 * MiB},
@@ -49,7 +52,7 @@ func TestSeedSegmentLayout(t *testing.T) {
 // Small segments go to the small pool, where a request of up to 1 MiB
 // reuses their cached blocks.
 func TestSeedSegmentSmall(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
+	p, _ := newTestPool(t, sim.Config{}, Config{})
 	live, err := p.SeedSegment(0, 7, true, []SeedBlock{{Size: 512 << 10}, {Size: 1536 << 10, Requested: 1500 << 10, Live: true}})
 	require.NoError(t, err)
 	a, err := p.Alloc(512<<10, 0, 7)
@@ -64,7 +67,7 @@ func TestSeedSegmentSmall(t *testing.T) {
 }
 
 func TestSeedSegmentRefuses(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 64 * MiB}, Config{})
+	p, _ := newTestPool(t, sim.Config{Capacity: 64 * MiB}, Config{})
 	for name, blocks := range map[string][]SeedBlock{
 		"none":          nil,
 		"zero size":     {{Size: 0}},
@@ -82,13 +85,13 @@ func TestSeedSegmentRefuses(t *testing.T) {
 	require.NoError(t, err)
 	assert.Zero(t, s.ReservedBytes[0].Current, "a refused seed reserves nothing")
 
-	e, _ := newTestPool(t, SimConfig{Expandable: true}, Config{})
+	e, _ := newTestPool(t, sim.Config{Expandable: true}, Config{})
 	_, err = e.SeedSegment(0, 0, false, []SeedBlock{{Size: 20 * MiB}})
 	assert.ErrorIs(t, err, ErrInvalidArgument)
 }
 
 func TestResetStats(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
+	p, _ := newTestPool(t, sim.Config{}, Config{})
 	a, err := p.Alloc(30*MiB, 0, 0)
 	require.NoError(t, err)
 	require.NoError(t, p.Free(a))
@@ -112,7 +115,7 @@ func TestResetStats(t *testing.T) {
 // A small segment larger than SmallBuffer is refused, not indexed in the
 // small bins (whose size classes end at SmallBuffer: a panic).
 func TestSeedSegmentSmallTooLarge(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
+	p, _ := newTestPool(t, sim.Config{}, Config{})
 	_, err := p.SeedSegment(0, 0, true, []SeedBlock{{Size: 10 * MiB, Requested: MiB, Live: true}, {Size: 30 * MiB}})
 	require.ErrorIs(t, err, ErrInvalidArgument)
 	_, err = p.SeedSegment(0, 0, true, []SeedBlock{{Size: MiB, Requested: MiB, Live: true}, {Size: MiB}})
@@ -123,7 +126,7 @@ func TestSeedSegmentSmallTooLarge(t *testing.T) {
 // A live block sized by another allocator's rounding keeps the pool's
 // invariants even where this pool would round its request higher.
 func TestSeedSegmentOtherRounding(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{RoundupPower2Divisions: 4})
+	p, _ := newTestPool(t, sim.Config{}, Config{RoundupPower2Divisions: 4})
 	_, err := p.SeedSegment(0, 0, false, []SeedBlock{{Size: 20*MiB + 512, Requested: 20*MiB + 1, Live: true}, {Size: 2*MiB - 512}})
 	require.NoError(t, err)
 	require.NoError(t, p.CheckInvariants())

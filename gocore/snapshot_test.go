@@ -1,14 +1,17 @@
-package gocore
+package gocore_test
 
 import (
 	"testing"
+
+	. "github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
 func TestSnapshotDescribesSegmentsAndBlocks(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
+	p, be := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
 	a := mustAlloc(t, p, 1000, 0, 3)
 	b := mustAlloc(t, p, 5000, 0, 3)
 	c := mustAlloc(t, p, 12*MiB, 0, 3)
@@ -47,7 +50,7 @@ func TestSnapshotDescribesSegmentsAndBlocks(t *testing.T) {
 }
 
 func TestHistoryRecordsEventsInOrder(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 8 * MiB}, Config{})
+	p, _ := newTestPool(t, sim.Config{Capacity: 8 * MiB}, Config{})
 	assert.Nil(t, p.History())
 	p.RecordHistory(true, 100)
 	a := mustAlloc(t, p, 100, 0, 0)
@@ -92,7 +95,7 @@ func TestHistoryRecordsEventsInOrder(t *testing.T) {
 }
 
 func TestHistoryMarksCallerSizedAllocs(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 64 * MiB}, Config{})
+	p, _ := newTestPool(t, sim.Config{Capacity: 64 * MiB}, Config{})
 	p.RecordHistory(true, 100)
 	a := mustAlloc(t, p, 2*MiB, 0, 0)
 	b, err := p.AllocSegment(2*MiB, 0, 0)
@@ -114,7 +117,7 @@ func TestHistoryMarksCallerSizedAllocs(t *testing.T) {
 // segment_alloc or segment_free, and what EmptyCache releases is unmapped
 // range by range. Each entry names the thread of the call that made it.
 func TestExpandableSegmentsAreTracedByTheirMappings(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{})
+	p, _ := newTestPool(t, sim.Config{Expandable: true, Capacity: 256 * MiB}, Config{})
 	p.RecordHistory(true, 100)
 	p.RecordThreads(true)
 	a := mustAlloc(t, p, 40*MiB, 0, 0)
@@ -134,7 +137,7 @@ func TestExpandableSegmentsAreTracedByTheirMappings(t *testing.T) {
 		case ActionSegmentUnmap:
 			unmapped += e.Size
 		}
-		assert.Equal(t, callerThread(), e.Thread, "entry %s", e.Action)
+		assert.Equal(t, CallerThread(), e.Thread, "entry %s", e.Action)
 	}
 	assert.NotContains(t, actions, ActionSegmentAlloc)
 	assert.NotContains(t, actions, ActionSegmentFree)
@@ -146,7 +149,7 @@ func TestExpandableSegmentsAreTracedByTheirMappings(t *testing.T) {
 
 // A segment of a plain backend keeps its segment_alloc and segment_free.
 func TestPlainSegmentsAreTracedAsAllocAndFree(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 64 * MiB}, Config{})
+	p, _ := newTestPool(t, sim.Config{Capacity: 64 * MiB}, Config{})
 	p.RecordHistory(true, 100)
 	require.NoError(t, p.Free(mustAlloc(t, p, 30*MiB, 0, 0)))
 	_, err := p.EmptyCache()

@@ -15,6 +15,7 @@ import (
 
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/graphpool"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 // NumSlots is how many pools can have C entry points at once. Each slot is a
@@ -37,7 +38,7 @@ type Entry struct {
 	// frees, records and looks up through it.
 	Graphs *graphpool.Pools
 	// Sim is the pool's backend when it is a simulator, for test controls.
-	Sim *gocore.SimBackend
+	Sim *sim.Backend
 	// Keep holds the objects the backend depends on (e.g. a private
 	// backend) for as long as the entry lives.
 	Keep any
@@ -112,7 +113,7 @@ var (
 )
 
 // Add registers a pool and returns its entry with a fresh handle.
-func Add(p *gocore.Pool, sim *gocore.SimBackend, keep any) *Entry {
+func Add(p *gocore.Pool, sim *sim.Backend, keep any) *Entry {
 	mu.Lock()
 	defer mu.Unlock()
 	nextID++

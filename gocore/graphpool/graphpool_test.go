@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 	"github.com/gpumempool/gpumempool/gocore/simtest"
 )
 
@@ -25,15 +26,15 @@ func goFilter(stream gocore.Stream, released *atomic.Int32) Filter {
 }
 
 // newPools is a Pools over a pool with cfg on a 1 GiB simulated device.
-func newPools(t *testing.T, cfg gocore.Config) (*Pools, *gocore.SimBackend) {
+func newPools(t *testing.T, cfg gocore.Config) (*Pools, *sim.Backend) {
 	t.Helper()
-	return newSimPools(t, gocore.SimConfig{Capacity: 1 << 30}, cfg)
+	return newSimPools(t, sim.Config{Capacity: 1 << 30}, cfg)
 }
 
 // newSimPools is a Pools over a pool with cfg on a simulated device.
-func newSimPools(t *testing.T, sim gocore.SimConfig, cfg gocore.Config) (*Pools, *gocore.SimBackend) {
+func newSimPools(t *testing.T, device sim.Config, cfg gocore.Config) (*Pools, *sim.Backend) {
 	t.Helper()
-	be, err := gocore.NewSimBackend(sim)
+	be, err := sim.New(device)
 	require.NoError(t, err)
 	cfg.Backend = be
 	p, err := gocore.NewPool(cfg)
@@ -174,7 +175,7 @@ func TestGraphPrivatePoolLifecycle(t *testing.T) {
 // One torch pool id used on two devices is two private pools, begun, ended
 // and released per device.
 func TestGraphPoolsArePerDevice(t *testing.T) {
-	be, err := gocore.NewSimBackend(gocore.SimConfig{Devices: 2, Capacity: 1 << 30})
+	be, err := sim.New(sim.Config{Devices: 2, Capacity: 1 << 30})
 	require.NoError(t, err)
 	p, err := gocore.NewPool(gocore.Config{Name: "torch", Backend: be})
 	require.NoError(t, err)
@@ -219,7 +220,7 @@ func TestGraphPoolsArePerDevice(t *testing.T) {
 
 // closePools closes g's pool and private pools and checks the backend holds
 // nothing any more.
-func closePools(t *testing.T, g *Pools, be *gocore.SimBackend) {
+func closePools(t *testing.T, g *Pools, be *sim.Backend) {
 	t.Helper()
 	_, err := g.main.Close()
 	require.NoError(t, err)
@@ -329,7 +330,7 @@ func TestGraphPoolNotClosedDuringCapture(t *testing.T) {
 // that stream's work is done; then empty_cache, or an allocation that would
 // otherwise run out of memory, gives it back.
 func TestGraphPoolWaitsForEvents(t *testing.T) {
-	g, be := newSimPools(t, gocore.SimConfig{Capacity: 20 * mib, ManualEvents: true}, gocore.Config{Name: "torch"})
+	g, be := newSimPools(t, sim.Config{Capacity: 20 * mib, ManualEvents: true}, gocore.Config{Name: "torch"})
 	var released atomic.Int32
 	id := ID{5, 0}
 	require.NoError(t, g.BeginCapture(0, id, goFilter(0x10, &released)))
@@ -583,7 +584,7 @@ func TestGraphPrivatePoolsCountAgainstThePoolsLimit(t *testing.T) {
 // mode (torch's default) either would invalidate the capture.
 func TestOtherPoolsHoldTheirMemoryDuringACapture(t *testing.T) {
 	a, _ := newPools(t, gocore.Config{Name: "a"})
-	b, beB := newSimPools(t, gocore.SimConfig{Capacity: 1 << 30, ManualEvents: true},
+	b, beB := newSimPools(t, sim.Config{Capacity: 1 << 30, ManualEvents: true},
 		gocore.Config{Name: "b", ReleaseThreshold: 1})
 	x, err := b.Alloc(mib, 0, 0)
 	require.NoError(t, err)
@@ -665,7 +666,7 @@ func TestGraphPoolSegmentsOfAPoolClosedDuringItsCaptureGoBackAtItsEnd(t *testing
 
 // blockingFree is a sim backend whose frees wait until they are let go.
 type blockingFree struct {
-	*gocore.SimBackend
+	*sim.Backend
 	entered chan struct{}
 	letGo   chan struct{}
 }
@@ -673,7 +674,7 @@ type blockingFree struct {
 func (b *blockingFree) Free(device int, addr, size uint64, stream gocore.Stream) error {
 	b.entered <- struct{}{}
 	<-b.letGo
-	return b.SimBackend.Free(device, addr, size, stream)
+	return b.Backend.Free(device, addr, size, stream)
 }
 
 // RetryLingering frees outside its lock: while a backend free waits (for a
@@ -686,7 +687,7 @@ func TestRetryLingeringFreesOutsideItsLock(t *testing.T) {
 	_, err = p.Close()
 	require.Error(t, err)
 	// p lingers later; p2, on a backend whose free waits, lingers now.
-	blocking := &blockingFree{SimBackend: sim, entered: make(chan struct{}), letGo: make(chan struct{})}
+	blocking := &blockingFree{Backend: sim, entered: make(chan struct{}), letGo: make(chan struct{})}
 	be.Refuse.Store(false)
 	p2, err := gocore.NewPool(gocore.Config{Name: "blocking", Backend: blocking})
 	require.NoError(t, err)

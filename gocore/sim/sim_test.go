@@ -1,4 +1,4 @@
-package gocore
+package sim
 
 import (
 	"errors"
@@ -14,17 +14,21 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sync/errgroup"
+
+	"github.com/gpumempool/gpumempool/gocore"
 )
 
-func newSim(t *testing.T, cfg SimConfig) *SimBackend {
+const MiB = 1 << 20
+
+func newSim(t *testing.T, cfg Config) *Backend {
 	t.Helper()
-	b, err := NewSimBackend(cfg)
+	b, err := New(cfg)
 	require.NoError(t, err)
 	return b
 }
 
 // simDeviceRange returns the half-open address range [lo, hi) of device d.
-func simDeviceRange(b *SimBackend, d int) (lo, hi uint64) {
+func simDeviceRange(b *Backend, d int) (lo, hi uint64) {
 	lo = b.cfg.Base + uint64(d)*b.stride
 	return lo, lo + b.stride
 }
@@ -33,7 +37,7 @@ func simDeviceRange(b *SimBackend, d int) (lo, hi uint64) {
 // aligned, inside their device's range and pairwise non-overlapping (rounded
 // to the alignment), that the free list is sorted, coalesced and disjoint
 // from the segments, and that the byte accounting matches.
-func checkSimInvariants(t *testing.T, b *SimBackend, want map[SimSegment]bool) {
+func checkSimInvariants(t *testing.T, b *Backend, want map[Segment]bool) {
 	t.Helper()
 	segs := b.LiveSegmentsList()
 	if len(segs) != len(want) {
@@ -50,7 +54,7 @@ func checkSimInvariants(t *testing.T, b *SimBackend, want map[SimSegment]bool) {
 			t.Fatalf("segment %+v not aligned to %d", s, align)
 		}
 		lo, hi := simDeviceRange(b, s.Device)
-		rounded, _ := simAlignUp(s.Size, align)
+		rounded, _ := alignUp(s.Size, align)
 		if s.Addr < lo || s.Addr+rounded > hi {
 			t.Fatalf("segment %+v outside device range [%#x, %#x)", s, lo, hi)
 		}
@@ -61,7 +65,7 @@ func checkSimInvariants(t *testing.T, b *SimBackend, want map[SimSegment]bool) {
 			}
 			// Sorted by address, so no overlap between neighbours means
 			// no overlap between any pair.
-			prevRounded, _ := simAlignUp(prev.Size, align)
+			prevRounded, _ := alignUp(prev.Size, align)
 			if prev.Device == s.Device && prev.Addr+prevRounded > s.Addr {
 				t.Fatalf("segments %+v and %+v overlap", prev, s)
 			}
@@ -101,7 +105,7 @@ func checkSimInvariants(t *testing.T, b *SimBackend, want map[SimSegment]bool) {
 }
 
 func TestSimConfigDefaults(t *testing.T) {
-	b := newSim(t, SimConfig{})
+	b := newSim(t, Config{})
 	assert.Equal(t, "sim", b.Name())
 	assert.Equal(t, 1, b.Devices())
 	assert.Equal(t, uint64(512), b.Alignment())
@@ -117,7 +121,7 @@ func TestSimConfigDefaults(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, uint64(0x7f0000000000), addr, "first allocation starts at the base")
 
-	b = newSim(t, SimConfig{Devices: 3, Capacity: 1 << 20, Alignment: 4096, Base: 1 << 44})
+	b = newSim(t, Config{Devices: 3, Capacity: 1 << 20, Alignment: 4096, Base: 1 << 44})
 	assert.Equal(t, 3, b.Devices())
 	assert.Equal(t, uint64(4096), b.Alignment())
 	for d := range 3 {
@@ -129,7 +133,7 @@ func TestSimConfigDefaults(t *testing.T) {
 	}
 
 	// A large alignment moves the default base up rather than failing.
-	b = newSim(t, SimConfig{Alignment: 1 << 50})
+	b = newSim(t, Config{Alignment: 1 << 50})
 	assert.Zero(t, b.Config().Base%(1<<50))
 	addr, err = b.Alloc(0, 1, 0)
 	require.NoError(t, err)
@@ -139,50 +143,50 @@ func TestSimConfigDefaults(t *testing.T) {
 func TestSimConfigValidation(t *testing.T) {
 	cases := []struct {
 		name string
-		cfg  SimConfig
+		cfg  Config
 		msg  string
 	}{
-		{"negative devices", SimConfig{Devices: -1}, "Devices"},
-		{"alignment not power of two", SimConfig{Alignment: 384}, "Alignment"},
-		{"alignment 3", SimConfig{Alignment: 3}, "Alignment"},
-		{"misaligned base", SimConfig{Base: 0x1000 + 8, Alignment: 512}, "Base"},
-		{"negative latency", SimConfig{Latency: -time.Millisecond}, "Latency"},
-		{"negative nth", SimConfig{FailOnNthAlloc: -2}, "FailOnNthAlloc"},
-		{"negative fail rate", SimConfig{FailRate: -0.1}, "FailRate"},
-		{"fail rate above one", SimConfig{FailRate: 1.5}, "FailRate"},
-		{"NaN fail rate", SimConfig{FailRate: math.NaN()}, "FailRate"},
-		{"infinite fail rate", SimConfig{FailRate: math.Inf(1)}, "FailRate"},
-		{"negative free fail rate", SimConfig{FreeFailRate: -1}, "FreeFailRate"},
-		{"free fail rate above one", SimConfig{FreeFailRate: 1.0001}, "FreeFailRate"},
-		{"NaN free fail rate", SimConfig{FreeFailRate: math.NaN()}, "FreeFailRate"},
-		{"capacity overflows", SimConfig{Capacity: math.MaxUint64}, "Capacity"},
-		{"devices overflow address space", SimConfig{Devices: MaxDevices, Capacity: 1 << 56}, "Devices"},
-		{"too many devices", SimConfig{Devices: MaxDevices + 1}, "Devices"},
+		{"negative devices", Config{Devices: -1}, "Devices"},
+		{"alignment not power of two", Config{Alignment: 384}, "Alignment"},
+		{"alignment 3", Config{Alignment: 3}, "Alignment"},
+		{"misaligned base", Config{Base: 0x1000 + 8, Alignment: 512}, "Base"},
+		{"negative latency", Config{Latency: -time.Millisecond}, "Latency"},
+		{"negative nth", Config{FailOnNthAlloc: -2}, "FailOnNthAlloc"},
+		{"negative fail rate", Config{FailRate: -0.1}, "FailRate"},
+		{"fail rate above one", Config{FailRate: 1.5}, "FailRate"},
+		{"NaN fail rate", Config{FailRate: math.NaN()}, "FailRate"},
+		{"infinite fail rate", Config{FailRate: math.Inf(1)}, "FailRate"},
+		{"negative free fail rate", Config{FreeFailRate: -1}, "FreeFailRate"},
+		{"free fail rate above one", Config{FreeFailRate: 1.0001}, "FreeFailRate"},
+		{"NaN free fail rate", Config{FreeFailRate: math.NaN()}, "FreeFailRate"},
+		{"capacity overflows", Config{Capacity: math.MaxUint64}, "Capacity"},
+		{"devices overflow address space", Config{Devices: gocore.MaxDevices, Capacity: 1 << 56}, "Devices"},
+		{"too many devices", Config{Devices: gocore.MaxDevices + 1}, "Devices"},
 		// The default capacity fits; rounded up to this alignment it does
 		// not: the alignment is at fault, not a capacity left out.
-		{"alignment too large for the capacity", SimConfig{Alignment: 1 << 63}, "Alignment"},
+		{"alignment too large for the capacity", Config{Alignment: 1 << 63}, "Alignment"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			b, err := NewSimBackend(tc.cfg)
+			b, err := New(tc.cfg)
 			require.Error(t, err)
 			assert.Nil(t, b)
 			assert.Contains(t, err.Error(), tc.msg)
 			// Every refusal names its field, for the bindings to name the
-			// option, and is an ErrInvalidArgument.
-			var ce *SimConfigError
+			// option, and is a gocore.ErrInvalidArgument.
+			var ce *ConfigError
 			require.ErrorAs(t, err, &ce)
 			assert.Equal(t, tc.msg, ce.Field)
-			assert.ErrorIs(t, err, ErrInvalidArgument)
+			assert.ErrorIs(t, err, gocore.ErrInvalidArgument)
 		})
 	}
 	// Boundary values are accepted.
-	for _, cfg := range []SimConfig{
+	for _, cfg := range []Config{
 		{FailRate: 1, FreeFailRate: 1},
 		{Alignment: 1, Base: 12345},
 		{Devices: 64},
 	} {
-		_, err := NewSimBackend(cfg)
+		_, err := New(cfg)
 		assert.NoError(t, err, "config %+v", cfg)
 	}
 }
@@ -194,10 +198,10 @@ func TestSimRandomAllocFreeInvariants(t *testing.T) {
 	for _, align := range []uint64{1, 512, 1 << 16} {
 		t.Run(fmt.Sprintf("align%d", align), func(t *testing.T) {
 			const capacity = 8 << 20
-			b := newSim(t, SimConfig{Devices: 2, Capacity: capacity, Alignment: align})
+			b := newSim(t, Config{Devices: 2, Capacity: capacity, Alignment: align})
 			rng := rand.New(rand.NewPCG(42, uint64(align)))
-			live := map[SimSegment]bool{}
-			var order []SimSegment // live segments in a random-access slice
+			live := map[Segment]bool{}
+			var order []Segment // live segments in a random-access slice
 			ooms := 0
 			for op := range 3000 {
 				if len(order) > 0 && rng.IntN(100) < 45 {
@@ -219,13 +223,13 @@ func TestSimRandomAllocFreeInvariants(t *testing.T) {
 						size = 1 + rng.Uint64N(1<<20)
 					}
 					before := b.UsedBytes(d)
-					addr, err := b.Alloc(d, size, Stream(rng.IntN(4)))
+					addr, err := b.Alloc(d, size, gocore.Stream(rng.IntN(4)))
 					if err != nil {
-						require.ErrorIs(t, err, ErrBackendOutOfMemory, "op %d", op)
+						require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory, "op %d", op)
 						require.Greater(t, before+size, uint64(capacity), "op %d: OOM with room left", op)
 						ooms++
 					} else {
-						s := SimSegment{Device: d, Addr: addr, Size: size}
+						s := Segment{Device: d, Addr: addr, Size: size}
 						require.False(t, live[s], "op %d: address %#x handed out twice", op, addr)
 						live[s] = true
 						order = append(order, s)
@@ -237,11 +241,11 @@ func TestSimRandomAllocFreeInvariants(t *testing.T) {
 			for _, s := range order {
 				require.NoError(t, b.Free(s.Device, s.Addr, s.Size, 0))
 			}
-			checkSimInvariants(t, b, map[SimSegment]bool{})
+			checkSimInvariants(t, b, map[Segment]bool{})
 			b.mu.Lock()
 			for d := range b.devices {
 				lo, hi := simDeviceRange(b, d)
-				assert.Equal(t, []simRange{{lo, hi}}, b.devices[d].free, "device %d free list fully coalesced", d)
+				assert.Equal(t, []freeRange{{lo, hi}}, b.devices[d].free, "device %d free list fully coalesced", d)
 			}
 			b.mu.Unlock()
 			st := b.Stats()
@@ -252,7 +256,7 @@ func TestSimRandomAllocFreeInvariants(t *testing.T) {
 }
 
 func TestSimAddressReuse(t *testing.T) {
-	b := newSim(t, SimConfig{Capacity: 1 << 20, Alignment: 512})
+	b := newSim(t, Config{Capacity: 1 << 20, Alignment: 512})
 	a1, err := b.Alloc(0, 1000, 0) // 1024 rounded
 	require.NoError(t, err)
 	a2, err := b.Alloc(0, 512, 0)
@@ -281,29 +285,29 @@ func TestSimAddressReuse(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, a1, got, "everything coalesced")
 	require.NoError(t, b.Free(0, got, 1024+512+4096, 0))
-	checkSimInvariants(t, b, map[SimSegment]bool{})
+	checkSimInvariants(t, b, map[Segment]bool{})
 }
 
 func TestSimCapacityOOM(t *testing.T) {
-	b := newSim(t, SimConfig{Devices: 2, Capacity: 4096})
+	b := newSim(t, Config{Devices: 2, Capacity: 4096})
 	a, err := b.Alloc(1, 3000, 0)
 	require.NoError(t, err)
 	_, err = b.Alloc(1, 2000, 0)
 	require.Error(t, err)
-	require.ErrorIs(t, err, ErrBackendOutOfMemory)
+	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory)
 	for _, want := range []string{"device 1", "2000", "3000", "4096"} {
 		assert.Contains(t, err.Error(), want)
 	}
 	// The failure changed nothing; device 0 is independent.
-	checkSimInvariants(t, b, map[SimSegment]bool{{Device: 1, Addr: a, Size: 3000}: true})
+	checkSimInvariants(t, b, map[Segment]bool{{Device: 1, Addr: a, Size: 3000}: true})
 	_, err = b.Alloc(0, 4096, 0)
 	require.NoError(t, err, "device 0 has its own capacity")
 	_, err = b.Alloc(1, 1096, 0)
 	require.NoError(t, err, "exactly filling the capacity is allowed")
 	_, err = b.Alloc(1, 1, 0)
-	require.ErrorIs(t, err, ErrBackendOutOfMemory)
+	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory)
 	_, err = b.Alloc(1, math.MaxUint64, 0)
-	require.ErrorIs(t, err, ErrBackendOutOfMemory, "huge sizes do not overflow the accounting")
+	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory, "huge sizes do not overflow the accounting")
 	_, free, err := b.Capacity(1)
 	require.NoError(t, err)
 	assert.Zero(t, free)
@@ -317,12 +321,12 @@ func TestSimCapacityOOM(t *testing.T) {
 }
 
 func TestSimFailOnNthAlloc(t *testing.T) {
-	b := newSim(t, SimConfig{FailOnNthAlloc: 3})
+	b := newSim(t, Config{FailOnNthAlloc: 3})
 	for call := 1; call <= 6; call++ {
 		addr, err := b.Alloc(0, 4096, 0)
 		if call == 3 {
 			require.Error(t, err, "call %d", call)
-			require.ErrorIs(t, err, ErrBackendOutOfMemory)
+			require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory)
 			assert.Contains(t, err.Error(), "3")
 			continue
 		}
@@ -335,23 +339,23 @@ func TestSimFailOnNthAlloc(t *testing.T) {
 	assert.Zero(t, st.LiveSegments)
 
 	// The first call can be the failing one.
-	b = newSim(t, SimConfig{FailOnNthAlloc: 1})
+	b = newSim(t, Config{FailOnNthAlloc: 1})
 	_, err := b.Alloc(0, 1, 0)
-	require.ErrorIs(t, err, ErrBackendOutOfMemory)
+	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory)
 	_, err = b.Alloc(0, 1, 0)
 	require.NoError(t, err)
 }
 
 // simFailurePattern returns, for n allocations on a fresh backend built from
 // cfg, which ones failed.
-func simFailurePattern(t *testing.T, cfg SimConfig, n int) []bool {
+func simFailurePattern(t *testing.T, cfg Config, n int) []bool {
 	t.Helper()
 	b := newSim(t, cfg)
 	pattern := make([]bool, n)
 	for i := range n {
 		addr, err := b.Alloc(0, 512, 0)
 		if err != nil {
-			require.ErrorIs(t, err, ErrBackendOutOfMemory)
+			require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory)
 			pattern[i] = true
 			continue
 		}
@@ -370,9 +374,9 @@ func simFailurePattern(t *testing.T, cfg SimConfig, n int) []bool {
 
 func TestSimFailRate(t *testing.T) {
 	const n = 4000
-	p1 := simFailurePattern(t, SimConfig{FailRate: 0.3, Seed: 7}, n)
-	p2 := simFailurePattern(t, SimConfig{FailRate: 0.3, Seed: 7}, n)
-	p3 := simFailurePattern(t, SimConfig{FailRate: 0.3, Seed: 8}, n)
+	p1 := simFailurePattern(t, Config{FailRate: 0.3, Seed: 7}, n)
+	p2 := simFailurePattern(t, Config{FailRate: 0.3, Seed: 7}, n)
+	p3 := simFailurePattern(t, Config{FailRate: 0.3, Seed: 8}, n)
 	assert.Equal(t, p1, p2, "equal seeds give equal failure sequences")
 	assert.NotEqual(t, p1, p3, "different seeds give different failure sequences")
 
@@ -385,19 +389,19 @@ func TestSimFailRate(t *testing.T) {
 	rate := float64(failed) / n
 	assert.InDelta(t, 0.3, rate, 0.04, "observed failure rate")
 
-	assert.NotContains(t, simFailurePattern(t, SimConfig{FailRate: 0, Seed: 7}, 500), true)
-	assert.NotContains(t, simFailurePattern(t, SimConfig{FailRate: 1, Seed: 7}, 500), false)
+	assert.NotContains(t, simFailurePattern(t, Config{FailRate: 0, Seed: 7}, 500), true)
+	assert.NotContains(t, simFailurePattern(t, Config{FailRate: 1, Seed: 7}, 500), false)
 }
 
 func TestSimFreeFailRate(t *testing.T) {
-	b := newSim(t, SimConfig{FreeFailRate: 1})
+	b := newSim(t, Config{FreeFailRate: 1})
 	addr, err := b.Alloc(0, 1000, 0)
 	require.NoError(t, err)
 	err = b.Free(0, addr, 1000, 0)
 	require.Error(t, err)
-	assert.NotErrorIs(t, err, ErrBackendOutOfMemory)
-	seg := SimSegment{Device: 0, Addr: addr, Size: 1000}
-	checkSimInvariants(t, b, map[SimSegment]bool{seg: true})
+	assert.NotErrorIs(t, err, gocore.ErrBackendOutOfMemory)
+	seg := Segment{Device: 0, Addr: addr, Size: 1000}
+	checkSimInvariants(t, b, map[Segment]bool{seg: true})
 	st := b.Stats()
 	assert.Equal(t, uint64(1), st.FailedFrees)
 	assert.Zero(t, st.Frees)
@@ -405,7 +409,7 @@ func TestSimFreeFailRate(t *testing.T) {
 	// With a partial rate, failed frees leave the segment live and a retry
 	// eventually succeeds; the pattern is deterministic for a seed.
 	run := func() []bool {
-		b := newSim(t, SimConfig{FreeFailRate: 0.5, Seed: 3})
+		b := newSim(t, Config{FreeFailRate: 0.5, Seed: 3})
 		var outcomes []bool
 		for range 50 {
 			addr, err := b.Alloc(0, 512, 0)
@@ -416,7 +420,7 @@ func TestSimFreeFailRate(t *testing.T) {
 				if err == nil {
 					break
 				}
-				require.Equal(t, []SimSegment{{Device: 0, Addr: addr, Size: 512}}, b.LiveSegmentsList())
+				require.Equal(t, []Segment{{Device: 0, Addr: addr, Size: 512}}, b.LiveSegmentsList())
 				require.Equal(t, uint64(512), b.UsedBytes(0))
 			}
 		}
@@ -431,15 +435,15 @@ func TestSimFreeFailRate(t *testing.T) {
 }
 
 func TestSimBadArguments(t *testing.T) {
-	b := newSim(t, SimConfig{Devices: 2, Capacity: 1 << 20})
+	b := newSim(t, Config{Devices: 2, Capacity: 1 << 20})
 	addr, err := b.Alloc(0, 1000, 0)
 	require.NoError(t, err)
-	seg := map[SimSegment]bool{{Device: 0, Addr: addr, Size: 1000}: true}
+	seg := map[Segment]bool{{Device: 0, Addr: addr, Size: 1000}: true}
 
 	for _, d := range []int{-1, 2, 100} {
 		_, err := b.Alloc(d, 512, 0)
 		require.Error(t, err, "alloc on device %d", d)
-		assert.NotErrorIs(t, err, ErrBackendOutOfMemory)
+		assert.NotErrorIs(t, err, gocore.ErrBackendOutOfMemory)
 		assert.Contains(t, err.Error(), strconv.Itoa(d))
 		require.Error(t, b.Free(d, addr, 1000, 0), "free on device %d", d)
 		_, _, err = b.Capacity(d)
@@ -450,7 +454,7 @@ func TestSimBadArguments(t *testing.T) {
 	}
 	_, err = b.Alloc(0, 0, 0)
 	require.Error(t, err)
-	assert.NotErrorIs(t, err, ErrBackendOutOfMemory)
+	assert.NotErrorIs(t, err, gocore.ErrBackendOutOfMemory)
 	assert.Contains(t, err.Error(), "size")
 
 	require.Error(t, b.Free(0, addr+512, 488, 0), "free of an address inside a segment")
@@ -464,7 +468,7 @@ func TestSimBadArguments(t *testing.T) {
 	err = b.Free(0, addr, 1000, 0)
 	require.Error(t, err, "double free")
 	assert.Contains(t, err.Error(), "not the start of a live segment")
-	checkSimInvariants(t, b, map[SimSegment]bool{})
+	checkSimInvariants(t, b, map[Segment]bool{})
 
 	st := b.Stats()
 	assert.Equal(t, uint64(1), st.Allocs)
@@ -475,14 +479,14 @@ func TestSimBadArguments(t *testing.T) {
 }
 
 func TestSimAutoEvents(t *testing.T) {
-	b := newSim(t, SimConfig{Devices: 2})
+	b := newSim(t, Config{Devices: 2})
 	assert.False(t, b.ManualEvents())
 	ev, err := b.NewEvent(1)
 	require.NoError(t, err)
 	done, err := b.QueryEvent(ev)
 	require.NoError(t, err)
 	assert.True(t, done, "an unrecorded event is done")
-	for _, s := range []Stream{0, 7, 7, 1 << 40} {
+	for _, s := range []gocore.Stream{0, 7, 7, 1 << 40} {
 		require.NoError(t, b.RecordEvent(ev, s))
 		done, err = b.QueryEvent(ev)
 		require.NoError(t, err)
@@ -491,15 +495,15 @@ func TestSimAutoEvents(t *testing.T) {
 }
 
 func TestSimManualEvents(t *testing.T) {
-	b := newSim(t, SimConfig{Devices: 2, ManualEvents: true})
+	b := newSim(t, Config{Devices: 2, ManualEvents: true})
 	assert.True(t, b.ManualEvents())
-	query := func(ev Event) bool {
+	query := func(ev gocore.Event) bool {
 		t.Helper()
 		done, err := b.QueryEvent(ev)
 		require.NoError(t, err)
 		return done
 	}
-	newEv := func(d int) Event {
+	newEv := func(d int) gocore.Event {
 		t.Helper()
 		ev, err := b.NewEvent(d)
 		require.NoError(t, err)
@@ -530,7 +534,7 @@ func TestSimManualEvents(t *testing.T) {
 	assert.False(t, query(e3))
 
 	b.CompleteAll()
-	for _, ev := range []Event{e1, e2, e3, e4} {
+	for _, ev := range []gocore.Event{e1, e2, e3, e4} {
 		assert.True(t, query(ev), "event %d after CompleteAll", ev)
 	}
 
@@ -553,7 +557,7 @@ func TestSimManualEvents(t *testing.T) {
 }
 
 func TestSimEventLifecycleErrors(t *testing.T) {
-	b := newSim(t, SimConfig{})
+	b := newSim(t, Config{})
 	ev, err := b.NewEvent(0)
 	require.NoError(t, err)
 	other, err := b.NewEvent(0)
@@ -571,7 +575,7 @@ func TestSimEventLifecycleErrors(t *testing.T) {
 	assert.Contains(t, err.Error(), "destroyed")
 	require.Error(t, b.DestroyEvent(ev), "double destroy")
 
-	for _, bogus := range []Event{0, 999} {
+	for _, bogus := range []gocore.Event{0, 999} {
 		_, err = b.QueryEvent(bogus)
 		require.Error(t, err)
 		assert.Contains(t, err.Error(), "unknown")
@@ -592,15 +596,15 @@ func TestSimEventLifecycleErrors(t *testing.T) {
 }
 
 func TestSimConcurrentAllocFree(t *testing.T) {
-	b := newSim(t, SimConfig{Devices: 2, Capacity: 256 << 20, FailRate: 0.05, Seed: 1, ManualEvents: true})
+	b := newSim(t, Config{Devices: 2, Capacity: 256 << 20, FailRate: 0.05, Seed: 1, ManualEvents: true})
 	const workers = 16
 	var g errgroup.Group
 	var mu sync.Mutex
-	seen := map[SimSegment]bool{} // every (device, addr) live at some point, checked for double hand-out
+	seen := map[Segment]bool{} // every (device, addr) live at some point, checked for double hand-out
 	for w := range workers {
 		g.Go(func() error {
 			rng := rand.New(rand.NewPCG(uint64(w), 99))
-			var mine []SimSegment
+			var mine []Segment
 			ev, err := b.NewEvent(w % 2)
 			if err != nil {
 				return err
@@ -610,19 +614,19 @@ func TestSimConcurrentAllocFree(t *testing.T) {
 					j := rng.IntN(len(mine))
 					s := mine[j]
 					mine = slices.Delete(mine, j, j+1)
-					key := SimSegment{Device: s.Device, Addr: s.Addr}
+					key := Segment{Device: s.Device, Addr: s.Addr}
 					mu.Lock()
 					delete(seen, key)
 					mu.Unlock()
-					if err := b.Free(s.Device, s.Addr, s.Size, Stream(w)); err != nil {
+					if err := b.Free(s.Device, s.Addr, s.Size, gocore.Stream(w)); err != nil {
 						return fmt.Errorf("worker %d op %d: %w", w, i, err)
 					}
 					continue
 				}
 				d := rng.IntN(2)
 				size := 1 + rng.Uint64N(256<<10)
-				addr, err := b.Alloc(d, size, Stream(w))
-				if errors.Is(err, ErrBackendOutOfMemory) {
+				addr, err := b.Alloc(d, size, gocore.Stream(w))
+				if errors.Is(err, gocore.ErrBackendOutOfMemory) {
 					continue
 				}
 				if err != nil {
@@ -631,7 +635,7 @@ func TestSimConcurrentAllocFree(t *testing.T) {
 				if addr%b.Alignment() != 0 {
 					return fmt.Errorf("worker %d: misaligned %#x", w, addr)
 				}
-				key := SimSegment{Device: d, Addr: addr}
+				key := Segment{Device: d, Addr: addr}
 				mu.Lock()
 				dup := seen[key]
 				seen[key] = true
@@ -639,22 +643,22 @@ func TestSimConcurrentAllocFree(t *testing.T) {
 				if dup {
 					return fmt.Errorf("worker %d: address %#x on device %d handed out twice", w, addr, d)
 				}
-				mine = append(mine, SimSegment{Device: d, Addr: addr, Size: size})
-				if err := b.RecordEvent(ev, Stream(w)); err != nil {
+				mine = append(mine, Segment{Device: d, Addr: addr, Size: size})
+				if err := b.RecordEvent(ev, gocore.Stream(w)); err != nil {
 					return err
 				}
 				if _, err := b.QueryEvent(ev); err != nil {
 					return err
 				}
 				if i%50 == 0 {
-					b.CompleteStream(Stream(w))
+					b.CompleteStream(gocore.Stream(w))
 				}
 			}
 			for _, s := range mine {
 				mu.Lock()
-				delete(seen, SimSegment{Device: s.Device, Addr: s.Addr})
+				delete(seen, Segment{Device: s.Device, Addr: s.Addr})
 				mu.Unlock()
-				if err := b.Free(s.Device, s.Addr, s.Size, Stream(w)); err != nil {
+				if err := b.Free(s.Device, s.Addr, s.Size, gocore.Stream(w)); err != nil {
 					return fmt.Errorf("worker %d final free: %w", w, err)
 				}
 			}
@@ -692,13 +696,13 @@ func TestSimConcurrentAllocFree(t *testing.T) {
 	assert.Positive(t, st.FailedAllocs, "FailRate 0.05 should inject some failures")
 	assert.Equal(t, uint64(workers), st.EventsCreated)
 	assert.Empty(t, b.LiveSegmentsList())
-	checkSimInvariants(t, b, map[SimSegment]bool{})
+	checkSimInvariants(t, b, map[Segment]bool{})
 }
 
 func TestSimLatency(t *testing.T) {
 	for _, lat := range []time.Duration{20 * time.Microsecond, 3 * time.Millisecond} {
 		t.Run(lat.String(), func(t *testing.T) {
-			b := newSim(t, SimConfig{Latency: lat})
+			b := newSim(t, Config{Latency: lat})
 			start := time.Now()
 			addr, err := b.Alloc(0, 512, 0)
 			require.NoError(t, err)
@@ -719,7 +723,7 @@ func TestSimLatency(t *testing.T) {
 // sooner than the 800ms they would take serialized.
 func TestSimLatencyNotUnderLock(t *testing.T) {
 	const lat = 100 * time.Millisecond
-	b := newSim(t, SimConfig{Latency: lat})
+	b := newSim(t, Config{Latency: lat})
 	var g errgroup.Group
 	start := time.Now()
 	for range 8 {
@@ -738,9 +742,9 @@ func TestSimLatencyNotUnderLock(t *testing.T) {
 // An expandable sim segment reserves what torch reserves for one, 1 1/8
 // times the device's capacity in whole 20 MiB pages, so it can grow to
 // anything the device can back, with room for holes; a device's range
-// holds SimExpandableSegments of them.
+// holds ExpandableSegments of them.
 func TestSimExpandableReservations(t *testing.T) {
-	b := newSim(t, SimConfig{Expandable: true, Capacity: 3*MiB + 512})
+	b := newSim(t, Config{Expandable: true, Capacity: 3*MiB + 512})
 	assert.EqualValues(t, 20*MiB, b.reserve, "3.375 MiB rounded up to a 20 MiB page")
 	x, err := b.Alloc(0, 512, 0)
 	require.NoError(t, err)
@@ -751,23 +755,23 @@ func TestSimExpandableReservations(t *testing.T) {
 	// 10 GiB: a reservation of 11,520 MiB (576 pages), and 4096 of them
 	// fill a whole number of TiB.
 	const capacity, reservation = 10 << 30, 11520 * MiB
-	b = newSim(t, SimConfig{Expandable: true, Capacity: capacity})
+	b = newSim(t, Config{Expandable: true, Capacity: capacity})
 	assert.EqualValues(t, reservation, b.reserve)
 	lo, hi := simDeviceRange(b, 0)
-	assert.EqualValues(t, SimExpandableSegments*reservation, hi-lo)
-	want := map[SimSegment]bool{}
+	assert.EqualValues(t, ExpandableSegments*reservation, hi-lo)
+	want := map[Segment]bool{}
 	var prev uint64
-	for i := range SimExpandableSegments {
+	for i := range ExpandableSegments {
 		addr, err := b.Alloc(0, 512, 0)
 		require.NoError(t, err, "segment %d", i+1)
 		if i > 0 {
 			require.Equal(t, prev+reservation, addr)
 		}
 		prev = addr
-		want[SimSegment{Addr: addr, Size: 512}] = true
+		want[Segment{Addr: addr, Size: 512}] = true
 	}
 	_, err = b.Alloc(0, 512, 0)
-	require.ErrorIs(t, err, ErrBackendOutOfMemory, "the address range is full")
+	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory, "the address range is full")
 	assert.Contains(t, err.Error(), "no contiguous free address range")
 	checkSimInvariants(t, b, want)
 	for s := range want {
@@ -776,12 +780,12 @@ func TestSimExpandableReservations(t *testing.T) {
 	checkSimInvariants(t, b, nil)
 
 	// One segment grows to the whole capacity.
-	b = newSim(t, SimConfig{Expandable: true, Capacity: 64 * MiB})
+	b = newSim(t, Config{Expandable: true, Capacity: 64 * MiB})
 	addr, err := b.Alloc(0, 2*MiB, 0)
 	require.NoError(t, err)
 	require.NoError(t, b.Expand(0, addr, 2*MiB, 62*MiB, 0))
-	require.ErrorIs(t, b.Expand(0, addr, 64*MiB, 2*MiB, 0), ErrBackendOutOfMemory, "beyond the capacity")
-	checkSimInvariants(t, b, map[SimSegment]bool{{Addr: addr, Size: 64 * MiB}: true})
+	require.ErrorIs(t, b.Expand(0, addr, 64*MiB, 2*MiB, 0), gocore.ErrBackendOutOfMemory, "beyond the capacity")
+	checkSimInvariants(t, b, map[Segment]bool{{Addr: addr, Size: 64 * MiB}: true})
 
 	// Shrink gives the end back, keeping the reservation: it grows again.
 	for _, bad := range []struct{ size, less uint64 }{{64 * MiB, 0}, {64 * MiB, MiB}, {64 * MiB, 64 * MiB}, {62 * MiB, 2 * MiB}} {
@@ -791,25 +795,25 @@ func TestSimExpandableReservations(t *testing.T) {
 	n, err := b.Shrink(0, addr, 64*MiB, 60*MiB, 0)
 	require.NoError(t, err)
 	assert.EqualValues(t, 60*MiB, n)
-	checkSimInvariants(t, b, map[SimSegment]bool{{Addr: addr, Size: 4 * MiB}: true})
+	checkSimInvariants(t, b, map[Segment]bool{{Addr: addr, Size: 4 * MiB}: true})
 	assert.EqualValues(t, 1, b.Stats().Shrinks)
 	require.NoError(t, b.Expand(0, addr, 4*MiB, 60*MiB, 0))
 	require.NoError(t, b.Free(0, addr, 64*MiB, 0))
 	checkSimInvariants(t, b, nil)
-	_, err = newSim(t, SimConfig{}).Shrink(0, addr, 4*MiB, 2*MiB, 0)
-	require.ErrorIs(t, err, ErrUnsupported)
+	_, err = newSim(t, Config{}).Shrink(0, addr, 4*MiB, 2*MiB, 0)
+	require.ErrorIs(t, err, gocore.ErrUnsupported)
 }
 
 func TestSimPlaceNext(t *testing.T) {
-	b := newSim(t, SimConfig{Devices: 2, Capacity: 1 << 30})
+	b := newSim(t, Config{Devices: 2, Capacity: 1 << 30})
 	lo, hi := simDeviceRange(b, 1)
 	win := lo + (hi-lo)/2
-	live := map[SimSegment]bool{}
+	live := map[Segment]bool{}
 	alloc := func(size uint64) uint64 {
 		t.Helper()
 		a, err := b.Alloc(1, size, 0)
 		require.NoError(t, err)
-		live[SimSegment{Device: 1, Addr: a, Size: size}] = true
+		live[Segment{Device: 1, Addr: a, Size: size}] = true
 		return a
 	}
 
@@ -853,50 +857,6 @@ func TestSimPlaceNext(t *testing.T) {
 	assert.Equal(t, uint64(3), b.Stats().Placed)
 	checkSimInvariants(t, b, live)
 
-	assert.ErrorIs(t, b.PlaceNext(1, 100, 2*MiB), ErrInvalidArgument, "offsets are aligned")
+	assert.ErrorIs(t, b.PlaceNext(1, 100, 2*MiB), gocore.ErrInvalidArgument, "offsets are aligned")
 	assert.Error(t, b.PlaceNext(2, 0, 2*MiB), "no device 2")
-}
-
-// TestSimPlaceNextBestFitTie reproduces the first decision in which a replay
-// of torch's gpt2-train trace (benchmarks/traces) left torch's: two free
-// small blocks of equal size in two segments, best fit takes the one at the
-// lower address. CUDA had put the second 2 MiB segment below the first; the
-// simulated device, placing by first fit, puts it above, so the replay
-// reused the other block and needed a segment more than torch did. With the
-// segments placed in the recording's order, the replay decides as torch
-// did.
-func TestSimPlaceNextBestFitTie(t *testing.T) {
-	run := func(place bool) (reserved uint64, reusedSecond bool) {
-		p, sim := newTestPool(t, SimConfig{}, Config{})
-		defer p.Close()
-		alloc := func(size uint64) uint64 { return mustAlloc(t, p, size, 0, 0) }
-		free := func(addr uint64) { require.NoError(t, p.Free(addr)) }
-		if place {
-			require.NoError(t, sim.PlaceNext(0, 2*MiB, SmallBuffer))
-		}
-		a1, a2 := alloc(512<<10), alloc(512<<10)
-		alloc(1 * MiB) // segment A is full
-		if place {
-			require.NoError(t, sim.PlaceNext(0, 0, SmallBuffer)) // B below A, as CUDA put it
-		}
-		b1 := alloc(512 << 10)
-		alloc(1 * MiB)
-		alloc(512 << 10) // segment B is full
-		free(a1)
-		free(b1)
-		// Two free 512 KiB blocks: the lower-addressed one serves.
-		r := alloc(256 << 10)
-		reusedSecond = r == b1
-		// a1's block, if untouched, merges with a2's into the 1 MiB that
-		// the next request fits in; if split, 768 KiB stay there.
-		free(a2)
-		alloc(1 * MiB)
-		return uint64(stats(t, p).ReservedBytes[0].Current), reusedSecond
-	}
-	reserved, second := run(true)
-	assert.True(t, second, "segment B, placed below A, holds the lower block")
-	assert.Equal(t, uint64(2*SmallBuffer), reserved, "as torch: no third segment")
-	reserved, second = run(false)
-	assert.False(t, second)
-	assert.Equal(t, uint64(3*SmallBuffer), reserved, "first fit puts B above A: one segment more")
 }

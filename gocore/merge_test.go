@@ -7,10 +7,10 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/stretchr/testify/require"
+
 	. "github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/sim"
-
-	"github.com/stretchr/testify/require"
 )
 
 // TestFreeMergeCountsFollowTheNeighbours frees random blocks of small and

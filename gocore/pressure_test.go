@@ -3,11 +3,11 @@ package gocore_test
 import (
 	"testing"
 
-	. "github.com/gpumempool/gpumempool/gocore"
-	"github.com/gpumempool/gpumempool/gocore/sim"
-
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	. "github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 // Memory pressure and version rules, each checked against torch's

@@ -43,8 +43,13 @@ var (
 	_ gocore.PageMapper = (*Backend)(nil)
 )
 
-// Config returns the backend's configuration with defaults applied.
-func (b *Backend) Config() Config { return b.cfg }
+// Config returns the backend's configuration with defaults applied (and the
+// FreeFailRate SetFreeFailRate set last).
+func (b *Backend) Config() Config {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.cfg
+}
 
 // Name returns "sim".
 func (b *Backend) Name() string { return "sim" }

@@ -110,7 +110,7 @@ func PoolAllocSegment(id, size, device int64, stream uint64) (addr uint64, err e
 }
 
 func poolAlloc(id, size, device int64, stream uint64,
-	alloc func(*graphpool.Pools, uint64, int, gocore.Stream) (uint64, error)) (uint64, error) {
+	alloc func(*graphpool.Pools, int, uint64, gocore.Stream) (uint64, error)) (uint64, error) {
 	e, err := entry(id)
 	if err != nil {
 		return 0, err
@@ -124,7 +124,7 @@ func poolAlloc(id, size, device int64, stream uint64,
 	if err := cabi.Reentered(e); err != nil {
 		return 0, err
 	}
-	return alloc(e.Graphs, uint64(size), int(device), gocore.Stream(stream))
+	return alloc(e.Graphs, int(device), uint64(size), gocore.Stream(stream))
 }
 
 // PoolFree frees the block at addr.

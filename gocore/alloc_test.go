@@ -13,9 +13,9 @@ import (
 
 func TestCacheHitReusesAddress(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{}, Config{})
-	a := mustAlloc(t, p, 4096, 0, 0)
+	a := mustAlloc(t, p, 0, 4096, 0)
 	require.NoError(t, p.Free(a))
-	b := mustAlloc(t, p, 4000, 0, 0)
+	b := mustAlloc(t, p, 0, 4000, 0)
 	assert.Equal(t, a, b)
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.NumDeviceAlloc)
@@ -32,25 +32,25 @@ func TestBestFitBySizeThenAddress(t *testing.T) {
 	sizes := []uint64{8192, 512, 4096, 512, 4096, 512, 16384, 512}
 	addrs := make([]uint64, len(sizes))
 	for i, sz := range sizes {
-		addrs[i] = mustAlloc(t, p, sz, 0, 0)
+		addrs[i] = mustAlloc(t, p, 0, sz, 0)
 	}
 	for _, i := range []int{0, 2, 4, 6} {
 		require.NoError(t, p.Free(addrs[i]))
 	}
 	// 3000 bytes fits the 4K holes best; the lower-addressed one wins.
-	assert.Equal(t, addrs[2], mustAlloc(t, p, 3000, 0, 0))
-	assert.Equal(t, addrs[4], mustAlloc(t, p, 4096, 0, 0))
+	assert.Equal(t, addrs[2], mustAlloc(t, p, 0, 3000, 0))
+	assert.Equal(t, addrs[4], mustAlloc(t, p, 0, 4096, 0))
 	// 5000 -> the 8K hole, split: remainder stays free.
-	assert.Equal(t, addrs[0], mustAlloc(t, p, 5000, 0, 0))
+	assert.Equal(t, addrs[0], mustAlloc(t, p, 0, 5000, 0))
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.Segment[0].Current)
 }
 
 func TestSplitAndMergeBackToWholeSegment(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{}, Config{})
-	a := mustAlloc(t, p, 1000, 0, 0)
-	b := mustAlloc(t, p, 1000, 0, 0)
-	c := mustAlloc(t, p, 1000, 0, 0)
+	a := mustAlloc(t, p, 0, 1000, 0)
+	b := mustAlloc(t, p, 0, 1000, 0)
+	c := mustAlloc(t, p, 0, 1000, 0)
 	assert.Equal(t, a+1024, b)
 	assert.Equal(t, b+1024, c)
 	s := stats(t, p)
@@ -75,24 +75,24 @@ func TestSplitAndMergeBackToWholeSegment(t *testing.T) {
 
 func TestLargeSplitThresholdAndMaxSplitSize(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{}, Config{})
-	a := mustAlloc(t, p, 2*MiB, 0, 0) // 20 MiB segment, 18 MiB remainder split off
+	a := mustAlloc(t, p, 0, 2*MiB, 0) // 20 MiB segment, 18 MiB remainder split off
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.InactiveSplit[2].Current)
 	require.NoError(t, p.Free(a))
 	// A remainder of exactly 1 MiB is not worth keeping in the large pool.
-	b := mustAlloc(t, p, 19*MiB, 0, 0)
+	b := mustAlloc(t, p, 0, 19*MiB, 0)
 	s = stats(t, p)
 	assert.EqualValues(t, 20*MiB, s.AllocatedBytes[2].Current)
 	require.NoError(t, p.Free(b))
 
 	q, _ := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 24 * MiB})
-	big := mustAlloc(t, q, 40*MiB, 0, 0)
+	big := mustAlloc(t, q, 0, 40*MiB, 0)
 	require.NoError(t, q.Free(big))
 	// A small-ish large request must not take the oversize block...
-	other := mustAlloc(t, q, 2*MiB, 0, 0)
+	other := mustAlloc(t, q, 0, 2*MiB, 0)
 	assert.NotEqual(t, big, other)
 	// ...an oversize request wasting < 20 MiB may, and it is not split.
-	again := mustAlloc(t, q, 30*MiB, 0, 0)
+	again := mustAlloc(t, q, 0, 30*MiB, 0)
 	assert.Equal(t, big, again)
 	s = stats(t, q)
 	assert.EqualValues(t, 1, s.OversizeAllocations.Current)
@@ -110,11 +110,11 @@ func TestMaxNonSplitRoundingSize(t *testing.T) {
 		reuse    bool
 	}{{0, false}, {64 * MiB, true}, {60 * MiB, false}} {
 		p, _ := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 32 * MiB, MaxNonSplitRoundingSize: c.rounding})
-		big := mustAlloc(t, p, 100*MiB, 0, 0)
+		big := mustAlloc(t, p, 0, 100*MiB, 0)
 		require.NoError(t, p.Free(big))
 		// 40 MiB in the cached 100 MiB block wastes 60 MiB: allowed only
 		// when the rounding allowance exceeds that (default 20 MiB).
-		got := mustAlloc(t, p, 40*MiB, 0, 0)
+		got := mustAlloc(t, p, 0, 40*MiB, 0)
 		assert.Equal(t, c.reuse, got == big, "rounding %d", c.rounding)
 		assert.EqualValues(t, max(c.rounding, LargeBuffer), p.Config().MaxNonSplitRoundingSize)
 	}
@@ -122,11 +122,11 @@ func TestMaxNonSplitRoundingSize(t *testing.T) {
 
 func TestStreamOrderedReuse(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{}, Config{})
-	a := mustAlloc(t, p, 4096, 0, 1)
+	a := mustAlloc(t, p, 0, 4096, 1)
 	require.NoError(t, p.Free(a))
-	b := mustAlloc(t, p, 4096, 0, 2)
+	b := mustAlloc(t, p, 0, 4096, 2)
 	assert.NotEqual(t, a, b, "a block freed on stream 1 must not serve stream 2")
-	c := mustAlloc(t, p, 4096, 0, 1)
+	c := mustAlloc(t, p, 0, 4096, 1)
 	assert.Equal(t, a, c)
 	s := stats(t, p)
 	assert.EqualValues(t, 2, s.Segment[0].Current)
@@ -134,13 +134,13 @@ func TestStreamOrderedReuse(t *testing.T) {
 
 func TestOOMReleasesCacheAndRetries(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{Capacity: 64 * MiB}, Config{Name: "a"})
-	x := mustAlloc(t, p, 15*MiB, 0, 0)
-	y := mustAlloc(t, p, 15*MiB, 0, 0)
+	x := mustAlloc(t, p, 0, 15*MiB, 0)
+	y := mustAlloc(t, p, 0, 15*MiB, 0)
 	require.NoError(t, p.Free(x))
 	require.NoError(t, p.Free(y))
 	// 40 MiB needs a new segment; only 32 MiB are free on the device until
 	// the cached 32 MiB go back.
-	z := mustAlloc(t, p, 40*MiB, 0, 0)
+	z := mustAlloc(t, p, 0, 40*MiB, 0)
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.NumAllocRetries)
 	assert.EqualValues(t, 0, s.NumOOMs)
@@ -148,7 +148,7 @@ func TestOOMReleasesCacheAndRetries(t *testing.T) {
 
 	q, err := NewPool(Config{Name: "b", Backend: be})
 	require.NoError(t, err)
-	_, err = q.Alloc(30*MiB, 0, 0)
+	_, err = q.Alloc(0, 30*MiB, 0)
 	require.Error(t, err)
 	assert.ErrorIs(t, err, ErrOutOfMemory)
 	assert.ErrorIs(t, err, ErrBackendOutOfMemory)
@@ -172,9 +172,9 @@ func TestOOMReleasesCacheAndRetries(t *testing.T) {
 // a large request; the bound must not wrap around.
 func TestHugeMaxNonSplitRoundingLetsCachedBlocksServe(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 24 * MiB, MaxNonSplitRoundingSize: ^uint64(0)})
-	a := mustAlloc(t, p, 40*MiB, 0, 0)
+	a := mustAlloc(t, p, 0, 40*MiB, 0)
 	require.NoError(t, p.Free(a))
-	assert.Equal(t, a, mustAlloc(t, p, 30*MiB, 0, 0))
+	assert.Equal(t, a, mustAlloc(t, p, 0, 30*MiB, 0))
 	assert.Equal(t, 1, be.Stats().LiveSegments)
 }
 
@@ -182,20 +182,20 @@ func TestBadInput(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{}, Config{Name: "bad"})
 	_, err := p.Alloc(0, 0, 0)
 	assert.ErrorIs(t, err, ErrInvalidSize)
-	_, err = p.Alloc(MaxRequest+1, 0, 0)
+	_, err = p.Alloc(0, MaxRequest+1, 0)
 	assert.ErrorIs(t, err, ErrInvalidSize)
-	_, err = p.Alloc(1<<63, 0, 0)
+	_, err = p.Alloc(0, 1<<63, 0)
 	assert.ErrorIs(t, err, ErrInvalidSize)
 	_, err = p.Alloc(1, 1, 0)
 	assert.ErrorIs(t, err, ErrInvalidDevice)
-	_, err = p.Alloc(1, -1, 0)
+	_, err = p.Alloc(-1, 1, 0)
 	assert.ErrorIs(t, err, ErrInvalidDevice)
-	a := mustAlloc(t, p, 4096, 0, 0)
+	a := mustAlloc(t, p, 0, 4096, 0)
 	err = p.Free(a + 512)
 	assert.ErrorIs(t, err, ErrInteriorPointer)
 	assert.NotErrorIs(t, err, ErrDoubleFree)
 	assert.Contains(t, err.Error(), "512 bytes into the block")
-	b := mustAlloc(t, p, 4096, 0, 0) // a freed neighbour's interior is a double free
+	b := mustAlloc(t, p, 0, 4096, 0) // a freed neighbour's interior is a double free
 	require.NoError(t, p.Free(b))
 	assert.ErrorIs(t, p.Free(b+512), ErrDoubleFree)
 	assert.ErrorIs(t, p.Free(12345), ErrUnknownPointer)
@@ -215,21 +215,21 @@ func TestFailedBackendAllocIsNotOOM(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{}, Config{})
 	// Free failures leave the segment cached and the pool consistent.
 	q, qbe := newTestPool(t, sim.Config{FreeFailRate: 1}, Config{})
-	a := mustAlloc(t, q, 4096, 0, 0)
+	a := mustAlloc(t, q, 0, 4096, 0)
 	require.NoError(t, q.Free(a))
 	_, err := q.EmptyCache()
 	require.Error(t, err)
 	assert.Equal(t, 1, qbe.Stats().LiveSegments)
 	s := stats(t, q)
 	assert.EqualValues(t, 2*MiB, s.ReservedBytes[0].Current)
-	assert.Equal(t, a, mustAlloc(t, q, 4096, 0, 0))
+	assert.Equal(t, a, mustAlloc(t, q, 0, 4096, 0))
 	_ = p
 }
 
 func TestFailOnNthAllocRetriesOnce(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{FailOnNthAlloc: 2}, Config{})
-	mustAlloc(t, p, 4096, 0, 0)
-	mustAlloc(t, p, 30*MiB, 0, 0) // 2nd backend call fails, the retry works
+	mustAlloc(t, p, 0, 4096, 0)
+	mustAlloc(t, p, 0, 30*MiB, 0) // 2nd backend call fails, the retry works
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.NumAllocRetries)
 	assert.EqualValues(t, 0, s.NumOOMs)
@@ -240,7 +240,7 @@ func TestFailOnNthAllocRetriesOnce(t *testing.T) {
 // counting a retry or asking the backend twice.
 func TestHoldingSegmentsSkipsReleaseAndRetry(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{Capacity: 8 * MiB}, Config{KeepSegments: true})
-	mustOOM(t, p, 9*MiB, 0)
+	mustOOM(t, p, 0, 9*MiB)
 	s := stats(t, p)
 	assert.Zero(t, s.NumAllocRetries)
 	assert.EqualValues(t, 1, s.NumOOMs)
@@ -248,12 +248,12 @@ func TestHoldingSegmentsSkipsReleaseAndRetry(t *testing.T) {
 
 	q, qbe := newTestPool(t, sim.Config{Capacity: 8 * MiB}, Config{})
 	q.EnterCapture()
-	mustOOM(t, q, 9*MiB, 0)
+	mustOOM(t, q, 0, 9*MiB)
 	s = stats(t, q)
 	assert.Zero(t, s.NumAllocRetries)
 	assert.EqualValues(t, 1, qbe.Stats().FailedAllocs)
 	require.NoError(t, q.ExitCapture())
-	mustOOM(t, q, 9*MiB, 0) // outside the capture: release and retry
+	mustOOM(t, q, 0, 9*MiB) // outside the capture: release and retry
 	s = stats(t, q)
 	assert.EqualValues(t, 1, s.NumAllocRetries)
 	assert.EqualValues(t, 3, qbe.Stats().FailedAllocs)
@@ -264,16 +264,16 @@ func TestHoldingSegmentsSkipsReleaseAndRetry(t *testing.T) {
 // the stream's lists.
 func TestOOMRetryThatDropsTheStreamsLists(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{Capacity: 50 * MiB}, Config{MaxSplitSize: 24 * MiB})
-	big := mustAlloc(t, p, 40*MiB, 0, 0)
+	big := mustAlloc(t, p, 0, 40*MiB, 0)
 	require.NoError(t, p.Free(big)) // cached, oversize: 2 MiB requests may not take it
-	a := mustAlloc(t, p, 2*MiB, 0, 0)
+	a := mustAlloc(t, p, 0, 2*MiB, 0)
 	s := stats(t, p) // the 18 MiB remainder is indexed under stream 0
 	// The oversize segment went back first (torch's
 	// release_available_cached_blocks): no retry is counted.
 	assert.Zero(t, s.NumAllocRetries)
 	assert.EqualValues(t, 20*MiB, s.ReservedBytes[0].Current)
 	assert.EqualValues(t, 18*MiB, s.InactiveSplitBytes[0].Current)
-	assert.Equal(t, a+2*MiB, mustAlloc(t, p, 2*MiB, 0, 0), "the remainder serves the stream")
+	assert.Equal(t, a+2*MiB, mustAlloc(t, p, 0, 2*MiB, 0), "the remainder serves the stream")
 }
 
 // AllocSegment serves a caller that sizes its own segments (torch's caching
@@ -286,7 +286,7 @@ func TestAllocSegmentReservesWhatTheCallerAsks(t *testing.T) {
 		return st.ReservedBytes[0].Current
 	}
 	plain, _ := newTestPool(t, sim.Config{Capacity: 1 << 30}, Config{})
-	mustAlloc(t, plain, 2*MiB, 0, 0)
+	mustAlloc(t, plain, 0, 2*MiB, 0)
 	assert.EqualValues(t, LargeBuffer, reserved(plain), "Alloc: torch's 20 MiB buffer")
 
 	p, _ := newTestPool(t, sim.Config{Capacity: 1 << 30}, Config{})
@@ -298,7 +298,7 @@ func TestAllocSegmentReservesWhatTheCallerAsks(t *testing.T) {
 		{100 << 10, SmallBuffer}, // a small request still gets a small segment
 	} {
 		before := reserved(p)
-		a, err := p.AllocSegment(c.size, 0, 0)
+		a, err := p.AllocSegment(0, c.size, 0)
 		require.NoError(t, err)
 		assert.EqualValues(t, c.segment, reserved(p)-before, "request of %d", c.size)
 		if c.size == 64*MiB {
@@ -308,7 +308,7 @@ func TestAllocSegmentReservesWhatTheCallerAsks(t *testing.T) {
 	// A cached block serves it as in Alloc: the free 64 MiB segment is split,
 	// nothing new is reserved.
 	before := reserved(p)
-	a, err := p.AllocSegment(2*MiB, 0, 0)
+	a, err := p.AllocSegment(0, 2*MiB, 0)
 	require.NoError(t, err)
 	assert.Equal(t, before, reserved(p))
 	info, err := p.Lookup(a)
@@ -339,7 +339,7 @@ func TestBackendAddressZeroIsRefused(t *testing.T) {
 	require.NoError(t, err)
 	p, err := NewPool(Config{Backend: zeroBasedBackend{device}})
 	require.NoError(t, err)
-	_, err = p.Alloc(4096, 0, 0)
+	_, err = p.Alloc(0, 4096, 0)
 	require.ErrorContains(t, err, "returned address 0")
 	assert.NotErrorIs(t, err, ErrOutOfMemory)
 	require.NoError(t, p.CheckInvariants())
@@ -347,7 +347,7 @@ func TestBackendAddressZeroIsRefused(t *testing.T) {
 	// Once address 0 is taken by someone else, the pool is served above it.
 	held, err := device.Alloc(0, 2*MiB, 0)
 	require.NoError(t, err)
-	a, err := p.Alloc(4096, 0, 0)
+	a, err := p.Alloc(0, 4096, 0)
 	require.NoError(t, err)
 	assert.NotZero(t, a)
 	require.NoError(t, p.Free(a))
@@ -359,13 +359,13 @@ func TestBackendAddressZeroIsRefused(t *testing.T) {
 // pool's are not applied again beneath them (found by review).
 func TestAllocSegmentIgnoresThePoolsRounding(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{Capacity: 1 << 30}, Config{RoundupPower2Divisions: 4})
-	a, err := p.AllocSegment(26*MiB, 0, 0)
+	a, err := p.AllocSegment(0, 26*MiB, 0)
 	require.NoError(t, err)
 	st, err := p.Stats(0)
 	require.NoError(t, err)
 	assert.EqualValues(t, 26*MiB, st.ReservedBytes[0].Current)
 	require.NoError(t, p.Free(a))
-	b := mustAlloc(t, p, 26*MiB, 0, 0) // Alloc still rounds: 26 MiB -> 28 MiB
+	b := mustAlloc(t, p, 0, 26*MiB, 0) // Alloc still rounds: 26 MiB -> 28 MiB
 	info, err := p.Lookup(b)
 	require.NoError(t, err)
 	assert.EqualValues(t, 28*MiB, info.Size)
@@ -379,10 +379,10 @@ func TestAllocSegmentIgnoresThePoolsRounding(t *testing.T) {
 // asks cudaMalloc once more, no more).
 func TestOOMRetryWaitsForPendingFrees(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{ManualEvents: true, Capacity: 24 * MiB}, Config{})
-	a := mustAlloc(t, p, 12*MiB, 0, 0)
+	a := mustAlloc(t, p, 0, 12*MiB, 0)
 	require.NoError(t, p.RecordStream(a, 1))
 	require.NoError(t, p.Free(a)) // waits for stream 1, never completed by the test
-	mustAlloc(t, p, 14*MiB, 0, 0)
+	mustAlloc(t, p, 0, 14*MiB, 0)
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.NumAllocRetries)
 	assert.EqualValues(t, 1, s.NumSyncAllStreams)
@@ -391,16 +391,16 @@ func TestOOMRetryWaitsForPendingFrees(t *testing.T) {
 	assert.EqualValues(t, 1, be.Stats().EventWaits)
 
 	q, _ := newTestPool(t, sim.Config{ManualEvents: true, Capacity: 24 * MiB}, Config{})
-	a = mustAlloc(t, q, 8*MiB, 0, 0) // one 20 MiB segment: a, b and 4 MiB free
-	mustAlloc(t, q, 8*MiB, 0, 0)
+	a = mustAlloc(t, q, 0, 8*MiB, 0) // one 20 MiB segment: a, b and 4 MiB free
+	mustAlloc(t, q, 0, 8*MiB, 0)
 	require.NoError(t, q.RecordStream(a, 1))
 	require.NoError(t, q.Free(a))
-	mustOOM(t, q, 8*MiB, 0) // no room for a new 20 MiB segment
+	mustOOM(t, q, 0, 8*MiB) // no room for a new 20 MiB segment
 	s = stats(t, q)
 	assert.EqualValues(t, 1, s.NumAllocRetries)
 	assert.EqualValues(t, 1, s.NumOOMs)
 	assert.EqualValues(t, 8*MiB, s.ActiveBytes[0].Current, "the wait freed a")
-	assert.Equal(t, a, mustAlloc(t, q, 8*MiB, 0, 0), "the next allocation finds a cached")
+	assert.Equal(t, a, mustAlloc(t, q, 0, 8*MiB, 0), "the next allocation finds a cached")
 }
 
 // TestSimPlaceNextBestFitTie reproduces the first decision in which a replay
@@ -415,7 +415,7 @@ func TestSimPlaceNextBestFitTie(t *testing.T) {
 	run := func(place bool) (reserved uint64, reusedSecond bool) {
 		p, device := newTestPool(t, sim.Config{}, Config{})
 		defer p.Close()
-		alloc := func(size uint64) uint64 { return mustAlloc(t, p, size, 0, 0) }
+		alloc := func(size uint64) uint64 { return mustAlloc(t, p, 0, size, 0) }
 		free := func(addr uint64) { require.NoError(t, p.Free(addr)) }
 		if place {
 			require.NoError(t, device.PlaceNext(0, 2*MiB, SmallBuffer))
@@ -452,12 +452,12 @@ func TestSimPlaceNextBestFitTie(t *testing.T) {
 // oversize request (it may take it whole).
 func TestMaxSplitSizeIsTheFirstOversizeSize(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 24 * MiB})
-	big := mustAlloc(t, p, 24*MiB, 0, 0) // a 24 MiB segment, oversize
+	big := mustAlloc(t, p, 0, 24*MiB, 0) // a 24 MiB segment, oversize
 	require.NoError(t, p.Free(big))
-	below := mustAlloc(t, p, 21*MiB, 0, 0)
+	below := mustAlloc(t, p, 0, 21*MiB, 0)
 	assert.NotEqual(t, big, below, "a request below MaxSplitSize took an oversize block")
 	assert.Equal(t, 2, be.Stats().LiveSegments)
-	assert.Equal(t, big, mustAlloc(t, p, 24*MiB, 0, 0), "a MaxSplitSize request reuses the cached MaxSplitSize block")
+	assert.Equal(t, big, mustAlloc(t, p, 0, 24*MiB, 0), "a MaxSplitSize request reuses the cached MaxSplitSize block")
 	assert.Equal(t, 2, be.Stats().LiveSegments)
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.OversizeAllocations.Current)
@@ -466,9 +466,9 @@ func TestMaxSplitSizeIsTheFirstOversizeSize(t *testing.T) {
 	// A MaxSplitSize request is held to MaxNonSplitRoundingSize (20 MiB):
 	// a 44 MiB block would waste exactly that.
 	q, qbe := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 24 * MiB})
-	huge := mustAlloc(t, q, 44*MiB, 0, 0)
+	huge := mustAlloc(t, q, 0, 44*MiB, 0)
 	require.NoError(t, q.Free(huge))
-	assert.NotEqual(t, huge, mustAlloc(t, q, 24*MiB, 0, 0), "20 MiB wasted in a cached block")
+	assert.NotEqual(t, huge, mustAlloc(t, q, 0, 24*MiB, 0), "20 MiB wasted in a cached block")
 	assert.Equal(t, 2, qbe.Stats().LiveSegments)
 }
 
@@ -476,7 +476,7 @@ func TestMaxSplitSizeIsTheFirstOversizeSize(t *testing.T) {
 // an invalid size).
 func TestAllocOfMaxRequestIsOutOfMemory(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{}, Config{})
-	_, err := p.Alloc(MaxRequest, 0, 0)
+	_, err := p.Alloc(0, MaxRequest, 0)
 	require.ErrorIs(t, err, ErrOutOfMemory)
 	assert.NotErrorIs(t, err, ErrInvalidSize)
 }
@@ -486,19 +486,19 @@ func TestAllocOfMaxRequestIsOutOfMemory(t *testing.T) {
 // block whole.
 func TestSplitAtItsBounds(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{}, Config{})
-	mustAlloc(t, p, MiB, 0, 0)
-	b := mustAlloc(t, p, MiB-512, 0, 0) // leaves 512 bytes of the 2 MiB segment
+	mustAlloc(t, p, 0, MiB, 0)
+	b := mustAlloc(t, p, 0, MiB-512, 0) // leaves 512 bytes of the 2 MiB segment
 	info, err := p.Lookup(b)
 	require.NoError(t, err)
 	assert.EqualValues(t, MiB-512, info.Size)
-	c := mustAlloc(t, p, 512, 0, 0)
+	c := mustAlloc(t, p, 0, 512, 0)
 	assert.Equal(t, b+MiB-512, c, "the 512-byte remainder serves a 512-byte request")
 	assert.Equal(t, 1, be.Stats().LiveSegments)
 
 	q, _ := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 24 * MiB})
-	big := mustAlloc(t, q, 40*MiB, 0, 0)
+	big := mustAlloc(t, q, 0, 40*MiB, 0)
 	require.NoError(t, q.Free(big))
-	require.Equal(t, big, mustAlloc(t, q, 24*MiB, 0, 0), "16 MiB wasted is under the rounding allowance")
+	require.Equal(t, big, mustAlloc(t, q, 0, 24*MiB, 0), "16 MiB wasted is under the rounding allowance")
 	info, err = q.Lookup(big)
 	require.NoError(t, err)
 	assert.EqualValues(t, 40*MiB, info.Size, "not split: a MaxSplitSize request")
@@ -527,7 +527,7 @@ func TestBackendAddressZeroErrorSaysWhetherItWentBack(t *testing.T) {
 		be := c.backend(device)
 		p, err := NewPool(Config{Backend: be})
 		require.NoError(t, err)
-		_, err = p.Alloc(4096, 0, 0)
+		_, err = p.Alloc(0, 4096, 0)
 		require.ErrorContains(t, err, "returned address 0")
 		if c.freeFail {
 			assert.ErrorContains(t, err, "freeing it failed: free refused")
@@ -541,9 +541,9 @@ func TestBackendAddressZeroErrorSaysWhetherItWentBack(t *testing.T) {
 // free that split a cached block and merge it back allocate nothing.
 func TestCacheHitSplitAndMergeAllocateNothing(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{}, Config{})
-	require.NoError(t, p.Free(mustAlloc(t, p, 4096, 0, 0)))
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 4096, 0)))
 	allocs := testing.AllocsPerRun(100, func() {
-		a, err := p.Alloc(4096, 0, 0)
+		a, err := p.Alloc(0, 4096, 0)
 		if err != nil {
 			panic(err)
 		}
@@ -558,12 +558,12 @@ func TestCacheHitSplitAndMergeAllocateNothing(t *testing.T) {
 // where Alloc's fast path (allocDevice) answers without the slow checks.
 func TestBadSizesAreRefusedOnADeviceInUse(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{Capacity: 1 << 30}, Config{})
-	mustAlloc(t, p, 4096, 0, 0) // the device's state exists now
+	mustAlloc(t, p, 0, 4096, 0) // the device's state exists now
 	for _, size := range []uint64{0, MaxRequest + 1, MaxRequest + 2, 1<<64 - 1} {
-		_, err := p.Alloc(size, 0, 0)
+		_, err := p.Alloc(0, size, 0)
 		require.ErrorIs(t, err, ErrInvalidSize, "size %d", size)
 	}
-	a, err := p.Alloc(1, 0, 0)
+	a, err := p.Alloc(0, 1, 0)
 	require.NoError(t, err, "1 byte is a valid size")
 	require.NoError(t, p.Free(a))
 }

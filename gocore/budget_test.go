@@ -17,18 +17,18 @@ import (
 
 func TestLimit(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{}, Config{Limit: 4 * MiB})
-	mustAlloc(t, p, MiB, 0, 0)
-	mustAlloc(t, p, MiB, 0, 0)
-	mustAlloc(t, p, MiB, 0, 0)
-	mustAlloc(t, p, MiB, 0, 0)
-	oom := mustOOM(t, p, MiB, 0)
+	mustAlloc(t, p, 0, MiB, 0)
+	mustAlloc(t, p, 0, MiB, 0)
+	mustAlloc(t, p, 0, MiB, 0)
+	mustAlloc(t, p, 0, MiB, 0)
+	oom := mustOOM(t, p, 0, MiB)
 	assert.EqualValues(t, 4*MiB, oom.Limit)
 	assert.EqualValues(t, 4*MiB, oom.Reserved)
 	assert.EqualValues(t, 4*MiB, oom.Allocated)
 	assert.Nil(t, oom.Cause)
 	assert.Contains(t, oom.Error(), "limit 4.00 MiB")
 	require.NoError(t, p.SetLimit(0))
-	mustAlloc(t, p, MiB, 0, 0)
+	mustAlloc(t, p, 0, MiB, 0)
 }
 
 func TestDeviceLimit(t *testing.T) {
@@ -37,15 +37,15 @@ func TestDeviceLimit(t *testing.T) {
 	assert.EqualValues(t, 8*MiB, p.Limit(0))
 	assert.EqualValues(t, 2*MiB, p.Limit(1))
 
-	mustAlloc(t, p, MiB, 1, 0)
-	mustAlloc(t, p, MiB, 1, 0)
-	oom := mustOOM(t, p, MiB, 1)
+	mustAlloc(t, p, 1, MiB, 0)
+	mustAlloc(t, p, 1, MiB, 0)
+	oom := mustOOM(t, p, 1, MiB)
 	assert.EqualValues(t, 2*MiB, oom.Limit)
 	assert.Equal(t, 1, oom.Device)
 	for range 8 { // device 0 keeps the pool-wide limit
-		mustAlloc(t, p, MiB, 0, 0)
+		mustAlloc(t, p, 0, MiB, 0)
 	}
-	assert.EqualValues(t, 8*MiB, mustOOM(t, p, MiB, 0).Limit)
+	assert.EqualValues(t, 8*MiB, mustOOM(t, p, 0, MiB).Limit)
 
 	require.ErrorIs(t, p.SetDeviceLimit(2, MiB), ErrInvalidDevice)
 	require.ErrorIs(t, p.SetDeviceLimit(-1, MiB), ErrInvalidDevice)
@@ -53,8 +53,8 @@ func TestDeviceLimit(t *testing.T) {
 	// SetLimit applies to every device and drops single-device limits.
 	require.NoError(t, p.SetLimit(0))
 	assert.Zero(t, p.Limit(1))
-	mustAlloc(t, p, MiB, 1, 0)
-	mustAlloc(t, p, MiB, 0, 0)
+	mustAlloc(t, p, 1, MiB, 0)
+	mustAlloc(t, p, 0, MiB, 0)
 	require.NoError(t, p.CheckInvariants())
 }
 
@@ -66,23 +66,23 @@ func TestPoolsSharingABudgetShareItsLimit(t *testing.T) {
 	cfg.Limit = 0 // ignored: the shared budget holds the limit
 	q, err := NewPool(cfg)
 	require.NoError(t, err)
-	mustAlloc(t, p, 12*MiB, 0, 0)
-	mustAlloc(t, q, 12*MiB, 0, 0)
-	_, err = q.Alloc(2*MiB, 0, 0)
+	mustAlloc(t, p, 0, 12*MiB, 0)
+	mustAlloc(t, q, 0, 12*MiB, 0)
+	_, err = q.Alloc(0, 2*MiB, 0)
 	require.ErrorIs(t, err, ErrOutOfMemory, "24 MiB reserved by the two")
 	var oom *OutOfMemoryError
 	require.ErrorAs(t, err, &oom)
 	assert.EqualValues(t, 24*MiB, oom.Limit)
-	mustAlloc(t, q, 2*MiB, 1, 0) // another device's budget
+	mustAlloc(t, q, 1, 2*MiB, 0) // another device's budget
 	assert.EqualValues(t, 24*MiB, p.Budget().Reserved(0))
 
 	require.NoError(t, q.SetDeviceLimit(0, 40*MiB))
 	assert.EqualValues(t, 40*MiB, p.Limit(0))
-	mustAlloc(t, p, 12*MiB, 0, 0)
+	mustAlloc(t, p, 0, 12*MiB, 0)
 	_, err = q.Close()
 	require.NoError(t, err)
 	assert.EqualValues(t, 24*MiB, p.Budget().Reserved(0), "q's segments went back")
-	mustAlloc(t, p, 12*MiB, 0, 0)
+	mustAlloc(t, p, 0, 12*MiB, 0)
 	assert.Equal(t, 3, be.Stats().LiveSegments)
 
 	other, err := sim.New(sim.Config{Devices: 3})
@@ -125,7 +125,7 @@ func TestSharedBudgetHoldsUnderConcurrentAllocations(t *testing.T) {
 	var ooms atomic.Int32
 	for _, pool := range []*Pool{p, q} {
 		g.Go(func() error {
-			if _, err := pool.Alloc(20*MiB, 0, 0); errors.Is(err, ErrOutOfMemory) {
+			if _, err := pool.Alloc(0, 20*MiB, 0); errors.Is(err, ErrOutOfMemory) {
 				ooms.Add(1)
 			} else if err != nil {
 				return err
@@ -145,8 +145,8 @@ func TestSharedBudgetInOOMErrorsAndGarbageCollection(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{}, Config{Limit: 2 * MiB})
 	q, err := NewPool(p.Config())
 	require.NoError(t, err)
-	mustAlloc(t, q, MiB, 0, 0)
-	_, err = p.Alloc(MiB, 0, 0)
+	mustAlloc(t, q, 0, MiB, 0)
+	_, err = p.Alloc(0, MiB, 0)
 	var oom *OutOfMemoryError
 	require.ErrorAs(t, err, &oom)
 	assert.EqualValues(t, 0, oom.Reserved)
@@ -156,8 +156,8 @@ func TestSharedBudgetInOOMErrorsAndGarbageCollection(t *testing.T) {
 	gp, _ := newTestPool(t, sim.Config{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.5})
 	gq, err := NewPool(gp.Config())
 	require.NoError(t, err)
-	mustAlloc(t, gq, 40*MiB, 0, 0)
-	require.NoError(t, gp.Free(mustAlloc(t, gp, 20*MiB, 0, 0)))
-	mustAlloc(t, gp, 22*MiB, 0, 0) // 82 MiB reserved in all: over half the limit
+	mustAlloc(t, gq, 0, 40*MiB, 0)
+	require.NoError(t, gp.Free(mustAlloc(t, gp, 0, 20*MiB, 0)))
+	mustAlloc(t, gp, 0, 22*MiB, 0) // 82 MiB reserved in all: over half the limit
 	assert.NotZero(t, stats(t, gp).NumGCReleases, "the cached 20 MiB segment went")
 }

@@ -14,16 +14,16 @@ import (
 
 func TestGarbageCollectionThreshold(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.5})
-	a := mustAlloc(t, p, 20*MiB, 0, 0)
-	b := mustAlloc(t, p, 20*MiB, 0, 0)
+	a := mustAlloc(t, p, 0, 20*MiB, 0)
+	b := mustAlloc(t, p, 0, 20*MiB, 0)
 	require.NoError(t, p.Free(a)) // cached since the 2nd large search
-	c := mustAlloc(t, p, 30*MiB, 0, 0)
+	c := mustAlloc(t, p, 0, 30*MiB, 0)
 	require.NoError(t, p.Free(b)) // cached since the 3rd
 	require.NoError(t, p.Free(c))
 	assert.EqualValues(t, 70*MiB, stats(t, p).ReservedBytes[0].Current)
 	// A miss with 70 MiB reserved > 50 MiB: segments at least as old as the
 	// average (ages 2, 1, 1) go until 20 MiB are back: only a's.
-	d := mustAlloc(t, p, 40*MiB, 0, 0)
+	d := mustAlloc(t, p, 0, 40*MiB, 0)
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.NumGCReleases)
 	assert.EqualValues(t, 90*MiB, s.ReservedBytes[0].Current)
@@ -34,14 +34,14 @@ func TestGarbageCollectionThreshold(t *testing.T) {
 	require.NoError(t, p.CheckInvariants())
 	// b and c are still cached: served without the backend.
 	before := stats(t, p).NumDeviceAlloc
-	mustAlloc(t, p, 30*MiB, 0, 0)
-	mustAlloc(t, p, 20*MiB, 0, 0)
+	mustAlloc(t, p, 0, 30*MiB, 0)
+	mustAlloc(t, p, 0, 20*MiB, 0)
 	assert.Equal(t, before, stats(t, p).NumDeviceAlloc)
 
 	// Without a limit there is nothing to collect against.
 	q, _ := newTestPool(t, sim.Config{}, Config{GarbageCollectionThreshold: 0.1})
-	require.NoError(t, q.Free(mustAlloc(t, q, 30*MiB, 0, 0)))
-	mustAlloc(t, q, 40*MiB, 0, 0)
+	require.NoError(t, q.Free(mustAlloc(t, q, 0, 30*MiB, 0)))
+	mustAlloc(t, q, 0, 40*MiB, 0)
 	assert.Zero(t, stats(t, q).NumGCReleases)
 
 	for _, bad := range []float64{-0.1, 1, 1.5, math.NaN()} {
@@ -54,7 +54,7 @@ func TestTrimAndReleaseThreshold(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{}, Config{})
 	var addrs []uint64
 	for range 4 {
-		addrs = append(addrs, mustAlloc(t, p, 12*MiB, 0, 0))
+		addrs = append(addrs, mustAlloc(t, p, 0, 12*MiB, 0))
 	}
 	for _, a := range addrs {
 		require.NoError(t, p.Free(a))
@@ -63,13 +63,13 @@ func TestTrimAndReleaseThreshold(t *testing.T) {
 	require.NoError(t, err)
 	assert.EqualValues(t, 24*MiB, released)
 	assert.Equal(t, 2, be.Stats().LiveSegments)
-	mustAlloc(t, p, 12*MiB, 0, 0) // the pool still works and still caches
+	mustAlloc(t, p, 0, 12*MiB, 0) // the pool still works and still caches
 	assert.EqualValues(t, 2, be.Stats().LiveSegments)
 
 	q, qbe := newTestPool(t, sim.Config{}, Config{ReleaseThreshold: 30 * MiB})
 	addrs = addrs[:0]
 	for range 4 {
-		addrs = append(addrs, mustAlloc(t, q, 12*MiB, 0, 0))
+		addrs = append(addrs, mustAlloc(t, q, 0, 12*MiB, 0))
 	}
 	for _, a := range addrs {
 		require.NoError(t, q.Free(a))
@@ -95,8 +95,8 @@ func TestShrinkJudgesTheAnswerByTheGranularityItAskedWith(t *testing.T) {
 	be := &growingGranularity{Backend: device, g: 8 * MiB, doubleOnShrink: true}
 	p, err := NewPool(Config{Backend: be})
 	require.NoError(t, err)
-	mustAlloc(t, p, 24*MiB, 0, 0)
-	b := mustAlloc(t, p, 24*MiB, 0, 0) // a 48 MiB segment
+	mustAlloc(t, p, 0, 24*MiB, 0)
+	b := mustAlloc(t, p, 0, 24*MiB, 0) // a 48 MiB segment
 	require.NoError(t, p.Free(b))
 	released, err := p.EmptyCache()
 	require.NoError(t, err)
@@ -110,21 +110,21 @@ func TestShrinkJudgesTheAnswerByTheGranularityItAskedWith(t *testing.T) {
 func TestKeepSegmentsReleasesOnlyAtClose(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{Capacity: 64 * MiB},
 		Config{Name: "graph", KeepSegments: true, ReleaseThreshold: MiB, Limit: 48 * MiB, GarbageCollectionThreshold: 0.5})
-	x := mustAlloc(t, p, 15*MiB, 0, 0)
-	y := mustAlloc(t, p, 15*MiB, 0, 0)
+	x := mustAlloc(t, p, 0, 15*MiB, 0)
+	y := mustAlloc(t, p, 0, 15*MiB, 0)
 	require.NoError(t, p.Free(x))
 	require.NoError(t, p.Free(y)) // over the release threshold: kept anyway
 	released, err := p.EmptyCache()
 	require.NoError(t, err)
 	assert.Zero(t, released)
 	// 40 MiB would fit only if the cached 32 MiB went back: it fails instead.
-	oom := mustOOM(t, p, 40*MiB, 0)
+	oom := mustOOM(t, p, 0, 40*MiB)
 	assert.EqualValues(t, 40*MiB, oom.Requested)
 	s := stats(t, p)
 	assert.EqualValues(t, 32*MiB, s.ReservedBytes[0].Current, "the graph's memory stayed")
 	assert.Zero(t, s.NumGCReleases)
 	// The cached blocks are still served.
-	assert.Equal(t, x, mustAlloc(t, p, 15*MiB, 0, 0))
+	assert.Equal(t, x, mustAlloc(t, p, 0, 15*MiB, 0))
 	require.NoError(t, p.CheckInvariants())
 	rep, err := p.Close()
 	require.NoError(t, err)
@@ -138,10 +138,10 @@ func TestKeepSegmentsReleasesOnlyAtClose(t *testing.T) {
 func TestExpandableFreeTailGoesBack(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{Expandable: true, Capacity: 80 * MiB}, Config{})
 	p.RecordHistory(true, 100)
-	a := mustAlloc(t, p, 20*MiB, 0, 0) // one page, all in use
-	b := mustAlloc(t, p, 40*MiB, 0, 0) // grows stream 0's segment to 60 MiB
+	a := mustAlloc(t, p, 0, 20*MiB, 0) // one page, all in use
+	b := mustAlloc(t, p, 0, 40*MiB, 0) // grows stream 0's segment to 60 MiB
 	require.NoError(t, p.Free(b))      // a 40 MiB free tail, cached
-	c := mustAlloc(t, p, 40*MiB, 0, 1) // another stream: the tail must go back first
+	c := mustAlloc(t, p, 0, 40*MiB, 1) // another stream: the tail must go back first
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.NumAllocRetries)
 	assert.Zero(t, s.NumOOMs)
@@ -162,13 +162,13 @@ func TestExpandableFreeTailGoesBack(t *testing.T) {
 	assert.Equal(t, TraceEntry{Action: ActionSegmentUnmap, Addr: a + 20*MiB, Size: 40 * MiB, TimeUS: unmapped[0].TimeUS,
 		Thread: unmapped[0].Thread}, unmapped[0])
 	// The shrunk segment grows again.
-	d := mustAlloc(t, p, 3*MiB, 0, 0)
+	d := mustAlloc(t, p, 0, 3*MiB, 0)
 	assert.Equal(t, a+20*MiB, d)
 
 	// EmptyCache gives back the pages after the last one in use; a free
 	// tail that starts inside a page keeps that page.
 	require.NoError(t, p.Free(c))
-	e := mustAlloc(t, p, 5*MiB, 0, 1) // stream 1: 5 MiB of its 40, a 35 MiB free tail
+	e := mustAlloc(t, p, 0, 5*MiB, 1) // stream 1: 5 MiB of its 40, a 35 MiB free tail
 	require.NoError(t, p.Free(d))     // stream 0: a 20 MiB free tail from offset 20 MiB
 	released, err := p.EmptyCache()
 	require.NoError(t, err)
@@ -212,8 +212,8 @@ func TestExpandableShrinkPartialAndFailing(t *testing.T) {
 	be := &stingyShrinker{Backend: device, granules: 1}
 	p, err := NewPool(Config{Backend: be})
 	require.NoError(t, err)
-	a := mustAlloc(t, p, 2*MiB, 0, 0)
-	b := mustAlloc(t, p, 38*MiB, 0, 0) // two 20 MiB pages
+	a := mustAlloc(t, p, 0, 2*MiB, 0)
+	b := mustAlloc(t, p, 0, 38*MiB, 0) // two 20 MiB pages
 	require.NoError(t, p.Free(b))
 	released, err := p.EmptyCache()
 	require.NoError(t, err)
@@ -249,8 +249,8 @@ func TestExpandableShrinkPartialAndFailing(t *testing.T) {
 
 	// A pool over a backend that cannot shrink keeps the tail.
 	q, _ := newTestPool(t, sim.Config{Expandable: true}, Config{KeepSegments: true})
-	mustAlloc(t, q, 2*MiB, 0, 0)
-	require.NoError(t, q.Free(mustAlloc(t, q, 8*MiB, 0, 0)))
+	mustAlloc(t, q, 0, 2*MiB, 0)
+	require.NoError(t, q.Free(mustAlloc(t, q, 0, 8*MiB, 0)))
 	released, err = q.EmptyCache()
 	require.NoError(t, err)
 	assert.Zero(t, released)
@@ -286,13 +286,13 @@ func TestShrinkableTailAfterTheGranularityGrew(t *testing.T) {
 	be := &growingGranularity{Backend: device, g: 2 * MiB}
 	p, err := NewPool(Config{Backend: be})
 	require.NoError(t, err)
-	a := mustAlloc(t, p, 5*MiB, 0, 0) // a 6 MiB segment with a 1 MiB free tail
+	a := mustAlloc(t, p, 0, 5*MiB, 0) // a 6 MiB segment with a 1 MiB free tail
 	be.g = 4 * MiB
 	n, err := p.EmptyCache()
 	require.NoError(t, err)
 	assert.Zero(t, n)
 	assert.Empty(t, be.asked, "no whole 4 MiB granule is free")
-	b := mustAlloc(t, p, 5*MiB, 0, 0) // grows the segment by a 4 MiB granule
+	b := mustAlloc(t, p, 0, 5*MiB, 0) // grows the segment by a 4 MiB granule
 	require.NoError(t, p.Free(b))
 	_, err = p.EmptyCache()
 	require.NoError(t, err)
@@ -312,9 +312,9 @@ func TestShrinkableTailAfterTheGranularityGrew(t *testing.T) {
 // equal sizes by address, lowest first.
 func TestTrimReleasesTheLargestWholeSegmentsFirst(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{}, Config{})
-	small := mustAlloc(t, p, 12*MiB, 0, 0) // a segment of its own size
-	mid := mustAlloc(t, p, 40*MiB, 0, 0)
-	large := mustAlloc(t, p, 60*MiB, 0, 0)
+	small := mustAlloc(t, p, 0, 12*MiB, 0) // a segment of its own size
+	mid := mustAlloc(t, p, 0, 40*MiB, 0)
+	large := mustAlloc(t, p, 0, 60*MiB, 0)
 	for _, a := range []uint64{small, mid, large} {
 		require.NoError(t, p.Free(a))
 	}
@@ -324,13 +324,13 @@ func TestTrimReleasesTheLargestWholeSegmentsFirst(t *testing.T) {
 	require.NoError(t, err)
 	assert.EqualValues(t, 60*MiB, released)
 	assert.Equal(t, 2, be.Stats().LiveSegments)
-	assert.Equal(t, small, mustAlloc(t, p, 12*MiB, 0, 0), "the 12 MiB segment stays cached")
-	assert.Equal(t, mid, mustAlloc(t, p, 40*MiB, 0, 0), "the 40 MiB segment stays cached")
+	assert.Equal(t, small, mustAlloc(t, p, 0, 12*MiB, 0), "the 12 MiB segment stays cached")
+	assert.Equal(t, mid, mustAlloc(t, p, 0, 40*MiB, 0), "the 40 MiB segment stays cached")
 
 	// Equal sizes: the lowest address goes first.
 	q, qbe := newTestPool(t, sim.Config{}, Config{})
-	x := mustAlloc(t, q, 12*MiB, 0, 0)
-	y := mustAlloc(t, q, 12*MiB, 0, 0)
+	x := mustAlloc(t, q, 0, 12*MiB, 0)
+	y := mustAlloc(t, q, 0, 12*MiB, 0)
 	require.Less(t, x, y)
 	require.NoError(t, q.Free(y))
 	require.NoError(t, q.Free(x))
@@ -338,18 +338,18 @@ func TestTrimReleasesTheLargestWholeSegmentsFirst(t *testing.T) {
 	require.NoError(t, err)
 	assert.EqualValues(t, 12*MiB, released)
 	assert.Equal(t, 1, qbe.Stats().LiveSegments)
-	assert.Equal(t, y, mustAlloc(t, q, 12*MiB, 0, 0), "the higher segment stays cached")
+	assert.Equal(t, y, mustAlloc(t, q, 0, 12*MiB, 0), "the higher segment stays cached")
 
 	// The release threshold takes the same path.
 	r, rbe := newTestPool(t, sim.Config{}, Config{ReleaseThreshold: 90 * MiB})
-	small = mustAlloc(t, r, 12*MiB, 0, 0)
-	mid = mustAlloc(t, r, 40*MiB, 0, 0)
-	large = mustAlloc(t, r, 60*MiB, 0, 0)
+	small = mustAlloc(t, r, 0, 12*MiB, 0)
+	mid = mustAlloc(t, r, 0, 40*MiB, 0)
+	large = mustAlloc(t, r, 0, 60*MiB, 0)
 	for _, a := range []uint64{small, mid, large} {
 		require.NoError(t, r.Free(a))
 	}
 	assert.Equal(t, 2, rbe.Stats().LiveSegments, "only the 60 MiB segment went back")
-	assert.Equal(t, mid, mustAlloc(t, r, 40*MiB, 0, 0))
+	assert.Equal(t, mid, mustAlloc(t, r, 0, 40*MiB, 0))
 	require.NoError(t, p.CheckInvariants())
 	require.NoError(t, q.CheckInvariants())
 	require.NoError(t, r.CheckInvariants())
@@ -360,10 +360,10 @@ func TestTrimReleasesTheLargestWholeSegmentsFirst(t *testing.T) {
 func twoFreeTails(t *testing.T) (*Pool, *sim.Backend) {
 	t.Helper()
 	p, be := newTestPool(t, sim.Config{Expandable: true, Capacity: 256 * MiB}, Config{})
-	mustAlloc(t, p, 20*MiB, 0, 0)                             // a page in use
-	require.NoError(t, p.Free(mustAlloc(t, p, 20*MiB, 0, 0))) // stream 0: a 20 MiB free tail
-	mustAlloc(t, p, 20*MiB, 0, 1)
-	require.NoError(t, p.Free(mustAlloc(t, p, 40*MiB, 0, 1))) // stream 1: a 40 MiB one
+	mustAlloc(t, p, 0, 20*MiB, 0)                             // a page in use
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 20*MiB, 0))) // stream 0: a 20 MiB free tail
+	mustAlloc(t, p, 0, 20*MiB, 1)
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 40*MiB, 1))) // stream 1: a 40 MiB one
 	require.EqualValues(t, 60*MiB, unusedBytes(t, p))
 	return p, be
 }
@@ -401,8 +401,8 @@ func TestTrimOfEqualTailsShrinksTheLowestSegmentFirst(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{Expandable: true, Capacity: 256 * MiB}, Config{})
 	var bases []uint64
 	for s := range Stream(3) {
-		bases = append(bases, mustAlloc(t, p, 20*MiB, 0, s))
-		require.NoError(t, p.Free(mustAlloc(t, p, 20*MiB, 0, s))) // a 20 MiB free tail each
+		bases = append(bases, mustAlloc(t, p, 0, 20*MiB, s))
+		require.NoError(t, p.Free(mustAlloc(t, p, 0, 20*MiB, s))) // a 20 MiB free tail each
 	}
 	require.IsIncreasing(t, bases)
 	released, err := p.Trim(0, 40*MiB)
@@ -420,7 +420,7 @@ func TestTrimOfEqualTailsShrinksTheLowestSegmentFirst(t *testing.T) {
 // segments go back too.
 func TestTrimFreesBlocksHeldByAnotherPoolsCaptureFirst(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{}, Config{})
-	a := mustAlloc(t, p, 12*MiB, 0, 0)
+	a := mustAlloc(t, p, 0, 12*MiB, 0)
 	require.NoError(t, p.RecordStream(a, 7))
 	AddProcessCaptures(1)
 	require.NoError(t, p.Free(a)) // waits, with no event, for the capture to end
@@ -438,22 +438,22 @@ func TestTrimFreesBlocksHeldByAnotherPoolsCaptureFirst(t *testing.T) {
 func TestGarbageCollectionPassesAndOrder(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.3})
 	p.RecordHistory(true, 1000)
-	a := mustAlloc(t, p, 20*MiB, 0, 0)
-	e := mustAlloc(t, p, 14*MiB, 0, 0)
-	b := mustAlloc(t, p, 12*MiB, 0, 0)
-	c := mustAlloc(t, p, 12*MiB, 0, 0)
-	h := mustAlloc(t, p, 16*MiB, 0, 0)
+	a := mustAlloc(t, p, 0, 20*MiB, 0)
+	e := mustAlloc(t, p, 0, 14*MiB, 0)
+	b := mustAlloc(t, p, 0, 12*MiB, 0)
+	c := mustAlloc(t, p, 0, 12*MiB, 0)
+	h := mustAlloc(t, p, 0, 16*MiB, 0)
 	require.IsIncreasing(t, []uint64{e, b, c}, "address order is not size order")
 	require.NoError(t, p.Free(h))
 	require.NoError(t, p.Free(a))
-	assert.Equal(t, h, mustAlloc(t, p, 16*MiB, 0, 0), "a large search served from the cache: a ages")
+	assert.Equal(t, h, mustAlloc(t, p, 0, 16*MiB, 0), "a large search served from the cache: a ages")
 	for _, x := range []uint64{e, b, c} {
 		require.NoError(t, p.Free(x))
 	}
 	// 74 MiB reserved, 30 allowed: a (age 2, above the average 1.25) goes
 	// first; 20 MiB is not enough, so e, b and c (age 1, the new average)
 	// follow, smallest first.
-	mustAlloc(t, p, 30*MiB, 0, 0)
+	mustAlloc(t, p, 0, 30*MiB, 0)
 	var released []uint64
 	for _, h := range p.History() {
 		if h.Action == ActionSegmentFree {
@@ -470,8 +470,8 @@ func TestGarbageCollectionPassesAndOrder(t *testing.T) {
 // and the first ordinal past the last device is refused.
 func TestTrimAndStatsOfOneDevice(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{Devices: 2}, Config{})
-	require.NoError(t, p.Free(mustAlloc(t, p, 12*MiB, 0, 0)))
-	require.NoError(t, p.Free(mustAlloc(t, p, 12*MiB, 1, 0)))
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 12*MiB, 0)))
+	require.NoError(t, p.Free(mustAlloc(t, p, 1, 12*MiB, 0)))
 	released, err := p.Trim(0, 0)
 	require.NoError(t, err)
 	assert.EqualValues(t, 12*MiB, released)
@@ -489,10 +489,10 @@ func TestTrimAndStatsOfOneDevice(t *testing.T) {
 // nothing cached.
 func TestNoGarbageCollectionWithoutItsThreshold(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{}, Config{Limit: 100 * MiB})
-	a := mustAlloc(t, p, 20*MiB, 0, 0)
+	a := mustAlloc(t, p, 0, 20*MiB, 0)
 	require.NoError(t, p.Free(a))
-	mustAlloc(t, p, 30*MiB, 0, 0) // a miss
+	mustAlloc(t, p, 0, 30*MiB, 0) // a miss
 	assert.Zero(t, stats(t, p).NumGCReleases)
 	assert.Equal(t, 2, be.Stats().LiveSegments)
-	assert.Equal(t, a, mustAlloc(t, p, 20*MiB, 0, 0), "still cached")
+	assert.Equal(t, a, mustAlloc(t, p, 0, 20*MiB, 0), "still cached")
 }

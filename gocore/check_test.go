@@ -52,7 +52,7 @@ func TestLeastBlockSizeFollowsThePolicy(t *testing.T) {
 // noticed.
 func TestCheckInvariantsCatchesABlockThatDoesNotCoverItsRequest(t *testing.T) {
 	p, _ := newTestPool(t, fakeConfig{}, Config{})
-	a := mustAlloc(t, p, 513, 0, 0)
+	a := mustAlloc(t, p, 0, 513, 0)
 	require.NoError(t, p.CheckInvariants())
 	b := liveBlock(t, p, a)
 	require.EqualValues(t, 1024, b.size)
@@ -71,8 +71,8 @@ func TestCheckInvariantsCatchesABlockThatDoesNotCoverItsRequest(t *testing.T) {
 // that AllocSegment's caller sized does not.
 func TestCheckInvariantsAppliesThePoolsRounding(t *testing.T) {
 	p, _ := newTestPool(t, fakeConfig{}, Config{})
-	a := mustAlloc(t, p, 5*MiB+1, 0, 0)
-	s := mustAlloc(t, p, 5*MiB+1, 0, 1)
+	a := mustAlloc(t, p, 0, 5*MiB+1, 0)
+	s := mustAlloc(t, p, 0, 5*MiB+1, 1)
 	liveBlock(t, p, s).callerSized = true
 	require.NoError(t, p.CheckInvariants())
 	p.cfg.RoundupPower2Divisions = 4 // the policy wants 6 MiB for 5 MiB + 1
@@ -91,7 +91,7 @@ func TestCheckInvariantsCatchesASmallBinOutOfHeapOrder(t *testing.T) {
 	p, _ := newTestPool(t, fakeConfig{}, Config{})
 	var addrs []uint64
 	for range 8 {
-		addrs = append(addrs, mustAlloc(t, p, 512, 0, 0))
+		addrs = append(addrs, mustAlloc(t, p, 0, 512, 0))
 	}
 	for i := 0; i < len(addrs); i += 2 { // four free 512-byte blocks, not merged
 		require.NoError(t, p.Free(addrs[i]))
@@ -181,8 +181,8 @@ func TestCheckInvariantsReportsCorruptions(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			p, _ := newTestPool(t, fakeConfig{}, Config{})
-			mustAlloc(t, p, 4096, 0, 0)                               // a split small segment
-			require.NoError(t, p.Free(mustAlloc(t, p, 12*MiB, 0, 0))) // a wholly free large one
+			mustAlloc(t, p, 0, 4096, 0)                               // a split small segment
+			require.NoError(t, p.Free(mustAlloc(t, p, 0, 12*MiB, 0))) // a wholly free large one
 			require.NoError(t, p.CheckInvariants())
 			want := c.corrupt(p.devices[0])
 			err := p.CheckInvariants()

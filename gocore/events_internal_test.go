@@ -14,7 +14,7 @@ import (
 func TestProcessedEventQueuesAreDropped(t *testing.T) {
 	p, be := newTestPool(t, fakeConfig{ManualEvents: true}, Config{})
 	for s := range Stream(100) {
-		a := mustAlloc(t, p, 4096, 0, 0)
+		a := mustAlloc(t, p, 0, 4096, 0)
 		require.NoError(t, p.RecordStream(a, 1000+s))
 		require.NoError(t, p.Free(a))
 	}

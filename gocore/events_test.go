@@ -13,7 +13,7 @@ import (
 
 func TestProcessEventsCountsWaitingFrees(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
-	a := mustAlloc(t, p, 4096, 0, 0)
+	a := mustAlloc(t, p, 0, 4096, 0)
 	require.NoError(t, p.RecordStream(a, 1))
 	require.NoError(t, p.RecordStream(a, 2))
 	require.NoError(t, p.Free(a)) // one free, two events
@@ -21,7 +21,7 @@ func TestProcessEventsCountsWaitingFrees(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 1, n)
 
-	b := mustAlloc(t, p, 4096, 0, 0)
+	b := mustAlloc(t, p, 0, 4096, 0)
 	require.NoError(t, p.RecordStream(b, 1))
 	p.EnterCapture()
 	require.NoError(t, p.Free(b)) // parked until the capture ends
@@ -54,12 +54,12 @@ func TestPendingFreesAreQueriedPerStream(t *testing.T) {
 	p, err := NewPool(Config{Backend: be})
 	require.NoError(t, err)
 	for i := range 1000 {
-		a := mustAlloc(t, p, 4096, 0, 0)
+		a := mustAlloc(t, p, 0, 4096, 0)
 		require.NoError(t, p.RecordStream(a, Stream(1+i%2))) // two busy streams
 		require.NoError(t, p.Free(a))
 	}
 	be.queries = 0
-	mustAlloc(t, p, 4096, 0, 0)
+	mustAlloc(t, p, 0, 4096, 0)
 	assert.Equal(t, 2, be.queries, "the oldest event of each stream")
 	device.CompleteStream(1)
 	n, err := p.ProcessEvents()
@@ -95,7 +95,7 @@ func TestAFailingEventQueryHoldsOnlyItsBlock(t *testing.T) {
 	require.NoError(t, err)
 	var addrs []uint64
 	for range 10 {
-		a := mustAlloc(t, p, 4096, 0, 0)
+		a := mustAlloc(t, p, 0, 4096, 0)
 		require.NoError(t, p.RecordStream(a, 7))
 		addrs = append(addrs, a)
 	}
@@ -113,7 +113,7 @@ func TestAFailingEventQueryHoldsOnlyItsBlock(t *testing.T) {
 // then get them at the next processing of events.
 func TestFreesDuringAnotherPoolsCaptureRecordTheirEventsAfterIt(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
-	a := mustAlloc(t, p, 4096, 0, 0)
+	a := mustAlloc(t, p, 0, 4096, 0)
 	require.NoError(t, p.RecordStream(a, 7))
 	AddProcessCaptures(1)
 	require.NoError(t, p.Free(a))
@@ -130,7 +130,7 @@ func TestFreesDuringAnotherPoolsCaptureRecordTheirEventsAfterIt(t *testing.T) {
 	n, err = p.ProcessEvents()
 	require.NoError(t, err)
 	assert.Zero(t, n)
-	assert.Equal(t, a, mustAlloc(t, p, 4096, 0, 0))
+	assert.Equal(t, a, mustAlloc(t, p, 0, 4096, 0))
 }
 
 // During a stream capture (a CUDA graph being recorded) the pool records
@@ -139,14 +139,14 @@ func TestFreesDuringAnotherPoolsCaptureRecordTheirEventsAfterIt(t *testing.T) {
 // ExitCapture; cached segments stay until then.
 func TestCaptureDefersEventsAndReleases(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
-	parked := mustAlloc(t, p, 4096, 0, 1)
+	parked := mustAlloc(t, p, 0, 4096, 1)
 	require.NoError(t, p.RecordStream(parked, 2))
 	require.NoError(t, p.Free(parked)) // an event recorded before the pause
 	assert.EqualValues(t, 1, be.Stats().EventsCreated)
 
 	p.EnterCapture()
 	p.EnterCapture() // nested: two captures
-	a := mustAlloc(t, p, 4096, 0, 1)
+	a := mustAlloc(t, p, 0, 4096, 1)
 	require.NoError(t, p.RecordStream(a, 3))
 	require.NoError(t, p.Free(a))
 	assert.EqualValues(t, 1, be.Stats().EventsCreated, "no event while paused")
@@ -154,12 +154,12 @@ func TestCaptureDefersEventsAndReleases(t *testing.T) {
 	assert.EqualValues(t, 2*4096, s.ActiveBytes[0].Current, "both freed blocks wait")
 	require.NoError(t, p.CheckInvariants())
 	be.CompleteAll()
-	assert.NotContains(t, []uint64{parked, a}, mustAlloc(t, p, 4096, 0, 1), "nothing queried, nothing reused")
+	assert.NotContains(t, []uint64{parked, a}, mustAlloc(t, p, 0, 4096, 1), "nothing queried, nothing reused")
 	waiting, err := p.ProcessEvents()
 	require.NoError(t, err)
 	assert.Equal(t, 2, waiting, "the parked event is not even queried, and a waits for the capture's end")
 
-	cached := mustAlloc(t, p, 8*MiB, 0, 1)
+	cached := mustAlloc(t, p, 0, 8*MiB, 1)
 	require.NoError(t, p.Free(cached))
 	released, err := p.EmptyCache()
 	require.NoError(t, err)
@@ -196,7 +196,7 @@ func TestCaptureDefersEventsAndReleases(t *testing.T) {
 // active_bytes.
 func TestRequestedBytesOfPendingFree(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
-	a := mustAlloc(t, p, 1000, 0, 1)
+	a := mustAlloc(t, p, 0, 1000, 1)
 	require.NoError(t, p.RecordStream(a, 2))
 	require.NoError(t, p.Free(a))
 	s := stats(t, p) // CheckInvariants recounts requested_bytes over active blocks
@@ -243,7 +243,7 @@ func TestAFailedEventRecordKeepsTheBlockOutOfUse(t *testing.T) {
 		require.NoError(t, err)
 		p, err := NewPool(Config{Backend: &failingRecord{Backend: device, bad: bad}})
 		require.NoError(t, err)
-		a := mustAlloc(t, p, 4096, 0, 0)
+		a := mustAlloc(t, p, 0, 4096, 0)
 		require.NoError(t, p.RecordStream(a, 7))
 		require.NoError(t, p.RecordStream(a, 8))
 		err = p.Free(a)
@@ -252,7 +252,7 @@ func TestAFailedEventRecordKeepsTheBlockOutOfUse(t *testing.T) {
 		device.CompleteAll()
 		_, err = p.ProcessEvents()
 		require.NoError(t, err)
-		assert.NotEqual(t, a, mustAlloc(t, p, 4096, 0, 0), "failing stream %d: the block was handed out again", bad)
+		assert.NotEqual(t, a, mustAlloc(t, p, 0, 4096, 0), "failing stream %d: the block was handed out again", bad)
 		s := stats(t, p)
 		assert.EqualValues(t, 2, s.Active[0].Current, "failing stream %d", bad)
 	}
@@ -262,11 +262,11 @@ func TestAFailedEventRecordKeepsTheBlockOutOfUse(t *testing.T) {
 // allocation after the capture processes events, and serves it once done.
 func TestAllocAfterAnotherPoolsCaptureReusesTheBlocksFreedDuringIt(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{}, Config{})
-	a := mustAlloc(t, p, 4096, 0, 0)
+	a := mustAlloc(t, p, 0, 4096, 0)
 	require.NoError(t, p.RecordStream(a, 7))
 	AddProcessCaptures(1)
 	require.NoError(t, p.Free(a))
 	AddProcessCaptures(-1)
-	assert.Equal(t, a, mustAlloc(t, p, 4096, 0, 0))
+	assert.Equal(t, a, mustAlloc(t, p, 0, 4096, 0))
 	assert.EqualValues(t, 1, be.Stats().EventsCreated)
 }

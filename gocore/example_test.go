@@ -21,14 +21,14 @@ func ExampleNewPool() {
 	}
 	defer pool.Close()
 
-	addr, err := pool.Alloc(4096, 0, 0) // 4 KiB on device 0, stream 0
+	addr, err := pool.Alloc(0, 4096, 0) // 4 KiB on device 0, stream 0
 	if err != nil {
 		panic(err)
 	}
 	if err := pool.Free(addr); err != nil {
 		panic(err)
 	}
-	again, err := pool.Alloc(4096, 0, 0)
+	again, err := pool.Alloc(0, 4096, 0)
 	if err != nil {
 		panic(err)
 	}

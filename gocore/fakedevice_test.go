@@ -150,9 +150,9 @@ func newTestPool(t testing.TB, dev fakeConfig, cfg Config) (*Pool, *fakeDevice) 
 	return p, be
 }
 
-func mustAlloc(t testing.TB, p *Pool, size uint64, dev int, s Stream) uint64 {
+func mustAlloc(t testing.TB, p *Pool, dev int, size uint64, s Stream) uint64 {
 	t.Helper()
-	addr, err := p.Alloc(size, dev, s)
+	addr, err := p.Alloc(dev, size, s)
 	require.NoError(t, err)
 	return addr
 }

@@ -12,7 +12,7 @@ import (
 
 func TestRecordStreamWaitsForEvents(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
-	a := mustAlloc(t, p, 4096, 0, 1)
+	a := mustAlloc(t, p, 0, 4096, 1)
 	require.NoError(t, p.RecordStream(a, 2))
 	require.NoError(t, p.RecordStream(a, 3))
 	require.NoError(t, p.RecordStream(a, 2)) // duplicate: no second event
@@ -24,14 +24,14 @@ func TestRecordStreamWaitsForEvents(t *testing.T) {
 	assert.EqualValues(t, 2, s.NumRecordStream)
 	assert.EqualValues(t, 2, be.Stats().EventsCreated)
 
-	b := mustAlloc(t, p, 4096, 0, 1)
+	b := mustAlloc(t, p, 0, 4096, 1)
 	assert.NotEqual(t, a, b, "reused before streams 2 and 3 finished")
 	be.CompleteStream(2)
 	waiting, err := p.ProcessEvents()
 	require.NoError(t, err)
 	assert.Equal(t, 1, waiting)
 	be.CompleteStream(3)
-	c := mustAlloc(t, p, 4096, 0, 1)
+	c := mustAlloc(t, p, 0, 4096, 1)
 	assert.Equal(t, a, c)
 	s = stats(t, p)
 	assert.EqualValues(t, 8192, s.ActiveBytes[0].Current)
@@ -53,9 +53,9 @@ func TestRecordStreamWaitsForEvents(t *testing.T) {
 // only one that leaves its own segment wholly free.
 func TestReleaseThresholdAfterAFreeThatLeavesItsSegmentSplit(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{}, Config{ReleaseThreshold: 16 * MiB})
-	require.NoError(t, p.Free(mustAlloc(t, p, 12*MiB, 0, 0))) // 12 MiB unused <= 16: kept
-	z1 := mustAlloc(t, p, 9*MiB, 0, 1)                        // a 20 MiB segment: 9 + 11 free
-	mustAlloc(t, p, 9*MiB, 0, 1)                              // 9 + 9 + 2 free
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 12*MiB, 0))) // 12 MiB unused <= 16: kept
+	z1 := mustAlloc(t, p, 0, 9*MiB, 1)                        // a 20 MiB segment: 9 + 11 free
+	mustAlloc(t, p, 0, 9*MiB, 1)                              // 9 + 9 + 2 free
 	require.EqualValues(t, 14*MiB, unusedBytes(t, p))
 	require.NoError(t, p.Free(z1)) // 23 MiB unused: the free 12 MiB segment goes back
 	assert.EqualValues(t, 11*MiB, unusedBytes(t, p))
@@ -65,8 +65,8 @@ func TestReleaseThresholdAfterAFreeThatLeavesItsSegmentSplit(t *testing.T) {
 
 func TestReleaseThresholdShrinksAnExpandableTail(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{Expandable: true, Capacity: 256 * MiB}, Config{ReleaseThreshold: 8 * MiB})
-	mustAlloc(t, p, 20*MiB, 0, 0)       // one 20 MiB page, in use
-	b := mustAlloc(t, p, 100*MiB, 0, 0) // grows the segment by five pages to 120 MiB
+	mustAlloc(t, p, 0, 20*MiB, 0)       // one 20 MiB page, in use
+	b := mustAlloc(t, p, 0, 100*MiB, 0) // grows the segment by five pages to 120 MiB
 	require.NoError(t, p.Free(b))       // a 100 MiB free tail
 	assert.LessOrEqual(t, unusedBytes(t, p), uint64(8*MiB))
 	assert.LessOrEqual(t, be.UsedBytes(0), uint64(20*MiB))
@@ -75,7 +75,7 @@ func TestReleaseThresholdShrinksAnExpandableTail(t *testing.T) {
 
 func TestReleaseThresholdAppliesWhenACaptureEnds(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{}, Config{ReleaseThreshold: MiB})
-	a := mustAlloc(t, p, 12*MiB, 0, 0)
+	a := mustAlloc(t, p, 0, 12*MiB, 0)
 	p.EnterCapture()
 	require.NoError(t, p.Free(a))
 	assert.Equal(t, 1, be.Stats().LiveSegments, "nothing goes back during a capture")
@@ -89,9 +89,9 @@ func TestReleaseThresholdAppliesWhenACaptureEnds(t *testing.T) {
 // neighbour begins.
 func TestFreeingTwiceIsADoubleFreeAtBlockBoundaries(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
-	a := mustAlloc(t, p, 4096, 0, 0)
-	b := mustAlloc(t, p, 4096, 0, 0)
-	c := mustAlloc(t, p, 4096, 0, 0)
+	a := mustAlloc(t, p, 0, 4096, 0)
+	b := mustAlloc(t, p, 0, 4096, 0)
+	c := mustAlloc(t, p, 0, 4096, 0)
 	require.Equal(t, a+4096, b, "b starts where a ends")
 	require.Equal(t, b+4096, c, "c starts where b ends")
 
@@ -115,7 +115,7 @@ func TestFreeingTwiceIsADoubleFreeAtBlockBoundaries(t *testing.T) {
 // unknown pointer, not a double free.
 func TestFreeingTheAddressPastASegmentIsAnUnknownPointer(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{}, Config{})
-	a := mustAlloc(t, p, 4096, 0, 0)
+	a := mustAlloc(t, p, 0, 4096, 0)
 	info, err := p.Lookup(a)
 	require.NoError(t, err)
 	end := info.SegmentAddr + info.SegmentSize
@@ -129,9 +129,9 @@ func TestFreeingTheAddressPastASegmentIsAnUnknownPointer(t *testing.T) {
 // tails of expandable segments too, when no segment is wholly free.
 func TestReleaseThresholdShrinksAnExpandableTailWhenACaptureEnds(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{Expandable: true, Capacity: 256 * MiB}, Config{ReleaseThreshold: 8 * MiB})
-	mustAlloc(t, p, 20*MiB, 0, 0) // one page, in use
+	mustAlloc(t, p, 0, 20*MiB, 0) // one page, in use
 	p.EnterCapture()
-	b := mustAlloc(t, p, 100*MiB, 0, 0) // grows the segment to 120 MiB
+	b := mustAlloc(t, p, 0, 100*MiB, 0) // grows the segment to 120 MiB
 	require.NoError(t, p.Free(b))       // a 100 MiB free tail, kept during the capture
 	assert.EqualValues(t, 100*MiB, unusedBytes(t, p))
 	require.NoError(t, p.ExitCapture())
@@ -145,7 +145,7 @@ func TestReleaseThresholdShrinksAnExpandableTailWhenACaptureEnds(t *testing.T) {
 // during it (the mutation pass found it skipped: 20 MiB stayed reserved).
 func TestReleaseThresholdHeldByAProcessCaptureAppliesWhenItEnds(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{Capacity: 256 * MiB}, Config{ReleaseThreshold: MiB})
-	b := mustAlloc(t, p, 4*MiB, 0, 0) // a 20 MiB segment
+	b := mustAlloc(t, p, 0, 4*MiB, 0) // a 20 MiB segment
 	AddProcessCaptures(1)
 	require.NoError(t, p.Free(b))
 	assert.EqualValues(t, 20*MiB, be.UsedBytes(0), "held during the capture")
@@ -160,13 +160,13 @@ func TestReleaseThresholdHeldByAProcessCaptureAppliesWhenItEnds(t *testing.T) {
 // back, but the expandable tail freed during the capture goes.
 func TestReleaseThresholdHeldByAProcessCaptureAppliesAtTheNextFree(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{Expandable: true, Capacity: 256 * MiB}, Config{ReleaseThreshold: 8 * MiB})
-	mustAlloc(t, p, 20*MiB, 0, 0) // one page, in use
+	mustAlloc(t, p, 0, 20*MiB, 0) // one page, in use
 	AddProcessCaptures(1)
-	big := mustAlloc(t, p, 100*MiB, 0, 0)
+	big := mustAlloc(t, p, 0, 100*MiB, 0)
 	require.NoError(t, p.Free(big)) // a 100 MiB free tail, held
 	AddProcessCaptures(-1)
-	small := mustAlloc(t, p, 4096, 0, 0)
-	mustAlloc(t, p, 4096, 0, 0)
+	small := mustAlloc(t, p, 0, 4096, 0)
+	mustAlloc(t, p, 0, 4096, 0)
 	require.NoError(t, p.Free(small))
 	assert.LessOrEqual(t, unusedBytes(t, p), uint64(8*MiB))
 	assert.Less(t, be.UsedBytes(0), uint64(100*MiB))

@@ -134,7 +134,7 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 			if op>>6&1 == 1 { // as torch's caching allocator asks for a MemPool's segments
 				alloc = p.AllocSegment
 			}
-			addr, err := alloc(size, arg>>2&1, Stream(arg&3))
+			addr, err := alloc(arg>>2&1, size, Stream(arg&3))
 			switch {
 			case err == nil:
 				live = append(live, liveBlock{pi, addr})

@@ -20,17 +20,17 @@ func newTestPool(t testing.TB, device sim.Config, cfg Config) (*Pool, *sim.Backe
 }
 
 // mustOOM allocates expecting an *OutOfMemoryError, and returns it.
-func mustOOM(t testing.TB, p *Pool, size uint64, dev int) *OutOfMemoryError {
+func mustOOM(t testing.TB, p *Pool, dev int, size uint64) *OutOfMemoryError {
 	t.Helper()
-	_, err := p.Alloc(size, dev, 0)
+	_, err := p.Alloc(dev, size, 0)
 	var oom *OutOfMemoryError
 	require.ErrorAs(t, err, &oom)
 	return oom
 }
 
-func mustAlloc(t testing.TB, p *Pool, size uint64, dev int, s Stream) uint64 {
+func mustAlloc(t testing.TB, p *Pool, dev int, size uint64, s Stream) uint64 {
 	t.Helper()
-	addr, err := p.Alloc(size, dev, s)
+	addr, err := p.Alloc(dev, size, s)
 	require.NoError(t, err)
 	return addr
 }

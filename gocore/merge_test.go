@@ -45,7 +45,7 @@ func TestFreeMergeCountsFollowTheNeighbours(t *testing.T) {
 					}
 					stream := Stream(r.IntN(2))
 					want, wantOK := bestFitInSnapshot(p.Snapshot(), roundSizeForTest(size), size, stream)
-					addr := mustAlloc(t, p, size, 0, stream)
+					addr := mustAlloc(t, p, 0, size, stream)
 					if wantOK {
 						bestFits++
 						require.Equal(t, want, addr, "step %d: alloc %d on stream %d", step, size, stream)

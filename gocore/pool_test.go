@@ -18,9 +18,9 @@ import (
 
 func TestCloseReportsLiveBlocksAndReturnsEverything(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{Devices: 2}, Config{})
-	a := mustAlloc(t, p, 100, 0, 0)
-	mustAlloc(t, p, 30*MiB, 1, 7)
-	c := mustAlloc(t, p, 5000, 0, 0)
+	a := mustAlloc(t, p, 0, 100, 0)
+	mustAlloc(t, p, 1, 30*MiB, 7)
+	c := mustAlloc(t, p, 0, 5000, 0)
 	require.NoError(t, p.Free(c))
 	rep, err := p.Close()
 	require.NoError(t, err)
@@ -31,7 +31,7 @@ func TestCloseReportsLiveBlocksAndReturnsEverything(t *testing.T) {
 	assert.Zero(t, be.Stats().LiveSegments)
 	assert.Zero(t, be.Stats().LiveBytes)
 
-	_, err = p.Alloc(1, 0, 0)
+	_, err = p.Alloc(0, 1, 0)
 	assert.ErrorIs(t, err, ErrClosed)
 	assert.ErrorIs(t, p.Free(a), ErrClosed)
 	assert.ErrorIs(t, p.RecordStream(a, 1), ErrClosed)
@@ -67,7 +67,7 @@ func TestCloseWaitsForBlocksStillUsedOnOtherStreams(t *testing.T) {
 		be := &callLog{Backend: device}
 		p, err := NewPool(Config{Backend: be})
 		require.NoError(t, err)
-		a := mustAlloc(t, p, 4096, 0, 0)
+		a := mustAlloc(t, p, 0, 4096, 0)
 		require.NoError(t, p.RecordStream(a, 3))
 		require.NoError(t, p.RecordStream(a, 4))
 		require.NoError(t, p.Free(a))
@@ -110,7 +110,7 @@ func randomWorkload(t *testing.T, expandable bool) {
 		switch op := rng.IntN(10); {
 		case op < 5:
 			sz := sizes[rng.IntN(len(sizes))] + uint64(rng.IntN(3000))
-			a, err := p.Alloc(sz, rng.IntN(2), Stream(rng.IntN(3)))
+			a, err := p.Alloc(rng.IntN(2), sz, Stream(rng.IntN(3)))
 			if err != nil {
 				require.ErrorIs(t, err, ErrOutOfMemory, "step %d", step)
 				continue
@@ -175,7 +175,7 @@ func TestConcurrentPoolsShareBackend(t *testing.T) {
 			kept := 0
 			for i := range rounds {
 				for _, p := range []*Pool{shared, own} {
-					a, err := p.Alloc(uint64(1+rng.IntN(3*MiB)), 0, Stream(w%3))
+					a, err := p.Alloc(0, uint64(1+rng.IntN(3*MiB)), Stream(w%3))
 					if err != nil {
 						return err
 					}
@@ -263,7 +263,7 @@ func TestMaxSplitAndNonSplitRoundingMinimum(t *testing.T) {
 	// 2 MiB share one segment when MaxSplitSize is above LargeBuffer.
 	q, _ := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 24 * MiB})
 	for range 10 {
-		mustAlloc(t, q, 2*MiB, 0, 0)
+		mustAlloc(t, q, 0, 2*MiB, 0)
 	}
 	s := stats(t, q)
 	assert.EqualValues(t, 1, s.Segment[0].Current)
@@ -274,8 +274,8 @@ func TestMaxSplitAndNonSplitRoundingMinimum(t *testing.T) {
 // out of oversize_segments.
 func TestCloseTakesBackOversizeSegments(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 24 * MiB})
-	a := mustAlloc(t, p, 40*MiB, 0, 0)
-	mustAlloc(t, p, 30*MiB, 0, 0) // still live at Close
+	a := mustAlloc(t, p, 0, 40*MiB, 0)
+	mustAlloc(t, p, 0, 30*MiB, 0) // still live at Close
 	require.NoError(t, p.Free(a))
 	assert.EqualValues(t, 2, stats(t, p).OversizeSegments.Current)
 	_, err := p.Close()
@@ -292,8 +292,8 @@ func TestCloseTakesBackOversizeSegments(t *testing.T) {
 // reserved, and a later Close retries it.
 func TestCloseRetriesSegmentsTheBackendKept(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{}, Config{MaxSplitSize: 24 * MiB})
-	a := mustAlloc(t, p, 4096, 0, 0)
-	mustAlloc(t, p, 30*MiB, 0, 1)
+	a := mustAlloc(t, p, 0, 4096, 0)
+	mustAlloc(t, p, 0, 30*MiB, 1)
 	require.NoError(t, be.SetFreeFailRate(1)) // every Free fails
 	rep, err := p.Close()
 	require.Error(t, err)
@@ -389,9 +389,9 @@ func TestCloseListsLiveBlocksByDeviceThenAddress(t *testing.T) {
 	require.NoError(t, err)
 	var dev0 []uint64
 	for range 20 {
-		dev0 = append(dev0, mustAlloc(t, p, 4096, 0, 0))
+		dev0 = append(dev0, mustAlloc(t, p, 0, 4096, 0))
 	}
-	dev1 := mustAlloc(t, p, 4096, 1, 0)
+	dev1 := mustAlloc(t, p, 1, 4096, 0)
 	require.Less(t, dev1, slices.Min(dev0), "device 1's addresses are the lower")
 	rep, err := p.Close()
 	require.NoError(t, err)

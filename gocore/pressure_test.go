@@ -20,7 +20,7 @@ import (
 // completed goes back with its segment.
 func TestEmptyCacheWaitsForPendingFrees(t *testing.T) {
 	p, be := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
-	a := mustAlloc(t, p, 30*MiB, 0, 0)
+	a := mustAlloc(t, p, 0, 30*MiB, 0)
 	require.NoError(t, p.RecordStream(a, 7))
 	require.NoError(t, p.Free(a)) // waits for stream 7, which never completes
 	released, err := p.EmptyCache()
@@ -36,7 +36,7 @@ func TestEmptyCacheWaitsForPendingFrees(t *testing.T) {
 	assert.Zero(t, waiting)
 
 	// Trim is not torch's empty_cache: it waits for nothing.
-	b := mustAlloc(t, p, 30*MiB, 0, 0)
+	b := mustAlloc(t, p, 0, 30*MiB, 0)
 	require.NoError(t, p.RecordStream(b, 7))
 	require.NoError(t, p.Free(b))
 	released, err = p.Trim(-1, 0)
@@ -52,11 +52,11 @@ func TestEmptyCacheWaitsForPendingFrees(t *testing.T) {
 // split size) when there is one...
 func TestOOMReleasesOneOversizeSegmentFirst(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{Capacity: 100 * MiB}, Config{MaxSplitSize: 30 * MiB})
-	require.NoError(t, p.Free(mustAlloc(t, p, 40*MiB, 0, 0)))
-	require.NoError(t, p.Free(mustAlloc(t, p, 44*MiB, 0, 0)))
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 40*MiB, 0)))
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 44*MiB, 0)))
 	s := stats(t, p)
 	require.EqualValues(t, 84*MiB, s.ReservedBytes[0].Current)
-	mustAlloc(t, p, 20*MiB, 0, 0) // below the max split size: it may not take them
+	mustAlloc(t, p, 0, 20*MiB, 0) // below the max split size: it may not take them
 	s = stats(t, p)
 	assert.Zero(t, s.NumAllocRetries)
 	assert.Zero(t, s.NumOOMs)
@@ -68,9 +68,9 @@ func TestOOMReleasesOneOversizeSegmentFirst(t *testing.T) {
 func TestOOMReleasesLargestOversizeSegmentsFirst(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{Capacity: 130 * MiB}, Config{MaxSplitSize: 30 * MiB})
 	for _, n := range []uint64{32, 40, 44} {
-		require.NoError(t, p.Free(mustAlloc(t, p, n*MiB, 0, 0)))
+		require.NoError(t, p.Free(mustAlloc(t, p, 0, n*MiB, 0)))
 	}
-	mustAlloc(t, p, 70*MiB, 0, 0) // 116 + 70 > 130: 44 and 40 go, 32 stays
+	mustAlloc(t, p, 0, 70*MiB, 0) // 116 + 70 > 130: 44 and 40 go, 32 stays
 	s := stats(t, p)
 	assert.Zero(t, s.NumAllocRetries)
 	assert.EqualValues(t, 102*MiB, s.ReservedBytes[0].Current)
@@ -78,9 +78,9 @@ func TestOOMReleasesLargestOversizeSegmentsFirst(t *testing.T) {
 	// When they cannot add up to it, they still go, and the retry
 	// (counted) releases the rest.
 	q, _ := newTestPool(t, sim.Config{Capacity: 100 * MiB}, Config{MaxSplitSize: 30 * MiB})
-	require.NoError(t, q.Free(mustAlloc(t, q, 40*MiB, 0, 0)))
-	require.NoError(t, q.Free(mustAlloc(t, q, 10*MiB, 0, 0))) // a 20 MiB segment, not oversize
-	mustAlloc(t, q, 90*MiB, 0, 0)
+	require.NoError(t, q.Free(mustAlloc(t, q, 0, 40*MiB, 0)))
+	require.NoError(t, q.Free(mustAlloc(t, q, 0, 10*MiB, 0))) // a 20 MiB segment, not oversize
+	mustAlloc(t, q, 0, 90*MiB, 0)
 	s = stats(t, q)
 	assert.EqualValues(t, 1, s.NumAllocRetries)
 	assert.EqualValues(t, 90*MiB, s.ReservedBytes[0].Current)
@@ -90,9 +90,9 @@ func TestOOMReleasesLargestOversizeSegmentsFirst(t *testing.T) {
 // counted.
 func TestOOMWithoutMaxSplitSizeRetriesAtOnce(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{Capacity: 100 * MiB}, Config{})
-	require.NoError(t, p.Free(mustAlloc(t, p, 40*MiB, 0, 0)))
-	require.NoError(t, p.Free(mustAlloc(t, p, 44*MiB, 0, 0)))
-	mustAlloc(t, p, 50*MiB, 0, 0)
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 40*MiB, 0)))
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 44*MiB, 0)))
+	mustAlloc(t, p, 0, 50*MiB, 0)
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.NumAllocRetries)
 	assert.EqualValues(t, 50*MiB, s.ReservedBytes[0].Current)
@@ -102,8 +102,8 @@ func TestOOMWithoutMaxSplitSizeRetriesAtOnce(t *testing.T) {
 // malloc does for any miss: it may be what passes the threshold.
 func TestGarbageCollectionOnSmallMiss(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.5})
-	require.NoError(t, p.Free(mustAlloc(t, p, 60*MiB, 0, 0))) // cached: 60 MiB reserved, over 50
-	mustAlloc(t, p, 4096, 0, 0)                               // a new small segment
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 60*MiB, 0))) // cached: 60 MiB reserved, over 50
+	mustAlloc(t, p, 0, 4096, 0)                               // a new small segment
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.NumGCReleases)
 	assert.EqualValues(t, SmallBuffer, s.ReservedBytes[0].Current)
@@ -114,13 +114,13 @@ func TestGarbageCollectionOnSmallMiss(t *testing.T) {
 // second) and young (created fourth, where the first one was).
 func tieBreak(t *testing.T, p *Pool, size uint64) (old, young uint64) {
 	t.Helper()
-	first := mustAlloc(t, p, size, 0, 0)
-	old = mustAlloc(t, p, size, 0, 0)
-	mustAlloc(t, p, size, 0, 0) // keeps the address space after old taken
+	first := mustAlloc(t, p, 0, size, 0)
+	old = mustAlloc(t, p, 0, size, 0)
+	mustAlloc(t, p, 0, size, 0) // keeps the address space after old taken
 	require.NoError(t, p.Free(first))
 	_, err := p.EmptyCache() // the lowest address range is free again
 	require.NoError(t, err)
-	young = mustAlloc(t, p, size, 0, 0)
+	young = mustAlloc(t, p, 0, size, 0)
 	require.Equal(t, first, young, "the backend hands out the lowest free address")
 	require.NoError(t, p.Free(old))
 	require.NoError(t, p.Free(young))
@@ -146,7 +146,7 @@ func TestTorchVersionBestFitTieBreak(t *testing.T) {
 				if c.oldest {
 					want = old
 				}
-				assert.Equal(t, want, mustAlloc(t, p, size, 0, 0), "torch %q, small", c.version)
+				assert.Equal(t, want, mustAlloc(t, p, 0, size, 0), "torch %q, small", c.version)
 				require.NoError(t, p.CheckInvariants())
 				continue
 			}
@@ -155,7 +155,7 @@ func TestTorchVersionBestFitTieBreak(t *testing.T) {
 			if c.oldest {
 				want = old
 			}
-			assert.Equal(t, want, mustAlloc(t, p, size, 0, 0), "torch %q, large", c.version)
+			assert.Equal(t, want, mustAlloc(t, p, 0, size, 0), "torch %q, large", c.version)
 			require.NoError(t, p.CheckInvariants())
 		}
 	}
@@ -165,7 +165,7 @@ func TestTorchVersionBestFitTieBreak(t *testing.T) {
 // blocks.
 func tieBreakSmall(t *testing.T, p *Pool) (old, young uint64) {
 	t.Helper()
-	pair := func() (uint64, uint64) { return mustAlloc(t, p, SmallSize, 0, 0), mustAlloc(t, p, SmallSize, 0, 0) }
+	pair := func() (uint64, uint64) { return mustAlloc(t, p, 0, SmallSize, 0), mustAlloc(t, p, 0, SmallSize, 0) }
 	f1, f2 := pair()
 	o1, o2 := pair()
 	pair() // keeps the address space after old taken

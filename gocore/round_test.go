@@ -26,7 +26,7 @@ func TestRoundingAndSegmentSizes(t *testing.T) {
 	}
 	for _, c := range cases {
 		p, _ := newTestPool(t, sim.Config{}, Config{})
-		mustAlloc(t, p, c.size, 0, 0)
+		mustAlloc(t, p, 0, c.size, 0)
 		s := stats(t, p)
 		k := 2
 		if c.small {
@@ -58,12 +58,12 @@ func TestRoundupPower2Divisions(t *testing.T) {
 	}
 
 	p, _ := newTestPool(t, sim.Config{}, Config{RoundupPower2Divisions: 4})
-	a := mustAlloc(t, p, 1200*MiB, 0, 0)
+	a := mustAlloc(t, p, 0, 1200*MiB, 0)
 	s := stats(t, p)
 	assert.EqualValues(t, 1280*MiB, s.AllocatedBytes[0].Current)
 	assert.EqualValues(t, 1200*MiB, s.RequestedBytes[0].Current)
 	require.NoError(t, p.Free(a))
-	b := mustAlloc(t, p, 1100*MiB, 0, 0) // rounds to the same 1280 MiB block size: a cache hit
+	b := mustAlloc(t, p, 0, 1100*MiB, 0) // rounds to the same 1280 MiB block size: a cache hit
 	assert.Equal(t, a, b)
 	assert.EqualValues(t, 1, stats(t, p).NumCacheHits)
 	require.NoError(t, p.CheckInvariants())
@@ -85,8 +85,8 @@ func TestRoundupPower2DivisionsBySize(t *testing.T) {
 	by[RoundupInterval(1200*MiB)] = 4 // [1 GiB, 2 GiB) in quarters, nothing else rounded
 	p, _ := newTestPool(t, sim.Config{}, Config{RoundupPower2DivisionsBySize: by})
 	by[RoundupInterval(1200*MiB)] = 2 // the pool keeps its own copy
-	a := mustAlloc(t, p, 1200*MiB, 0, 0)
-	b := mustAlloc(t, p, 600*MiB+1, 0, 0)
+	a := mustAlloc(t, p, 0, 1200*MiB, 0)
+	b := mustAlloc(t, p, 0, 600*MiB+1, 0)
 	s := stats(t, p)
 	assert.EqualValues(t, 1280*MiB+600*MiB+512, s.AllocatedBytes[0].Current)
 	assert.EqualValues(t, 4, p.Config().RoundupPower2DivisionsBySize[RoundupInterval(1200*MiB)])
@@ -113,7 +113,7 @@ func TestRoundupDivisionsUpToTheirMaximum(t *testing.T) {
 	} {
 		p, err := NewPool(cfg)
 		require.NoError(t, err)
-		mustAlloc(t, p, 5*MiB+1, 0, 0)
+		mustAlloc(t, p, 0, 5*MiB+1, 0)
 		stats(t, p)
 	}
 	_, err = NewPool(Config{Backend: be, RoundupPower2Divisions: 2 * MaxRoundupDivisions})
@@ -128,10 +128,10 @@ func TestRoundupDivisionsUpToTheirMaximum(t *testing.T) {
 // block is 6 KiB where plain rounding gives 5 KiB (as torch's round_size).
 func TestRoundupPower2DivisionsTwoRounds(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{Capacity: 1 << 30}, Config{RoundupPower2Divisions: 2})
-	info, err := p.Lookup(mustAlloc(t, p, 5000, 0, 0))
+	info, err := p.Lookup(mustAlloc(t, p, 0, 5000, 0))
 	require.NoError(t, err)
 	assert.Equal(t, uint64(6144), info.Size)
-	info, err = p.Lookup(mustAlloc(t, p, 1000, 0, 0)) // at most 512*divisions: plain rounding
+	info, err = p.Lookup(mustAlloc(t, p, 0, 1000, 0)) // at most 512*divisions: plain rounding
 	require.NoError(t, err)
 	assert.Equal(t, uint64(1024), info.Size)
 }

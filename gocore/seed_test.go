@@ -32,7 +32,7 @@ func TestSeedSegmentLayout(t *testing.T) {
 	assert.EqualValues(t, 1, s.Segment[0].Current)
 	// The two cached blocks merged into one of 8 MiB: a request of 8 MiB
 	// takes it whole, at the first live block's end, with no new segment.
-	a, err := p.Alloc(8*MiB, 0, 0)
+	a, err := p.Alloc(0, 8*MiB, 0)
 	require.NoError(t, err)
 	assert.Equal(t, live[0]+4*MiB, a)
 	s, err = p.Stats(0)
@@ -55,10 +55,10 @@ func TestSeedSegmentSmall(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{}, Config{})
 	live, err := p.SeedSegment(0, 7, true, []SeedBlock{{Size: 512 << 10}, {Size: 1536 << 10, Requested: 1500 << 10, Live: true}})
 	require.NoError(t, err)
-	a, err := p.Alloc(512<<10, 0, 7)
+	a, err := p.Alloc(0, 512<<10, 7)
 	require.NoError(t, err)
 	assert.Equal(t, live[0]-512<<10, a, "the cached block before the live one")
-	_, err = p.Alloc(512<<10, 0, 0)
+	_, err = p.Alloc(0, 512<<10, 0)
 	require.NoError(t, err)
 	s, err := p.Stats(0)
 	require.NoError(t, err)
@@ -92,10 +92,10 @@ func TestSeedSegmentRefuses(t *testing.T) {
 
 func TestResetStats(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{}, Config{})
-	a, err := p.Alloc(30*MiB, 0, 0)
+	a, err := p.Alloc(0, 30*MiB, 0)
 	require.NoError(t, err)
 	require.NoError(t, p.Free(a))
-	_, err = p.Alloc(2*MiB, 0, 0)
+	_, err = p.Alloc(0, 2*MiB, 0)
 	require.NoError(t, err)
 	p.ResetPeakStats()
 	s, err := p.Stats(0)

@@ -12,7 +12,7 @@ import (
 
 func TestStatsMapHasTorchKeys(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{}, Config{})
-	mustAlloc(t, p, 3000, 0, 0)
+	mustAlloc(t, p, 0, 3000, 0)
 	m := stats(t, p)
 	km := m.ToMap()
 	for _, k := range []string{"allocated_bytes.all.current", "reserved_bytes.small_pool.peak",
@@ -30,8 +30,8 @@ func TestStatsMapHasTorchKeys(t *testing.T) {
 // current counts, the same totals and peaks.
 func TestStatsRetired(t *testing.T) {
 	p, _ := newTestPool(t, sim.Config{}, Config{})
-	a := mustAlloc(t, p, 3*MiB, 0, 0)
-	b := mustAlloc(t, p, 1000, 0, 0)
+	a := mustAlloc(t, p, 0, 3*MiB, 0)
+	b := mustAlloc(t, p, 0, 1000, 0)
 	require.NoError(t, p.Free(a))
 	require.NoError(t, p.Free(b))
 	s := stats(t, p)

@@ -118,9 +118,9 @@ func allocRecovered(e *registry.Entry, size uint64, device int, stream gocore.St
 	defer stopPanic(&returned, &err)
 	if err = enter(e); err == nil {
 		if segment {
-			addr, err = e.Graphs.AllocSegment(size, device, stream)
+			addr, err = e.Graphs.AllocSegment(device, size, stream)
 		} else {
-			addr, err = e.Graphs.Alloc(size, device, stream)
+			addr, err = e.Graphs.Alloc(device, size, stream)
 		}
 	}
 	returned = true

@@ -83,7 +83,7 @@ func TestSlotPairWithoutPool(t *testing.T) {
 func BenchmarkEnginePair(b *testing.B) {
 	e, _ := simSlotEntry(b)
 	for range b.N {
-		addr, err := e.Pool.Alloc(4096, 0, 0)
+		addr, err := e.Pool.Alloc(0, 4096, 0)
 		if err != nil {
 			b.Fatal(err)
 		}

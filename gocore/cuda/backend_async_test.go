@@ -34,7 +34,7 @@ func TestAsyncBackendPoolCycle(t *testing.T) {
 	p := newPool(t, be)
 
 	const stream = 0x10
-	a, err := p.Alloc(1000, 1, stream)
+	a, err := p.Alloc(1, 1000, stream)
 	require.NoError(t, err)
 	assert.Equal(t, 1, f.LivePools())
 	assert.Equal(t, 1, f.PtrDevice(a), "allocated from device 1's pool")
@@ -107,7 +107,7 @@ func TestAsyncBackendAttributes(t *testing.T) {
 
 	// MaxSize reaches the driver: a pool of 32 MiB cannot give 40.
 	p := newPool(t, be)
-	_, err := p.Alloc(40*mib, 0, 0)
+	_, err := p.Alloc(0, 40*mib, 0)
 	var oom *gocore.OutOfMemoryError
 	require.ErrorAs(t, err, &oom)
 	require.ErrorIs(t, oom.Cause, gocore.ErrBackendOutOfMemory)
@@ -129,7 +129,7 @@ func TestAsyncBackendFreesOnTheSegmentsStream(t *testing.T) {
 	be := newAsync(t, drv, AsyncOptions{})
 	p := newPool(t, be)
 	for _, stream := range []gocore.Stream{0x20, 0, 0x30} {
-		a, err := p.Alloc(4*mib, 0, stream)
+		a, err := p.Alloc(0, 4*mib, stream)
 		require.NoError(t, err)
 		assert.EqualValues(t, stream, f.LastStream("cuMemAllocFromPoolAsync"))
 		require.NoError(t, p.Free(a))
@@ -142,7 +142,7 @@ func TestAsyncBackendFreesOnTheSegmentsStream(t *testing.T) {
 	// event (as torch's empty_cache synchronizes its pending frees), and
 	// the segment is still freed on its own stream.
 	f.SetManualEvents(true)
-	a, err := p.Alloc(4*mib, 0, 0x40)
+	a, err := p.Alloc(0, 4*mib, 0x40)
 	require.NoError(t, err)
 	require.NoError(t, p.RecordStream(a, 0x50))
 	require.NoError(t, p.Free(a))
@@ -161,17 +161,17 @@ func TestAsyncBackendOutOfMemory(t *testing.T) {
 	be := newAsync(t, drv, AsyncOptions{})
 	p := newPool(t, be)
 
-	a, err := p.Alloc(40*mib, 0, 0)
+	a, err := p.Alloc(0, 40*mib, 0)
 	require.NoError(t, err)
 	require.NoError(t, p.Free(a)) // cached by the engine, still allocated in the driver
-	b, err := p.Alloc(50*mib, 0, 0)
+	b, err := p.Alloc(0, 50*mib, 0)
 	require.NoError(t, err, "the engine released its cache and retried")
 	st := poolStats(t, p, 0)
 	assert.EqualValues(t, 1, st.NumAllocRetries)
 	assert.Zero(t, st.NumOOMs)
 	assert.EqualValues(t, 50*mib, f.LiveBytes(0))
 
-	_, err = p.Alloc(100*mib, 0, 0)
+	_, err = p.Alloc(0, 100*mib, 0)
 	var oom *gocore.OutOfMemoryError
 	require.ErrorAs(t, err, &oom)
 	assert.Equal(t, "async", oom.Backend)
@@ -284,7 +284,7 @@ func testConcurrentPools(t *testing.T, be gocore.Backend, sizes []uint64) {
 				stream := gocore.Stream(g + 1)
 				var addrs []uint64
 				for _, size := range sizes {
-					a, err := p.Alloc(size, dev, stream)
+					a, err := p.Alloc(dev, size, stream)
 					if err != nil {
 						errs <- err
 						return
@@ -405,7 +405,7 @@ func TestAsyncBackendPoolDuringCapture(t *testing.T) {
 	const captured = 0x51
 	f.SetStreamCapturing(captured, true)
 	p.EnterCapture()
-	a, err := p.Alloc(3*mib, 0, captured)
+	a, err := p.Alloc(0, 3*mib, captured)
 	require.NoError(t, err)
 	assert.NotEqualValues(t, captured, f.LastStream("cuMemAllocFromPoolAsync"))
 	require.NoError(t, p.Free(a))
@@ -446,7 +446,7 @@ func TestReleaseOnTheLegacyStreamDuringAnotherCapture(t *testing.T) {
 	for name, be := range captureTestBackends(t, drv) {
 		t.Run(name, func(t *testing.T) {
 			p := newPool(t, be)
-			a, err := p.Alloc(4*mib, 0, 0) // a segment of the legacy default stream
+			a, err := p.Alloc(0, 4*mib, 0) // a segment of the legacy default stream
 			require.NoError(t, err)
 			require.NoError(t, p.Free(a))
 
@@ -482,7 +482,7 @@ func TestPoolCloseDuringItsCaptureKeepsSegments(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			p := newPool(t, be)
 			const captured = 0x91
-			a, err := p.Alloc(4*mib, 0, captured)
+			a, err := p.Alloc(0, 4*mib, captured)
 			require.NoError(t, err)
 			require.NoError(t, p.Free(a))
 			f.SetStreamCapturing(captured, true)

@@ -34,7 +34,7 @@ func TestVMMBackendPoolCycle(t *testing.T) {
 	p := newPool(t, be)
 
 	const stream = 0x11
-	a, err := p.Alloc(1000, 1, stream)
+	a, err := p.Alloc(1, 1000, stream)
 	require.NoError(t, err)
 	assert.EqualValues(t, gocore.SmallBuffer, f.LiveBytes(1), "cuMemCreate on device 1")
 	assert.Zero(t, f.LiveBytes(0))
@@ -63,7 +63,7 @@ func TestVMMBackendPoolCycle(t *testing.T) {
 	// work is done: EmptyCache waits for the engine's event (as torch's
 	// empty_cache synchronizes its pending frees), then for its own stream.
 	f.SetManualEvents(true)
-	d, err := p.Alloc(4*mib, 0, 0x12)
+	d, err := p.Alloc(0, 4*mib, 0x12)
 	require.NoError(t, err)
 	require.NoError(t, p.RecordStream(d, 0x13))
 	require.NoError(t, p.Free(d))
@@ -101,7 +101,7 @@ func TestVMMBackendGranularityRounding(t *testing.T) {
 
 	// Through a pool: the engine reserves 2 MiB, the device maps 8.
 	p := newPool(t, rec)
-	_, err = p.Alloc(1000, 0, 0)
+	_, err = p.Alloc(0, 1000, 0)
 	require.NoError(t, err)
 	assert.EqualValues(t, gocore.SmallBuffer, poolStats(t, p, 0).ReservedBytes[0].Current)
 	assert.EqualValues(t, 8*mib, f.LiveBytes(0))
@@ -148,7 +148,7 @@ func TestVMMBackendHostNUMA(t *testing.T) {
 	f, drv := setup(t)
 	be := newVMM(t, drv, VMMOptions{Location: VMMLocationHostNUMA, NUMANode: 1, AccessDevices: []int{1}, IPC: true})
 	p := newPool(t, be)
-	a, err := p.Alloc(1000, 0, 0) // device 0, NUMA node 1: the two ids differ
+	a, err := p.Alloc(0, 1000, 0) // device 0, NUMA node 1: the two ids differ
 	require.NoError(t, err)
 	locType, locID, handles := f.LastMemCreate()
 	assert.Equal(t, driver.MemLocationTypeHostNUMA, locType, "the location reached cuMemCreate")
@@ -203,13 +203,13 @@ func TestVMMBackendExpandable(t *testing.T) {
 	p := newPool(t, be)
 	const stream = 0x21
 
-	a, err := p.Alloc(30*mib, 0, stream) // two 20 MiB pages
+	a, err := p.Alloc(0, 30*mib, stream) // two 20 MiB pages
 	require.NoError(t, err)
 	head := bytes.Repeat([]byte("before growth "), 100)
 	fakecuda.Write(a, head)
 	fakecuda.Write(a+30*mib-4, []byte("edge"))
 
-	b, err := p.Alloc(30*mib, 0, stream)
+	b, err := p.Alloc(0, 30*mib, stream)
 	require.NoError(t, err)
 	assert.Equal(t, a+30*mib, b, "the second block follows the first in the grown segment")
 	st := poolStats(t, p, 0)
@@ -245,9 +245,9 @@ func TestVMMBackendExpandBeyondReservation(t *testing.T) {
 	f, drv := setup(t)
 	be := newVMM(t, drv, VMMOptions{Expandable: true, ReserveBytes: 40 * mib})
 	p := newPool(t, be)
-	a, err := p.Alloc(30*mib, 0, 0) // two 20 MiB pages of the 40 MiB reservation
+	a, err := p.Alloc(0, 30*mib, 0) // two 20 MiB pages of the 40 MiB reservation
 	require.NoError(t, err)
-	b, err := p.Alloc(30*mib, 0, 0)
+	b, err := p.Alloc(0, 30*mib, 0)
 	require.NoError(t, err, "a new segment when the growing one is full")
 	assert.NotEqual(t, a+30*mib, b)
 	st := poolStats(t, p, 0)
@@ -316,7 +316,7 @@ func TestVMMBackendExpandFailures(t *testing.T) {
 	f, drv := setup(t)
 	be := newVMM(t, drv, VMMOptions{Expandable: true, AccessDevices: []int{1}})
 	p := newPool(t, be)
-	a, err := p.Alloc(30*mib, 0, 0) // two 20 MiB pages: a 10 MiB free tail
+	a, err := p.Alloc(0, 30*mib, 0) // two 20 MiB pages: a 10 MiB free tail
 	require.NoError(t, err)
 	fakecuda.Write(a, []byte("kept"))
 	require.Equal(t, 3, f.VMMObjects())
@@ -324,7 +324,7 @@ func TestVMMBackendExpandFailures(t *testing.T) {
 	// Out of device memory: the growth and the new segment both fail, the
 	// engine reports an OutOfMemoryError, the segment is as it was.
 	f.Fail("cuMemCreate", driver.CodeOutOfMemory, 0)
-	_, err = p.Alloc(30*mib, 0, 0)
+	_, err = p.Alloc(0, 30*mib, 0)
 	var oom *gocore.OutOfMemoryError
 	require.ErrorAs(t, err, &oom)
 	assert.Equal(t, "vmm", oom.Backend)
@@ -336,7 +336,7 @@ func TestVMMBackendExpandFailures(t *testing.T) {
 	for _, fn := range []string{"cuMemMap", "cuMemSetAccess"} {
 		releases := f.Calls("cuMemRelease")
 		f.Fail(fn, driver.CodeInvalidValue, 0)
-		_, err = p.Alloc(30*mib, 0, 0)
+		_, err = p.Alloc(0, 30*mib, 0)
 		require.Error(t, err, fn)
 		assert.Contains(t, err.Error(), fn)
 		assert.Equal(t, releases+1, f.Calls("cuMemRelease"), "%s: the new chunk was released", fn)
@@ -346,7 +346,7 @@ func TestVMMBackendExpandFailures(t *testing.T) {
 	assert.Equal(t, []byte("kept"), fakecuda.Read(a, 4))
 	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a, 1))
 
-	b, err := p.Alloc(30*mib, 0, 0)
+	b, err := p.Alloc(0, 30*mib, 0)
 	require.NoError(t, err)
 	assert.Equal(t, a+30*mib, b, "grows once the driver cooperates")
 	assert.EqualValues(t, 1, poolStats(t, p, 0).NumExpansions)
@@ -498,9 +498,9 @@ func TestVMMBackendTouchesOnlyDevicesItUses(t *testing.T) {
 	assert.Zero(t, f.Retained(0)+f.Retained(1), "no context made by the constructor")
 	assert.EqualValues(t, DefaultVMMGranularity, be.Granularity())
 	p := newPool(t, be)
-	a, err := p.Alloc(3*mib, 1, 0x7)
+	a, err := p.Alloc(1, 3*mib, 0x7)
 	require.NoError(t, err)
-	b, err := p.Alloc(30*mib, 1, 0x7)
+	b, err := p.Alloc(1, 30*mib, 0x7)
 	require.NoError(t, err)
 	require.NoError(t, p.Free(a))
 	require.NoError(t, p.Free(b))

@@ -40,9 +40,9 @@ func TestVMMExportImportSegment(t *testing.T) {
 	f, drv := setup(t)
 	be := newVMM(t, drv, VMMOptions{Expandable: true, IPC: true})
 	p := newPool(t, be)
-	a, err := p.Alloc(30*mib, 0, 0) // two 20 MiB pages
+	a, err := p.Alloc(0, 30*mib, 0) // two 20 MiB pages
 	require.NoError(t, err)
-	b, err := p.Alloc(30*mib, 0, 0) // and one more
+	b, err := p.Alloc(0, 30*mib, 0) // and one more
 	require.NoError(t, err)
 	require.Equal(t, a+30*mib, b, "one grown segment")
 	_, _, handles := f.LastMemCreate()

@@ -15,9 +15,9 @@ const spinThreshold = 50 * time.Microsecond
 
 // Backend is a simulated device (a gocore.Backend) for tests and demos. It
 // hands out aligned, non-overlapping addresses from a per-device address
-// range, enforces a per-device capacity, can inject allocation and free failures,
-// and lets tests control when stream work (and so events) completes. It is
-// safe for concurrent use.
+// range, enforces a per-device capacity, can inject allocation and free
+// failures, and lets tests control when stream work (and so events)
+// completes. It is safe for concurrent use.
 type Backend struct {
 	cfg    Config // normalized
 	stride uint64

@@ -47,7 +47,8 @@ type Config struct {
 	// a busy-wait below). It is never spent while holding the backend's lock.
 	Latency time.Duration `option:"latency_ns" doc:"nanoseconds added to every Alloc and Free"`
 	// FailOnNthAlloc makes the Nth call to Alloc (1-based, counting every
-	// call) fail with an error wrapping gocore.ErrBackendOutOfMemory; 0 disables it.
+	// call) fail with an error wrapping gocore.ErrBackendOutOfMemory; 0
+	// disables it.
 	FailOnNthAlloc int `option:"fail_on_nth_alloc" doc:"the Nth Alloc (1-based) runs out of memory; 0: none"`
 	// FailRate is the probability in [0, 1] with which an otherwise valid
 	// Alloc fails with an error wrapping gocore.ErrBackendOutOfMemory.
@@ -56,15 +57,15 @@ type Config struct {
 	// equal seeds give equal failure sequences for equal call sequences.
 	Seed int64 `option:"seed" doc:"seed of the failures drawn by fail_rate and free_fail_rate"`
 	// FreeFailRate is the probability in [0, 1] with which an otherwise valid
-	// Free fails with a plain error (not gocore.ErrBackendOutOfMemory); the segment
-	// then stays live.
+	// Free fails with a plain error (not gocore.ErrBackendOutOfMemory); the
+	// segment then stays live.
 	FreeFailRate float64 `option:"free_fail_rate" type:"probability" doc:"probability that a Free fails"`
 	// ManualEvents makes recorded events complete only when the test calls
 	// CompleteStream or CompleteAll. When false, every event is complete as
 	// soon as it is recorded.
 	ManualEvents bool `option:"manual_events" doc:"events complete only when the test completes their stream"`
-	// Expandable makes the backend a gocore.Expander, gocore.Shrinker and gocore.PageMapper:
-	// every segment reserves address space for 1 1/8 times the device's
+	// Expandable makes the backend a gocore.Expander, gocore.Shrinker and
+	// gocore.PageMapper: every segment reserves address space for 1 1/8 times the device's
 	// capacity (in whole 20 MiB pages), as torch reserves for an
 	// expandable segment, so that the engine can map pages into it (at its
 	// end or into holes it unmapped) up to anything the device can back. A

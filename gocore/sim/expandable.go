@@ -51,8 +51,8 @@ func (b *Backend) Expand(device int, addr, size, extra uint64, stream gocore.Str
 }
 
 // Shrink gives back the last less bytes of the live segment
-// [addr, addr+size) (a gocore.Shrinker): the segment keeps its reserved address
-// space and may grow again. less must be a positive multiple of the
+// [addr, addr+size) (a gocore.Shrinker): the segment keeps its reserved
+// address space and may grow again. less must be a positive multiple of the
 // granularity smaller than size; the sim always gives back all of it.
 func (b *Backend) Shrink(device int, addr, size, less uint64, stream gocore.Stream) (uint64, error) {
 	b.delay()
@@ -79,8 +79,8 @@ func (b *Backend) Shrink(device int, addr, size, less uint64, stream gocore.Stre
 }
 
 // Unmap gives back the n bytes at offset off of the live segment
-// [addr, addr+size) (a gocore.PageMapper), keeping its address range: a hole the
-// segment may map again with Map. off and n must be multiples of the
+// [addr, addr+size) (a gocore.PageMapper), keeping its address range: a
+// hole the segment may map again with Map. off and n must be multiples of the
 // granularity, the range inside the segment; the sim counts a segment's
 // unmapped bytes, not where they lie.
 func (b *Backend) Unmap(device int, addr, size, off, n uint64, stream gocore.Stream) error {

@@ -10,8 +10,8 @@ import (
 // Alloc returns the start of a new segment of size bytes on device. The
 // address is aligned to Alignment and the segment, rounded up to Alignment,
 // overlaps no other live segment. Errors caused by exhausted capacity or by
-// injected failures (FailOnNthAlloc, FailRate) wrap gocore.ErrBackendOutOfMemory.
-// The stream is ignored: the simulator's allocations are synchronous.
+// injected failures (FailOnNthAlloc, FailRate) wrap
+// gocore.ErrBackendOutOfMemory. The stream is ignored: the simulator's allocations are synchronous.
 func (b *Backend) Alloc(device int, size uint64, stream gocore.Stream) (addr uint64, err error) {
 	b.delay()
 	b.mu.Lock()

@@ -369,7 +369,7 @@ def _placements(trace: Union[Trace, TraceFile], devices: int, start: Sequence[St
                 ) -> tuple[dict[int, list[tuple[int, int, int]]], list[Optional[int]]]:
     """The recorded segments (``trace.segments``) by the index of the event
     that obtained them, as ``(device, offset, size)`` with offsets into the
-    simulated device's placement window (:meth:`MemPool.sim_place_next`)
+    simulated device's placement window (``pool.sim.place_next``)
     that keep their address order. The ranges of a device are packed: each
     run of overlapping or touching ranges keeps its layout, the runs follow
     each other in address order from 2 MiB boundaries, and the gaps between
@@ -602,7 +602,7 @@ def replay(
     was_expected = expect_out_of_memory(True)
     try:
         alloc, alloc_segment, free, record_stream = pool.alloc, pool.alloc_segment, pool.free, pool.record_stream
-        place = pool.sim_place_next
+        place = pool.sim.place_next
         # The recording's segments are made just before the run's first
         # event: the blocks live at the start that they do not hold (a
         # private pool's, a CUDA graph's) are allocated before them, in
@@ -676,7 +676,7 @@ def replay(
                 else:
                     record_stream(ptr, e.stream)  # type: ignore[union-attr]
             elif t is Sync:
-                pool.sim_complete(e.stream)  # type: ignore[union-attr]
+                pool.sim.complete(e.stream)  # type: ignore[union-attr]
             elif t is EmptyCache:
                 pool.empty_cache()
             elif t is Trim:
@@ -693,10 +693,10 @@ def replay(
                 break
         if to_seed and stopped_at is None:  # the trace has no event after those live at the start
             seed()
-        pool.sim_complete()
+        pool.sim.complete()
         pool.process_events()
         stats = pool.stats()
-        placed = pool.sim_stats().get("placed", 0)
+        placed = pool.sim.stats().get("placed", 0)
     finally:
         expect_out_of_memory(was_expected)
         with warnings.catch_warnings():
@@ -763,7 +763,7 @@ def _seed(pool: MemPool, trace: Union[Trace, TraceFile], start: Sequence[StartSe
             continue
         blocks = [(size, min(requested.get(bid, size), size) if bid else 0, bool(bid)) for size, bid in g.blocks]
         if off is not None:
-            pool.sim_place_next(off, g.size, g.device)
+            pool.sim.place_next(off, g.size, g.device)
         try:
             addrs = pool.seed_segment(blocks, device=g.device, stream=g.stream, small=g.small)
         except OutOfMemoryError:
@@ -775,7 +775,7 @@ def _seed(pool: MemPool, trace: Union[Trace, TraceFile], start: Sequence[StartSe
                     "limit")
         finally:
             if off is not None:
-                pool.sim_place_next(None, device=g.device)
+                pool.sim.place_next(None, device=g.device)
         made += addrs
         seeded.update(zip([bid for _, bid in g.blocks if bid], addrs))
     return None

@@ -172,7 +172,7 @@ def test_frames_of_an_event_after_a_record_stream_are_its_own() -> None:
         snap = pool.snapshot()
         pool.free(a)
         pool.free(b)
-        pool.sim_complete()
+        pool.sim.complete()
         pool.process_events()
     assert snap.get("gpumempool_record_stream")
     tr = from_torch_snapshot(snap)

@@ -2279,10 +2279,10 @@ def test_exit_report_leaves_out_what_torch_caches(monkeypatch):
         assert gtorch.exit_leaks(plain, 3, 100) == (3, 100, "")  # torch never used it
         del y
         assert gtorch.exit_leaks(p, 2, 22 * MiB) == (0, 0, "")
-        # what the interpreter's exit does (gpumempool._pool._report_leaks_at_exit)
+        # what the interpreter's exit does (gpumempool._lifecycle.report_leaks_at_exit)
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
-            gmp._pool._report_leaks_at_exit()
+            gmp._lifecycle.report_leaks_at_exit()
         assert not [w for w in rec if "exit-report" in str(w.message)]
     finally:
         gc.collect()

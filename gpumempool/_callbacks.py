@@ -45,7 +45,7 @@ from ._errors import BackendError, CallbackReentryError, translate
 
 __all__ = ["ALLOC_FN", "FREE_FN", "AllocatorFunction", "CallbackErrors", "call_collecting", "callback_failure",
            "describe_exc", "drop_refs", "function_address", "has_python_functions", "keep_refs", "raise_failure",
-           "raise_interrupt", "refuse_reentry", "runs_python_function", "settle_alloc"]
+           "raise_interrupt", "refuse_reentry", "runs_python_function", "settle_alloc", "with_orphans"]
 
 T = TypeVar("T")
 #: The exceptions a pool's Python functions raised during one call, as
@@ -336,6 +336,18 @@ def describe_exc(exc: BaseException, limit: int = 200) -> str:
     if len(text) > limit:
         text = text[:limit] + "..."
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def with_orphans(msg: Optional[str], errors: CallbackErrors) -> Optional[str]:
+    """A pool's last C-ABI error ``msg`` (None when none) with the
+    exceptions its Python functions raised outside any pool method
+    (:meth:`CallbackErrors.take_orphans`) appended."""
+    orphans = errors.take_orphans()
+    if orphans:
+        raised = "; ".join(describe_exc(e) for e in orphans)
+        msg = f"{msg} (a Python allocator function raised {raised})" if msg else \
+            f"a Python allocator function raised {raised}"
+    return msg
 
 
 def callback_failure(kind: str, exc: BaseException) -> str:

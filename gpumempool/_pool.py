@@ -4,34 +4,19 @@ from __future__ import annotations
 
 import atexit
 import json
-import math
-import os
 import re
 import threading
-import warnings
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, TypeVar, Union
 
-from . import _callbacks, _lifecycle, _native
+from . import _callbacks, _close, _lifecycle, _native
 from . import _sim, _snapshot, _summary
 from ._args import I64, MAX_DEVICE, U64, as_stream, check_bool, check_int, device_index, roundup_option
 from ._backends import BACKENDS
 from ._backends import backend_options as _backend_options
 from ._backends import option_names as _option_names
-from ._callbacks import (
-    AllocatorFunction,
-    CallbackErrors,
-    callback_failure,
-    describe_exc,
-    function_address,
-)
-from ._errors import (
-    InvalidArgumentError,
-    LeakWarning,
-    OutOfMemoryError,
-    PoolClosedError,
-    translate,
-)
+from ._callbacks import AllocatorFunction, CallbackErrors, callback_failure, describe_exc, function_address
+from ._errors import InvalidArgumentError, OutOfMemoryError, PoolClosedError, translate
+from ._close import CloseReport, LiveBlock
 from ._lifecycle import open_pools
 
 if TYPE_CHECKING:
@@ -39,11 +24,9 @@ if TYPE_CHECKING:
 
 __all__ = ["CloseReport", "LiveBlock", "MemPool", "as_stream", "open_pools"]
 
-# At exit, once every atexit handler registered after this module's import
-# has run, the engine stops calling Python allocator functions, and then
-# the pools that still hold blocks are reported (see _lifecycle).
-# Registered here, at the import of the pool, in this order (atexit runs
-# the last first).
+# At exit, after every atexit handler registered after this import, the
+# leak report, then the engine stops calling Python allocator functions
+# (atexit runs the last registered first; see _lifecycle).
 atexit.register(_lifecycle.python_exiting)
 atexit.register(_lifecycle.report_leaks_at_exit)
 
@@ -62,31 +45,8 @@ def _new_locks_after_fork() -> None:
 _native.after_fork_in_child(_new_locks_after_fork)
 
 _b = _native.bindings
-
-
 _fast = _native.fastcall  # None in a build without gpumempool._fastcall
 T = TypeVar("T")
-
-@dataclass(frozen=True)
-class LiveBlock:
-    """A block still allocated when its pool was closed."""
-
-    device: int
-    addr: int
-    size: int
-    requested: int
-    stream: int
-
-
-@dataclass(frozen=True)
-class CloseReport:
-    """What :meth:`MemPool.close` found and released."""
-
-    live_blocks: list[LiveBlock] = field(default_factory=list)
-    live_bytes: int = 0
-    segments_freed: int = 0
-    bytes_freed: int = 0
-
 
 #: The start of the engine's OutOfMemoryError message: pool, device, request.
 _OOM_HEAD = re.compile(r'^pool (".*?") \(.*? backend\) out of memory on device (\d+): tried to allocate ([^(]+?) \(')
@@ -267,8 +227,7 @@ class MemPool:
         return result
 
     def _native_collect(self, fn: Callable[..., T], *args: Any) -> tuple[T, list[tuple[str, BaseException]]]:
-        """``fn(*args)`` by the rules of :func:`_callbacks.call_collecting`
-        (every call of a pool with Python callbacks comes here)."""
+        """``fn(*args)`` by the rules of _callbacks.call_collecting: every call of a Python-callback pool."""
         return _callbacks.call_collecting(self._callback_errors, self._reentry_label, _callback_error_message,
                                           fn, *args)
 
@@ -360,9 +319,7 @@ class MemPool:
         return ptr
 
     def _alloc_with_callbacks(self, fn: Callable[..., int], handle: int, size: int, device: int, stream: int) -> int:
-        """``fn`` (PoolAlloc or PoolAllocSegment) on a pool with Python
-        callbacks: the block, the callbacks' failures reported as
-        :func:`_callbacks.settle_alloc` says."""
+        """``fn`` (PoolAlloc or PoolAllocSegment) on a pool with Python callbacks (see settle_alloc)."""
         ptr, errs = self._native_collect(fn, handle, size, device, stream)
         if errs:
             _callbacks.settle_alloc(errs, ptr, self._name_or_id, self._free_quietly)
@@ -551,13 +508,7 @@ class MemPool:
         NULL instead of raising), cleared by reading; None when none. The
         exceptions Python callbacks raised while called through the C ABI
         are appended."""
-        msg = self._native(_b.PoolTakeError, self._handle()) or None
-        orphans = self._callback_errors.take_orphans()
-        if orphans:
-            raised = "; ".join(describe_exc(e) for e in orphans)
-            msg = f"{msg} (a Python allocator function raised {raised})" if msg else \
-                f"a Python allocator function raised {raised}"
-        return msg
+        return _callbacks.with_orphans(self._native(_b.PoolTakeError, self._handle()) or None, self._callback_errors)
 
     # -- snapshots and history ----------------------------------------------
 
@@ -664,9 +615,8 @@ class MemPool:
 
     @property
     def sim(self) -> _sim.SimControls:
-        """The controls of the pool's simulated device (``backend="sim"``):
-        :meth:`~SimControls.complete`, :meth:`~SimControls.manual_events`,
-        :meth:`~SimControls.place_next`, :meth:`~SimControls.stats`."""
+        """The controls of the pool's simulated device (``backend="sim"``): complete,
+        manual_events, place_next, stats (see :class:`gpumempool._sim.SimControls`)."""
         return _sim.SimControls(self._native, self._handle)
 
     def sim_complete(self, stream: Any = None) -> None:
@@ -708,14 +658,7 @@ class MemPool:
         if self._callback_errors.inside():  # before self._lock, which the outer call may hold
             _callbacks.refuse_reentry(self._reentry_label())
         if self._report is None and self._id:
-            # torch's pools, CuPy's allocator, cache scopes (_lifecycle.on_close)
-            for hook in _lifecycle.close_hooks():
-                try:
-                    problem = hook(self)
-                except Exception as exc:  # noqa: BLE001 - closing must not raise
-                    problem = f"{getattr(hook, '__qualname__', hook)} raised {describe_exc(exc)}"
-                if isinstance(problem, str) and problem:
-                    warnings.warn(f"closing pool anyway: {problem}", LeakWarning, stacklevel=2)
+            _close.run_close_hooks(self)
         problems: list[str] = []
         with self._lock:
             if self._report is not None:
@@ -727,7 +670,7 @@ class MemPool:
                     self._cached_name = self.config()["name"]
                 except Exception:  # noqa: BLE001 - closed through another object
                     self._cached_name = None
-            raw: dict[str, Any] = {"live_blocks": []}
+            raw: dict[str, Any] = {}
             try:
                 out, errs = self._native_collect(_b.PoolClose, self._id)
                 raw = json.loads(out)
@@ -739,21 +682,8 @@ class MemPool:
                 problems.append(describe_exc(exc))
             problems += [callback_failure(kind, e) for kind, e in errs]
             _callbacks.drop_refs(self._id)
-            self._report = CloseReport(
-                live_blocks=[LiveBlock(**b) for b in raw.get("live_blocks", [])],
-                live_bytes=raw.get("live_bytes", 0),
-                segments_freed=raw.get("segments_freed", 0),
-                bytes_freed=raw.get("bytes_freed", 0),
-            )
-        for problem in problems:
-            warnings.warn(f"pool {self._name_or_id()} closed, but {problem}", LeakWarning, stacklevel=2)
-        if self._report.live_blocks:
-            warnings.warn(
-                f"pool {self._name_or_id()} closed with {len(self._report.live_blocks)} live block(s), "
-                f"{self._report.live_bytes} bytes",
-                LeakWarning,
-                stacklevel=2,
-            )
+            self._report = _close.report(raw)
+        _close.warn_problems(self._name_or_id(), problems, self._report)
         return self._report
 
     def __enter__(self) -> "MemPool":

@@ -27,7 +27,7 @@ def test_info_without_a_driver_exits_zero() -> None:
 
 def test_info_reports_what_the_torch_integration_will_do(monkeypatch) -> None:
     from gpumempool import __main__ as cli
-    from test_torch_logic import make_torch
+    from faketorch import make_torch
 
     if "torch" not in sys.modules:
         try:

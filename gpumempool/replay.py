@@ -242,7 +242,6 @@ def _meta_devices(value: Any) -> int:
     return value
 
 
-
 @dataclass
 class ReplayResult:
     """What a replay measured. Byte figures are summed over devices of each

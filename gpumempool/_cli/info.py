@@ -9,8 +9,6 @@ import sys
 from typing import Any
 
 
-
-
 def run(args: argparse.Namespace) -> int:
     import gpumempool as gmp
 

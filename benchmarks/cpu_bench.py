@@ -265,7 +265,7 @@ def main() -> None:
         "",
         "| step | seconds | MB/s |",
         "|---|---:|---:|",
-        f"| opcode scan in Go (bindings/picklescan) | {snap['scan_go_s']:.3f} | {mb / snap['scan_go_s']:.0f} |",
+        f"| opcode scan in Go (internal/picklescan) | {snap['scan_go_s']:.3f} | {mb / snap['scan_go_s']:.0f} |",
         f"| load_pickle, Go scan (its bound clears the walk) | {snap['load_go_s']:.3f} "
         f"| {mb / snap['load_go_s']:.0f} |",
         f"| the walk over the result (_check_structure), which the bound spares | {snap['walk_s']:.3f} "

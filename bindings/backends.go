@@ -15,6 +15,7 @@ import (
 	"github.com/gpumempool/gpumempool/gocore/nccl"
 	"github.com/gpumempool/gpumempool/gocore/nccl/libnccl"
 	"github.com/gpumempool/gpumempool/gocore/options"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 // backendKind is one entry of the registry of backends: its name, what it
@@ -28,15 +29,15 @@ type backendKind struct {
 	Options []options.Field `json:"options"`
 	// build decodes the options (a JSON object, empty when none were given)
 	// and makes the backend; sim is set for a simulator (test controls).
-	build func(opts json.RawMessage, o poolOptions) (be gocore.Backend, sim *gocore.SimBackend, err error)
+	build func(opts json.RawMessage, o poolOptions) (be gocore.Backend, sim *sim.Backend, err error)
 }
 
 // kind registers a backend whose options are a T.
 func kind[T any](name, doc string,
-	build func(opts T, given bool, o poolOptions) (gocore.Backend, *gocore.SimBackend, error)) backendKind {
+	build func(opts T, given bool, o poolOptions) (gocore.Backend, *sim.Backend, error)) backendKind {
 	fields := options.Schema[T]()
 	return backendKind{Name: name, Doc: doc, Options: fields,
-		build: func(raw json.RawMessage, o poolOptions) (gocore.Backend, *gocore.SimBackend, error) {
+		build: func(raw json.RawMessage, o poolOptions) (gocore.Backend, *sim.Backend, error) {
 			var opts T
 			if err := options.Decode(raw, fields, &opts); err != nil {
 				return nil, nil, fmt.Errorf("%s %v: %w", name, err, gocore.ErrInvalidArgument)
@@ -71,7 +72,7 @@ type (
 var backendKinds = []backendKind{
 	kind("sim", "a simulated device: no GPU needed; pools without options share one", buildSim),
 	kind("callback", "segments from your own alloc and free functions (PyTorch's pluggable-allocator signatures)",
-		func(c callback.Config, _ bool, o poolOptions) (gocore.Backend, *gocore.SimBackend, error) {
+		func(c callback.Config, _ bool, o poolOptions) (gocore.Backend, *sim.Backend, error) {
 			c.Alloc, c.Free, c.Name, c.Python = uintptr(o.AllocFn), uintptr(o.FreeFn), o.Name, o.PythonCallbacks
 			be, err := callback.New(c)
 			return be, nil, err
@@ -114,8 +115,8 @@ func (o asyncOptions) driverOptions() driver.Options { return o.Options }
 func (o vmmOptions) driverOptions() driver.Options   { return o.Options }
 
 // gpu builds a backend over the CUDA driver its options name.
-func gpu[T gpuOptions](newBackend func(*driver.Driver, T) (gocore.Backend, error)) func(T, bool, poolOptions) (gocore.Backend, *gocore.SimBackend, error) {
-	return func(opts T, _ bool, o poolOptions) (gocore.Backend, *gocore.SimBackend, error) {
+func gpu[T gpuOptions](newBackend func(*driver.Driver, T) (gocore.Backend, error)) func(T, bool, poolOptions) (gocore.Backend, *sim.Backend, error) {
+	return func(opts T, _ bool, o poolOptions) (gocore.Backend, *sim.Backend, error) {
 		drv, err := driver.Load(opts.driverOptions().Library)
 		if err != nil {
 			return nil, nil, fmt.Errorf("%s backend: %w", o.Backend, err)
@@ -127,19 +128,19 @@ func gpu[T gpuOptions](newBackend func(*driver.Driver, T) (gocore.Backend, error
 
 var (
 	defaultSimOnce sync.Once
-	defaultSim     *gocore.SimBackend
+	defaultSim     *sim.Backend
 	defaultSimErr  error
 )
 
 // buildSim makes a simulator with the options given, or returns the
 // process-wide one that pools created without options share, as pools
 // share a real GPU.
-func buildSim(cfg gocore.SimConfig, given bool, _ poolOptions) (gocore.Backend, *gocore.SimBackend, error) {
+func buildSim(cfg sim.Config, given bool, _ poolOptions) (gocore.Backend, *sim.Backend, error) {
 	if !given {
-		defaultSimOnce.Do(func() { defaultSim, defaultSimErr = gocore.NewSimBackend(gocore.SimConfig{}) })
+		defaultSimOnce.Do(func() { defaultSim, defaultSimErr = sim.New(sim.Config{}) })
 		return defaultSim, defaultSim, defaultSimErr
 	}
-	sim, err := gocore.NewSimBackend(cfg)
+	sim, err := sim.New(cfg)
 	if err != nil {
 		return nil, nil, simOptionError(err)
 	}
@@ -147,11 +148,11 @@ func buildSim(cfg gocore.SimConfig, given bool, _ poolOptions) (gocore.Backend, 
 }
 
 // simFields is the sim backend's schema, for simOptionError.
-var simFields = options.Schema[gocore.SimConfig]()
+var simFields = options.Schema[sim.Config]()
 
-// simOptionError names the option behind a *gocore.SimConfigError.
+// simOptionError names the option behind a *sim.ConfigError.
 func simOptionError(err error) error {
-	var ce *gocore.SimConfigError
+	var ce *sim.ConfigError
 	if !errors.As(err, &ce) {
 		return fmt.Errorf("%v: %w", err, gocore.ErrInvalidArgument)
 	}
@@ -181,7 +182,7 @@ func lookupKind(name string) (backendKind, error) {
 
 // buildBackend makes the backend the options name. sim is returned too when
 // the backend is a simulator (for the test controls).
-func buildBackend(o poolOptions) (be gocore.Backend, sim *gocore.SimBackend, err error) {
+func buildBackend(o poolOptions) (be gocore.Backend, sim *sim.Backend, err error) {
 	k, err := lookupKind(o.Backend)
 	if err != nil {
 		return nil, nil, err

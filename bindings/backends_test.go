@@ -10,6 +10,7 @@ import (
 
 	"github.com/gpumempool/gpumempool/bindings/pyerr"
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 // The registry publishes every backend NewPool builds, with the options its
@@ -37,7 +38,7 @@ func TestBackendSchema(t *testing.T) {
 			assert.NotEmpty(t, o.Doc, "%s %s", k.Name, o.Name)
 			opts[k.Name][o.Name] = o.Type
 			if o.Name == "capacity" {
-				assert.Equal(t, gocore.FormatBytes(gocore.DefaultSimCapacity), o.Default)
+				assert.Equal(t, gocore.FormatBytes(sim.DefaultCapacity), o.Default)
 				assert.True(t, o.ZeroIsDefault)
 			}
 		}

@@ -24,6 +24,7 @@ import (
 	"github.com/gpumempool/gpumempool/gocore/graphpool"
 	"github.com/gpumempool/gpumempool/gocore/nvmldev"
 	"github.com/gpumempool/gpumempool/gocore/options"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 // Version returns the engine version.
@@ -71,7 +72,7 @@ func PoolAllocSegment(id, size, device int64, stream uint64) (addr uint64, err e
 }
 
 func poolAlloc(id, size, device int64, stream uint64,
-	alloc func(*graphpool.Pools, uint64, int, gocore.Stream) (uint64, error)) (uint64, error) {
+	alloc func(*graphpool.Pools, int, uint64, gocore.Stream) (uint64, error)) (uint64, error) {
 	return withEntry(id, func(e *registry.Entry) (uint64, error) {
 		if size <= 0 {
 			return 0, fmt.Errorf("alloc of %d bytes: size must be positive: %w", size, gocore.ErrInvalidSize)
@@ -82,7 +83,7 @@ func poolAlloc(id, size, device int64, stream uint64,
 		if err := cabi.Reentered(e); err != nil {
 			return 0, err
 		}
-		return alloc(e.Pool, uint64(size), int(device), gocore.Stream(stream))
+		return alloc(e.Pool, int(device), uint64(size), gocore.Stream(stream))
 	})
 }
 
@@ -396,7 +397,7 @@ func ListPools() (js string, err error) {
 
 // withSim runs work on the simulated device of the pool behind id, under
 // guard; a pool of another backend is an error.
-func withSim[T any](id int64, work func(s *gocore.SimBackend) (T, error)) (T, error) {
+func withSim[T any](id int64, work func(s *sim.Backend) (T, error)) (T, error) {
 	return withEntry(id, func(e *registry.Entry) (T, error) {
 		if e.Sim == nil {
 			var none T
@@ -411,7 +412,7 @@ func withSim[T any](id int64, work func(s *gocore.SimBackend) (T, error)) (T, er
 //
 // ok is true when err is nil (see okOf).
 func SimCompleteStream(id int64, stream uint64, all bool) (ok bool, err error) {
-	return withSim(id, func(s *gocore.SimBackend) (bool, error) {
+	return withSim(id, func(s *sim.Backend) (bool, error) {
 		if all {
 			s.CompleteAll()
 		} else {
@@ -426,7 +427,7 @@ func SimCompleteStream(id int64, stream uint64, all bool) (ok bool, err error) {
 //
 // ok is true when err is nil (see okOf).
 func SimSetManualEvents(id int64, manual bool) (ok bool, err error) {
-	return withSim(id, func(s *gocore.SimBackend) (bool, error) {
+	return withSim(id, func(s *sim.Backend) (bool, error) {
 		s.SetManualEvents(manual)
 		return true, nil
 	})
@@ -434,20 +435,20 @@ func SimSetManualEvents(id int64, manual bool) (ok bool, err error) {
 
 // SimPlaceNext asks the pool's simulated device to put the next segment of
 // exactly size bytes on device offset bytes into its placement window
-// (size 0 withdraws the request; see gocore.SimBackend.PlaceNext). Replay
+// (size 0 withdraws the request; see sim.Backend.PlaceNext). Replay
 // uses it to give segments the address order the recording allocator's
 // device gave them.
 //
 // ok is true when err is nil (see okOf).
 func SimPlaceNext(id, device int64, offset, size uint64) (ok bool, err error) {
-	return withSim(id, func(s *gocore.SimBackend) (bool, error) {
+	return withSim(id, func(s *sim.Backend) (bool, error) {
 		return okOf(s.PlaceNext(int(device), offset, size))
 	})
 }
 
 // SimStats returns the simulated device's counters as JSON.
 func SimStats(id int64) (js string, err error) {
-	return withSim(id, func(s *gocore.SimBackend) (string, error) {
+	return withSim(id, func(s *sim.Backend) (string, error) {
 		st := s.Stats()
 		return marshal(map[string]any{"allocs": st.Allocs, "frees": st.Frees, "failed_allocs": st.FailedAllocs,
 			"failed_frees": st.FailedFrees, "live_segments": st.LiveSegments, "live_bytes": st.LiveBytes,

@@ -15,8 +15,12 @@ import (
 // cached, after waiting for the frees pending on other streams), before
 // returning an *OutOfMemoryError (no release while the pool holds its
 // segments: KeepSegments or a capture).
-func (p *Pool) Alloc(size uint64, dev int, stream Stream) (uint64, error) {
-	return p.alloc(size, dev, stream, false)
+//
+// Its arguments come in the engine's one order, device first, as in
+// Backend.Alloc, Trim and SetDeviceLimit; the C ABI and the Python API keep
+// torch's alloc(size, device, stream).
+func (p *Pool) Alloc(dev int, size uint64, stream Stream) (uint64, error) {
+	return p.alloc(dev, size, stream, false)
 }
 
 // AllocSegment is Alloc for a caller that sizes segments itself and caches
@@ -27,14 +31,14 @@ func (p *Pool) Alloc(size uint64, dev int, stream Stream) (uint64, error) {
 // 2 MiB for large requests) instead of torch's 20 MiB buffer for requests
 // under 10 MiB: the caller carves that buffer itself, and a second one
 // beneath it would leave up to 18 MiB reserved and never used.
-func (p *Pool) AllocSegment(size uint64, dev int, stream Stream) (uint64, error) {
-	return p.alloc(size, dev, stream, true)
+func (p *Pool) AllocSegment(dev int, size uint64, stream Stream) (uint64, error) {
+	return p.alloc(dev, size, stream, true)
 }
 
-func (p *Pool) alloc(size uint64, dev int, stream Stream, callerSegments bool) (uint64, error) {
+func (p *Pool) alloc(dev int, size uint64, stream Stream, callerSegments bool) (uint64, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	d, err := p.allocDevice(size, dev)
+	d, err := p.allocDevice(dev, size)
 	if err != nil {
 		return 0, err
 	}
@@ -68,16 +72,16 @@ func (p *Pool) alloc(size uint64, dev int, stream Stream, callerSegments bool) (
 // [1, MaxRequest], a device of the backend) and returns its device state.
 // The common case is one test per argument; allocDeviceSlow says what is
 // wrong, or creates the state on a device's first allocation.
-func (p *Pool) allocDevice(size uint64, dev int) (*deviceState, error) {
+func (p *Pool) allocDevice(dev int, size uint64) (*deviceState, error) {
 	if uint(dev) < uint(len(p.devices)) {
 		if d := p.devices[dev]; d != nil && size-1 < MaxRequest && !p.closed {
 			return d, nil
 		}
 	}
-	return p.allocDeviceSlow(size, dev)
+	return p.allocDeviceSlow(dev, size)
 }
 
-func (p *Pool) allocDeviceSlow(size uint64, dev int) (*deviceState, error) {
+func (p *Pool) allocDeviceSlow(dev int, size uint64) (*deviceState, error) {
 	if p.closed {
 		return nil, fmt.Errorf("alloc %d bytes from pool %q: %w", size, p.name, ErrClosed)
 	}

@@ -1,18 +1,21 @@
-package gocore
+package gocore_test
 
 import (
 	"fmt"
 	"testing"
+
+	. "github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 // fragmentedPool returns a pool holding n free blocks of mixed small sizes,
 // kept apart by live blocks so they cannot merge: the state a long training
 // run leaves behind.
 func fragmentedPool(b *testing.B, n int) *Pool {
-	p, _ := newTestPool(b, SimConfig{Capacity: 1 << 40}, Config{})
+	p, _ := newTestPool(b, sim.Config{Capacity: 1 << 40}, Config{})
 	addrs := make([]uint64, 0, 2*n)
 	for i := range 2 * n {
-		addrs = append(addrs, mustAlloc(b, p, uint64(512*(1+i%128)), 0, 0))
+		addrs = append(addrs, mustAlloc(b, p, 0, uint64(512*(1+i%128)), 0))
 	}
 	for i := 0; i < len(addrs); i += 2 {
 		if err := p.Free(addrs[i]); err != nil {
@@ -57,7 +60,7 @@ func BenchmarkCacheHitParallel(b *testing.B) {
 		})
 	})
 	b.Run("per-goroutine", func(b *testing.B) {
-		be, err := NewSimBackend(SimConfig{Capacity: 1 << 40})
+		be, err := sim.New(sim.Config{Capacity: 1 << 40})
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -76,7 +79,7 @@ func BenchmarkCacheHitParallel(b *testing.B) {
 
 // allocFree is one cache-hit pair: the unit every benchmark here measures.
 func allocFree(b *testing.B, p *Pool) {
-	a, err := p.Alloc(4096, 0, 0)
+	a, err := p.Alloc(0, 4096, 0)
 	if err != nil {
 		b.Fatal(err)
 	}

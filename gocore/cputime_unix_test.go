@@ -1,6 +1,6 @@
 //go:build unix
 
-package gocore
+package gocore_test
 
 import "syscall"
 

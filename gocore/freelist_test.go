@@ -172,3 +172,28 @@ func TestSmallBinsStayHeaps(t *testing.T) {
 		}
 	}
 }
+
+// Many free blocks of one size class (a heap on address, not one or two
+// blocks a class as in a mixed workload): every best fit is the lowest
+// address left, through random inserts and removes anywhere in the heap.
+func TestSmallBinsOneClassHeapKeepsTheLowestAddressFirst(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	var s smallBins
+	var free []*block
+	for step := range 5000 {
+		if len(free) > 0 && (len(free) >= 300 || rng.IntN(2) == 0) {
+			i := rng.IntN(len(free))
+			s.remove(free[i])
+			free[i] = free[len(free)-1]
+			free = free[:len(free)-1]
+		} else {
+			b := &block{addr: uint64(1<<30) + uint64(rng.IntN(1<<24))*MinBlockSize, size: 8 * MinBlockSize}
+			if slices.ContainsFunc(free, func(o *block) bool { return o.addr == b.addr }) {
+				continue
+			}
+			s.insert(b)
+			free = append(free, b)
+		}
+		require.Same(t, bestFitByScan(&s, MinBlockSize), s.bestFit(MinBlockSize), "step %d", step)
+	}
+}

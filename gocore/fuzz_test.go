@@ -1,4 +1,4 @@
-package gocore
+package gocore_test
 
 import (
 	"errors"
@@ -6,6 +6,9 @@ import (
 	"os"
 	"strconv"
 	"testing"
+
+	. "github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 // FuzzPoolOps drives random sequences of alloc (and AllocSegment), free, record_stream, event
@@ -70,7 +73,7 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 	}
 	r := &fuzzReader{data: data}
 	flags := r.next()
-	be, err := NewSimBackend(SimConfig{
+	be, err := sim.New(sim.Config{
 		Devices: 2, Capacity: 256 * MiB, ManualEvents: true,
 		Expandable: flags&1 != 0, FailRate: float64(flags>>1&3) / 10, Seed: int64(flags),
 	})
@@ -131,7 +134,7 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 			if op>>6&1 == 1 { // as torch's caching allocator asks for a MemPool's segments
 				alloc = p.AllocSegment
 			}
-			addr, err := alloc(size, arg>>2&1, Stream(arg&3))
+			addr, err := alloc(arg>>2&1, size, Stream(arg&3))
 			switch {
 			case err == nil:
 				live = append(live, liveBlock{pi, addr})
@@ -210,7 +213,7 @@ func fuzzPoolOps(t *testing.T, data []byte) (ops int) {
 			if err := q.CheckInvariants(); err != nil {
 				t.Fatalf("step %d: pool %d: %v", step, i, err)
 			}
-			if q.cfg.KeepSegments && !q.Closed() {
+			if q.Config().KeepSegments && !q.Closed() {
 				if s, err := q.Stats(-1); err == nil && s.NumDeviceFree != 0 {
 					t.Fatalf("step %d: pool %d keeps its segments but gave %d back", step, i, s.NumDeviceFree)
 				}

@@ -1,4 +1,4 @@
-package gocore
+package gocore_test
 
 import (
 	"cmp"
@@ -8,42 +8,10 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
-)
 
-// TestStatSwapIsDownThenUp: swap(out, in) leaves the counts a down(out)
-// followed by an up(in) leaves, the peak included, whichever of out and in
-// is larger; StatArray.swap touches the aggregate and its own kind only.
-func TestStatSwapIsDownThenUp(t *testing.T) {
-	r := rand.New(rand.NewPCG(5, 6))
-	for i := range 10_000 {
-		cur := r.Int64N(1000)
-		start := Stat{Current: cur, Peak: cur + r.Int64N(3)*r.Int64N(500), Allocated: cur + r.Int64N(100)}
-		start.Freed = start.Allocated - cur
-		out := r.Int64N(cur + 1)
-		in := r.Int64N(2 * (cur + 1)) // above and below out, and past the peak
-		if i%7 == 0 {
-			in = 0
-		}
-		want, got := start, start
-		want.down(out)
-		want.up(in)
-		got.swap(out, in)
-		require.Equal(t, want, got, "%+v swap(%d, %d)", start, out, in)
-	}
-	for _, k := range []poolKind{kindSmall, kindLarge} {
-		var want, got StatArray
-		for i := range want {
-			want[i] = Stat{Current: 10, Peak: 12, Allocated: 30, Freed: 20}
-		}
-		got = want
-		want.down(k, 3)
-		want.up(k, 8)
-		got.swap(k, 3, 8)
-		require.Equal(t, want, got, "kind %d", k)
-		require.Equal(t, int64(12), got[3-k].Peak, "the other kind is untouched")
-		require.Equal(t, int64(15), got[k].Peak)
-	}
-}
+	. "github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
+)
 
 // TestFreeMergeCountsFollowTheNeighbours frees random blocks of small and
 // large segments (expandable or not) and checks each free against a model
@@ -59,9 +27,9 @@ func TestStatSwapIsDownThenUp(t *testing.T) {
 func TestFreeMergeCountsFollowTheNeighbours(t *testing.T) {
 	for _, expandable := range []bool{false, true} {
 		t.Run(fmt.Sprintf("expandable=%v", expandable), func(t *testing.T) {
-			p, _ := newTestPool(t, SimConfig{Capacity: 1 << 30}, Config{})
+			p, _ := newTestPool(t, sim.Config{Capacity: 1 << 30}, Config{})
 			if expandable {
-				p, _ = newTestPool(t, SimConfig{Capacity: 1 << 30, Expandable: true}, Config{})
+				p, _ = newTestPool(t, sim.Config{Capacity: 1 << 30, Expandable: true}, Config{})
 			}
 			r := rand.New(rand.NewPCG(7, uint64(len(t.Name()))))
 			var live []uint64
@@ -76,8 +44,8 @@ func TestFreeMergeCountsFollowTheNeighbours(t *testing.T) {
 						size = uint64(1+r.IntN(24)) * MiB / 2
 					}
 					stream := Stream(r.IntN(2))
-					want, wantOK := bestFitInSnapshot(p.Snapshot(), p.roundSizeForTest(size), size, stream)
-					addr := mustAlloc(t, p, size, 0, stream)
+					want, wantOK := bestFitInSnapshot(p.Snapshot(), roundSizeForTest(size), size, stream)
+					addr := mustAlloc(t, p, 0, size, stream)
 					if wantOK {
 						bestFits++
 						require.Equal(t, want, addr, "step %d: alloc %d on stream %d", step, size, stream)
@@ -116,9 +84,9 @@ func TestFreeMergeCountsFollowTheNeighbours(t *testing.T) {
 	}
 }
 
-// roundSizeForTest is the block size an Alloc of size gets in p (default
+// roundSizeForTest is the block size an Alloc of size gets in a pool (default
 // config): 512-byte rounding.
-func (p *Pool) roundSizeForTest(size uint64) uint64 {
+func roundSizeForTest(size uint64) uint64 {
 	return (size + MinBlockSize - 1) &^ (MinBlockSize - 1)
 }
 
@@ -198,9 +166,9 @@ func checkFreeAgainstModel(t *testing.T, p *Pool, addr uint64) (nMerged int, who
 	require.NotNil(t, seg, "block %#x in the snapshot", addr)
 	blocks := seg.Blocks
 	require.Equal(t, StateAllocated, blocks[idx].State)
-	kind := kindLarge
+	kind := KindLarge
 	if seg.SegmentType == "small" {
-		kind = kindSmall
+		kind = KindSmall
 	}
 	start, size := blocks[idx].Address, blocks[idx].Size
 	var merged, mergedBytes int64
@@ -235,11 +203,11 @@ func checkFreeAgainstModel(t *testing.T, p *Pool, addr uint64) (nMerged int, who
 
 	wantCount, wantBytes := before.InactiveSplit, before.InactiveSplitBytes
 	if !seg.IsExpandable {
-		wantCount.down(kind, merged)
-		wantBytes.down(kind, mergedBytes)
+		wantCount.Down(kind, merged)
+		wantBytes.Down(kind, mergedBytes)
 		if !whole {
-			wantCount.up(kind, 1)
-			wantBytes.up(kind, int64(size))
+			wantCount.Up(kind, 1)
+			wantBytes.Up(kind, int64(size))
 		}
 	}
 	require.Equal(t, wantCount, after.InactiveSplit, "free %#x: %d neighbours merged, whole %v", addr, merged, whole)

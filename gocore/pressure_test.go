@@ -1,10 +1,13 @@
-package gocore
+package gocore_test
 
 import (
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	. "github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 // Memory pressure and version rules, each checked against torch's
@@ -16,8 +19,8 @@ import (
 // segments: a block freed after use on another stream whose work has not
 // completed goes back with its segment.
 func TestEmptyCacheWaitsForPendingFrees(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
-	a := mustAlloc(t, p, 30*MiB, 0, 0)
+	p, be := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
+	a := mustAlloc(t, p, 0, 30*MiB, 0)
 	require.NoError(t, p.RecordStream(a, 7))
 	require.NoError(t, p.Free(a)) // waits for stream 7, which never completes
 	released, err := p.EmptyCache()
@@ -33,7 +36,7 @@ func TestEmptyCacheWaitsForPendingFrees(t *testing.T) {
 	assert.Zero(t, waiting)
 
 	// Trim is not torch's empty_cache: it waits for nothing.
-	b := mustAlloc(t, p, 30*MiB, 0, 0)
+	b := mustAlloc(t, p, 0, 30*MiB, 0)
 	require.NoError(t, p.RecordStream(b, 7))
 	require.NoError(t, p.Free(b))
 	released, err = p.Trim(-1, 0)
@@ -48,12 +51,12 @@ func TestEmptyCacheWaitsForPendingFrees(t *testing.T) {
 // retry: the smallest one at least as large as the request (and the max
 // split size) when there is one...
 func TestOOMReleasesOneOversizeSegmentFirst(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 100 * MiB}, Config{MaxSplitSize: 30 * MiB})
-	require.NoError(t, p.Free(mustAlloc(t, p, 40*MiB, 0, 0)))
-	require.NoError(t, p.Free(mustAlloc(t, p, 44*MiB, 0, 0)))
+	p, _ := newTestPool(t, sim.Config{Capacity: 100 * MiB}, Config{MaxSplitSize: 30 * MiB})
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 40*MiB, 0)))
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 44*MiB, 0)))
 	s := stats(t, p)
 	require.EqualValues(t, 84*MiB, s.ReservedBytes[0].Current)
-	mustAlloc(t, p, 20*MiB, 0, 0) // below the max split size: it may not take them
+	mustAlloc(t, p, 0, 20*MiB, 0) // below the max split size: it may not take them
 	s = stats(t, p)
 	assert.Zero(t, s.NumAllocRetries)
 	assert.Zero(t, s.NumOOMs)
@@ -63,21 +66,21 @@ func TestOOMReleasesOneOversizeSegmentFirst(t *testing.T) {
 
 // ... or else the largest ones, largest first, until they add up to it.
 func TestOOMReleasesLargestOversizeSegmentsFirst(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 130 * MiB}, Config{MaxSplitSize: 30 * MiB})
+	p, _ := newTestPool(t, sim.Config{Capacity: 130 * MiB}, Config{MaxSplitSize: 30 * MiB})
 	for _, n := range []uint64{32, 40, 44} {
-		require.NoError(t, p.Free(mustAlloc(t, p, n*MiB, 0, 0)))
+		require.NoError(t, p.Free(mustAlloc(t, p, 0, n*MiB, 0)))
 	}
-	mustAlloc(t, p, 70*MiB, 0, 0) // 116 + 70 > 130: 44 and 40 go, 32 stays
+	mustAlloc(t, p, 0, 70*MiB, 0) // 116 + 70 > 130: 44 and 40 go, 32 stays
 	s := stats(t, p)
 	assert.Zero(t, s.NumAllocRetries)
 	assert.EqualValues(t, 102*MiB, s.ReservedBytes[0].Current)
 
 	// When they cannot add up to it, they still go, and the retry
 	// (counted) releases the rest.
-	q, _ := newTestPool(t, SimConfig{Capacity: 100 * MiB}, Config{MaxSplitSize: 30 * MiB})
-	require.NoError(t, q.Free(mustAlloc(t, q, 40*MiB, 0, 0)))
-	require.NoError(t, q.Free(mustAlloc(t, q, 10*MiB, 0, 0))) // a 20 MiB segment, not oversize
-	mustAlloc(t, q, 90*MiB, 0, 0)
+	q, _ := newTestPool(t, sim.Config{Capacity: 100 * MiB}, Config{MaxSplitSize: 30 * MiB})
+	require.NoError(t, q.Free(mustAlloc(t, q, 0, 40*MiB, 0)))
+	require.NoError(t, q.Free(mustAlloc(t, q, 0, 10*MiB, 0))) // a 20 MiB segment, not oversize
+	mustAlloc(t, q, 0, 90*MiB, 0)
 	s = stats(t, q)
 	assert.EqualValues(t, 1, s.NumAllocRetries)
 	assert.EqualValues(t, 90*MiB, s.ReservedBytes[0].Current)
@@ -86,10 +89,10 @@ func TestOOMReleasesLargestOversizeSegmentsFirst(t *testing.T) {
 // Without a max split size nothing is released before the retry, which is
 // counted.
 func TestOOMWithoutMaxSplitSizeRetriesAtOnce(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 100 * MiB}, Config{})
-	require.NoError(t, p.Free(mustAlloc(t, p, 40*MiB, 0, 0)))
-	require.NoError(t, p.Free(mustAlloc(t, p, 44*MiB, 0, 0)))
-	mustAlloc(t, p, 50*MiB, 0, 0)
+	p, _ := newTestPool(t, sim.Config{Capacity: 100 * MiB}, Config{})
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 40*MiB, 0)))
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 44*MiB, 0)))
+	mustAlloc(t, p, 0, 50*MiB, 0)
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.NumAllocRetries)
 	assert.EqualValues(t, 50*MiB, s.ReservedBytes[0].Current)
@@ -98,9 +101,9 @@ func TestOOMWithoutMaxSplitSizeRetriesAtOnce(t *testing.T) {
 // A small request that misses the cache collects garbage too, as torch's
 // malloc does for any miss: it may be what passes the threshold.
 func TestGarbageCollectionOnSmallMiss(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.5})
-	require.NoError(t, p.Free(mustAlloc(t, p, 60*MiB, 0, 0))) // cached: 60 MiB reserved, over 50
-	mustAlloc(t, p, 4096, 0, 0)                               // a new small segment
+	p, _ := newTestPool(t, sim.Config{}, Config{Limit: 100 * MiB, GarbageCollectionThreshold: 0.5})
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 60*MiB, 0))) // cached: 60 MiB reserved, over 50
+	mustAlloc(t, p, 0, 4096, 0)                               // a new small segment
 	s := stats(t, p)
 	assert.EqualValues(t, 1, s.NumGCReleases)
 	assert.EqualValues(t, SmallBuffer, s.ReservedBytes[0].Current)
@@ -111,13 +114,13 @@ func TestGarbageCollectionOnSmallMiss(t *testing.T) {
 // second) and young (created fourth, where the first one was).
 func tieBreak(t *testing.T, p *Pool, size uint64) (old, young uint64) {
 	t.Helper()
-	first := mustAlloc(t, p, size, 0, 0)
-	old = mustAlloc(t, p, size, 0, 0)
-	mustAlloc(t, p, size, 0, 0) // keeps the address space after old taken
+	first := mustAlloc(t, p, 0, size, 0)
+	old = mustAlloc(t, p, 0, size, 0)
+	mustAlloc(t, p, 0, size, 0) // keeps the address space after old taken
 	require.NoError(t, p.Free(first))
 	_, err := p.EmptyCache() // the lowest address range is free again
 	require.NoError(t, err)
-	young = mustAlloc(t, p, size, 0, 0)
+	young = mustAlloc(t, p, 0, size, 0)
 	require.Equal(t, first, young, "the backend hands out the lowest free address")
 	require.NoError(t, p.Free(old))
 	require.NoError(t, p.Free(young))
@@ -134,7 +137,7 @@ func TestTorchVersionBestFitTieBreak(t *testing.T) {
 		oldest  bool
 	}{{"", false}, {"2.5.1", false}, {"2.14", false}, {"2.15", true}, {"2.15.0+cu130", true}, {"3.0", true}} {
 		for _, size := range []uint64{40 * MiB, SmallBuffer / 2} {
-			p, _ := newTestPool(t, SimConfig{}, Config{TorchVersion: c.version})
+			p, _ := newTestPool(t, sim.Config{}, Config{TorchVersion: c.version})
 			if size <= SmallSize {
 				// Fill each small segment with two blocks, so that the
 				// segments are the tied free blocks.
@@ -143,7 +146,7 @@ func TestTorchVersionBestFitTieBreak(t *testing.T) {
 				if c.oldest {
 					want = old
 				}
-				assert.Equal(t, want, mustAlloc(t, p, size, 0, 0), "torch %q, small", c.version)
+				assert.Equal(t, want, mustAlloc(t, p, 0, size, 0), "torch %q, small", c.version)
 				require.NoError(t, p.CheckInvariants())
 				continue
 			}
@@ -152,7 +155,7 @@ func TestTorchVersionBestFitTieBreak(t *testing.T) {
 			if c.oldest {
 				want = old
 			}
-			assert.Equal(t, want, mustAlloc(t, p, size, 0, 0), "torch %q, large", c.version)
+			assert.Equal(t, want, mustAlloc(t, p, 0, size, 0), "torch %q, large", c.version)
 			require.NoError(t, p.CheckInvariants())
 		}
 	}
@@ -162,7 +165,7 @@ func TestTorchVersionBestFitTieBreak(t *testing.T) {
 // blocks.
 func tieBreakSmall(t *testing.T, p *Pool) (old, young uint64) {
 	t.Helper()
-	pair := func() (uint64, uint64) { return mustAlloc(t, p, SmallSize, 0, 0), mustAlloc(t, p, SmallSize, 0, 0) }
+	pair := func() (uint64, uint64) { return mustAlloc(t, p, 0, SmallSize, 0), mustAlloc(t, p, 0, SmallSize, 0) }
 	f1, f2 := pair()
 	o1, o2 := pair()
 	pair() // keeps the address space after old taken
@@ -179,7 +182,7 @@ func tieBreakSmall(t *testing.T, p *Pool) (old, young uint64) {
 }
 
 func TestTorchVersionIsChecked(t *testing.T) {
-	be, err := NewSimBackend(SimConfig{})
+	be, err := sim.New(sim.Config{})
 	require.NoError(t, err)
 	for _, bad := range []string{"2", "two.15", "2.x", "-2.15", "2.-1", ".15"} {
 		_, err := NewPool(Config{Backend: be, TorchVersion: bad})
@@ -188,5 +191,5 @@ func TestTorchVersionIsChecked(t *testing.T) {
 	p, err := NewPool(Config{Backend: be, TorchVersion: "2.15.0a0+git1234"})
 	require.NoError(t, err)
 	assert.Equal(t, "2.15.0a0+git1234", p.Config().TorchVersion)
-	assert.True(t, p.rules.bestFitBySegment)
+	assert.True(t, p.BestFitBySegment())
 }

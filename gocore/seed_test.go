@@ -1,17 +1,20 @@
-package gocore
+package gocore_test
 
 import (
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	. "github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 // A seeded segment holds its live blocks at their offsets and its cached
 // ones as free blocks that best fit reuses, as a segment built by requests
 // and frees would.
 func TestSeedSegmentLayout(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
+	p, _ := newTestPool(t, sim.Config{}, Config{})
 	live, err := p.SeedSegment(0, 0, false, []SeedBlock{
 		{Size: 4 * MiB, Requested: 4*MiB - 100, Live: true},
 		{Size: 6 * MiB},
@@ -29,7 +32,7 @@ func TestSeedSegmentLayout(t *testing.T) {
 	assert.EqualValues(t, 1, s.Segment[0].Current)
 	// The two cached blocks merged into one of 8 MiB: a request of 8 MiB
 	// takes it whole, at the first live block's end, with no new segment.
-	a, err := p.Alloc(8*MiB, 0, 0)
+	a, err := p.Alloc(0, 8*MiB, 0)
 	require.NoError(t, err)
 	assert.Equal(t, live[0]+4*MiB, a)
 	s, err = p.Stats(0)
@@ -49,13 +52,13 @@ func TestSeedSegmentLayout(t *testing.T) {
 // Small segments go to the small pool, where a request of up to 1 MiB
 // reuses their cached blocks.
 func TestSeedSegmentSmall(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
+	p, _ := newTestPool(t, sim.Config{}, Config{})
 	live, err := p.SeedSegment(0, 7, true, []SeedBlock{{Size: 512 << 10}, {Size: 1536 << 10, Requested: 1500 << 10, Live: true}})
 	require.NoError(t, err)
-	a, err := p.Alloc(512<<10, 0, 7)
+	a, err := p.Alloc(0, 512<<10, 7)
 	require.NoError(t, err)
 	assert.Equal(t, live[0]-512<<10, a, "the cached block before the live one")
-	_, err = p.Alloc(512<<10, 0, 0)
+	_, err = p.Alloc(0, 512<<10, 0)
 	require.NoError(t, err)
 	s, err := p.Stats(0)
 	require.NoError(t, err)
@@ -64,7 +67,7 @@ func TestSeedSegmentSmall(t *testing.T) {
 }
 
 func TestSeedSegmentRefuses(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 64 * MiB}, Config{})
+	p, _ := newTestPool(t, sim.Config{Capacity: 64 * MiB}, Config{})
 	for name, blocks := range map[string][]SeedBlock{
 		"none":          nil,
 		"zero size":     {{Size: 0}},
@@ -82,17 +85,17 @@ func TestSeedSegmentRefuses(t *testing.T) {
 	require.NoError(t, err)
 	assert.Zero(t, s.ReservedBytes[0].Current, "a refused seed reserves nothing")
 
-	e, _ := newTestPool(t, SimConfig{Expandable: true}, Config{})
+	e, _ := newTestPool(t, sim.Config{Expandable: true}, Config{})
 	_, err = e.SeedSegment(0, 0, false, []SeedBlock{{Size: 20 * MiB}})
 	assert.ErrorIs(t, err, ErrInvalidArgument)
 }
 
 func TestResetStats(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
-	a, err := p.Alloc(30*MiB, 0, 0)
+	p, _ := newTestPool(t, sim.Config{}, Config{})
+	a, err := p.Alloc(0, 30*MiB, 0)
 	require.NoError(t, err)
 	require.NoError(t, p.Free(a))
-	_, err = p.Alloc(2*MiB, 0, 0)
+	_, err = p.Alloc(0, 2*MiB, 0)
 	require.NoError(t, err)
 	p.ResetPeakStats()
 	s, err := p.Stats(0)
@@ -112,7 +115,7 @@ func TestResetStats(t *testing.T) {
 // A small segment larger than SmallBuffer is refused, not indexed in the
 // small bins (whose size classes end at SmallBuffer: a panic).
 func TestSeedSegmentSmallTooLarge(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{})
+	p, _ := newTestPool(t, sim.Config{}, Config{})
 	_, err := p.SeedSegment(0, 0, true, []SeedBlock{{Size: 10 * MiB, Requested: MiB, Live: true}, {Size: 30 * MiB}})
 	require.ErrorIs(t, err, ErrInvalidArgument)
 	_, err = p.SeedSegment(0, 0, true, []SeedBlock{{Size: MiB, Requested: MiB, Live: true}, {Size: MiB}})
@@ -123,7 +126,7 @@ func TestSeedSegmentSmallTooLarge(t *testing.T) {
 // A live block sized by another allocator's rounding keeps the pool's
 // invariants even where this pool would round its request higher.
 func TestSeedSegmentOtherRounding(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{}, Config{RoundupPower2Divisions: 4})
+	p, _ := newTestPool(t, sim.Config{}, Config{RoundupPower2Divisions: 4})
 	_, err := p.SeedSegment(0, 0, false, []SeedBlock{{Size: 20*MiB + 512, Requested: 20*MiB + 1, Live: true}, {Size: 2*MiB - 512}})
 	require.NoError(t, err)
 	require.NoError(t, p.CheckInvariants())

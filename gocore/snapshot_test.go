@@ -1,17 +1,20 @@
-package gocore
+package gocore_test
 
 import (
 	"testing"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	. "github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 func TestSnapshotDescribesSegmentsAndBlocks(t *testing.T) {
-	p, be := newTestPool(t, SimConfig{ManualEvents: true}, Config{})
-	a := mustAlloc(t, p, 1000, 0, 3)
-	b := mustAlloc(t, p, 5000, 0, 3)
-	c := mustAlloc(t, p, 12*MiB, 0, 3)
+	p, be := newTestPool(t, sim.Config{ManualEvents: true}, Config{})
+	a := mustAlloc(t, p, 0, 1000, 3)
+	b := mustAlloc(t, p, 0, 5000, 3)
+	c := mustAlloc(t, p, 0, 12*MiB, 3)
 	require.NoError(t, p.RecordStream(b, 4))
 	require.NoError(t, p.Free(b))
 	snap := p.Snapshot()
@@ -47,13 +50,13 @@ func TestSnapshotDescribesSegmentsAndBlocks(t *testing.T) {
 }
 
 func TestHistoryRecordsEventsInOrder(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 8 * MiB}, Config{})
+	p, _ := newTestPool(t, sim.Config{Capacity: 8 * MiB}, Config{})
 	assert.Nil(t, p.History())
 	p.RecordHistory(true, 100)
-	a := mustAlloc(t, p, 100, 0, 0)
+	a := mustAlloc(t, p, 0, 100, 0)
 	require.NoError(t, p.RecordStream(a, 5))
 	require.NoError(t, p.Free(a))
-	_, err := p.Alloc(100*MiB, 0, 0)
+	_, err := p.Alloc(0, 100*MiB, 0)
 	require.ErrorIs(t, err, ErrOutOfMemory)
 	_, err = p.EmptyCache()
 	require.NoError(t, err)
@@ -83,7 +86,7 @@ func TestHistoryRecordsEventsInOrder(t *testing.T) {
 	// A ring: only the newest entries are kept, oldest first.
 	p.RecordHistory(true, 3)
 	for range 5 {
-		require.NoError(t, p.Free(mustAlloc(t, p, 100, 0, 0)))
+		require.NoError(t, p.Free(mustAlloc(t, p, 0, 100, 0)))
 	}
 	h := p.History()
 	require.Len(t, h, 3)
@@ -137,10 +140,10 @@ func TestHistoryRecordsEmptyCacheAndTrimAfterTheirReleases(t *testing.T) {
 }
 
 func TestHistoryMarksCallerSizedAllocs(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 64 * MiB}, Config{})
+	p, _ := newTestPool(t, sim.Config{Capacity: 64 * MiB}, Config{})
 	p.RecordHistory(true, 100)
-	a := mustAlloc(t, p, 2*MiB, 0, 0)
-	b, err := p.AllocSegment(2*MiB, 0, 0)
+	a := mustAlloc(t, p, 0, 2*MiB, 0)
+	b, err := p.AllocSegment(0, 2*MiB, 0)
 	require.NoError(t, err)
 	var allocs []TraceEntry
 	for _, e := range p.History() {
@@ -159,11 +162,11 @@ func TestHistoryMarksCallerSizedAllocs(t *testing.T) {
 // segment_alloc or segment_free, and what EmptyCache releases is unmapped
 // range by range. Each entry names the thread of the call that made it.
 func TestExpandableSegmentsAreTracedByTheirMappings(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Expandable: true, Capacity: 256 * MiB}, Config{})
+	p, _ := newTestPool(t, sim.Config{Expandable: true, Capacity: 256 * MiB}, Config{})
 	p.RecordHistory(true, 100)
 	p.RecordThreads(true)
-	a := mustAlloc(t, p, 40*MiB, 0, 0)
-	b := mustAlloc(t, p, 6*MiB, 0, 0) // grows the segment by a 20 MiB page
+	a := mustAlloc(t, p, 0, 40*MiB, 0)
+	b := mustAlloc(t, p, 0, 6*MiB, 0) // grows the segment by a 20 MiB page
 	require.NoError(t, p.Free(a))
 	require.NoError(t, p.Free(b))
 	released, err := p.EmptyCache()
@@ -179,7 +182,7 @@ func TestExpandableSegmentsAreTracedByTheirMappings(t *testing.T) {
 		case ActionSegmentUnmap:
 			unmapped += e.Size
 		}
-		assert.Equal(t, callerThread(), e.Thread, "entry %s", e.Action)
+		assert.Equal(t, CallerThread(), e.Thread, "entry %s", e.Action)
 	}
 	assert.NotContains(t, actions, ActionSegmentAlloc)
 	assert.NotContains(t, actions, ActionSegmentFree)
@@ -191,9 +194,9 @@ func TestExpandableSegmentsAreTracedByTheirMappings(t *testing.T) {
 
 // A segment of a plain backend keeps its segment_alloc and segment_free.
 func TestPlainSegmentsAreTracedAsAllocAndFree(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 64 * MiB}, Config{})
+	p, _ := newTestPool(t, sim.Config{Capacity: 64 * MiB}, Config{})
 	p.RecordHistory(true, 100)
-	require.NoError(t, p.Free(mustAlloc(t, p, 30*MiB, 0, 0)))
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 30*MiB, 0)))
 	_, err := p.EmptyCache()
 	require.NoError(t, err)
 	var actions []string

@@ -20,7 +20,8 @@ from ._errors import (
     OutOfMemoryError,
     PoolClosedError,
 )
-from ._pool import BACKENDS, CloseReport, LiveBlock, MemPool
+from ._backends import BACKENDS
+from ._pool import CloseReport, LiveBlock, MemPool
 from . import cupy as cupy  # noqa: F401  (gmp.cupy: CuPy from a pool; imports CuPy lazily)
 from . import distributed as distributed  # noqa: F401  (gmp.distributed: ranks' memory; imports torch lazily)
 from .scope import cache_scope, invalidate

@@ -23,6 +23,11 @@ A ctypes function that wraps a Python function (``ALLOC_FN(pyfunc)``) is
 treated as that Python function: called through ctypes itself, an exception
 it raised would only be printed, and the pool would get whatever value
 ctypes made up as the result.
+
+This module also holds the rules of a pool call while such functions may
+run (:func:`call_collecting`, :func:`settle_alloc`): which of their
+exceptions belong to the call, how they are raised or reported, and the
+refusal of a call from inside one of them.
 """
 
 from __future__ import annotations
@@ -32,9 +37,20 @@ import gc
 import inspect
 import sys
 import threading
-from typing import Any, Callable, Optional, Union
+import warnings
+from typing import Any, Callable, NoReturn, Optional, TypeVar, Union
 
-__all__ = ["ALLOC_FN", "FREE_FN", "AllocatorFunction", "CallbackErrors", "function_address"]
+from . import _lifecycle
+from ._errors import BackendError, CallbackReentryError, translate
+
+__all__ = ["ALLOC_FN", "FREE_FN", "AllocatorFunction", "CallbackErrors", "call_collecting", "callback_failure",
+           "describe_exc", "drop_refs", "function_address", "has_python_functions", "keep_refs", "raise_failure",
+           "raise_interrupt", "refuse_reentry", "runs_python_function", "settle_alloc", "with_orphans"]
+
+T = TypeVar("T")
+#: The exceptions a pool's Python functions raised during one call, as
+#: ``(kind, exception)`` pairs, kind ``"alloc"`` or ``"free"``.
+Errors = list[tuple[str, BaseException]]
 
 #: ctypes prototype of an alloc function.
 ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
@@ -276,3 +292,152 @@ def _python_callable_of(fn: Any, kind: str) -> Optional[Callable[..., Any]]:
             "recovered; pass the Python function itself"
         )
     return next(iter(found.values()))
+
+
+#: Native handle -> the objects a callback pool's C function pointers need
+#: (ctypes trampolines of Python callables, ctypes function objects). They
+#: live as long as the native pool, not as the MemPool object: a pool that
+#: is dropped without close() stays open in the engine (its C symbols may
+#: still be called, e.g. by torch), so its callbacks must stay callable.
+#: close() drops the entry.
+_callback_refs: dict[int, tuple[Any, ...]] = {}
+
+
+def keep_refs(handle: int, objs: tuple[Any, ...]) -> None:
+    """Keep ``objs`` alive as long as the native pool ``handle``."""
+    _callback_refs[handle] = objs
+
+
+def drop_refs(handle: int) -> None:
+    """The native pool ``handle`` is closed: its functions may go."""
+    _callback_refs.pop(handle, None)
+
+
+def runs_python_function(pool: Any) -> bool:
+    """Whether one of ``pool``'s (a MemPool's) Python allocator functions is running on
+    this thread: the engine holds the pool's lock meanwhile, so the pool
+    must not be called (gpumempool.scope defers a finalizer's free then)."""
+    errors: Optional[CallbackErrors] = getattr(pool, "_callback_errors", None)  # None: __init__ failed early
+    return errors is not None and errors.inside()
+
+
+def has_python_functions(pool: Any) -> bool:
+    """Whether ``pool``'s alloc/free functions are Python code (they need
+    the GIL: gpumempool.torch warns before torch calls them)."""
+    return bool(getattr(pool, "_py_callbacks", False))
+
+
+def describe_exc(exc: BaseException, limit: int = 200) -> str:
+    """``TypeName: message`` of a callback's exception, bounded."""
+    try:
+        text = str(exc)
+    except Exception:  # a broken __str__
+        text = "<unprintable>"
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def with_orphans(msg: Optional[str], errors: CallbackErrors) -> Optional[str]:
+    """A pool's last C-ABI error ``msg`` (None when none) with the
+    exceptions its Python functions raised outside any pool method
+    (:meth:`CallbackErrors.take_orphans`) appended."""
+    orphans = errors.take_orphans()
+    if orphans:
+        raised = "; ".join(describe_exc(e) for e in orphans)
+        msg = f"{msg} (a Python allocator function raised {raised})" if msg else \
+            f"a Python allocator function raised {raised}"
+    return msg
+
+
+def callback_failure(kind: str, exc: BaseException) -> str:
+    """What a pool's Python ``kind`` function did wrong: raised ``exc``, or
+    returned a value that is no address (the trampoline's error)."""
+    if getattr(exc, "gmp_bad_result", False):
+        return f"the Python {exc}"  # "alloc function returned ..., not a 64-bit address"
+    return f"the Python {kind} function raised {describe_exc(exc)}"
+
+
+def raise_interrupt(errs: Errors) -> None:
+    """Raise the first KeyboardInterrupt, SystemExit (any exception that is
+    no Exception) a Python allocator function raised during a call: the
+    engine took it for a failure of the function, but the program must
+    still be interrupted, not get a BackendError or a warning."""
+    for _, exc in errs:
+        if not isinstance(exc, Exception):
+            raise exc
+
+
+def raise_failure(errs: Errors) -> NoReturn:
+    """Raise the failure of a call that succeeded in the engine while a
+    Python function failed (``errs`` not empty): an interrupt as itself,
+    else a BackendError chained to the first exception."""
+    raise_interrupt(errs)
+    kind, first = errs[0]
+    raise BackendError(callback_failure(kind, first)) from first
+
+
+def refuse_reentry(label: str) -> NoReturn:
+    """Refuse a call of pool ``label`` from inside one of its own Python
+    allocator functions."""
+    raise CallbackReentryError(
+        f"pool {label!r} was called from inside its own Python allocator function; the engine holds the "
+        "pool's lock while it runs the function, so allocator functions must not call into their own pool",
+        pool=label,
+    )
+
+
+def call_collecting(errors: CallbackErrors, label: Callable[[], str],
+                    explain: Callable[[str, BaseException, BaseException], str],
+                    fn: Callable[..., T], *args: Any) -> tuple[T, Errors]:
+    """Call ``fn`` and return its result with the exceptions the pool's
+    Python callbacks raised during the call, on this thread (see
+    :class:`CallbackErrors`); a native error is raised, chained to the
+    first of them, its message from ``explain(kind, exception, error)``.
+    Every call of a pool with Python callbacks comes here: called from one
+    of those callbacks (the engine holds the pool's lock), it raises
+    CallbackReentryError (naming the pool ``label()``) instead of
+    deadlocking."""
+    if errors.inside():
+        refuse_reentry(label())
+    errs = errors.begin()
+    try:
+        result = fn(*args)
+    except RuntimeError as exc:
+        err = translate(exc)
+        if errs:
+            raise_interrupt(errs)
+            kind, first = errs[0]
+            raise BackendError(explain(kind, first, err)) from first
+        raise err from None
+    finally:
+        errors.end(errs)
+        if not errors.inside():
+            _lifecycle.native_call_done()
+    return result, errs
+
+
+def settle_alloc(errs: Errors, ptr: int, name: Callable[[], str], free_quietly: Callable[[int], None]) -> None:
+    """After an allocation that succeeded while Python functions failed
+    (``errs``), on a pool called ``name()``: the engine dealt with the
+    failures (an alloc function's error reads as out of memory: the pool
+    released its cache and retried; a free function's error cannot be
+    undone), so the block at ``ptr`` stays the caller's and the exceptions
+    are reported as warnings, not raised, which would leak the block. An
+    interrupt is raised, and so is a warning turned into an error, once
+    the block is given back (``free_quietly``)."""
+    if any(not isinstance(e, Exception) for _, e in errs):
+        free_quietly(ptr)  # the caller is being interrupted: it will never free the block
+        raise_interrupt(errs)
+    try:
+        for kind, exc in errs:
+            warnings.warn(
+                f"pool {name()}: {callback_failure(kind, exc)}"
+                + ("; the pool released its cache and retried, and the allocation succeeded"
+                   if kind == "alloc" else "while the pool released cached segments"),
+                RuntimeWarning,
+                stacklevel=4,  # settle_alloc, the pool's alloc helper, MemPool.alloc, its caller
+            )
+    except BaseException:  # warnings turned into errors: give the block back first
+        free_quietly(ptr)
+        raise

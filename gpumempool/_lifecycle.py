@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Optional
 
 from . import _native
+from ._errors import LeakWarning
 
 __all__ = [
     "FIRST",
@@ -46,6 +48,8 @@ __all__ = [
     "pools",
     "provide",
     "provided",
+    "python_exiting",
+    "report_leaks_at_exit",
 ]
 
 #: Close stages, in the order they run. FIRST: integrations whose C callers
@@ -175,6 +179,45 @@ def exit_leaks(pool: Any, blocks: int, nbytes: int) -> tuple[int, int, str]:
         blocks, nbytes, note = leak_filter(pool, blocks, nbytes)
         notes += note
     return blocks, nbytes, notes
+
+
+def report_leaks_at_exit() -> None:
+    """At interpreter exit, warn about pools that still hold allocated
+    blocks. The pools are not closed: torch may still free into them while
+    it shuts down, and the process is about to give everything back anyway.
+    A forked child inherits this handler and the parent's pools, whose
+    blocks are the parent's to report: nothing to do (nor may it enter Go).
+    MemPool's module registers it with atexit."""
+    if _native.forked():
+        return
+    for pool in open_pools():
+        try:
+            s = pool.stats()
+        except Exception:  # a pool closed concurrently: nothing to report
+            continue
+        live, nbytes = s["allocation.all.current"], s["allocated_bytes.all.current"]
+        # Segments torch keeps cached in gmp.mempool's torch pools are
+        # allocated blocks to the engine but hold no tensor: no leak.
+        live, nbytes, note = exit_leaks(pool, live, nbytes)
+        if live:
+            warnings.warn(
+                f"gpumempool: pool {pool.name!r} ({pool.backend}) still holds {live} allocated block(s), "
+                f"{nbytes} bytes, at exit{note}",
+                LeakWarning,
+                stacklevel=1,
+            )
+
+
+def python_exiting() -> None:
+    """At exit, once every atexit handler registered after MemPool's
+    module was imported has run (they may still close pools, whose Python
+    allocator functions then run as usual), the engine stops calling Python
+    allocator functions: C code such as torch may still allocate or free
+    through a pool while the interpreter tears down, when their ctypes
+    thunks are gone (an allocation then fails, a free is skipped).
+    Registered before the leak report, so that it runs after it."""
+    if not _native.forked():  # a forked child must not enter Go
+        _native.bindings.PythonExiting()
 
 
 # -- pool methods implemented above MemPool -----------------------------------

@@ -3,29 +3,19 @@
 from __future__ import annotations
 
 import atexit
-import collections
 import json
-import math
-import os
 import threading
-import time
-import warnings
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, TypeVar, Union
 
-from . import _lifecycle, _native
-from . import _snapshot, _summary
+from . import _callbacks, _close, _lifecycle, _native
+from . import _sim, _snapshot, _summary
 from ._args import I64, MAX_DEVICE, U64, as_stream, check_bool, check_int, check_settings, device_index
-from ._callbacks import AllocatorFunction, CallbackErrors, function_address
-from ._errors import (
-    BackendError,
-    CallbackReentryError,
-    InvalidArgumentError,
-    LeakWarning,
-    OutOfMemoryError,
-    PoolClosedError,
-    translate,
-)
+from ._backends import BACKENDS
+from ._backends import backend_options as _backend_options
+from ._backends import option_names as _option_names
+from ._callbacks import AllocatorFunction, CallbackErrors, callback_failure, describe_exc, function_address
+from ._errors import InvalidArgumentError, OutOfMemoryError, PoolClosedError, translate
+from ._close import CloseReport, LiveBlock
 from ._lifecycle import open_pools
 from ._policy import ARGUMENTS, SETTINGS
 from ._units import format_bytes
@@ -33,73 +23,13 @@ from ._units import format_bytes
 if TYPE_CHECKING:
     from .ipc import IpcHandle
 
-__all__ = ["CloseReport", "LiveBlock", "MemPool", "as_stream", "has_python_functions", "open_pools",
-           "runs_python_function"]
+__all__ = ["CloseReport", "LiveBlock", "MemPool", "as_stream", "open_pools"]
 
-#: Native handle -> the objects a callback pool's C function pointers need
-#: (ctypes trampolines of Python callables, ctypes function objects). They
-#: live as long as the native pool, not as the MemPool object: a pool that
-#: is dropped without close() stays open in the engine (its C symbols may
-#: still be called, e.g. by torch), so its callbacks must stay callable.
-#: close() drops the entry.
-_callback_refs: dict[int, tuple[Any, ...]] = {}
-
-
-def _raise_interrupt(errs: list[tuple[str, BaseException]]) -> None:
-    """Raise the first KeyboardInterrupt, SystemExit (any exception that is
-    no Exception) a Python allocator function raised during a call: the
-    engine took it for a failure of the function, but the program must
-    still be interrupted, not get a BackendError or a warning."""
-    for _, exc in errs:
-        if not isinstance(exc, Exception):
-            raise exc
-
-
-def _now_us() -> int:
-    """Wall-clock microseconds, the clock of the engine's history."""
-    return time.time_ns() // 1000
-
-
-def _report_leaks_at_exit() -> None:
-    """At interpreter exit, warn about pools that still hold allocated
-    blocks. The pools are not closed: torch may still free into them while
-    it shuts down, and the process is about to give everything back anyway.
-    A forked child inherits this handler and the parent's pools, whose
-    blocks are the parent's to report: nothing to do (nor may it enter Go)."""
-    if _native.forked():
-        return
-    for pool in open_pools():
-        try:
-            s = pool.stats()
-        except Exception:  # a pool closed concurrently: nothing to report
-            continue
-        live, nbytes = s["allocation.all.current"], s["allocated_bytes.all.current"]
-        # Segments torch keeps cached in gmp.mempool's torch pools are
-        # allocated blocks to the engine but hold no tensor: no leak.
-        live, nbytes, note = _lifecycle.exit_leaks(pool, live, nbytes)
-        if live:
-            warnings.warn(
-                f"gpumempool: pool {pool.name!r} ({pool.backend}) still holds {live} allocated block(s), "
-                f"{nbytes} bytes, at exit{note}",
-                LeakWarning,
-                stacklevel=1,
-            )
-
-
-# At exit, once every atexit handler registered after this module's import
-# has run (they may still close pools, whose Python allocator functions then
-# run as usual), the engine stops calling Python allocator functions: C code
-# such as torch may still allocate or free through a pool while the
-# interpreter tears down, when their ctypes thunks are gone (an allocation
-# then fails, a free is skipped). Registered before the leak report, so that
-# it runs after it.
-def _python_exiting() -> None:
-    if not _native.forked():  # a forked child must not enter Go
-        _native.bindings.PythonExiting()
-
-
-atexit.register(_python_exiting)
-atexit.register(_report_leaks_at_exit)
+# At exit, after every atexit handler registered after this import, the
+# leak report, then the engine stops calling Python allocator functions
+# (atexit runs the last registered first; see _lifecycle).
+atexit.register(_lifecycle.python_exiting)
+atexit.register(_lifecycle.report_leaks_at_exit)
 
 
 def _new_locks_after_fork() -> None:
@@ -108,89 +38,17 @@ def _new_locks_after_fork() -> None:
     waiting for a thread that does not exist here."""
     for pool in _lifecycle.pools():
         pool._lock = threading.Lock()
-        pool._frames_lock = threading.RLock()
+        if pool._stacks is not None:
+            pool._stacks.renew_lock_after_fork()
         pool._callback_errors.renew_lock_after_fork()
 
 
 _native.after_fork_in_child(_new_locks_after_fork)
 
 _b = _native.bindings
-
-
 _fast = _native.fastcall  # None in a build without gpumempool._fastcall
 T = TypeVar("T")
 
-#: The backends this build provides, by name: what each is (``doc``) and its
-#: options (``options``: name, type, bounds, default, doc), from the engine's
-#: registry (bindings.BackendSchema). Validation and documentation read it.
-BACKENDS: dict[str, dict[str, Any]] = {b["name"]: b for b in json.loads(_b.BackendSchema())}
-
-
-def _option_names(backend: str) -> tuple[str, ...]:
-    return tuple(f["name"] for f in BACKENDS[backend]["options"])
-
-
-#: Options of the simulated device (``backend="sim"``).
-SIM_OPTIONS = _option_names("sim")
-#: Options of the ``callback`` backend (besides ``alloc`` and ``free``).
-CALLBACK_OPTIONS = _option_names("callback")
-#: Options of the GPU backends, which load libcuda (and libnccl) at run time.
-GPU_OPTIONS: dict[str, tuple[str, ...]] = {
-    name: _option_names(name) for name in BACKENDS if name not in ("sim", "callback")
-}
-
-@dataclass(frozen=True)
-class LiveBlock:
-    """A block still allocated when its pool was closed."""
-
-    device: int
-    addr: int
-    size: int
-    requested: int
-    stream: int
-
-
-@dataclass(frozen=True)
-class CloseReport:
-    """What :meth:`MemPool.close` found and released."""
-
-    live_blocks: list[LiveBlock] = field(default_factory=list)
-    live_bytes: int = 0
-    segments_freed: int = 0
-    bytes_freed: int = 0
-
-
-def runs_python_function(pool: "MemPool") -> bool:
-    """Whether one of ``pool``'s Python allocator functions is running on
-    this thread: the engine holds the pool's lock meanwhile, so the pool
-    must not be called (gpumempool.scope defers a finalizer's free then)."""
-    errors: Optional[CallbackErrors] = getattr(pool, "_callback_errors", None)  # None: __init__ failed early
-    return errors is not None and errors.inside()
-
-
-def has_python_functions(pool: "MemPool") -> bool:
-    """Whether ``pool``'s alloc/free functions are Python code (they need
-    the GIL: gpumempool.torch warns before torch calls them)."""
-    return bool(getattr(pool, "_py_callbacks", False))
-
-
-def _describe_exc(exc: BaseException, limit: int = 200) -> str:
-    """``TypeName: message`` of a callback's exception, bounded."""
-    try:
-        text = str(exc)
-    except Exception:  # a broken __str__
-        text = "<unprintable>"
-    if len(text) > limit:
-        text = text[:limit] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _callback_failure(kind: str, exc: BaseException) -> str:
-    """What a pool's Python ``kind`` function did wrong: raised ``exc``, or
-    returned a value that is no address (the trampoline's error)."""
-    if getattr(exc, "gmp_bad_result", False):
-        return f"the Python {exc}"  # "alloc function returned ..., not a 64-bit address"
-    return f"the Python {kind} function raised {_describe_exc(exc)}"
 
 
 def _callback_error_message(kind: str, exc: BaseException, err: BaseException) -> str:
@@ -198,45 +56,13 @@ def _callback_error_message(kind: str, exc: BaseException, err: BaseException) -
     function's failure first. The engine only saw NULL from a failed alloc
     function, so its own account (NULL, out of memory after a retry) is
     not repeated; it is kept as context for other errors."""
-    what = _callback_failure(kind, exc)
+    what = callback_failure(kind, exc)
     if isinstance(err, OutOfMemoryError):
         if err.pool is None or err.requested is None:  # not the engine's: nothing more to say
             return what
         pool = json.dumps(err.pool, ensure_ascii=False)  # quoted, as the engine quotes it
         return what + f" (pool {pool} could not allocate {format_bytes(err.requested)} on device {err.device})"
     return f"{what} (the pool call failed: {err})"
-
-
-def _backend_options(backend: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The options of ``backend`` for NewPool, checked against its schema:
-    the types, and what JSON cannot carry; the engine validates the values
-    (in one place) and names the option it refuses."""
-    fields = {f["name"]: f for f in BACKENDS[backend]["options"]}
-    out: dict[str, Any] = {}
-    for key, value in options.items():
-        kind = fields[key]["type"]
-        if kind == "bool":
-            out[key] = check_bool(key, value)
-        elif kind in ("path", "string"):
-            if not isinstance(value, (str, os.PathLike)):
-                raise TypeError(f"{key} must be a str, got {type(value).__name__}")
-            out[key] = os.fspath(value)
-        elif kind == "devices":
-            if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-                raise TypeError(f"{key} must be a list of device indices")
-            out[key] = [device_index(d) for d in value]
-        elif kind == "device":
-            out[key] = device_index(value)
-        elif kind in ("probability", "float"):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{key} must be a number, got {type(value).__name__}")
-            if not math.isfinite(value):  # JSON has no NaN or infinity
-                what = "a probability in [0, 1]" if kind == "probability" else "a finite number"
-                raise InvalidArgumentError(f"{backend} option {key}={value!r} is not {what}")
-            out[key] = float(value)
-        else:  # an int within the bounds of its Go type, or narrower
-            out[key] = check_int(key, value, int(fields[key]["min"]), int(fields[key]["max"]) + 1)
-    return out
 
 
 class MemPool:
@@ -299,16 +125,8 @@ class MemPool:
         self._report: Optional[CloseReport] = None
         self._keep: list[Any] = []
         self._py_callbacks = False  # errors of Python callbacks need checking
-        # With record_history(stacks=True): the Python stack of each live
-        # block allocated through this API (addr -> stack, dropped at free),
-        # and of each call of this API that may record events (time window,
-        # thread, stack): the history's entries are matched to the call
-        # that made them by the thread and time the engine recorded.
-        self._frames: Optional[dict[int, _snapshot.Stack]] = None
-        self._calls: "collections.deque[_snapshot.Call]" = collections.deque()
-        self._frames_max = 0
-        # reentrant: a finalizer freeing a block may run (GC) while alloc holds it
-        self._frames_lock = threading.RLock()
+        # With record_history(stacks=True): the stacks of blocks and calls.
+        self._stacks: Optional[_snapshot.PoolStacks] = None
         self._cached_name: Optional[str] = None
         self._options: dict[str, Any] = {}  # the backend's options, as validated (for config())
         if not isinstance(backend, str):
@@ -346,7 +164,7 @@ class MemPool:
                 cfg["python_callbacks"] = True  # not called once the interpreter exits (PythonExiting)
         self._id = self._native(_b.NewPool, json.dumps(cfg))
         if self._keep:
-            _callback_refs[self._id] = tuple(self._keep)
+            _callbacks.keep_refs(self._id, tuple(self._keep))
         if self._py_callbacks:  # named in CallbackReentryError, which cannot ask the pool
             try:
                 self._cached_name = str(self.config()["name"])
@@ -378,43 +196,16 @@ class MemPool:
                 raise translate(exc) from None
         result, errs = self._native_collect(fn, *args)
         if errs:
-            _raise_interrupt(errs)
-            kind, first = errs[0]
-            raise BackendError(_callback_failure(kind, first)) from first
+            _callbacks.raise_failure(errs)
         return result
 
     def _native_collect(self, fn: Callable[..., T], *args: Any) -> tuple[T, list[tuple[str, BaseException]]]:
-        """Call ``fn`` and return its result with the exceptions the pool's
-        Python callbacks raised during the call, on this thread (see
-        :class:`CallbackErrors`); a native error is raised, chained to the
-        first of them. Every call of a pool with Python callbacks comes
-        here: called from one of those callbacks (the engine holds the
-        pool's lock), it raises CallbackReentryError instead of deadlocking."""
-        if self._callback_errors.inside():
-            self._refuse_reentry()
-        errs = self._callback_errors.begin()
-        try:
-            result = fn(*args)
-        except RuntimeError as exc:
-            err = translate(exc)
-            if errs:
-                _raise_interrupt(errs)
-                kind, first = errs[0]
-                raise BackendError(_callback_error_message(kind, first, err)) from first
-            raise err from None
-        finally:
-            self._callback_errors.end(errs)
-            if not self._callback_errors.inside():
-                _lifecycle.native_call_done()
-        return result, errs
+        """``fn(*args)`` by the rules of _callbacks.call_collecting: every call of a Python-callback pool."""
+        return _callbacks.call_collecting(self._callback_errors, self._reentry_label, _callback_error_message,
+                                          fn, *args)
 
-    def _refuse_reentry(self) -> None:
-        label = str(getattr(self, "_cached_name", None) or f"#{self._id}")  # not self.name: that calls the pool
-        raise CallbackReentryError(
-            f"pool {label!r} was called from inside its own Python allocator function; the engine holds the "
-            "pool's lock while it runs the function, so allocator functions must not call into their own pool",
-            pool=label,
-        )
+    def _reentry_label(self) -> str:
+        return str(getattr(self, "_cached_name", None) or f"#{self._id}")  # not self.name: that calls the pool
 
     def _handle(self) -> int:
         if self._report is not None or not self._id:
@@ -447,7 +238,8 @@ class MemPool:
         if type(stream) is not int or not 0 <= stream < U64:
             stream = as_stream(stream)
         handle = self._id if self._report is None else self._handle()
-        t0 = _now_us() if self._frames is not None else 0
+        stacks = self._stacks
+        t0 = _snapshot.now_us() if stacks is not None else 0
         try:
             if self._fast is not None:
                 try:
@@ -459,10 +251,10 @@ class MemPool:
             else:
                 ptr = self._native(_b.PoolAlloc, handle, size, device, stream)
         except OutOfMemoryError:
-            if t0:
-                self._note_call(t0)  # the oom entry and the releases before it
+            if stacks is not None:
+                stacks.note_call(t0)  # the oom entry and the releases before it
             raise
-        return ptr if self._frames is None else self._with_frames(ptr, t0)
+        return ptr if stacks is None else self._with_stack(stacks, ptr, t0)
 
     def alloc_segment(self, size: int, device: Any = None, stream: Any = 0) -> int:
         """:meth:`alloc` for a caller that sizes its segments itself and
@@ -478,55 +270,38 @@ class MemPool:
         device = self._device if device is None else device_index(device)
         stream = as_stream(stream)
         handle = self._handle()
-        t0 = _now_us() if self._frames is not None else 0
+        stacks = self._stacks
+        t0 = _snapshot.now_us() if stacks is not None else 0
         try:
             if self._py_callbacks:
                 ptr = self._alloc_with_callbacks(_b.PoolAllocSegment, handle, size, device, stream)
             else:
                 ptr = self._native(_b.PoolAllocSegment, handle, size, device, stream)
         except OutOfMemoryError:
-            if t0:
-                self._note_call(t0)
+            if stacks is not None:
+                stacks.note_call(t0)
             raise
-        return ptr if self._frames is None else self._with_frames(ptr, t0)
+        return ptr if stacks is None else self._with_stack(stacks, ptr, t0)
 
-    def _with_frames(self, ptr: int, t0: int) -> int:
+    def _with_stack(self, stacks: _snapshot.PoolStacks, ptr: int, t0: int) -> int:
         try:
-            self._note_call(t0, block=ptr)
+            stacks.note_call(t0, block=ptr)
         except BaseException:
             self._free_quietly(ptr)  # never leak the block for bookkeeping
             raise
         return ptr
 
     def _alloc_with_callbacks(self, fn: Callable[..., int], handle: int, size: int, device: int, stream: int) -> int:
-        """``fn`` (PoolAlloc or PoolAllocSegment) on a pool with Python callbacks. The call succeeded, so
-        a callback's exception was dealt with by the engine (an alloc
-        function's error reads as out of memory: the pool released its cache
-        and retried; a free function's error cannot be undone): the block is
-        returned, and the exception reported as a warning, not raised, which
-        would leak the block."""
+        """``fn`` (PoolAlloc or PoolAllocSegment) on a pool with Python callbacks (see settle_alloc)."""
         ptr, errs = self._native_collect(fn, handle, size, device, stream)
         if errs:
-            if any(not isinstance(e, Exception) for _, e in errs):
-                self._free_quietly(ptr)  # the caller is being interrupted: it will never free the block
-                _raise_interrupt(errs)
-            try:
-                for kind, exc in errs:
-                    warnings.warn(
-                        f"pool {self._name_or_id()}: {_callback_failure(kind, exc)}"
-                        + ("; the pool released its cache and retried, and the allocation succeeded"
-                           if kind == "alloc" else "while the pool released cached segments"),
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
-            except BaseException:  # warnings turned into errors: give the block back first
-                self._free_quietly(ptr)
-                raise
+            _callbacks.settle_alloc(errs, ptr, self._name_or_id, self._free_quietly)
         return ptr
 
     def _free_quietly(self, ptr: int) -> None:
-        if self._frames is not None:
-            self._forget_frames(ptr)
+        stacks = self._stacks
+        if stacks is not None:
+            stacks.forget(ptr)
         try:
             if self._py_callbacks:
                 self._native_collect(_b.PoolFree, self._id, ptr)
@@ -535,51 +310,19 @@ class MemPool:
         except Exception:  # the pool may be closed; nothing more to do
             pass
 
-    def _note_call(self, t0: int, block: Optional[int] = None, freed: Optional[int] = None) -> None:
-        """Keep the caller's stack for the events of the call that began at
-        ``t0`` (µs), and for the block ``block`` it allocated; forget the
-        stack of the block ``freed``."""
-        captured = _snapshot.capture_frames()
-        t1 = _now_us()
-        thread = threading.get_native_id()
-        with self._frames_lock:
-            frames = self._frames
-            if frames is None:  # history turned off meanwhile
-                return
-            if block is not None:
-                frames[block] = captured
-                while len(frames) > self._frames_max:  # blocks never freed through this API
-                    del frames[next(iter(frames))]
-            elif freed is not None:
-                frames.pop(freed, None)
-            self._calls.append((t0, t1, thread, captured))
-            # a call records an event or more, but some none (an empty_cache
-            # with nothing cached): room for twice the history's entries
-            while len(self._calls) > 2 * self._frames_max:
-                self._calls.popleft()
-
-    def _forget_frames(self, ptr: int) -> None:
-        with self._frames_lock:
-            if self._frames is not None:
-                self._frames.pop(ptr, None)
-
     def _traced(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``self._native(fn, *args)`` for a call that may record events
         (releases, completed frees): with stacks on, they get its stack."""
-        if self._frames is None:
-            return self._native(fn, *args)
-        t0 = _now_us()
-        try:
-            return self._native(fn, *args)
-        finally:
-            self._note_call(t0)
+        stacks = self._stacks
+        return self._native(fn, *args) if stacks is None else stacks.traced(self._native, fn, *args)
 
     def free(self, ptr: int) -> None:
         """Return the block at ``ptr`` to the pool."""
         if type(ptr) is not int or not 0 <= ptr < U64:
             ptr = check_int("ptr", ptr, 0, U64)
         handle = self._id if self._report is None else self._handle()
-        t0 = _now_us() if self._frames is not None else 0
+        stacks = self._stacks
+        t0 = _snapshot.now_us() if stacks is not None else 0
         if self._fast is not None:
             try:
                 self._fast.free(handle, ptr)
@@ -587,8 +330,8 @@ class MemPool:
                 raise translate(exc) from None
         else:
             self._native(_b.PoolFree, handle, ptr)
-        if t0:
-            self._note_call(t0, freed=ptr)
+        if stacks is not None:
+            stacks.note_call(t0, freed=ptr)
 
     def record_stream(self, ptr: int, stream: Any) -> None:
         """Mark the block at ``ptr`` as used on ``stream``: after it is freed
@@ -738,13 +481,7 @@ class MemPool:
         NULL instead of raising), cleared by reading; None when none. The
         exceptions Python callbacks raised while called through the C ABI
         are appended."""
-        msg = self._native(_b.PoolTakeError, self._handle()) or None
-        orphans = self._callback_errors.take_orphans()
-        if orphans:
-            raised = "; ".join(_describe_exc(e) for e in orphans)
-            msg = f"{msg} (a Python allocator function raised {raised})" if msg else \
-                f"a Python allocator function raised {raised}"
-        return msg
+        return _callbacks.with_orphans(self._native(_b.PoolTakeError, self._handle()) or None, self._callback_errors)
 
     # -- snapshots and history ----------------------------------------------
 
@@ -756,9 +493,8 @@ class MemPool:
         fragmentation)."""
         raw = json.loads(self._native(_b.PoolSnapshot, self._handle()))
         history = json.loads(self._native(_b.PoolHistory, self._handle()))
-        with self._frames_lock:
-            frames = dict(self._frames or {})
-            calls = list(self._calls)
+        stacks = self._stacks
+        frames, calls = stacks.copy() if stacks is not None else ({}, [])
         return _snapshot.pool_snapshot(self.name, self.handle, self.backend, raw, history, frames, calls)
 
     def segments(self) -> list[dict[str, int]]:
@@ -772,13 +508,12 @@ class MemPool:
         self._native(_b.PoolRecordHistory, self._handle(), bool(enabled), check_int("max_entries", max_entries, 1, 1 << 31))
         # entries name their thread only for the stacks: a system call each
         self._native(_b.PoolRecordThreads, self._handle(), bool(enabled and stacks))
-        with self._frames_lock:
-            if not (enabled and stacks):
-                self._frames = None
-                self._calls.clear()
-            elif self._frames is None:
-                self._frames = {}
-            self._frames_max = max_entries
+        if not (enabled and stacks):
+            self._stacks = None
+        elif self._stacks is None:
+            self._stacks = _snapshot.PoolStacks(max_entries)
+        else:
+            self._stacks.max_entries = max_entries  # recording on again keeps what was recorded
 
     # -- IPC ----------------------------------------------------------------
 
@@ -851,37 +586,31 @@ class MemPool:
 
     # -- simulated device controls ----------------------------------------
 
+    @property
+    def sim(self) -> _sim.SimControls:
+        """The controls of the pool's simulated device (``backend="sim"``): complete,
+        manual_events, place_next, stats (see :class:`gpumempool._sim.SimControls`)."""
+        return _sim.SimControls(self._native, self._handle)
+
     def sim_complete(self, stream: Any = None) -> None:
-        """Complete the queued work of ``stream`` (all streams when None) on
-        the pool's simulated device."""
-        self._native(_b.SimCompleteStream, self._handle(), 0 if stream is None else as_stream(stream), stream is None)
+        """Deprecated: ``pool.sim.complete``."""
+        _sim.warn_deprecated("complete")
+        self.sim.complete(stream)
 
     def sim_manual_events(self, manual: bool = True) -> None:
-        """Make the simulated device's events complete only on sim_complete()."""
-        self._native(_b.SimSetManualEvents, self._handle(), check_bool("manual", manual))
+        """Deprecated: ``pool.sim.manual_events``."""
+        _sim.warn_deprecated("manual_events")
+        self.sim.manual_events(manual)
 
     def sim_place_next(self, offset: Optional[int], size: Optional[int] = None, device: Any = 0) -> None:
-        """Put the next segment of exactly ``size`` bytes that the pool's
-        simulated device hands out on ``device`` ``offset`` bytes into the
-        device's placement window (the upper half of its address range, which
-        first-fit allocation leaves alone), so that segments keep the address
-        order of their offsets; ``offset=None`` or ``size=0`` withdraws the
-        request. It holds for one segment of that size; if its range is taken
-        then, that segment is placed first fit. Replays use it to give segments
-        the address order the recording allocator's device gave them, which
-        decides ties in best fit. ``offset`` must be a multiple of the
-        device's alignment (512 bytes unless configured). A size is required
-        with an offset: without one the call would silently withdraw."""
-        if offset is None:
-            offset, size = 0, 0
-        elif size is None:
-            raise ValueError("sim_place_next: give the segment size to place (offset=None withdraws the request)")
-        self._native(_b.SimPlaceNext, self._handle(), device_index(device), check_int("offset", offset, 0, U64),
-                     check_int("size", size, 0, U64))
+        """Deprecated: ``pool.sim.place_next``."""
+        _sim.warn_deprecated("place_next")
+        self.sim.place_next(offset, size, device)
 
     def sim_stats(self) -> dict[str, int]:
-        """Counters of the pool's simulated device (calls, live segments)."""
-        return json.loads(self._native(_b.SimStats, self._handle()))
+        """Deprecated: ``pool.sim.stats``."""
+        _sim.warn_deprecated("stats")
+        return self.sim.stats()
 
     # -- lifetime -------------------------------------------------------------
 
@@ -900,16 +629,9 @@ class MemPool:
         go back: the pool ends closed whatever happens."""
         _native.check_not_forked()  # closing swallows errors: not this one
         if self._callback_errors.inside():  # before self._lock, which the outer call may hold
-            self._refuse_reentry()
+            _callbacks.refuse_reentry(self._reentry_label())
         if self._report is None and self._id:
-            # torch's pools, CuPy's allocator, cache scopes (_lifecycle.on_close)
-            for hook in _lifecycle.close_hooks():
-                try:
-                    problem = hook(self)
-                except Exception as exc:  # noqa: BLE001 - closing must not raise
-                    problem = f"{getattr(hook, '__qualname__', hook)} raised {_describe_exc(exc)}"
-                if isinstance(problem, str) and problem:
-                    warnings.warn(f"closing pool anyway: {problem}", LeakWarning, stacklevel=2)
+            _close.run_close_hooks(self)
         problems: list[str] = []
         with self._lock:
             if self._report is not None:
@@ -921,7 +643,7 @@ class MemPool:
                     self._cached_name = self.config()["name"]
                 except Exception:  # noqa: BLE001 - closed through another object
                     self._cached_name = None
-            raw: dict[str, Any] = {"live_blocks": []}
+            raw: dict[str, Any] = {}
             try:
                 out, errs = self._native_collect(_b.PoolClose, self._id)
                 raw = json.loads(out)
@@ -930,24 +652,11 @@ class MemPool:
                 errs = []  # closed through another object or thread
             except Exception as exc:  # noqa: BLE001 - the engine closed the pool anyway
                 errs = []
-                problems.append(_describe_exc(exc))
-            problems += [_callback_failure(kind, e) for kind, e in errs]
-            _callback_refs.pop(self._id, None)
-            self._report = CloseReport(
-                live_blocks=[LiveBlock(**b) for b in raw.get("live_blocks", [])],
-                live_bytes=raw.get("live_bytes", 0),
-                segments_freed=raw.get("segments_freed", 0),
-                bytes_freed=raw.get("bytes_freed", 0),
-            )
-        for problem in problems:
-            warnings.warn(f"pool {self._name_or_id()} closed, but {problem}", LeakWarning, stacklevel=2)
-        if self._report.live_blocks:
-            warnings.warn(
-                f"pool {self._name_or_id()} closed with {len(self._report.live_blocks)} live block(s), "
-                f"{self._report.live_bytes} bytes",
-                LeakWarning,
-                stacklevel=2,
-            )
+                problems.append(describe_exc(exc))
+            problems += [callback_failure(kind, e) for kind, e in errs]
+            _callbacks.drop_refs(self._id)
+            self._report = _close.report(raw)
+        _close.warn_problems(self._name_or_id(), problems, self._report)
         return self._report
 
     def __enter__(self) -> "MemPool":

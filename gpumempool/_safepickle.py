@@ -21,7 +21,7 @@ that reads in order would then check other opcodes than the ones that run,
 so the scan refuses any argument that straddles a frame's end (and frames
 that overrun the frame they are in). Pickle never writes such frames.
 
-The scan runs in Go (``bindings/picklescan``, through
+The scan runs in Go (``internal/picklescan``, through
 ``gpumempool._fastcall``), without the GIL, at about 180 MB/s; it is the
 only scanner (a Python twin, 20x slower and without the bound below, was
 dropped). In a forked child, which must not enter Go, it runs in a new
@@ -104,10 +104,10 @@ def _scan_pickle(data: Union[bytes, bytearray], name: str) -> Optional[tuple[int
     end. Opcodes that import or call code end the scan: the unpickler refuses
     them when it gets there, before anything after them.
 
-    The scan is ``bindings/picklescan`` (Go, without the GIL), reached
+    The scan is ``internal/picklescan`` (Go, without the GIL), reached
     through :func:`_scan`. It also bounds what the pickle builds:
     ``(nodes, depth)`` as :func:`_check_structure` counts them, each at least
-    the real figure (``bindings/picklescan/shape.go``), or None when it
+    the real figure (``internal/picklescan/shape.go``), or None when it
     cannot."""
     res = _scan_in_new_process(data) if _native.forked() else _scan(data, MAX_PICKLE_DEPTH)
     if len(res) == 4:

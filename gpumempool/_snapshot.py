@@ -17,6 +17,7 @@ get the frames of the block's allocation, as in torch).
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import errno
 import os
@@ -24,7 +25,8 @@ import pickle
 import sys
 import tempfile
 import threading
-from typing import Any, Optional, Sequence
+import time
+from typing import Any, Callable, Optional, Sequence
 
 from . import _lifecycle, _native
 from ._errors import CallbackReentryError, PoolClosedError
@@ -97,6 +99,72 @@ def capture_frames() -> Stack:
     if len(_stacks) >= _STACKS_MAX:
         _stacks.clear()
     return _stacks.setdefault(stack, stack)
+
+
+def now_us() -> int:
+    """Wall-clock microseconds, the clock of the engine's history."""
+    return time.time_ns() // 1000
+
+
+class PoolStacks:
+    """A pool's Python stacks while it records history with
+    ``stacks=True``: the stack of each live block allocated through the
+    pool's API (address -> stack, dropped at free), and of each call of that
+    API that may record events (time window, thread, stack). The history's
+    entries are matched to the call that made them by the thread and time
+    the engine recorded (:func:`pool_snapshot`). A pool holds one while
+    stacks are on, and drops it when they go off."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.blocks: dict[int, Stack] = {}
+        self.calls: "collections.deque[Call]" = collections.deque()
+        self.max_entries = max_entries
+        # reentrant: a finalizer freeing a block may run (GC) while alloc holds it
+        self._lock = threading.RLock()
+
+    def note_call(self, t0: int, block: Optional[int] = None, freed: Optional[int] = None) -> None:
+        """Keep the caller's stack for the events of the call that began at
+        ``t0`` (µs), and for the block ``block`` it allocated; forget the
+        stack of the block ``freed``."""
+        captured = capture_frames()
+        t1 = now_us()
+        thread = threading.get_native_id()
+        with self._lock:
+            if block is not None:
+                self.blocks[block] = captured
+                while len(self.blocks) > self.max_entries:  # blocks never freed through this API
+                    del self.blocks[next(iter(self.blocks))]
+            elif freed is not None:
+                self.blocks.pop(freed, None)
+            self.calls.append((t0, t1, thread, captured))
+            # a call records an event or more, but some none (an empty_cache
+            # with nothing cached): room for twice the history's entries
+            while len(self.calls) > 2 * self.max_entries:
+                self.calls.popleft()
+
+    def traced(self, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)``, a pool call that may record events (releases,
+        completed frees): they get its stack."""
+        t0 = now_us()
+        try:
+            return call(*args)
+        finally:
+            self.note_call(t0)
+
+    def forget(self, ptr: int) -> None:
+        """The block at ``ptr`` is gone without a call worth a stack."""
+        with self._lock:
+            self.blocks.pop(ptr, None)
+
+    def copy(self) -> tuple[dict[int, Stack], list[Call]]:
+        """The blocks' stacks and the calls, as they are now."""
+        with self._lock:
+            return dict(self.blocks), list(self.calls)
+
+    def renew_lock_after_fork(self) -> None:
+        """In a forked child: a new lock, as another thread may have held
+        this one at the fork."""
+        self._lock = threading.RLock()
 
 
 class _Frames:

@@ -4,7 +4,7 @@ result as a JSON line on stdout."""
 
 import sys
 
-from gpumempool.tune import worker_main
+from gpumempool._tune_run import worker_main
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:

@@ -126,11 +126,11 @@ def run_demo(
             held -= layers * weight
             # The comm stream finishes its all-reduces one step late.
             if step % 2 == 1:
-                pool.sim_complete(COMM_STREAM)
+                pool.sim.complete(COMM_STREAM)
             bar(step + 1, steps)
         for w in weights:
             pool.free(w)
-        pool.sim_complete()
+        pool.sim.complete()
         pool.process_events()
         s = pool.stats()
         if snapshot_path is not None:

@@ -32,7 +32,6 @@ less than torch did for the same requests.
 
 from __future__ import annotations
 
-import bisect
 import inspect
 import math
 import os
@@ -44,10 +43,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from ._errors import InvalidArgumentError, LeakWarning, OutOfMemoryError, expect_out_of_memory
+from . import _replay_start
 from ._args import MAX_DEVICE, ROUNDUP_INTERVALS
 from ._pool import MemPool
 from ._policy import ARGUMENTS, LIST_FORMS, SETTINGS
-from ._start_state import StartSegment
 from .trace import Alloc, EmptyCache, Free, PathLike, RecordStream, Sync, Trace, TraceFile, Trim
 
 __all__ = ["POLICY_KEYS", "ReplayResult", "parse_policy", "parse_size", "replay"]
@@ -70,16 +69,8 @@ _BOOL_KEYS = {"expandable"}
 _FRACTION_KEYS = {key for key in _POOL_KEYS if SETTINGS[key].get("unit") == "fraction"}
 #: Device size when neither the policy nor the trace names one: an 80 GB H100.
 DEFAULT_CAPACITY = 80 << 30
-#: Boundary at which each run of recorded segments starts when they are
-#: packed into the simulated device's placement window (CUDA aligns
-#: segments of 2 MiB and more to it).
-_PLACEMENT_RUN_ALIGN = 2 << 20
 #: How often (in events) a replay with ``stop_above`` looks at its peak.
 STOP_CHECK_EVENTS = 2048
-#: The simulated device's address alignment (its default, which replay keeps):
-#: placements must be multiples of it.
-_SIM_ALIGNMENT = 512
-
 ProgressFn = Callable[[int, int], None]
 
 _UNITS = {
@@ -251,7 +242,6 @@ def _meta_devices(value: Any) -> int:
     return value
 
 
-
 @dataclass
 class ReplayResult:
     """What a replay measured. Byte figures are summed over devices of each
@@ -363,102 +353,6 @@ def _meta_count(meta: Mapping[str, Any], key: str) -> int:
 
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
-
-
-def _placements(trace: Union[Trace, TraceFile], devices: int, start: Sequence[StartSegment] = ()
-                ) -> tuple[dict[int, list[tuple[int, int, int]]], list[Optional[int]]]:
-    """The recorded segments (``trace.segments``) by the index of the event
-    that obtained them, as ``(device, offset, size)`` with offsets into the
-    simulated device's placement window (:meth:`MemPool.sim_place_next`)
-    that keep their address order. The ranges of a device are packed: each
-    run of overlapping or touching ranges keeps its layout, the runs follow
-    each other in address order from 2 MiB boundaries, and the gaps between
-    them, which order nothing, go (CUDA's address space is sparse; the
-    window holds at least the device's capacity). The segments held at the
-    start (``start``) take part in the address order; their offsets are
-    returned too, in their order (None: placed first fit)."""
-    ranges: dict[int, list[tuple[int, int]]] = {}
-    for _, dev, addr, size in trace.segments:
-        if dev < devices:
-            ranges.setdefault(dev, []).append((addr, addr + size))
-    for g in start:
-        if g.device < devices:
-            ranges.setdefault(g.device, []).append((g.addr, g.addr + g.size))
-    runs: dict[int, tuple[list[int], list[int]]] = {}  # device -> (run starts, their offsets)
-    for dev, rs in ranges.items():
-        merged: list[list[int]] = []
-        for lo, hi in sorted(rs):
-            if merged and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        starts, offsets, cursor = [], [], 0
-        for lo, hi in merged:
-            off = -(-cursor // _PLACEMENT_RUN_ALIGN) * _PLACEMENT_RUN_ALIGN
-            starts.append(lo)
-            offsets.append(off)
-            cursor = off + hi - lo
-        runs[dev] = (starts, offsets)
-    def offset(dev: int, addr: int) -> Optional[int]:
-        starts, offsets = runs[dev]
-        k = bisect.bisect_right(starts, addr) - 1
-        off = offsets[k] + addr - starts[k]
-        # Recorded addresses are aligned; a hand-written trace's may not be. An
-        # offset past 64 bits (runs of a hostile trace, each near 2**63 bytes)
-        # is beyond any placement window: such a segment goes first fit.
-        return off if off % _SIM_ALIGNMENT == 0 and off < 1 << 64 else None
-
-    out: dict[int, list[tuple[int, int, int]]] = {}
-    for idx, dev, addr, size in trace.segments:
-        if dev >= devices:
-            continue
-        at = offset(dev, addr)
-        if at is not None:
-            out.setdefault(idx, []).append((dev, at, size))
-    return out, [offset(g.device, g.addr) if g.device < devices else None for g in start]
-
-
-def _start_segments(trace: Union[Trace, TraceFile]) -> list[StartSegment]:
-    """The segments the recording allocator held at the first event
-    (``meta["start_segments"]``, see :mod:`gpumempool._start_state`)."""
-    rows = trace.meta.get("start_segments")
-    if not rows:
-        return []
-    if not isinstance(rows, list):
-        raise InvalidArgumentError("trace metadata 'start_segments' must be a list")
-    try:
-        segs = sorted((StartSegment.from_row(r) for r in rows), key=lambda g: (g.device, g.addr))
-    except ValueError as exc:
-        raise InvalidArgumentError(f"trace metadata 'start_segments': {exc}") from None
-    seen: set[int] = set()
-    for k, g in enumerate(segs):
-        if g.addr + g.size > 1 << 64:
-            raise InvalidArgumentError(f"trace metadata 'start_segments': the segment at {g.addr:#x} ends past 2**64")
-        if k and segs[k - 1].device == g.device and segs[k - 1].addr + segs[k - 1].size > g.addr:
-            raise InvalidArgumentError(f"trace metadata 'start_segments': the segments at {segs[k - 1].addr:#x} "
-                                       f"and {g.addr:#x} overlap")
-        for _, bid in g.blocks:
-            if bid and bid in seen:
-                raise InvalidArgumentError(f"trace metadata 'start_segments': block {bid} is in more than one place")
-            seen.add(bid)
-    return segs
-
-
-def _start_sizes(trace: Union[Trace, TraceFile], ids: set[int], first: int) -> dict[int, int]:
-    """The requested sizes of the blocks ``ids`` allocated at the start
-    (their ``Alloc`` events are the trace's first ``first`` events); raises
-    InvalidArgumentError for an id that is not one of them (a seeded block
-    nobody would free, or an allocation of the trace served twice)."""
-    sizes: dict[int, int] = {}
-    for i, e in enumerate(trace):
-        if i >= first or type(e) is not Alloc or len(sizes) == len(ids):
-            break
-        if e.id in ids:
-            sizes[e.id] = e.size
-    for bid in sorted(ids - set(sizes)):
-        raise InvalidArgumentError(f"trace metadata 'start_segments': block {bid} is not allocated at the start "
-                                   f"(one of the first {first} events)")
-    return sizes
 
 
 def replay(
@@ -577,11 +471,11 @@ def replay(
     cur = peak_req = 0
     # An expandable replay grows one segment per stream: the recording's
     # segments have no counterpart there.
-    start_segs = [g for g in _start_segments(trace) if g.device < devices] if start_state else []
+    start_segs = [g for g in _replay_start.start_segments(trace) if g.device < devices] if start_state else []
     not_seeded: Optional[str] = None
     if start_segs and pol.get("expandable"):
         not_seeded, start_segs = "expandable segments start empty (torch's layout at the start has no counterpart)", []
-    placements, start_offsets = _placements(trace, devices, start_segs) if recorded_addresses and not pol.get("expandable") \
+    placements, start_offsets = _replay_start.placements(trace, devices, start_segs) if recorded_addresses and not pol.get("expandable") \
         else ({}, [None] * len(start_segs))
     seeded: dict[int, int] = {}  # block id -> address of the live blocks seeded
     first = trace.meta.get("preexisting_blocks", 0)
@@ -597,7 +491,7 @@ def replay(
     was_expected = expect_out_of_memory(True)
     try:
         alloc, alloc_segment, free, record_stream = pool.alloc, pool.alloc_segment, pool.free, pool.record_stream
-        place = pool.sim_place_next
+        place = pool.sim.place_next
         # The recording's segments are made just before the run's first
         # event: the blocks live at the start that they do not hold (a
         # private pool's, a CUDA graph's) are allocated before them, in
@@ -608,7 +502,7 @@ def replay(
 
         def seed() -> None:
             nonlocal not_seeded, ooms, first_oom
-            not_seeded = _seed(pool, trace, start_segs, start_offsets, devices, seeded)
+            not_seeded = _replay_start.seed(pool, trace, start_segs, start_offsets, devices, seeded)
             for k, a in deferred:
                 if a.id in seeded:
                     ptrs[a.id] = seeded.pop(a.id)
@@ -671,7 +565,7 @@ def replay(
                 else:
                     record_stream(ptr, e.stream)  # type: ignore[union-attr]
             elif t is Sync:
-                pool.sim_complete(e.stream)  # type: ignore[union-attr]
+                pool.sim.complete(e.stream)  # type: ignore[union-attr]
             elif t is EmptyCache:
                 pool.empty_cache()
             elif t is Trim:
@@ -688,10 +582,10 @@ def replay(
                 break
         if to_seed and stopped_at is None:  # the trace has no event after those live at the start
             seed()
-        pool.sim_complete()
+        pool.sim.complete()
         pool.process_events()
         stats = pool.stats()
-        placed = pool.sim_stats().get("placed", 0)
+        placed = pool.sim.stats().get("placed", 0)
     finally:
         expect_out_of_memory(was_expected)
         with warnings.catch_warnings():
@@ -741,39 +635,6 @@ def replay(
         first_oom_event=first_oom,
         stats=stats,
     )
-
-
-def _seed(pool: MemPool, trace: Union[Trace, TraceFile], start: Sequence[StartSegment],
-          offsets: Sequence[Optional[int]], devices: int, seeded: dict[int, int]) -> Optional[str]:
-    """Give ``pool`` the segments ``start`` (at their ``offsets`` in the
-    placement window), filling ``seeded`` with the addresses of their live
-    blocks by id; returns why it could not (nothing is then seeded), or
-    None."""
-    ids = {bid for g in start for _, bid in g.blocks if bid}
-    first = trace.meta.get("preexisting_blocks", 0)
-    requested = _start_sizes(trace, ids, first if type(first) is int and first >= 0 else 0)
-    made: list[int] = []
-    for g, off in zip(start, offsets):
-        if g.device >= devices:
-            continue
-        blocks = [(size, min(requested.get(bid, size), size) if bid else 0, bool(bid)) for size, bid in g.blocks]
-        if off is not None:
-            pool.sim_place_next(off, g.size, g.device)
-        try:
-            addrs = pool.seed_segment(blocks, device=g.device, stream=g.stream, small=g.small)
-        except OutOfMemoryError:
-            for a in made:
-                pool.free(a)
-            pool.empty_cache()
-            seeded.clear()
-            return (f"the {sum(x.size for x in start)} bytes held at the start do not fit the replay's device or "
-                    "limit")
-        finally:
-            if off is not None:
-                pool.sim_place_next(None, device=g.device)
-        made += addrs
-        seeded.update(zip([bid for _, bid in g.blocks if bid], addrs))
-    return None
 
 
 class _CallableModule(types.ModuleType):

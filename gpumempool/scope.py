@@ -53,7 +53,8 @@ from . import torch as _gmp_torch
 from ._errors import GpuMemPoolError, InvalidArgumentError, InvalidPointerError
 from . import _lifecycle, _native
 from ._args import as_stream, device_index
-from ._pool import MemPool, runs_python_function
+from ._callbacks import runs_python_function
+from ._pool import MemPool
 
 __all__ = ["CacheScope", "ScopeError", "active_scope", "alloc", "cache_scope", "free", "invalidate"]
 

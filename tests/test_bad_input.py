@@ -159,7 +159,7 @@ def test_errors_subclass_builtins() -> None:
 def test_sim_controls_on_a_non_sim_pool(clib) -> None:
     with gmp.MemPool(alloc=clib.test_alloc, free=clib.test_free) as pool:
         with pytest.raises(ValueError, match="not sim"):
-            pool.sim_complete()
+            pool.sim.complete()
 
 
 def test_injected_failures_are_oom_and_leave_pool_usable() -> None:
@@ -233,7 +233,7 @@ def test_boolean_gpu_options_take_only_bools(backend: str, key: str) -> None:
 
 def test_sim_manual_events_takes_only_a_bool(pool: gmp.MemPool) -> None:
     with pytest.raises(TypeError, match="manual must be a bool"):
-        pool.sim_manual_events("no")  # type: ignore[arg-type]
+        pool.sim.manual_events("no")  # type: ignore[arg-type]
 
 
 def test_config_shows_the_backend_options() -> None:

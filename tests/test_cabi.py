@@ -282,7 +282,7 @@ def test_torch_hooks_are_native_functions_that_act_on_the_pool() -> None:
         pool.set_limit(None)
 
         # record_stream: the block waits for the stream before reuse
-        pool.sim_manual_events()
+        pool.sim.manual_events()
         p = pool.alloc(MiB, stream=1)
         hooks["set_record_stream_fn"](p, 2)
         assert pool.last_error() is None
@@ -295,7 +295,7 @@ def test_torch_hooks_are_native_functions_that_act_on_the_pool() -> None:
         assert pool.last_error() is None
 
         # reset (torch.cuda.empty_cache): cached segments go back
-        pool.sim_complete()
+        pool.sim.complete()
         pool.process_events()
         reserved = pool.stats()["reserved_bytes.all.current"]
         for a in live:
@@ -602,21 +602,21 @@ def test_graph_capture_pauses_events(cxx_caller) -> None:
     the capture on a GPU): a block freed after use on another stream waits
     until the capture ends, then gets its events."""
     with gmp.MemPool("sim", capacity=64 * MiB) as pool:
-        pool.sim_manual_events()
+        pool.sim.manual_events()
         path = pool.pluggable_symbols()[0].encode()
         hooks = {k: v.encode() for k, v in pool.pluggable_hooks().items()}
         a = pool.alloc(4096, stream=1)
         pool.record_stream(a, 2)
         assert cxx_caller.call_begin(path, hooks["set_begin_allocate_to_pool"], 0, 9, 0, 0x99, 0) == 0
         pool.free(a)
-        pool.sim_complete()  # stream 2 is done, but no event was recorded to say so
+        pool.sim.complete()  # stream 2 is done, but no event was recorded to say so
         assert pool.process_events() == 1  # a waits for the capture's end, not on an event
         b = pool.alloc(4096, stream=1)
         assert b != a  # a waits
         assert cxx_caller.call_end(path, hooks["set_end_allocate_to_pool_fn"], 0, 9, 0) == 0
         assert pool.last_error() is None
         assert pool.process_events() == 1  # now on its event, recorded at the end of the capture
-        pool.sim_complete()
+        pool.sim.complete()
         assert pool.process_events() == 0
         c = pool.alloc(4096, stream=1)
         assert c == a

@@ -205,7 +205,7 @@ def test_callback_pool_dropped_without_close_stays_callable() -> None:
     script = textwrap.dedent(
         """
         import ctypes, gc, gpumempool as gmp
-        from gpumempool import _native, _pool
+        from gpumempool import _callbacks, _native
         keep = {}
         def alloc(size, dev, stream):
             b = ctypes.create_string_buffer(size + 4096)
@@ -230,7 +230,7 @@ def test_callback_pool_dropped_without_close_stays_callable() -> None:
         ctypes.memset(ptr, 7, 3 << 20)
         g(ptr, 3 << 20, 0, None)
         _native.bindings.PoolClose(h)  # what close() does, by handle
-        _pool._callback_refs.pop(h)
+        _callbacks._callback_refs.pop(h)
         assert not keep and gmp.pools() == []
         print("ok")
         """
@@ -240,14 +240,14 @@ def test_callback_pool_dropped_without_close_stays_callable() -> None:
 
 
 def test_close_drops_the_callbacks_of_the_pool() -> None:
-    from gpumempool import _pool
+    from gpumempool import _callbacks
 
     pa = PyAllocator()
     pool = gmp.MemPool(alloc=pa.alloc, free=pa.free)
     h = pool.handle
-    assert len(_pool._callback_refs[h]) == 2
+    assert len(_callbacks._callback_refs[h]) == 2
     pool.close()
-    assert h not in _pool._callback_refs
+    assert h not in _callbacks._callback_refs
 
 
 class FlakyAllocator(PyAllocator):

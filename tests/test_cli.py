@@ -26,8 +26,8 @@ def test_info_without_a_driver_exits_zero() -> None:
 
 
 def test_info_reports_what_the_torch_integration_will_do(monkeypatch) -> None:
-    from gpumempool import __main__ as cli
-    from test_torch_logic import make_torch
+    from faketorch import make_torch
+    from gpumempool._cli import info as cli
 
     if "torch" not in sys.modules:
         try:
@@ -38,7 +38,7 @@ def test_info_reports_what_the_torch_integration_will_do(monkeypatch) -> None:
             assert "torch:    not installed" in run_cli("info").stdout
     for variant, routing in (("2.11", "this thread only"), ("2.5", "every thread while inside")):
         monkeypatch.setitem(sys.modules, "torch", make_torch(variant))
-        t = cli._torch_info()
+        t = cli.torch_info()
         assert t["version"] == f"{variant}.0+fake" and routing in t["mempool"]
         assert t["pluggable"] is True and t["capabilities"]["mem_pool"] is True
         # The fake's raw pluggable allocator has the four classic hooks, not torch's graph ones.

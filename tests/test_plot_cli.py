@@ -291,11 +291,11 @@ def test_replay_bad_metadata_is_a_clean_error(tmp_path: Path, capsys, body: str,
 
 
 def test_replay_json_is_standard_json(tmp_path: Path, capsys, monkeypatch) -> None:
-    from gpumempool import __main__ as cli
+    from gpumempool._cli import common
 
     tr = Trace.loads("gmptrace 1\na 1 512 0\nf 1\n")
     tr.meta["ratio"] = float("nan")  # a metadata value JSON cannot hold, set through the API
-    monkeypatch.setattr(cli, "_load_trace", lambda path, args: tr)
+    monkeypatch.setattr(common, "load_trace", lambda path, args: tr)
     assert main(["replay", "x.trace", "--json", "--save-trace", str(tmp_path / "out.trace")]) == 0
     out = capsys.readouterr().out
     assert "NaN" not in out and json.loads(out)["trace"]["meta"]["ratio"] is None

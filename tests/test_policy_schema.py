@@ -94,9 +94,9 @@ published = json.loads(_native.bindings.PoolSchema())
 _native.bindings.PoolSchema = lambda: json.dumps(published + [json.loads(sys.argv[1])])
 
 # the layers as they are built at import, from the schema now published
-from gpumempool import _args, _policy, _pool, replay, tune
+from gpumempool import _args, _policy, _pool, _tune_space, _tune_result, _tune_run, replay, tune
 from gpumempool.oracle import fidelity
-for module in (_policy, _args, _pool, replay, tune, fidelity):
+for module in (_policy, _args, _pool, replay, _tune_space, _tune_result, _tune_run, tune, fidelity):
     importlib.reload(module)
 gmp = _pool
 
@@ -118,7 +118,7 @@ print(json.dumps({
     "parsed": replay.parse_policy("spare_size=8MiB"),
     "torch_name": tune.TORCH_NAMES.get("spare_size"),
     "alloc_conf": tune.alloc_conf({"spare_size": 8 * MiB}),
-    "torch_accepts": [tune._torch_expressible({"spare_size": v}) for v in (2 * MiB, 8 * MiB, 8 * MiB + 1)],
+    "torch_accepts": [_tune_space.torch_expressible({"spare_size": v}) for v in (2 * MiB, 8 * MiB, 8 * MiB + 1)],
     "exclude": tune.OPTION_NAMES.get("spare_size_mb"),
     "searched": tune.TORCH_SPACE.get("spare_size"),
     "oracle": fidelity.parse_alloc_conf("spare_size_mb:8"),
@@ -155,7 +155,8 @@ def test_a_setting_added_to_the_engines_schema_reaches_every_layer() -> None:
 #: option tags) that name a setting (or torch's name of it) in a string
 #: literal, and why. None lists the settings: each acts on particular ones.
 NAMED_BY_HAND: dict[str, tuple[set[str], str]] = {
-    "gpumempool/__main__.py": ({"limit"}, "replay's report shows the limit the replay ran under"),
+    "gpumempool/_cli/replay.py": ({"limit"}, "replay's report shows the limit the replay ran under"),
+    "gpumempool/_errors.py": ({"limit"}, "OutOfMemoryError's limit field, the one the engine's error carries"),
     "gpumempool/_oom_snapshot.py": ({"limit"}, "an OOM snapshot takes the device's size from the limit"),
     "gpumempool/_pool.py": ({"limit"}, "set_limit's own argument"),
     "gpumempool/_start_state.py": ({"max_split_size", "max_non_split_rounding_size", "roundup_power2_divisions"},
@@ -170,12 +171,14 @@ NAMED_BY_HAND: dict[str, tuple[set[str], str]] = {
                                      "roundup_power2_divisions_by_size"},
                                     "torch_allocator_policy reads torch's snapshot keys; describe_pool still lists "
                                     "the settings a recorded policy keeps (to build from _policy)"),
-    "gpumempool/tune.py": ({"garbage_collection_threshold", "limit", "max_non_split_rounding_size", "max_split_size",
-                            "roundup_power2_divisions", "torch_version"},
-                           "its coarse first grid; torch's rules (divisions are powers of two, "
-                           "non-split rounding needs max_split_size, the threshold needs a limit); "
-                           "TuneResult's own limit and torch_version fields"),
+    "gpumempool/tune.py": ({"garbage_collection_threshold"}, "the threshold is searched only with a limit"),
+    "gpumempool/_tune_space.py": ({"max_non_split_rounding_size", "max_split_size", "roundup_power2_divisions"},
+                                  "its coarse first grid; torch's rules (divisions are powers of two, "
+                                  "non-split rounding needs max_split_size)"),
+    "gpumempool/_tune_result.py": ({"limit", "torch_version"}, "TuneResult's own limit and torch_version fields"),
+    "gpumempool/_tune_run.py": ({"limit"}, "a candidate runs under the limit tune was given"),
     "gocore/stats.go": ({"max_split_size"}, "torch's memory_stats key of the same name, a statistic"),
+    "bindings/pyerr/pyerr.go": ({"limit"}, "an out-of-memory error's limit field"),
 }
 
 

@@ -56,7 +56,7 @@ def test_streams_are_separate_and_record_stream_defers_reuse() -> None:
         assert pool.stats()["active_bytes.all.current"] == 2 * 4096
         c = pool.alloc(4096, stream=1)
         assert c != b
-        pool.sim_complete(2)
+        pool.sim.complete(2)
         assert pool.process_events() == 0
         assert pool.alloc(4096, stream=1) == b
         pool.check()
@@ -191,7 +191,7 @@ def test_oom_releases_cache_then_retries() -> None:
         c = pool.alloc(40 * MiB)
         s = pool.stats()
         assert s["num_alloc_retries"] == 1 and s["num_ooms"] == 0
-        assert pool.sim_stats()["live_segments"] == 1
+        assert pool.sim.stats()["live_segments"] == 1
         pool.free(c)
 
 
@@ -203,7 +203,7 @@ def test_trim_and_release_threshold() -> None:
         assert pool.trim(24 * MiB) == 24 * MiB
         assert pool.stats()["reserved_bytes.all.current"] == 24 * MiB
         assert pool.empty_cache() == 24 * MiB
-        assert pool.sim_stats()["live_segments"] == 0
+        assert pool.sim.stats()["live_segments"] == 0
     with gmp.MemPool("sim", release_threshold=30 * MiB) as pool:
         ptrs = [pool.alloc(12 * MiB) for _ in range(4)]
         for p in ptrs:
@@ -293,7 +293,7 @@ def test_expandable_sim_segments_grow_in_place() -> None:
         s = pool.stats()
         assert s["segment.all.current"] == 0 and s["num_expansions"] == 1
         assert s["reserved_bytes.all.current"] == 60 * MiB
-        assert pool.sim_stats()["expansions"] == 1
+        assert pool.sim.stats()["expansions"] == 1
         pool.free(a)
         pool.free(b)
         c = pool.alloc(60 * MiB)
@@ -305,7 +305,7 @@ def test_expandable_sim_segments_grow_in_place() -> None:
         assert pool.stats()["reserved_bytes.all.current"] == 80 * MiB
         assert pool.empty_cache() == 20 * MiB
         assert pool.stats()["reserved_bytes.all.current"] == 60 * MiB
-        assert pool.sim_stats()["shrinks"] == 1
+        assert pool.sim.stats()["shrinks"] == 1
         assert pool.alloc(20 * MiB) == d  # grows in place again
 
 
@@ -467,3 +467,28 @@ def test_close_reports_live_blocks_even_when_the_backend_fails() -> None:
     texts = [str(w.message) for w in caught]
     assert any("live block" in t for t in texts) and any("engine reported" in t for t in texts)
     assert p.closed
+
+
+def test_the_old_sim_methods_warn_and_still_steer_the_simulated_device() -> None:
+    # MemPool.sim_* became pool.sim.*: each old name warns once per call,
+    # at its caller, and does what the new one does
+    with gmp.MemPool("sim", capacity=1 << 30) as pool:
+        with pytest.warns(DeprecationWarning, match=r"sim_manual_events\(\) is deprecated; use pool\.sim") as w:
+            pool.sim_manual_events(True)
+        assert w[0].filename == __file__
+        a = pool.alloc(1000, stream=2)
+        pool.record_stream(a, 3)
+        pool.free(a)
+        assert pool.process_events() == 1  # the event on stream 3 waits
+        with pytest.warns(DeprecationWarning, match="sim_complete"):
+            pool.sim_complete(3)
+        assert pool.process_events() == 0
+        with pytest.warns(DeprecationWarning, match="sim_place_next"):
+            pool.sim_place_next(4 * MiB, 2 * MiB)
+        high = pool.alloc(1000)  # its 2 MiB small segment, placed
+        with pytest.warns(DeprecationWarning, match="sim_stats"):
+            stats = pool.sim_stats()
+        assert stats == pool.sim.stats() and stats["placed"] == 1 and stats["live_segments"] == 2  # stream 2's and the placed one
+        pool.free(high)
+    with gmp.MemPool("sim") as other, pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="size"):
+        other.sim_place_next(4 * MiB)

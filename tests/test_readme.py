@@ -53,7 +53,7 @@ def test_readme_prose_quotes_its_benchmark_tables() -> None:
     text = " ".join(TRACES.read_text().split())
     cpu = _cpu_results()
     scan = float(_table_row(cpu, "opcode scan in Go")[2])
-    quoted = float(re.search(r"in Go \(`bindings/picklescan`, without the GIL\) at about (\d+) MB/s", text).group(1))
+    quoted = float(re.search(r"in Go \(`internal/picklescan`, without the GIL\) at about (\d+) MB/s", text).group(1))
     assert abs(quoted - scan) <= 0.1 * scan, (quoted, scan)
     safe = float(_table_row(cpu, "load_pickle, Go scan")[1])
     plain = float(_table_row(cpu, "plain pickle.loads")[1])

@@ -154,8 +154,8 @@ def test_calls_that_return_nothing_leak_no_c_memory() -> None:
                 pool.set_limit(1 << 30)
                 pool.set_release_threshold(0)
                 pool.check()
-                pool.sim_complete()
-                pool.sim_manual_events(False)
+                pool.sim.complete()
+                pool.sim.manual_events(False)
                 pool.record_history(False)
                 cb.free(cb.alloc(4096))  # gopy's path: callback pools skip the fast one
 

@@ -1,4 +1,4 @@
-"""The pickle scanner (bindings/picklescan, through gpumempool._fastcall, or
+"""The pickle scanner (internal/picklescan, through gpumempool._fastcall, or
 ctypes in a build without it) and load_pickle: verdicts, reasons and
 positions on real, mutated, random and crafted pickles, and the bound on
 what a pickle builds."""
@@ -17,7 +17,7 @@ import pytest
 from gpumempool import _native, _safepickle
 from gpumempool._safepickle import UnsafePickleError, load_pickle
 
-_TESTDATA = Path(__file__).resolve().parents[1] / "bindings" / "picklescan" / "testdata"
+_TESTDATA = Path(__file__).resolve().parents[1] / "internal" / "picklescan" / "testdata"
 
 fast = _native.fastcall
 needs_fast = pytest.mark.skipif(fast is None, reason="gpumempool._fastcall is not built")
@@ -190,7 +190,7 @@ def test_load_pickle_without_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> N
         load_pickle(b"\x80\x04\x8c\xff")
 
 
-# -- the shape bound (bindings/picklescan/shape.go) ----------------------------
+# -- the shape bound (internal/picklescan/shape.go) ----------------------------
 
 
 def _exact_shape(root: object) -> Optional[tuple[int, int]]:

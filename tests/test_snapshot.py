@@ -133,7 +133,7 @@ def test_python_stacks_from_many_threads() -> None:
                 t.join(30)
             assert errors == []
             assert pool.stats()["allocation.all.current"] == 0
-            assert len(pool._frames or {}) <= 4
+            assert len(pool._stacks.blocks if pool._stacks else {}) <= 4
     finally:
         sys.setswitchinterval(old)
 
@@ -199,7 +199,7 @@ def test_stacks_belong_to_the_allocation_that_made_them(tmp_path) -> None:
         live = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
         assert any(f["name"] == "second" for f in live[0]["frames"])
         p.free(y)
-        assert not p._frames, "a freed block keeps no stack"
+        assert p._stacks is not None and not p._stacks.blocks, "a freed block keeps no stack"
         # recording on again keeps what was recorded
         before = len(p.snapshot()["device_traces"][0])
         p.record_history(True, stacks=True)

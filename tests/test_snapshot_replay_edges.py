@@ -129,10 +129,10 @@ def test_min_capacity_probes_that_run_past_the_deadline_do_not_crash_tune(monkey
     # with no min_capacity measured, not a KeyError from a probe that never ran.
     import time
 
-    from gpumempool import tune as tune_mod
+    from gpumempool._tune_run import Runner
     from gpumempool.trace import Alloc, Free
 
-    real_run = tune_mod._Runner.run
+    real_run = Runner.run
 
     def run(self, settings_list, expect=0, stop_above=None):
         settings_list = list(settings_list)
@@ -140,7 +140,7 @@ def test_min_capacity_probes_that_run_past_the_deadline_do_not_crash_tune(monkey
             self.deadline = time.perf_counter() - 1  # past, from the probes on
         return real_run(self, settings_list, expect, stop_above)
 
-    monkeypatch.setattr(tune_mod._Runner, "run", run)
+    monkeypatch.setattr(Runner, "run", run)
     trace = Trace([Alloc(1, 12 * MiB), Alloc(2, 12 * MiB), Free(1), Free(2)], {})
     r = gmp.tune(trace, jobs=1, extra=False, min_capacity=True, deadline_s=3600)
     assert r.partial
@@ -172,7 +172,7 @@ def test_frames_of_an_event_after_a_record_stream_are_its_own() -> None:
         snap = pool.snapshot()
         pool.free(a)
         pool.free(b)
-        pool.sim_complete()
+        pool.sim.complete()
         pool.process_events()
     assert snap.get("gpumempool_record_stream")
     tr = from_torch_snapshot(snap)

@@ -70,7 +70,7 @@ def workload(pool: gmp.MemPool, side: int = 7) -> list[int]:
     pool.free(a)
     with pytest.raises(gmp.OutOfMemoryError):
         pool.alloc(1 << 40)
-    pool.sim_complete(side)
+    pool.sim.complete(side)
     pool.process_events()
     pool.free(c)
     pool.empty_cache()
@@ -88,7 +88,7 @@ def snapshot_of(expandable: bool) -> dict[str, Any]:
         snap = pool.snapshot()
         for p in live:
             pool.free(p)
-        pool.sim_complete()
+        pool.sim.complete()
         pool.process_events()
     assert any(s["total_size"] > 40 * MiB for s in snap["segments"]) == expandable, "a segment grew"
     return snap
@@ -269,7 +269,7 @@ def test_our_pickle_replays_with_its_record_streams(tmp_path) -> None:
         gmp.dump_snapshot(str(path), pool.snapshot())
         for p in live:
             pool.free(p)
-        pool.sim_complete()
+        pool.sim.complete()
     loaded = from_torch_snapshot(path)
     assert loaded.meta["source"] == "gpumempool"  # recognised: not taken for torch's
     assert loaded.events == direct.events

@@ -16,7 +16,7 @@ import gpumempool as gmp
 from gpumempool import scope as gscope
 from gpumempool import torch as gtorch
 
-from test_torch_logic import (  # noqa: F401 - fixtures
+from faketorch import (  # noqa: F401 - fixtures
     FakeBackend, FakeGroup, clean_state, inside_in_another_thread, install, sim)
 
 

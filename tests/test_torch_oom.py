@@ -4,7 +4,7 @@
 Most tests build it against a stand-in torch tree (a two-line c10 header and
 an empty libc10), so they run without torch; the last one builds it against
 the installed torch and loads it. What it throws is tested from C++ in
-test_torch_logic.py, and on a GPU in test_torch_gpu.py."""
+test_torch_replacement.py, and on a GPU in test_torch_gpu.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Releasing and closing torch pools at their edges (torch pools carved from
 a segment the engine cached, cudaMalloc'd segments on torch 2.5, a matrix
-run that crashed), with the fake torch of tests/test_torch_logic.py. Each
+run that crashed), with the fake torch of tests/faketorch.py. Each
 failed before its fix (found in review)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 import gpumempool as gmp
 from gpumempool import torch as gtorch
-from test_torch_logic import clean_state, install, sim  # noqa: F401 - fixtures
+from faketorch import clean_state, install, sim  # noqa: F401 - fixtures
 
 MiB = 1 << 20
 

@@ -164,7 +164,7 @@ def test_from_history_of_a_known_sequence() -> None:
         pool.record_stream(b, 7)
         pool.free(b)  # waits for stream 7
         pool.alloc(3000)
-        pool.sim_complete(7)
+        pool.sim.complete(7)
         pool.alloc(100)  # processes events first: b's free completes here
         pool.free(a)
         tr = from_history(pool)
@@ -225,7 +225,7 @@ def test_trace_recorder_records_calls_and_restores_the_pool() -> None:
             pool.record_stream(y, 6)
             pool.free(y)
             pool.trim(0)  # y still waits for stream 6: nothing to release
-            pool.sim_complete(6)
+            pool.sim.complete(6)
             pool.alloc(200, stream=5)
         assert "empty_cache" not in vars(pool) and "trim" not in vars(pool)
         assert pool.snapshot()["device_traces"] == [[]]  # history is off again
@@ -252,7 +252,7 @@ def test_trace_recorder_syncs_before_an_empty_cache_that_completes_frees() -> No
             x = pool.alloc(12 * MiB)
             pool.record_stream(x, 9)
             pool.free(x)
-            pool.sim_complete(9)
+            pool.sim.complete(9)
             pool.empty_cache()  # completes x's free, then releases its segment
     assert rec.trace is not None
     assert rec.trace.events == [Alloc(1, 12 * MiB, 0, 0), RecordStream(1, V1), Free(1), Sync(V1), EmptyCache()]
@@ -665,19 +665,19 @@ def test_segment_records_far_apart_replay_without_placement() -> None:
 
 def test_placement_needs_the_same_size_and_a_free_range() -> None:
     with gmp.MemPool("sim", capacity=1 << 30) as pool:
-        pool.sim_place_next(4 * MiB, 2 * MiB)
+        pool.sim.place_next(4 * MiB, 2 * MiB)
         big = pool.alloc(3 * MiB)  # a 20 MiB segment: not the size asked for, first fit
         high = pool.alloc(1000)  # the 2 MiB small segment, in the placement window
-        pool.sim_place_next(0, 2 * MiB)
-        pool.sim_place_next(None)  # withdrawn
+        pool.sim.place_next(0, 2 * MiB)
+        pool.sim.place_next(None)  # withdrawn
         with pytest.raises(ValueError, match="size"):
-            pool.sim_place_next(4 * MiB)  # no size: an error, not a silent withdrawal
+            pool.sim.place_next(4 * MiB)  # no size: an error, not a silent withdrawal
         low = pool.alloc(MiB + 512)  # 20 MiB: best fit in big's segment, no new segment
-        assert pool.sim_stats()["placed"] == 1
+        assert pool.sim.stats()["placed"] == 1
         assert big < high and high - big > 1 << 38  # the window is the upper half of the range
         assert low == big + 3 * MiB
         with pytest.raises(gmp.InvalidArgumentError, match="alignment"):
-            pool.sim_place_next(100, 2 * MiB)
+            pool.sim.place_next(100, 2 * MiB)
         for p in (big, high, low):
             pool.free(p)
 

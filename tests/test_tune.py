@@ -13,7 +13,8 @@ import pytest
 import gpumempool as gmp
 from gpumempool.replay import replay
 from gpumempool.trace import Alloc, Free, Trace, TraceFormatError
-from gpumempool.tune import Candidate, _torch_expressible
+from gpumempool._tune_space import torch_expressible
+from gpumempool.tune import Candidate
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = ROOT / "benchmarks" / "traces"
@@ -83,7 +84,7 @@ def test_mempool_arguments_make_a_pool() -> None:
     ({"release_threshold": MiB}, False),
 ])
 def test_what_torch_can_express(settings: dict, ok: bool) -> None:
-    assert _torch_expressible(settings) is ok
+    assert torch_expressible(settings) is ok
 
 
 def test_limit_marks_the_settings_that_do_not_fit() -> None:
@@ -254,7 +255,7 @@ def test_a_trace_the_workers_cannot_read_is_a_format_error_not_a_dead_worker() -
 INTERRUPTED = """
 import os, signal, sys, time
 import gpumempool as gmp
-from gpumempool import tune as t
+from gpumempool import _tune_run as t
 
 workers = []
 start = t._Worker.__init__
@@ -294,8 +295,6 @@ def test_an_interrupted_tune_does_not_wait_for_the_replays_under_way(tmp_path: P
 
 
 def test_workers_started_before_one_fails_to_start_are_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gpumempool.tune as t
-
     started: list[subprocess.Popen] = []
     real = subprocess.Popen
 
@@ -305,7 +304,7 @@ def test_workers_started_before_one_fails_to_start_are_stopped(monkeypatch: pyte
         started.append(real(*args, **kwargs))
         return started[-1]
 
-    monkeypatch.setattr(t.subprocess, "Popen", popen)
+    monkeypatch.setattr(subprocess, "Popen", popen)  # the workers' (gpumempool._tune_run)
     with pytest.raises(OSError, match="Resource temporarily unavailable"):
         gmp.tune(CNN, jobs=3)
     assert len(started) == 2

@@ -95,7 +95,7 @@ func timeCold(be gocore.Backend, drain drainFunc, dev int, size uint64, s gocore
 // timeCached warms the pool with one allocation of size, then times iters
 // cache-hit alloc+free pairs.
 func timeCached(p *gocore.Pool, size uint64, dev int, s gocore.Stream, iters int64) (float64, error) {
-	warm, err := p.Alloc(size, dev, s)
+	warm, err := p.Alloc(dev, size, s)
 	if err != nil {
 		return 0, fmt.Errorf("cached alloc of %d bytes: %w", size, err)
 	}
@@ -104,7 +104,7 @@ func timeCached(p *gocore.Pool, size uint64, dev int, s gocore.Stream, iters int
 	}
 	start := time.Now()
 	for range iters {
-		addr, err := p.Alloc(size, dev, s)
+		addr, err := p.Alloc(dev, size, s)
 		if err != nil {
 			return 0, fmt.Errorf("cached alloc of %d bytes: %w", size, err)
 		}

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 // TestMeasuresRawAndCached (moved from bindings' BenchBackend test): each
@@ -30,7 +31,7 @@ func TestMeasuresRawAndCached(t *testing.T) {
 // every size leaves nothing allocated behind (the real driver calls, on the
 // fake libcuda: tests/test_gpu_backends_fake.py).
 func TestColdPairsDrainBeforeEachPair(t *testing.T) {
-	be, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 30})
+	be, err := sim.New(sim.Config{Capacity: 1 << 30})
 	require.NoError(t, err)
 	const iters = 5
 	drains := 0
@@ -68,7 +69,7 @@ func TestNoColdNumbersWithoutADriverCache(t *testing.T) {
 	assert.EqualValues(t, 4096, rows[0]["size"])
 	assert.NotContains(t, rows[0], "raw_cold_ns")
 	assert.NotContains(t, rows[0], "speedup_vs_cold")
-	be, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 20})
+	be, err := sim.New(sim.Config{Capacity: 1 << 20})
 	require.NoError(t, err)
 	assert.Nil(t, drainOf(be))
 }

@@ -120,9 +120,9 @@ func allocRecovered(e *registry.Entry, size uint64, device int, stream gocore.St
 	defer stopPanic(&returned, &err)
 	if err = enter(e); err == nil {
 		if segment {
-			addr, err = e.Pool.AllocSegment(size, device, stream)
+			addr, err = e.Pool.AllocSegment(device, size, stream)
 		} else {
-			addr, err = e.Pool.Alloc(size, device, stream)
+			addr, err = e.Pool.Alloc(device, size, stream)
 		}
 	}
 	returned = true

@@ -8,6 +8,7 @@ import (
 
 	"github.com/gpumempool/gpumempool/bindings/registry"
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 // slotEntry registers a pool over be with a C slot.
@@ -24,13 +25,13 @@ func slotEntry(tb testing.TB, be gocore.Backend) (*registry.Entry, int) {
 
 func simSlotEntry(tb testing.TB) (*registry.Entry, int) {
 	tb.Helper()
-	be, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 30})
+	be, err := sim.New(sim.Config{Capacity: 1 << 30})
 	require.NoError(tb, err)
 	return slotEntry(tb, be)
 }
 
 // panickingAlloc is a sim backend whose Alloc panics.
-type panickingAlloc struct{ *gocore.SimBackend }
+type panickingAlloc struct{ *sim.Backend }
 
 func (panickingAlloc) Alloc(int, uint64, gocore.Stream) (uint64, error) { panic("backend bug") }
 
@@ -58,7 +59,7 @@ func TestSlotPairRecoversPanics(t *testing.T) {
 	_, err = e.Pool.Lookup(uint64(addr))
 	require.ErrorIs(t, err, gocore.ErrDoubleFree, "freed")
 
-	sim, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 30})
+	sim, err := sim.New(sim.Config{Capacity: 1 << 30})
 	require.NoError(t, err)
 	bad, badSlot := slotEntry(t, panickingAlloc{sim})
 	addr, err = slotAllocSegment(badSlot, 4096, 0, 0)
@@ -82,7 +83,7 @@ func TestSlotPairWithoutPool(t *testing.T) {
 func BenchmarkEnginePair(b *testing.B) {
 	e, _ := simSlotEntry(b)
 	for range b.N {
-		addr, err := e.Pool.Alloc(4096, 0, 0)
+		addr, err := e.Pool.Alloc(0, 4096, 0)
 		if err != nil {
 			b.Fatal(err)
 		}

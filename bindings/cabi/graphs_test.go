@@ -39,7 +39,7 @@ func TestGraphPoolSegmentsOfAPoolClosedDuringItsCaptureGoBackAtItsEnd(t *testing
 		Accepts: func(s gocore.Stream) bool { return s == 0x10 },
 		Release: func() { released.Add(1) },
 	}))
-	_, err = e.Pool.Alloc(1<<20, 0, 0x10)
+	_, err = e.Pool.Alloc(0, 1<<20, 0x10)
 	require.NoError(t, err)
 	be.Refuse.Store(true)
 	_, err = e.Pool.Close()                  // the main pool, then its private pools

@@ -10,7 +10,7 @@ import (
 	"errors"
 	"unsafe"
 
-	"github.com/gpumempool/gpumempool/bindings/picklescan"
+	"github.com/gpumempool/gpumempool/internal/picklescan"
 )
 
 // Results of gmp_pickle_scan.

@@ -15,6 +15,7 @@ import (
 
 	"github.com/gpumempool/gpumempool/gocore"
 	"github.com/gpumempool/gpumempool/gocore/graphpool"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 // NumSlots is how many pools can have C entry points at once. Each slot is a
@@ -36,7 +37,7 @@ type Entry struct {
 	// torch, Python) sees; it decides which of them a call concerns.
 	Pool *graphpool.Pools
 	// Sim is the pool's backend when it is a simulator, for test controls.
-	Sim *gocore.SimBackend
+	Sim *sim.Backend
 
 	// reentry is the pool's backend when it runs user code under the
 	// pool's lock (package callback), else nil: looked up once, not on
@@ -113,7 +114,7 @@ var (
 )
 
 // Add registers a pool and returns its entry with a fresh handle.
-func Add(p *gocore.Pool, sim *gocore.SimBackend) *Entry {
+func Add(p *gocore.Pool, sim *sim.Backend) *Entry {
 	mu.Lock()
 	defer mu.Unlock()
 	nextID++

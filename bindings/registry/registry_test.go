@@ -9,11 +9,12 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 func newEntry(t *testing.T) *Entry {
 	t.Helper()
-	be, err := gocore.NewSimBackend(gocore.SimConfig{})
+	be, err := sim.New(sim.Config{})
 	require.NoError(t, err)
 	p, err := gocore.NewPool(gocore.Config{Name: t.Name(), Backend: be})
 	require.NoError(t, err)

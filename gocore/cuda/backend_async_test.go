@@ -19,22 +19,15 @@ import (
 	"github.com/gpumempool/gpumempool/gocore/cuda/internal/fakecuda"
 )
 
-func newAsync(t *testing.T, drv *driver.Driver, opts AsyncOptions) *AsyncBackend {
-	t.Helper()
-	be, err := NewAsyncBackend(drv, opts)
-	require.NoError(t, err)
-	return be
-}
-
 func TestAsyncBackendPoolCycle(t *testing.T) {
 	f, drv := setup(t)
-	be := newAsync(t, drv, AsyncOptions{})
+	be := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{})
 	checkGPUBackend(t, be, "async", drv)
 	assert.Zero(t, f.LivePools(), "pools are created on first use")
 	p := newPool(t, be)
 
 	const stream = 0x10
-	a, err := p.Alloc(1000, 1, stream)
+	a, err := p.Alloc(1, 1000, stream)
 	require.NoError(t, err)
 	assert.Equal(t, 1, f.LivePools())
 	assert.Equal(t, 1, f.PtrDevice(a), "allocated from device 1's pool")
@@ -80,7 +73,7 @@ func TestAsyncBackendAttributes(t *testing.T) {
 	no, yes := false, true
 	opts := AsyncOptions{ReleaseThreshold: 64 * mib, ReuseAllowOpportunistic: &no, ReuseFollowEventDependencies: &yes,
 		MaxSize: 32 * mib}
-	be := newAsync(t, drv, opts)
+	be := newGPUBackend(t, NewAsyncBackend, drv, opts)
 	assert.Equal(t, opts, be.Options())
 	attr := func(dev, a int) uint64 {
 		t.Helper()
@@ -107,7 +100,7 @@ func TestAsyncBackendAttributes(t *testing.T) {
 
 	// MaxSize reaches the driver: a pool of 32 MiB cannot give 40.
 	p := newPool(t, be)
-	_, err := p.Alloc(40*mib, 0, 0)
+	_, err := p.Alloc(0, 40*mib, 0)
 	var oom *gocore.OutOfMemoryError
 	require.ErrorAs(t, err, &oom)
 	require.ErrorIs(t, oom.Cause, gocore.ErrBackendOutOfMemory)
@@ -116,7 +109,7 @@ func TestAsyncBackendAttributes(t *testing.T) {
 	assert.Zero(t, f.LivePools())
 
 	// IPC pools are created exportable as file descriptors.
-	ipc := newAsync(t, drv, AsyncOptions{IPC: true})
+	ipc := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{IPC: true})
 	_, err = ipc.Attribute(0, driver.MemPoolAttrReleaseThreshold)
 	require.NoError(t, err)
 	_, _, handles, _ = f.LastPoolCreate()
@@ -126,10 +119,10 @@ func TestAsyncBackendAttributes(t *testing.T) {
 
 func TestAsyncBackendFreesOnTheSegmentsStream(t *testing.T) {
 	f, drv := setup(t)
-	be := newAsync(t, drv, AsyncOptions{})
+	be := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{})
 	p := newPool(t, be)
 	for _, stream := range []gocore.Stream{0x20, 0, 0x30} {
-		a, err := p.Alloc(4*mib, 0, stream)
+		a, err := p.Alloc(0, 4*mib, stream)
 		require.NoError(t, err)
 		assert.EqualValues(t, stream, f.LastStream("cuMemAllocFromPoolAsync"))
 		require.NoError(t, p.Free(a))
@@ -142,7 +135,7 @@ func TestAsyncBackendFreesOnTheSegmentsStream(t *testing.T) {
 	// event (as torch's empty_cache synchronizes its pending frees), and
 	// the segment is still freed on its own stream.
 	f.SetManualEvents(true)
-	a, err := p.Alloc(4*mib, 0, 0x40)
+	a, err := p.Alloc(0, 4*mib, 0x40)
 	require.NoError(t, err)
 	require.NoError(t, p.RecordStream(a, 0x50))
 	require.NoError(t, p.Free(a))
@@ -158,20 +151,20 @@ func TestAsyncBackendFreesOnTheSegmentsStream(t *testing.T) {
 
 func TestAsyncBackendOutOfMemory(t *testing.T) {
 	f, drv := setup(t, "FAKE_CUDA_CAPACITY", fmt.Sprint(64*mib))
-	be := newAsync(t, drv, AsyncOptions{})
+	be := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{})
 	p := newPool(t, be)
 
-	a, err := p.Alloc(40*mib, 0, 0)
+	a, err := p.Alloc(0, 40*mib, 0)
 	require.NoError(t, err)
 	require.NoError(t, p.Free(a)) // cached by the engine, still allocated in the driver
-	b, err := p.Alloc(50*mib, 0, 0)
+	b, err := p.Alloc(0, 50*mib, 0)
 	require.NoError(t, err, "the engine released its cache and retried")
 	st := poolStats(t, p, 0)
 	assert.EqualValues(t, 1, st.NumAllocRetries)
 	assert.Zero(t, st.NumOOMs)
 	assert.EqualValues(t, 50*mib, f.LiveBytes(0))
 
-	_, err = p.Alloc(100*mib, 0, 0)
+	_, err = p.Alloc(0, 100*mib, 0)
 	var oom *gocore.OutOfMemoryError
 	require.ErrorAs(t, err, &oom)
 	assert.Equal(t, "async", oom.Backend)
@@ -194,7 +187,7 @@ func TestAsyncBackendErrors(t *testing.T) {
 	require.ErrorIs(t, err, gocore.ErrInvalidArgument)
 
 	f, drv := setup(t)
-	be := newAsync(t, drv, AsyncOptions{})
+	be := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{})
 	_, err = be.Alloc(2, mib, 0)
 	require.ErrorIs(t, err, gocore.ErrInvalidDevice)
 	require.ErrorIs(t, be.Trim(-1, 0), gocore.ErrInvalidDevice)
@@ -284,7 +277,7 @@ func testConcurrentPools(t *testing.T, be gocore.Backend, sizes []uint64) {
 				stream := gocore.Stream(g + 1)
 				var addrs []uint64
 				for _, size := range sizes {
-					a, err := p.Alloc(size, dev, stream)
+					a, err := p.Alloc(dev, size, stream)
 					if err != nil {
 						errs <- err
 						return
@@ -319,7 +312,7 @@ func testConcurrentPools(t *testing.T, be gocore.Backend, sizes []uint64) {
 
 func TestAsyncBackendConcurrentPools(t *testing.T) {
 	f, drv := setup(t)
-	be := newAsync(t, drv, AsyncOptions{})
+	be := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{})
 	testConcurrentPools(t, be, []uint64{1000, 3 * mib, 12 * mib})
 	require.NoError(t, be.Close())
 	assert.Zero(t, f.LiveAllocs(0)+f.LiveAllocs(1))
@@ -333,7 +326,7 @@ func TestAsyncBackendConcurrentPools(t *testing.T) {
 // capturing stream, so succeeding proves the private stream was used.
 func TestAsyncBackendAllocDuringCaptureUsesPrivateStream(t *testing.T) {
 	f, drv := setup(t)
-	be := newAsync(t, drv, AsyncOptions{})
+	be := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{})
 	const captured, other = 0x41, 0x40
 
 	// No capture: the caller's stream, no private stream.
@@ -400,12 +393,12 @@ func TestAsyncBackendAllocDuringCaptureUsesPrivateStream(t *testing.T) {
 // comes from the private stream, and nothing the capture forbids is done.
 func TestAsyncBackendPoolDuringCapture(t *testing.T) {
 	f, drv := setup(t)
-	be := newAsync(t, drv, AsyncOptions{})
+	be := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{})
 	p := newPool(t, be)
 	const captured = 0x51
 	f.SetStreamCapturing(captured, true)
 	p.EnterCapture()
-	a, err := p.Alloc(3*mib, 0, captured)
+	a, err := p.Alloc(0, 3*mib, captured)
 	require.NoError(t, err)
 	assert.NotEqualValues(t, captured, f.LastStream("cuMemAllocFromPoolAsync"))
 	require.NoError(t, p.Free(a))
@@ -425,7 +418,7 @@ func TestAsyncBackendPoolDuringCapture(t *testing.T) {
 // closed (and checked to close cleanly) at the end of the test.
 func captureTestBackends(t *testing.T, drv *driver.Driver) map[string]gocore.Backend {
 	t.Helper()
-	vmm, async := newVMM(t, drv, VMMOptions{}), newAsync(t, drv, AsyncOptions{})
+	vmm, async := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{}), newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{})
 	t.Cleanup(func() {
 		assert.NoError(t, vmm.Close())
 		assert.NoError(t, async.Close())
@@ -446,7 +439,7 @@ func TestReleaseOnTheLegacyStreamDuringAnotherCapture(t *testing.T) {
 	for name, be := range captureTestBackends(t, drv) {
 		t.Run(name, func(t *testing.T) {
 			p := newPool(t, be)
-			a, err := p.Alloc(4*mib, 0, 0) // a segment of the legacy default stream
+			a, err := p.Alloc(0, 4*mib, 0) // a segment of the legacy default stream
 			require.NoError(t, err)
 			require.NoError(t, p.Free(a))
 
@@ -482,7 +475,7 @@ func TestPoolCloseDuringItsCaptureKeepsSegments(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			p := newPool(t, be)
 			const captured = 0x91
-			a, err := p.Alloc(4*mib, 0, captured)
+			a, err := p.Alloc(0, 4*mib, captured)
 			require.NoError(t, err)
 			require.NoError(t, p.Free(a))
 			f.SetStreamCapturing(captured, true)
@@ -509,7 +502,7 @@ func TestPoolCloseDuringItsCaptureKeepsSegments(t *testing.T) {
 // failures are reported without leaving anything allocated.
 func TestAsyncBackendCaptureFailures(t *testing.T) {
 	f, drv := setup(t)
-	be := newAsync(t, drv, AsyncOptions{})
+	be := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{})
 	const captured = 0x61
 	f.SetStreamCapturing(captured, true)
 
@@ -548,7 +541,7 @@ func TestAsyncBackendCaptureFailures(t *testing.T) {
 // (the fake fails a use of a destroyed stream); run with -race.
 func TestAsyncBackendCloseDuringCaptureAllocs(t *testing.T) {
 	f, drv := setup(t)
-	be := newAsync(t, drv, AsyncOptions{})
+	be := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{})
 	const captured = 0x71
 	f.SetStreamCapturing(captured, true)
 	type seg struct {
@@ -637,7 +630,7 @@ func TestAsyncBackendCloseWaitsForOperationsOnItsPools(t *testing.T) {
 		t.Run(op.name, func(t *testing.T) {
 			for round := 0; round < 12; round++ {
 				f, drv := setup(t)
-				be := newAsync(t, drv, AsyncOptions{IPC: true})
+				be := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{IPC: true})
 				_, err := be.Attribute(0, driver.MemPoolAttrReleaseThreshold) // the pool exists
 				require.NoError(t, err)
 

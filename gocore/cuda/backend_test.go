@@ -61,12 +61,12 @@ func checkGPUBackend(t *testing.T, be interface {
 func checkCarveAndReuse(t *testing.T, f *fakecuda.Fake, p *gocore.Pool, a uint64, dev int, stream gocore.Stream,
 	alloc string) {
 	t.Helper()
-	b, err := p.Alloc(1000, dev, stream)
+	b, err := p.Alloc(dev, 1000, stream)
 	require.NoError(t, err)
 	assert.Equal(t, a+1024, b, "carved from the same segment")
 	require.NoError(t, p.Free(a))
 	require.NoError(t, p.Free(b))
-	c, err := p.Alloc(1000, dev, stream)
+	c, err := p.Alloc(dev, 1000, stream)
 	require.NoError(t, err)
 	assert.Equal(t, a, c, "served from the engine's cache")
 	assert.Equal(t, 1, f.Calls(alloc))
@@ -111,7 +111,7 @@ func TestPoolOverCUDABackend(t *testing.T) {
 	be := newBackend(t, drv)
 	p := newPool(t, be)
 
-	a, err := p.Alloc(1000, 1, 0x10)
+	a, err := p.Alloc(1, 1000, 0x10)
 	require.NoError(t, err)
 	assert.Equal(t, 1, f.PtrDevice(a), "device 1's context was current for cuMemAlloc")
 	assert.EqualValues(t, gocore.SmallBuffer, f.LiveBytes(1))
@@ -124,17 +124,17 @@ func TestPoolOverCUDABackend(t *testing.T) {
 	fakecuda.Write(a, pattern)
 	assert.Equal(t, pattern, fakecuda.Read(a, len(pattern)))
 
-	b, err := p.Alloc(1000, 1, 0x10)
+	b, err := p.Alloc(1, 1000, 0x10)
 	require.NoError(t, err)
 	assert.Equal(t, a+1024, b, "carved from the same segment")
 	assert.Equal(t, 1, f.Calls("cuMemAlloc_v2"))
 	require.NoError(t, p.Free(a))
-	c, err := p.Alloc(900, 1, 0x10)
+	c, err := p.Alloc(1, 900, 0x10)
 	require.NoError(t, err)
 	assert.Equal(t, a, c, "the freed block is reused")
 	assert.Equal(t, 1, f.Calls("cuMemAlloc_v2"), "without asking the driver")
 
-	big, err := p.Alloc(30<<20, 0, 0)
+	big, err := p.Alloc(0, 30<<20, 0)
 	require.NoError(t, err)
 	assert.Equal(t, 0, f.PtrDevice(big))
 	assert.EqualValues(t, 30<<20, f.LiveBytes(0))
@@ -165,11 +165,11 @@ func TestOutOfMemoryReleasesCacheAndRetries(t *testing.T) {
 	be := newBackend(t, drv)
 	p := newPool(t, be)
 
-	a, err := p.Alloc(40<<20, 0, 1)
+	a, err := p.Alloc(0, 40<<20, 1)
 	require.NoError(t, err)
 	require.NoError(t, p.Free(a)) // cached for stream 1
 
-	b, err := p.Alloc(40<<20, 0, 2) // stream 2 cannot reuse it: 80 MiB > 64 MiB
+	b, err := p.Alloc(0, 40<<20, 2) // stream 2 cannot reuse it: 80 MiB > 64 MiB
 	require.NoError(t, err, "the cached segment was released and the allocation retried")
 	st := poolStats(t, p, 0)
 	assert.EqualValues(t, 1, st.NumAllocRetries)
@@ -177,7 +177,7 @@ func TestOutOfMemoryReleasesCacheAndRetries(t *testing.T) {
 	assert.Equal(t, 3, f.Calls("cuMemAlloc_v2"), "first, failed, retried")
 	assert.Equal(t, 1, f.Calls("cuMemFree_v2"))
 
-	_, err = p.Alloc(40<<20, 0, 3)
+	_, err = p.Alloc(0, 40<<20, 3)
 	require.ErrorIs(t, err, gocore.ErrOutOfMemory)
 	var oom *gocore.OutOfMemoryError
 	require.ErrorAs(t, err, &oom)
@@ -203,12 +203,12 @@ func TestInjectedOutOfMemory(t *testing.T) {
 	be := newBackend(t, drv)
 	p := newPool(t, be)
 	f.Fail("cuMemAlloc_v2", driver.CodeOutOfMemory, 0)
-	_, err := p.Alloc(4096, 1, 0)
+	_, err := p.Alloc(1, 4096, 0)
 	require.ErrorIs(t, err, gocore.ErrOutOfMemory)
 	assert.Contains(t, err.Error(), "cuMemAlloc_v2: CUDA_ERROR_OUT_OF_MEMORY (2)")
 	assert.Equal(t, 2, f.Calls("cuMemAlloc_v2"), "tried, released the cache, retried")
 	f.Fail("cuMemAlloc_v2", 0, 0)
-	a, err := p.Alloc(4096, 1, 0)
+	a, err := p.Alloc(1, 4096, 0)
 	require.NoError(t, err)
 	require.NoError(t, p.Free(a))
 	closePool(t, p)
@@ -219,7 +219,7 @@ func TestOtherDriverErrorsAreNotOutOfMemory(t *testing.T) {
 	be := newBackend(t, drv)
 	p := newPool(t, be)
 	f.Fail("cuMemAlloc_v2", driver.CodeInvalidValue, 0)
-	_, err := p.Alloc(4096, 0, 0)
+	_, err := p.Alloc(0, 4096, 0)
 	require.Error(t, err)
 	assert.NotErrorIs(t, err, gocore.ErrOutOfMemory)
 	assert.NotErrorIs(t, err, gocore.ErrBackendOutOfMemory)
@@ -233,7 +233,7 @@ func TestOtherDriverErrorsAreNotOutOfMemory(t *testing.T) {
 
 	// A failing free is reported and the segment stays the pool's.
 	f.Fail("cuMemAlloc_v2", 0, 0)
-	a, err := p.Alloc(4096, 0, 0)
+	a, err := p.Alloc(0, 4096, 0)
 	require.NoError(t, err)
 	require.NoError(t, p.Free(a))
 	f.Fail("cuMemFree_v2", driver.CodeIllegalAddress, 0)
@@ -254,7 +254,7 @@ func TestCrossStreamReuseWaitsForEvents(t *testing.T) {
 	p := newPool(t, be)
 	const own, other = gocore.Stream(0x11), gocore.Stream(0x22)
 
-	a, err := p.Alloc(1000, 1, own)
+	a, err := p.Alloc(1, 1000, own)
 	require.NoError(t, err)
 	require.NoError(t, p.RecordStream(a, other))
 	require.NoError(t, p.Free(a))
@@ -262,7 +262,7 @@ func TestCrossStreamReuseWaitsForEvents(t *testing.T) {
 	assert.Zero(t, f.LiveEvents(0))
 	assert.Equal(t, 1, f.Calls("cuEventRecord"))
 
-	b, err := p.Alloc(1000, 1, own)
+	b, err := p.Alloc(1, 1000, own)
 	require.NoError(t, err)
 	assert.NotEqual(t, a, b, "the other stream may still be using a")
 	f.CompleteStream(uint64(own))
@@ -271,7 +271,7 @@ func TestCrossStreamReuseWaitsForEvents(t *testing.T) {
 	assert.Equal(t, 1, waiting, "its own stream's progress does not matter")
 
 	f.CompleteStream(uint64(other))
-	c, err := p.Alloc(1000, 1, own)
+	c, err := p.Alloc(1, 1000, own)
 	require.NoError(t, err)
 	assert.Equal(t, a, c, "reused once the other stream got past the free")
 	waiting, err = p.ProcessEvents()
@@ -282,7 +282,7 @@ func TestCrossStreamReuseWaitsForEvents(t *testing.T) {
 	require.NoError(t, p.Free(c))
 	// A block still in use on the other stream when the pool closes: Close
 	// waits for that work before the memory goes.
-	d, err := p.Alloc(1000, 1, own)
+	d, err := p.Alloc(1, 1000, own)
 	require.NoError(t, err)
 	require.NoError(t, p.RecordStream(d, other))
 	require.NoError(t, p.Free(d))
@@ -364,7 +364,7 @@ func TestHostBackendPinsMemory(t *testing.T) {
 	assert.EqualValues(t, 512, hb.Alignment())
 	p := newPool(t, hb)
 
-	a, err := p.Alloc(1000, 0, 0)
+	a, err := p.Alloc(0, 1000, 0)
 	require.NoError(t, err)
 	flags, err := hb.Flags(a)
 	require.NoError(t, err, "the pool's block is pinned host memory")
@@ -385,11 +385,11 @@ func TestHostBackendPinsMemory(t *testing.T) {
 	require.NoError(t, p.RecordStream(a, 0x33))
 	require.NoError(t, p.Free(a))
 	assert.Equal(t, 1, f.LiveEvents(0))
-	b, err := p.Alloc(1000, 0, 0)
+	b, err := p.Alloc(0, 1000, 0)
 	require.NoError(t, err)
 	assert.NotEqual(t, a, b)
 	f.CompleteStream(0x33)
-	c, err := p.Alloc(1000, 0, 0)
+	c, err := p.Alloc(0, 1000, 0)
 	require.NoError(t, err)
 	assert.Equal(t, a, c)
 
@@ -428,7 +428,7 @@ func TestHostBackendOnAnotherDevice(t *testing.T) {
 	assert.Equal(t, 1, hb.Devices(), "still one device: the host")
 	p := newPool(t, hb)
 	f.SetManualEvents(true)
-	a, err := p.Alloc(1000, 0, 0x21)
+	a, err := p.Alloc(0, 1000, 0x21)
 	require.NoError(t, err)
 	flags, err := hb.Flags(a)
 	require.NoError(t, err)
@@ -529,7 +529,7 @@ func churn(own, shared *gocore.Pool, w, rounds int) error {
 			size = 2<<20 + rng.IntN(8<<20) // large pool
 		}
 		stream := gocore.Stream(1 + rng.IntN(3))
-		addr, err := p.Alloc(uint64(size), dev, stream)
+		addr, err := p.Alloc(dev, uint64(size), stream)
 		if err != nil {
 			return fmt.Errorf("worker %d: %w", w, err)
 		}

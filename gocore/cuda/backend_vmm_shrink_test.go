@@ -33,17 +33,17 @@ func newGrown(t *testing.T, be *VMMBackend) uint64 {
 // keeping the reservation: the segment grows there again.
 func TestVMMBackendShrinkThroughPool(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true, AccessDevices: []int{1}})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true, AccessDevices: []int{1}})
 	p := newPool(t, be)
 	const stream = 0x31
 
 	// The engine maps torch's 20 MiB pages, each growth one chunk.
-	a, err := p.Alloc(40*mib, 0, stream)
+	a, err := p.Alloc(0, 40*mib, stream)
 	require.NoError(t, err)
 	fakecuda.Write(a, []byte("head"))
-	b, err := p.Alloc(40*mib, 0, stream)
+	b, err := p.Alloc(0, 40*mib, stream)
 	require.NoError(t, err)
-	c, err := p.Alloc(60*mib, 0, stream)
+	c, err := p.Alloc(0, 60*mib, stream)
 	require.NoError(t, err)
 	require.Equal(t, []uint64{a + 40*mib, a + 80*mib}, []uint64{b, c}, "one segment, grown twice")
 	require.EqualValues(t, 140*mib, f.LiveBytes(0))
@@ -78,7 +78,7 @@ func TestVMMBackendShrinkThroughPool(t *testing.T) {
 	assert.Equal(t, 3, f.VMMObjects(), "down to the first chunk")
 
 	// Growing again maps right after it, in the same reservation.
-	d, err := p.Alloc(60*mib, 0, stream)
+	d, err := p.Alloc(0, 60*mib, stream)
 	require.NoError(t, err)
 	assert.Equal(t, a+40*mib, d)
 	assert.Equal(t, 1, f.Calls("cuMemAddressReserve"), "the reservation was kept")
@@ -90,7 +90,7 @@ func TestVMMBackendShrinkThroughPool(t *testing.T) {
 	// A free tail that ends inside a chunk: only whole chunks go, so
 	// nothing here (the block at a+40 MiB holds the regrown chunk).
 	require.NoError(t, p.Free(d))
-	e, err := p.Alloc(20*mib, 0, stream)
+	e, err := p.Alloc(0, 20*mib, stream)
 	require.NoError(t, err)
 	require.Equal(t, a+40*mib, e)
 	unmaps := f.Calls("cuMemUnmap")
@@ -113,10 +113,10 @@ func TestVMMBackendShrinkThroughPool(t *testing.T) {
 // Out of memory, the engine gives back free tails before it retries.
 func TestVMMBackendShrinkOnOutOfMemory(t *testing.T) {
 	f, drv := setup(t, "FAKE_CUDA_CAPACITY", "167772160") // 160 MiB
-	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true})
 	p := newPool(t, be)
 	a, _ := withFreeTail(t, p, 1)
-	c, err := p.Alloc(100*mib, 0, 2) // another stream: a new segment
+	c, err := p.Alloc(0, 100*mib, 2) // another stream: a new segment
 	require.NoError(t, err)
 	st := poolStats(t, p, 0)
 	assert.EqualValues(t, 1, st.NumAllocRetries)
@@ -128,7 +128,7 @@ func TestVMMBackendShrinkOnOutOfMemory(t *testing.T) {
 // So does setting a release threshold.
 func TestVMMBackendShrinkOnReleaseThreshold(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true})
 	p := newPool(t, be)
 	a, _ := withFreeTail(t, p, 0)
 	require.NoError(t, p.SetReleaseThreshold(20*mib))
@@ -140,7 +140,7 @@ func TestVMMBackendShrinkOnReleaseThreshold(t *testing.T) {
 // The Shrinker contract, directly.
 func TestVMMBackendShrinkContract(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true})
 	a := newGrown(t, be)
 	for _, less := range []uint64{0, mib, 6 * mib, 8 * mib} {
 		_, err := be.Shrink(0, a, 6*mib, less, 0)
@@ -191,7 +191,7 @@ func TestVMMBackendShrinkContract(t *testing.T) {
 	assert.Zero(t, f.VMMObjects())
 
 	// Without Expandable the backend is no Shrinker for the engine.
-	plain := newVMM(t, drv, VMMOptions{})
+	plain := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{})
 	c, err := plain.Alloc(0, 4*mib, 0)
 	require.NoError(t, err)
 	_, err = plain.Shrink(0, c, 4*mib, 2*mib, 0)
@@ -205,7 +205,7 @@ func TestVMMBackendShrinkContract(t *testing.T) {
 // export is in flight.
 func TestVMMBackendShrinkClaims(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true, IPC: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true, IPC: true})
 	a := newGrown(t, be)
 	s, err := be.claim(opExport, 0, a, 0)
 	require.NoError(t, err)
@@ -251,7 +251,7 @@ func TestVMMBackendShrinkClaims(t *testing.T) {
 // Driver failures leave the backend's bookkeeping truthful.
 func TestVMMBackendShrinkFailures(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true})
 	a := newGrown(t, be)
 	fakecuda.Write(a+6*mib-4, []byte("last"))
 
@@ -298,7 +298,7 @@ func TestVMMBackendShrinkFailures(t *testing.T) {
 // pool as it was; the next EmptyCache gives the tail back.
 func TestVMMBackendShrinkFailureThroughPool(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true})
 	p := newPool(t, be)
 	a, b := withFreeTail(t, p, 0)
 
@@ -315,7 +315,7 @@ func TestVMMBackendShrinkFailureThroughPool(t *testing.T) {
 	require.NoError(t, err)
 	assert.EqualValues(t, 80*mib, released)
 	assert.EqualValues(t, 40*mib, f.LiveBytes(0))
-	c, err := p.Alloc(80*mib, 0, 0)
+	c, err := p.Alloc(0, 80*mib, 0)
 	require.NoError(t, err)
 	assert.Equal(t, b, c, "grown again where it was")
 	freeAndClose(t, f, be, p, a, c)
@@ -333,7 +333,7 @@ func TestVMMBackendShrinkDuringCapture(t *testing.T) {
 	}{{"its stream captures", 0x35, 0x35}, {"legacy stream, another capture", 0, 0x36}} {
 		t.Run(c.name, func(t *testing.T) {
 			f, drv := setup(t)
-			be := newVMM(t, drv, VMMOptions{Expandable: true})
+			be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true})
 			p := newPool(t, be)
 			a, _ := withFreeTail(t, p, gocore.Stream(c.stream))
 			f.SetStreamCapturing(c.capturing, true)
@@ -359,7 +359,7 @@ func TestVMMBackendShrinkDuringCapture(t *testing.T) {
 // through or is refused, and nothing leaks.
 func TestVMMBackendShrinkRacesFreeAndExport(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true, IPC: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true, IPC: true})
 	var shrunk, refused atomic.Int32
 	for round := 0; round < 50; round++ {
 		a := newGrown(t, be)
@@ -416,9 +416,9 @@ func TestVMMBackendShrinkRacesFreeAndExport(t *testing.T) {
 // nothing is lost.
 func TestVMMBackendShrinkRacesExportsThroughPool(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true, IPC: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true, IPC: true})
 	p := newPool(t, be)
-	head, err := p.Alloc(20*mib, 0, 0) // one 20 MiB page
+	head, err := p.Alloc(0, 20*mib, 0) // one 20 MiB page
 	require.NoError(t, err)
 	done := make(chan struct{})
 	var wg sync.WaitGroup
@@ -442,7 +442,7 @@ func TestVMMBackendShrinkRacesExportsThroughPool(t *testing.T) {
 		}
 	}()
 	for i := 0; i < 200; i++ {
-		b, err := p.Alloc(uint64(2+i%5)*10*mib, 0, 0)
+		b, err := p.Alloc(0, uint64(2+i%5)*10*mib, 0)
 		require.NoError(t, err)
 		require.NoError(t, p.Free(b))
 		if _, err := p.EmptyCache(); err != nil && !errors.Is(err, gocore.ErrInvalidArgument) {
@@ -465,13 +465,13 @@ func TestVMMBackendShrinkRacesExportsThroughPool(t *testing.T) {
 func TestVMMBackendShrinkWithCoarserDeviceGranularity(t *testing.T) {
 	f, drv := setup(t)
 	f.SetGranularity(2*mib, 4*mib)
-	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true})
 	p := newPool(t, be)
-	a, err := p.Alloc(5*mib, 0, 0) // the engine's segment is 6 MiB; the backend maps 8
+	a, err := p.Alloc(0, 5*mib, 0) // the engine's segment is 6 MiB; the backend maps 8
 	require.NoError(t, err)
 	_, err = p.EmptyCache()
 	require.NoError(t, err, "a live block and a free tail smaller than a granule")
-	b, err := p.Alloc(6*mib, 0, 0)
+	b, err := p.Alloc(0, 6*mib, 0)
 	require.NoError(t, err)
 	require.NoError(t, p.Free(b))
 	_, err = p.EmptyCache()
@@ -506,13 +506,13 @@ func (r *shrinkRacer) Shrink(dev int, addr, size, less uint64, stream gocore.Str
 // refuse it nor answer in the new, coarser unit (more than asked for).
 func TestVMMBackendShrinkAfterAnotherDeviceRaisedGranularity(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true})
 	r := &shrinkRacer{VMMBackend: be, t: t}
 	p, err := gocore.NewPool(gocore.Config{Backend: r, Name: t.Name()})
 	require.NoError(t, err)
-	head, err := p.Alloc(20*mib, 0, 0x31) // device 0 learns 2 MiB; one 20 MiB page
+	head, err := p.Alloc(0, 20*mib, 0x31) // device 0 learns 2 MiB; one 20 MiB page
 	require.NoError(t, err)
-	tail, err := p.Alloc(20*mib, 0, 0x31) // grows the segment by one 20 MiB chunk
+	tail, err := p.Alloc(0, 20*mib, 0x31) // grows the segment by one 20 MiB chunk
 	require.NoError(t, err)
 	require.NoError(t, p.Free(tail))
 	f.SetGranularity(2*mib, 8*mib) // device 1 will report 8 MiB
@@ -533,7 +533,7 @@ func TestVMMBackendShrinkAfterAnotherDeviceRaisedGranularity(t *testing.T) {
 // read), and a less off device 0's granularity is still refused.
 func TestVMMBackendShrinkInTheDevicesGranularity(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true})
 	a := newGrown(t, be) // 2+2+2 MiB on device 0
 	require.NoError(t, be.Expand(0, a, 6*mib, 2*mib, 0))
 	require.NoError(t, be.Expand(0, a, 8*mib, 2*mib, 0)) // five 2 MiB chunks
@@ -575,9 +575,9 @@ func freeAndClose(t *testing.T, f *fakecuda.Fake, be *VMMBackend, p *gocore.Pool
 // and where the tail starts.
 func withFreeTail(t *testing.T, p *gocore.Pool, stream gocore.Stream) (head, tail uint64) {
 	t.Helper()
-	head, err := p.Alloc(40*mib, 0, stream)
+	head, err := p.Alloc(0, 40*mib, stream)
 	require.NoError(t, err)
-	tail, err = p.Alloc(80*mib, 0, stream)
+	tail, err = p.Alloc(0, 80*mib, stream)
 	require.NoError(t, err)
 	require.NoError(t, p.Free(tail))
 	return head, tail

@@ -15,16 +15,9 @@ import (
 	"github.com/gpumempool/gpumempool/gocore/cuda/internal/fakecuda"
 )
 
-func newVMM(t *testing.T, drv *driver.Driver, opts VMMOptions) *VMMBackend {
-	t.Helper()
-	be, err := NewVMMBackend(drv, opts)
-	require.NoError(t, err)
-	return be
-}
-
 func TestVMMBackendPoolCycle(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{})
 	checkGPUBackend(t, be, "vmm", drv)
 	assert.False(t, be.Expandable())
 	assert.EqualValues(t, 2*mib, be.Granularity())
@@ -34,7 +27,7 @@ func TestVMMBackendPoolCycle(t *testing.T) {
 	p := newPool(t, be)
 
 	const stream = 0x11
-	a, err := p.Alloc(1000, 1, stream)
+	a, err := p.Alloc(1, 1000, stream)
 	require.NoError(t, err)
 	assert.EqualValues(t, gocore.SmallBuffer, f.LiveBytes(1), "cuMemCreate on device 1")
 	assert.Zero(t, f.LiveBytes(0))
@@ -63,7 +56,7 @@ func TestVMMBackendPoolCycle(t *testing.T) {
 	// work is done: EmptyCache waits for the engine's event (as torch's
 	// empty_cache synchronizes its pending frees), then for its own stream.
 	f.SetManualEvents(true)
-	d, err := p.Alloc(4*mib, 0, 0x12)
+	d, err := p.Alloc(0, 4*mib, 0x12)
 	require.NoError(t, err)
 	require.NoError(t, p.RecordStream(d, 0x13))
 	require.NoError(t, p.Free(d))
@@ -86,7 +79,7 @@ func TestVMMBackendGranularityRounding(t *testing.T) {
 	f, drv := setup(t)
 	f.SetGranularity(2*mib, 8*mib)
 
-	rec := newVMM(t, drv, VMMOptions{})
+	rec := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{})
 	assert.EqualValues(t, DefaultVMMGranularity, rec.Granularity(), "no device asked yet")
 	a, err := rec.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)
@@ -101,7 +94,7 @@ func TestVMMBackendGranularityRounding(t *testing.T) {
 
 	// Through a pool: the engine reserves 2 MiB, the device maps 8.
 	p := newPool(t, rec)
-	_, err = p.Alloc(1000, 0, 0)
+	_, err = p.Alloc(0, 1000, 0)
 	require.NoError(t, err)
 	assert.EqualValues(t, gocore.SmallBuffer, poolStats(t, p, 0).ReservedBytes[0].Current)
 	assert.EqualValues(t, 8*mib, f.LiveBytes(0))
@@ -109,7 +102,7 @@ func TestVMMBackendGranularityRounding(t *testing.T) {
 	assert.Zero(t, f.VMMObjects())
 	require.NoError(t, rec.Close())
 
-	minimum := newVMM(t, drv, VMMOptions{Granularity: VMMGranularityMinimum})
+	minimum := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Granularity: VMMGranularityMinimum})
 	assert.EqualValues(t, 2*mib, minimum.Granularity())
 	a, err = minimum.Alloc(0, 3*mib, 0)
 	require.NoError(t, err)
@@ -121,7 +114,7 @@ func TestVMMBackendGranularityRounding(t *testing.T) {
 
 func TestVMMBackendAccess(t *testing.T) {
 	f, drv := setup(t, "FAKE_CUDA_DEVICES", "3")
-	be := newVMM(t, drv, VMMOptions{AccessDevices: []int{2, 2, 0}})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{AccessDevices: []int{2, 2, 0}})
 	assert.Equal(t, []int{2, 0}, be.Options().AccessDevices, "deduplicated")
 
 	a, err := be.Alloc(0, 2*mib, 0)
@@ -146,9 +139,9 @@ func TestVMMBackendAccess(t *testing.T) {
 
 func TestVMMBackendHostNUMA(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Location: VMMLocationHostNUMA, NUMANode: 1, AccessDevices: []int{1}, IPC: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Location: VMMLocationHostNUMA, NUMANode: 1, AccessDevices: []int{1}, IPC: true})
 	p := newPool(t, be)
-	a, err := p.Alloc(1000, 0, 0) // device 0, NUMA node 1: the two ids differ
+	a, err := p.Alloc(0, 1000, 0) // device 0, NUMA node 1: the two ids differ
 	require.NoError(t, err)
 	locType, locID, handles := f.LastMemCreate()
 	assert.Equal(t, driver.MemLocationTypeHostNUMA, locType, "the location reached cuMemCreate")
@@ -177,7 +170,7 @@ func TestVMMBackendHostNUMAUnsupportedDevice(t *testing.T) {
 	f, drv := setup(t)
 	f.SetDeviceAttribute(0, driver.DeviceAttrHostNUMAVMMSupported, 0)
 	f.SetDeviceAttribute(1, driver.DeviceAttrHostNUMAVMMSupported, 1)
-	be := newVMM(t, drv, VMMOptions{Location: VMMLocationHostNUMA})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Location: VMMLocationHostNUMA})
 	creates := f.Calls("cuMemCreate")
 	_, err := be.Alloc(0, 2*mib, 0)
 	require.ErrorIs(t, err, gocore.ErrUnsupported)
@@ -189,7 +182,7 @@ func TestVMMBackendHostNUMAUnsupportedDevice(t *testing.T) {
 	require.NoError(t, be.Close())
 
 	// Device memory does not ask.
-	dev := newVMM(t, drv, VMMOptions{})
+	dev := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{})
 	a, err = dev.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)
 	require.NoError(t, dev.Free(0, a, 2*mib, 0))
@@ -198,18 +191,18 @@ func TestVMMBackendHostNUMAUnsupportedDevice(t *testing.T) {
 
 func TestVMMBackendExpandable(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true, AccessDevices: []int{1}})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true, AccessDevices: []int{1}})
 	assert.True(t, be.Expandable())
 	p := newPool(t, be)
 	const stream = 0x21
 
-	a, err := p.Alloc(30*mib, 0, stream) // two 20 MiB pages
+	a, err := p.Alloc(0, 30*mib, stream) // two 20 MiB pages
 	require.NoError(t, err)
 	head := bytes.Repeat([]byte("before growth "), 100)
 	fakecuda.Write(a, head)
 	fakecuda.Write(a+30*mib-4, []byte("edge"))
 
-	b, err := p.Alloc(30*mib, 0, stream)
+	b, err := p.Alloc(0, 30*mib, stream)
 	require.NoError(t, err)
 	assert.Equal(t, a+30*mib, b, "the second block follows the first in the grown segment")
 	st := poolStats(t, p, 0)
@@ -243,11 +236,11 @@ func TestVMMBackendExpandable(t *testing.T) {
 
 func TestVMMBackendExpandBeyondReservation(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true, ReserveBytes: 40 * mib})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true, ReserveBytes: 40 * mib})
 	p := newPool(t, be)
-	a, err := p.Alloc(30*mib, 0, 0) // two 20 MiB pages of the 40 MiB reservation
+	a, err := p.Alloc(0, 30*mib, 0) // two 20 MiB pages of the 40 MiB reservation
 	require.NoError(t, err)
-	b, err := p.Alloc(30*mib, 0, 0)
+	b, err := p.Alloc(0, 30*mib, 0)
 	require.NoError(t, err, "a new segment when the growing one is full")
 	assert.NotEqual(t, a+30*mib, b)
 	st := poolStats(t, p, 0)
@@ -275,7 +268,7 @@ func TestVMMBackendExpandBeyondReservation(t *testing.T) {
 // memory, and changes nothing.
 func TestVMMBackendExpandRoundingOverflow(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true, ReserveBytes: 64 * mib})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true, ReserveBytes: 64 * mib})
 	a, err := be.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)
 	for _, extra := range []uint64{math.MaxUint64 - 2*mib, math.MaxUint64 - 3*mib, math.MaxUint64 - 2*mib + 1} {
@@ -297,12 +290,12 @@ func TestVMMBackendExpandRoundingOverflow(t *testing.T) {
 // a ReserveBytes is an invalid option. Nothing is created either way.
 func TestVMMBackendAllocRoundingOverflow(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true})
 	_, err := be.Alloc(0, math.MaxUint64-mib, 0)
 	require.ErrorIs(t, err, gocore.ErrBackendOutOfMemory)
 	require.NoError(t, be.Close())
 
-	huge := newVMM(t, drv, VMMOptions{Expandable: true, ReserveBytes: math.MaxUint64 - mib})
+	huge := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true, ReserveBytes: math.MaxUint64 - mib})
 	_, err = huge.Alloc(0, 2*mib, 0)
 	require.ErrorIs(t, err, gocore.ErrInvalidArgument)
 	require.NotErrorIs(t, err, gocore.ErrBackendOutOfMemory)
@@ -314,9 +307,9 @@ func TestVMMBackendAllocRoundingOverflow(t *testing.T) {
 
 func TestVMMBackendExpandFailures(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true, AccessDevices: []int{1}})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true, AccessDevices: []int{1}})
 	p := newPool(t, be)
-	a, err := p.Alloc(30*mib, 0, 0) // two 20 MiB pages: a 10 MiB free tail
+	a, err := p.Alloc(0, 30*mib, 0) // two 20 MiB pages: a 10 MiB free tail
 	require.NoError(t, err)
 	fakecuda.Write(a, []byte("kept"))
 	require.Equal(t, 3, f.VMMObjects())
@@ -324,7 +317,7 @@ func TestVMMBackendExpandFailures(t *testing.T) {
 	// Out of device memory: the growth and the new segment both fail, the
 	// engine reports an OutOfMemoryError, the segment is as it was.
 	f.Fail("cuMemCreate", driver.CodeOutOfMemory, 0)
-	_, err = p.Alloc(30*mib, 0, 0)
+	_, err = p.Alloc(0, 30*mib, 0)
 	var oom *gocore.OutOfMemoryError
 	require.ErrorAs(t, err, &oom)
 	assert.Equal(t, "vmm", oom.Backend)
@@ -336,7 +329,7 @@ func TestVMMBackendExpandFailures(t *testing.T) {
 	for _, fn := range []string{"cuMemMap", "cuMemSetAccess"} {
 		releases := f.Calls("cuMemRelease")
 		f.Fail(fn, driver.CodeInvalidValue, 0)
-		_, err = p.Alloc(30*mib, 0, 0)
+		_, err = p.Alloc(0, 30*mib, 0)
 		require.Error(t, err, fn)
 		assert.Contains(t, err.Error(), fn)
 		assert.Equal(t, releases+1, f.Calls("cuMemRelease"), "%s: the new chunk was released", fn)
@@ -346,7 +339,7 @@ func TestVMMBackendExpandFailures(t *testing.T) {
 	assert.Equal(t, []byte("kept"), fakecuda.Read(a, 4))
 	assert.Equal(t, driver.MemAccessProtReadWrite, f.Access(a, 1))
 
-	b, err := p.Alloc(30*mib, 0, 0)
+	b, err := p.Alloc(0, 30*mib, 0)
 	require.NoError(t, err)
 	assert.Equal(t, a+30*mib, b, "grows once the driver cooperates")
 	assert.EqualValues(t, 1, poolStats(t, p, 0).NumExpansions)
@@ -363,7 +356,7 @@ func TestVMMBackendExpandFailures(t *testing.T) {
 	assert.Zero(t, f.VMMObjects())
 	require.NoError(t, be.Close())
 
-	plain := newVMM(t, drv, VMMOptions{})
+	plain := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{})
 	c, err := plain.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)
 	require.ErrorIs(t, plain.Expand(0, c, 2*mib, 2*mib, 0), gocore.ErrUnsupported)
@@ -373,7 +366,7 @@ func TestVMMBackendExpandFailures(t *testing.T) {
 
 func TestVMMBackendAllocAndFreeFailures(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{})
 	_, err := be.Alloc(2, 2*mib, 0)
 	require.ErrorIs(t, err, gocore.ErrInvalidDevice)
 	_, err = be.Alloc(0, 0, 0)
@@ -419,7 +412,7 @@ func TestVMMBackendAllocAndFreeFailures(t *testing.T) {
 
 func TestVMMBackendFreeFailureAfterUnmapIsReportedAtClose(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{})
 	a, err := be.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)
 	f.Fail("cuMemAddressFree", driver.CodeInvalidValue, 0)
@@ -435,7 +428,7 @@ func TestVMMBackendFreeFailureAfterUnmapIsReportedAtClose(t *testing.T) {
 // lets the segment grow; a Free in flight excludes everything.
 func TestVMMBackendClaims(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true, IPC: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true, IPC: true})
 	a, err := be.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)
 	s, err := be.claim(opExport, 0, a, 0)
@@ -482,7 +475,7 @@ func TestVMMOptionsValidation(t *testing.T) {
 
 func TestVMMBackendConcurrentPools(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true, AccessDevices: []int{0, 1}})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true, AccessDevices: []int{0, 1}})
 	testConcurrentPools(t, be, []uint64{1000, 3 * mib, 12 * mib})
 	require.NoError(t, be.Close())
 	assert.Zero(t, f.VMMObjects())
@@ -494,13 +487,13 @@ func TestVMMBackendConcurrentPools(t *testing.T) {
 func TestVMMBackendTouchesOnlyDevicesItUses(t *testing.T) {
 	f, drv := setup(t)
 	f.SetGranularity(2*mib, 4*mib)
-	be := newVMM(t, drv, VMMOptions{Expandable: true, ReserveBytes: 64 * mib})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true, ReserveBytes: 64 * mib})
 	assert.Zero(t, f.Retained(0)+f.Retained(1), "no context made by the constructor")
 	assert.EqualValues(t, DefaultVMMGranularity, be.Granularity())
 	p := newPool(t, be)
-	a, err := p.Alloc(3*mib, 1, 0x7)
+	a, err := p.Alloc(1, 3*mib, 0x7)
 	require.NoError(t, err)
-	b, err := p.Alloc(30*mib, 1, 0x7)
+	b, err := p.Alloc(1, 30*mib, 0x7)
 	require.NoError(t, err)
 	require.NoError(t, p.Free(a))
 	require.NoError(t, p.Free(b))
@@ -520,7 +513,7 @@ func TestVMMBackendTouchesOnlyDevicesItUses(t *testing.T) {
 func TestVMMBackendGPUDirectRDMA(t *testing.T) {
 	f, drv := setup(t)
 	f.SetDeviceAttribute(1, driver.DeviceAttrGPUDirectRDMAWithCUDAVMMSupported, 1)
-	be := newVMM(t, drv, VMMOptions{Expandable: true, ReserveBytes: 8 * mib})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true, ReserveBytes: 8 * mib})
 	a, err := be.Alloc(1, 2*mib, 0)
 	require.NoError(t, err)
 	assert.Equal(t, 1, f.LastMemCreateRDMA(), "device 1 supports it")
@@ -537,7 +530,7 @@ func TestVMMBackendGPUDirectRDMA(t *testing.T) {
 	f.Reset()
 	f.SetDeviceAttribute(0, driver.DeviceAttrGPUDirectRDMAWithCUDAVMMSupported, 1)
 	f.Fail("cuDeviceGetAttribute", driver.CodeInvalidValue, 0)
-	be = newVMM(t, drv, VMMOptions{})
+	be = newGPUBackend(t, NewVMMBackend, drv, VMMOptions{})
 	a, err = be.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)
 	assert.Zero(t, f.LastMemCreateRDMA())
@@ -547,7 +540,7 @@ func TestVMMBackendGPUDirectRDMA(t *testing.T) {
 	// Another failure of the query fails the allocation.
 	f.Reset()
 	f.Fail("cuDeviceGetAttribute", driver.CodeUnknown, 0)
-	be = newVMM(t, drv, VMMOptions{})
+	be = newGPUBackend(t, NewVMMBackend, drv, VMMOptions{})
 	_, err = be.Alloc(0, 2*mib, 0)
 	require.ErrorContains(t, err, "cuDeviceGetAttribute: CUDA_ERROR_UNKNOWN")
 	f.Fail("cuDeviceGetAttribute", 0, 0)
@@ -557,7 +550,7 @@ func TestVMMBackendGPUDirectRDMA(t *testing.T) {
 	// whether the device supports host NUMA memory.
 	f.Reset()
 	f.SetDeviceAttribute(0, driver.DeviceAttrGPUDirectRDMAWithCUDAVMMSupported, 1)
-	be = newVMM(t, drv, VMMOptions{Location: VMMLocationHostNUMA})
+	be = newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Location: VMMLocationHostNUMA})
 	a, err = be.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)
 	b, err = be.Alloc(0, 2*mib, 0)

@@ -59,7 +59,7 @@ func TestDriverVersionGatesNewOptions(t *testing.T) {
 	be, err = NewAsyncBackend(drv, AsyncOptions{MaxSize: 32 << 20})
 	require.NoError(t, err)
 	p := newPool(t, be)
-	a, err := p.Alloc(1<<20, 0, 0)
+	a, err := p.Alloc(0, 1<<20, 0)
 	require.NoError(t, err, "a 12.2 driver takes maxSize")
 	require.NoError(t, p.Free(a))
 	closePool(t, p)

@@ -89,7 +89,7 @@ func TestDeviceUUIDNeedsCUDA114(t *testing.T) {
 // ImportedPool.ImportPointer) refuses.
 func TestImportAsyncSegmentShares(t *testing.T) {
 	f, drv := setup(t)
-	be := newAsync(t, drv, AsyncOptions{IPC: true})
+	be := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{IPC: true})
 	a, err := be.Alloc(0, 4*mib, 0x7)
 	require.NoError(t, err)
 	b, err := be.Alloc(0, 2*mib, 0x7)

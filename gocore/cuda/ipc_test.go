@@ -38,11 +38,11 @@ func openFDs(t *testing.T) int {
 // same memory, across the chunk boundary too.
 func TestVMMExportImportSegment(t *testing.T) {
 	f, drv := setup(t)
-	be := newVMM(t, drv, VMMOptions{Expandable: true, IPC: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true, IPC: true})
 	p := newPool(t, be)
-	a, err := p.Alloc(30*mib, 0, 0) // two 20 MiB pages
+	a, err := p.Alloc(0, 30*mib, 0) // two 20 MiB pages
 	require.NoError(t, err)
-	b, err := p.Alloc(30*mib, 0, 0) // and one more
+	b, err := p.Alloc(0, 30*mib, 0) // and one more
 	require.NoError(t, err)
 	require.Equal(t, a+30*mib, b, "one grown segment")
 	_, _, handles := f.LastMemCreate()
@@ -93,14 +93,14 @@ func TestVMMExportImportSegment(t *testing.T) {
 
 func TestVMMExportSegmentErrors(t *testing.T) {
 	f, drv := setup(t)
-	plain := newVMM(t, drv, VMMOptions{})
+	plain := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{})
 	a, err := plain.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)
 	_, err = plain.ExportSegment(0, a)
 	require.ErrorIs(t, err, gocore.ErrUnsupported, "created without IPC")
 	require.NoError(t, plain.Free(0, a, 2*mib, 0))
 
-	be := newVMM(t, drv, VMMOptions{Expandable: true, IPC: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true, IPC: true})
 	a, err = be.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)
 	require.NoError(t, be.Expand(0, a, 2*mib, 2*mib, 0))
@@ -132,7 +132,7 @@ func TestImportVMMValidation(t *testing.T) {
 	_, err = ImportVMM(drv, 0, nil, nil)
 	require.ErrorIs(t, err, gocore.ErrInvalidArgument)
 
-	be := newVMM(t, drv, VMMOptions{Expandable: true, IPC: true})
+	be := newGPUBackend(t, NewVMMBackend, drv, VMMOptions{Expandable: true, IPC: true})
 	a, err := be.Alloc(0, 2*mib, 0)
 	require.NoError(t, err)
 	require.NoError(t, be.Expand(0, a, 2*mib, 2*mib, 0))
@@ -180,7 +180,7 @@ func TestImportVMMValidation(t *testing.T) {
 
 func TestAsyncPoolExportImport(t *testing.T) {
 	f, drv := setup(t)
-	be := newAsync(t, drv, AsyncOptions{IPC: true})
+	be := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{IPC: true})
 	a, err := be.Alloc(0, 4*mib, 0x7)
 	require.NoError(t, err)
 	fakecuda.Write(a, []byte("from the exporter"))
@@ -257,7 +257,7 @@ func TestAsyncPoolExportImport(t *testing.T) {
 // pointer for a device without access.
 func TestAsyncPoolImportOnAnotherDevice(t *testing.T) {
 	f, drv := setup(t)
-	be := newAsync(t, drv, AsyncOptions{IPC: true})
+	be := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{IPC: true})
 	a, err := be.Alloc(0, 4*mib, 0x7)
 	require.NoError(t, err)
 	data, err := be.ExportPointer(0, a)
@@ -307,7 +307,7 @@ func TestAsyncExportWaitsForTheAllocation(t *testing.T) {
 	f, drv := setup(t)
 	f.SetManualEvents(true)
 	t.Cleanup(func() { f.SetManualEvents(false) })
-	be := newAsync(t, drv, AsyncOptions{IPC: true})
+	be := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{IPC: true})
 	a, err := be.Alloc(0, 4*mib, 0x7)
 	require.NoError(t, err)
 	assert.Equal(t, 1, f.LiveEvents(0), "an allocation event")
@@ -345,7 +345,7 @@ func TestAsyncExportWaitsForTheAllocation(t *testing.T) {
 	assert.Zero(t, f.LiveEvents(0))
 
 	// Pools without IPC record nothing.
-	plain := newAsync(t, drv, AsyncOptions{})
+	plain := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{})
 	d, err := plain.Alloc(0, 2*mib, 0x7)
 	require.NoError(t, err)
 	assert.Zero(t, f.LiveEvents(0))
@@ -356,7 +356,7 @@ func TestAsyncExportWaitsForTheAllocation(t *testing.T) {
 
 func TestAsyncCloseDestroysAllocationEvents(t *testing.T) {
 	f, drv := setup(t)
-	be := newAsync(t, drv, AsyncOptions{IPC: true})
+	be := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{IPC: true})
 	a, err := be.Alloc(0, 2*mib, 0x7)
 	require.NoError(t, err)
 	assert.Equal(t, 1, f.LiveEvents(0))
@@ -371,7 +371,7 @@ func TestAsyncCloseDestroysAllocationEvents(t *testing.T) {
 // leak (run with -race).
 func TestAsyncAllocationEventsUnderConcurrency(t *testing.T) {
 	f, drv := setup(t)
-	be := newAsync(t, drv, AsyncOptions{IPC: true})
+	be := newGPUBackend(t, NewAsyncBackend, drv, AsyncOptions{IPC: true})
 	var wg sync.WaitGroup
 	var missing atomic.Int64
 	for range 8 {

@@ -176,39 +176,39 @@ func (p *Pools) join() bool {
 // memory, private pools no graph uses any more are closed (Sweep) and the
 // allocation is tried once more, as torch frees its freeable graph pools
 // before it gives up.
-func (p *Pools) Alloc(size uint64, device int, stream gocore.Stream) (uint64, error) {
+func (p *Pools) Alloc(device int, size uint64, stream gocore.Stream) (uint64, error) {
 	if p.capturing.Load() != 0 {
-		return p.allocCapturing(size, device, stream, false)
+		return p.allocCapturing(device, size, stream, false)
 	}
-	addr, err := p.main.Alloc(size, device, stream)
+	addr, err := p.main.Alloc(device, size, stream)
 	if err != nil {
-		return p.retryOutOfMemory(size, device, stream, false, err)
+		return p.retryOutOfMemory(device, size, stream, false, err)
 	}
 	return addr, nil
 }
 
 // AllocSegment is Alloc for torch's caching allocator asking for a segment
 // of a torch.cuda.MemPool (gocore.Pool.AllocSegment).
-func (p *Pools) AllocSegment(size uint64, device int, stream gocore.Stream) (uint64, error) {
+func (p *Pools) AllocSegment(device int, size uint64, stream gocore.Stream) (uint64, error) {
 	if p.capturing.Load() != 0 {
-		return p.allocCapturing(size, device, stream, true)
+		return p.allocCapturing(device, size, stream, true)
 	}
-	addr, err := p.main.AllocSegment(size, device, stream)
+	addr, err := p.main.AllocSegment(device, size, stream)
 	if err != nil {
-		return p.retryOutOfMemory(size, device, stream, true, err)
+		return p.retryOutOfMemory(device, size, stream, true, err)
 	}
 	return addr, nil
 }
 
 // allocCapturing is Alloc (AllocSegment with segment) while a capture may
 // route the allocation to a private pool.
-func (p *Pools) allocCapturing(size uint64, device int, stream gocore.Stream, segment bool) (uint64, error) {
-	if addr, private, err := p.privateAlloc(size, device, stream); private {
+func (p *Pools) allocCapturing(device int, size uint64, stream gocore.Stream, segment bool) (uint64, error) {
+	if addr, private, err := p.privateAlloc(device, size, stream); private {
 		return addr, err
 	}
-	addr, err := p.mainAlloc(size, device, stream, segment)
+	addr, err := p.mainAlloc(device, size, stream, segment)
 	if err != nil {
-		return p.retryOutOfMemory(size, device, stream, segment, err)
+		return p.retryOutOfMemory(device, size, stream, segment, err)
 	}
 	return addr, nil
 }
@@ -217,27 +217,27 @@ func (p *Pools) allocCapturing(size uint64, device int, stream gocore.Stream, se
 // it is out of memory, private pools no graph uses any more may still hold
 // segments (they waited for their events, or for a capture to end), so
 // those are closed and the allocation is tried once more.
-func (p *Pools) retryOutOfMemory(size uint64, device int, stream gocore.Stream, segment bool, err error) (uint64, error) {
+func (p *Pools) retryOutOfMemory(device int, size uint64, stream gocore.Stream, segment bool, err error) (uint64, error) {
 	if !errors.Is(err, gocore.ErrOutOfMemory) {
 		return 0, err
 	}
 	if n, serr := p.Sweep(); n == 0 || serr != nil {
 		return 0, err
 	}
-	return p.mainAlloc(size, device, stream, segment)
+	return p.mainAlloc(device, size, stream, segment)
 }
 
-func (p *Pools) mainAlloc(size uint64, device int, stream gocore.Stream, segment bool) (uint64, error) {
+func (p *Pools) mainAlloc(device int, size uint64, stream gocore.Stream, segment bool) (uint64, error) {
 	if segment {
-		return p.main.AllocSegment(size, device, stream)
+		return p.main.AllocSegment(device, size, stream)
 	}
-	return p.main.Alloc(size, device, stream)
+	return p.main.Alloc(device, size, stream)
 }
 
 // privateAlloc serves an allocation from a private pool when a capture on
 // device accepts stream; private is false when none does (the main pool
 // serves it then).
-func (p *Pools) privateAlloc(size uint64, device int, stream gocore.Stream) (addr uint64, private bool, err error) {
+func (p *Pools) privateAlloc(device int, size uint64, stream gocore.Stream) (addr uint64, private bool, err error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	// Newest first, as torch's own allocator routes since 2.10
@@ -253,7 +253,7 @@ func (p *Pools) privateAlloc(size uint64, device int, stream gocore.Stream) (add
 		if err != nil {
 			return 0, true, err
 		}
-		addr, err = pp.pool.Alloc(size, device, stream)
+		addr, err = pp.pool.Alloc(device, size, stream)
 		if err != nil {
 			return 0, true, pp.errorf("%w", err)
 		}

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 	"github.com/gpumempool/gpumempool/gocore/simtest"
 )
 
@@ -25,15 +26,15 @@ func goFilter(stream gocore.Stream, released *atomic.Int32) Filter {
 }
 
 // newPools is a Pools over a pool with cfg on a 1 GiB simulated device.
-func newPools(t *testing.T, cfg gocore.Config) (*Pools, *gocore.SimBackend) {
+func newPools(t *testing.T, cfg gocore.Config) (*Pools, *sim.Backend) {
 	t.Helper()
-	return newSimPools(t, gocore.SimConfig{Capacity: 1 << 30}, cfg)
+	return newSimPools(t, sim.Config{Capacity: 1 << 30}, cfg)
 }
 
 // newSimPools is a Pools over a pool with cfg on a simulated device.
-func newSimPools(t *testing.T, sim gocore.SimConfig, cfg gocore.Config) (*Pools, *gocore.SimBackend) {
+func newSimPools(t *testing.T, device sim.Config, cfg gocore.Config) (*Pools, *sim.Backend) {
 	t.Helper()
-	be, err := gocore.NewSimBackend(sim)
+	be, err := sim.New(device)
 	require.NoError(t, err)
 	cfg.Backend = be
 	p, err := gocore.NewPool(cfg)
@@ -72,7 +73,7 @@ func TestGraphRoutingUnderConcurrency(t *testing.T) {
 			stream := gocore.Stream(0x100 + w%2) // streams 0x100 (captured) and 0x101
 			for i := range rounds {
 				size := uint64(512 * (1 + (i*7+w)%64))
-				addr, err := g.Alloc(size, 0, stream)
+				addr, err := g.Alloc(0, size, stream)
 				if !assert.NoError(t, err) {
 					return
 				}
@@ -124,9 +125,9 @@ func TestGraphPrivatePoolLifecycle(t *testing.T) {
 	s1, s2 := gocore.Stream(0x1), gocore.Stream(0x2) // cudaStreamLegacy and cudaStreamPerThread
 	id := ID{7, 1}
 	require.NoError(t, g.BeginCapture(0, id, goFilter(0x1, &released)))
-	a, err := g.Alloc(mib, 0, s1)
+	a, err := g.Alloc(0, mib, s1)
 	require.NoError(t, err)
-	b, err := g.Alloc(mib, 0, s2)
+	b, err := g.Alloc(0, mib, s2)
 	require.NoError(t, err)
 	_, err = g.main.Lookup(a)
 	require.ErrorIs(t, err, gocore.ErrUnknownPointer, "a is the private pool's")
@@ -145,7 +146,7 @@ func TestGraphPrivatePoolLifecycle(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, pools, 1)
 	assert.EqualValues(t, 2*mib, pools[0].ReservedBytes, "kept despite the release threshold: a replay writes it")
-	c, err := g.Alloc(mib, 0, s1)
+	c, err := g.Alloc(0, mib, s1)
 	require.NoError(t, err)
 	assert.NotEqual(t, a, c, "after the capture, stream 1 is served by the pool, never with the graph's block")
 
@@ -174,7 +175,7 @@ func TestGraphPrivatePoolLifecycle(t *testing.T) {
 // One torch pool id used on two devices is two private pools, begun, ended
 // and released per device.
 func TestGraphPoolsArePerDevice(t *testing.T) {
-	be, err := gocore.NewSimBackend(gocore.SimConfig{Devices: 2, Capacity: 1 << 30})
+	be, err := sim.New(sim.Config{Devices: 2, Capacity: 1 << 30})
 	require.NoError(t, err)
 	p, err := gocore.NewPool(gocore.Config{Name: "torch", Backend: be})
 	require.NoError(t, err)
@@ -183,9 +184,9 @@ func TestGraphPoolsArePerDevice(t *testing.T) {
 	id := ID{3, 0}
 	require.NoError(t, g.BeginCapture(0, id, goFilter(0x5, &released)))
 	require.NoError(t, g.BeginCapture(1, id, goFilter(0x5, &released)))
-	a0, err := g.Alloc(mib, 0, 0x5)
+	a0, err := g.Alloc(0, mib, 0x5)
 	require.NoError(t, err)
-	a1, err := g.Alloc(3*mib, 1, 0x5)
+	a1, err := g.Alloc(1, 3*mib, 0x5)
 	require.NoError(t, err)
 	require.NoError(t, g.EndCapture(1, id))
 	pools, err := g.List()
@@ -219,7 +220,7 @@ func TestGraphPoolsArePerDevice(t *testing.T) {
 
 // closePools closes g's pool and private pools and checks the backend holds
 // nothing any more.
-func closePools(t *testing.T, g *Pools, be *gocore.SimBackend) {
+func closePools(t *testing.T, g *Pools, be *sim.Backend) {
 	t.Helper()
 	_, err := g.main.Close()
 	require.NoError(t, err)
@@ -240,9 +241,9 @@ func TestGraphSharedPoolLivesUntilLastRelease(t *testing.T) {
 	id := ID{0, 42}
 	capture := func() (out, tmp uint64) {
 		require.NoError(t, g.BeginCapture(0, id, goFilter(0x10, &released)))
-		out, err := g.Alloc(mib, 0, 0x10)
+		out, err := g.Alloc(0, mib, 0x10)
 		require.NoError(t, err)
-		tmp, err = g.Alloc(mib, 0, 0x10)
+		tmp, err = g.Alloc(0, mib, 0x10)
 		require.NoError(t, err)
 		require.NoError(t, g.Free(tmp)) // a temporary of the graph
 		require.NoError(t, g.EndCapture(0, id))
@@ -257,7 +258,7 @@ func TestGraphSharedPoolLivesUntilLastRelease(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, pools, 1, "g2 still uses the pool")
 	assert.False(t, pools[0].Released)
-	x, err := g.Alloc(mib, 0, 0x99)
+	x, err := g.Alloc(0, mib, 0x99)
 	require.NoError(t, err)
 	assert.NotEqual(t, tmp2, x)
 	require.NoError(t, g.Release(0, id)) // g2 reset
@@ -277,7 +278,7 @@ func TestGraphPoolReenteredAfterRelease(t *testing.T) {
 	id := ID{1, 7}
 	enter := func() uint64 {
 		require.NoError(t, g.BeginCapture(0, id, goFilter(0x10, &released)))
-		a, err := g.Alloc(mib, 0, 0x10)
+		a, err := g.Alloc(0, mib, 0x10)
 		require.NoError(t, err)
 		require.NoError(t, g.EndCapture(0, id))
 		require.NoError(t, g.Release(0, id))
@@ -308,7 +309,7 @@ func TestGraphPoolNotClosedDuringCapture(t *testing.T) {
 	var released atomic.Int32
 	p1, p2 := ID{1, 0}, ID{2, 0}
 	require.NoError(t, g.BeginCapture(0, p1, goFilter(0x10, &released)))
-	x, err := g.Alloc(mib, 0, 0x10)
+	x, err := g.Alloc(0, mib, 0x10)
 	require.NoError(t, err)
 	require.NoError(t, g.EndCapture(0, p1))
 	require.NoError(t, g.Release(0, p1)) // g1 gone, its output x lives
@@ -329,11 +330,11 @@ func TestGraphPoolNotClosedDuringCapture(t *testing.T) {
 // that stream's work is done; then empty_cache, or an allocation that would
 // otherwise run out of memory, gives it back.
 func TestGraphPoolWaitsForEvents(t *testing.T) {
-	g, be := newSimPools(t, gocore.SimConfig{Capacity: 20 * mib, ManualEvents: true}, gocore.Config{Name: "torch"})
+	g, be := newSimPools(t, sim.Config{Capacity: 20 * mib, ManualEvents: true}, gocore.Config{Name: "torch"})
 	var released atomic.Int32
 	id := ID{5, 0}
 	require.NoError(t, g.BeginCapture(0, id, goFilter(0x10, &released)))
-	x, err := g.Alloc(12*mib, 0, 0x10)
+	x, err := g.Alloc(0, 12*mib, 0x10)
 	require.NoError(t, err)
 	require.NoError(t, g.EndCapture(0, id))
 	require.NotNil(t, g.owning(x), "x is the private pool's")
@@ -344,10 +345,10 @@ func TestGraphPoolWaitsForEvents(t *testing.T) {
 	_, err = g.EmptyCache()
 	require.NoError(t, err)
 	assert.EqualValues(t, 12*mib, be.UsedBytes(0), "still: its event has not completed")
-	_, err = g.Alloc(12*mib, 0, 0)
+	_, err = g.Alloc(0, 12*mib, 0)
 	require.ErrorIs(t, err, gocore.ErrOutOfMemory, "the private segment is still busy")
 	be.CompleteStream(0x30)
-	y, err := g.Alloc(12*mib, 0, 0)
+	y, err := g.Alloc(0, 12*mib, 0)
 	require.NoError(t, err, "the out-of-memory path closes the idle private pool first")
 	pools, err := g.List()
 	require.NoError(t, err)
@@ -372,7 +373,7 @@ func TestGraphBeginAfterClose(t *testing.T) {
 	_, joined := active[g]
 	activeMu.Unlock()
 	assert.False(t, joined, "a closed Pools is not swept")
-	_, err = g.Alloc(mib, 0, 0x10)
+	_, err = g.Alloc(0, mib, 0x10)
 	require.ErrorIs(t, err, gocore.ErrClosed)
 
 	// The same race, with the private pools closed between BeginCapture's
@@ -407,7 +408,7 @@ func TestPrivatePoolCloseHoldsOffOtherCaptures(t *testing.T) {
 	var released atomic.Int32
 	idA, idB := ID{1, 1}, ID{2, 1}
 	require.NoError(t, a.BeginCapture(0, idA, goFilter(0x100, &released)))
-	addr, err := a.Alloc(mib, 0, 0x100)
+	addr, err := a.Alloc(0, mib, 0x100)
 	require.NoError(t, err)
 	require.NoError(t, a.EndCapture(0, idA))
 	require.NoError(t, a.Release(0, idA)) // done but for addr
@@ -446,7 +447,7 @@ func TestGraphPoolSegmentsRefusedAtCloseAreRetried(t *testing.T) {
 			var released atomic.Int32
 			id := ID{0, 9}
 			require.NoError(t, g.BeginCapture(0, id, goFilter(0x10, &released)))
-			a, err := g.Alloc(mib, 0, 0x10)
+			a, err := g.Alloc(0, mib, 0x10)
 			require.NoError(t, err)
 			require.NoError(t, g.EndCapture(0, id))
 			require.NoError(t, g.Release(0, id))
@@ -488,9 +489,9 @@ func TestGraphInnermostCaptureWins(t *testing.T) {
 	outer, inner := ID{0, 1}, ID{21, 0}
 	require.NoError(t, g.BeginCapture(0, outer, allFilter(&released)))
 	require.NoError(t, g.BeginCapture(0, inner, goFilter(0x10, &released)))
-	x, err := g.Alloc(mib, 0, 0x10) // the graph's stream: inner
+	x, err := g.Alloc(0, mib, 0x10) // the graph's stream: inner
 	require.NoError(t, err)
-	y, err := g.Alloc(mib, 0, 0x11) // another stream: only outer accepts it
+	y, err := g.Alloc(0, mib, 0x11) // another stream: only outer accepts it
 	require.NoError(t, err)
 	pools, err := g.List()
 	require.NoError(t, err)
@@ -525,7 +526,7 @@ func TestGraphPoolsOfOthersCloseWhenAClosingPoolEndsTheLastCapture(t *testing.T)
 	var released atomic.Int32
 	idA, idB := ID{31, 0}, ID{32, 0}
 	require.NoError(t, a.BeginCapture(0, idA, goFilter(0x10, &released)))
-	x, err := a.Alloc(mib, 0, 0x10)
+	x, err := a.Alloc(0, mib, 0x10)
 	require.NoError(t, err)
 	require.NoError(t, a.EndCapture(0, idA))
 	require.NoError(t, a.Release(0, idA))
@@ -549,19 +550,19 @@ func TestGraphPoolsOfOthersCloseWhenAClosingPoolEndsTheLastCapture(t *testing.T)
 // the pool and its graphs' private pools together.
 func TestGraphPrivatePoolsCountAgainstThePoolsLimit(t *testing.T) {
 	g, be := newPools(t, gocore.Config{Name: "torch", Limit: 2 * mib})
-	a, err := g.Alloc(mib, 0, 0)
+	a, err := g.Alloc(0, mib, 0)
 	require.NoError(t, err) // a 2 MiB small segment: the whole limit
 	var released atomic.Int32
 	id := ID{11, 0}
 	require.NoError(t, g.BeginCapture(0, id, goFilter(0x10, &released)))
-	_, err = g.Alloc(mib, 0, 0x10)
+	_, err = g.Alloc(0, mib, 0x10)
 	require.ErrorIs(t, err, gocore.ErrOutOfMemory, "the graph's pool would pass the limit")
 	require.NoError(t, g.EndCapture(0, id))
 	require.NoError(t, g.Free(a))
 	_, err = g.main.EmptyCache() // not during a capture: nothing is freed then
 	require.NoError(t, err)
 	require.NoError(t, g.BeginCapture(0, id, goFilter(0x10, &released)))
-	b, err := g.Alloc(mib, 0, 0x10)
+	b, err := g.Alloc(0, mib, 0x10)
 	require.NoError(t, err)
 	st, err := g.main.Stats(0)
 	require.NoError(t, err)
@@ -569,7 +570,7 @@ func TestGraphPrivatePoolsCountAgainstThePoolsLimit(t *testing.T) {
 	assert.LessOrEqual(t, st.ReservedBytes[0].Current, int64(2*mib))
 
 	require.NoError(t, g.main.SetDeviceLimit(0, 4*mib)) // set_per_process_memory_fraction
-	_, err = g.Alloc(64*mib, 0, 0x10)
+	_, err = g.Alloc(0, 64*mib, 0x10)
 	require.ErrorIs(t, err, gocore.ErrOutOfMemory)
 	require.NoError(t, g.Free(b))
 	require.NoError(t, g.EndCapture(0, id))
@@ -583,11 +584,11 @@ func TestGraphPrivatePoolsCountAgainstThePoolsLimit(t *testing.T) {
 // mode (torch's default) either would invalidate the capture.
 func TestOtherPoolsHoldTheirMemoryDuringACapture(t *testing.T) {
 	a, _ := newPools(t, gocore.Config{Name: "a"})
-	b, beB := newSimPools(t, gocore.SimConfig{Capacity: 1 << 30, ManualEvents: true},
+	b, beB := newSimPools(t, sim.Config{Capacity: 1 << 30, ManualEvents: true},
 		gocore.Config{Name: "b", ReleaseThreshold: 1})
-	x, err := b.Alloc(mib, 0, 0)
+	x, err := b.Alloc(0, mib, 0)
 	require.NoError(t, err)
-	y, err := b.Alloc(30*mib, 0, 0)
+	y, err := b.Alloc(0, 30*mib, 0)
 	require.NoError(t, err)
 	require.NoError(t, b.main.RecordStream(y, 7))
 	var released atomic.Int32
@@ -623,7 +624,7 @@ func closeRefusingGraphPool(t *testing.T, g *Pools, be *simtest.RefusingFree, id
 	t.Helper()
 	var released atomic.Int32
 	require.NoError(t, g.BeginCapture(0, id, goFilter(0x10, &released)))
-	_, err := g.Alloc(mib, 0, 0x10)
+	_, err := g.Alloc(0, mib, 0x10)
 	require.NoError(t, err)
 	be.Refuse.Store(true)
 	_, err = g.main.Close()
@@ -665,7 +666,7 @@ func TestGraphPoolSegmentsOfAPoolClosedDuringItsCaptureGoBackAtItsEnd(t *testing
 
 // blockingFree is a sim backend whose frees wait until they are let go.
 type blockingFree struct {
-	*gocore.SimBackend
+	*sim.Backend
 	entered chan struct{}
 	letGo   chan struct{}
 }
@@ -673,24 +674,24 @@ type blockingFree struct {
 func (b *blockingFree) Free(device int, addr, size uint64, stream gocore.Stream) error {
 	b.entered <- struct{}{}
 	<-b.letGo
-	return b.SimBackend.Free(device, addr, size, stream)
+	return b.Backend.Free(device, addr, size, stream)
 }
 
 // RetryLingering frees outside its lock: while a backend free waits (for a
 // device, say), other pools can still add their lingering pools.
 func TestRetryLingeringFreesOutsideItsLock(t *testing.T) {
 	p, be, sim := simtest.NewRefusingPool(t, "lingering")
-	_, err := p.Alloc(mib, 0, 0)
+	_, err := p.Alloc(0, mib, 0)
 	require.NoError(t, err)
 	be.Refuse.Store(true)
 	_, err = p.Close()
 	require.Error(t, err)
 	// p lingers later; p2, on a backend whose free waits, lingers now.
-	blocking := &blockingFree{SimBackend: sim, entered: make(chan struct{}), letGo: make(chan struct{})}
+	blocking := &blockingFree{Backend: sim, entered: make(chan struct{}), letGo: make(chan struct{})}
 	be.Refuse.Store(false)
 	p2, err := gocore.NewPool(gocore.Config{Name: "blocking", Backend: blocking})
 	require.NoError(t, err)
-	_, err = p2.Alloc(mib, 0, 0)
+	_, err = p2.Alloc(0, mib, 0)
 	require.NoError(t, err)
 	lingeringMu.Lock()
 	lingering = append(lingering, p2)

@@ -22,12 +22,12 @@ func TestPoolsIsThePoolsOneFace(t *testing.T) {
 	require.NoError(t, g.SetDeviceLimit(0, 512*mib))
 	assert.EqualValues(t, 512*mib, g.Limit(0))
 
-	main, err := g.Alloc(mib, 0, 0)
+	main, err := g.Alloc(0, mib, 0)
 	require.NoError(t, err)
 	var released atomic.Int32
 	id := ID{0, 7}
 	require.NoError(t, g.BeginCapture(0, id, goFilter(0x10, &released)))
-	private, err := g.Alloc(mib, 0, 0x10)
+	private, err := g.Alloc(0, mib, 0x10)
 	require.NoError(t, err)
 	require.NoError(t, g.EndCapture(0, id))
 

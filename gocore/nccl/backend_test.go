@@ -68,7 +68,7 @@ func TestPoolAllocCachesAndFrees(t *testing.T) {
 	s := newSetup(t)
 	p := s.pool(t)
 
-	a, err := p.Alloc(mib, 0, 0)
+	a, err := p.Alloc(0, mib, 0)
 	require.NoError(t, err)
 	assert.Equal(t, 1, s.fake.Calls())
 	assert.Zero(t, a%512)
@@ -76,7 +76,7 @@ func TestPoolAllocCachesAndFrees(t *testing.T) {
 	assert.Equal(t, []nccl.Segment{{Device: 0, Addr: a, Size: 2 * mib}}, s.backend.Segments())
 
 	require.NoError(t, p.Free(a))
-	b, err := p.Alloc(mib, 0, 0)
+	b, err := p.Alloc(0, mib, 0)
 	require.NoError(t, err)
 	assert.Equal(t, a, b, "served from the cache")
 	assert.Equal(t, 1, s.fake.Calls(), "no second ncclMemAlloc")
@@ -90,7 +90,7 @@ func TestPoolAllocCachesAndFrees(t *testing.T) {
 	assert.Empty(t, s.backend.Segments())
 
 	// A block still live at Close is freed too.
-	_, err = p.Alloc(30*mib, 1, 0)
+	_, err = p.Alloc(1, 30*mib, 0)
 	require.NoError(t, err)
 	assert.Equal(t, 2, s.fake.Calls())
 	report, err := p.Close()
@@ -114,7 +114,7 @@ func TestContextPushedForDevice(t *testing.T) {
 	defer s.fake.Pop()
 
 	for _, dev := range []int{1, 0} {
-		addr, err := p.Alloc(4*mib, dev, 0)
+		addr, err := p.Alloc(dev, 4*mib, 0)
 		require.NoError(t, err)
 		assert.Equal(t, ctxOf(dev), s.fake.LastCtx(), "device %d's context current during ncclMemAlloc", dev)
 		assert.Equal(t, uintptr(0xcafe), s.fake.Current(), "popped after ncclMemAlloc")
@@ -171,13 +171,13 @@ func TestOOMReleasesCacheRetriesThenFails(t *testing.T) {
 	s := newSetup(t)
 	p := s.pool(t)
 
-	a, err := p.Alloc(5*mib, 0, 0) // a 20 MiB segment
+	a, err := p.Alloc(0, 5*mib, 0) // a 20 MiB segment
 	require.NoError(t, err)
 	require.NoError(t, p.Free(a)) // cached
 
 	s.fake.Fail(int(libnccl.UnhandledCudaError), 0)
 	calls := s.fake.Calls()
-	_, err = p.Alloc(30*mib, 0, 0)
+	_, err = p.Alloc(0, 30*mib, 0)
 	require.Error(t, err)
 
 	var oom *gocore.OutOfMemoryError
@@ -204,10 +204,10 @@ func TestOOMRetrySucceedsAfterRelease(t *testing.T) {
 	s := newSetup(t) // reads the capacity
 
 	p := s.pool(t)
-	a, err := p.Alloc(5*mib, 0, 0) // 20 MiB segment
+	a, err := p.Alloc(0, 5*mib, 0) // 20 MiB segment
 	require.NoError(t, err)
 	require.NoError(t, p.Free(a))
-	b, err := p.Alloc(30*mib, 0, 0) // 20 + 30 > 48: fails until the cache goes
+	b, err := p.Alloc(0, 30*mib, 0) // 20 + 30 > 48: fails until the cache goes
 	require.NoError(t, err)
 	assert.Equal(t, 3, s.fake.Calls())
 	assert.Equal(t, 1, s.fake.Frees())
@@ -231,7 +231,7 @@ func TestLoggedWarningDecidesWhetherACudaFailureIsOOM(t *testing.T) {
 	s.fake.FailText("Cuda failure 700 'an illegal memory access was encountered'")
 	s.fake.Fail(int(libnccl.UnhandledCudaError), 0)
 	calls := s.fake.Calls()
-	_, err := p.Alloc(mib, 0, 0)
+	_, err := p.Alloc(0, mib, 0)
 	require.Error(t, err)
 	assert.NotErrorIs(t, err, gocore.ErrOutOfMemory)
 	assert.NotErrorIs(t, err, gocore.ErrBackendOutOfMemory)
@@ -255,7 +255,7 @@ func TestLoggedWarningDecidesWhetherACudaFailureIsOOM(t *testing.T) {
 	s.fake.Fail(int(libnccl.UnhandledCudaError), 0)
 	for i := range 3 { // a sticky error: never taken for out of memory, never retried
 		calls := s.fake.Calls()
-		_, err = p.Alloc(mib, 0, 0)
+		_, err = p.Alloc(0, mib, 0)
 		require.Error(t, err)
 		assert.NotErrorIs(t, err, gocore.ErrOutOfMemory, "failure %d", i)
 		assert.Contains(t, err.Error(), "illegal memory access", "failure %d", i)
@@ -275,7 +275,7 @@ func TestLoggedWarningDecidesWhetherACudaFailureIsOOM(t *testing.T) {
 func TestSystemErrorIsOOM(t *testing.T) {
 	s := newSetup(t)
 	s.fake.Fail(int(libnccl.SystemError), 0)
-	_, err := s.pool(t).Alloc(mib, 0, 0)
+	_, err := s.pool(t).Alloc(0, mib, 0)
 	require.ErrorIs(t, err, gocore.ErrOutOfMemory)
 	assert.Contains(t, err.Error(), "ncclSystemError = 2")
 	assert.Equal(t, 2, s.fake.Calls())
@@ -285,10 +285,10 @@ func TestNonOOMErrorIsNotRetried(t *testing.T) {
 	s := newSetup(t)
 	p := s.pool(t)
 	s.fake.Fail(int(libnccl.InvalidUsage), 1) // the first call still succeeds
-	_, err := p.Alloc(mib, 0, 0)
+	_, err := p.Alloc(0, mib, 0)
 	require.NoError(t, err)
 
-	_, err = p.Alloc(30*mib, 0, 0)
+	_, err = p.Alloc(0, 30*mib, 0)
 	require.Error(t, err)
 	assert.NotErrorIs(t, err, gocore.ErrOutOfMemory)
 	assert.NotErrorIs(t, err, gocore.ErrBackendOutOfMemory)
@@ -374,7 +374,7 @@ func TestFreeWaitsForStream(t *testing.T) {
 func TestCloseWaitsForOtherStreams(t *testing.T) {
 	s := newSetup(t)
 	p := s.pool(t)
-	a, err := p.Alloc(mib, 0, 0)
+	a, err := p.Alloc(0, mib, 0)
 	require.NoError(t, err)
 	require.NoError(t, p.RecordStream(a, 7))
 	s.events.busyQueries = 1 << 20 // stream 7 is far from done
@@ -502,7 +502,7 @@ func TestConcurrentPool(t *testing.T) {
 			var live []uint64
 			for i := range 200 {
 				size := uint64(1 + rng.Intn(12*mib))
-				addr, err := p.Alloc(size, g%2, gocore.Stream(g%3))
+				addr, err := p.Alloc(g%2, size, gocore.Stream(g%3))
 				if !assert.NoError(t, err) {
 					return
 				}

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gpumempool/gpumempool/gocore"
+	"github.com/gpumempool/gpumempool/gocore/sim"
 )
 
 // ErrRefused is the error of a Free that RefusingFree refuses.
@@ -20,7 +21,7 @@ var ErrRefused = errors.New("refused")
 // a device that will not take memory back, as a CUDA backend during a
 // stream capture, or a driver error.
 type RefusingFree struct {
-	*gocore.SimBackend
+	*sim.Backend
 	Refuse atomic.Bool
 }
 
@@ -30,17 +31,17 @@ func (b *RefusingFree) Free(device int, addr, size uint64, stream gocore.Stream)
 	if b.Refuse.Load() {
 		return ErrRefused
 	}
-	return b.SimBackend.Free(device, addr, size, stream)
+	return b.Backend.Free(device, addr, size, stream)
 }
 
 // NewRefusingPool returns a pool named name over a fresh 1 GiB simulated
 // device whose frees the test can refuse, with that device and the
 // simulator under it.
-func NewRefusingPool(t testing.TB, name string) (*gocore.Pool, *RefusingFree, *gocore.SimBackend) {
+func NewRefusingPool(t testing.TB, name string) (*gocore.Pool, *RefusingFree, *sim.Backend) {
 	t.Helper()
-	sim, err := gocore.NewSimBackend(gocore.SimConfig{Capacity: 1 << 30})
+	sim, err := sim.New(sim.Config{Capacity: 1 << 30})
 	require.NoError(t, err)
-	be := &RefusingFree{SimBackend: sim}
+	be := &RefusingFree{Backend: sim}
 	p, err := gocore.NewPool(gocore.Config{Name: name, Backend: be})
 	require.NoError(t, err)
 	return p, be, sim

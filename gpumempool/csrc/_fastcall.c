@@ -139,7 +139,7 @@ static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nar
  * Accepted: the bound on what the pickle builds (picklescan.Shape), nodes
  * None when there is none. Refused: why, and where.
  *
- * gmp_pickle_scan (bindings/picklescan) over a bytes-like object, without
+ * gmp_pickle_scan (internal/picklescan) over a bytes-like object, without
  * copying it and without the GIL: the buffer stays exported meanwhile, so a
  * bytearray cannot be resized under the scan. */
 static PyObject *fast_scan_pickle(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

@@ -141,7 +141,7 @@ def engine_points(trace: Union[Trace, TraceFile], alloc_conf: str = "", *, capac
                 if ptr is not None:
                     pool.record_stream(ptr, e.stream)
             elif isinstance(e, Sync):
-                pool.sim_complete(e.stream)
+                pool.sim.complete(e.stream)
             elif isinstance(e, EmptyCache):
                 pool.empty_cache()
             elif isinstance(e, Trim):

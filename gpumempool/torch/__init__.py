@@ -135,7 +135,7 @@ every version          sharing a tensor of a pluggable allocator with another
 
 Target of the GPU validation: torch 2.11 with CUDA 13 (tests/test_torch_gpu.py,
 benchmarks/gpt2_train.py). The version-dispatch logic is tested on CPU
-against fakes of the 2.5-2.7 and 2.8+ behaviours (tests/test_torch_logic.py).
+against fakes of the 2.5-2.7 and 2.8+ behaviours (tests/faketorch.py).
 :func:`capabilities` reports what the running torch offers.
 
 NVLS. NCCL's NVLink SHARP reductions need NVSwitch hardware (HGX H100/H200

@@ -8,7 +8,8 @@ import warnings
 import weakref
 
 from .._errors import GpuMemPoolError
-from .._pool import MemPool, has_python_functions
+from .._callbacks import has_python_functions
+from .._pool import MemPool
 
 __all__ = [
     "AllocatorInitializedError",

@@ -101,13 +101,13 @@ func TestHistoryRecordsEventsInOrder(t *testing.T) {
 // AllDevices) and a trim's keep bytes; a refused call (a device out of
 // range, a closed pool) is not recorded.
 func TestHistoryRecordsEmptyCacheAndTrimAfterTheirReleases(t *testing.T) {
-	p, _ := newTestPool(t, SimConfig{Capacity: 64 * MiB}, Config{})
+	p, _ := newTestPool(t, sim.Config{Capacity: 64 * MiB}, Config{})
 	p.RecordHistory(true, 100)
-	require.NoError(t, p.Free(mustAlloc(t, p, 4*MiB, 0, 0)))
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 4*MiB, 0)))
 	released, err := p.Trim(0, MiB)
 	require.NoError(t, err)
 	require.NotZero(t, released)
-	require.NoError(t, p.Free(mustAlloc(t, p, 4*MiB, 0, 0)))
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 4*MiB, 0)))
 	_, err = p.Trim(-1, 3*MiB)
 	require.NoError(t, err)
 	_, err = p.EmptyCache()

@@ -20,7 +20,7 @@
 
 Writes cpu.json and cpu.md to --out (default benchmarks/results). Run from
 the repo root with gpumempool installed:  python benchmarks/cpu_bench.py
-(``python -m gpumempool bench`` passes --out: its own --out, or the current
+(``python benchmarks/run_all.py`` passes --out: its own --out, or the current
 directory).
 """
 

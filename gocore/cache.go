@@ -526,7 +526,23 @@ func (p *Pool) trim(dev int, keep uint64, sync bool) (uint64, error) {
 	if dev >= len(p.devices) {
 		return 0, fmt.Errorf("trim pool %q: device %d out of range [0, %d): %w", p.name, dev, len(p.devices), ErrInvalidDevice)
 	}
+	p.traceCacheCall(dev, keep, sync)
 	return total, errors.Join(errs...)
+}
+
+// traceCacheCall records an EmptyCache (sync) or a Trim of device dev
+// (every device when dev < 0) that was not refused, once it released what
+// it could: one that failed on the way may have released some, and a
+// replay must make the call there too.
+func (p *Pool) traceCacheCall(dev int, keep uint64, sync bool) {
+	if dev < 0 {
+		dev = AllDevices
+	}
+	if sync {
+		p.trace(ActionEmptyCache, dev, 0, 0, 0)
+	} else {
+		p.trace(ActionTrim, dev, 0, keep, 0)
+	}
 }
 
 // Stats returns a copy of the pool's statistics on device dev, or summed over

@@ -13,7 +13,20 @@ const (
 	ActionSegmentUnmap  = "segment_unmap" // an expandable segment gave its free tail back
 	ActionOOM           = "oom"
 	ActionRecordStream  = "record_stream" // ours: a block used on another stream
+	// ActionEmptyCache and ActionTrim are ours too: a call of EmptyCache or
+	// Trim, from Go, Python or torch's C hook alike, recorded once the call
+	// has released what it could (after the entries of its releases), so
+	// that a trace imported from the history replays the call where it was
+	// made. Device is the device trimmed, or AllDevices; a trim's Size is
+	// its keep bytes. Torch records neither: it shows its empty_cache only
+	// as the segment_free entries it caused.
+	ActionEmptyCache = "empty_cache"
+	ActionTrim       = "trim"
 )
+
+// AllDevices is the Device of an entry about every device of the pool (an
+// EmptyCache, a Trim of every device).
+const AllDevices = -1
 
 // TraceEntry is one recorded allocator event.
 type TraceEntry struct {

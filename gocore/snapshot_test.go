@@ -65,9 +65,10 @@ func TestHistoryRecordsEventsInOrder(t *testing.T) {
 		actions = append(actions, e.Action)
 	}
 	// The OOM path released the cached segment before retrying, so the
-	// device was all free when the OOM was recorded.
+	// device was all free when the OOM was recorded; the EmptyCache call
+	// (which found nothing to release) is recorded too.
 	assert.Equal(t, []string{ActionSegmentAlloc, ActionAlloc, ActionRecordStream, ActionFreeRequested,
-		ActionFreeCompleted, ActionSegmentFree, ActionOOM}, actions)
+		ActionFreeCompleted, ActionSegmentFree, ActionOOM, ActionEmptyCache}, actions)
 	oom := p.History()[6]
 	assert.EqualValues(t, 8*MiB, oom.DeviceFree)
 	assert.EqualValues(t, 100*MiB, oom.Size)
@@ -75,11 +76,12 @@ func TestHistoryRecordsEventsInOrder(t *testing.T) {
 	// Turning recording on again keeps what was recorded, the newest first
 	// to go when the new bound is smaller.
 	p.RecordHistory(true, 100)
-	require.Len(t, p.History(), 7)
+	require.Len(t, p.History(), 8)
 	p.RecordHistory(true, 2)
 	kept := p.History()
 	require.Len(t, kept, 2)
-	assert.Equal(t, ActionOOM, kept[1].Action)
+	assert.Equal(t, ActionOOM, kept[0].Action)
+	assert.Equal(t, ActionEmptyCache, kept[1].Action)
 
 	// A ring: only the newest entries are kept, oldest first.
 	p.RecordHistory(true, 3)
@@ -92,6 +94,49 @@ func TestHistoryRecordsEventsInOrder(t *testing.T) {
 	assert.Equal(t, ActionFreeCompleted, h[2].Action)
 	p.RecordHistory(false, 0)
 	assert.Nil(t, p.History())
+}
+
+// EmptyCache and Trim are recorded once each call has released what it
+// could (after its segment_free entries), with the device trimmed (or
+// AllDevices) and a trim's keep bytes; a refused call (a device out of
+// range, a closed pool) is not recorded.
+func TestHistoryRecordsEmptyCacheAndTrimAfterTheirReleases(t *testing.T) {
+	p, _ := newTestPool(t, sim.Config{Capacity: 64 * MiB}, Config{})
+	p.RecordHistory(true, 100)
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 4*MiB, 0)))
+	released, err := p.Trim(0, MiB)
+	require.NoError(t, err)
+	require.NotZero(t, released)
+	require.NoError(t, p.Free(mustAlloc(t, p, 0, 4*MiB, 0)))
+	_, err = p.Trim(-1, 3*MiB)
+	require.NoError(t, err)
+	_, err = p.EmptyCache()
+	require.NoError(t, err)
+	_, err = p.Trim(7, 0)
+	require.ErrorIs(t, err, ErrInvalidDevice)
+	var got []TraceEntry
+	for _, e := range p.History() {
+		if e.Action != ActionAlloc && e.Action != ActionFreeRequested && e.Action != ActionFreeCompleted {
+			got = append(got, e)
+		}
+	}
+	var actions []string
+	for _, e := range got {
+		actions = append(actions, e.Action)
+	}
+	require.Equal(t, []string{ActionSegmentAlloc, ActionSegmentFree, ActionTrim, ActionSegmentAlloc, ActionSegmentFree,
+		ActionTrim, ActionEmptyCache}, actions)
+	assert.Equal(t, TraceEntry{Action: ActionTrim, Device: 0, Size: MiB, TimeUS: got[2].TimeUS}, got[2])
+	assert.Equal(t, TraceEntry{Action: ActionTrim, Device: AllDevices, Size: 3 * MiB, TimeUS: got[5].TimeUS}, got[5])
+	assert.Equal(t, TraceEntry{Action: ActionEmptyCache, Device: AllDevices, TimeUS: got[6].TimeUS}, got[6])
+	assert.LessOrEqual(t, got[1].TimeUS, got[2].TimeUS)
+
+	_, err = p.Close()
+	require.NoError(t, err)
+	n := len(p.History())
+	_, err = p.EmptyCache()
+	require.ErrorIs(t, err, ErrClosed)
+	assert.Len(t, p.History(), n, "a refused call is not recorded")
 }
 
 func TestHistoryMarksCallerSizedAllocs(t *testing.T) {
@@ -159,7 +204,7 @@ func TestPlainSegmentsAreTracedAsAllocAndFree(t *testing.T) {
 		actions = append(actions, e.Action)
 	}
 	assert.Equal(t, []string{ActionSegmentAlloc, ActionAlloc, ActionFreeRequested, ActionFreeCompleted,
-		ActionSegmentFree}, actions)
+		ActionSegmentFree, ActionEmptyCache}, actions)
 	for _, e := range p.History() {
 		assert.Zero(t, e.Thread, "threads are recorded only when asked for")
 	}

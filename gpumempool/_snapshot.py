@@ -6,8 +6,9 @@ fragmentation figures of our own.
 :func:`dump_snapshot` writes the pickle torch's tools read;
 :func:`record_history` turns on event recording (alloc, free_requested,
 free_completed, segment_alloc, segment_free, segment_map, segment_unmap,
-oom, as torch names them, and record_stream, which torch does not record:
-kept under ``gpumempool_record_stream``), optionally with the Python stack
+oom, as torch names them, and record_stream, empty_cache and trim, which
+torch does not record: kept under ``gpumempool_record_stream`` and
+``gpumempool_cache_calls``), optionally with the Python stack
 of each call of the Python API, given to every event the call made (events
 of calls torch makes through the C ABI carry no Python frames; their frees
 get the frames of the block's allocation, as in torch).
@@ -58,6 +59,14 @@ Call = tuple[int, int, int, Stack]
 #: device's trace before which it was recorded (RECORD_STREAM_INDEX).
 RECORD_STREAM_KEY = "gpumempool_record_stream"
 RECORD_STREAM_INDEX = "gpumempool_index"
+#: Where they keep the empty_cache and trim calls the engine recorded (torch
+#: records neither), as the record_stream calls: a list per device, each
+#: entry with its place in that device's trace (RECORD_STREAM_INDEX), a
+#: trim's ``keep`` bytes and ``every_device`` (a call about every device,
+#: kept in device 0's list).
+CACHE_CALLS_KEY = "gpumempool_cache_calls"
+#: The engine's history actions kept aside, by the key they are kept under.
+_ASIDE = {"record_stream": RECORD_STREAM_KEY, "empty_cache": CACHE_CALLS_KEY, "trim": CACHE_CALLS_KEY}
 #: Where gmp.snapshot() keeps torch's own view of the torch pools that
 #: gmp.mempool made over the pools it covers (gpumempool.torch provides
 #: "torch_pool_views"): torch's segments of a torch pool are blocks inside
@@ -237,10 +246,20 @@ def pool_snapshot(name: str, handle: int, backend: str, raw: dict[str, Any], his
     devices = 1 + max([s["device"] for s in raw["segments"]] + [e["device"] for e in history] + [-1])
     traces: list[list[dict[str, Any]]] = [[] for _ in range(max(devices, 1))]
     streams: list[list[dict[str, Any]]] = [[] for _ in traces]
+    cache_calls: list[list[dict[str, Any]]] = [[] for _ in traces]
     block_stack: dict[tuple[int, int], Stack] = {}  # (device, addr) -> its allocation's stack
     segment_stack: dict[tuple[int, int], Stack] = {}  # (device, address) -> the stack that made it
     for e in history:
         action, d = e["action"], e["device"]
+        if action in ("empty_cache", "trim"):
+            every = d < 0
+            d = max(d, 0)
+            call = {"action": action, "time_us": e["time_us"], "every_device": every,
+                    RECORD_STREAM_INDEX: len(traces[d]), "gpumempool_pool_handle": handle}
+            if action == "trim":
+                call["keep"] = e["size"]
+            cache_calls[d].append(call)
+            continue
         key = (d, e["addr"])
         stack = windows.stack(e["time_us"], e.get("thread", 0))
         if action == "alloc":
@@ -306,65 +325,106 @@ def pool_snapshot(name: str, handle: int, backend: str, raw: dict[str, Any], his
     }
     if any(streams):
         snap[RECORD_STREAM_KEY] = streams
+    if any(cache_calls):
+        snap[CACHE_CALLS_KEY] = cache_calls
     return snap
 
 
-def with_record_streams(snap: dict[str, Any], traces: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
-    """``traces`` (the ``device_traces`` of ``snap``) with the record_stream
-    calls our snapshots keep aside (RECORD_STREAM_KEY) put back where they
-    were recorded, as entries of action ``record_stream``; ``traces`` itself
-    when there are none. Raises ValueError, naming the entry, on a malformed
-    one."""
-    extra = snap.get(RECORD_STREAM_KEY)
+def with_entries_aside(snap: dict[str, Any], traces: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """``traces`` (the ``device_traces`` of ``snap``) with every kind of
+    entry our snapshots keep aside put back where it was recorded:
+    record_stream calls (RECORD_STREAM_KEY, as entries of action
+    ``record_stream``), then the empty_cache and trim calls
+    (CACHE_CALLS_KEY, entries of their own action, ``keep`` and
+    ``every_device``); ``traces`` itself when there are none. Raises
+    ValueError, naming the entry, on a malformed one."""
+    return _join(snap, _join(snap, traces, RECORD_STREAM_KEY), CACHE_CALLS_KEY, traces)
+
+
+def _join(snap: dict[str, Any], traces: list[list[dict[str, Any]]], key: str,
+          places: Optional[list[list[dict[str, Any]]]] = None) -> list[list[dict[str, Any]]]:
+    """``traces`` with the entries ``snap`` keeps aside under ``key`` put
+    back at their places, each an index in ``places`` (default ``traces``:
+    the device's trace as recorded, before other entries were put back)."""
+    extra = snap.get(key)
     if extra is None:
         return traces
     if not isinstance(extra, list) or len(extra) > len(traces) or not all(isinstance(x, list) for x in extra):
-        raise ValueError(f"{RECORD_STREAM_KEY} must be a list per device of device_traces")
+        raise ValueError(f"{key} must be a list per device of device_traces")
+    cache_calls = key == CACHE_CALLS_KEY
     out = []
     for d, trace in enumerate(traces):
         adds = extra[d] if d < len(extra) else []
         if not adds:
             out.append(trace)
             continue
+        recorded = (places or traces)[d]
+        # An index names a place in the trace as recorded: the entries put back before are stepped over.
         joined: list[dict[str, Any]] = []
-        at = 0
+        at = 0  # in recorded
+        pos = 0  # in trace
         for i, e in enumerate(adds):
             where = e.get(RECORD_STREAM_INDEX) if isinstance(e, dict) else None
-            if type(where) is not int or not at <= where <= len(trace):
-                raise ValueError(f"{RECORD_STREAM_KEY}[{d}][{i}]: {RECORD_STREAM_INDEX} must be an int from {at} "
-                                 f"to {len(trace)} (its place in device_traces[{d}])")
-            for k, bits in (("addr", 64), ("size", 63), ("stream", 64)):
-                v = e.get(k, 0)
-                if type(v) is not int or not 0 <= v < 1 << bits:
-                    raise ValueError(f"{RECORD_STREAM_KEY}[{d}][{i}]: {k} must be a non-negative int below 2**{bits}, "
-                                     f"got {v if type(v) is int and abs(v) < 1 << 64 else type(v).__name__}")
-            joined += trace[at:where]
-            joined.append(dict(e, action="record_stream"))
-            at = where
-        joined += trace[at:]
+            if type(where) is not int or not at <= where <= len(recorded):
+                raise ValueError(f"{key}[{d}][{i}]: {RECORD_STREAM_INDEX} must be an int from {at} "
+                                 f"to {len(recorded)} (its place in device_traces[{d}])")
+            why = _aside_problem(e, cache_calls)
+            if why:
+                raise ValueError(f"{key}[{d}][{i}]: {why}")
+            while at < where or (pos < len(trace) and (at == len(recorded) or trace[pos] is not recorded[at])
+                                 and trace[pos].get("time_us", 0) <= e.get("time_us", 0)):
+                # (at one place, the entries put back before go first while they are not later)
+                if at < len(recorded) and trace[pos] is recorded[at]:
+                    at += 1
+                joined.append(trace[pos])
+                pos += 1
+            joined.append(dict(e) if cache_calls else dict(e, action="record_stream"))
+        joined += trace[pos:]
         out.append(joined)
     return out
 
 
+def _aside_problem(e: dict[str, Any], cache_call: bool) -> Optional[str]:
+    """Why an entry kept aside cannot be put back, or None."""
+    if cache_call:
+        if e.get("action") not in ("empty_cache", "trim"):
+            return "action must be 'empty_cache' or 'trim'"
+        if type(e.get("every_device", False)) is not bool:
+            return "every_device must be a bool"
+        fields: tuple[tuple[str, int], ...] = (("keep", 64),)
+    else:
+        fields = (("addr", 64), ("size", 63), ("stream", 64))
+    for k, bits in fields:
+        v = e.get(k, 0)
+        if type(v) is not int or not 0 <= v < 1 << bits:
+            return (f"{k} must be a non-negative int below 2**{bits}, "
+                    f"got {v if type(v) is int and abs(v) < 1 << 64 else type(v).__name__}")
+    if type(e.get("time_us", 0)) not in (int, float):
+        return f"time_us must be a number, got {type(e.get('time_us')).__name__}"
+    return None
+
+
 def _set_record_streams_aside(snap: dict[str, Any]) -> dict[str, Any]:
-    """The inverse of with_record_streams: move the record_stream entries of
-    ``snap``'s device_traces under RECORD_STREAM_KEY (in place)."""
+    """The inverse of with_entries_aside: move the record_stream, empty_cache
+    and trim entries of ``snap``'s device_traces aside (in place)."""
     traces: list[list[dict[str, Any]]] = []
-    streams: list[list[dict[str, Any]]] = []
+    aside: dict[str, list[list[dict[str, Any]]]] = {RECORD_STREAM_KEY: [], CACHE_CALLS_KEY: []}
     for trace in snap["device_traces"]:
         kept: list[dict[str, Any]] = []
-        aside: list[dict[str, Any]] = []
+        for lists in aside.values():
+            lists.append([])
         for e in trace:
-            if e["action"] == "record_stream":
-                aside.append(dict(e, **{RECORD_STREAM_INDEX: len(kept)}))
+            key = _ASIDE.get(e["action"])
+            if key is not None:
+                aside[key][-1].append(dict(e, **{RECORD_STREAM_INDEX: len(kept)}))
             else:
                 kept.append(e)
         traces.append(kept)
-        streams.append(aside)
     snap["device_traces"] = traces
-    snap.pop(RECORD_STREAM_KEY, None)
-    if any(streams):
-        snap[RECORD_STREAM_KEY] = streams
+    for key, lists in aside.items():
+        snap.pop(key, None)
+        if any(lists):
+            snap[key] = lists
     return snap
 
 
@@ -374,7 +434,7 @@ def merge(snaps: list[dict[str, Any]]) -> dict[str, Any]:
     traces: list[list[dict[str, Any]]] = []
     for s in snaps:
         segments += s["segments"]
-        for d, t in enumerate(with_record_streams(s, s["device_traces"])):
+        for d, t in enumerate(with_entries_aside(s, s["device_traces"])):
             while len(traces) <= d:
                 traces.append([])
             traces[d] += t

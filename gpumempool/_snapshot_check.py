@@ -1,5 +1,8 @@
-"""The checks a snapshot pickle's history passes before it is imported as a
-trace (:func:`gpumempool.trace.from_torch_snapshot`).
+"""The checks a snapshot's history passes before it is imported as a trace
+(:func:`gpumempool.trace.from_torch_snapshot`, and, without the demand for
+a replayable history, :func:`~gpumempool.trace.from_history` and
+:class:`~gpumempool.trace.TraceRecorder`): the one pass over a snapshot
+on every path to a trace.
 
 A snapshot without history (``device_traces`` empty, one event, or events
 none of which allocates) is refused: a replay of it would only re-allocate
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
 from ._args import MAX_DEVICE
-from ._snapshot import RECORD_STREAM_INDEX, RECORD_STREAM_KEY
+from ._snapshot import CACHE_CALLS_KEY, RECORD_STREAM_INDEX, RECORD_STREAM_KEY
 from ._trace_errors import MalformedEventError, MalformedSegmentError, NoHistoryError, TraceFormatError
 
 __all__ = ["CheckedSnapshot", "check_history"]
@@ -58,6 +61,8 @@ class CheckedSnapshot:
     of events and segments left out, and the first reason."""
 
     snapshot: dict[str, Any]
+    #: The name errors give (a file's, ``<dict>``...).
+    file: str = ""
     skipped_events: int = 0
     skipped_segments: int = 0
     first_skipped: Optional[str] = None
@@ -217,7 +222,7 @@ def _segment_problem(s: Any) -> Optional[str]:
 
 
 def check_history(snap: Any, file: str, *, block_key: Callable[[dict[str, Any]], Hashable],
-                  lenient: bool = False) -> CheckedSnapshot:
+                  lenient: bool = False, replayable: bool = True) -> CheckedSnapshot:
     """Check the history of the snapshot ``snap`` (read from ``file``, the
     name errors give) before it is imported. ``block_key(entry)`` tells the
     blocks of a device apart as the importer does (by address, and by pool
@@ -229,7 +234,14 @@ def check_history(snap: Any, file: str, *, block_key: Callable[[dict[str, Any]],
     ``segments``), all :class:`~gpumempool.trace.TraceFormatError`. With
     ``lenient``, malformed entries and segments are left out of the returned
     snapshot and counted instead (a snapshot without ``segments`` is taken
-    to have none); a snapshot without history is refused all the same."""
+    to have none); a snapshot without history is refused all the same.
+    Without ``replayable`` (a snapshot of our own pools, whose history may
+    be short or empty), a short history is not refused and missing
+    ``segments`` are none.
+
+    This is the one check of a snapshot on every path to a trace: the
+    importer (:mod:`gpumempool.trace`) takes the returned snapshot, whose
+    ``segments`` is a list, as it is."""
     if not isinstance(snap, dict):
         raise TraceFormatError(f"{file}: a snapshot is a dict, got {type(snap).__name__}")
     traces = snap.get("device_traces")
@@ -254,10 +266,12 @@ def check_history(snap: Any, file: str, *, block_key: Callable[[dict[str, Any]],
                 left_out.add(i)
         bad.append(left_out)
 
-    out = CheckedSnapshot(snap, check.skipped, 0, check.first)
+    out = CheckedSnapshot(snap, file, check.skipped, 0, check.first)
     segments = snap.get("segments")
     kept_segments = segments
-    if segments is None:
+    if segments is None and not replayable:
+        kept_segments = []
+    elif segments is None:
         missing = ("no 'segments' (torch writes them with the history: the file was edited, or is not a "
                    "torch snapshot)")
         if not lenient:
@@ -279,6 +293,27 @@ def check_history(snap: Any, file: str, *, block_key: Callable[[dict[str, Any]],
             out.skipped_segments += 1
             out.first_skipped = out.first_skipped or str(err)[len(file) + 2:]
 
+    if replayable:
+        _require_history(check, traces, file)
+
+    if out.skipped_events or out.skipped_segments or segments is None:
+        copy = dict(snap)
+        copy["device_traces"] = [[e for i, e in enumerate(tr) if i not in left] if left else tr
+                                 for tr, left in zip(traces, bad)]
+        copy["segments"] = kept_segments
+        for key in (RECORD_STREAM_KEY, CACHE_CALLS_KEY):
+            aside = snap.get(key)
+            if out.skipped_events and isinstance(aside, list):
+                # Our record_stream and cache calls kept aside name their place in
+                # device_traces: the same entry's place once others are left out.
+                copy[key] = [_moved_back(x, bad[d]) if d < len(bad) and bad[d] and isinstance(x, list)
+                             else x for d, x in enumerate(aside)]
+        out.snapshot = copy
+    return out
+
+
+def _require_history(check: _Checker, traces: list[Any], file: str) -> None:
+    """Refuse a history with nothing to replay (see the module doc)."""
     if check.memory_events == 0:
         n = sum(len(t) for t in traces)
         left = f", {check.skipped:,} of them malformed" if check.skipped else ""
@@ -288,20 +323,6 @@ def check_history(snap: Any, file: str, *, block_key: Callable[[dict[str, Any]],
         raise NoHistoryError(file, f"a history of one event, {check.last_action}")
     if check.allocs == 0:
         raise NoHistoryError(file, f"none of its {check.memory_events:,} events allocates")
-
-    if out.skipped_events or out.skipped_segments or segments is None:
-        copy = dict(snap)
-        copy["device_traces"] = [[e for i, e in enumerate(tr) if i not in left] if left else tr
-                                 for tr, left in zip(traces, bad)]
-        copy["segments"] = kept_segments
-        aside = snap.get(RECORD_STREAM_KEY)
-        if out.skipped_events and isinstance(aside, list):
-            # Our record_stream calls kept aside name their place in
-            # device_traces: the same entry's place once others are left out.
-            copy[RECORD_STREAM_KEY] = [_moved_back(x, bad[d]) if d < len(bad) and bad[d] and isinstance(x, list)
-                                       else x for d, x in enumerate(aside)]
-        out.snapshot = copy
-    return out
 
 
 def _moved_back(aside: list[Any], left_out: set[int]) -> list[Any]:

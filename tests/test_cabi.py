@@ -229,6 +229,29 @@ def _hooks(pool: gmp.MemPool) -> dict[str, ctypes._CFuncPtr]:
     return out
 
 
+def test_an_empty_cache_through_the_c_hook_is_recorded() -> None:
+    """torch.cuda.empty_cache() reaches the pool through the C hook
+    (set_reset_fn), never through MemPool.empty_cache: the engine's history
+    records it, and so does a TraceRecorder, which patches nothing."""
+    from gpumempool.trace import EmptyCache, TraceRecorder, Trim, from_history
+
+    with gmp.MemPool("sim", capacity=64 * MiB) as pool:
+        reset = _hooks(pool)["set_reset_fn"]
+        with TraceRecorder(pool) as rec:
+            assert "empty_cache" not in vars(pool) and "trim" not in vars(pool)
+            pool.free(pool.alloc(4 * MiB))
+            reset()
+            assert pool.last_error() is None
+            assert pool.stats()["reserved_bytes.all.current"] == 0
+            pool.trim(MiB, device=0)
+            snap = pool.snapshot()
+            assert [e["action"] for e in snap["gpumempool_cache_calls"][0]] == ["empty_cache", "trim"]
+            assert from_history(snap).counts()["empty_cache"] == 1
+        assert rec.trace is not None
+        assert [e for e in rec.trace.events if type(e) in (EmptyCache, Trim)] == [EmptyCache(), Trim(MiB, 0)]
+        assert rec.trace.meta["recorder_calls"] == 2
+
+
 def test_torch_hooks_are_native_functions_that_act_on_the_pool() -> None:
     with gmp.MemPool("sim", devices=2, capacity=64 * MiB) as pool:
         hooks = _hooks(pool)

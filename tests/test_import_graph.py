@@ -162,3 +162,28 @@ def test_the_graph_sees_lazy_and_type_checking_imports(tmp_path: Path, monkeypat
     assert graph[f"{PACKAGE}.sub.c"] == {f"{PACKAGE}.a", f"{PACKAGE}.b"}
     assert find_cycle(graph) == [f"{PACKAGE}.a", f"{PACKAGE}.b", f"{PACKAGE}.sub.c", f"{PACKAGE}.a"]
     assert private == [f"{PACKAGE}/a.py:2: from {PACKAGE}.b import _hidden", f"{PACKAGE}/a.py:4: bb._hidden"]
+
+
+#: The layers of gpumempool.trace, lowest first: a module imports only
+#: modules of lower layers (of the package's own modules; what is outside
+#: gpumempool.trace is judged by the tests above).
+TRACE_LAYERS = (
+    ("_format",),
+    ("_reader",),
+    ("_trace",),
+    ("_policy", "_pressure"),
+    ("_importer",),
+    ("_recorder",),
+    ("",),  # the package's __init__: every public name
+)
+
+
+def test_the_trace_package_imports_downward_only() -> None:
+    graph, _ = imports(modules())
+    prefix = f"{PACKAGE}.trace"
+    layer = {f"{prefix}.{m}" if m else prefix: i for i, names in enumerate(TRACE_LAYERS) for m in names}
+    found = {name for name in graph if name == prefix or name.startswith(prefix + ".")}
+    assert found == set(layer), "a module of gpumempool.trace missing from TRACE_LAYERS (or gone)"
+    upward = [f"{name} -> {dep}" for name in sorted(found) for dep in sorted(graph[name])
+              if dep in layer and layer[dep] >= layer[name]]
+    assert upward == [], "imports that do not go down the layers of gpumempool.trace:\n" + "\n".join(upward)

@@ -296,10 +296,59 @@ def test_a_bad_record_stream_list_is_one_clear_error(bad: Any, why: str) -> None
     assert "\n" not in str(ei.value)
 
 
+def test_cache_calls_are_kept_aside_and_read_back_in_place() -> None:
+    """The engine's empty_cache and trim entries sit beside device_traces
+    (memory_viz knows no such action), each at its place; a merged
+    snapshot of several pools keeps them, a dumped one too, and the
+    importers read them back as e and t where they were made."""
+    from gpumempool.trace import EmptyCache, Trim
+
+    with gmp.MemPool("sim", name="a", capacity=1 << 30) as a, gmp.MemPool("sim", name="b", capacity=1 << 30) as b:
+        for p in (a, b):
+            p.record_history(True)
+        a.free(a.alloc(3 * MiB))
+        a.trim(MiB, device=0)
+        b.free(b.alloc(MiB))
+        b.empty_cache()
+        one = a.snapshot()
+        assert all(e["action"] not in ("empty_cache", "trim") for t in one["device_traces"] for e in t)
+        (trim,) = one["gpumempool_cache_calls"][0]
+        # after the five entries of the block, its segment and the segment's release by the trim
+        assert (trim["action"], trim["keep"], trim["every_device"], trim["gpumempool_index"]) == ("trim", MiB, False, 5)
+        assert one["device_traces"][0][4]["action"] == "segment_free"
+        assert [type(e) for e in from_history(one).events][-1:] == [Trim]
+        both = gmp.snapshot()
+        assert [c["action"] for c in both["gpumempool_cache_calls"][0]] == ["trim", "empty_cache"]
+        tr = from_history(both)
+        assert [e for e in tr.events if type(e) in (Trim, EmptyCache)] == [Trim(MiB, 0), EmptyCache()]
+        # each after the frees of its pool's block: at the place recorded
+        kinds = [type(e).__name__ for e in tr.events]
+        assert kinds.index("Trim") > 1 and kinds[-1] == "EmptyCache"
+        # a pickle of ours imports as from_history does
+        assert from_torch_snapshot(pickle.dumps(both)).events == tr.events
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("x", "gpumempool_cache_calls must be a list per device"),
+    ([[{"action": "trim", "keep": 1}]], "gpumempool_index must be an int"),
+    ([[{"action": "resize", "gpumempool_index": 0}]], "action must be 'empty_cache' or 'trim'"),
+    ([[{"action": "trim", "keep": -1, "gpumempool_index": 0}]], r"gpumempool_cache_calls\[0\]\[0\]: keep must be"),
+    ([[{"action": "trim", "gpumempool_index": 0, "time_us": "x"}]], "time_us must be a number"),
+])
+def test_a_bad_cache_calls_list_is_one_clear_error(bad: Any, why: str) -> None:
+    trace = [{"action": "alloc", "addr": 1, "size": 512, "stream": 0},
+             {"action": "free_requested", "addr": 1, "size": 512, "stream": 0},
+             {"action": "free_completed", "addr": 1, "size": 512, "stream": 0}]
+    snap = {"segments": [], "device_traces": [trace], "gpumempool_cache_calls": bad}
+    with pytest.raises(TraceFormatError, match=why) as ei:
+        from_torch_snapshot(snap)
+    assert "\n" not in str(ei.value)
+
+
 @pytest.mark.parametrize("empty_cache", [False, True])
 def test_expandable_snapshot_replays_to_the_recorded_peak(empty_cache: bool) -> None:
     """Traced by mappings alone, our expandable segments replay as recorded
-    (an empty_cache() inferred from its unmaps, as for torch's traces)."""
+    (with the empty_cache() call the engine recorded)."""
     with gmp.MemPool("sim", name="exp", capacity=1 << 30, manual_events=True, expandable=True) as pool:
         pool.record_history(True)
         held = []
@@ -317,7 +366,11 @@ def test_expandable_snapshot_replays_to_the_recorded_peak(empty_cache: bool) -> 
         for p in held[1::2] + held[-1:]:
             pool.free(p)
     assert tr.recorded_peak_reserved() == recorded
-    assert tr.meta.get("inferred_empty_cache", 0) == int(empty_cache)
+    # The engine records the empty_cache() call itself: taken from its
+    # history, not inferred from the unmaps (which would add a second one).
+    assert tr.counts()["empty_cache"] == int(empty_cache)
+    assert tr.meta.get("recorder_calls", 0) == int(empty_cache)
+    assert "inferred_empty_cache" not in tr.meta
     assert replay(tr, {"expandable": True}).peak_reserved == recorded
 
 

@@ -24,26 +24,15 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from gpumempool._cli.common import fail, positive
+
 PROG = "benchmarks/run_all.py"
 
 
 def _fail(message: str, code: int = 1, *, json_out: bool = False) -> int:
-    """Report an error on stderr (exit status ``code``); with ``json_out``,
-    also print ``{"error": message}`` on stdout."""
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    if json_out:
-        print(json.dumps({"error": message, "exit_code": code}, indent=2))
-    return code
+    """The CLI's error line (and, with ``json_out``, JSON on stdout), named for this script."""
+    return fail(message, code, json_out=json_out, name=PROG)
 
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text[:40]!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
 
 
 def _find_checkout(start: Optional[str]) -> Optional[Path]:
@@ -161,7 +150,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", metavar="DIR",
                     help="folder for the result files (created if missing; default: the current directory)")
     ap.add_argument("--root", help="the repository root (default: this script's checkout)")
-    ap.add_argument("--count", type=_positive, help="runs of each Go benchmark (GMP_BENCH_COUNT, default 5)")
+    ap.add_argument("--count", type=positive, help="runs of each Go benchmark (GMP_BENCH_COUNT, default 5)")
     ap.add_argument("--dry-run", action="store_true", help="only say what would run and what cannot")
     ap.add_argument("--json", action="store_true", help="print the plan and results as JSON")
     return _cmd_bench(ap.parse_args(argv))

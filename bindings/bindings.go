@@ -54,10 +54,6 @@ func NewPool(optionsJSON string) (id int64, err error) {
 	return registry.Add(p, sim).ID, nil
 }
 
-// entry returns the pool behind handle id (withEntry is the way an entry
-// point reaches a pool; PoolConfig still calls this).
-func entry(id int64) (*registry.Entry, error) { return registry.Get(id) }
-
 // PoolAlloc allocates size bytes on device for stream; it returns the address.
 func PoolAlloc(id, size, device int64, stream uint64) (addr uint64, err error) {
 	return poolAlloc(id, size, device, stream, (*graphpool.Pools).Alloc)
@@ -222,16 +218,13 @@ func PoolSetReleaseThreshold(id int64, bytes uint64) (ok bool, err error) {
 // PoolConfig returns the pool's name, backend, settings (every option of
 // PoolSchema) and devices, alignment and slot as JSON.
 func PoolConfig(id int64) (js string, err error) {
-	defer guard(&err)
-	e, err := entry(id)
-	if err != nil {
-		return "", err
-	}
-	c := e.Pool.Config()
-	out := options.Values(poolFields, &c)
-	out["name"], out["backend"] = c.Name, c.Backend.Name()
-	out["devices"], out["alignment"], out["slot"] = c.Backend.Devices(), c.Backend.Alignment(), e.Slot()
-	return marshal(out)
+	return withEntry(id, func(e *registry.Entry) (string, error) {
+		c := e.Pool.Config()
+		out := options.Values(poolFields, &c)
+		out["name"], out["backend"] = c.Name, c.Backend.Name()
+		out["devices"], out["alignment"], out["slot"] = c.Backend.Devices(), c.Backend.Alignment(), e.Slot()
+		return marshal(out)
+	})
 }
 
 // PoolCheck verifies the pool's invariants (see gocore.Pool.CheckInvariants).

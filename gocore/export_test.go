@@ -26,3 +26,11 @@ func (a *StatArray) Down(k poolKind, n int64) { a.down(k, n) }
 // BestFitBySegment reports whether the pool's torch version breaks best-fit
 // ties by segment (rules.bestFitBySegment).
 func (p *Pool) BestFitBySegment() bool { return p.rules.bestFitBySegment }
+
+// MustAlloc and MustStats lend the in-package tests' mustAlloc and stats
+// (fakedevice_test.go) to package gocore_test, which names them as before
+// (helpers_test.go): one definition for both test packages.
+var (
+	MustAlloc = mustAlloc
+	MustStats = stats
+)

@@ -28,17 +28,9 @@ func mustOOM(t testing.TB, p *Pool, dev int, size uint64) *OutOfMemoryError {
 	return oom
 }
 
-func mustAlloc(t testing.TB, p *Pool, dev int, size uint64, s Stream) uint64 {
-	t.Helper()
-	addr, err := p.Alloc(dev, size, s)
-	require.NoError(t, err)
-	return addr
-}
-
-func stats(t testing.TB, p *Pool) Stats {
-	t.Helper()
-	s, err := p.Stats(-1)
-	require.NoError(t, err)
-	require.NoError(t, p.CheckInvariants())
-	return s
-}
+// mustAlloc and stats are the in-package tests' helpers (fakedevice_test.go),
+// lent through export_test.go so that both test packages share one of each.
+var (
+	mustAlloc = MustAlloc
+	stats     = MustStats
+)

@@ -45,6 +45,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 from ._errors import InvalidArgumentError, LeakWarning, OutOfMemoryError, expect_out_of_memory
 from . import _replay_start
 from ._args import MAX_DEVICE, ROUNDUP_INTERVALS
+from ._backends import BACKENDS
 from ._pool import MemPool
 from ._policy import ARGUMENTS, LIST_FORMS, SETTINGS
 from .trace import Alloc, EmptyCache, Free, PathLike, RecordStream, Sync, Trace, TraceFile, Trim
@@ -56,16 +57,21 @@ __all__ = ["POLICY_KEYS", "ReplayResult", "parse_policy", "parse_size", "replay"
 #: setting to compare).
 _POOL_KEYS = tuple(key for key in ARGUMENTS if SETTINGS[key].get("unit") != "version")
 
+#: The simulated device's options a replay takes, as the sim backend
+#: declares them (the others are the replay's to set: manual events, one
+#: device per trace device, no injected failures), and what a replay adds
+#: to their doc.
+_SIM_OPTIONS = {f["name"]: f for f in BACKENDS["sim"]["options"]}
+_SIM_KEYS = ("expandable", "granularity", "capacity")
+_SIM_NOTES = {"capacity": "default: the trace's 'capacity' metadata, else 80 GiB"}
 #: Policy keys and what they set on the replay pool: the pool's settings,
 #: then the simulated device's options a replay takes.
 POLICY_KEYS: dict[str, str] = {
     **{key: SETTINGS[key]["doc"] + (f"; on the command line {key}=1,1,2,...,4 or [1,1,2,...,4]"
                                     if key in LIST_FORMS else "") for key in _POOL_KEYS},
-    "expandable": "grow one segment per stream in place (torch's expandable_segments)",
-    "granularity": "mapping granularity of expandable segments, bytes",
-    "capacity": "bytes of the simulated device (default: the trace's 'capacity' metadata, else 80 GiB)",
+    **{key: _SIM_OPTIONS[key]["doc"] + (f" ({_SIM_NOTES[key]})" if key in _SIM_NOTES else "") for key in _SIM_KEYS},
 }
-_BOOL_KEYS = {"expandable"}
+_BOOL_KEYS = {key for key in _SIM_KEYS if _SIM_OPTIONS[key]["type"] == "bool"}
 _FRACTION_KEYS = {key for key in _POOL_KEYS if SETTINGS[key].get("unit") == "fraction"}
 #: Device size when neither the policy nor the trace names one: an 80 GB H100.
 DEFAULT_CAPACITY = 80 << 30

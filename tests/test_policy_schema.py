@@ -166,11 +166,10 @@ NAMED_BY_HAND: dict[str, tuple[set[str], str]] = {
     "gpumempool/oracle/verify.py": ({"garbage_collection_threshold"}, "an alloc conf with it needs a fraction"),
     "gpumempool/replay.py": ({"garbage_collection_threshold", "limit"},
                              "the warning for a threshold without a limit; a fraction becomes a limit"),
-    "gpumempool/trace/_policy.py": ({"garbage_collection_threshold", "limit", "max_non_split_rounding_size",
-                                     "max_split_size", "release_threshold", "roundup_power2_divisions",
-                                     "roundup_power2_divisions_by_size"},
-                                    "torch_allocator_policy reads torch's snapshot keys; describe_pool still lists "
-                                    "the settings a recorded policy keeps (to build from _policy)"),
+    "gpumempool/trace/_policy.py": ({"garbage_collection_threshold", "max_non_split_rounding_size",
+                                     "max_split_size", "roundup_power2_divisions", "roundup_power2_divisions_by_size"},
+                                    "torch_allocator_policy reads torch's snapshot keys; describe_pool leaves out "
+                                    "the non-split rounding the engine fills in"),
     "gpumempool/tune.py": ({"garbage_collection_threshold"}, "the threshold is searched only with a limit"),
     "gpumempool/_tune_space.py": ({"max_non_split_rounding_size", "max_split_size", "roundup_power2_divisions"},
                                   "its coarse first grid; torch's rules (divisions are powers of two, "

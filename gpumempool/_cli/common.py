@@ -10,9 +10,11 @@ import math
 import os
 import sys
 import zlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from .._units import format_bytes
+
+_Number = TypeVar("_Number", int, float)
 
 
 def file_kind(path: str) -> str:
@@ -77,11 +79,12 @@ def prog() -> str:
     return "gpumempool" if name == "gpumempool" else "python -m gpumempool"
 
 
-def fail(message: str, code: int = 1, *, json_out: bool = False) -> int:
-    """Report an error the usual way (stderr, exit status ``code``); with
+def fail(message: str, code: int = 1, *, json_out: bool = False, name: Optional[str] = None) -> int:
+    """Report an error the usual way (stderr, exit status ``code``, the line
+    starting with ``name``, by default the command's :func:`prog`); with
     ``json_out``, also print ``{"error": message}`` on stdout, so that a
     ``--json`` caller always gets JSON."""
-    print(f"{prog()}: error: {message}", file=sys.stderr)
+    print(f"{name or prog()}: error: {message}", file=sys.stderr)
     if json_out:
         print(json.dumps({"error": message, "exit_code": code}, indent=2))
     return code
@@ -137,12 +140,17 @@ def oom_rows(trace: Any, result: Any, top: int) -> list[str]:
     return lines
 
 
-def positive(text: str) -> int:
+def _converted(text: str, convert: Callable[[str], _Number], expected: str) -> _Number:
+    """``convert(text)``, or the argparse error saying what was ``expected``
+    (argparse itself would name the type function: "invalid positive value")."""
     try:
-        value = int(text)
+        return convert(text)
     except ValueError:
-        # argparse would name this function ("invalid positive value")
-        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text[:40]!r}") from None
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text[:40]!r}") from None
+
+
+def positive(text: str) -> int:
+    value = _converted(text, int, "a positive whole number")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
@@ -161,10 +169,7 @@ def size_arg(text: str) -> int:
 
 
 def fraction_arg(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text[:40]!r}") from None
+    value = _converted(text, float, "a number in (0, 1]")
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text[:40]!r}")
     return value

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .._policy import TORCH_SIZES
+from .._policy import ARGUMENTS, LIST_FORMS, SETTINGS, TORCH_SIZES
 from ._trace import Trace
 
 __all__ = ["describe_pool", "torch_allocator_policy"]
@@ -54,22 +54,26 @@ def torch_allocator_policy(settings: Any) -> dict[str, Any]:
     return out
 
 
-#: The engine's default max_non_split_rounding_size (torch's 20 MiB), left
-#: out of recorded policies like the other defaults.
-_DEFAULT_MAX_NON_SPLIT_ROUNDING = TORCH_SIZES["large_buffer"]
+#: The settings a recorded policy keeps: the pool's, as the engine declares
+#: them, but the torch version (it picks rules; it is not a policy key).
+_RECORDED = tuple(key for key in ARGUMENTS if SETTINGS[key].get("unit") != "version")
+#: The values the engine fills in for a setting left out (torch's 20 MiB
+#: non-split rounding), left out of recorded policies like the other defaults.
+_FILLED_IN = {"max_non_split_rounding_size": TORCH_SIZES["large_buffer"]}
 
 
 def describe_pool(tr: Trace, pool: Any) -> None:
-    """Name and policy of the recording pool, for the reader of the trace."""
+    """Name and policy of the recording pool, for the reader of the trace:
+    its backend and the settings it does not leave at their defaults (a
+    setting given per size interval as its list)."""
     try:
         cfg = pool.config()
     except Exception:  # a closed pool, or a stand-in without config()
         return
     tr.meta["pool"] = cfg.get("name")
-    pol = {k: cfg[k] for k in ("backend", "limit", "max_split_size", "release_threshold", "roundup_power2_divisions",
-                               "garbage_collection_threshold") if cfg.get(k)}
-    if cfg.get("max_non_split_rounding_size") not in (None, 0, _DEFAULT_MAX_NON_SPLIT_ROUNDING):
-        pol["max_non_split_rounding_size"] = cfg["max_non_split_rounding_size"]
-    if cfg.get("roundup_power2_divisions_by_size"):
-        pol["roundup_power2_divisions"] = cfg["roundup_power2_divisions_by_size"]
+    pol = {"backend": cfg["backend"]} if cfg.get("backend") else {}
+    for key in _RECORDED:
+        value = cfg.get(LIST_FORMS[key]) if key in LIST_FORMS and cfg.get(LIST_FORMS[key]) else cfg.get(key)
+        if value and value != _FILLED_IN.get(key):
+            pol[key] = value
     tr.meta["recorded_policy"] = pol

@@ -56,11 +56,13 @@ __all__ = ["POLICY_KEYS", "ReplayResult", "parse_policy", "parse_size", "replay"
 #: setting to compare).
 _POOL_KEYS = tuple(key for key in ARGUMENTS if SETTINGS[key].get("unit") != "version")
 
-#: Policy keys and what they set on the replay pool: the pool's settings,
-#: then the simulated device's options a replay takes.
+#: Policy keys and what they set on the replay pool: the pool's settings
+#: (with their default where 0 does not say it), then the simulated
+#: device's options a replay takes.
 POLICY_KEYS: dict[str, str] = {
-    **{key: SETTINGS[key]["doc"] + (f"; on the command line {key}=1,1,2,...,4 or [1,1,2,...,4]"
-                                    if key in LIST_FORMS else "") for key in _POOL_KEYS},
+    **{key: SETTINGS[key]["doc"] + (f"; default {SETTINGS[key]['default']}" if SETTINGS[key].get("default") else "")
+       + (f"; on the command line {key}=1,1,2,...,4 or [1,1,2,...,4]" if key in LIST_FORMS else "")
+       for key in _POOL_KEYS},
     "expandable": "grow one segment per stream in place (torch's expandable_segments)",
     "granularity": "mapping granularity of expandable segments, bytes",
     "capacity": "bytes of the simulated device (default: the trace's 'capacity' metadata, else 80 GiB)",

@@ -18,7 +18,7 @@ from ._errors import InvalidArgumentError, OutOfMemoryError, PoolClosedError, tr
 from ._close import CloseReport, LiveBlock
 from ._lifecycle import open_pools
 from ._policy import ARGUMENTS, SETTINGS
-from ._units import format_bytes
+from ._units import engine_bytes, engine_quote
 
 if TYPE_CHECKING:
     from .ipc import IpcHandle
@@ -60,8 +60,8 @@ def _callback_error_message(kind: str, exc: BaseException, err: BaseException) -
     if isinstance(err, OutOfMemoryError):
         if err.pool is None or err.requested is None:  # not the engine's: nothing more to say
             return what
-        pool = json.dumps(err.pool, ensure_ascii=False)  # quoted, as the engine quotes it
-        return what + f" (pool {pool} could not allocate {format_bytes(err.requested)} on device {err.device})"
+        pool = engine_quote(err.pool)  # as the engine's message names them
+        return what + f" (pool {pool} could not allocate {engine_bytes(err.requested)} on device {err.device})"
     return f"{what} (the pool call failed: {err})"
 
 

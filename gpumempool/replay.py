@@ -64,11 +64,13 @@ _POOL_KEYS = tuple(key for key in ARGUMENTS if SETTINGS[key].get("unit") != "ver
 _SIM_OPTIONS = {f["name"]: f for f in BACKENDS["sim"]["options"]}
 _SIM_KEYS = ("expandable", "granularity", "capacity")
 _SIM_NOTES = {"capacity": "default: the trace's 'capacity' metadata, else 80 GiB"}
-#: Policy keys and what they set on the replay pool: the pool's settings,
-#: then the simulated device's options a replay takes.
+#: Policy keys and what they set on the replay pool: the pool's settings
+#: (with their default where 0 does not say it), then the simulated
+#: device's options a replay takes.
 POLICY_KEYS: dict[str, str] = {
-    **{key: SETTINGS[key]["doc"] + (f"; on the command line {key}=1,1,2,...,4 or [1,1,2,...,4]"
-                                    if key in LIST_FORMS else "") for key in _POOL_KEYS},
+    **{key: SETTINGS[key]["doc"] + (f"; default {SETTINGS[key]['default']}" if SETTINGS[key].get("default") else "")
+       + (f"; on the command line {key}=1,1,2,...,4 or [1,1,2,...,4]" if key in LIST_FORMS else "")
+       for key in _POOL_KEYS},
     **{key: _SIM_OPTIONS[key]["doc"] + (f" ({_SIM_NOTES[key]})" if key in _SIM_NOTES else "") for key in _SIM_KEYS},
 }
 _BOOL_KEYS = {key for key in _SIM_KEYS if _SIM_OPTIONS[key]["type"] == "bool"}

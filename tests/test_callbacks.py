@@ -712,6 +712,24 @@ def test_a_failing_python_alloc_function_is_not_reported_as_out_of_memory(case: 
         assert not isinstance(ei.value, MemoryError)
 
 
+def test_a_failing_python_alloc_function_names_the_pool_and_size_as_the_engine_does() -> None:
+    """The failure's tail names the pool and the request exactly as the
+    engine's out-of-memory message does (Go's %q quoting, its byte units up
+    to EiB): the refactor that made it from the error's fields quoted the
+    name as JSON ("\\u0001", a raw no-break space) and stopped at TiB."""
+    def raises(size, device, stream):
+        raise TypeError("mine")
+
+    name = "c\x01b\u00a0\x7f\x85\U0001F600\u2028\t\"\\"
+    with gmp.MemPool(alloc=raises, free=lambda *a: None, name=name) as pool:
+        for size, shown in ((100, "100 B"), (1 << 50, "1.00 PiB")):
+            with pytest.raises(gmp.BackendError) as ei:
+                pool.alloc(size)
+            assert str(ei.value).endswith(
+                '(pool "c\\x01b\\u00a0\\x7f\\u0085\U0001F600\\u2028\\t\\"\\\\" could not allocate '
+                + shown + ' on device 0)'), str(ei.value)
+
+
 _ATEXIT_C = r"""
 #include <stdint.h>
 #include <stdio.h>

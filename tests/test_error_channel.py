@@ -116,6 +116,23 @@ def test_the_fork_refusal_is_made_in_c_as_a_value() -> None:
     assert fork_error(short, len(short), 0) == len(text.value) and short.value == b"ForkedP"
 
 
+def test_the_fork_refusal_as_a_value_is_shortened_never_cut() -> None:
+    """As the Go side's values (gmp_last_error_value, JSONWithin): a buffer
+    too small for the whole value gets its message shortened, so that what
+    a forked child's gmp_last_error_value writes still decodes, and the
+    length returned is the length written."""
+    fork_error = ctypes.CDLL(_native.library_path()).gmp_fork_error
+    fork_error.restype = ctypes.c_size_t
+    fork_error.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
+    for size in (120, 64, 49):
+        small = ctypes.create_string_buffer(size)
+        n = fork_error(small, len(small), 1)
+        assert n == len(small.value) < size, (size, n, small.value)
+        err = _errors.error_from_value(small.value.decode())
+        assert type(err) is gmp.ForkedProcessError, small.value
+        assert _native._FORK_MESSAGE.startswith(str(err).removesuffix("...")), small.value
+
+
 def _c_abi() -> ctypes.CDLL:
     lib = ctypes.CDLL(_native.library_path())
     lib.gmp_pool_alloc.restype = ctypes.c_void_p

@@ -158,6 +158,10 @@ def test_every_kind_of_call_in_a_child_is_refused() -> None:
             from gpumempool._errors import error_from_value
             err = error_from_value(buf.value.decode())
             assert type(err) is gmp.ForkedProcessError and "this process was forked" in str(err), buf.value
+            small = ctypes.create_string_buffer(100)  # shortened, never cut: it still decodes
+            n = lib.gmp_last_error_value(pool.handle, small, len(small))
+            assert n == len(small.value) < len(small), (n, small.value)
+            assert type(error_from_value(small.value.decode())) is gmp.ForkedProcessError, small.value
             assert lib.gmp_in_forked_child() == 1
             return 0
         run(child)

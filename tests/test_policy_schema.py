@@ -57,6 +57,9 @@ def test_replay_and_tune_keys_come_from_the_schema() -> None:
     settings = [a for a in _policy.ARGUMENTS if _policy.SETTINGS[a]["unit"] != "version"]
     assert list(POLICY_KEYS)[:len(settings)] == settings
     assert list(POLICY_KEYS)[len(settings):] == ["expandable", "granularity", "capacity"]
+    # what leaving a key out gives, where 0 does not say it (the CLI's
+    # replay help said "default 20 MiB" before the schema)
+    assert "; default 20 MiB" in POLICY_KEYS["max_non_split_rounding_size"]
     assert {k: v for k, v in TORCH_NAMES.items() if k != "expandable"} == _policy.torch_settings()
     # tune searches the values the schema lists: torch's settings from their
     # default, the engine's own from the best torch setting

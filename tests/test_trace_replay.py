@@ -1117,6 +1117,22 @@ def test_trace_recorder_does_not_record_a_refused_trim() -> None:
     replay(rec.trace)  # today: InvalidArgumentError "device 5 out of range"
 
 
+def test_trace_recorder_warns_of_an_overflow_whatever_entries_filled_the_ring() -> None:
+    """The engine's history ring holds the empty_cache and trim calls (and
+    record_stream entries) too, which the snapshot keeps aside from its
+    device traces: an overflow must still be told. (Counting the device
+    traces alone missed it once the engine recorded empty_cache.)"""
+    with gmp.MemPool("sim", capacity=1 << 30) as pool:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with TraceRecorder(pool, max_entries=10):
+                for _ in range(8):
+                    pool.free(pool.alloc(MiB))
+                pool.empty_cache()
+                pool.free(pool.alloc(MiB))
+    assert any("overflowed" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
 def test_preexisting_block_with_record_stream_freed_at_once_comes_back_in_replay() -> None:
     with gmp.MemPool("sim", capacity=1 << 30) as pool:
         x = pool.alloc(12 * MiB)  # before history: a pre-existing block

@@ -25,13 +25,35 @@ static void gmp_fork_child(void) { gmp_forked_child_flag = 1; }
  * this process forks (os.fork, multiprocessing's fork, fork() in C). */
 __attribute__((constructor)) static void gmp_fork_register(void) { pthread_atfork(NULL, NULL, gmp_fork_child); }
 
+/* The refusal as the value Python reads: like bindings/pyerr's JSONWithin,
+ * a buffer too small for it gets the message shortened (ending in "...";
+ * gmp_fork_message is ASCII), never the value cut, and the length written
+ * is returned; only a buffer too small for the kind alone is cut, as
+ * snprintf would. */
+static size_t gmp_fork_value(char* buf, size_t n) {
+  static const char head[] = "{\"kind\":\"" GMP_ERROR_KIND_FORKED "\",\"message\":\"";
+  static const char tail[] = "\"}";
+  size_t frame = sizeof head - 1 + sizeof tail - 1, whole = strlen(gmp_fork_message);
+  size_t room = n - 1 > frame ? n - 1 - frame : 0; /* for the message */
+  size_t keep = whole;
+  const char* dots = "";
+  if (whole > room) {
+    keep = room > 3 ? room - 3 : 0;
+    dots = keep > 0 ? "..." : "";
+  }
+  int len = snprintf(buf, n, "%s%.*s%s%s", head, (int)keep, gmp_fork_message, dots, tail);
+  return len < 0 ? 0 : (size_t)len;
+}
+
 size_t gmp_fork_error(char* buf, size_t n, int form) {
-  const char* format = form == GMP_ERROR_JSON ? "{\"kind\":\"%s\",\"message\":\"%s\"}" : "%s: %s";
   char scratch[1];
-  if (buf == NULL || n == 0) { /* the length alone */
+  if (buf == NULL || n == 0) { /* the length alone, of the whole refusal */
     buf = scratch;
     n = sizeof scratch;
+  } else if (form == GMP_ERROR_JSON) {
+    return gmp_fork_value(buf, n);
   }
+  const char* format = form == GMP_ERROR_JSON ? "{\"kind\":\"%s\",\"message\":\"%s\"}" : "%s: %s";
   int len = snprintf(buf, n, format, GMP_ERROR_KIND_FORKED, gmp_fork_message);
   return len < 0 ? 0 : (size_t)len;
 }

@@ -32,9 +32,11 @@ enum gmp_error_form {
   GMP_ERROR_JSON = 1,
 };
 
-/* Writes the refusal of a forked child into buf (n bytes, NUL-terminated,
- * cut like snprintf) in form; returns its full length. The one place the C
- * side makes an error. */
+/* Writes the refusal of a forked child into buf (n bytes, NUL-terminated)
+ * in form. The text is cut like snprintf, and its full length returned; the
+ * value's message is shortened instead, so that it still decodes (as the
+ * Go side's values are), and the length written returned. buf NULL or n 0:
+ * the full length alone. The one place the C side makes an error. */
 size_t gmp_fork_error(char* buf, size_t n, int form);
 
 /* The entry points of exports.c that torch_glue.c calls. */

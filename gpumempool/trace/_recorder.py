@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any, Optional
 
+from .._snapshot import CACHE_CALLS_KEY, RECORD_STREAM_KEY
 from ._importer import check_pool_history, convert
 from ._policy import describe_pool
 from ._trace import Trace
@@ -49,7 +50,9 @@ class TraceRecorder:
                 return  # don't hide the exception that closed it
             raise RuntimeError("TraceRecorder: the pool was closed inside the block; its history is gone")
         snap = pool.snapshot()
-        n = sum(len(t) for t in snap["device_traces"])
+        # every entry of the ring: those the snapshot keeps aside too
+        # (record_stream, empty_cache, trim)
+        n = sum(len(t) for key in ("device_traces", RECORD_STREAM_KEY, CACHE_CALLS_KEY) for t in snap.get(key, ()))
         if n >= self.max_entries:
             warnings.warn(f"TraceRecorder: the history ring ({self.max_entries} entries) overflowed; "
                           "the trace lacks the first events (raise max_entries)", RuntimeWarning, stacklevel=2)

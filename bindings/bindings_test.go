@@ -149,3 +149,22 @@ func assertKind(t *testing.T, err error, kind pyerr.Kind, prefix string) {
 	assert.Equal(t, kind, v.Kind, err.Error())
 	assert.True(t, strings.HasPrefix(v.Message, prefix), "%q does not start with %q", v.Message, prefix)
 }
+
+// QuoteName quotes a pool's name as the engine's out-of-memory message
+// does, whatever Unicode version added its characters.
+func TestQuoteNameIsTheEnginesQuoting(t *testing.T) {
+	for _, name := range []string{"plain", "c\x01b\u00a0\"\\", "w\U0001F6DCk\u0CF3u\u0378"} {
+		quoted, err := QuoteName(name)
+		require.NoError(t, err)
+		js, err := json.Marshal(map[string]any{"backend": "sim", "name": name, "limit": 1 << 20})
+		require.NoError(t, err)
+		id, err := NewPool(string(js))
+		require.NoError(t, err)
+		_, err = PoolAlloc(id, 2<<20, 0, 0)
+		require.Error(t, err)
+		v := pyerr.Of(err)
+		assert.True(t, strings.HasPrefix(v.Message, "pool "+quoted+" (sim backend) out of memory"), v.Message)
+		_, err = PoolClose(id)
+		require.NoError(t, err)
+	}
+}

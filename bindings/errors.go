@@ -3,6 +3,7 @@ package bindings
 import (
 	"fmt"
 	"runtime/debug"
+	"strconv"
 
 	"github.com/gpumempool/gpumempool/bindings/pyerr"
 	"github.com/gpumempool/gpumempool/bindings/registry"
@@ -50,4 +51,14 @@ func okOf(err error) (bool, error) { return err == nil, err }
 func ErrorKinds() (js string, err error) {
 	defer guard(&err)
 	return marshal(pyerr.Kinds())
+}
+
+// QuoteName is name as the engine's messages quote a pool's name (Go's %q:
+// strconv.Quote). Python text that must name a pool as those messages do
+// asks here: which characters are printable is for Go's Unicode tables to
+// say, which are not Python's (a character Unicode added since the
+// Python's tables is escaped there, printed here).
+func QuoteName(name string) (quoted string, err error) {
+	defer guard(&err)
+	return strconv.Quote(name), nil
 }

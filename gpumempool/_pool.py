@@ -18,7 +18,7 @@ from ._errors import InvalidArgumentError, OutOfMemoryError, PoolClosedError, tr
 from ._close import CloseReport, LiveBlock
 from ._lifecycle import open_pools
 from ._policy import ARGUMENTS, SETTINGS
-from ._units import engine_bytes, engine_quote
+from ._units import engine_bytes
 
 if TYPE_CHECKING:
     from .ipc import IpcHandle
@@ -60,7 +60,7 @@ def _callback_error_message(kind: str, exc: BaseException, err: BaseException) -
     if isinstance(err, OutOfMemoryError):
         if err.pool is None or err.requested is None:  # not the engine's: nothing more to say
             return what
-        pool = engine_quote(err.pool)  # as the engine's message names them
+        pool = _native.bindings.QuoteName(err.pool)  # as the engine's message names it (Go's %q, Go's tables)
         return what + f" (pool {pool} could not allocate {engine_bytes(err.requested)} on device {err.device})"
     return f"{what} (the pool call failed: {err})"
 

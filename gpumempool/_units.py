@@ -1,11 +1,11 @@
 """Byte counts for people: the one formatter the CLI, the demo, the memory
-summary and the plots share; and the engine's own forms of a byte count and
-a quoted name (``engine_bytes``, ``engine_quote``), for text that must read
-as the engine's messages do."""
+summary and the plots share; and the engine's own form of a byte count
+(``engine_bytes``), for text that must read as the engine's messages do (a
+pool's name as they quote it comes from the engine: ``bindings.QuoteName``)."""
 
 from __future__ import annotations
 
-__all__ = ["engine_bytes", "engine_quote", "format_bytes"]
+__all__ = ["engine_bytes", "format_bytes"]
 
 
 def format_bytes(n: float, digits: int = 2) -> str:
@@ -27,25 +27,3 @@ def engine_bytes(n: int) -> str:
     while m >= 1024 and exp < 5:
         div, exp, m = div * 1024, exp + 1, m // 1024
     return f"{float(n) / float(div):.2f} {'KMGTPE'[exp]}iB"
-
-
-_GO_ESCAPES = {"\a": "\\a", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\v": "\\v",
-               "\\": "\\\\", '"': '\\"'}
-
-
-def engine_quote(s: str) -> str:
-    """``s`` quoted as the engine quotes names in its messages (Go's %q,
-    strconv.Quote): printable characters as they are, others escaped."""
-    out = []
-    for ch in s:
-        if ch in _GO_ESCAPES:
-            out.append(_GO_ESCAPES[ch])
-        elif ch.isprintable():
-            out.append(ch)
-        elif ord(ch) < 0x20 or ch == "\x7f":
-            out.append(f"\\x{ord(ch):02x}")
-        elif ord(ch) < 0x10000:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(f"\\U{ord(ch):08x}")
-    return '"' + "".join(out) + '"'

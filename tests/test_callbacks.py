@@ -730,6 +730,26 @@ def test_a_failing_python_alloc_function_names_the_pool_and_size_as_the_engine_d
                 + shown + ' on device 0)'), str(ei.value)
 
 
+def test_the_failing_alloc_functions_pool_is_quoted_by_the_engines_unicode_tables() -> None:
+    """Go's %q escapes what Go's Unicode tables call unprintable, which are
+    not Python's: U+1F6DC and U+0CF3 came with Unicode 15 (Go prints them;
+    a Python whose tables are older, 3.11's 14.0, would escape them), U+0378
+    is unassigned in both. The name reads as in the engine's own message."""
+    def raises(size, device, stream):
+        raise TypeError("mine")
+
+    name = "w\U0001F6DCk\u0CF3u\u0378"
+    with gmp.MemPool("sim", name=name, limit=MiB) as sim:
+        with pytest.raises(gmp.OutOfMemoryError) as oom:
+            sim.alloc(2 * MiB)
+    engine_quoted = str(oom.value).split(" (sim backend)")[0].removeprefix("pool ")
+    with gmp.MemPool(alloc=raises, free=lambda *a: None, name=name) as pool:
+        with pytest.raises(gmp.BackendError) as ei:
+            pool.alloc(100)
+    assert str(ei.value).endswith(f"(pool {engine_quoted} could not allocate 100 B on device 0)"), \
+        (str(ei.value), engine_quoted)
+
+
 _ATEXIT_C = r"""
 #include <stdint.h>
 #include <stdio.h>

@@ -681,3 +681,84 @@ def test_gpu_stress_short_run_on_a_gpu(tmp_path: Path) -> None:
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     doc = json.loads((tmp_path / "out" / "gpu_stress.json").read_text())
     assert doc["ok"] and all(row["verified"] > 0 for row in doc["backends"].values())
+
+
+def _plan(tmp_path: Path, *args: str, **env: str) -> list[str]:
+    r = gpu_check(tmp_path, "--plan", *args, **env)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert not (tmp_path / "out").exists(), "a plan writes nothing"
+    return r.stdout.strip().splitlines()
+
+
+@needs_bash
+def test_critical_run_is_one_call_under_nine_minutes(tmp_path: Path) -> None:
+    """Issue 29, item 1: `critical` runs info, the gpu-marked tests, the tune
+    proof, the oracle on the GPU and GPT-2, in that order, in short forms,
+    within one call: the budgets with the wheel install (20 s) and the
+    margin fit the deadline, and the deadline is under nine minutes."""
+    lines = _plan(tmp_path, "critical")
+    stages = [line.split()[1] for line in lines[:-1]]
+    assert stages == ["info", "gputests", "tune", "oracle", "gpt2"]
+    assert not any("skipped" in line or "(timeout " in line for line in lines[:-1]), lines
+    budgets = [int(re.search(r"budget (\d+)s", line).group(1)) for line in lines[:-1]]  # type: ignore[union-attr]
+    deadline = int(re.search(r"deadline (\d+)s", lines[-1]).group(1))  # type: ignore[union-attr]
+    assert sum(budgets) + 20 + 10 <= deadline <= 9 * 60
+    assert "a stage that does not fit what is left is skipped" in lines[-1]
+    args = {line.split()[1]: line.partition(" args: ")[2] for line in lines[:-1]}
+    assert "--workloads cnn-train,gpt2-infer" in args["tune"] and args["oracle"] == "--quick"
+    assert "--rounds 1" in args["gpt2"]
+    r = gpu_check(tmp_path, "--help")
+    assert 'run(command="bash tools/gpu-check.sh critical", carry=["wheelhouse"], timeout_s=600)' in r.stdout
+    # the caller's settings win over the critical defaults
+    lines = _plan(tmp_path, "critical", GMP_T_GPUTESTS="200", GMP_TUNE_ARGS="--workloads cnn-train")
+    assert lines[1] == "plan: gputests budget 200s" and lines[2].endswith("args: --workloads cnn-train")
+
+
+@needs_bash
+def test_a_stage_that_does_not_fit_is_skipped_not_half_run(tmp_path: Path) -> None:
+    """In the critical run a stage whose budget exceeds what is left is
+    skipped (a later, shorter one may still run); the other groups give a
+    stage what is left. The plan follows the rule run_stage follows."""
+    lines = _plan(tmp_path, "critical", GMP_CHECK_DEADLINE="300")
+    assert lines[:4] == ["plan: info budget 30s", "plan: gputests budget 150s",
+                         "plan: tune skipped: needs 160s, 90s left in this call",
+                         "plan: oracle budget 75s args: --quick"]
+    assert lines[4].startswith("plan: gpt2 skipped: no time left in this call")
+    lines = _plan(tmp_path, "info", "gputests", "bench", GMP_CHECK_DEADLINE="300")
+    assert lines[1] == "plan: gputests budget 300s (timeout 210s: what is left)"
+    assert lines[2].startswith("plan: bench skipped: no time left")
+    script = (ROOT / "tools" / "gpu-check.sh").read_text()
+    run_stage = script[script.index("run_stage() {"):]
+    assert 'stage_fit "$stage"' in run_stage[:run_stage.index("\n}\n")]
+
+
+@needs_bash
+def test_critical_run_without_a_wheel_fails_clearly(tmp_path: Path) -> None:
+    r = gpu_check(tmp_path, "critical")
+    assert r.returncode == 3 and "no wheel" in r.stderr
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    for stage in ("info", "gputests", "tune", "oracle", "gpt2"):
+        assert f"| {stage} | **not run** |" in summary
+
+
+def test_critical_tune_args_run_the_tune_proof(tmp_path: Path) -> None:
+    """The critical run's tune arguments are the script's own: its CPU dry
+    run with them tunes both workloads and plans the default and the one
+    best setting of each."""
+    script = (ROOT / "tools" / "gpu-check.sh").read_text()
+    args = re.search(r'\[tune\]="([^"]+)"', script).group(1).split()  # type: ignore[union-attr]
+    out = tmp_path / "out"
+    r = run([sys.executable, str(PY_SCRIPTS[4]), "--dry-run", *args, "--out", str(out), "--jobs", "2"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads((out / "tune_dry-run.json").read_text())
+    assert [w["name"] for w in doc["workloads"]] == ["cnn-train", "gpt2-infer"]
+    assert all(len(w["runs"]) == 2 and w["runs"][0]["alloc_conf"] == "" for w in doc["workloads"])
+
+
+@pytest.mark.parametrize("stage,script", [("oracle", "oracle_gpu.py"), ("gpt2", "gpt2_train.py")])
+def test_critical_args_are_the_scripts_own(stage: str, script: str, tmp_path: Path) -> None:
+    text = (ROOT / "tools" / "gpu-check.sh").read_text()
+    args = re.search(rf'\[{stage}\]="([^"]+)"', text).group(1).split()  # type: ignore[union-attr]
+    source = (ROOT / "benchmarks" / script).read_text()
+    for flag in (a for a in args if a.startswith("--")):
+        assert f'"{flag}"' in source, f"{script} has no {flag}"

@@ -5,6 +5,11 @@
 #
 # 1. Here (the build machine, which has Go):   bash tools/build-gpu-wheel.sh
 #    -> wheelhouse/gpumempool-*-cp312-*.whl (git-ignored, so it must be carried)
+#    The first call on any GPU machine (issue 29): the critical run, one call
+#    of under nine minutes, the wheel install included:
+#      run(command="bash tools/gpu-check.sh critical", carry=["wheelhouse"], timeout_s=600)
+#    `bash tools/gpu-check.sh --plan critical` prints what it would run (no
+#    wheel or GPU needed).
 # 2. With the run tool, two calls of < 10 minutes each (each call starts a
 #    fresh machine, so each installs the wheel again; ~10 s):
 #      run(command="bash tools/gpu-check.sh part1", carry=["wheelhouse"], timeout_s=600)
@@ -45,7 +50,13 @@
 #              offline from a wheel cache on the machine into a venv of its
 #              own (GMP_TORCH_NEW, GMP_TORCH_WHEELS); no cache with it, or
 #              no offline install: skipped, the reason in the detail
-# Groups: part1 = info gputests bench sanitizer cputests
+# Groups: critical = info gputests tune oracle gpt2 (issue 29: what changed since
+#                    the last H100 run, by value; short forms of tune, oracle
+#                    and gpt2 (CRITICAL_ARGS); each stage has a budget
+#                    (CRITICAL_BUDGET) and is skipped, not half-run, when
+#                    what is left of the call cannot hold it; the deadline is
+#                    530 s, so the call ends within nine minutes)
+#         part1 = info gputests bench sanitizer cputests
 #         part2 = info traces gpt2 suite          (suite also replays the traces just recorded)
 #         part3 = info stress gpt2 suite          (stress takes most of one call: what is left runs)
 #         part4 = info tune                       (the tune proof takes most of one call)
@@ -63,7 +74,9 @@
 # seconds, e.g. GMP_T_SUITE=400), GMP_GPT2_ARGS / GMP_TRACES_ARGS /
 # GMP_SUITE_ARGS / GMP_TUNE_ARGS / GMP_BENCH_ARGS / GMP_PYTEST_ARGS / GMP_STRESS_ARGS (extra
 # arguments; GMP_STRESS_ARGS for the full stress run, not the memcheck one),
-# GMP_STRESS_SECONDS (seconds per backend of the stress run, default 45),
+# GMP_ORACLE_ARGS, GMP_STRESS_SECONDS (seconds per backend of the stress run, default 45),
+# GMP_SKIP_UNFIT=1 (skip a stage whose budget exceeds what is left, as
+# `critical` does, instead of running it under a shorter timeout),
 # GMP_STRESS_SANITIZER_T (cap on its memcheck run in seconds, default 120),
 # GMP_ALLOW_STALE_WHEEL=1 (run a wheel built from other sources than the
 # checkout's; refused otherwise, see tools/source-digest.sh).
@@ -86,7 +99,19 @@ declare -A STAGE_GROUPS=([part1]="info gputests bench sanitizer cputests"
                          [part3]="info stress gpt2 suite"
                          [part4]="info tune"
                          [part5]="info torch-versions"
+                         [critical]="info gputests tune oracle gpt2"
                          [all]="info gputests bench traces gpt2 suite sanitizer stress cputests")
+
+# The critical run (issue 29): each stage's budget in seconds, and the short
+# form of the long stages. H100 figures of 2026-11-22: info 10 s, gputests
+# 83 s; the full gpt2 stage took 186 s for 300 steps x 3 rounds. The budgets
+# add up to 500 s: with the wheel install (~20 s) and the 10-s margin they
+# fill the 530-s deadline, so every stage runs when each keeps its budget.
+declare -A CRITICAL_BUDGET=([info]=30 [gputests]=150 [tune]=160 [oracle]=75 [gpt2]=85)
+declare -A CRITICAL_ARGS=(
+  [tune]="--workloads cnn-train,gpt2-infer --top 1 --steps 15 --requests 40 --timeout 80"
+  [oracle]="--quick"
+  [gpt2]="--steps 30 --warmup 5 --rounds 1 --loop-ops 2000 --timeout 60")
 
 usage() {
   sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
@@ -94,10 +119,14 @@ usage() {
 
 # -- arguments ----------------------------------------------------------------
 STAGES=()
+PLAN=0
+CRITICAL=0
 [[ $# -eq 0 ]] && set -- all
 for arg in "$@"; do
   case "$arg" in
     -h|--help) usage; exit 0 ;;
+    --plan) PLAN=1; continue ;;
+    critical) CRITICAL=1 ;;
   esac
   if [[ -n "${STAGE_GROUPS[$arg]:-}" ]]; then
     for s in ${STAGE_GROUPS[$arg]}; do STAGES+=("$s"); done
@@ -113,6 +142,59 @@ declare -A _seen=()
 _uniq=()
 for s in "${STAGES[@]}"; do [[ -z "${_seen[$s]:-}" ]] && _uniq+=("$s") && _seen[$s]=1; done
 STAGES=("${_uniq[@]}")
+((${#STAGES[@]} == 0)) && read -ra STAGES <<<"${STAGE_GROUPS[all]}"  # only --plan was given
+
+if ((CRITICAL)); then
+  # the critical run's budgets and short forms, unless the caller set them
+  for s in "${!CRITICAL_BUDGET[@]}"; do BUDGET[$s]=${CRITICAL_BUDGET[$s]}; done
+  : "${GMP_TUNE_ARGS=${CRITICAL_ARGS[tune]}}" "${GMP_ORACLE_ARGS=${CRITICAL_ARGS[oracle]}}"
+  : "${GMP_GPT2_ARGS=${CRITICAL_ARGS[gpt2]}}" "${GMP_CHECK_DEADLINE=530}" "${GMP_SKIP_UNFIT=1}"
+  export GMP_TUNE_ARGS GMP_ORACLE_ARGS GMP_GPT2_ARGS GMP_CHECK_DEADLINE GMP_SKIP_UNFIT
+fi
+
+stage_budget() {  # the stage's budget in seconds (GMP_T_<STAGE> overrides)
+  local var="GMP_T_${1^^}"
+  var=${var//-/_}  # GMP_T_TORCH_VERSIONS
+  echo "${!var:-${BUDGET[$1]}}"
+}
+
+# Why a stage cannot start with elapsed seconds of the call used (nothing:
+# it can), and the timeout it gets otherwise: the one rule run_stage and
+# --plan follow. Sets FIT_WHY and FIT_T.
+stage_fit() {  # stage elapsed
+  local budget left
+  budget=$(stage_budget "$1")
+  left=$(( ${GMP_CHECK_DEADLINE:-570} - $2 - 10 ))
+  FIT_WHY="" FIT_T=$(( budget < left ? budget : left ))
+  if (( left < 30 )); then
+    FIT_WHY="no time left in this call (${2}s used)"
+  elif [[ ${GMP_SKIP_UNFIT:-0} == 1 ]] && (( budget > left )); then
+    FIT_WHY="needs ${budget}s, ${left}s left in this call"
+  fi
+}
+
+if ((PLAN)); then  # what this call would run, in order; needs no wheel or GPU
+  # as if the install took PLAN_INSTALL_S and each stage its whole budget
+  total=0 at=${GMP_PLAN_INSTALL_S:-20}
+  for s in "${STAGES[@]}"; do
+    b=$(stage_budget "$s")
+    total=$((total + b))
+    stage_fit "$s" "$at"
+    if [[ -n $FIT_WHY ]]; then
+      echo "plan: $s skipped: $FIT_WHY"
+      continue
+    fi
+    at=$((at + FIT_T))
+    case $s in
+      tune) extra=${GMP_TUNE_ARGS:-} ;; oracle) extra=${GMP_ORACLE_ARGS:-} ;; gpt2) extra=${GMP_GPT2_ARGS:-} ;;
+      gputests|cputests|tests) extra=${GMP_PYTEST_ARGS:-} ;; bench) extra=${GMP_BENCH_ARGS:-} ;;
+      traces) extra=${GMP_TRACES_ARGS:-} ;; suite) extra=${GMP_SUITE_ARGS:-} ;; *) extra="" ;;
+    esac
+    echo "plan: $s budget ${b}s$( ((FIT_T < b)) && echo " (timeout ${FIT_T}s: what is left)")${extra:+ args: $extra}"
+  done
+  echo "plan: budgets ${total}s in all; deadline ${GMP_CHECK_DEADLINE:-570}s; $([[ ${GMP_SKIP_UNFIT:-0} == 1 ]] && echo "a stage that does not fit what is left is skipped" || echo "a stage gets what is left when its budget does not fit")"
+  exit 0
+fi
 
 if [[ -z "${OUT:-}" ]]; then
   OUT=/tmp/gpu-check-out
@@ -399,7 +481,7 @@ stage_cmd() {  # the stage's command, run from the repository root
         elf=$(compgen -G "$WHEELHOUSE/pyelftools-*.whl" | head -1)
         [[ -n "$elf" ]] && venv_pip_install "$elf"
       fi
-      "$PY" benchmarks/oracle_gpu.py --out "$WORK/results" ;;
+      "$PY" benchmarks/oracle_gpu.py --out "$WORK/results" ${GMP_ORACLE_ARGS:-} ;;
     sanitizer)
       run_sanitizer ;;
     stress)
@@ -525,18 +607,14 @@ run_stress() {
 }
 
 run_stage() {
-  local stage=$1 budget elapsed left t rc t0 var
-  var="GMP_T_${stage^^}"
-  var=${var//-/_}  # GMP_T_TORCH_VERSIONS
-  budget=${!var:-${BUDGET[$stage]}}
-  elapsed=$((SECONDS - T_START))
-  left=$(( ${GMP_CHECK_DEADLINE:-570} - elapsed - 10 ))
-  if (( left < 30 )); then
-    set_status "$stage" "skipped" 0 "no time left in this call (${elapsed}s used); run \`bash tools/gpu-check.sh $stage\` in another call"
-    log "$stage: skipped, no time left"
+  local stage=$1 t rc t0
+  stage_fit "$stage" $((SECONDS - T_START))
+  if [[ -n $FIT_WHY ]]; then
+    set_status "$stage" "skipped" 0 "$FIT_WHY; run \`bash tools/gpu-check.sh $stage\` in another call"
+    log "$stage: skipped, $FIT_WHY"
     return
   fi
-  t=$(( budget < left ? budget : left ))
+  t=$FIT_T
   log "$stage: starting (timeout ${t}s)"
   t0=$SECONDS
   (

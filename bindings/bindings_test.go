@@ -150,12 +150,14 @@ func assertKind(t *testing.T, err error, kind pyerr.Kind, prefix string) {
 	assert.True(t, strings.HasPrefix(v.Message, prefix), "%q does not start with %q", v.Message, prefix)
 }
 
-// QuoteName quotes a pool's name as the engine's out-of-memory message
-// does, whatever Unicode version added its characters.
-func TestQuoteNameIsTheEnginesQuoting(t *testing.T) {
+// FailedRequest names the pool and the size as the engine's out-of-memory
+// message does, whatever Unicode version added the name's characters.
+func TestFailedRequestIsTheEnginesWording(t *testing.T) {
 	for _, name := range []string{"plain", "c\x01b\u00a0\"\\", "w\U0001F6DCk\u0CF3u\u0378"} {
-		quoted, err := QuoteName(name)
+		text, err := FailedRequest(name, 2<<20, 0)
 		require.NoError(t, err)
+		quoted := strings.TrimSuffix(strings.TrimPrefix(text, "pool "), " could not allocate 2.00 MiB on device 0")
+		require.NotEqual(t, text, quoted, text)
 		js, err := json.Marshal(map[string]any{"backend": "sim", "name": name, "limit": 1 << 20})
 		require.NoError(t, err)
 		id, err := NewPool(string(js))
@@ -163,8 +165,11 @@ func TestQuoteNameIsTheEnginesQuoting(t *testing.T) {
 		_, err = PoolAlloc(id, 2<<20, 0, 0)
 		require.Error(t, err)
 		v := pyerr.Of(err)
-		assert.True(t, strings.HasPrefix(v.Message, "pool "+quoted+" (sim backend) out of memory"), v.Message)
+		assert.True(t, strings.HasPrefix(v.Message, "pool "+quoted+" (sim backend) out of memory on device 0: tried to allocate 2.00 MiB"), v.Message)
 		_, err = PoolClose(id)
 		require.NoError(t, err)
 	}
+	text, err := FailedRequest("p", 1<<50, 3)
+	require.NoError(t, err)
+	assert.Equal(t, `pool "p" could not allocate 1.00 PiB on device 3`, text)
 }

@@ -3,10 +3,10 @@ package bindings
 import (
 	"fmt"
 	"runtime/debug"
-	"strconv"
 
 	"github.com/gpumempool/gpumempool/bindings/pyerr"
 	"github.com/gpumempool/gpumempool/bindings/registry"
+	"github.com/gpumempool/gpumempool/gocore"
 )
 
 // guard turns a panic into an error and every error into the value that
@@ -53,12 +53,13 @@ func ErrorKinds() (js string, err error) {
 	return marshal(pyerr.Kinds())
 }
 
-// QuoteName is name as the engine's messages quote a pool's name (Go's %q:
-// strconv.Quote). Python text that must name a pool as those messages do
-// asks here: which characters are printable is for Go's Unicode tables to
-// say, which are not Python's (a character Unicode added since the
-// Python's tables is escaped there, printed here).
-func QuoteName(name string) (quoted string, err error) {
+// FailedRequest is what an out-of-memory error of pool says it could not
+// do - pool "name" could not allocate 20.00 MiB on device 0 - in the
+// engine's own words: the name quoted as its messages quote it (Go's %q,
+// with Go's Unicode tables, not Python's) and the size as gocore.FormatBytes
+// writes it. Python text that names a failed request asks here rather than
+// copying either rule.
+func FailedRequest(pool string, requested uint64, device int64) (text string, err error) {
 	defer guard(&err)
-	return strconv.Quote(name), nil
+	return fmt.Sprintf("pool %q could not allocate %s on device %d", pool, gocore.FormatBytes(requested), device), nil
 }

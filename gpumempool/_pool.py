@@ -18,7 +18,6 @@ from ._errors import InvalidArgumentError, OutOfMemoryError, PoolClosedError, tr
 from ._close import CloseReport, LiveBlock
 from ._lifecycle import open_pools
 from ._policy import ARGUMENTS, SETTINGS
-from ._units import engine_bytes
 
 if TYPE_CHECKING:
     from .ipc import IpcHandle
@@ -58,10 +57,9 @@ def _callback_error_message(kind: str, exc: BaseException, err: BaseException) -
     not repeated; it is kept as context for other errors."""
     what = callback_failure(kind, exc)
     if isinstance(err, OutOfMemoryError):
-        if err.pool is None or err.requested is None:  # not the engine's: nothing more to say
+        if err.pool is None or err.requested is None or err.device is None:  # not the engine's: nothing to add
             return what
-        pool = _native.bindings.QuoteName(err.pool)  # as the engine's message names it (Go's %q, Go's tables)
-        return what + f" (pool {pool} could not allocate {engine_bytes(err.requested)} on device {err.device})"
+        return what + f" ({_native.bindings.FailedRequest(err.pool, err.requested, err.device)})"
     return f"{what} (the pool call failed: {err})"
 
 
